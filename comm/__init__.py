@@ -4,6 +4,7 @@ Always import it as ``from moe_wave.comm import ...``: a top-level ``comm`` woul
 ``comm`` package that Jupyter installs.
 """
 
+from .bootstrap import LaunchInfo, RankFailure, detect_launcher, init_from_env, spawn
 from .group import EPGroup
 
-__all__ = ["EPGroup"]
+__all__ = ["EPGroup", "LaunchInfo", "RankFailure", "detect_launcher", "init_from_env", "spawn"]
