@@ -1,0 +1,164 @@
+"""Dispatch layout: where every (token, k) pair goes, computed on the device.
+
+Legend: T local tokens, K top-k, P ranks, W waves, e local experts per rank (E = P*e global),
+C = W*P cells (one cell = one (wave, peer) pair), S send rows, R received rows, D hidden.
+
+Rank p owns the global experts [p*e, (p+1)*e). A wave is a subset of the (token, k) pairs:
+  * partition "experts" (V4): wave w holds the pairs whose local expert lies in the w-th contiguous
+    block of local experts (the same blocks on every rank);
+  * partition "tokens" (Tutel style): wave w holds the pairs of the w-th contiguous chunk of tokens.
+A token is sent once per cell even when several of its K experts live there: the row carries
+K (local expert, weight) slots, -1 where slot k belongs to another cell. Send rows are ordered
+(wave, peer, token), so each wave's rows are one contiguous block ordered by destination peer,
+which is exactly what ``all_to_all_single`` with splits wants.
+
+Nothing here synchronises with the host: every size is static (S is bounded by T*K, the valid
+prefix is given by the counts), so backends decide where the one host sync happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["WavePlan", "DispatchLayout", "compute_layout", "check_topk"]
+
+PARTITIONS = ("experts", "tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WavePlan:
+    """How pairs are cut into waves. ``num_waves`` is the effective count (see ``make``)."""
+
+    num_ranks: int
+    num_local_experts: int
+    num_waves: int
+    partition: str = "experts"
+
+    def __post_init__(self):
+        for name in ("num_ranks", "num_local_experts", "num_waves"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WavePlan.{name}={getattr(self, name)}: must be >= 1")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"WavePlan.partition={self.partition!r}: must be one of {PARTITIONS}")
+        if self.partition == "experts" and self.num_waves > self.num_local_experts:
+            raise ValueError(f"WavePlan.num_waves={self.num_waves}: an 'experts' partition has at most "
+                             f"num_local_experts={self.num_local_experts} waves (use WavePlan.make)")
+
+    @classmethod
+    def make(cls, *, num_ranks: int, num_local_experts: int, num_waves: int, partition: str = "experts"):
+        """Clamp ``num_waves`` to the local expert count for the 'experts' partition (a wave with no
+        expert would only add a synchronisation point)."""
+        if num_waves < 1:
+            raise ValueError(f"num_waves={num_waves}: must be >= 1")
+        if partition == "experts":
+            num_waves = min(num_waves, num_local_experts)
+        return cls(num_ranks=num_ranks, num_local_experts=num_local_experts, num_waves=num_waves,
+                   partition=partition)
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_ranks * self.num_local_experts
+
+    def expert_bounds(self, wave: int) -> tuple[int, int]:
+        """[start, end) of the local experts in ``wave`` (the 'experts' partition)."""
+        e, W = self.num_local_experts, self.num_waves
+        return wave * e // W, (wave + 1) * e // W
+
+    def wave_of_local_expert(self, device) -> torch.Tensor:
+        e, W = self.num_local_experts, self.num_waves
+        return (torch.arange(e, device=device) * W) // e  # inverse of expert_bounds
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """Everything dispatch and combine need, on the device. Shapes use the legend above.
+
+    Attributes:
+        plan: the wave plan.
+        num_tokens: T.
+        send_token_S: [T*K] int64, token index of each send row in (wave, peer, token) order; only the
+            first ``send_counts_WP.sum()`` entries are valid (the rest are 0).
+        send_expert_SK: [T*K, K] int32, local expert (on the destination) of slot k, or -1.
+        send_weight_SK: [T*K, K] float32, routing weight of slot k (0 where the slot is -1).
+        send_counts_WP: [W, P] int64, rows sent to each peer in each wave.
+        pair_counts_WPe: [W, P, e] int64, (token, k) pairs sent per destination local expert.
+        ids_min, ids_max: 0-dim int64 tensors, for validation without an extra host sync.
+    """
+
+    plan: WavePlan
+    num_tokens: int
+    send_token_S: torch.Tensor
+    send_expert_SK: torch.Tensor
+    send_weight_SK: torch.Tensor
+    send_counts_WP: torch.Tensor
+    pair_counts_WPe: torch.Tensor
+    ids_min: torch.Tensor
+    ids_max: torch.Tensor
+
+
+def check_topk(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_tokens: int | None = None) -> None:
+    """Shape and dtype checks that need no host sync (the range check rides on the count sync)."""
+    if not isinstance(topk_ids_TK, torch.Tensor) or topk_ids_TK.dim() != 2:
+        raise ValueError(f"topk_ids: shape {tuple(getattr(topk_ids_TK, 'shape', ()))}: must be 2-D [T, K]")
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids.dtype={topk_ids_TK.dtype}: must be torch.int32 or torch.int64")
+    if num_tokens is not None and topk_ids_TK.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids.shape[0]={topk_ids_TK.shape[0]}: must equal the number of tokens {num_tokens}")
+    if topk_w_TK.shape != topk_ids_TK.shape:
+        raise ValueError(f"topk_weights.shape={tuple(topk_w_TK.shape)}: must equal topk_ids.shape "
+                         f"{tuple(topk_ids_TK.shape)}")
+    if not topk_w_TK.is_floating_point():
+        raise ValueError(f"topk_weights.dtype={topk_w_TK.dtype}: must be a floating dtype")
+
+
+def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: WavePlan) -> DispatchLayout:
+    """Compute the send side of the layout from the router output (device-side, no host sync)."""
+    check_topk(topk_ids_TK, topk_w_TK)
+    dev = topk_ids_TK.device
+    T, K = topk_ids_TK.shape
+    P, e, W = plan.num_ranks, plan.num_local_experts, plan.num_waves
+    C = W * P
+    ids_TK = topk_ids_TK.long()
+    # Out-of-range ids are clamped here so that no kernel indexes out of bounds; the backend raises
+    # a ValueError from ids_min/ids_max at its host sync, before any result is used.
+    safe_TK = ids_TK.clamp(0, P * e - 1)
+    peer_TK = safe_TK // e
+    local_TK = safe_TK % e
+    if plan.partition == "experts":
+        wave_TK = plan.wave_of_local_expert(dev)[local_TK]
+    else:
+        wave_TK = ((torch.arange(T, device=dev) * W) // max(T, 1))[:, None].expand(T, K)
+    cell_TK = wave_TK * P + peer_TK
+
+    hit_TC = torch.zeros(T, C, dtype=torch.bool, device=dev)
+    hit_TC.scatter_(1, cell_TK, True)
+    hit_F = hit_TC.t().reshape(-1)                      # flat index f = cell*T + token, sorted order
+    send_counts_WP = hit_TC.sum(0).view(W, P)
+    # Stable compaction without nonzero(): position of each hit = running count - 1; misses go to a
+    # dump slot at the end that is cut off.
+    S_max = T * min(K, C)
+    pos_F = torch.cumsum(hit_F.long(), 0) - 1
+    pos_F = torch.where(hit_F, pos_F, torch.full_like(pos_F, S_max))
+    flat_S = torch.zeros(S_max + 1, dtype=torch.long, device=dev)
+    flat_S.scatter_(0, pos_F, torch.arange(C * T, device=dev))
+    flat_S = flat_S[:S_max]
+    send_token_S = flat_S % max(T, 1)
+    send_cell_S = flat_S // max(T, 1)
+
+    row_cell_SK = cell_TK[send_token_S]                 # [S, K]
+    mine_SK = row_cell_SK == send_cell_S[:, None]
+    send_expert_SK = torch.where(mine_SK, local_TK[send_token_S], -1).to(torch.int32)
+    send_weight_SK = torch.where(mine_SK, topk_w_TK[send_token_S].float(), 0.0)
+
+    pair_key = (wave_TK * P + peer_TK) * e + local_TK
+    pair_counts_WPe = torch.bincount(pair_key.reshape(-1), minlength=C * e).view(W, P, e)
+    if T == 0:
+        ids_min = torch.zeros((), dtype=torch.long, device=dev)
+        ids_max = ids_min
+    else:
+        ids_min, ids_max = ids_TK.min(), ids_TK.max()
+    return DispatchLayout(plan=plan, num_tokens=T, send_token_S=send_token_S, send_expert_SK=send_expert_SK,
+                          send_weight_SK=send_weight_SK, send_counts_WP=send_counts_WP,
+                          pair_counts_WPe=pair_counts_WPe, ids_min=ids_min, ids_max=ids_max)

@@ -1,0 +1,163 @@
+"""The ``torch`` backend: torch.distributed ``all_to_all_single`` with explicit splits.
+
+Legend: T local tokens, K top-k, P ranks, W waves, e local experts, S sent rows, R received rows,
+D hidden.
+
+NCCL/RCCL on GPU, gloo on CPU. Splits live on the host, so ``prepare`` holds the one host sync of
+the layer: after the count exchange it copies every count (and the topk_ids range, for validation)
+to the host in a single transfer. Rows travel with their routing metadata packed in one int32
+tensor [R, 2K] (K local expert ids, then K fp32 weights bit-cast), so a wave is two collectives.
+On GPU every collective is issued from the comm stream (its NCCL kernels then run on the process
+group's stream in issue order: dispatch(0) dispatch(1) combine(0) dispatch(2) ...), and ``wait``
+makes the caller's current stream wait. On gloo the collectives run on the group's worker threads
+while the caller computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import streams as st
+from .backend import ExchangePlan, Pending, Received, WaveHandle
+from .group import EPGroup
+from .layout import DispatchLayout
+
+__all__ = ["TorchBackend", "all_gather_object_checked"]
+
+
+def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, pg):
+    return dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=pg, async_op=True)
+
+
+class TorchBackend:
+    """Dispatch/combine over torch.distributed. One instance per (EPGroup, device); reusable.
+
+    Args:
+        ep: the expert-parallel group.
+        comm_stream: the stream collectives are issued from (GPU); None on CPU.
+    """
+
+    name = "torch"
+
+    def __init__(self, ep: EPGroup, comm_stream=None):
+        self.ep = ep
+        self.comm_stream = comm_stream
+
+    # ---------------------------------------------------------------- count exchange
+    def prepare(self, layout: DispatchLayout) -> ExchangePlan:
+        plan = layout.plan
+        P, W, e = plan.num_ranks, plan.num_waves, plan.num_local_experts
+        if P != self.ep.size:
+            raise ValueError(f"WavePlan.num_ranks={P}: must equal the EP group size {self.ep.size}")
+        dev = layout.send_counts_WP.device
+        # Per destination peer: [rows(w), pairs(w, 0..e-1)] for every wave, then this rank's id range.
+        per_peer = torch.cat([layout.send_counts_WP.t().unsqueeze(-1),            # [P, W, 1]
+                              layout.pair_counts_WPe.permute(1, 0, 2)], -1)        # [P, W, e]
+        rng = torch.stack([layout.ids_min, layout.ids_max]).to(dev)
+        send_PX = torch.cat([per_peer.reshape(P, -1), rng.expand(P, 2)], 1).contiguous()
+        if P == 1:
+            recv_PX = send_PX
+        else:
+            recv_PX = torch.empty_like(send_PX)
+            with st.on(self.comm_stream):
+                st.wait_stream(self.comm_stream, st.current_stream(dev))
+                dist.all_to_all_single(recv_PX, send_PX, group=self.ep.pg)
+            st.wait_stream(st.current_stream(dev), self.comm_stream)
+        # HOST SYNC (the only one of the layer on this backend): splits must be host ints.
+        host = torch.stack([send_PX, recv_PX]).cpu()
+        send_h, recv_h = host[0], host[1]
+        self._check_range(recv_h[:, -2:], plan.num_experts)
+        send_WP1e = send_h[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)   # [W, P, 1+e]
+        recv_WP1e = recv_h[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)   # [W, P(src), 1+e]
+        send_counts = send_WP1e[..., 0].tolist()
+        recv_counts = recv_WP1e[..., 0].tolist()
+        recv_pairs = recv_WP1e[..., 1:].sum(1).tolist()                   # [W][e]
+        offs = [0]
+        for w in range(W):
+            offs.append(offs[-1] + sum(send_counts[w]))
+        recv_dev = recv_PX[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)
+        return ExchangePlan(layout=layout, recv_counts_WP=recv_dev[..., 0], recv_pairs_WPe=recv_dev[..., 1:],
+                            send_counts=send_counts, recv_counts=recv_counts, recv_pairs=recv_pairs,
+                            send_offsets=offs)
+
+    def _check_range(self, rng_P2: torch.Tensor, num_experts: int) -> None:
+        # Every rank sees every rank's id range, so all of them raise the same error (no hang).
+        bad = [(r, int(lo), int(hi)) for r, (lo, hi) in enumerate(rng_P2.tolist())
+               if lo < 0 or hi >= num_experts]
+        if bad:
+            desc = "; ".join(f"rank {r}: ids in [{lo}, {hi}]" for r, lo, hi in bad)
+            raise ValueError(f"topk_ids out of range ({desc}): expert ids must be in [0, {num_experts})")
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int) -> Pending[Received]:
+        lay = plan.layout
+        K = lay.send_expert_SK.shape[1]
+        lo, hi = plan.send_offsets[wave], plan.send_offsets[wave + 1]
+        send_counts, recv_counts = plan.send_counts[wave], plan.recv_counts[wave]
+        R = sum(recv_counts)
+        dev, cur = x_TD.device, st.current_stream(x_TD.device)
+        tok_S = lay.send_token_S[lo:hi]
+        with st.on(self.comm_stream):
+            st.wait_stream(self.comm_stream, cur)
+            send_x = x_TD.index_select(0, tok_S)
+            send_m = torch.cat([lay.send_expert_SK[lo:hi], lay.send_weight_SK[lo:hi].view(torch.int32)], 1)
+            if self.ep.size == 1:
+                recv_x, recv_m, works = send_x, send_m, ()
+            else:
+                recv_x = torch.empty(R, x_TD.shape[1], dtype=x_TD.dtype, device=dev)
+                recv_m = torch.empty(R, 2 * K, dtype=torch.int32, device=dev)
+                works = (_a2a(recv_x, send_x, recv_counts, send_counts, self.ep.pg),
+                         _a2a(recv_m, send_m, recv_counts, send_counts, self.ep.pg))
+        pairs = plan.recv_pairs[wave]
+        pairs_dev = plan.recv_pairs_WPe[wave].sum(0)
+        handle = WaveHandle(wave=wave, plan=plan, send_token_S=tok_S)
+
+        def finish() -> Received:
+            for wk in works:
+                wk.wait()
+            now = st.current_stream(dev)
+            st.wait_stream(now, self.comm_stream)
+            st.keep_alive(recv_x, now)
+            st.keep_alive(recv_m, now)
+            return Received(x_RD=recv_x, expert_RK=recv_m[:, :K], weight_RK=recv_m[:, K:].view(torch.float32),
+                            pairs_e=pairs, pairs_e_dev=pairs_dev, handle=handle)
+
+        return Pending(finish, f"dispatch[{wave}]")
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor) -> Pending[None]:
+        plan, wave = handle.plan, handle.wave
+        send_counts, recv_counts = plan.send_counts[wave], plan.recv_counts[wave]
+        dev, cur = y_RD.device, st.current_stream(y_RD.device)
+        with st.on(self.comm_stream):
+            st.wait_stream(self.comm_stream, cur)
+            st.keep_alive(y_RD, self.comm_stream)
+            if self.ep.size == 1:
+                back_SD, works = y_RD, ()
+            else:
+                back_SD = torch.empty(sum(send_counts), y_RD.shape[1], dtype=y_RD.dtype, device=dev)
+                works = (_a2a(back_SD, y_RD.contiguous(), send_counts, recv_counts, self.ep.pg),)
+
+        def finish() -> None:
+            for wk in works:
+                wk.wait()
+            now = st.current_stream(dev)
+            st.wait_stream(now, self.comm_stream)
+            st.keep_alive(back_SD, now)
+            out_TD.index_add_(0, handle.send_token_S, back_SD.to(out_TD.dtype))
+
+        return Pending(finish, f"combine[{wave}]")
+
+
+def all_gather_object_checked(ep: EPGroup, what: str, value) -> list:
+    """Gather ``value`` from every rank; raise the same ValueError on all ranks if they differ."""
+    if ep.size == 1:
+        return [value]
+    vals = [None] * ep.size
+    dist.all_gather_object(vals, value, group=ep.pg)
+    if any(v != vals[0] for v in vals):
+        desc = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+        raise ValueError(f"{what} differs between ranks ({desc}): every rank must use the same value")
+    return vals

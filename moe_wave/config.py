@@ -1,0 +1,161 @@
+"""Configuration of the MoE block (shapes and math) and of the wave pipeline (schedule).
+
+Both are frozen, keyword-only and validated on construction. Process groups, devices and
+streams are arguments of the modules, never configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+__all__ = ["MoEConfig", "WaveConfig", "PRESETS"]
+
+BACKENDS = ("torch", "symm", "deepep")
+PARTITIONS = ("experts", "tokens")
+SHARED_PLACEMENTS = ("bubbles", "alt", "serial")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """The DeepSeek-V4 MoE block (v4_spec.md section 4).
+
+    Attributes:
+        hidden_size: D.
+        intermediate_size: I, the width of every routed expert and of the shared expert.
+        num_experts: E routed experts (split evenly over the EP ranks).
+        top_k: K experts per token.
+        routed_scaling_factor: multiplies the renormalised routing weights (1.5 Flash, 2.5 Pro).
+        swiglu_limit: the clamp of gate (from above) and up (both ways); 0 disables it.
+        clamp_shared: apply the clamp to the shared expert too (official code and HF >= 5.12).
+        num_shared_experts: 0 or 1.
+        hash_routing: route by ``tid2eid[input_ids]`` (V4's first layers) instead of top-k.
+        vocab_size: rows of ``tid2eid`` (hash layers only).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    clamp_shared: bool = True
+    num_shared_experts: int = 1
+    hash_routing: bool = False
+    vocab_size: int = 0
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoEConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k={self.top_k}: must be <= num_experts={self.num_experts}")
+        if self.num_shared_experts not in (0, 1):
+            raise ValueError(f"MoEConfig.num_shared_experts={self.num_shared_experts}: must be 0 or 1")
+        if self.hash_routing and self.vocab_size < 1:
+            raise ValueError(f"MoEConfig.vocab_size={self.vocab_size}: hash routing needs vocab_size >= 1")
+
+    @classmethod
+    def from_hf(cls, hf_config, layer_idx: int | None = None, **overrides) -> "MoEConfig":
+        """From a transformers ``DeepseekV4Config``; ``layer_idx`` decides hash vs top-k routing."""
+        is_hash = False
+        if layer_idx is not None:
+            types = getattr(hf_config, "mlp_layer_types", None) or []
+            is_hash = layer_idx < len(types) and types[layer_idx] == "hash_moe"
+        kw = dict(hidden_size=hf_config.hidden_size, intermediate_size=hf_config.moe_intermediate_size,
+                  num_experts=hf_config.n_routed_experts, top_k=hf_config.num_experts_per_tok,
+                  routed_scaling_factor=float(hf_config.routed_scaling_factor),
+                  swiglu_limit=float(hf_config.swiglu_limit or 0.0),
+                  num_shared_experts=min(1, int(getattr(hf_config, "n_shared_experts", 1) or 0)),
+                  hash_routing=is_hash, vocab_size=int(hf_config.vocab_size))
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "MoEConfig":
+        """``v4-flash``, ``v4-pro``, ``balanced`` (comm ~ compute on NVLink) or ``tiny`` (CPU tests)."""
+        if name not in PRESETS:
+            raise ValueError(f"MoEConfig preset {name!r}: must be one of {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+PRESETS = {
+    "v4-flash": MoEConfig(hidden_size=4096, intermediate_size=2048, num_experts=256, top_k=6,
+                          routed_scaling_factor=1.5),
+    "v4-pro": MoEConfig(hidden_size=7168, intermediate_size=3072, num_experts=384, top_k=6,
+                        routed_scaling_factor=2.5),
+    # Thin experts and a wide hidden size: per routed row 2*3*D*I FLOPs against 2*D bytes each way,
+    # which puts expert time close to all-to-all time on 2 x H200 (see benchmarks/).
+    "balanced": MoEConfig(hidden_size=7168, intermediate_size=512, num_experts=64, top_k=6),
+    "tiny": MoEConfig(hidden_size=64, intermediate_size=32, num_experts=8, top_k=2),
+}
+
+
+def _env_overlap(default: bool) -> bool:
+    v = os.environ.get("MOE_WAVE_OVERLAP")
+    return default if v is None else v.strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaveConfig:
+    """The wave pipeline's schedule.
+
+    Attributes:
+        num_waves: W, or "auto" (chosen per shape by ``moe_wave.autowave`` when available, else 2).
+            With partition "experts" W is clamped to the local expert count.
+        experts_per_wave: alternative to num_waves: local experts per wave (partition "experts").
+        partition: "experts" (V4: a wave is a block of local experts) or "tokens" (Tutel style).
+        backend: "torch" (NCCL/RCCL/gloo), "symm" (symmetric memory), "deepep" (if installed).
+        overlap: the pipelined schedule; False runs the same operations one after another (the
+            ``serial`` baseline). Environment override: MOE_WAVE_OVERLAP=0.
+        shared_placement: "bubbles" (alt stream; gate_up, activation and most of down_proj while
+            wave 0 travels, the last ``shared_tail_chunks`` of down_proj during the last combine),
+            "alt" (all of it on the alt stream at once) or "serial" (after the routed experts).
+        shared_chunks: row chunks the shared down_proj is cut into.
+        shared_tail_chunks: how many of them run during the last combine (bubbles only).
+        grouped_mm: "auto" (torch._grouped_mm on CUDA bf16, a loop elsewhere), "on" or "off".
+        max_tokens_per_rank: capacity for fixed-buffer backends (symm); 0 = backend default.
+    """
+
+    num_waves: int | str = 2
+    experts_per_wave: int | None = None
+    partition: str = "experts"
+    backend: str = "torch"
+    overlap: bool = True
+    shared_placement: str = "bubbles"
+    shared_chunks: int = 4
+    shared_tail_chunks: int = 1
+    grouped_mm: str = "auto"
+    max_tokens_per_rank: int = 0
+
+    def __post_init__(self):
+        nw = self.num_waves
+        if nw != "auto" and (isinstance(nw, bool) or not isinstance(nw, int) or nw < 1):
+            raise ValueError(f"WaveConfig.num_waves={nw!r}: must be an int >= 1 or 'auto'")
+        if self.experts_per_wave is not None and self.experts_per_wave < 1:
+            raise ValueError(f"WaveConfig.experts_per_wave={self.experts_per_wave}: must be >= 1")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"WaveConfig.partition={self.partition!r}: must be one of {PARTITIONS}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"WaveConfig.backend={self.backend!r}: must be one of {BACKENDS}")
+        if self.shared_placement not in SHARED_PLACEMENTS:
+            raise ValueError(f"WaveConfig.shared_placement={self.shared_placement!r}: "
+                             f"must be one of {SHARED_PLACEMENTS}")
+        if self.shared_chunks < 1:
+            raise ValueError(f"WaveConfig.shared_chunks={self.shared_chunks}: must be >= 1")
+        if not 0 <= self.shared_tail_chunks <= self.shared_chunks:
+            raise ValueError(f"WaveConfig.shared_tail_chunks={self.shared_tail_chunks}: "
+                             f"must be in [0, shared_chunks={self.shared_chunks}]")
+        if self.grouped_mm not in ("auto", "on", "off"):
+            raise ValueError(f"WaveConfig.grouped_mm={self.grouped_mm!r}: must be 'auto', 'on' or 'off'")
+        if self.max_tokens_per_rank < 0:
+            raise ValueError(f"WaveConfig.max_tokens_per_rank={self.max_tokens_per_rank}: must be >= 0")
+        object.__setattr__(self, "overlap", _env_overlap(self.overlap))
+
+    def waves_for(self, num_local_experts: int) -> int:
+        """The requested wave count before clamping (experts_per_wave wins over num_waves)."""
+        if self.experts_per_wave is not None:
+            return -(-num_local_experts // self.experts_per_wave)
+        if self.num_waves == "auto":
+            return 2
+        return int(self.num_waves)

@@ -1,0 +1,160 @@
+"""V4 router, routed experts (grouped GEMM) and the shared expert (chunked for bubble filling).
+
+Legend: T tokens, D hidden, I intermediate, E experts, e local experts, K top-k, N routed rows
+(expert-major), R received rows, C row chunks.
+
+Math (v4_spec.md section 4): scores = sqrt(softplus(x @ Wg^T)) in fp32; selection = top-k of
+scores + e_score_correction_bias (or tid2eid[input_ids] on hash layers); weights = the unbiased
+scores of the selection, renormalised, times routed_scaling_factor. Expert = SwiGLU with the gate
+clamped from above and up clamped both ways at swiglu_limit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import MoEConfig
+
+__all__ = ["V4Router", "RoutedExperts", "SharedExpert", "swiglu", "expert_rows"]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class V4Router(nn.Module):
+    """Top-k (bias-corrected) or hash routing. Returns (topk_ids [T, K] int64, topk_w [T, K] fp32)."""
+
+    def __init__(self, cfg: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, device=device))
+        if cfg.hash_routing:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.top_k, dtype=torch.long, device=device))
+        else:
+            self.tid2eid = None
+
+    def forward(self, x_TD: torch.Tensor, input_ids: torch.Tensor | None = None):
+        cfg = self.cfg
+        scores_TE = F.softplus(x_TD.float() @ self.weight.float().t()).sqrt()
+        if cfg.hash_routing:
+            if input_ids is None:
+                raise ValueError("input_ids=None: this is a hash-routed layer (tid2eid), it needs the token ids")
+            ids_T = input_ids.reshape(-1)
+            if ids_T.numel() != x_TD.shape[0]:
+                raise ValueError(f"input_ids has {ids_T.numel()} elements: must equal the {x_TD.shape[0]} tokens")
+            ids_TK = self.tid2eid[ids_T.long()].long()
+        else:
+            ids_TK = torch.topk(scores_TE + self.e_score_correction_bias.float(), cfg.top_k, dim=-1).indices
+        w_TK = scores_TE.gather(1, ids_TK)
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        return ids_TK, w_TK
+
+
+def _grouped_ok(mode: str, x: torch.Tensor) -> bool:
+    if mode == "off" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if mode == "on":
+        return True
+    return x.is_cuda and x.dtype == torch.bfloat16
+
+
+class RoutedExperts(nn.Module):
+    """This rank's ``e`` routed experts. Weights as in HF: gate_up [e, 2I, D] (gate rows first),
+    down [e, D, I]."""
+
+    def __init__(self, cfg: MoEConfig, num_local: int, grouped_mm: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.num_local, self.grouped_mm = cfg, num_local, grouped_mm
+        I, D = cfg.intermediate_size, cfg.hidden_size
+        self.gate_up = nn.Parameter(torch.empty(num_local, 2 * I, D, device=device, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(num_local, D, I, device=device, dtype=dtype))
+
+    def forward(self, x_ND: torch.Tensor, counts_e: list | None, offs_e: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows sorted by expert; ``counts_e`` (host) or ``offs_e`` (device cumulative int32) gives the groups."""
+        I, lim = self.cfg.intermediate_size, self.cfg.swiglu_limit
+        if _grouped_ok(self.grouped_mm, x_ND):
+            if offs_e is None:
+                offs_e = torch.tensor(counts_e, device=x_ND.device).cumsum(0).to(torch.int32)
+            gu = torch._grouped_mm(x_ND, self.gate_up.transpose(-2, -1), offs=offs_e)
+            h = swiglu(gu[:, :I], gu[:, I:], lim).to(x_ND.dtype)
+            return torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offs_e)
+        if counts_e is None:
+            # HOST SYNC: the loop fallback needs host group sizes (CPU, or GPUs without grouped GEMM).
+            counts_e = torch.diff(offs_e, prepend=offs_e.new_zeros(1)).tolist()
+        out = x_ND.new_empty(x_ND.shape[0], self.cfg.hidden_size)
+        start = 0
+        for j, n in enumerate(counts_e):
+            if n:
+                xs = x_ND[start:start + n]
+                gu = xs @ self.gate_up[j].t()
+                out[start:start + n] = swiglu(gu[:, :I], gu[:, I:], lim).to(x_ND.dtype) @ self.down[j].t()
+            start += n
+        out[start:] = 0
+        return out
+
+
+def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
+                pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the local experts to received rows: y[r] = sum_k w[r,k] * expert_{id[r,k]}(x[r]).
+
+    Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32.
+    With host counts (``pairs_e``) only the valid pairs are computed; without them (device-side
+    counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero.
+    """
+    R, K = expert_RK.shape
+    e = experts.num_local
+    flat_e = expert_RK.reshape(-1).long()
+    key = torch.where(flat_e >= 0, flat_e, e)
+    order = torch.argsort(key, stable=True)
+    if pairs_e is not None:
+        order = order[:sum(pairs_e)]
+        offs = None
+    else:
+        offs = pairs_e_dev.cumsum(0).to(torch.int32)
+    row = order // K
+    out = experts(x_RD.index_select(0, row), pairs_e, offs)
+    w = weight_RK.reshape(-1).index_select(0, order)[:, None]
+    if pairs_e is None:
+        valid = (key.index_select(0, order) < e)[:, None]
+        contrib = torch.where(valid, out.float() * w, 0.0)
+    else:
+        contrib = out.float() * w
+    y_RD = torch.zeros(R, x_RD.shape[1], dtype=torch.float32, device=x_RD.device)
+    y_RD.index_add_(0, row, contrib)
+    return y_RD.to(x_RD.dtype)
+
+
+class SharedExpert(nn.Module):
+    """The shared expert, callable in pieces so the schedule can spread it over the pipeline's
+    bubbles: ``up(x)`` (gate_up + activation), then ``down_chunk(h, c, C, out)`` per row chunk."""
+
+    def __init__(self, cfg: MoEConfig, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        I, D = cfg.intermediate_size, cfg.hidden_size
+        self.gate_proj = nn.Parameter(torch.empty(I, D, device=device, dtype=dtype))
+        self.up_proj = nn.Parameter(torch.empty(I, D, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(D, I, device=device, dtype=dtype))
+
+    def up(self, x_TD: torch.Tensor) -> torch.Tensor:
+        lim = self.cfg.swiglu_limit if self.cfg.clamp_shared else 0.0
+        return swiglu(x_TD @ self.gate_proj.t(), x_TD @ self.up_proj.t(), lim).to(x_TD.dtype)
+
+    @staticmethod
+    def chunk_bounds(T: int, c: int, C: int) -> tuple[int, int]:
+        return c * T // C, (c + 1) * T // C
+
+    def down_chunk(self, h_TI: torch.Tensor, c: int, C: int, out_TD: torch.Tensor) -> None:
+        lo, hi = self.chunk_bounds(h_TI.shape[0], c, C)
+        if hi > lo:
+            torch.matmul(h_TI[lo:hi], self.down_proj.t(), out=out_TD[lo:hi])
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.up(x_TD) @ self.down_proj.t()

@@ -1,0 +1,219 @@
+"""WaveMoE: the DeepSeek-V4 MoE block on the wave pipeline, with the shared expert in the bubbles.
+
+Legend: T local tokens, D hidden, I intermediate, E experts, e local experts, K top-k, P ranks,
+W waves, R received rows, C shared down_proj chunks.
+
+    x_TD --router--> topk_ids_TK, topk_w_TK --layout--> counts; prepare (count exchange, 1 host sync)
+    alt stream:  shared gate_up + act + down[:C-tail]   ...   (wait last experts) down[C-tail:]
+    waves:       dispatch / experts / combine (moe_wave.pipeline)
+    join:        y_TD = routed (fp32 accumulation) + shared
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from moe_wave.comm import EPGroup
+from moe_wave.comm import streams as st
+from moe_wave.comm.layout import WavePlan, compute_layout
+from moe_wave.comm.torch_backend import TorchBackend, all_gather_object_checked
+
+from .config import MoEConfig, WaveConfig
+from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
+from .pipeline import run_waves
+from .profiling import annotate
+
+__all__ = ["WaveMoE", "make_backend"]
+
+
+def make_backend(name: str, ep: EPGroup, streams: st.Streams, cfg: MoEConfig, wave: WaveConfig):
+    """Instantiate a comm backend by name (``torch``, ``symm``, ``deepep``)."""
+    if name == "torch":
+        return TorchBackend(ep, comm_stream=streams.comm)
+    if name == "symm":
+        from moe_wave.comm.symm import SymmBackend
+        return SymmBackend(ep, cfg=cfg, wave=wave, comm_stream=streams.comm)
+    if name == "deepep":
+        from moe_wave.comm.deepep import DeepEPBackend
+        return DeepEPBackend(ep, cfg=cfg, wave=wave, comm_stream=streams.comm)
+    raise ValueError(f"backend={name!r}: must be one of ('torch', 'symm', 'deepep')")
+
+
+class _SharedSchedule:
+    """Places the shared expert's pieces on the alt stream (see WaveConfig.shared_placement)."""
+
+    def __init__(self, shared: SharedExpert, wave: WaveConfig, streams: st.Streams, overlap: bool):
+        self.shared, self.streams = shared, streams
+        self.placement = wave.shared_placement if overlap and streams.enabled else "serial"
+        self.C = wave.shared_chunks
+        self.tail = wave.shared_tail_chunks if self.placement == "bubbles" else 0
+        self.x = self.h = self.out = None
+
+    def start(self, x_TD: torch.Tensor) -> None:
+        self.x = x_TD
+        if self.placement == "serial":
+            return
+        alt = self.streams.alt
+        st.wait_stream(alt, st.current_stream(x_TD.device))
+        with st.on(alt), annotate("shared.up+down_head"):
+            self.h = self.shared.up(x_TD)
+            self.out = torch.empty_like(x_TD)
+            for c in range(self.C - self.tail):
+                self.shared.down_chunk(self.h, c, self.C, self.out)
+        st.keep_alive(x_TD, alt)
+
+    def before_last_combine(self) -> None:
+        """Release the tail: it runs on the alt stream while the last combine is on the wire."""
+        if self.tail == 0:
+            return
+        alt = self.streams.alt
+        st.wait_stream(alt, st.current_stream(self.x.device))
+        with st.on(alt), annotate("shared.down_tail"):
+            for c in range(self.C - self.tail, self.C):
+                self.shared.down_chunk(self.h, c, self.C, self.out)
+
+    def finish(self, out_TD: torch.Tensor) -> None:
+        """out_TD (fp32) += shared(x)."""
+        if self.placement == "serial":
+            with annotate("shared.serial"):
+                out_TD += self.shared(self.x).float()
+        else:
+            cur = st.current_stream(out_TD.device)
+            st.wait_stream(cur, self.streams.alt)
+            st.keep_alive(self.out, cur)
+            out_TD += self.out.float()
+        self.x = self.h = self.out = None
+
+
+class WaveMoE(nn.Module):
+    """DeepSeek-V4 MoE block over an expert-parallel group, wave-pipelined.
+
+    Args:
+        cfg: shapes and math (``MoEConfig``).
+        ep: the expert-parallel group (default: single process). Rank r keeps experts
+            [r*E/P, (r+1)*E/P).
+        wave: the schedule (``WaveConfig``).
+        device, dtype: of the parameters; ``device`` defaults to ``ep.device``.
+
+    Forward: ``y = moe(x, input_ids=ids)``; x [T, D] (or [B, S, D]) local tokens in the parameter
+    dtype; ids [T] token ids (hash layers). Returns y with x's shape and dtype. Every rank of the
+    group must call forward together (with any T, zero included).
+    """
+
+    def __init__(self, cfg: MoEConfig, *, ep: EPGroup | None = None, wave: WaveConfig | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.ep = ep = ep or EPGroup.single(device)
+        self.wave = wave = wave or WaveConfig()
+        device = torch.device(device) if device is not None else ep.device
+        if cfg.num_experts % ep.size:
+            raise ValueError(f"MoEConfig.num_experts={cfg.num_experts}: must be divisible by the EP size {ep.size}")
+        all_gather_object_checked(ep, "MoE shape (hidden, intermediate, num_experts, top_k)",
+                                  (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k))
+        all_gather_object_checked(ep, "WaveConfig (num_waves, experts_per_wave, partition, backend)",
+                                  (wave.num_waves, wave.experts_per_wave, wave.partition, wave.backend))
+        self.num_local = cfg.num_experts // ep.size
+        self.expert_offset = ep.rank * self.num_local
+        self.gate = V4Router(cfg, device=device, dtype=dtype)
+        self.experts = RoutedExperts(cfg, self.num_local, wave.grouped_mm, device=device, dtype=dtype)
+        self.shared = SharedExpert(cfg, device=device, dtype=dtype) if cfg.num_shared_experts else None
+        self.streams = st.Streams.for_device(device)
+        self.backend = make_backend(wave.backend, ep, self.streams, cfg, wave)
+        self.plan = WavePlan.make(num_ranks=ep.size, num_local_experts=self.num_local,
+                                  num_waves=wave.waves_for(self.num_local), partition=wave.partition)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_hf(cls, hf_block, hf_config, *, ep: EPGroup | None = None, wave: WaveConfig | None = None,
+                layer_idx: int | None = None, device=None, dtype=None, **cfg_overrides) -> "WaveMoE":
+        """Build from a transformers ``DeepseekV4SparseMoeBlock`` and copy its weights (this rank's
+        experts only)."""
+        if layer_idx is None:
+            is_hash = hasattr(hf_block.gate, "tid2eid")
+            cfg = MoEConfig.from_hf(hf_config, None, hash_routing=is_hash, **cfg_overrides)
+        else:
+            cfg = MoEConfig.from_hf(hf_config, layer_idx, **cfg_overrides)
+        p = hf_block.gate.weight
+        m = cls(cfg, ep=ep, wave=wave, device=device, dtype=dtype or p.dtype)
+        m.load_hf(hf_block)
+        return m
+
+    @torch.no_grad()
+    def load_hf(self, hf_block) -> None:
+        lo, hi = self.expert_offset, self.expert_offset + self.num_local
+        self.gate.weight.copy_(hf_block.gate.weight)
+        if self.cfg.hash_routing:
+            self.gate.tid2eid.copy_(hf_block.gate.tid2eid.long())
+        else:
+            self.gate.e_score_correction_bias.copy_(hf_block.gate.e_score_correction_bias.float())
+        self.experts.gate_up.copy_(hf_block.experts.gate_up_proj[lo:hi])
+        self.experts.down.copy_(hf_block.experts.down_proj[lo:hi])
+        if self.shared is not None:
+            s = hf_block.shared_experts
+            self.shared.gate_proj.copy_(s.gate_proj.weight)
+            self.shared.up_proj.copy_(s.up_proj.weight)
+            self.shared.down_proj.copy_(s.down_proj.weight)
+
+    @torch.no_grad()
+    def load_full(self, full: dict) -> None:
+        """Load from a dict of full (all-expert) tensors: ``gate``, ``bias``, ``tid2eid`` (hash),
+        ``gate_up`` [E, 2I, D], ``down`` [E, D, I], ``shared_gate``, ``shared_up``, ``shared_down``."""
+        lo, hi = self.expert_offset, self.expert_offset + self.num_local
+        self.gate.weight.copy_(full["gate"])
+        if self.cfg.hash_routing:
+            self.gate.tid2eid.copy_(full["tid2eid"])
+        else:
+            self.gate.e_score_correction_bias.copy_(full["bias"])
+        self.experts.gate_up.copy_(full["gate_up"][lo:hi])
+        self.experts.down.copy_(full["down"][lo:hi])
+        if self.shared is not None:
+            self.shared.gate_proj.copy_(full["shared_gate"])
+            self.shared.up_proj.copy_(full["shared_up"])
+            self.shared.down_proj.copy_(full["shared_down"])
+
+    # ------------------------------------------------------------------ forward
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        D = self.cfg.hidden_size
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+            raise ValueError(f"x: shape {tuple(getattr(x, 'shape', ()))}: must be [T, D] or [B, S, D]")
+        if x.shape[-1] != D:
+            raise ValueError(f"x.shape[-1]={x.shape[-1]}: must equal hidden_size={D}")
+        if x.dtype != self.gate.weight.dtype:
+            raise ValueError(f"x.dtype={x.dtype}: must equal the parameter dtype {self.gate.weight.dtype}")
+        if x.device != self.gate.weight.device:
+            raise ValueError(f"x.device={x.device}: must be the parameters' device {self.gate.weight.device}")
+        return x.reshape(-1, D)
+
+    def route(self, x_TD: torch.Tensor, input_ids: torch.Tensor | None = None):
+        """(topk_ids [T, K] int64 global expert ids, topk_w [T, K] fp32)."""
+        with annotate("router"):
+            return self.gate(x_TD, input_ids)
+
+    def routed_rows(self, got) -> torch.Tensor:
+        """Expert compute for one wave's received rows (local; never communicates)."""
+        return expert_rows(got.x_RD, got.expert_RK, got.weight_RK, self.experts, got.pairs_e, got.pairs_e_dev)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, *, overlap: bool | None = None):
+        x_TD = self._check_input(x)
+        overlap = self.wave.overlap if overlap is None else overlap
+        ids_TK, w_TK = self.route(x_TD, input_ids)
+        return self.forward_routed(x_TD, ids_TK, w_TK, overlap=overlap).view(x.shape)
+
+    def forward_routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *,
+                       overlap: bool = True) -> torch.Tensor:
+        """The MoE after routing: dispatch -> experts -> combine (+ shared); [T, D] in x's dtype."""
+        shared = _SharedSchedule(self.shared, self.wave, self.streams, overlap) if self.shared is not None else None
+        with annotate("layout"):
+            layout = compute_layout(ids_TK, w_TK, self.plan)
+        if shared is not None:
+            shared.start(x_TD)
+        with annotate("prepare"):
+            xplan = self.backend.prepare(layout)
+        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+        run_waves(x_TD, xplan, self.backend, self.routed_rows, out_TD, overlap=overlap, hooks=shared)
+        if shared is not None:
+            shared.finish(out_TD)
+        return out_TD.to(x_TD.dtype)
