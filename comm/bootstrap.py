@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import pickle
 import queue
 import re
 import signal
@@ -243,7 +244,7 @@ def install_stack_dump(path: str) -> None:
 
 
 def collect(procs, results_q, deadline: float, grace_s: float) -> tuple[dict, list[RankError], dict]:
-    """Parent side: wait for one message per rank (``("ok", rank, value)`` or ``("err", RankError)``).
+    """Parent side: wait for one message per rank (``("ok", rank, pickled)`` or ``("err", RankError)``).
 
     Stops at the deadline (``time.monotonic()``) or ``grace_s`` after the first failure.
     Returns (results by rank, errors, {rank: why it is silent}) for ranks that did not answer.
@@ -325,7 +326,7 @@ def _spawn_main(fn, args, rank, world_size, backend, tmp, timeout_s, results_q):
     install_stack_dump(os.path.join(tmp, f"stack.{rank}"))
     try:
         ep = child_setup(rank, world_size, backend, os.path.join(tmp, "store"), timeout_s)
-        results_q.put(("ok", rank, fn(ep, *args)))
+        results_q.put(("ok", rank, pickle.dumps(fn(ep, *args))))  # pickled here: errors stay this rank's
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         results_q.put(("err", rank_error(rank, e)))
         results_q.close()
@@ -386,4 +387,4 @@ def spawn(fn: Callable, nprocs: int | None = None, args: tuple = (), backend: st
         if not errors:
             what += f" passed its deadline of {deadline_s:g} s"
         raise RankFailure(format_failures(errors, silent, what), order_errors(errors))
-    return [results[r] for r in range(nprocs)]
+    return [pickle.loads(results[r]) for r in range(nprocs)]
