@@ -1,0 +1,217 @@
+"""``V4Attention``: the DeepSeek-V4 attention layer (sliding, CSA c4 + indexer, HCA), math only.
+
+Legend: B batch, S chunk length, D hidden, H heads, d head_dim, r rope dim, L q_lora rank,
+G output groups, Ro o_lora rank, W window, N compressed-entry slots, K picked entries.
+
+The stream schedule is in ``schedule.py``; the cache in ``cache.py``. Overlap switch:
+``ScheduleConfig.overlap`` / env ``MOE_WAVE_ATTN_OVERLAP=0`` (see schedule.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cache import AttnCache
+from .compressor import Compressor, CompressorConfig, rms_norm
+from .core import sparse_attention
+from .indexer import Indexer, IndexerConfig
+from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
+from .schedule import ScheduleConfig, is_capturing, run_frontend
+
+__all__ = ["AttnConfig", "V4Attention", "LAYER_TYPES"]
+
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttnConfig:
+    """Shapes of one V4 attention layer. ``ratio`` is 0 for sliding layers."""
+
+    layer_type: str
+    hidden: int
+    heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    rope: RopeConfig
+    ratio: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(f"AttnConfig.layer_type={self.layer_type!r}: must be one of {LAYER_TYPES}")
+        for name in ("hidden", "heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"AttnConfig.{name}={getattr(self, name)}: must be > 0")
+        if (self.ratio > 0) == (self.layer_type == "sliding_attention"):
+            raise ValueError(f"AttnConfig.ratio={self.ratio}: must be 0 for sliding layers and > 0 otherwise "
+                             f"(layer_type={self.layer_type!r})")
+        if self.heads * self.head_dim % self.o_groups:
+            raise ValueError(f"AttnConfig.o_groups={self.o_groups}: must divide heads*head_dim="
+                             f"{self.heads * self.head_dim}")
+        if self.rope.dim > self.head_dim:
+            raise ValueError(f"AttnConfig.rope.dim={self.rope.dim}: must be <= head_dim={self.head_dim}")
+        if self.layer_type == "compressed_sparse_attention" and min(self.index_heads, self.index_dim,
+                                                                    self.index_topk) <= 0:
+            raise ValueError(f"AttnConfig index_heads={self.index_heads}, index_dim={self.index_dim}, "
+                             f"index_topk={self.index_topk}: must all be > 0 for CSA layers")
+
+    @classmethod
+    def from_hf(cls, hf_config, layer_idx: int, ratio: int) -> "AttnConfig":
+        c, lt = hf_config, hf_config.layer_types[layer_idx]
+        csa = lt == "compressed_sparse_attention"
+        return cls(layer_type=lt, hidden=c.hidden_size, heads=c.num_attention_heads, head_dim=c.head_dim,
+                   q_lora_rank=c.q_lora_rank, o_groups=c.o_groups, o_lora_rank=c.o_lora_rank,
+                   window=c.sliding_window, rope=rope_config_from_hf(c, lt), ratio=ratio,
+                   index_heads=c.index_n_heads if csa else 0, index_dim=c.index_head_dim if csa else 0,
+                   index_topk=c.index_topk if csa else 0, eps=c.rms_norm_eps)
+
+
+class V4Attention(nn.Module):
+    """DeepSeek-V4 attention: q-LoRA, single shared K=V head, sliding window, compressed entries
+    (CSA: top-k by the lightning indexer; HCA: all), per-head sinks, grouped output projection.
+
+    Forward: ``attn(x, positions=pos, cache=None)``, x [B, S, D] -> [B, S, D]. Without a cache the
+    rows are fresh sequences (positions must be 0..S-1). With ``cache=attn.new_cache(...)`` it
+    continues the cached rows (prefill, chunked prefill, decode; see ``cache.py``).
+    """
+
+    def __init__(self, cfg: AttnConfig, schedule: ScheduleConfig | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.schedule = schedule if schedule is not None else ScheduleConfig()
+        H, d, D, L = cfg.heads, cfg.head_dim, cfg.hidden, cfg.q_lora_rank
+        self.q_a_proj = nn.Linear(D, L, bias=False)
+        self.q_a_norm = nn.Parameter(torch.ones(L))
+        self.q_b_proj = nn.Linear(L, H * d, bias=False)
+        self.kv_proj = nn.Linear(D, d, bias=False)
+        self.kv_norm = nn.Parameter(torch.ones(d))
+        self.o_a_weight = nn.Parameter(torch.empty(cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups))
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(H))
+        csa = cfg.layer_type == "compressed_sparse_attention"
+        self.compressor = None if cfg.ratio == 0 else Compressor(
+            CompressorConfig(hidden=D, dim=d, ratio=cfg.ratio, overlap=csa, eps=cfg.eps))
+        self.indexer = None if not csa else Indexer(IndexerConfig(
+            hidden=D, q_lora_rank=L, heads=cfg.index_heads, dim=cfg.index_dim, topk=cfg.index_topk,
+            ratio=cfg.ratio, eps=cfg.eps))
+        self.register_buffer("freq_F", inv_freq(cfg.rope), persistent=False)
+        nn.init.normal_(self.o_a_weight, std=0.02)
+
+    # ----------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_hf(cls, hf_attn, hf_config, layer_idx: int, schedule: ScheduleConfig | None = None) -> "V4Attention":
+        """Copy a transformers 5.23 ``DeepseekV4Attention``; the ratio is read from its compressor."""
+        ratio = 0 if hf_attn.compressor is None else int(hf_attn.compressor.compress_rate)
+        mod = cls(AttnConfig.from_hf(hf_config, layer_idx, ratio), schedule)
+        eps = hf_config.rms_norm_eps
+        with torch.no_grad():
+            for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
+                getattr(mod, name).weight.copy_(getattr(hf_attn, name).weight)
+            mod.q_a_norm.copy_(hf_attn.q_a_norm.weight)
+            mod.kv_norm.copy_(hf_attn.kv_norm.weight)
+            mod.o_a_weight.copy_(hf_attn.o_a_proj.weight)
+            mod.sinks.copy_(hf_attn.sinks)
+        if ratio:
+            csa = mod.indexer is not None
+            mod.compressor = Compressor.from_hf(hf_attn.compressor, hidden=hf_config.hidden_size, overlap=csa, eps=eps)
+            if csa:
+                mod.indexer = Indexer.from_hf(hf_attn.compressor.indexer, hf_config)
+        return mod.to(hf_attn.q_a_proj.weight.dtype)
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> AttnCache:
+        """Empty cache for ``batch`` rows of up to ``max_len`` tokens (default: this module's device/dtype)."""
+        w = self.q_a_proj.weight
+        return AttnCache(batch=batch, max_len=max_len, window=self.cfg.window, head_dim=self.cfg.head_dim,
+                         comp_cfg=None if self.compressor is None else self.compressor.cfg,
+                         index_cfg=None if self.indexer is None else self.indexer.compressor.cfg,
+                         device=device if device is not None else w.device, dtype=dtype if dtype is not None else w.dtype)
+
+    # ------------------------------------------------------------------------------ branch math
+    def q_lora(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps)
+
+    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+        B, S, _ = qr_BSL.shape
+        q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
+        return rope_tail(q, pos_BS, self.freq_F)
+
+    def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+        return rope_tail(rms_norm(self.kv_proj(x_BSD), self.kv_norm, self.cfg.eps), pos_BS, self.freq_F)
+
+    def window_source(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache):
+        """Key source ``[ring | chunk]`` [B, W+S, d] and each query's W window rows [B, S, W] (-1: none)."""
+        W, S = self.cfg.window, kv_BSd.shape[1]
+        src_BMd = torch.cat([cache.win_BWd, kv_BSd.to(cache.win_BWd.dtype)], dim=1)
+        q_BSW = pos_BS[..., None] - torch.arange(W, device=pos_BS.device)   # key positions t, t-1, ..
+        p0_B11 = pos_BS[:, :1, None]
+        idx_BSW = torch.where(q_BSW >= p0_B11, W + q_BSW - p0_B11, q_BSW % W)
+        return src_BMd, torch.where(q_BSW >= 0, idx_BSW, torch.full_like(idx_BSW, -1))
+
+    def window_write(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache) -> None:
+        k = min(kv_BSd.shape[1], self.cfg.window)
+        row = (pos_BS[:, -k:] % self.cfg.window)[..., None].expand(-1, -1, kv_BSd.shape[-1])
+        cache.win_BWd.scatter_(1, row, kv_BSd[:, -k:].to(cache.win_BWd.dtype))
+
+    def hca_index(self, pos_BS: torch.Tensor, cache: AttnCache) -> torch.Tensor:
+        """HCA: every slot, the ones not yet complete for the query masked to -1. [B, S, N]"""
+        n_N = torch.arange(cache.comp.num_slots, device=pos_BS.device)
+        vis_BSN = n_N < ((pos_BS + 1) // self.cfg.ratio)[..., None]
+        return torch.where(vis_BSN, n_N, torch.full_like(n_N, -1))
+
+    def chunked(self, fn, S: int) -> torch.Tensor:
+        """Run ``fn(slice)`` over query blocks of ``schedule.q_block`` and concatenate on dim 1."""
+        qb = self.schedule.q_block
+        if S <= qb:
+            return fn(slice(0, S))
+        return torch.cat([fn(slice(i, min(i + qb, S))) for i in range(0, S, qb)], dim=1)
+
+    def output(self, o_BSHd: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+        """Undo V's RoPE at the query position, grouped o_a, then o_b."""
+        B, S = o_BSHd.shape[:2]
+        G, Ro = self.cfg.o_groups, self.cfg.o_lora_rank
+        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True).reshape(B, S, G, -1)
+        z_BSGR = torch.einsum("bsgk,grk->bsgr", o, self.o_a_weight.view(G, Ro, -1))
+        return self.o_b_proj(z_BSGR.flatten(2))
+
+    # ---------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttnCache | None = None, *,
+                validate: bool = True, overlap: bool | None = None) -> torch.Tensor:
+        """Attention over x.
+
+        Args:
+            x: [B, S, D] normalised hidden states (attn_norm(hc_pre(X))).
+            positions: [B, S] int64 absolute positions; with a cache ``cache.length[b] + arange(S)``.
+            cache: ``AttnCache`` from ``new_cache``, updated in place; None: fresh sequences.
+            validate: check positions / capacity (one host sync; skipped under CUDA-graph capture).
+            overlap: override ``schedule.overlap`` for this call.
+        Returns:
+            [B, S, D] in x's dtype.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.cfg.hidden:
+            raise ValueError(f"x.shape={tuple(x.shape)}: must be [B, S, hidden={self.cfg.hidden}]")
+        if tuple(positions.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"positions.shape={tuple(positions.shape)}: must equal x.shape[:2]={tuple(x.shape[:2])}")
+        B, S, _ = x.shape
+        if cache is None:
+            cache = self.new_cache(B, S, x.device, x.dtype)
+        if validate and not is_capturing(x.device):
+            cache.check(positions)
+        cache.join()
+        use_overlap = self.schedule.use_overlap(B, S) if overlap is None else overlap
+        fe = run_frontend(self, x, positions, cache, use_overlap)
+        o_BSHd = self.chunked(lambda sl: sparse_attention(
+            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, self.cfg.head_dim ** -0.5), S)
+        cache.advance(S)
+        if is_capturing(x.device):
+            cache.join()  # every side stream joins the capture stream before the captured step ends
+        return self.output(o_BSHd, positions)

@@ -1,0 +1,55 @@
+"""Sparse attention core of DeepSeek-V4 (spec 3.5): MQA over gathered entries, with sinks.
+
+Legend: B batch, S queries, H heads, d head_dim, M rows of a key source, J entries picked per query.
+
+Each query attends to a few *parts*, each a key/value source ``kv_BMd`` (K = V, one head shared by
+all H query heads) and per-query row ids ``idx_BSJ`` (-1 = nothing): the sliding window (J = W) and
+the compressed entries (CSA: the indexer's top-k; HCA: every slot, invisible ones -1). Rows are
+gathered per query, so memory is O(S * (W + K) * d), never S x S. The softmax runs in fp32 and the
+per-head sink logit takes probability mass in the denominator only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sparse_attention", "gather_rows"]
+
+
+def gather_rows(src_BMd: torch.Tensor, idx_BSJ: torch.Tensor) -> torch.Tensor:
+    """[B, S, J, d] rows of ``src`` (ids clamped to 0; callers mask the -1 picks)."""
+    B = src_BMd.shape[0]
+    b_B11 = torch.arange(B, device=src_BMd.device)[:, None, None]
+    return src_BMd[b_B11, idx_BSJ.clamp(min=0)]
+
+
+def sparse_attention(q_BSHd: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sinks_H: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of every query over the rows its parts pick.
+
+    Args:
+        q_BSHd: queries.
+        parts: ``(kv_BMd, idx_BSJ)`` pairs; ids index dim 1 of ``kv_BMd``, -1 is masked out.
+        sinks_H: per-head sink logits (fp32).
+        scale: softmax scale (head_dim^-1/2).
+    Returns:
+        o_BSHd in q's dtype. A query whose every pick is masked returns 0 (the sink takes all mass).
+    """
+    rows, logits = [], []
+    for kv_BMd, idx_BSJ in parts:
+        kv_BSJd = gather_rows(kv_BMd, idx_BSJ).to(q_BSHd.dtype)
+        s_BSHJ = torch.einsum("bshd,bsjd->bshj", q_BSHd, kv_BSJd).float() * scale
+        logits.append(s_BSHJ.masked_fill((idx_BSJ < 0)[:, :, None, :], float("-inf")))
+        rows.append(kv_BSJd)
+    s_BSHJ = torch.cat(logits, dim=-1)
+    sink_BSH = sinks_H.float().expand(s_BSHJ.shape[:-1])
+    m_BSH = torch.maximum(s_BSHJ.amax(dim=-1), sink_BSH)
+    e_BSHJ = (s_BSHJ - m_BSH[..., None]).exp()
+    den_BSH = e_BSHJ.sum(dim=-1) + (sink_BSH - m_BSH).exp()
+    p_BSHJ = (e_BSHJ / den_BSH[..., None]).to(q_BSHd.dtype)
+    out, start = None, 0
+    for kv_BSJd in rows:
+        J = kv_BSJd.shape[2]
+        o = torch.einsum("bshj,bsjd->bshd", p_BSHJ[..., start:start + J], kv_BSJd)
+        out, start = (o if out is None else out + o), start + J
+    return out

@@ -1,0 +1,152 @@
+"""Multi-stream schedule of the V4 attention front-end (spec 3.6). Math lives in ``attention.py``.
+
+Legend: B batch, S chunk length, D hidden, H heads, d head_dim, W window, K picked entries.
+
+Once x exists, the front-end is independent chains joined once before the core:
+
+  main (current) stream:  q_a -> q_norm --record q_lora_ready--> q_b -> head norm -> RoPE
+  side a:  kv_proj -> kv_norm -> RoPE -> window source   --kv_ready-->    | ring write (deferred)
+  side b:  compressor GEMMs -> pool -> entry write        --comp_ready-->  | state write (deferred)
+  side c:  indexer compressor -> entry write, weights_proj, wait q_lora_ready -> q side -> top-k
+           --idx_ready-->                                                  | state write (deferred)
+  main:    wait kv_ready, comp_ready, idx_ready -> core -> output projection
+
+The deferred writes are read only by the same layer's next step, so they overlap the core and the
+next layer; their events go to ``cache.pending`` and are waited on at the start of the next call.
+Under CUDA-graph capture every side stream is joined before the call returns.
+
+Switch: ``ScheduleConfig.overlap`` (default from the environment variable ``MOE_WAVE_ATTN_OVERLAP``,
+"0" turns it off; default on). ``decode_overlap_min_batch`` turns it off for decode steps (S == 1)
+with a smaller batch, where launch latency beats the overlap (see launch/bench_attn.py). On CPU every
+stream op is a no-op and both settings run the same code serially.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_wave.comm.streams import Streams, current_stream, keep_alive, on, record, wait
+
+__all__ = ["OVERLAP_ENV", "ScheduleConfig", "FrontEnd", "run_frontend", "side_streams", "is_capturing"]
+
+OVERLAP_ENV = "MOE_WAVE_ATTN_OVERLAP"
+
+
+def _env_overlap() -> bool:
+    return os.environ.get(OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """How the front-end runs (not what it computes).
+
+    overlap: run the branches on side streams (default: ``MOE_WAVE_ATTN_OVERLAP``, on).
+    decode_overlap_min_batch: decode steps (S == 1) with batch < this run serially (0: never).
+    q_block: queries per core block in prefill; bounds the gathered memory to q_block*(W+K)*d.
+    """
+
+    overlap: bool = field(default_factory=_env_overlap)
+    decode_overlap_min_batch: int = 0
+    q_block: int = 1024
+
+    def __post_init__(self):
+        if self.decode_overlap_min_batch < 0:
+            raise ValueError(f"ScheduleConfig.decode_overlap_min_batch={self.decode_overlap_min_batch}: must be >= 0")
+        if self.q_block <= 0:
+            raise ValueError(f"ScheduleConfig.q_block={self.q_block}: must be > 0")
+
+    def use_overlap(self, batch: int, seq: int) -> bool:
+        return self.overlap and not (seq == 1 and batch < self.decode_overlap_min_batch)
+
+
+_SIDE: dict[torch.device, Streams] = {}
+
+
+def side_streams(device: torch.device) -> tuple:
+    """Three side streams per device, shared by all layers (None on CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SIDE:
+        _SIDE[device] = Streams.for_device(device, num_extra=3)
+    return _SIDE[device].extra
+
+
+def is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class FrontEnd:
+    """What the core needs: queries and (key source, per-query row ids) parts."""
+
+    q_BSHd: torch.Tensor
+    parts: list
+
+
+def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap: bool) -> FrontEnd:
+    """Issue the front-end of ``attn`` (a ``V4Attention``) on its streams; returns after the join."""
+    dev = x_BSD.device
+    sa, sb, sc = side_streams(dev) if overlap else (None, None, None)
+    main = current_stream(dev) if overlap else None
+    hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
+    fork = record(main)
+    for s in (sa, sb, sc):
+        if hold:
+            keep_alive(x_BSD, s)
+            keep_alive(pos_BS, s)
+
+    with on(sa):                                              # (a) window kv
+        wait(fork)
+        kv_BSd = attn.window_kv(x_BSD, pos_BS)
+        win_src, win_idx = attn.window_source(kv_BSd, pos_BS, cache)
+        kv_ready = record(sa)
+        attn.window_write(kv_BSd, pos_BS, cache)
+        cache.pending["win"] = record(sa)
+    parts = [(win_src, win_idx)]
+
+    comp_ready = None
+    if attn.compressor is not None:                           # (b) main compressor
+        with on(sb):
+            wait(fork)
+            ckv, csc = attn.compressor.project(x_BSD, pos_BS)
+            attn.compressor.emit(ckv, csc, pos_BS, cache.comp, attn.freq_F)
+            comp_idx = attn.hca_index(pos_BS, cache) if attn.indexer is None else None
+            comp_ready = record(sb)
+            attn.compressor.write_state(ckv, csc, pos_BS, cache.comp)
+            cache.pending["comp"] = record(sb)
+
+    qr_BSL = attn.q_lora(x_BSD)                               # main: q chain
+    q_lora_ready = record(main)
+
+    idx_ready = None
+    if attn.indexer is not None:                              # (c) indexer
+        ix = attn.indexer
+        with on(sc):
+            wait(fork)
+            ikv, isc = ix.compressor.project(x_BSD, pos_BS)
+            ix.compressor.emit(ikv, isc, pos_BS, cache.index, attn.freq_F)
+            w_BSh = ix.weights(x_BSD)
+            wait(q_lora_ready)
+            if hold:
+                keep_alive(qr_BSL, sc)
+            qI = ix.query(qr_BSL, pos_BS, attn.freq_F)
+            comp_idx = attn.chunked(lambda sl: ix.select(qI[:, sl], w_BSh[:, sl], cache.index.entries_BNd,
+                                                         pos_BS[:, sl], cache.index.num_slots), pos_BS.shape[1])
+            idx_ready = record(sc)
+            ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
+            cache.pending["index"] = record(sc)
+
+    q_BSHd = attn.q_heads(qr_BSL, pos_BS)
+    for ev in (kv_ready, comp_ready, idx_ready):              # the single join before the core
+        wait(ev)
+    if attn.compressor is not None:
+        parts.append((cache.comp.entries_BNd, comp_idx))
+    if hold:
+        for _, idx in parts:
+            keep_alive(idx, main)
+        keep_alive(win_src, main)
+    return FrontEnd(q_BSHd=q_BSHd, parts=parts)
