@@ -1,0 +1,172 @@
+"""Bootstrap: launcher detection, self-spawn with root-cause failures, the test pool, and the demo
+under every launcher (self-spawn, torchrun, mpirun)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_wave.comm import LaunchInfo, RankFailure, detect_launcher, spawn
+from tests.ranks import RanksFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- launcher detection
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, LaunchInfo("none", 0, 1, 0, 1)),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+     LaunchInfo("torchrun", 3, 4, 1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, LaunchInfo("torchrun", 1, 2, 1, 2)),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, LaunchInfo("openmpi", 2, 4, 0, 2)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+     LaunchInfo("mpich", 1, 2, 1, 2)),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, LaunchInfo("slurm", 5, 8, 1, 4)),
+])
+def test_detect_each_launcher(env, expected):
+    assert detect_launcher(env) == expected
+
+
+def test_detect_priority_torchrun_over_mpi_over_slurm():
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}
+    ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}
+    assert detect_launcher({**slurm, **ompi, **torchrun}).kind == "torchrun"
+    assert detect_launcher({**slurm, **ompi}).kind == "openmpi"
+    assert detect_launcher({**slurm, "PMI_RANK": "0", "PMI_SIZE": "1"}).kind == "mpich"
+
+
+def test_detect_slurm_needs_srun_and_stray_vars_are_ignored():
+    # An sbatch script (no step) or a lone MASTER_ADDR is not a launcher.
+    assert detect_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}).kind == "none"
+    assert detect_launcher({"MASTER_ADDR": "10.0.0.1", "LOCAL_RANK": "0"}).kind == "none"
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}, "RANK is not set"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE is not set"),
+    ({"PMI_RANK": "2", "PMI_SIZE": "2"}, r"PMI_RANK=2: must be in \[0, PMI_SIZE=2\)"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "PMI_RANK='x': must be a non-negative integer"),
+])
+def test_detect_incomplete_env_names_the_variable(env, match):
+    with pytest.raises(ValueError, match=match):
+        detect_launcher(env)
+
+
+# ----------------------------------------------------------------------------- spawn
+
+def _sum_ranks(ep, offset):
+    t = torch.tensor([ep.rank + offset])
+    dist.all_reduce(t)
+    return ep.rank, ep.size, ep.backend, int(t.item())
+
+
+def _rank1_raises(ep):
+    if ep.rank == 1:
+        time.sleep(0.3)  # the others are already inside the collective
+        raise RuntimeError("boom in rank 1")
+    dist.all_reduce(torch.ones(1))
+    return ep.rank
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3])
+def test_spawn_returns_results_in_rank_order(n):
+    out = spawn(_sum_ranks, n, args=(10,), backend="gloo")
+    total = sum(range(n)) + 10 * n
+    assert out == [(r, n, "gloo", total) for r in range(n)]
+
+
+@pytest.mark.timeout(120)
+def test_spawn_failure_names_the_root_cause_first():
+    with pytest.raises(RankFailure) as info:
+        spawn(_rank1_raises, 3, backend="gloo", timeout_s=20)
+    err = info.value
+    assert err.root_rank == 1
+    msg = str(err)
+    assert "rank 1 (ROOT CAUSE" in msg and "boom in rank 1" in msg
+    assert msg.index("rank 1 (ROOT CAUSE") < msg.index("rank 0") and msg.index("rank 1") < msg.index("rank 2")
+
+
+# ----------------------------------------------------------------------------- the test pool
+
+def _pool_ok(ep, scale, *, shift=0):
+    t = torch.full((2,), float(ep.rank))
+    dist.all_reduce(t)
+    return t.tolist(), scale * ep.rank + shift
+
+
+@pytest.mark.timeout(120)
+def test_pool_reports_root_cause_and_recovers(ranks):
+    pool = ranks(2)
+    assert pool.run(_pool_ok, 3, shift=1) == [([1.0, 1.0], 1), ([1.0, 1.0], 4)]
+    with pytest.raises(RanksFailed) as info:
+        pool.run(_rank1_raises)
+    msg = str(info.value)
+    assert msg.index("rank 1 (ROOT CAUSE") < msg.index("rank 0") and "boom in rank 1" in msg
+    assert pool.run(_pool_ok, 2) == [([1.0, 1.0], 0), ([1.0, 1.0], 2)]  # respawned
+
+
+# ----------------------------------------------------------------------------- the demo under each launcher
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _run(cmd, timeout=150):
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_demo_ok(proc, ranks=2):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "max err" in proc.stdout, out[-4000:]
+    row = [ln for ln in proc.stdout.splitlines() if ln.strip().startswith(str(ranks))]
+    assert row, proc.stdout
+
+
+DEMO_ARGS = ["demo", "--tokens", "16"]
+
+
+@pytest.mark.timeout(180)
+def test_demo_self_spawn():
+    _assert_demo_ok(_run([sys.executable, "-m", "moe_wave", *DEMO_ARGS, "--ranks", "2"]))
+
+
+@pytest.mark.timeout(180)
+def test_demo_under_torchrun():
+    _assert_demo_ok(_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "moe_wave", *DEMO_ARGS]))
+
+
+def _mpirun() -> str | None:
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    local = Path(sys.executable).parent / "mpirun"
+    return found or (str(local) if local.exists() else None)
+
+
+@pytest.mark.timeout(180)
+def test_demo_under_mpirun():
+    pytest.importorskip("mpi4py", reason="mpi4py not installed: pip install 'moe-wave[mpi]'")
+    if _mpirun() is None:
+        pytest.skip("no mpirun on PATH or beside this python (pip install 'moe-wave[mpi]' ships one)")
+    probe = _run(["bash", "launch/mpirun.sh", "--version"], timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"mpirun cannot start in this sandbox: {(probe.stdout + probe.stderr)[-500:]}")
+    _assert_demo_ok(_run(["bash", "launch/mpirun.sh", *DEMO_ARGS]))
