@@ -20,3 +20,19 @@ def ranks():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` / ``multigpu`` tests skip (with the reason) where the GPUs are missing."""
+    gpus = _gpu_count()
+    for item in items:
+        if item.get_closest_marker("gpu") and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA/ROCm GPU (run launch/gpu_all.sh on a GPU host)"))
+        elif item.get_closest_marker("multigpu") and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs two or more GPUs, {gpus} visible"))
