@@ -206,6 +206,9 @@ class V4Attention(nn.Module):
             cache = self.new_cache(B, S, x.device, x.dtype)
         if validate and not is_capturing(x.device):
             cache.check(positions)
+        if is_capturing(x.device) and cache.has_pending:
+            raise ValueError("cache.pending: the cache has writes from an eager call in flight; call cache.join() "
+                             "before capturing a CUDA graph (a capture may not wait on outside events)")
         cache.join()
         use_overlap = self.schedule.use_overlap(B, S) if overlap is None else overlap
         fe = run_frontend(self, x, positions, cache, use_overlap)

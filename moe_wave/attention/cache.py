@@ -55,6 +55,10 @@ class AttnCache:
     def device(self) -> torch.device:
         return self.length_B.device
 
+    @property
+    def has_pending(self) -> bool:
+        return any(ev is not None for ev in self.pending.values())
+
     def join(self) -> None:
         """Make the current stream wait for every deferred write of the previous step (no-op on CPU)."""
         for ev in self.pending.values():

@@ -1,0 +1,270 @@
+"""Benchmark of the V4 attention front-end: serial vs overlapped streams, critical path, whole layer.
+
+    python launch/bench_attn.py [--quick] [--out PATH]        # one GPU; torchrun also works (rank 0 runs)
+
+Shapes: V4-Flash and V4-Pro attention (bf16, random weights of the real shapes, no HF). Per layer type
+(sliding, csa c4 + indexer, hca c128): prefill of 4096 tokens (eager) and decode at batch 1, 8, 64,
+128 against a cache holding 4096 tokens (CUDA graphs). Columns (microseconds, medians over many
+iterations, CUDA events, after warm-up, fresh random inputs each iteration):
+  serial_us          front-end up to the core, all branches on one stream (overlap off)
+  overlapped_us      the same with the branches on side streams
+  critical_path_us   the longest branch timed alone (q chain, window kv, compressor, indexer incl. q_lora)
+  layer_serial_us / layer_us   the whole attention layer (front-end + core + output projection)
+Writes JSON {"meta", "rows"} to --out (default $OUT/attn.json, else benchmarks/<date>-attn-1gpu.json),
+prints a table last and the recommended ``ScheduleConfig.decode_overlap_min_batch``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
+from moe_wave.attention.rope import RopeConfig  # noqa: E402
+from moe_wave.attention.schedule import run_frontend  # noqa: E402
+
+SHAPES = {  # hidden, heads, q_lora, o_groups, index_topk (spec 1.1)
+    "v4-flash": dict(hidden=4096, heads=64, q_lora_rank=1024, o_groups=8, index_topk=512),
+    "v4-pro": dict(hidden=7168, heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024),
+}
+TYPES = {"sliding": ("sliding_attention", 0), "csa": ("compressed_sparse_attention", 4),
+         "hca": ("heavily_compressed_attention", 128)}
+CTX = 4096
+
+
+def make_attn(shape: str, kind: str, dev) -> V4Attention:
+    s = SHAPES[shape]
+    lt, ratio = TYPES[kind]
+    rope = (RopeConfig(dim=64, theta=10000.0) if ratio == 0 else
+            RopeConfig(dim=64, theta=160000.0, yarn_orig=65536, yarn_factor=16.0))
+    cfg = AttnConfig(layer_type=lt, hidden=s["hidden"], heads=s["heads"], head_dim=512, q_lora_rank=s["q_lora_rank"],
+                     o_groups=s["o_groups"], o_lora_rank=1024, window=128, rope=rope, ratio=ratio,
+                     index_heads=64 if ratio == 4 else 0, index_dim=128 if ratio == 4 else 0,
+                     index_topk=s["index_topk"] if ratio == 4 else 0)
+    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name.endswith(("sinks", "ape")):
+                p.normal_(0, 0.5)
+    return attn.eval()
+
+
+def fill_cache(cache, length: int) -> None:
+    """A cache 'prefilled' to ``length`` tokens: random contents (timing does not depend on values)."""
+    cache.length_B.fill_(length)
+    cache.win_BWd.normal_()
+    for st in (cache.comp, cache.index):
+        if st is not None:
+            st.kv_BRC.normal_()
+            st.score_BRC.normal_()
+            st.entries_BNd.normal_()
+
+
+def time_eager(fn, make_inputs, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn(*make_inputs())
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        args = make_inputs()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(*args)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn, static_inputs, pool, iters: int, warmup: int) -> float:
+    """Capture ``fn(*static_inputs)`` once, then time replays with fresh inputs copied in beforehand."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(*static_inputs)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(*static_inputs)
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        static_inputs[0].copy_(pool[i % len(pool)])
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times)
+
+
+def branches(attn: V4Attention):
+    """Each front-end chain alone: name -> fn(x, pos, cache)."""
+    def q(x, pos, cache):
+        attn.q_heads(attn.q_lora(x), pos)
+
+    def kv(x, pos, cache):
+        k = attn.window_kv(x, pos)
+        attn.window_source(k, pos, cache)
+        attn.window_write(k, pos, cache)
+
+    def comp(x, pos, cache):
+        c = attn.compressor
+        kvc, sc = c.project(x, pos)
+        c.emit(kvc, sc, pos, cache.comp, attn.freq_F)
+        if attn.indexer is None:
+            attn.hca_index(pos, cache)
+        c.write_state(kvc, sc, pos, cache.comp)
+
+    def index(x, pos, cache):
+        ix = attn.indexer
+        kvc, sc = ix.compressor.project(x, pos)
+        ix.compressor.emit(kvc, sc, pos, cache.index, attn.freq_F)
+        w = ix.weights(x)
+        qI = ix.query(attn.q_lora(x), pos, attn.freq_F)
+        attn.chunked(lambda sl: ix.select(qI[:, sl], w[:, sl], cache.index.entries_BNd, pos[:, sl],
+                                          cache.index.num_slots), x.shape[1])
+        ix.compressor.write_state(kvc, sc, pos, cache.index)
+
+    out = {"q": q, "kv": kv}
+    if attn.compressor is not None:
+        out["comp"] = comp
+    if attn.indexer is not None:
+        out["index"] = index
+    return out
+
+
+@torch.no_grad()
+def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev) -> dict:
+    attn = make_attn(shape, kind, dev)
+    D = attn.cfg.hidden
+    S = CTX if mode == "prefill" else 1
+    start = 0 if mode == "prefill" else CTX
+    cache = attn.new_cache(batch, CTX + 8)
+    if mode == "decode":
+        fill_cache(cache, CTX)
+    pos = (start + torch.arange(S, device=dev)).expand(batch, -1).contiguous()
+    pool = [torch.randn(batch, S, D, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+
+    def frontend(overlap):
+        def fn(x, p, c):
+            run_frontend(attn, x, p, c, overlap)
+            c.join()
+        return fn
+
+    def layer(overlap):
+        return lambda x, p, c: attn(x, positions=p, cache=c, validate=False, overlap=overlap)
+
+    fns = {"serial": frontend(False), "overlapped": frontend(True), "layer_serial": layer(False),
+           "layer": layer(True)}
+    fns.update({f"branch_{k}": v for k, v in branches(attn).items()})
+    res = {}
+    if mode == "decode":
+        static = [pool[0].clone(), pos, cache]
+        for name, fn in fns.items():
+            res[name] = time_graph(fn, static, pool, iters, warmup)
+    else:
+        it = iter(range(1 << 30))
+        for name, fn in fns.items():
+            res[name] = time_eager(fn, lambda: (pool[next(it) % len(pool)], pos, cache), iters, warmup)
+    crit = max(v for k, v in res.items() if k.startswith("branch_"))
+    row = dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S, context=CTX,
+               cuda_graph=mode == "decode", serial_us=round(res["serial"], 2),
+               overlapped_us=round(res["overlapped"], 2), critical_path_us=round(crit, 2),
+               layer_serial_us=round(res["layer_serial"], 2), layer_us=round(res["layer"], 2))
+    row.update({f"{k}_us": round(v, 2) for k, v in res.items() if k.startswith("branch_")})
+    del attn, cache, pool
+    torch.cuda.empty_cache()
+    return row
+
+
+def decode_policy(rows) -> dict:
+    """Smallest decode batch from which overlap never loses (whole layer), per shape; 0 = always on."""
+    out = {}
+    for shape in sorted({r["shape"] for r in rows}):
+        dec = sorted((r for r in rows if r["shape"] == shape and r["mode"] == "decode"), key=lambda r: r["batch"])
+        batches = sorted({r["batch"] for r in dec})
+        pays = {b: all(r["layer_us"] <= r["layer_serial_us"] for r in dec if r["batch"] == b) for b in batches}
+        thr = None
+        for b in reversed(batches):
+            if not pays[b]:
+                break
+            thr = b
+        out[shape] = 0 if thr == batches[0] else (thr if thr is not None else max(batches) + 1)
+    return out
+
+
+def meta(args) -> dict:
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        sha = "unknown"
+    n = torch.cuda.device_count()
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv), git_sha=sha,
+                gpus=f"1 x {torch.cuda.get_device_name(0)} (of {n})", torch=torch.__version__,
+                cuda=torch.version.cuda, hip=torch.version.hip,
+                nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl), world_size=1,
+                quick=args.quick, context=CTX, dtype="bfloat16")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="V4-Flash only, decode batches 1 and 64, fewer iterations")
+    ap.add_argument("--out", default=None, help="JSON output path (default $OUT/attn.json or benchmarks/)")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations per point")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attn: needs a CUDA/ROCm GPU")
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 measures
+        return
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    shapes = ["v4-flash"] if args.quick else list(SHAPES)
+    batches = [1, 64] if args.quick else [1, 8, 64, 128]
+    iters = args.iters or (10 if args.quick else 30)
+    rows = []
+    for shape in shapes:
+        for kind in TYPES:
+            points = [("prefill", 1)] + [("decode", b) for b in batches]
+            for mode, b in points:
+                n = max(5, iters // 3) if mode == "prefill" else iters
+                row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    policy = decode_policy(rows)
+    out = args.out or (os.path.join(os.environ["OUT"], "attn.json") if os.environ.get("OUT") else
+                       os.path.join("benchmarks", f"{datetime.date.today()}-attn-1gpu.json"))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy}, "rows": rows}, f, indent=1)
+    hdr = f"{'shape':9} {'type':7} {'mode':7} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9}"
+    print(f"\nwrote {out}\n{hdr}")
+    for r in rows:
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {r['tokens']:>5} {r['serial_us']:>9.1f} "
+              f"{r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} {r['layer_us']:>9.1f}")
+    print(f"recommended ScheduleConfig.decode_overlap_min_batch: {policy}")
+
+
+if __name__ == "__main__":
+    main()
