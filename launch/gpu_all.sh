@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
+#
+#   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe comm attn sweep (default: all)
+#
+# Full results go to RES (default results/<date>); when the device tool's $OUT is set they are
+# packed into $OUT/results.tgz (it brings back at most 8 files). A short table is printed last.
+# Each stage has its own time limit so that one hang cannot eat the whole run.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+QUICK=""
+STAGES=()
+for a in "$@"; do
+    case "$a" in
+        --quick) QUICK="--quick" ;;
+        *) STAGES+=("$a") ;;
+    esac
+done
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests moe comm attn sweep)
+if [ -n "${OUT:-}" ]; then RES="${RES:-/tmp/moe_wave_results}"; else RES="${RES:-results/$(date +%Y-%m-%d)}"; fi
+mkdir -p "$RES"
+LOG="$RES/gpu_all.log"
+PY="${PYTHON:-python3}"
+NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
+
+# moe_wave.comm lives in comm/ (package-dir mapping): install editable without touching deps;
+# fall back to an assembled copy on PYTHONPATH when pip cannot install offline.
+if ! "$PY" -c "import moe_wave.comm" >/dev/null 2>&1; then
+    if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
+        rm -rf /tmp/mw && mkdir -p /tmp/mw && cp -r moe_wave /tmp/mw/ && cp -r comm /tmp/mw/moe_wave/comm
+        export PYTHONPATH="/tmp/mw:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+    date -u +"date %Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    nvidia-smi topo -m 2>/dev/null | head -5
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())))'
+    git rev-parse HEAD 2>/dev/null || true
+} 2>&1 | tee -a "$LOG"
+
+declare -A STATUS
+stage() {  # stage NAME LIMIT_S CMD...
+    local name="$1" limit="$2"; shift 2
+    echo "=== $name ($limit s): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RES/$name.log" | tail -n 60 >>"$LOG"
+    local rc=${PIPESTATUS[0]}
+    STATUS[$name]="rc=$rc $((SECONDS - t0))s"
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+for s in "${STAGES[@]}"; do
+    case "$s" in
+        tests)
+            stage tests_multi 240 "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+                tests/test_gpu_moe.py $(ls tests/test_gpu_comm.py 2>/dev/null)
+            stage tests_single 180 "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
+                $(ls tests/test_gpu_attention.py 2>/dev/null) ;;
+        moe)   stage bench_moe 300 "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
+        comm)  stage bench_comm 240 "${TR[@]}" launch/bench_comm.py $QUICK --out "$RES/comm.json" ;;
+        attn)  stage bench_attn 240 "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json" ;;
+        sweep) stage sweep 240 "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
+                   --waves 1,2,4,8 --out "$RES/sweep" --trace "$RES/sweep/trace"
+               true ;;
+        *) echo "unknown stage $s (tests moe comm attn sweep)" ;;
+    esac
+done
+
+"$PY" launch/summarize.py "$RES" 2>&1 | tee "$RES/summary.txt"
+echo "stages:"; for k in "${!STATUS[@]}"; do echo "  $k ${STATUS[$k]}"; done
+if [ -n "${OUT:-}" ]; then
+    cp "$RES/summary.txt" "$RES/gpu_all.log" "$OUT/" 2>/dev/null
+    tar czf "$OUT/results.tgz" -C "$RES" .
+fi

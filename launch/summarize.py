@@ -1,0 +1,64 @@
+"""Print a short table of the key rows of a gpu_all.sh run: python launch/summarize.py OUT_DIR."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt(v):
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def table(rows, cols, title):
+    if not rows:
+        return
+    print(f"\n{title}")
+    w = [max(len(c), *(len(_fmt(r.get(c, ""))) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(n) for c, n in zip(cols, w)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c, "")).rjust(n) for c, n in zip(cols, w)))
+
+
+def main(out: str) -> None:
+    out = Path(out)
+    moe = _load(out / "moe.json")
+    if moe:
+        rows = [dict(r, vs_ideal=r["pipelined_us"] / max(r["comm_only_us"], r["compute_only_us"]),
+                     speedup=r["serial_us"] / r["pipelined_us"])
+                for r in moe["rows"] if r.get("pipelined_us")]
+        key = [r for r in rows if r.get("tokens_per_rank") in (2048, 8192)
+               and r.get("shared_placement") == "bubbles"]
+        best = {}
+        for r in key:
+            k = (r["shape"], r["tokens_per_rank"])
+            if k not in best or r["pipelined_us"] < best[k]["pipelined_us"]:
+                best[k] = r
+        table(list(best.values()), ["shape", "tokens_per_rank", "num_waves", "serial_us", "pipelined_us",
+                                    "comm_only_us", "compute_only_us", "vs_ideal", "speedup"],
+              "MoE (best W per shape/tokens, shared in bubbles)")
+    comm = _load(out / "comm.json")
+    if comm:
+        rows = [r for r in comm["rows"] if r.get("layout") in ("v4-flash",) and r.get("tokens_per_rank") in (128, 4096)
+                or r.get("bytes_per_rank") == 64 * 2**20]
+        table(rows[:12], ["backend", "layout", "tokens_per_rank", "bytes_per_rank", "dispatch_us", "combine_us",
+                          "p2p_limit_GBps", "alone_us", "beside_gemm_us", "gemm_us"], "comm (key rows)")
+    attn = _load(out / "attn.json")
+    if attn:
+        table(attn["rows"][:16], ["shape", "layer_type", "mode", "tokens", "cuda_graph", "serial_us",
+                                  "overlapped_us", "critical_path_us"], "attention front-end")
+    for p in sorted(out.glob("*.log")):
+        txt = p.read_text(errors="replace").strip().splitlines()
+        print(f"{p.name}: {txt[-1] if txt else ''}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")
