@@ -1,0 +1,289 @@
+"""Measurement core: one benchmark point of a ``WaveMoE`` (DESIGN.md, "Performance method").
+
+Legend: T local tokens, D hidden, K top-k, P ranks, W waves, R received rows.
+
+What is timed (every rank runs the same iterations; medians per rank, then the max over ranks):
+
+    serial_us        forward_routed(overlap=False): layout + count exchange + W x (dispatch -> experts
+                     -> combine) one after another + the shared expert after them
+    pipelined_us     forward_routed(overlap=True): the wave pipeline, shared expert per its placement
+    comm_only_us     layout + count exchange + every wave's dispatch and combine in pipeline order, the
+                     experts replaced by an identity that returns the received rows (no shared expert)
+    compute_only_us  the routed experts on every wave's pre-received rows + the whole shared expert,
+                     no communication, no router, no layout
+    ideal_us         max(comm_only, compute_only)
+    exposed_us       pipelined - compute_only (everything the pipeline failed to hide, host sync included)
+    overlap_ratio    1 - exposed / comm_only (1: all comm hidden; <= 0: nothing hidden)
+    GBps             link_bytes / comm_only, link_bytes = bytes this rank sends to other ranks (dispatch
+                     rows + their routing metadata, combine rows back), max over ranks
+
+Routing is computed once per input outside the timed region. Inputs rotate through a pool of
+pre-generated random tensors (never zeros); on GPU a 256 MB buffer is written before every iteration
+to flush L2, the ranks meet at a barrier, and CUDA events time the iteration. On CPU
+``time.perf_counter`` does. Before timing, ``check`` compares pipelined with serial (allclose).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_wave.comm.backend import Received
+from moe_wave.comm.layout import WavePlan, compute_layout
+
+from .config import WaveConfig
+from .moe import WaveMoE, make_backend
+from .pipeline import run_waves
+from .profiling import annotate
+
+__all__ = ["BenchConfig", "measure", "Timer", "init_random_", "reschedule", "random_inputs", "KINDS"]
+
+KINDS = ("serial", "pipelined", "comm_only", "compute_only")
+_L2_FLUSH_BYTES = 256 << 20
+_POOL_BYTES = 2 << 30  # cap on the pool of inputs + pre-received rows per rank
+_TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (1e-2, 1e-2)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """How one point is measured.
+
+    Attributes:
+        warmup: untimed iterations per kind.
+        iters: timed iterations per kind (the median is reported).
+        pool: distinct random inputs rotated through (reduced to fit ``_POOL_BYTES``).
+        flush_l2: write a 256 MB buffer before every iteration (GPU only).
+        seed: of the inputs (each rank adds its rank).
+    """
+
+    warmup: int = 3
+    iters: int = 20
+    pool: int = 4
+    flush_l2: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.warmup < 0:
+            raise ValueError(f"BenchConfig.warmup={self.warmup}: must be >= 0")
+        for name in ("iters", "pool"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BenchConfig.{name}={getattr(self, name)}: must be >= 1")
+
+
+# ----------------------------------------------------------------------------- setup helpers
+
+@torch.no_grad()
+def init_random_(moe: WaveMoE, seed: int = 0) -> WaveMoE:
+    """Random weights drawn on the parameters' device (no full-weight copy on the host, so V4-Pro
+    fits): router identical on every rank, experts per rank; scaled to keep activations O(1)."""
+    dev = moe.gate.weight.device
+    rank = moe.ep.rank
+
+    def fill(t: torch.Tensor, fan_in: int, s: int) -> None:
+        g = torch.Generator(device=dev).manual_seed(s)
+        t.copy_(torch.randn(t.shape, generator=g, device=dev, dtype=torch.float32).mul_(fan_in ** -0.5))
+
+    D, I = moe.cfg.hidden_size, moe.cfg.intermediate_size
+    fill(moe.gate.weight, D, seed)
+    for j in range(moe.num_local):  # one expert at a time: no fp32 copy of all experts at once
+        fill(moe.experts.gate_up[j], D, seed + 1000 * (rank + 1) + 2 * j)
+        fill(moe.experts.down[j], I, seed + 1000 * (rank + 1) + 2 * j + 1)
+    if moe.shared is not None:
+        fill(moe.shared.gate_proj, D, seed + 1)
+        fill(moe.shared.up_proj, D, seed + 2)
+        fill(moe.shared.down_proj, I, seed + 3)
+    return moe
+
+
+def reschedule(moe: WaveMoE, wave: WaveConfig) -> WaveMoE:
+    """A view of ``moe`` (same parameters, no copy) that runs under another ``WaveConfig``: the
+    sweep changes the schedule without re-creating the expert weights (25 GB per rank for V4-Pro)."""
+    m = copy.copy(moe)
+    m.wave = wave
+    if wave.backend != moe.wave.backend:
+        m.backend = make_backend(wave.backend, moe.ep, moe.streams, moe.cfg, wave)
+    m.plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local,
+                           num_waves=wave.waves_for(moe.num_local), partition=wave.partition)
+    m.__dict__.pop("_auto_done", None)  # an "auto" schedule is resolved again at its first forward
+    return m
+
+
+def random_inputs(moe: WaveMoE, tokens: int, n: int, seed: int = 0) -> list[tuple]:
+    """``n`` random (x_TD, ids_TK, w_TK): x ~ N(0, 1) in the parameter dtype, routed by the model."""
+    dev, dtype = moe.gate.weight.device, moe.gate.weight.dtype
+    g = torch.Generator(device=dev).manual_seed(seed * 7919 + moe.ep.rank)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            x_TD = torch.randn(tokens, moe.cfg.hidden_size, generator=g, device=dev, dtype=torch.float32).to(dtype)
+            if moe.cfg.hash_routing:
+                ids = torch.randint(moe.cfg.vocab_size, (tokens,), generator=g, device=dev)
+                out.append((x_TD, *moe.route(x_TD, ids)))
+            else:
+                out.append((x_TD, *moe.route(x_TD)))
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+
+class Timer:
+    """Times ``fn(i)`` per iteration: barrier, (GPU) L2 flush, CUDA events or perf_counter."""
+
+    def __init__(self, ep, flush_l2: bool = True):
+        self.ep = ep
+        self.cuda = ep.device.type == "cuda"
+        self.flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=ep.device) if self.cuda and flush_l2 else None
+
+    def barrier(self) -> None:
+        if self.ep.pg is not None:
+            dist.barrier(group=self.ep.pg)
+        if self.cuda:
+            torch.cuda.synchronize()  # HOST SYNC: every rank starts the iteration from an idle device
+
+    def run(self, fn: Callable[[int], object], iters: int, warmup: int) -> list[float]:
+        """Per-iteration times in microseconds (this rank)."""
+        for i in range(warmup):
+            fn(i)
+        times, events = [], []
+        for i in range(iters):
+            if self.flush is not None:
+                self.flush.fill_(i & 0xFF)
+            self.barrier()
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn(warmup + i)
+                b.record()
+                events.append((a, b))
+            else:
+                t0 = time.perf_counter()
+                fn(warmup + i)
+                times.append((time.perf_counter() - t0) * 1e6)
+        if self.cuda:
+            torch.cuda.synchronize()  # HOST SYNC: read the events
+            times = [a.elapsed_time(b) * 1e3 for a, b in events]
+        return times
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        if self.ep.pg is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.ep.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep.pg)
+        return t.tolist()
+
+
+# ----------------------------------------------------------------------------- the four kinds
+
+def _identity(got: Received) -> torch.Tensor:
+    return got.x_RD
+
+
+def comm_only(moe: WaveMoE, x_TD, ids_TK, w_TK, plan: WavePlan | None = None) -> torch.Tensor:
+    """Layout, count exchange, every wave's dispatch and combine; no expert compute."""
+    with annotate("layout"):
+        layout = compute_layout(ids_TK, w_TK, plan or moe.plan)
+    with annotate("prepare"):
+        xplan = moe.backend.prepare(layout)
+    out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+    return run_waves(x_TD, xplan, moe.backend, _identity, out_TD, overlap=True)
+
+
+def pre_receive(moe: WaveMoE, x_TD, ids_TK, w_TK, plan: WavePlan | None = None) -> list[Received]:
+    """Every wave's received rows (copied: fixed-buffer backends reuse their receive buffers)."""
+    xplan = moe.backend.prepare(compute_layout(ids_TK, w_TK, plan or moe.plan))
+    got = []
+    for w in range(xplan.num_waves):
+        r = moe.backend.dispatch(x_TD, xplan, w).wait()
+        got.append(dataclasses.replace(r, x_RD=r.x_RD.clone(), expert_RK=r.expert_RK.clone(),
+                                       weight_RK=r.weight_RK.clone()))
+    return got
+
+
+def compute_only(moe: WaveMoE, x_TD, received: list[Received], shared: bool = True) -> None:
+    """The routed experts on every wave's received rows, then the shared expert; no comm."""
+    for w, got in enumerate(received):
+        with annotate(f"wave{w}.experts"):
+            moe.routed_rows(got)
+    if shared and moe.shared is not None:
+        with annotate("shared.serial"):
+            moe.shared(x_TD)
+
+
+def link_bytes(moe: WaveMoE, x_TD, ids_TK, w_TK) -> int:
+    """Bytes this rank sends to other ranks in one layer: dispatch rows (+ K int32 expert ids and
+    K fp32 weights each) and combine rows back."""
+    layout = compute_layout(ids_TK, w_TK, moe.plan)
+    xplan = moe.backend.prepare(layout)
+    me = moe.ep.rank
+    # HOST SYNC (setup only): row counts for the byte total.
+    sent = int(layout.send_counts_WP.sum() - layout.send_counts_WP[:, me].sum())
+    recv = int(xplan.recv_counts_WP.sum() - xplan.recv_counts_WP[:, me].sum())
+    row = moe.cfg.hidden_size * x_TD.element_size()
+    return sent * (row + 8 * moe.cfg.top_k) + recv * row
+
+
+def _pool_size(moe: WaveMoE, tokens: int, want: int) -> int:
+    P, K = moe.ep.size, moe.cfg.top_k
+    per = tokens * moe.cfg.hidden_size * moe.gate.weight.element_size() * (1 + min(K, P))
+    return max(1, min(want, _POOL_BYTES // max(per, 1)))
+
+
+# ----------------------------------------------------------------------------- one point
+
+@torch.no_grad()
+def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=KINDS) -> dict:
+    """Measure one point. Every rank of ``moe.ep`` must call it together with the same arguments
+    (``tokens`` may differ between ranks). Returns the same dict on every rank: ``<kind>_us`` for
+    each of ``kinds`` (max over ranks of the per-rank medians), and when all four kinds are timed
+    ``ideal_us``, ``exposed_us``, ``overlap_ratio``, ``link_bytes``, ``GBps``, ``speedup`` (serial /
+    pipelined), plus always ``check`` ("ok" or "FAIL") and ``max_err`` (pipelined vs serial)."""
+    bench = bench or BenchConfig()
+    timer = Timer(moe.ep, bench.flush_l2)
+    inputs = random_inputs(moe, tokens, _pool_size(moe, tokens, bench.pool), bench.seed)
+    n = len(inputs)
+
+    x0, ids0, w0 = inputs[0]
+    y_pipe = moe.forward_routed(x0, ids0, w0, overlap=True)  # also resolves an "auto" wave count
+    y_ser = moe.forward_routed(x0, ids0, w0, overlap=False)
+    rtol, atol = _TOL.get(x0.dtype, (1e-2, 1e-2))
+    scale = max(float(y_ser.float().abs().max()), 1e-6) if tokens else 1.0
+    err = float((y_pipe.float() - y_ser.float()).abs().max()) if tokens else 0.0
+    ok = torch.allclose(y_pipe.float(), y_ser.float(), rtol=rtol, atol=atol * scale)
+
+    fns = {
+        "serial": lambda i: moe.forward_routed(*inputs[i % n], overlap=False),
+        "pipelined": lambda i: moe.forward_routed(*inputs[i % n], overlap=True),
+        "comm_only": lambda i: comm_only(moe, *inputs[i % n]),
+    }
+    if "compute_only" in kinds:
+        received = [pre_receive(moe, *inp) for inp in inputs]
+        fns["compute_only"] = lambda i: compute_only(moe, inputs[i % n][0], received[i % n])
+    medians = []
+    for kind in kinds:
+        with annotate(f"bench.{kind}"):
+            medians.append(statistics.median(timer.run(fns[kind], bench.iters, bench.warmup)))
+    nbytes = link_bytes(moe, x0, ids0, w0) if "comm_only" in kinds else 0
+    agg = timer.max_over_ranks(medians + [err, 0.0 if ok else 1.0, float(nbytes)])
+    row = {f"{k}_us": round(v, 2) for k, v in zip(kinds, agg)}
+    err, bad, nbytes = agg[len(kinds):]
+    row.update(check="FAIL" if bad else "ok", max_err=float(f"{err:.3g}"))
+    if set(KINDS) <= set(kinds):
+        row.update(derive(row["serial_us"], row["pipelined_us"], row["comm_only_us"], row["compute_only_us"]))
+        row["link_bytes"] = int(nbytes)
+        row["GBps"] = round(nbytes / (row["comm_only_us"] * 1e3), 2) if row["comm_only_us"] > 0 else 0.0
+    return row
+
+
+def derive(serial_us: float, pipelined_us: float, comm_us: float, compute_us: float) -> dict:
+    """ideal, exposed comm, overlap ratio and speedup from the four medians (DESIGN.md)."""
+    exposed = pipelined_us - compute_us
+    return {"ideal_us": round(max(comm_us, compute_us), 2), "exposed_us": round(exposed, 2),
+            "overlap_ratio": round(1.0 - exposed / comm_us, 4) if comm_us > 0 else 0.0,
+            "speedup": round(serial_us / pipelined_us, 4) if pipelined_us > 0 else 0.0}
