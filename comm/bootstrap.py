@@ -231,9 +231,10 @@ def format_failures(errors: list[RankError], silent: Mapping[int, str], what: st
     t0 = errors[0].time if errors else 0.0
     for i, e in enumerate(errors):
         tag = "ROOT CAUSE" if i == 0 else ("secondary" if e.secondary else "also failed")
-        lines += [f"===== rank {e.rank} ({tag}, +{e.time - t0:.2f} s) =====", e.traceback.rstrip()]
+        lines += [f"===== rank {e.rank} ({tag}, {e.time - t0:+.2f} s) =====", e.traceback.rstrip()]
     for r, why in sorted(silent.items()):
-        lines += [f"===== rank {r} (stopped: {why}) =====".rstrip()]
+        why, _, stack = why.partition("\n")
+        lines += [f"===== rank {r} (stopped: {why}) =====", *([stack] if stack else [])]
     return "\n".join(lines)
 
 
@@ -264,7 +265,7 @@ def collect(procs, results_q, deadline: float, grace_s: float) -> tuple[dict, li
                 # A message may still sit in the pipe after exit: give it a moment before declaring death.
                 if now - dead_since.setdefault(r, now) > 1.0:
                     pending.discard(r)
-                    errors.append(RankError(time.time(), r, f"process exited with code {procs[r].exitcode} "
+                    errors.append(RankError(time.time() - (now - dead_since[r]), r, f"process exited with code {procs[r].exitcode} "
                                             "without reporting (killed? out of memory? os._exit?)", False))
                     first_fail = first_fail if first_fail is not None else now
             continue
@@ -293,7 +294,7 @@ def stop(procs, stack_files: Mapping[int, str] | None = None, silent: dict | Non
             except OSError:
                 stack = ""
             if stack:
-                silent[r] += "; its stack:\n" + stack
+                silent[r] += ", its stack below\n" + stack
     for p in procs:
         if p.is_alive():
             p.terminate()
