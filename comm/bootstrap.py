@@ -173,8 +173,19 @@ def init_from_env(timeout_s: float = 60, device=None) -> EPGroup:
                              "export MASTER_ADDR=$(scontrol show hostnames | head -n1) MASTER_PORT=29500")
         init_method = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend))
     return EPGroup.from_process_group(device=dev)
+
+
+def pg_options(backend: str) -> dict:
+    """NCCL on high-priority streams: the block scheduler then places an all-to-all's CTAs ahead of
+    the expert GEMM's pending ones, which is what lets a wave's transfer start while the previous
+    wave computes. MOE_WAVE_NCCL_HIGH_PRIORITY=0 turns it off."""
+    if backend != "nccl" or os.environ.get("MOE_WAVE_NCCL_HIGH_PRIORITY", "1") == "0":
+        return {}
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    return {"pg_options": opts}
 
 
 # ----------------------------------------------------------------------------- failure supervision
@@ -319,7 +330,7 @@ def child_setup(rank: int, world_size: int, backend: str, store_path: str, timeo
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend))
     return EPGroup.from_process_group(device=device)
 
 

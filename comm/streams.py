@@ -106,8 +106,9 @@ class Streams:
         mod = accel_module(device)
         if mod is None:
             return cls(device, None, None, tuple(None for _ in range(num_extra)))
-        mk = lambda: mod.Stream(device=device, priority=priority)  # noqa: E731
-        return cls(device, mk(), mk(), tuple(mk() for _ in range(num_extra)))
+        mk = lambda prio: mod.Stream(device=device, priority=prio)  # noqa: E731
+        # comm gets the high priority: its copies/kernels should start the moment SMs free up
+        return cls(device, mk(-1), mk(priority), tuple(mk(priority) for _ in range(num_extra)))
 
     def current(self):
         return current_stream(self.device)
