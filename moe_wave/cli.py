@@ -178,6 +178,10 @@ def cmd_demo(args) -> int:
 
 # ----------------------------------------------------------------------------- parser
 
+def _waves(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-wave", description="Expert-parallel MoE engine for DeepSeek-V4.")
     p.add_argument("--version", action="version", version=f"moe-wave {moe_wave.__version__}")
@@ -190,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn without a launcher (default: every GPU, or 2 on CPU)")
     d.add_argument("--preset", default="tiny", help="MoEConfig preset: tiny, balanced, v4-flash, v4-pro")
     d.add_argument("--tokens", type=int, default=64, help="tokens per rank")
-    d.add_argument("--waves", type=int, default=2, help="number of waves W")
+    d.add_argument("--waves", type=_waves, default=2, help="number of waves W, or 'auto'")
     d.add_argument("--partition", choices=("experts", "tokens"), default="experts")
     d.add_argument("--backend", choices=("torch", "symm", "deepep"), default="torch", help="comm backend")
     d.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_wave.comm import LaunchInfo, RankFailure, detect_launcher, spawn
+from moe_wave.comm import LaunchInfo, RankFailure, detect_launcher, init_from_env, spawn
 from tests.ranks import RanksFailed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +116,16 @@ def test_pool_reports_root_cause_and_recovers(ranks):
     msg = str(info.value)
     assert msg.index("rank 1 (ROOT CAUSE") < msg.index("rank 0") and "boom in rank 1" in msg
     assert pool.run(_pool_ok, 2) == [([1.0, 1.0], 0), ([1.0, 1.0], 2)]  # respawned
+
+
+def _init_again(ep):
+    again = init_from_env()  # a host application's group: wrapped, never re-initialised
+    return again.rank == ep.rank and again.size == ep.size and again.pg is dist.group.WORLD
+
+
+@pytest.mark.timeout(120)
+def test_init_from_env_keeps_an_existing_group(ranks):
+    assert ranks(2).run(_init_again) == [True, True]
 
 
 # ----------------------------------------------------------------------------- the demo under each launcher
