@@ -206,6 +206,9 @@ class WaveMoE(nn.Module):
                        overlap: bool = True) -> torch.Tensor:
         """The MoE after routing: dispatch -> experts -> combine (+ shared); [T, D] in x's dtype."""
         shared = _SharedSchedule(self.shared, self.wave, self.streams, overlap) if self.shared is not None else None
+        if self.wave.num_waves == "auto":
+            from .autowave import resolve  # lazy: measures once per shape (cached), then sets self.plan
+            resolve(self, x_TD, ids_TK, w_TK)
         with annotate("layout"):
             layout = compute_layout(ids_TK, w_TK, self.plan)
         if shared is not None:
