@@ -172,7 +172,10 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
         return fn
 
     def layer(overlap):
-        return lambda x, p, c: attn(x, positions=p, cache=c, validate=False, overlap=overlap)
+        def fn(x, p, c):
+            attn(x, positions=p, cache=c, validate=False, overlap=overlap)
+            c.join()  # eager warm-up leaves deferred writes; a capture may not wait on them
+        return fn
 
     fns = {"serial": frontend(False), "overlapped": frontend(True), "layer_serial": layer(False),
            "layer": layer(True)}
@@ -181,6 +184,8 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
     if mode == "decode":
         static = [pool[0].clone(), pos, cache]
         for name, fn in fns.items():
+            if os.environ.get("BENCH_ATTN_DEBUG"):
+                print("capture", shape, kind, batch, name, flush=True)
             res[name] = time_graph(fn, static, pool, iters, warmup)
     else:
         it = iter(range(1 << 30))

@@ -17,8 +17,11 @@ Under CUDA-graph capture every side stream is joined before the call returns.
 
 Switch: ``ScheduleConfig.overlap`` (default from the environment variable ``MOE_WAVE_ATTN_OVERLAP``,
 "0" turns it off; default on). ``decode_overlap_min_batch`` turns it off for decode steps (S == 1)
-with a smaller batch, where launch latency beats the overlap (see launch/bench_attn.py). On CPU every
-stream op is a no-op and both settings run the same code serially.
+with a smaller batch, should launch latency beat the overlap. Default 0 (always overlap): on one H200
+(launch/bench_attn.py, CUDA graphs, 4096-token cache) overlap cut the decode front-end by 15-40% and the
+whole attention layer by 5-33% at every batch from 1 to 128, for V4-Flash and V4-Pro, all layer types;
+in prefill at 4096 tokens it neither gains nor loses more than ~4%. On CPU every stream op is a no-op
+and both settings run the same code serially.
 """
 
 from __future__ import annotations
