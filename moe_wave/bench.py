@@ -238,12 +238,14 @@ def _pool_size(moe: WaveMoE, tokens: int, want: int) -> int:
 # ----------------------------------------------------------------------------- one point
 
 @torch.no_grad()
-def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=KINDS) -> dict:
+def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=KINDS, tracer=None,
+            label: str = "point") -> dict:
     """Measure one point. Every rank of ``moe.ep`` must call it together with the same arguments
     (``tokens`` may differ between ranks). Returns the same dict on every rank: ``<kind>_us`` for
     each of ``kinds`` (max over ranks of the per-rank medians), and when all four kinds are timed
     ``ideal_us``, ``exposed_us``, ``overlap_ratio``, ``link_bytes``, ``GBps``, ``speedup`` (serial /
-    pipelined), plus always ``check`` ("ok" or "FAIL") and ``max_err`` (pipelined vs serial)."""
+    pipelined), plus always ``check`` ("ok" or "FAIL") and ``max_err`` (pipelined vs serial).
+    With a ``moe_wave.trace.Tracer``, one more iteration of each kind is recorded under ``label``."""
     bench = bench or BenchConfig()
     timer = Timer(moe.ep, bench.flush_l2)
     inputs = random_inputs(moe, tokens, _pool_size(moe, tokens, bench.pool), bench.seed)
@@ -269,6 +271,14 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
     for kind in kinds:
         with annotate(f"bench.{kind}"):
             medians.append(statistics.median(timer.run(fns[kind], bench.iters, bench.warmup)))
+    if tracer is not None and tracer.enabled:
+        timer.barrier()
+        with tracer.capture(label):
+            if not moe.cfg.hash_routing:  # the router is outside the timed kinds; one call shows it on the timeline
+                moe.route(x0)
+            for kind in kinds:
+                with annotate(f"bench.{kind}"):
+                    fns[kind](0)
     nbytes = link_bytes(moe, x0, ids0, w0) if "comm_only" in kinds else 0
     agg = timer.max_over_ranks(medians + [err, 0.0 if ok else 1.0, float(nbytes)])
     row = {f"{k}_us": round(v, 2) for k, v in zip(kinds, agg)}

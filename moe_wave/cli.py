@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--iters", type=int, default=3, help="timed iterations after one warm-up")
     d.add_argument("--timeout", type=float, default=60, help="collective timeout in seconds")
     d.set_defaults(func=cmd_demo)
+
+    from moe_wave import sweep  # sweep + plot (owned by the benchmark side)
+
+    sweep.register(sub)
     return p
 
 

@@ -1,0 +1,117 @@
+"""Plots of a sweep CSV (matplotlib, Agg), written next to the CSV:
+
+    <stem>_speedup.png      serial / pipelined vs tokens per rank, one line per wave count, a panel per shape
+    <stem>_exposed.png      exposed comm (pipelined - compute_only) vs waves, one line per tokens per rank
+    <stem>_best_waves.png   heat map of the best wave count (lowest pipelined time), shape x tokens per rank
+
+Rows whose check failed are left out. When the CSV holds several partitions, backends or shared
+placements, each (partition, backend, placement) combination gets its own line style / heat-map row.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["draw"]
+
+
+def _rows(csv_path) -> list[dict]:
+    from .sweep import read_rows
+
+    rows = [r for r in read_rows(csv_path) if r.get("check") == "ok" and r.get("pipelined_us")]
+    for r in rows:
+        r["T"] = int(r["tokens_per_rank"])
+        r["W"] = int(r["num_waves"])
+        r["sched"] = f"{r['partition']}/{r['backend']}/{r['shared_placement']}"
+    return rows
+
+
+def _panels(n: int, plt):
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
+def draw(csv_path: str | os.PathLike) -> list[Path]:
+    """Draw the three PNGs for ``csv_path``; returns their paths (none when no row passed its check)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    csv_path = Path(csv_path)
+    rows = _rows(csv_path)
+    if not rows:
+        return []
+    stem = csv_path.with_suffix("")
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    scheds = list(dict.fromkeys(r["sched"] for r in rows))
+    styles = ["-", "--", ":", "-."]
+    out = []
+
+    fig, axes = _panels(len(shapes), plt)
+    for ax, shape in zip(axes, shapes):
+        lines = defaultdict(list)
+        for r in rows:
+            if r["shape"] == shape:
+                lines[(r["sched"], r["W"])].append((r["T"], float(r["serial_us"]) / float(r["pipelined_us"])))
+        for (sched, W), pts in sorted(lines.items()):
+            pts.sort()
+            label = f"W={W}" if len(scheds) == 1 else f"W={W} {sched}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[scheds.index(sched) % 4], marker="o", label=label)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(title=shape, xlabel="tokens per rank", ylabel="speedup (serial / pipelined)")
+        ax.legend(fontsize=7)
+    out.append(_save(fig, plt, f"{stem}_speedup.png"))
+
+    fig, axes = _panels(len(shapes), plt)
+    for ax, shape in zip(axes, shapes):
+        lines = defaultdict(list)
+        for r in rows:
+            if r["shape"] == shape and r.get("exposed_us"):
+                lines[(r["sched"], r["T"])].append((r["W"], float(r["exposed_us"])))
+        for (sched, T), pts in sorted(lines.items()):
+            pts.sort()
+            label = f"T={T}" if len(scheds) == 1 else f"T={T} {sched}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[scheds.index(sched) % 4], marker="o", label=label)
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(title=shape, xlabel="waves W", ylabel="exposed comm (us)")
+        ax.legend(fontsize=7)
+    out.append(_save(fig, plt, f"{stem}_exposed.png"))
+
+    best = {}
+    for r in rows:
+        k = (r["shape"], r["sched"], r["T"])
+        if k not in best or float(r["pipelined_us"]) < float(best[k]["pipelined_us"]):
+            best[k] = r
+    ylabels = list(dict.fromkeys((s, sc) for s, sc, _ in best))
+    tokens = sorted({T for _, _, T in best})
+    grid = [[float("nan")] * len(tokens) for _ in ylabels]
+    for (s, sc, T), r in best.items():
+        grid[ylabels.index((s, sc))][tokens.index(T)] = r["W"]
+    fig, ax = plt.subplots(figsize=(1.2 * len(tokens) + 3, 0.6 * len(ylabels) + 2))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{int(v)}", ha="center", va="center", color="w")
+    ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+    ax.set_yticks(range(len(ylabels)), [s if len(scheds) == 1 else f"{s} {sc}" for s, sc in ylabels])
+    ax.set(xlabel="tokens per rank", title="best wave count (lowest pipelined time)")
+    fig.colorbar(im, ax=ax, label="W")
+    out.append(_save(fig, plt, f"{stem}_best_waves.png"))
+    return out
+
+
+def _save(fig, plt, path: str) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,444 @@
+"""``python -m moe_wave sweep``: a grid of MoE benchmark points; ``python -m moe_wave plot CSV``.
+
+Grid axes: model shape (presets, and/or one custom --hidden/--intermediate/--experts/--topk), tokens
+per rank, waves, partition, comm backend, shared-expert placement. (Attention overlap is not an axis:
+this sweep times the MoE block alone; ``launch/bench_attn.py`` covers the attention front-end.)
+
+Per point: the ``moe_wave.bench.measure`` numbers and the pipelined-vs-serial check, plus the
+``auto`` wave count of that (shape, tokens, partition, backend, placement) group and its pipelined
+time. Output: a CSV (one row per point, each with the command that reproduces it), a JSON sidecar
+in the benchmark-file format (``{"meta", "rows"}``: versions, git SHA, devices, env), a markdown
+summary, and the plots (``moe_wave.plots``). Points already in the CSV are skipped (resume).
+Without a launcher the ranks are spawned here (CPU: 2 gloo ranks; GPU host: one per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import BACKENDS, PARTITIONS, PRESETS, SHARED_PLACEMENTS, MoEConfig
+
+__all__ = ["register", "run", "run_rank", "build_spec", "COLUMNS", "KEY"]
+
+KEY = ("shape", "hidden", "intermediate", "experts", "topk", "tokens_per_rank", "num_waves", "partition",
+       "backend", "shared_placement", "dtype", "world_size")
+COLUMNS = KEY + ("effective_waves", "serial_us", "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us",
+                 "exposed_us", "overlap_ratio", "speedup", "link_bytes", "GBps", "check", "max_err",
+                 "auto_num_waves", "auto_us", "device", "command")
+_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_ALGO", "NCCL_PROTO",
+        "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MOE_WAVE_OVERLAP", "MOE_WAVE_NVTX", "MOE_WAVE_CACHE")
+
+
+# ----------------------------------------------------------------------------- grid
+
+def _int_list(flag: str, text: str, minimum: int, what: str) -> list[int]:
+    out = []
+    for tok in str(text).split(","):
+        tok = tok.strip()
+        try:
+            v = int(tok)
+        except ValueError:
+            raise ValueError(f"{flag}={text!r}: {tok!r} is not an integer ({what})") from None
+        if v < minimum:
+            raise ValueError(f"{flag}={text!r}: {v} is invalid ({what})")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{flag}={text!r}: needs at least one value ({what})")
+    return list(dict.fromkeys(out))
+
+
+def _choice_list(flag: str, text: str, choices) -> list[str]:
+    out = [t.strip() for t in str(text).split(",") if t.strip()]
+    bad = [t for t in out if t not in choices]
+    if bad or not out:
+        raise ValueError(f"{flag}={text!r}: {bad[0] if bad else 'empty'!r} is not one of {', '.join(choices)}")
+    return list(dict.fromkeys(out))
+
+
+def _shapes(args, world_size: int) -> list[dict]:
+    custom = [args.hidden, args.intermediate, args.experts, args.topk]
+    shapes = []
+    if any(v is not None for v in custom):
+        names = ("--hidden", "--intermediate", "--experts", "--topk")
+        missing = [n for n, v in zip(names, custom) if v is None]
+        if missing:
+            raise ValueError(f"custom shape: {', '.join(missing)} missing (give all of --hidden, --intermediate, "
+                             "--experts and --topk)")
+        for n, v in zip(names, custom):
+            if v < 1:
+                raise ValueError(f"{n}={v}: must be >= 1")
+        if args.topk > args.experts:
+            raise ValueError(f"--topk={args.topk}: must be <= --experts={args.experts}")
+        D, I, E, K = custom
+        shapes.append(dict(shape=f"custom-D{D}-I{I}-E{E}-K{K}", hidden=D, intermediate=I, experts=E, topk=K,
+                           flags=f"--hidden {D} --intermediate {I} --experts {E} --topk {K}"))
+    presets = args.preset
+    if presets is None:
+        presets = "" if shapes else ("v4-flash,v4-pro,balanced" if torch.cuda.is_available() else "tiny")
+    for name in (_choice_list("--preset", presets, sorted(PRESETS)) if presets else []):
+        c = PRESETS[name]
+        shapes.append(dict(shape=name, hidden=c.hidden_size, intermediate=c.intermediate_size,
+                           experts=c.num_experts, topk=c.top_k, flags=f"--preset {name}"))
+    for s in shapes:
+        if s["experts"] % world_size:
+            flag = "--experts" if s["shape"].startswith("custom") else f"--preset {s['shape']}"
+            raise ValueError(f"{flag}: num_experts={s['experts']} must be divisible by the {world_size} ranks")
+    return shapes
+
+
+def build_spec(args, world_size: int, launcher: str) -> dict:
+    """Validate the grid (ValueError naming the flag, the value and the rule) into a picklable spec."""
+    if world_size < 1:
+        raise ValueError(f"--ranks={world_size}: must be >= 1")
+    for flag, v, lo in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--pool", args.pool, 1)):
+        if v < lo:
+            raise ValueError(f"{flag}={v}: must be >= {lo}")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype={dtype!r}: must be one of auto, float32, bfloat16, float16")
+    grid = dict(
+        shapes=_shapes(args, world_size),
+        tokens=_int_list("--tokens", args.tokens_grid, 1, "tokens per rank must be >= 1"),
+        waves=_int_list("--waves", args.waves, 1, "wave counts must be >= 1"),
+        partitions=_choice_list("--partition", args.partition, PARTITIONS),
+        backends=_choice_list("--backend", args.backend, BACKENDS),
+        shared=_choice_list("--shared", args.shared, SHARED_PLACEMENTS))
+    out = Path(args.out) if args.out else default_out(world_size)
+    if out.suffix != ".csv":
+        raise ValueError(f"--out={str(out)!r}: must end in .csv")
+    if launcher == "none":
+        prefix = f"python -m moe_wave sweep --ranks {world_size}"
+    else:
+        prefix = f"torchrun --nproc-per-node={world_size} -m moe_wave sweep"
+    return dict(grid=grid, dtype=dtype, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots,
+                bench=dict(warmup=args.warmup, iters=args.iters, pool=args.pool, seed=args.seed),
+                prefix=prefix, common=f"--dtype {dtype} --iters {args.iters} --warmup {args.warmup} --out {out}",
+                argv=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+
+
+def default_out(world_size: int) -> Path:
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / "sweep.csv"
+    day = datetime.date.today().isoformat()
+    kind = f"{world_size}gpu" if torch.cuda.is_available() else f"cpu{world_size}"
+    return Path("benchmarks") / f"{day}-sweep-{kind}.csv"
+
+
+@dataclass(frozen=True)
+class Point:
+    shape: dict
+    tokens: int
+    waves: int
+    partition: str
+    backend: str
+    shared: str
+
+    def key(self, dtype: str, world_size: int) -> tuple:
+        s = self.shape
+        return tuple(str(v) for v in (s["shape"], s["hidden"], s["intermediate"], s["experts"], s["topk"],
+                                      self.tokens, self.waves, self.partition, self.backend, self.shared,
+                                      dtype, world_size))
+
+    def group(self) -> tuple:
+        return (self.shape["shape"], self.tokens, self.partition, self.backend, self.shared)
+
+    def command(self, spec: dict) -> str:
+        return (f"{spec['prefix']} {self.shape['flags']} --tokens {self.tokens} --waves {self.waves} "
+                f"--partition {self.partition} --backend {self.backend} --shared {self.shared} {spec['common']}")
+
+
+def points(spec: dict) -> list[Point]:
+    g = spec["grid"]
+    return [Point(s, t, w, p, b, sh) for s in g["shapes"] for t in g["tokens"] for p in g["partitions"]
+            for b in g["backends"] for sh in g["shared"] for w in g["waves"]]
+
+
+# ----------------------------------------------------------------------------- CSV
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    with p.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _open_csv(path: Path):
+    if path.exists() and path.stat().st_size:
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        if tuple(header) != COLUMNS:
+            raise ValueError(f"--out={str(path)!r}: the file has other columns ({','.join(header[:4])},...): "
+                             "resume needs a CSV written by this sweep; pass a new --out")
+        f = path.open("a", newline="")
+        return f, csv.DictWriter(f, COLUMNS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = path.open("w", newline="")
+    w = csv.DictWriter(f, COLUMNS)
+    w.writeheader()
+    return f, w
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def _broadcast(ep, obj):
+    if ep.pg is None:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=ep.pg)
+    return box[0]
+
+
+def run_rank(ep, spec: dict) -> list[tuple]:
+    """The sweep on one rank (all ranks together). Rank 0 appends each row to the CSV as soon as it is
+    measured. Returns the keys of the points measured in this call."""
+    from .bench import BenchConfig, init_random_, measure, reschedule
+    from .config import WaveConfig
+    from .moe import WaveMoE
+    from .trace import Tracer
+
+    out, dtype, P = Path(spec["out"]), spec["dtype"], ep.size
+    todo = None
+    if ep.rank == 0:
+        done = {tuple(r[k] for k in KEY) for r in read_rows(out)}
+        todo = [p for p in points(spec) if p.key(dtype, P) not in done]
+        f, writer = _open_csv(out)
+    todo = _broadcast(ep, todo)
+    bar = _progress(len(todo), ep.rank == 0)
+    bench = BenchConfig(**spec["bench"])
+    tracer = Tracer(spec["trace"], ep.rank)
+    device = str(torch.cuda.get_device_name(ep.device)) if ep.device.type == "cuda" else "cpu"
+    measured, moe, moe_shape, auto = [], None, None, {}
+    try:
+        for pt in todo:
+            s = pt.shape
+            if moe_shape != s["shape"]:
+                moe = None  # free the previous shape's weights first
+                if ep.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                cfg = MoEConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+                                num_experts=s["experts"], top_k=s["topk"])
+                moe_shape = s["shape"]
+                moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=getattr(torch, dtype)),
+                                   seed=spec["bench"]["seed"])
+            sched = dict(partition=pt.partition, backend=pt.backend, shared_placement=pt.shared)
+            if spec["auto"] and pt.group() not in auto:
+                m = reschedule(moe, WaveConfig(num_waves="auto", **sched))
+                r = measure(m, pt.tokens, bench, kinds=("pipelined",))
+                auto[pt.group()] = (m.plan.num_waves, r["pipelined_us"])
+            m = reschedule(moe, WaveConfig(num_waves=pt.waves, **sched))
+            label = f"{s['shape']} T={pt.tokens} W={pt.waves} {pt.partition} {pt.backend} shared={pt.shared}"
+            row = measure(m, pt.tokens, bench, tracer=tracer, label=label)
+            key = pt.key(dtype, P)
+            if ep.rank == 0:
+                a_w, a_us = auto.get(pt.group(), ("", ""))
+                writer.writerow({**dict(zip(KEY, key)), **{k: row.get(k, "") for k in COLUMNS if k in row},
+                                 "effective_waves": m.plan.num_waves, "auto_num_waves": a_w, "auto_us": a_us,
+                                 "device": device, "command": pt.command(spec)})
+                f.flush()
+            measured.append(key)
+            bar.update(1)
+    finally:
+        bar.close()
+        tracer.write()
+        if ep.rank == 0:
+            f.close()
+    if ep.rank == 0:
+        write_sidecar(spec, ep)
+    return measured
+
+
+def _progress(total: int, show: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in the [bench] extra; without it, no bar
+        tqdm = None
+    if tqdm is None or not show:
+        class _Null:
+            def update(self, n):
+                pass
+
+            def close(self):
+                pass
+        return _Null()
+    return tqdm(total=total, desc="sweep", unit="pt", dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------- sidecar + summary
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                       cwd=Path(__file__).resolve().parent).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_meta(world_size: int, command: str) -> dict:
+    """The ``meta`` block of a benchmark result file (DESIGN.md)."""
+    nccl = "n/a"
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001 - torch built without NCCL
+            pass
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        gpus = f"{world_size} x {names[0]}" if names else "none"
+    else:
+        names, gpus = [f"cpu ({os.cpu_count()} cores)"], f"none (cpu, {world_size} gloo ranks)"
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command, "git_sha": git_sha(),
+            "gpus": gpus, "torch": torch.__version__, "nccl": nccl, "world_size": world_size,
+            "devices": names, "python": platform.python_version(), "host": platform.node(),
+            "env": {k: os.environ[k] for k in _ENV if k in os.environ}}
+
+
+def write_sidecar(spec: dict, ep) -> Path:
+    out = Path(spec["out"])
+    rows = read_rows(out)
+    meta = run_meta(ep.size, spec["argv"])
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(summary_md(rows, meta))
+    return out.with_suffix(".json")
+
+
+def best_by_group(rows: list[dict]) -> dict:
+    """(shape, tokens, partition, backend, shared) -> the row with the lowest pipelined_us (check ok)."""
+    best = {}
+    for r in rows:
+        if r.get("check") != "ok" or not r.get("pipelined_us"):
+            continue
+        g = (r["shape"], int(r["tokens_per_rank"]), r["partition"], r["backend"], r["shared_placement"])
+        if g not in best or float(r["pipelined_us"]) < float(best[g]["pipelined_us"]):
+            best[g] = r
+    return best
+
+
+def summary_md(rows: list[dict], meta: dict) -> str:
+    lines = [f"# moe-wave sweep, {meta['date']}", "",
+             f"{meta['gpus']}, torch {meta['torch']}, NCCL {meta['nccl']}, git {meta['git_sha'][:10]}", "",
+             f"`{meta['command']}`", "", "Best wave count per group (lowest pipelined time; auto = autowave):", "",
+             "| shape | tokens/rank | partition | backend | shared | best W | pipelined us | serial us | speedup "
+             "| overlap | auto W | auto us | auto vs best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g, r in sorted(best_by_group(rows).items()):
+        gap = ""
+        if r.get("auto_us"):
+            gap = f"{float(r['auto_us']) / float(r['pipelined_us']) - 1:+.1%}"
+        lines.append(f"| {' | '.join(map(str, g))} | {r['num_waves']} | {r['pipelined_us']} | {r['serial_us']} | "
+                     f"{r['speedup']} | {r['overlap_ratio']} | {r.get('auto_num_waves', '')} | "
+                     f"{r.get('auto_us', '')} | {gap} |")
+    fails = sum(r.get("check") != "ok" for r in rows)
+    lines += ["", f"{len(rows)} points, {fails} failed checks."]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(rows: list[dict]) -> None:
+    from .cli import format_table
+
+    head = ["shape", "T", "W", "part", "shared", "serial", "pipelined", "comm", "compute", "speedup", "overlap",
+            "check", "autoW"]
+    keys = ["shape", "tokens_per_rank", "num_waves", "partition", "shared_placement", "serial_us", "pipelined_us",
+            "comm_only_us", "compute_only_us", "speedup", "overlap_ratio", "check", "auto_num_waves"]
+    print(format_table(head, [[r.get(k, "") for k in keys] for r in rows]))
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def run(args) -> int:
+    """``sweep``: validate, then run on the launcher's ranks or on self-spawned ones."""
+    from moe_wave.comm import detect_launcher, init_from_env, spawn
+    from moe_wave.comm.bootstrap import spawn_plan
+
+    launch = detect_launcher()
+    if launch.kind == "none":
+        nprocs, _ = spawn_plan(args.ranks, None)
+        spec = build_spec(args, nprocs, "none")
+        spawn(run_rank, nprocs, args=(spec,), timeout_s=args.timeout, deadline_s=args.deadline)
+    else:
+        spec = build_spec(args, launch.world_size, launch.kind)
+        ep = init_from_env(timeout_s=args.timeout)
+        run_rank(ep, spec)
+        if ep.rank != 0:
+            return 0
+    rows = read_rows(spec["out"])
+    if spec["plots"]:
+        from .plots import draw
+
+        for p in draw(spec["out"]):
+            print(f"plot: {p}")
+    print(f"csv: {spec['out']}  (+ .json sidecar, .md summary{', traces in ' + spec['trace'] if spec['trace'] else ''})")
+    print_table(rows)
+    return 0 if all(r.get("check") == "ok" for r in rows) else 1
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None,
+                   help=f"comma list of MoEConfig presets ({', '.join(sorted(PRESETS))}); default: v4-flash,v4-pro,"
+                        "balanced on a GPU host, tiny on CPU (none when a custom shape is given)")
+    for flag, what in (("--hidden", "D"), ("--intermediate", "I"), ("--experts", "E"), ("--topk", "K")):
+        p.add_argument(flag, type=int, default=None, help=f"custom shape: {what} (give all four)")
+    p.add_argument("--tokens", dest="tokens_grid", metavar="LIST", default="128,512,2048,8192", help="comma list of tokens per rank (>= 1)")
+    p.add_argument("--waves", default="1,2,4,8", help="comma list of wave counts W (>= 1)")
+    p.add_argument("--partition", default="experts", help=f"comma list of {', '.join(PARTITIONS)}")
+    p.add_argument("--backend", default="torch", help=f"comma list of comm backends: {', '.join(BACKENDS)}")
+    p.add_argument("--shared", default="bubbles,serial",
+                   help=f"comma list of shared-expert placements: {', '.join(SHARED_PLACEMENTS)}")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per kind (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per kind")
+    p.add_argument("--pool", type=int, default=4, help="distinct random inputs rotated through")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time num_waves='auto' per group (auto_num_waves, auto_us)")
+    p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="draw PNGs beside the CSV")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write DIR/trace_rank{r}.json.gz (torch.profiler, Perfetto) with one iteration per kind "
+                        "and point; MOE_WAVE_NVTX=1 adds NVTX ranges for Nsight")
+    p.add_argument("--out", default=None,
+                   help="CSV path (default $OUT/sweep.csv, else benchmarks/<date>-sweep-<gpus>.csv); resumed if present")
+    p.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher (default: every GPU, or 2)")
+    p.add_argument("--timeout", type=float, default=120, help="collective timeout in seconds")
+    p.add_argument("--deadline", type=float, default=6 * 3600, help="bound on a self-spawned sweep, in seconds")
+
+
+def _plot_cmd(args) -> int:
+    from .plots import draw
+
+    for p in draw(args.csv):
+        print(f"plot: {p}")
+    return 0
+
+
+def _sweep_cmd(args) -> int:
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"moe-wave sweep: error: {e}", file=sys.stderr)
+        return 2
+
+
+def register(subparsers) -> None:
+    """Add ``sweep`` and ``plot`` to the CLI's subparsers."""
+    s = subparsers.add_parser("sweep", help="benchmark grid: serial/pipelined/comm/compute per point, CSV + plots",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_sweep_args(s)
+    s.set_defaults(func=_sweep_cmd)
+    p = subparsers.add_parser("plot", help="redraw the sweep plots from a sweep CSV")
+    p.add_argument("csv", help="a CSV written by `moe-wave sweep`")
+    p.set_defaults(func=_plot_cmd)
