@@ -1,0 +1,396 @@
+"""The ``symm`` backend: fixed-capacity peer buffers, device-side counts, no host sync.
+
+Legend: T local tokens, K top-k, P ranks, W waves, e local experts, S send rows (T*min(K, W*P)),
+C capacity rows per (wave, peer), N = min(C, T) rows a block can hold from this rank, D hidden,
+M = 2K metadata int32 per row (K local expert ids, K fp32 weights bit-cast).
+
+Every rank owns, in one CUDA symmetric-memory allocation (``torch.distributed._symmetric_memory``):
+
+    recv_x   [W, P(src), C, D]   rows that peer ``src`` sent us in wave w, in its send order
+    recv_meta[W, P(src), C, M]   their (local expert, weight) slots
+    comb     [W, P(dst), C, D]   results that peer ``dst`` sent back for the rows we sent it
+
+and, in a small second allocation, ``ctrl [P(src), X]`` for the count exchange. Each (wave, peer)
+block has its own region, so a sender needs no offset from anyone: row i of its block for peer p
+lands at ``recv_x[w, me, i]`` on p. One token goes at most once per (wave, peer), so C =
+``WaveConfig.max_tokens_per_rank`` (default 4096) rows can never overflow while T <= C; past that a
+block may overflow: its rows past C are never written (the index tables say -1), and the overflow
+is reported as a RuntimeError naming wave, peers, count and capacity (see ``check``).
+
+Flow per layer (all on the comm stream, every size static, so it captures in a CUDA graph):
+
+    prepare:  each rank copies its count row into every peer's ``ctrl`` (copy engine), barrier(0)
+              on ``ctrl``, then builds index tables from the counts on the device.
+    dispatch: per peer, the Triton kernel (``symm_kernels.copy_rows``) copies the wave's send rows
+              into the peer's ``recv_x``/``recv_meta`` block (mode "kernel", the default); mode
+              "copy" packs locally and moves N-row blocks with ``copy_`` (cudaMemcpyAsync, copy
+              engines, no SMs). Then barrier(channel=w) on the data allocation.
+    combine:  per source peer, results go back into its ``comb[w, me]`` (kernel: valid rows only;
+              copy: the whole C-row block), barrier(channel=W+w); the source index_adds them
+              into out_TD in fp32.
+
+Ordering: peers write into a block only after a barrier that every rank reaches after it has
+finished reading that block (prepare and each wave's barrier are issued after the comm stream waits
+for the caller's stream), so wave w+1 travels while wave w is consumed, and the next layer never
+overwrites rows still in use. ``Received.x_RD`` is a view of ``recv_x`` valid until the next
+``prepare``; rows past a block's count are stale and have expert slot -1, weight 0.
+
+On CPU (gloo) and for one rank, the very same layout and index tables run with a local staging
+buffer and an equal-split ``all_to_all_single`` in place of peer writes, so the CPU tests exercise
+everything but the transport. Multicast is never used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import streams as st
+from .backend import ExchangePlan, Pending, Received, WaveHandle
+from .group import EPGroup
+from .layout import DispatchLayout
+from .symm_kernels import copy_rows, triton_ok
+
+__all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES"]
+
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+DEFAULT_CAPACITY = 4096
+MODES = ("auto", "kernel", "copy")
+_STATUS = 9  # [overflow, src, wave, dst, count, ids_bad, rank, ids_min, ids_max]
+
+
+@dataclass(frozen=True)
+class SymmPlan(ExchangePlan):
+    """The exchange plan plus the device-side index tables of the symm backend.
+
+    Attributes:
+        capacity: C.
+        tok_WPN: [W, P, N] int64 token of row i of the block for (wave, peer); junk where invalid.
+        row_WPN: [W, P, N] int64 send row (into the layout's S rows) of the same.
+        send_dst_WPN: [W, P, N] int64 i where row i is valid (i < count and i < C), else -1.
+        recv_dst_WPC: [W, P, C] int64 i where received row i of source p is valid, else -1.
+        meta_SM: [S, M] int32 the send rows' (local expert, weight) slots.
+    """
+
+    capacity: int = 0
+    tok_WPN: torch.Tensor | None = None
+    row_WPN: torch.Tensor | None = None
+    send_dst_WPN: torch.Tensor | None = None
+    recv_dst_WPC: torch.Tensor | None = None
+    meta_SM: torch.Tensor | None = None
+
+
+@dataclass
+class _Buffers:
+    """One rank's data buffers for one (dtype, D, W) and the views of every peer's (GPU)."""
+
+    recv_x: torch.Tensor          # [W, P, C, D]
+    recv_meta: torch.Tensor       # [W, P, C, M] int32
+    comb: torch.Tensor            # [W, P, C, D]
+    peers: list | None = None     # [P] of (recv_x, recv_meta, comb) views of rank p's buffers
+    hdl: object | None = None     # the symmetric-memory handle (barriers)
+
+
+class SymmBackend:
+    """Dispatch/combine through symmetric memory with device-side counts (see the module docstring).
+
+    Args:
+        ep: the expert-parallel group (NCCL on GPU; gloo on CPU runs the emulated transport).
+        cfg: the MoE config (``top_k``).
+        wave: the wave config (``max_tokens_per_rank`` sets the capacity C; 0 means 4096).
+        comm_stream: the stream transfers are issued from (GPU); None on CPU.
+        mode: "kernel" (Triton, writes only valid rows), "copy" (copy engines, N-row blocks) or
+            "auto" (kernel when Triton is usable). Environment override: MOE_WAVE_SYMM_MODE.
+    """
+
+    name = "symm"
+
+    def __init__(self, ep: EPGroup, *, cfg=None, wave=None, comm_stream=None, mode: str = "auto"):
+        self.ep, self.cfg, self.comm_stream = ep, cfg, comm_stream
+        cap = getattr(wave, "max_tokens_per_rank", 0) or DEFAULT_CAPACITY
+        self.capacity = int(cap)
+        mode = os.environ.get("MOE_WAVE_SYMM_MODE", mode)
+        if mode not in MODES:
+            raise ValueError(f"SymmBackend mode={mode!r}: must be one of {MODES}")
+        if mode == "auto":
+            mode = "kernel" if triton_ok(ep.device) else "copy"
+        self.mode = mode
+        self.symm = st.is_accelerator(ep.device) and ep.size > 1
+        if self.symm and (ep.pg is None or "nccl" not in ep.backend):
+            raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
+        self._num_experts = 0
+        self._ctrl: dict = {}
+        self._data: dict = {}
+        dev = ep.device
+        self._status_dev = torch.zeros(_STATUS, dtype=torch.long, device=dev)
+        pin = st.is_accelerator(dev)
+        self._status_host = torch.zeros(_STATUS, dtype=torch.long, pin_memory=pin)
+
+    # ---------------------------------------------------------------- overflow / id errors
+    def check(self) -> None:
+        """Raise the first capacity overflow or out-of-range expert id seen so far, then clear it.
+
+        HOST SYNC: waits for the comm stream so that the latest status has reached the host.
+        """
+        if self.comm_stream is not None:
+            self.comm_stream.synchronize()
+        elif st.is_accelerator(self.ep.device):
+            st.accel_module(self.ep.device).synchronize(self.ep.device)
+        self._raise_if_flagged()
+
+    def _raise_if_flagged(self) -> None:
+        # Reads pinned host memory that the last prepare's non-blocking copy wrote: no CUDA call,
+        # so it is safe on the hot path and during graph capture (the value may be one call old).
+        s = self._status_host.tolist()
+        if not (s[0] or s[5]):
+            return
+        self._status_host.zero_()
+        self._status_dev.zero_()
+        if s[5]:
+            E = self._num_experts
+            raise ValueError(f"topk_ids out of range (rank {s[6]}: ids in [{s[7]}, {s[8]}]): "
+                             f"expert ids must be in [0, {E})")
+        raise RuntimeError(
+            f"symm backend capacity overflow in wave {s[2]}: rank {s[1]} sent {s[4]} rows to rank {s[3]}, "
+            f"capacity is {self.capacity} rows per (wave, peer); set WaveConfig.max_tokens_per_rank >= {s[4]} "
+            f"(at most one row per token per (wave, peer), so >= the tokens per rank always fits). "
+            f"The rows past the capacity were not sent: that call's results are wrong.")
+
+    def _update_status(self, sent_PWP: torch.Tensor, rng_P2: torch.Tensor, num_experts: int) -> None:
+        P, W, _ = sent_PWP.shape
+        over = (sent_PWP > self.capacity).flatten()
+        first = torch.argmax(over.to(torch.int32))      # the first overflowing (src, wave, dst)
+        bad = (rng_P2[:, 0] < 0) | (rng_P2[:, 1] >= num_experts)
+        r = torch.argmax(bad.to(torch.int32))
+        new = torch.stack([over.any().long(), first // (W * P), (first // P) % W, first % P,
+                           sent_PWP.flatten()[first], bad.any().long(), r, rng_P2[r, 0], rng_P2[r, 1]])
+        old = self._status_dev
+        self._status_dev.copy_(torch.where((old[0] > 0) | (old[5] > 0), old, new))   # first error sticks
+        self._status_host.copy_(self._status_dev, non_blocking=True)
+
+    # ---------------------------------------------------------------- buffers (collective, lazy)
+    def _alloc(self, nbytes: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = self.ep.pg.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(name)
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.ep.device)
+        hdl = symm_mem.rendezvous(buf, name)
+        buf.zero_()
+        return buf, hdl
+
+    def _ctrl_buf(self, P: int, X: int):
+        """(local [P, X] int64, per-peer views, handle) for the count exchange."""
+        if X not in self._ctrl:
+            _, hdl = self._alloc(P * X * 8)
+            views = [hdl.get_buffer(p, [P, X], torch.int64, 0) for p in range(P)]
+            hdl.barrier(channel=0)  # every rank has zeroed its buffer before anyone writes into it
+            self._ctrl[X] = (views[self.ep.rank], views, hdl)
+        return self._ctrl[X]
+
+    def _buffers(self, dtype: torch.dtype, D: int, W: int, K: int) -> _Buffers:
+        key = (dtype, D, W, K)
+        if key in self._data:
+            return self._data[key]
+        P, C, M, dev = self.ep.size, self.capacity, 2 * K, self.ep.device
+        shape_x, shape_m = [W, P, C, D], [W, P, C, M]
+        if not self.symm:
+            self._data[key] = _Buffers(torch.zeros(shape_x, dtype=dtype, device=dev),
+                                       torch.zeros(shape_m, dtype=torch.int32, device=dev),
+                                       torch.zeros(shape_x, dtype=dtype, device=dev))
+            return self._data[key]
+        import torch.distributed._symmetric_memory as symm_mem
+
+        pad_slots = symm_mem.get_signal_pad_size() // 4 if hasattr(symm_mem, "get_signal_pad_size") else 512
+        if 2 * W * P > pad_slots:
+            raise ValueError(f"num_waves={W}: the symm backend needs 2*W*P={2 * W * P} signal slots, the signal pad "
+                             f"has {pad_slots}; use fewer waves or call symm_mem.set_signal_pad_size first")
+        es = torch.empty((), dtype=dtype).element_size()
+        nx = W * P * C * D
+        meta_off = -(-2 * nx * es // 16) * 16
+        _, hdl = self._alloc(meta_off + W * P * C * M * 4)
+        peers = [(hdl.get_buffer(p, shape_x, dtype, 0), hdl.get_buffer(p, shape_m, torch.int32, meta_off // 4),
+                  hdl.get_buffer(p, shape_x, dtype, nx)) for p in range(P)]
+        hdl.barrier(channel=0)
+        mine = peers[self.ep.rank]
+        self._data[key] = _Buffers(mine[0], mine[1], mine[2], peers, hdl)
+        return self._data[key]
+
+    # ---------------------------------------------------------------- count exchange
+    def prepare(self, layout: DispatchLayout) -> SymmPlan:
+        plan = layout.plan
+        P, W, e, me = plan.num_ranks, plan.num_waves, plan.num_local_experts, self.ep.rank
+        if P != self.ep.size:
+            raise ValueError(f"WavePlan.num_ranks={P}: must equal the EP group size {self.ep.size}")
+        self._num_experts = plan.num_experts
+        if st.is_accelerator(self.ep.device):
+            self._raise_if_flagged()
+        dev, C, T = layout.send_counts_WP.device, self.capacity, layout.num_tokens
+        cur = st.current_stream(dev)
+        with st.on(self.comm_stream):
+            st.wait_stream(self.comm_stream, cur)
+            # Row for destination p: all my send counts [W*P], my pairs for p [W*e], my id range [2].
+            send_PX = torch.cat([layout.send_counts_WP.reshape(1, W * P).expand(P, -1),
+                                 layout.pair_counts_WPe.permute(1, 0, 2).reshape(P, W * e),
+                                 torch.stack([layout.ids_min, layout.ids_max]).view(1, 2).expand(P, -1)], 1)
+            recv_PX = self._exchange_counts(send_PX.contiguous())
+            sent_PWP = recv_PX[:, :W * P].view(P, W, P)            # [src, wave, dst], identical on all ranks
+            recv_counts_WP = sent_PWP[:, :, me].t()
+            recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
+            self._update_status(sent_PWP, recv_PX[:, -2:], plan.num_experts)
+            xplan = self._tables(layout, recv_counts_WP, recv_pairs_WPe, C, T)
+        st.wait_stream(cur, self.comm_stream)
+        for t in (xplan.recv_counts_WP, xplan.recv_pairs_WPe, xplan.tok_WPN, xplan.send_dst_WPN,
+                  xplan.recv_dst_WPC):
+            st.keep_alive(t, cur)
+        if not st.is_accelerator(dev):
+            self._raise_if_flagged()  # CPU: the status is already on the host (eager error, all ranks alike)
+        return xplan
+
+    def _exchange_counts(self, send_PX: torch.Tensor) -> torch.Tensor:
+        P, X = send_PX.shape
+        if P == 1:
+            return send_PX.clone()
+        if not self.symm:
+            recv_PX = torch.empty_like(send_PX)
+            dist.all_to_all_single(recv_PX, send_PX, group=self.ep.pg)
+            return recv_PX
+        mine, views, hdl = self._ctrl_buf(P, X)
+        for p in range(P):
+            views[p][self.ep.rank].copy_(send_PX[p])     # peer write over NVLink (copy engine)
+        hdl.barrier(channel=0)
+        return mine.clone()
+
+    def _tables(self, layout: DispatchLayout, recv_counts_WP, recv_pairs_WPe, C: int, T: int) -> SymmPlan:
+        plan, lay = layout.plan, layout
+        W, P = plan.num_waves, plan.num_ranks
+        dev, N, S = lay.send_counts_WP.device, min(C, T), lay.send_token_S.shape[0]
+        counts = lay.send_counts_WP.reshape(-1)
+        start_WP = (torch.cumsum(counts, 0) - counts).view(W, P, 1)
+        i_N = torch.arange(N, device=dev)
+        row_WPN = (start_WP + i_N).clamp(max=max(S - 1, 0))
+        tok_WPN = lay.send_token_S[row_WPN] if S else torch.zeros_like(row_WPN)
+        send_dst_WPN = torch.where(i_N < lay.send_counts_WP.clamp(max=C)[..., None], i_N, -1)
+        i_C = torch.arange(C, device=dev)
+        recv_dst_WPC = torch.where(i_C < recv_counts_WP.clamp(max=C)[..., None], i_C, -1)
+        meta_SM = torch.cat([lay.send_expert_SK, lay.send_weight_SK.view(torch.int32)], 1)
+        return SymmPlan(layout=layout, recv_counts_WP=recv_counts_WP, recv_pairs_WPe=recv_pairs_WPe, capacity=C,
+                        tok_WPN=tok_WPN, row_WPN=row_WPN, send_dst_WPN=send_dst_WPN, recv_dst_WPC=recv_dst_WPC,
+                        meta_SM=meta_SM)
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x_TD: torch.Tensor, plan: SymmPlan, wave: int) -> Pending[Received]:
+        lay = plan.layout
+        P, C = self.ep.size, plan.capacity
+        K, D = lay.send_expert_SK.shape[1], x_TD.shape[1]
+        if x_TD.shape[0] != lay.num_tokens:
+            raise ValueError(f"x.shape[0]={x_TD.shape[0]}: must equal the layout's {lay.num_tokens} tokens")
+        bufs = self._buffers(x_TD.dtype, D, plan.num_waves, K)
+        dev, cur = x_TD.device, st.current_stream(x_TD.device)
+        works = ()
+        with st.on(self.comm_stream):
+            st.wait_stream(self.comm_stream, cur)
+            st.keep_alive(x_TD, self.comm_stream)
+            if self.symm:
+                self._push_peers(x_TD, plan, bufs, wave)
+                bufs.hdl.barrier(channel=wave)
+            else:
+                stage_x = bufs.recv_x[wave] if P == 1 else torch.zeros_like(bufs.recv_x[wave])
+                stage_m = bufs.recv_meta[wave] if P == 1 else torch.zeros_like(bufs.recv_meta[wave])
+                for p in range(P):
+                    self._pack(x_TD, plan, wave, p, stage_x[p], stage_m[p])
+                if P > 1:
+                    works = (dist.all_to_all_single(bufs.recv_x[wave].view(P * C, D), stage_x.view(P * C, D),
+                                                    group=self.ep.pg, async_op=True),
+                             dist.all_to_all_single(bufs.recv_meta[wave].view(P * C, 2 * K),
+                                                    stage_m.view(P * C, 2 * K), group=self.ep.pg, async_op=True))
+        handle = WaveHandle(wave=wave, plan=plan, send_token_S=plan.tok_WPN[wave].reshape(-1), extra={"bufs": bufs})
+        e = plan.layout.plan.num_local_experts
+
+        def finish() -> Received:
+            for wk in works:
+                wk.wait()
+            now = st.current_stream(dev)
+            st.wait_stream(now, self.comm_stream)
+            meta_RM = bufs.recv_meta[wave].view(P * C, 2 * K)
+            valid_R1 = (plan.recv_dst_WPC[wave] >= 0).reshape(-1, 1)
+            expert_RK = torch.where(valid_R1, meta_RM[:, :K], -1)
+            weight_RK = torch.where(valid_R1, meta_RM[:, K:].view(torch.float32), 0.0)
+            key = torch.where(expert_RK >= 0, expert_RK, e).long().reshape(-1)
+            pairs = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))[:e]
+            return Received(x_RD=bufs.recv_x[wave].view(P * C, D), expert_RK=expert_RK, weight_RK=weight_RK,
+                            pairs_e=None, pairs_e_dev=pairs, handle=handle)
+
+        return Pending(finish, f"dispatch[{wave}]")
+
+    def _pack(self, x_TD, plan: SymmPlan, wave: int, p: int, dst_x_CD, dst_m_CM) -> None:
+        """Rows of block (wave, p) into a [C, D] / [C, M] destination (local or a peer's)."""
+        N = plan.tok_WPN.shape[2]
+        if N == 0:
+            return
+        if self.mode == "kernel":
+            copy_rows(x_TD, dst_x_CD, plan.tok_WPN[wave, p], plan.send_dst_WPN[wave, p])
+            copy_rows(plan.meta_SM, dst_m_CM, plan.row_WPN[wave, p], plan.send_dst_WPN[wave, p])
+        else:   # rows past the count get junk from valid rows, within the N-row block: masked by the receiver
+            dst_x_CD[:N] = x_TD.index_select(0, plan.tok_WPN[wave, p])
+            dst_m_CM[:N] = plan.meta_SM.index_select(0, plan.row_WPN[wave, p])
+
+    def _push_peers(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int) -> None:
+        me, N = self.ep.rank, plan.tok_WPN.shape[2]
+        if self.mode == "kernel":
+            for p, (rx, rm, _) in enumerate(bufs.peers):
+                self._pack(x_TD, plan, wave, p, rx[wave, me], rm[wave, me])
+            return
+        if N == 0:
+            return
+        # Copy engines: gather locally (one index_select), then one cudaMemcpyAsync per peer block.
+        stage_x = x_TD.index_select(0, plan.tok_WPN[wave].reshape(-1)).view(-1, N, x_TD.shape[1])
+        stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave].reshape(-1)).view(-1, N, plan.meta_SM.shape[1])
+        for p, (rx, rm, _) in enumerate(bufs.peers):
+            rx[wave, me, :N].copy_(stage_x[p], non_blocking=True)
+            rm[wave, me, :N].copy_(stage_m[p], non_blocking=True)
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor) -> Pending[None]:
+        plan, wave, bufs = handle.plan, handle.wave, handle.extra["bufs"]
+        P, me, C, W = self.ep.size, self.ep.rank, plan.capacity, plan.num_waves
+        D = y_RD.shape[1]
+        if y_RD.shape != (P * C, D) or y_RD.dtype != bufs.comb.dtype:
+            raise ValueError(f"y: shape {tuple(y_RD.shape)} dtype {y_RD.dtype}: must be {(P * C, D)} "
+                             f"{bufs.comb.dtype} (one row per received row)")
+        dev, cur = y_RD.device, st.current_stream(y_RD.device)
+        works = ()
+        with st.on(self.comm_stream):
+            st.wait_stream(self.comm_stream, cur)
+            st.keep_alive(y_RD, self.comm_stream)
+            y_RD = y_RD.contiguous()
+            if self.symm:
+                for s, (_, _, cb) in enumerate(bufs.peers):
+                    if self.mode == "kernel":
+                        src = torch.arange(s * C, (s + 1) * C, device=dev)
+                        copy_rows(y_RD, cb[wave, me], src, plan.recv_dst_WPC[wave, s])
+                    else:
+                        cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
+                bufs.hdl.barrier(channel=W + wave)
+            elif P == 1:
+                bufs.comb[wave].view(C, D).copy_(y_RD)
+            else:
+                works = (dist.all_to_all_single(bufs.comb[wave].view(P * C, D), y_RD, group=self.ep.pg,
+                                                async_op=True),)
+
+        def finish() -> None:
+            for wk in works:
+                wk.wait()
+            now = st.current_stream(dev)
+            st.wait_stream(now, self.comm_stream)
+            N = plan.tok_WPN.shape[2]
+            back_PND = bufs.comb[wave][:, :N].float()
+            back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], back_PND, 0.0)
+            out_TD.index_add_(0, plan.tok_WPN[wave].reshape(-1), back_PND.reshape(-1, D).to(out_TD.dtype))
+
+        return Pending(finish, f"combine[{wave}]")

@@ -1,0 +1,99 @@
+"""Row copies for the ``symm`` backend: a Triton kernel that reads device-side counts, and its torch twin.
+
+Legend: N rows to copy (programs), D row width (elements), C capacity rows of a destination block.
+
+Both functions copy ``src[src_idx[i]] -> dst[dst_idx[i]]`` for the rows i with ``dst_idx[i] >= 0``.
+The index arrays are computed on the device from the exchanged counts (``dst_idx`` is -1 past the
+valid count and past the capacity), so no size ever reaches the host and the launch grid is static
+(N = an upper bound): the kernel is CUDA-graph capturable and never writes a row that ``dst_idx``
+does not name. ``dst`` may be a peer's symmetric-memory buffer (the writes then travel over
+NVLink/xGMI from the SMs) or a local staging block.
+
+The kernel also runs on CPU tensors under ``TRITON_INTERPRET=1`` (the CI checks it against
+``copy_rows_torch`` there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["triton_ok", "copy_rows", "copy_rows_torch"]
+
+try:  # Triton is optional: the symm backend falls back to copy engines without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
+
+
+def triton_ok(device: torch.device | str) -> bool:
+    """True when ``copy_rows`` can run on ``device`` (a GPU, or CPU under TRITON_INTERPRET=1)."""
+    if triton is None:
+        return False
+    if torch.device(device).type == "cpu":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return True
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, D, src_stride, dst_stride,
+                          BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+        i = tl.program_id(0)
+        s = tl.load(src_idx_ptr + i).to(tl.int64)
+        d = tl.load(dst_idx_ptr + i).to(tl.int64)
+        ok = d >= 0
+        d = tl.maximum(d, 0)  # masked below; keeps the address in range for the interpreter
+        for c in tl.static_range(NUM_BLOCKS):
+            offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
+            m = (offs < D) & ok
+            v = tl.load(src_ptr + s * src_stride + offs, mask=m)
+            tl.store(dst_ptr + d * dst_stride + offs, v, mask=m)
+
+
+def _check(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1]:
+        raise ValueError(f"copy_rows: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be 2-D with equal widths")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"copy_rows: src.dtype={src.dtype} must equal dst.dtype={dst.dtype}")
+    if src_idx.shape != dst_idx.shape or src_idx.dim() != 1:
+        raise ValueError(f"copy_rows: src_idx {tuple(src_idx.shape)} and dst_idx {tuple(dst_idx.shape)} must be "
+                         "1-D of equal length")
+    if src.stride(1) != 1 or dst.stride(1) != 1:
+        raise ValueError("copy_rows: rows of src and dst must be contiguous (stride(1) == 1)")
+
+
+def copy_rows(src_ND: torch.Tensor, dst_CD: torch.Tensor, src_idx_N: torch.Tensor, dst_idx_N: torch.Tensor) -> None:
+    """``dst_CD[dst_idx_N[i]] = src_ND[src_idx_N[i]]`` where ``dst_idx_N[i] >= 0`` (Triton, one program a row).
+
+    Args:
+        src_ND: [*, D] rows to read (any supported dtype).
+        dst_CD: [C, D] destination rows, same dtype (may live on a peer GPU: a symmetric-memory view).
+        src_idx_N: [N] int64 source row of each program.
+        dst_idx_N: [N] int64 destination row, or -1 to skip (no read, no write).
+    """
+    _check(src_ND, dst_CD, src_idx_N, dst_idx_N)
+    if src_ND.dtype not in _DTYPES:
+        raise ValueError(f"copy_rows: dtype {src_ND.dtype} must be one of {_DTYPES}")
+    N, D = src_idx_N.shape[0], src_ND.shape[1]
+    if N == 0 or D == 0:
+        return
+    block = min(triton.next_power_of_2(D), 2048)
+    _copy_rows_kernel[(N,)](src_ND, dst_CD, src_idx_N, dst_idx_N, D, src_ND.stride(0), dst_CD.stride(0),
+                            BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), num_warps=4 if block >= 1024 else 1)
+
+
+def copy_rows_torch(src_ND: torch.Tensor, dst_CD: torch.Tensor, src_idx_N: torch.Tensor,
+                    dst_idx_N: torch.Tensor) -> None:
+    """The reference of ``copy_rows`` in torch (tests and CPU).
+
+    HOST SYNC: boolean indexing sizes the valid rows on the host; this path is for tests only.
+    """
+    _check(src_ND, dst_CD, src_idx_N, dst_idx_N)
+    ok = dst_idx_N >= 0
+    dst_CD[dst_idx_N[ok]] = src_ND[src_idx_N[ok]]
