@@ -153,7 +153,10 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
     send_weight_SK = torch.where(mine_SK, topk_w_TK[send_token_S].float(), 0.0)
 
     pair_key = (wave_TK * P + peer_TK) * e + local_TK
-    pair_counts_WPe = torch.bincount(pair_key.reshape(-1), minlength=C * e).view(W, P, e)
+    # scatter_add, not bincount: CUDA bincount reads max() on the host (a sync that breaks graph capture).
+    key_F = pair_key.reshape(-1)
+    pair_counts_WPe = torch.zeros(C * e, dtype=torch.long, device=dev).scatter_add_(
+        0, key_F, torch.ones_like(key_F)).view(W, P, e)
     if T == 0:
         ids_min = torch.zeros((), dtype=torch.long, device=dev)
         ids_max = ids_min
