@@ -26,14 +26,7 @@ PY="${PYTHON:-python3}"
 NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
 
-# moe_wave.comm lives in comm/ (package-dir mapping): install editable without touching deps;
-# fall back to an assembled copy on PYTHONPATH when pip cannot install offline.
-if ! "$PY" -c "import moe_wave.comm" >/dev/null 2>&1; then
-    if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-        rm -rf /tmp/mw && mkdir -p /tmp/mw && cp -r moe_wave /tmp/mw/ && cp -r comm /tmp/mw/moe_wave/comm
-        export PYTHONPATH="/tmp/mw:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-fi
+# moe_wave mounts ../comm as moe_wave.comm when run from a plain checkout (no install needed).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 {
