@@ -1,0 +1,131 @@
+"""sweep: a 2 x 2 grid on 2 gloo ranks (CSV columns, sidecar, traces), resume, plots, bad grid values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_wave import plots, sweep
+from moe_wave.trace import load_trace, range_names
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    # Set before the module's rank pool spawns (it inherits the environment): no writes to ~/.cache.
+    old = os.environ.get("MOE_WAVE_CACHE")
+    os.environ["MOE_WAVE_CACHE"] = str(tmp_path_factory.mktemp("autowave"))
+    yield
+    if old is None:
+        os.environ.pop("MOE_WAVE_CACHE", None)
+    else:
+        os.environ["MOE_WAVE_CACHE"] = old
+
+
+def _args(*argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    sweep.add_sweep_args(p)
+    return p.parse_args(list(argv))
+
+
+def _spec(tmp_path, waves="1,2", trace=True):
+    argv = ["--preset", "tiny", "--tokens", "8,16", "--waves", waves, "--shared", "bubbles", "--iters", "2",
+            "--warmup", "1", "--pool", "2", "--out", str(tmp_path / "s.csv"), "--no-plots"]
+    if trace:
+        argv += ["--trace", str(tmp_path / "traces")]
+    return sweep.build_spec(_args(*argv), 2, "none")
+
+
+@pytest.fixture(scope="module")
+def grid(ranks, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    measured = ranks(2).run(sweep.run_rank, _spec(tmp))
+    return tmp, measured
+
+
+def test_grid_writes_csv_sidecar_and_traces(grid):
+    tmp, measured = grid
+    assert len(measured[0]) == 4 and measured[0] == measured[1]
+    with (tmp / "s.csv").open() as f:
+        assert tuple(f.readline().strip().split(",")) == sweep.COLUMNS
+    rows = sweep.read_rows(tmp / "s.csv")
+    assert [(r["tokens_per_rank"], r["num_waves"]) for r in rows] == [("8", "1"), ("8", "2"), ("16", "1"), ("16", "2")]
+    for r in rows:
+        assert r["check"] == "ok", r
+        assert r["world_size"] == "2" and r["shape"] == "tiny" and r["dtype"] == "float32"
+        for k in ("serial_us", "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us", "auto_us"):
+            assert float(r[k]) > 0, (k, r)
+        assert float(r["ideal_us"]) == max(float(r["comm_only_us"]), float(r["compute_only_us"]))
+        assert int(r["auto_num_waves"]) >= 1
+        assert r["command"].startswith("python -m moe_wave sweep --ranks 2 --preset tiny")
+        assert f"--tokens {r['tokens_per_rank']} --waves {r['num_waves']}" in r["command"]
+    doc = json.loads((tmp / "s.json").read_text())
+    for k in ("date", "command", "git_sha", "gpus", "torch", "nccl", "world_size", "env"):
+        assert k in doc["meta"], k
+    assert len(doc["rows"]) == 4
+    assert "| tiny |" in (tmp / "s.md").read_text()
+    for r in range(2):
+        path = tmp / "traces" / f"trace_rank{r}.json.gz"
+        assert isinstance(load_trace(path)["traceEvents"], list)
+        names = range_names(path)
+        for n in ("router", "layout", "prepare", "wave0.dispatch", "wave0.experts", "wave0.combine", "wave1.experts",
+                  "bench.pipelined", "bench.comm_only", "bench.compute_only", "shared.serial"):
+            assert n in names, (n, sorted(names))
+
+
+def test_resume_skips_finished_points(ranks, grid):
+    tmp, _ = grid
+    again = ranks(2).run(sweep.run_rank, _spec(tmp, trace=False))
+    assert again == [[], []]
+    more = ranks(2).run(sweep.run_rank, _spec(tmp, waves="1,2,4", trace=False))
+    assert sorted((k[5], k[6]) for k in more[0]) == [("16", "4"), ("8", "4")]
+    rows = sweep.read_rows(tmp / "s.csv")
+    keys = [tuple(r[k] for k in sweep.KEY) for r in rows]
+    assert len(rows) == 6 and len(set(keys)) == 6
+
+
+def test_plots_from_csv(grid):
+    tmp, _ = grid
+    from moe_wave.cli import main
+
+    assert main(["plot", str(tmp / "s.csv")]) == 0
+    for name in ("s_speedup.png", "s_exposed.png", "s_best_waves.png"):
+        p = tmp / name
+        assert p.exists() and p.read_bytes()[:4] == b"\x89PNG", name
+    assert plots.draw(tmp / "missing.csv") == []
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--waves", "0"], r"--waves='0': 0 is invalid \(wave counts must be >= 1\)"),
+    (["--waves", "2,x"], r"--waves='2,x': 'x' is not an integer"),
+    (["--tokens", "0"], r"--tokens='0': 0 is invalid \(tokens per rank must be >= 1\)"),
+    (["--preset", "v5"], r"--preset='v5': 'v5' is not one of"),
+    (["--partition", "rows"], r"--partition='rows': 'rows' is not one of experts, tokens"),
+    (["--shared", "never"], r"--shared='never'"),
+    (["--hidden", "64", "--intermediate", "32", "--experts", "8"], r"--topk missing"),
+    (["--hidden", "64", "--intermediate", "32", "--experts", "7", "--topk", "2"], r"--experts: num_experts=7 must be "
+                                                                                    r"divisible by the 2 ranks"),
+    (["--hidden", "64", "--intermediate", "32", "--experts", "8", "--topk", "9"], r"--topk=9: must be <= --experts=8"),
+    (["--iters", "0"], r"--iters=0: must be >= 1"),
+    (["--out", "x.txt"], r"--out='x.txt': must end in .csv"),
+])
+def test_bad_grid_values(argv, match):
+    with pytest.raises(ValueError, match=match):
+        sweep.build_spec(_args(*argv), 2, "none")
+
+
+def test_cli_reports_bad_values_and_foreign_csv(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moe_wave", "sweep", "--waves", "0", "--out", str(tmp_path / "a.csv")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--waves='0'" in proc.stderr, proc.stderr
+    foreign = tmp_path / "f.csv"
+    foreign.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="other columns"):
+        sweep._open_csv(foreign)
