@@ -1,0 +1,163 @@
+"""Benchmark of the wave-pipelined MoE block: serial vs pipelined vs comm-only vs compute-only.
+
+    torchrun --nproc-per-node=2 launch/bench_moe.py [--quick] [--out PATH] [--trace DIR]
+    python launch/bench_moe.py --quick                  # no launcher: spawns one rank per GPU (2 gloo on CPU)
+
+Shapes (bf16 on GPU, random weights drawn on the device): V4-Flash (D 4096, I 2048, E 256, K 6), V4-Pro
+(D 7168, I 3072, E 384, K 6) and ``balanced`` (comm ~ compute); tokens per rank 128, 512, 2048, 8192;
+waves 1, 2, 4, 8 (experts partition, torch backend); shared expert in the bubbles or after the experts
+(serial). Every point is measured by ``moe_wave.bench.measure`` (see its docstring for the definitions):
+medians of CUDA-event timings after warm-up, fresh random inputs, L2 flushed, barrier per iteration, max
+over ranks; pipelined is first checked against serial. ``p2p_limit_GBps`` (meta) is a 256 MB copy
+GPU0 -> GPU1 measured in the same run. Writes ``{"meta", "rows"}`` to --out (default $OUT/moe.json, else
+benchmarks/<date>-moe-<P>gpu.json) and a markdown summary beside it, then prints a short table.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
+from moe_wave.bench import BenchConfig, init_random_, measure, reschedule  # noqa: E402
+from moe_wave.comm import detect_launcher, init_from_env, spawn  # noqa: E402
+from moe_wave.sweep import run_meta  # noqa: E402
+from moe_wave.trace import Tracer  # noqa: E402
+
+FULL = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 512, 2048, 8192), waves=(1, 2, 4, 8),
+            placements=("bubbles", "serial"))
+QUICK = dict(shapes=("v4-flash", "balanced"), tokens=(512, 4096), waves=(1, 4), placements=("bubbles",))
+
+
+def p2p_limit_GBps(ep) -> float | None:
+    """A 256 MB device-to-device copy GPU0 -> GPU1 on rank 0 while the others wait (0 when not possible)."""
+    import torch.distributed as dist
+
+    val = 0.0
+    if ep.rank == 0 and ep.device.type == "cuda" and torch.cuda.device_count() >= 2:
+        try:
+            src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:0").fill_(1)
+            dst = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:1")
+            dst.copy_(src)
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                dst.copy_(src)
+            torch.cuda.synchronize(0)  # HOST SYNC: timing
+            torch.cuda.synchronize(1)
+            val = 5 * src.numel() / (time.perf_counter() - t0) / 1e9
+            del src, dst
+        except RuntimeError:  # no peer access in this process
+            val = 0.0
+    if ep.pg is not None:
+        t = torch.tensor([val], dtype=torch.float64, device=ep.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.pg)
+        val = float(t.item())
+    return round(val, 1)
+
+
+def rank_main(ep, args) -> dict:
+    grid = QUICK if args.quick else FULL
+    dtype = torch.bfloat16 if ep.device.type == "cuda" else torch.float32
+    shapes = args.shapes.split(",") if args.shapes else grid["shapes"]
+    bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool)
+    p2p = p2p_limit_GBps(ep)
+    rows, t_start = [], time.perf_counter()
+    with Tracer(args.trace, ep.rank) as tracer:
+        for shape in shapes:
+            cfg = MoEConfig.preset(shape)
+            if cfg.num_experts % ep.size:
+                raise ValueError(f"shape {shape}: num_experts={cfg.num_experts} must be divisible by {ep.size} ranks")
+            moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
+            for T in grid["tokens"]:
+                for placement in grid["placements"]:
+                    for W in grid["waves"]:
+                        m = reschedule(moe, WaveConfig(num_waves=W, shared_placement=placement))
+                        label = f"{shape} T={T} W={W} shared={placement}"
+                        r = measure(m, T, bench, tracer=tracer, label=label)
+                        rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W,
+                                     "effective_waves": m.plan.num_waves, "partition": "experts", "backend": "torch",
+                                     "shared_placement": placement, "dtype": str(dtype).removeprefix("torch."), **r,
+                                     "link_util": round(r["GBps"] / p2p, 3) if p2p else None})
+                        if ep.rank == 0:
+                            print(f"[{time.perf_counter() - t_start:6.1f}s] {label}: serial {r['serial_us']:.0f} "
+                                  f"pipelined {r['pipelined_us']:.0f} comm {r['comm_only_us']:.0f} compute "
+                                  f"{r['compute_only_us']:.0f} us, check {r['check']}", flush=True)
+            del moe, m
+            if ep.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return {"rows": rows, "p2p": p2p, "world_size": ep.size}
+
+
+def default_out(world_size: int) -> Path:
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / "moe.json"
+    kind = f"{world_size}gpu" if torch.cuda.is_available() else f"cpu{world_size}"
+    return Path("benchmarks") / f"{datetime.date.today().isoformat()}-moe-{kind}.json"
+
+
+COLS = ["shape", "tokens_per_rank", "num_waves", "shared_placement", "serial_us", "pipelined_us", "comm_only_us",
+        "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps", "check"]
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# moe-wave MoE benchmark, {meta['date']}", "",
+             f"{meta['gpus']}, torch {meta['torch']}, NCCL {meta['nccl']}, git {meta['git_sha'][:10]}, "
+             f"P2P copy limit {meta['p2p_limit_GBps']} GB/s", "", f"`{meta['command']}`", "",
+             "Times in microseconds (median, max over ranks). speedup = serial / pipelined; exposed = pipelined - "
+             "compute_only; overlap = 1 - exposed / comm_only.", "",
+             "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in COLS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a short run: 2 shapes, 2 token counts, W 1 and 4")
+    ap.add_argument("--shapes", default=None, help="comma list of presets (default: the grid's)")
+    ap.add_argument("--iters", type=int, default=15, help="timed iterations per kind")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--pool", type=int, default=3, help="distinct random inputs rotated through")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/moe.json, else benchmarks/...)")
+    ap.add_argument("--trace", default=None, metavar="DIR", help="per-rank chrome traces (one iteration per kind)")
+    ap.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher")
+    args = ap.parse_args()
+
+    launch = detect_launcher()
+    if launch.kind == "none":
+        res = spawn(rank_main, args.ranks, args=(args,), timeout_s=300, deadline_s=3600)[0]
+    else:
+        ep = init_from_env(timeout_s=300)
+        res = rank_main(ep, args)
+        if ep.rank != 0:
+            return 0
+    rows = res["rows"]
+    meta = {**run_meta(res["world_size"], " ".join(["launch/bench_moe.py"] + sys.argv[1:])),
+            "p2p_limit_GBps": res["p2p"]}
+    out = Path(args.out) if args.out else default_out(res["world_size"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(markdown(meta, rows))
+    from moe_wave.cli import format_table
+
+    print(f"\nwrote {out} and {out.with_suffix('.md')}")
+    print(format_table(COLS, [[r.get(c, "") for c in COLS] for r in rows]))
+    return 0 if all(r["check"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
