@@ -135,6 +135,36 @@ def test_out_of_range_ids_raise():
         backend.prepare(compute_layout(ids, torch.ones(1, 2), plan))
 
 
+@pytest.mark.parametrize("partition", ["experts", "tokens"])
+def test_deepep_wave_topk_masks_other_waves(partition):
+    """DeepEP's per-wave top-k (rebuilt from the layout on the device) keeps exactly the wave's slots."""
+    from moe_wave.comm.deepep import wave_topk
+
+    g = torch.Generator().manual_seed(3)
+    P, e, W, T, K = 3, 4, 2, 13, 3
+    ids = torch.stack([torch.randperm(P * e, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    plan = WavePlan.make(num_ranks=P, num_local_experts=e, num_waves=W, partition=partition)
+    ids_WTK, w_WTK = wave_topk(compute_layout(ids, w, plan))
+    if partition == "experts":
+        wave_TK = plan.wave_of_local_expert("cpu")[ids % e]
+    else:
+        wave_TK = ((torch.arange(T) * W) // T)[:, None].expand(T, K)
+    for wv in range(W):
+        mine = wave_TK == wv
+        assert torch.equal(ids_WTK[wv], torch.where(mine, ids, -1))
+        assert torch.equal(w_WTK[wv], torch.where(mine, w, 0.0))
+
+
+def test_deepep_missing_gives_install_hint():
+    if importlib.util.find_spec("deep_ep") is not None:
+        pytest.skip("deep_ep is installed here")
+    from moe_wave.comm.deepep import import_deep_ep
+
+    with pytest.raises(ImportError, match="pip install"):
+        import_deep_ep()
+
+
 # ------------------------------------------------------------------------ Triton kernel (interpreter)
 def test_copy_rows_torch_never_writes_skipped_rows():
     src = torch.randn(5, 7)

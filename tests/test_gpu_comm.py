@@ -1,0 +1,203 @@
+"""GPU checks of the comm backends (issue 6): symm (both data modes) against the torch backend inside
+WaveMoE, the decode step captured in a CUDA graph and replayed while the routing changes, the
+capacity overflow surfacing through ``check()`` on every rank, the Triton row copy against torch,
+and DeepEP when it is installed.
+
+Run on a GPU host with plain pytest (the 2-rank tests spawn their ranks over a file store) or
+under ``torchrun --nproc-per-node 2 -m pytest tests/test_gpu_comm.py`` (then the ranks are the
+torchrun processes). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+
+import pytest
+import torch
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+import torch.distributed as dist  # noqa: E402
+
+from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
+from moe_wave.comm import EPGroup  # noqa: E402
+from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_DEEPEP = importlib.util.find_spec("deep_ep") is not None
+UNDER_TORCHRUN = int(os.environ.get("WORLD_SIZE", "1")) > 1
+_EP = None
+
+
+def _spawned(rank: int, world: int, path: str, fn, args) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        fn(EPGroup.from_process_group(), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, *args, world: int = 2) -> None:
+    """fn(ep, *args) on ``world`` GPUs: in this process under torchrun, else in spawned ranks."""
+    global _EP
+    if UNDER_TORCHRUN:
+        if _EP is None:
+            local = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+            _EP = EPGroup.from_process_group()
+        fn(_EP, *args)
+        dist.barrier()
+        return
+    if NGPU < world:
+        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True)
+
+
+def _weights(cfg: MoEConfig) -> dict:
+    g = torch.Generator().manual_seed(0)
+    E, D, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    r = lambda *s, sc=0.05: torch.randn(*s, generator=g) * sc  # noqa: E731
+    return {"gate": r(E, D, sc=0.1), "bias": r(E, sc=0.1), "gate_up": r(E, 2 * I, D), "down": r(E, D, I),
+            "shared_gate": r(I, D), "shared_up": r(I, D), "shared_down": r(D, I)}
+
+
+def _moe(ep, cfg, backend: str, **wave_kw) -> WaveMoE:
+    m = WaveMoE(cfg, ep=ep, wave=WaveConfig(backend=backend, **wave_kw), device=ep.device, dtype=torch.bfloat16)
+    m.load_full({k: v.to(ep.device, torch.bfloat16 if v.dim() > 1 else torch.float32) for k, v in _weights(cfg).items()})
+    return m
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+
+CFG = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=16, top_k=4)
+
+
+# ------------------------------------------------------------------------------------ symm vs torch
+def _symm_vs_torch(ep: EPGroup) -> None:
+    ref = _moe(ep, CFG, "torch", num_waves=2)
+    g = torch.Generator(device=ep.device).manual_seed(1 + ep.rank)
+    for mode in ("kernel", "copy"):
+        if mode == "kernel" and not HAS_TRITON:
+            continue
+        os.environ["MOE_WAVE_SYMM_MODE"] = mode
+        for W in (1, 2, 4):
+            m = _moe(ep, CFG, "symm", num_waves=W, max_tokens_per_rank=256)
+            for T in (256, 37, 0):
+                x = torch.randn(T, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16)
+                for overlap in (True, False):
+                    y, y_ref = m(x, overlap=overlap), ref(x, overlap=overlap)
+                    assert torch.isfinite(y).all()
+                    if T:
+                        assert _rel(y, y_ref) < 2e-2, (mode, W, T, overlap, _rel(y, y_ref))
+            m.backend.check()
+    os.environ.pop("MOE_WAVE_SYMM_MODE", None)
+
+
+@pytest.mark.multigpu
+def test_symm_matches_torch_backend():
+    run_ranks(_symm_vs_torch)
+
+
+# ------------------------------------------------------------------------------------ CUDA graph
+def _graph_replay(ep: EPGroup) -> None:
+    ref = _moe(ep, CFG, "torch", num_waves=2)
+    m = _moe(ep, CFG, "symm", num_waves=2, max_tokens_per_rank=64)
+    g = torch.Generator(device=ep.device).manual_seed(7 + ep.rank)
+    x_static = torch.randn(48, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            m(x_static)                      # warm-up: allocates the symmetric buffers (collective)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = m(x_static)
+    prev_ids = None
+    for step in range(4):
+        x = torch.randn(48, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16)
+        x_static.copy_(x)
+        graph.replay()
+        ids, _ = ref.route(x)
+        if prev_ids is not None:
+            assert not torch.equal(ids, prev_ids), "the routing must change between replays"
+        prev_ids = ids
+        y_ref = ref(x)
+        err = _rel(y_static, y_ref)
+        assert err < 2e-2, (step, err)
+    torch.cuda.synchronize()
+    m.backend.check()
+
+
+@pytest.mark.multigpu
+def test_symm_decode_cuda_graph_replays_with_changing_routing():
+    run_ranks(_graph_replay)
+
+
+# ------------------------------------------------------------------------------------ overflow
+def _overflow(ep: EPGroup) -> None:
+    from moe_wave.comm.symm import SymmBackend
+
+    e = 4
+    backend = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=8), comm_stream=torch.cuda.Stream())
+    plan = WavePlan.make(num_ranks=ep.size, num_local_experts=e, num_waves=1)
+    T = 20
+    ids = torch.full((T, 2), e * (ep.size - 1), dtype=torch.long, device=ep.device)   # all to the last rank
+    ids[:, 1] += 1
+    x = torch.randn(T, 64, device=ep.device).to(torch.bfloat16)
+    xplan = backend.prepare(compute_layout(ids, torch.rand(T, 2, device=ep.device), plan))
+    got = backend.dispatch(x, xplan, 0).wait()
+    assert got.x_RD.shape[0] == ep.size * 8          # static capacity: never more rows than C per peer
+    backend.combine(got.x_RD.clone(), got.handle, torch.zeros(T, 64, device=ep.device)).wait()
+    with pytest.raises(RuntimeError, match=r"capacity overflow in wave 0: rank \d sent 20 rows to rank 1, "
+                                           r"capacity is 8 .*max_tokens_per_rank >= 20"):
+        backend.check()
+    backend.check()                                    # reported once, then cleared
+
+
+@pytest.mark.multigpu
+def test_symm_capacity_overflow_reported_by_check():
+    run_ranks(_overflow)
+
+
+# ------------------------------------------------------------------------------------ kernel, DeepEP
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_copy_rows_kernel_matches_torch_on_gpu():
+    from moe_wave.comm.symm_kernels import copy_rows, copy_rows_torch
+
+    for dt in (torch.bfloat16, torch.float32, torch.int32):
+        src = (torch.randn(300, 7168, device="cuda") * 100).to(dt)
+        a = (torch.randn(128, 7168, device="cuda") * 100).to(dt)
+        b = a.clone()
+        si = torch.randint(0, 300, (200,), device="cuda")
+        di = torch.randperm(200, device="cuda")
+        di = torch.where(di < 128, di, -1)           # distinct destinations, about a third skipped
+        copy_rows(src, a, si, di)
+        copy_rows_torch(src, b, si, di)
+        assert torch.equal(a, b), dt
+
+
+def _deepep_vs_torch(ep: EPGroup) -> None:
+    ref = _moe(ep, CFG, "torch", num_waves=2)
+    m = _moe(ep, CFG, "deepep", num_waves=2)
+    x = torch.randn(128, CFG.hidden_size, device=ep.device).to(torch.bfloat16)
+    assert _rel(m(x), ref(x)) < 2e-2
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not HAS_DEEPEP, reason="deep_ep is not installed")
+def test_deepep_matches_torch_backend():
+    run_ranks(_deepep_vs_torch)
