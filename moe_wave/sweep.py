@@ -117,8 +117,10 @@ def build_spec(args, world_size: int, launcher: str) -> dict:
         backends=_choice_list("--backend", args.backend, BACKENDS),
         shared=_choice_list("--shared", args.shared, SHARED_PLACEMENTS))
     out = Path(args.out) if args.out else default_out(world_size)
+    if out.is_dir() or not out.suffix:  # a folder: the CSV goes inside it
+        out = out / "sweep.csv"
     if out.suffix != ".csv":
-        raise ValueError(f"--out={str(out)!r}: must end in .csv")
+        raise ValueError(f"--out={str(out)!r}: must be a folder or end in .csv")
     if launcher == "none":
         prefix = f"python -m moe_wave sweep --ranks {world_size}"
     else:
@@ -411,7 +413,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="write DIR/trace_rank{r}.json.gz (torch.profiler, Perfetto) with one iteration per kind "
                         "and point; MOE_WAVE_NVTX=1 adds NVTX ranges for Nsight")
     p.add_argument("--out", default=None,
-                   help="CSV path (default $OUT/sweep.csv, else benchmarks/<date>-sweep-<gpus>.csv); resumed if present")
+                   help="CSV path or folder (default $OUT/sweep.csv, else benchmarks/<date>-sweep-<gpus>.csv); resumed if present")
     p.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher (default: every GPU, or 2)")
     p.add_argument("--timeout", type=float, default=120, help="collective timeout in seconds")
     p.add_argument("--deadline", type=float, default=6 * 3600, help="bound on a self-spawned sweep, in seconds")

@@ -114,7 +114,7 @@ def test_plots_from_csv(grid):
                                                                                     r"divisible by the 2 ranks"),
     (["--hidden", "64", "--intermediate", "32", "--experts", "8", "--topk", "9"], r"--topk=9: must be <= --experts=8"),
     (["--iters", "0"], r"--iters=0: must be >= 1"),
-    (["--out", "x.txt"], r"--out='x.txt': must end in .csv"),
+    (["--out", "x.txt"], r"--out='x.txt': must be a folder or end in .csv"),
 ])
 def test_bad_grid_values(argv, match):
     with pytest.raises(ValueError, match=match):
