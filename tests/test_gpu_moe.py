@@ -46,7 +46,9 @@ def test_bf16_pipeline_matches_fp32_reference(ep, W, partition, placement):
     moe = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=W, partition=partition, shared_placement=placement),
                   dtype=torch.bfloat16)
     moe.load_full({k: v.to(ep.device) for k, v in full.items()})
-    full_dev = {k: v.to(ep.device) for k, v in full.items()}
+    # the reference sees the same bf16-rounded weights (else near-tie tokens route differently)
+    full_dev = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() else v).to(ep.device)
+                for k, v in full.items()}
     for it, T in enumerate([512, 37, 0, 1, 700]):
         x = _x(ep, T, cfg.hidden_size, it, torch.bfloat16)
         ref = reference_moe(full_dev, cfg, x.float())
@@ -56,7 +58,7 @@ def test_bf16_pipeline_matches_fp32_reference(ep, W, partition, placement):
             assert y_pipe.shape == (0, cfg.hidden_size)
             continue
         scale = ref.abs().max()
-        assert float((y_pipe.float() - ref).abs().max() / scale) < 3e-2
+        assert float((y_pipe.float() - ref).norm() / ref.norm()) < 2e-2     # bf16 activations
         # same operations, same data: equal up to the order of atomic adds
         assert float((y_pipe.float() - y_serial.float()).abs().max() / scale) < 1e-2
 
