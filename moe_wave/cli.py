@@ -169,8 +169,15 @@ def cmd_demo(args) -> int:
         row = spawn(run_demo_rank, None if args.ranks is None else args.ranks, args=(args,),
                     timeout_s=args.timeout)[0]
     else:
+        import torch.distributed as dist
+
         ep = init_from_env(timeout_s=args.timeout)
-        row = run_demo_rank(ep, args)
+        try:
+            row = run_demo_rank(ep, args)
+        finally:
+            # Exiting with a live group can abort in its threads' destructors ("terminate called").
+            if ep.pg is not None:
+                dist.destroy_process_group()
         if launch.rank != 0:
             return 0
     return 0 if print_demo(row, args) else 1
