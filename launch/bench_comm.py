@@ -1,0 +1,251 @@
+"""Communication benchmark: torch (NCCL), symm and deepep (when installed), alone and beside a GEMM.
+
+Legend: T tokens per rank, D hidden, K top-k, E experts, P ranks, B bytes per rank.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --standalone --nproc-per-node 2 launch/bench_comm.py [--quick] [--out comm.json]
+
+Measures, in one run (ratios only mean something inside one run):
+  * the P2P copy limit: a large copy into the next rank's GPU (copy engine), per direction;
+  * all-to-all of B = 1 MB .. 1 GB per rank: NCCL ``all_to_all_single`` vs a copy-engine all-to-all
+    through symmetric memory (layout "bytes");
+  * the V4-Flash (D 4096, top-6 of 256) and V4-Pro (D 7168, top-6 of 384) dispatch and combine
+    layouts at T = 128..8192, bf16, uniform random routing, one wave, for every backend;
+  * each backend's dispatch+combine beside a ~300 us bf16 GEMM on the compute stream
+    (hidden fraction = 1 - (beside - gemm) / alone);
+  * WaveMoE (V4-Flash shape) serial vs pipelined on each backend.
+CUDA events, warm-up, medians over iterations, random data, ranks aligned by a barrier before each
+iteration. Writes ``{"meta": {...}, "rows": [...]}`` to --out (default $OUT/comm.json when OUT is set)
+and prints a table last.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
+from moe_wave.comm import EPGroup  # noqa: E402
+from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
+from moe_wave.moe import make_backend  # noqa: E402
+from moe_wave.comm import streams as st  # noqa: E402
+
+LAYOUTS = {"v4-flash": (4096, 256, 6), "v4-pro": (7168, 384, 6)}
+MB = 1 << 20
+
+
+def timed(fn, iters: int, warm: int = 3) -> float:
+    """Median microseconds of fn() between CUDA events on the current stream, ranks aligned."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    # every rank reports the slowest rank's median (the collective finishes with the slowest)
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def gemm_fn(n: int = 4096, k: int = 7168):
+    a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.mm(a, b)
+
+
+def beside(comm_fn, gemm) -> callable:
+    """comm_fn on a side stream (its backend's streams behind it) while the GEMM runs on this one."""
+    side = torch.cuda.Stream()
+
+    def run():
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            comm_fn()
+        gemm()
+        cur.wait_stream(side)
+    return run
+
+
+# ------------------------------------------------------------------------------------ bytes layout
+def p2p_limit(ep: EPGroup, nbytes: int) -> float:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=ep.device)
+    hdl = symm_mem.rendezvous(buf, ep.pg.group_name)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=ep.device)
+    peer = hdl.get_buffer((ep.rank + 1) % ep.size, [nbytes], torch.uint8, 0)
+    us = timed(lambda: peer.copy_(src, non_blocking=True), 10)
+    hdl.barrier(channel=0)
+    return nbytes / us / 1e3
+
+
+def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float) -> list:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    rows, P = [], ep.size
+    for nb in sizes:
+        n = nb // 2 // P * P
+        x = torch.randn(n, device=ep.device, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        buf = symm_mem.empty(n, dtype=torch.bfloat16, device=ep.device)
+        hdl = symm_mem.rendezvous(buf, ep.pg.group_name)
+        chunk = n // P
+        peers = [hdl.get_buffer(p, [P, chunk], torch.bfloat16, 0) for p in range(P)]
+        xs = x.view(P, chunk)
+
+        def nccl():
+            dist.all_to_all_single(out, x, group=ep.pg)
+
+        def symm():
+            for p in range(P):
+                peers[p][ep.rank].copy_(xs[p], non_blocking=True)
+            hdl.barrier(channel=0)
+
+        for name, fn in (("torch", nccl), ("symm", symm)):
+            alone = timed(fn, iters)
+            rows.append(dict(backend=name, layout="bytes", tokens_per_rank=0, bytes_per_rank=n * 2,
+                             dispatch_us=alone, combine_us=alone, p2p_limit_GBps=p2p, alone_us=alone,
+                             beside_gemm_us=timed(beside(fn, gemm), iters), gemm_us=gemm_us,
+                             algbw_GBps=n * 2 * (P - 1) / P / alone / 1e3))
+        del buf, hdl, peers
+    return rows
+
+
+# ------------------------------------------------------------------------------------ token layouts
+def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
+    rows = []
+    g = torch.Generator(device=ep.device).manual_seed(ep.rank)
+    for lname in layouts:
+        D, E, K = LAYOUTS[lname]
+        for T in tokens:
+            x = torch.randn(T, D, device=ep.device, dtype=torch.bfloat16, generator=g)
+            ids = torch.argsort(torch.rand(T, E, device=ep.device, generator=g), 1)[:, :K]
+            w = torch.rand(T, K, device=ep.device, generator=g)
+            plan = WavePlan.make(num_ranks=ep.size, num_local_experts=E // ep.size, num_waves=1)
+            layout = compute_layout(ids, w, plan)
+            sent = int(layout.send_counts_WP.sum())          # HOST SYNC: outside the timed region
+            cfg = MoEConfig(hidden_size=D, intermediate_size=256, num_experts=E, top_k=K)
+            for bname in backends:
+                streams = st.Streams.for_device(ep.device)
+                be = make_backend(bname, ep, streams, cfg, WaveConfig(backend=bname, max_tokens_per_rank=T))
+                xplan = be.prepare(layout)
+                got = be.dispatch(x, xplan, 0).wait()
+                y = torch.randn_like(got.x_RD)
+                out = torch.zeros(T, D, device=ep.device)
+                prep = timed(lambda: be.prepare(layout), iters)
+                disp = timed(lambda: be.dispatch(x, xplan, 0).wait(), iters)
+                comb = timed(lambda: be.combine(y, got.handle, out).wait(), iters)
+
+                def round_trip():
+                    r = be.dispatch(x, xplan, 0).wait()
+                    be.combine(y, r.handle, out).wait()          # the plan is fixed: same shapes every time
+                alone = timed(round_trip, iters)
+                rows.append(dict(backend=bname, layout=lname, tokens_per_rank=T, bytes_per_rank=sent * D * 2,
+                                 prepare_us=prep, dispatch_us=disp, combine_us=comb, p2p_limit_GBps=p2p,
+                                 alone_us=alone, beside_gemm_us=timed(beside(round_trip, gemm), iters),
+                                 gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3))
+                if hasattr(be, "check"):
+                    be.check()
+                del be, xplan, got
+    return rows
+
+
+def moe_rows(ep: EPGroup, backends, T: int, iters: int) -> list:
+    rows = []
+    cfg = MoEConfig.preset("v4-flash")
+    for bname in backends:
+        m = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=2, backend=bname, max_tokens_per_rank=T),
+                    device=ep.device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 0.02)
+        x = torch.randn(T, cfg.hidden_size, device=ep.device, dtype=torch.bfloat16)
+        serial = timed(lambda: m(x, overlap=False), iters)
+        piped = timed(lambda: m(x, overlap=True), iters)
+        rows.append(dict(backend=bname, layout="moe:v4-flash", tokens_per_rank=T, num_waves=2, serial_us=serial,
+                         pipelined_us=piped))
+        del m
+        torch.cuda.empty_cache()
+    return rows
+
+
+def meta(ep: EPGroup) -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        sha = ""
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                git_sha=sha or os.environ.get("GIT_SHA", "unknown"),
+                gpus=f"{ep.size} x {torch.cuda.get_device_name(ep.device)}", torch=torch.__version__,
+                nccl=".".join(map(str, torch.cuda.nccl.version())), world_size=ep.size)
+
+
+def table(rows) -> str:
+    lines = [f"{'backend':8} {'layout':14} {'T':>5} {'MB/rank':>8} {'disp_us':>8} {'comb_us':>8} {'alone':>8} "
+             f"{'beside':>8} {'gemm':>7} {'hidden':>6} {'serial':>8} {'piped':>8}"]
+    for r in rows:
+        hid = (1 - (r["beside_gemm_us"] - r["gemm_us"]) / r["alone_us"]) if "alone_us" in r else None
+        f = lambda k: f"{r[k]:8.1f}" if k in r else f"{'':8}"  # noqa: E731
+        lines.append(f"{r['backend']:8} {r['layout']:14} {r['tokens_per_rank']:5d} "
+                     f"{r.get('bytes_per_rank', 0) / MB:8.1f} {f('dispatch_us')} {f('combine_us')} {f('alone_us')} "
+                     f"{f('beside_gemm_us')} {r.get('gemm_us', 0):7.1f} "
+                     f"{'' if hid is None else f'{hid:6.2f}':>6} {f('serial_us')} {f('pipelined_us')}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few sizes and iterations (about a minute)")
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "comm.json") if os.environ.get("OUT") else None)
+    ap.add_argument("--backends", default="torch,symm,deepep", help="comma list; deepep is skipped when absent")
+    ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (default 20, quick 8)")
+    args = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    ep = EPGroup.from_process_group()
+    backends = [b for b in args.backends.split(",") if b != "deepep" or importlib.util.find_spec("deep_ep")]
+    iters = args.iters or (8 if args.quick else 20)
+    sizes = [1 * MB, 64 * MB] if args.quick else [1 * MB, 16 * MB, 256 * MB, 1024 * MB]
+    tokens = [128, 4096] if args.quick else [128, 512, 2048, 8192]
+    gemm = gemm_fn()
+    gemm_us = timed(gemm, iters)
+    p2p = p2p_limit(ep, (256 if args.quick else 1024) * MB)
+    rows = bytes_rows(ep, sizes, iters, gemm, gemm_us, p2p)
+    rows += token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
+    rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
+    result = {"meta": meta(ep), "rows": rows}
+    if ep.rank == 0:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        print(f"P2P copy limit {p2p:.0f} GB/s per direction; GEMM 4096x7168x4096 {gemm_us:.0f} us")
+        print(table(rows), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
