@@ -139,7 +139,9 @@ class Timer:
     def __init__(self, ep, flush_l2: bool = True):
         self.ep = ep
         self.cuda = ep.device.type == "cuda"
-        self.flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=ep.device) if self.cuda and flush_l2 else None
+        self.flush = None
+        if self.cuda and flush_l2:
+            self.flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=ep.device)
 
     def barrier(self) -> None:
         if self.ep.pg is not None:

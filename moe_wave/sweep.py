@@ -384,7 +384,8 @@ def run(args) -> int:
 
         for p in draw(spec["out"]):
             print(f"plot: {p}")
-    print(f"csv: {spec['out']}  (+ .json sidecar, .md summary{', traces in ' + spec['trace'] if spec['trace'] else ''})")
+    traces = f", traces in {spec['trace']}" if spec["trace"] else ""
+    print(f"csv: {spec['out']}  (+ .json sidecar, .md summary{traces})")
     print_table(rows)
     return 0 if all(r.get("check") == "ok" for r in rows) else 1
 
@@ -395,7 +396,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                         "balanced on a GPU host, tiny on CPU (none when a custom shape is given)")
     for flag, what in (("--hidden", "D"), ("--intermediate", "I"), ("--experts", "E"), ("--topk", "K")):
         p.add_argument(flag, type=int, default=None, help=f"custom shape: {what} (give all four)")
-    p.add_argument("--tokens", dest="tokens_grid", metavar="LIST", default="128,512,2048,8192", help="comma list of tokens per rank (>= 1)")
+    p.add_argument("--tokens", dest="tokens_grid", metavar="LIST", default="128,512,2048,8192",
+                   help="comma list of tokens per rank (>= 1)")
     p.add_argument("--waves", default="1,2,4,8", help="comma list of wave counts W (>= 1)")
     p.add_argument("--partition", default="experts", help=f"comma list of {', '.join(PARTITIONS)}")
     p.add_argument("--backend", default="torch", help=f"comma list of comm backends: {', '.join(BACKENDS)}")
@@ -413,8 +415,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="write DIR/trace_rank{r}.json.gz (torch.profiler, Perfetto) with one iteration per kind "
                         "and point; MOE_WAVE_NVTX=1 adds NVTX ranges for Nsight")
     p.add_argument("--out", default=None,
-                   help="CSV path or folder (default $OUT/sweep.csv, else benchmarks/<date>-sweep-<gpus>.csv); resumed if present")
-    p.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher (default: every GPU, or 2)")
+                   help="CSV path or folder (default $OUT/sweep.csv, else benchmarks/<date>-sweep-<gpus>.csv); "
+                        "resumed if present")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="ranks to spawn without a launcher (default: every GPU, or 2)")
     p.add_argument("--timeout", type=float, default=120, help="collective timeout in seconds")
     p.add_argument("--deadline", type=float, default=6 * 3600, help="bound on a self-spawned sweep, in seconds")
 
