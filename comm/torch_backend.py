@@ -90,6 +90,14 @@ class TorchBackend:
             desc = "; ".join(f"rank {r}: ids in [{lo}, {hi}]" for r, lo, hi in bad)
             raise ValueError(f"topk_ids out of range ({desc}): expert ids must be in [0, {num_experts})")
 
+    def _join(self, works) -> None:
+        """The comm stream waits for the collectives (the host, on gloo). Buffers allocated on the
+        comm stream are freed after this, so the allocator can only hand them out again to work
+        ordered after the NCCL kernels that read or wrote them."""
+        with st.on(self.comm_stream):
+            for wk in works:
+                wk.wait()
+
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int) -> Pending[Received]:
         lay = plan.layout
@@ -115,8 +123,7 @@ class TorchBackend:
         handle = WaveHandle(wave=wave, plan=plan, send_token_S=tok_S)
 
         def finish() -> Received:
-            for wk in works:
-                wk.wait()
+            self._join(works)
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             st.keep_alive(recv_x, now)
@@ -141,8 +148,7 @@ class TorchBackend:
                 works = (_a2a(back_SD, y_RD.contiguous(), send_counts, recv_counts, self.ep.pg),)
 
         def finish() -> None:
-            for wk in works:
-                wk.wait()
+            self._join(works)
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             st.keep_alive(back_SD, now)
