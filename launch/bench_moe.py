@@ -39,7 +39,8 @@ from moe_wave.trace import Tracer  # noqa: E402
 
 FULL = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 512, 2048, 8192), waves=(1, 2, 4, 8),
             placements=("bubbles", "serial"))
-QUICK = dict(shapes=("v4-flash", "balanced"), tokens=(512, 4096), waves=(1, 4), placements=("bubbles",))
+QUICK = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 2048, 8192), waves=(1, 2, 4, 8),
+             placements=("bubbles",))
 
 
 def p2p_limit_GBps(ep) -> float | None:

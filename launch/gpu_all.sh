@@ -51,15 +51,15 @@ stage() {  # stage NAME LIMIT_S CMD...
 for s in "${STAGES[@]}"; do
     case "$s" in
         tests)
-            stage tests_multi 240 "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+            stage tests_multi ${T_TESTS:-120} "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
                 tests/test_gpu_moe.py $(ls tests/test_gpu_comm.py 2>/dev/null)
-            stage tests_single 180 "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
+            stage tests_single ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
                 $(ls tests/test_gpu_attention.py 2>/dev/null) ;;
-        moe)   stage bench_moe 300 "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
-        comm)  stage bench_comm 240 "${TR[@]}" launch/bench_comm.py $QUICK --out "$RES/comm.json" ;;
-        attn)  stage bench_attn 240 "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json" ;;
-        sweep) stage sweep 240 "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
-                   --waves 1,2,4,8 --out "$RES/sweep" --trace "$RES/sweep/trace"
+        moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
+        comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK --out "$RES/comm.json" ;;
+        attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json" ;;
+        sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
+                   --waves 1,2,4,8 --shared bubbles --iters ${SWEEP_ITERS:-10} --out "$RES/sweep" --trace "$RES/sweep/trace"
                true ;;
         *) echo "unknown stage $s (tests moe comm attn sweep)" ;;
     esac
