@@ -103,6 +103,8 @@ class SymmBackend:
         cfg: the MoE config (``top_k``).
         wave: the wave config (``max_tokens_per_rank`` sets the capacity C; 0 means 4096).
         comm_stream: the stream transfers are issued from (GPU); None on CPU.
+        Environment: MOE_WAVE_SYMM_TIMEOUT_MS (default 120000): a peer that does not reach a barrier
+            within it makes the barrier kernel trap (a CUDA error naming the barrier) instead of hanging.
         mode: "kernel" (Triton, writes only valid rows), "copy" (copy engines, N-row blocks) or
             "auto" (kernel when Triton is usable). Environment override: MOE_WAVE_SYMM_MODE.
     """
@@ -123,6 +125,7 @@ class SymmBackend:
         if self.symm and (ep.pg is None or "nccl" not in ep.backend):
             raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
         self._num_experts = 0
+        self.timeout_ms = int(os.environ.get("MOE_WAVE_SYMM_TIMEOUT_MS", "120000"))
         self._ctrl: dict = {}
         self._data: dict = {}
         dev = ep.device
@@ -166,8 +169,11 @@ class SymmBackend:
         first = torch.argmax(over.to(torch.int32))      # the first overflowing (src, wave, dst)
         bad = (rng_P2[:, 0] < 0) | (rng_P2[:, 1] >= num_experts)
         r = torch.argmax(bad.to(torch.int32))
+        # index_select, not t[i]: indexing by a 0-dim tensor reads it on the host (a sync, and no capture).
+        count = sent_PWP.flatten().index_select(0, first.view(1))[0]
+        lo_hi = rng_P2.index_select(0, r.view(1))[0]
         new = torch.stack([over.any().long(), first // (W * P), (first // P) % W, first % P,
-                           sent_PWP.flatten()[first], bad.any().long(), r, rng_P2[r, 0], rng_P2[r, 1]])
+                           count, bad.any().long(), r, lo_hi[0], lo_hi[1]])
         old = self._status_dev
         self._status_dev.copy_(torch.where((old[0] > 0) | (old[5] > 0), old, new))   # first error sticks
         self._status_host.copy_(self._status_dev, non_blocking=True)
@@ -177,8 +183,6 @@ class SymmBackend:
         import torch.distributed._symmetric_memory as symm_mem
 
         name = self.ep.pg.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(name)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.ep.device)
         hdl = symm_mem.rendezvous(buf, name)
         buf.zero_()
@@ -189,7 +193,7 @@ class SymmBackend:
         if X not in self._ctrl:
             _, hdl = self._alloc(P * X * 8)
             views = [hdl.get_buffer(p, [P, X], torch.int64, 0) for p in range(P)]
-            hdl.barrier(channel=0)  # every rank has zeroed its buffer before anyone writes into it
+            hdl.barrier(channel=0, timeout_ms=self.timeout_ms)  # all zeroed before anyone writes
             self._ctrl[X] = (views[self.ep.rank], views, hdl)
         return self._ctrl[X]
 
@@ -216,13 +220,15 @@ class SymmBackend:
         _, hdl = self._alloc(meta_off + W * P * C * M * 4)
         peers = [(hdl.get_buffer(p, shape_x, dtype, 0), hdl.get_buffer(p, shape_m, torch.int32, meta_off // 4),
                   hdl.get_buffer(p, shape_x, dtype, nx)) for p in range(P)]
-        hdl.barrier(channel=0)
+        hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
         mine = peers[self.ep.rank]
         self._data[key] = _Buffers(mine[0], mine[1], mine[2], peers, hdl)
         return self._data[key]
 
     # ---------------------------------------------------------------- count exchange
     def prepare(self, layout: DispatchLayout) -> SymmPlan:
+        """Exchange counts and build the index tables (device-side). Dispatch the plan's waves before the
+        next ``prepare``: its count writes are ordered behind the peers' reads by the wave barriers."""
         plan = layout.plan
         P, W, e, me = plan.num_ranks, plan.num_waves, plan.num_local_experts, self.ep.rank
         if P != self.ep.size:
@@ -263,7 +269,7 @@ class SymmBackend:
         mine, views, hdl = self._ctrl_buf(P, X)
         for p in range(P):
             views[p][self.ep.rank].copy_(send_PX[p])     # peer write over NVLink (copy engine)
-        hdl.barrier(channel=0)
+        hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
         return mine.clone()
 
     def _tables(self, layout: DispatchLayout, recv_counts_WP, recv_pairs_WPe, C: int, T: int) -> SymmPlan:
@@ -298,7 +304,7 @@ class SymmBackend:
             st.keep_alive(x_TD, self.comm_stream)
             if self.symm:
                 self._push_peers(x_TD, plan, bufs, wave)
-                bufs.hdl.barrier(channel=wave)
+                bufs.hdl.barrier(channel=wave, timeout_ms=self.timeout_ms)
             else:
                 stage_x = bufs.recv_x[wave] if P == 1 else torch.zeros_like(bufs.recv_x[wave])
                 stage_m = bufs.recv_meta[wave] if P == 1 else torch.zeros_like(bufs.recv_meta[wave])
@@ -376,7 +382,7 @@ class SymmBackend:
                         copy_rows(y_RD, cb[wave, me], src, plan.recv_dst_WPC[wave, s])
                     else:
                         cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
-                bufs.hdl.barrier(channel=W + wave)
+                bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
             elif P == 1:
                 bufs.comb[wave].view(C, D).copy_(y_RD)
             else:

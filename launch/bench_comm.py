@@ -147,6 +147,7 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
             sent = int(layout.send_counts_WP.sum())          # HOST SYNC: outside the timed region
             cfg = MoEConfig(hidden_size=D, intermediate_size=256, num_experts=E, top_k=K)
             for bname in backends:
+                log(ep, f"{bname} {lname} T={T}")
                 streams = st.Streams.for_device(ep.device)
                 be = make_backend(bname, ep, streams, cfg, WaveConfig(backend=bname, max_tokens_per_rank=T))
                 xplan = be.prepare(layout)
@@ -168,6 +169,7 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
                 if hasattr(be, "check"):
                     be.check()
                 del be, xplan, got
+                save(ep, rows)
     return rows
 
 
@@ -175,6 +177,7 @@ def moe_rows(ep: EPGroup, backends, T: int, iters: int) -> list:
     rows = []
     cfg = MoEConfig.preset("v4-flash")
     for bname in backends:
+        log(ep, f"moe {bname} T={T}")
         m = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=2, backend=bname, max_tokens_per_rank=T),
                     device=ep.device, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -188,6 +191,21 @@ def moe_rows(ep: EPGroup, backends, T: int, iters: int) -> list:
         del m
         torch.cuda.empty_cache()
     return rows
+
+
+_SAVE = {}
+
+
+def log(ep: EPGroup, msg: str) -> None:
+    if ep.rank == 0:
+        print(f"[bench_comm] {msg}", flush=True)
+
+
+def save(ep: EPGroup, rows) -> None:
+    """Write what is measured so far (rank 0), so a run cut short still leaves its rows."""
+    if ep.rank == 0 and _SAVE.get("out"):
+        with open(_SAVE["out"], "w") as f:
+            json.dump({"meta": _SAVE["meta"], "rows": _SAVE["done"] + list(rows)}, f, indent=1)
 
 
 def meta(ep: EPGroup) -> dict:
@@ -222,6 +240,9 @@ def main() -> None:
     ap.add_argument("--backends", default="torch,symm,deepep", help="comma list; deepep is skipped when absent")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (default 20, quick 8)")
     args = ap.parse_args()
+    import faulthandler
+
+    faulthandler.dump_traceback_later(int(os.environ.get("BENCH_HANG_S", "600")), exit=True)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -230,17 +251,17 @@ def main() -> None:
     iters = args.iters or (8 if args.quick else 20)
     sizes = [1 * MB, 64 * MB] if args.quick else [1 * MB, 16 * MB, 256 * MB, 1024 * MB]
     tokens = [128, 4096] if args.quick else [128, 512, 2048, 8192]
+    _SAVE.update(out=args.out, meta=meta(ep), done=[])
     gemm = gemm_fn()
     gemm_us = timed(gemm, iters)
     p2p = p2p_limit(ep, (256 if args.quick else 1024) * MB)
-    rows = bytes_rows(ep, sizes, iters, gemm, gemm_us, p2p)
-    rows += token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
+    log(ep, f"P2P {p2p:.0f} GB/s, GEMM {gemm_us:.0f} us")
+    _SAVE["done"] = rows = bytes_rows(ep, sizes, iters, gemm, gemm_us, p2p)
+    save(ep, [])
+    _SAVE["done"] = rows = rows + token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
     rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
-    result = {"meta": meta(ep), "rows": rows}
+    save(ep, [])
     if ep.rank == 0:
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
         print(f"P2P copy limit {p2p:.0f} GB/s per direction; GEMM 4096x7168x4096 {gemm_us:.0f} us")
         print(table(rows), flush=True)
     dist.barrier()

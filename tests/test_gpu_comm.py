@@ -35,13 +35,22 @@ _EP = None
 
 
 def _spawned(rank: int, world: int, path: str, fn, args) -> None:
+    import faulthandler
+    import sys
+    import traceback
+
+    faulthandler.dump_traceback_later(90, exit=True)     # a hung rank prints its stack and exits
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     try:
         fn(EPGroup.from_process_group(), *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Report now and leave without the collective teardown, which would wait for the other rank.
+        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
 
 
 def run_ranks(fn, *args, world: int = 2) -> None:
@@ -86,24 +95,44 @@ CFG = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=16, top_k=4)
 
 
 # ------------------------------------------------------------------------------------ symm vs torch
+def _log(ep, msg: str) -> None:
+    import sys
+
+    print(f"[rank {ep.rank}] {msg}", file=sys.stderr, flush=True)
+
+
 def _symm_vs_torch(ep: EPGroup) -> None:
-    ref = _moe(ep, CFG, "torch", num_waves=2)
     g = torch.Generator(device=ep.device).manual_seed(1 + ep.rank)
+    xs = {T: torch.randn(T, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16) for T in (256, 37, 0)}
+    got = {}
+    # Phase 1: symm alone (no other collective in between).
     for mode in ("kernel", "copy"):
         if mode == "kernel" and not HAS_TRITON:
             continue
         os.environ["MOE_WAVE_SYMM_MODE"] = mode
         for W in (1, 2, 4):
             m = _moe(ep, CFG, "symm", num_waves=W, max_tokens_per_rank=256)
-            for T in (256, 37, 0):
-                x = torch.randn(T, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16)
+            for T, x in xs.items():
                 for overlap in (True, False):
-                    y, y_ref = m(x, overlap=overlap), ref(x, overlap=overlap)
-                    assert torch.isfinite(y).all()
-                    if T:
-                        assert _rel(y, y_ref) < 2e-2, (mode, W, T, overlap, _rel(y, y_ref))
+                    _log(ep, f"symm mode={mode} W={W} T={T} overlap={overlap}")
+                    got[mode, W, T, overlap] = m(x, overlap=overlap)
             m.backend.check()
     os.environ.pop("MOE_WAVE_SYMM_MODE", None)
+    torch.cuda.synchronize()
+    # Phase 2: the torch backend, compared.
+    ref = _moe(ep, CFG, "torch", num_waves=2)
+    for (mode, W, T, overlap), y in got.items():
+        y_ref = ref(xs[T], overlap=overlap)
+        assert torch.isfinite(y).all()
+        if T:
+            assert _rel(y, y_ref) < 2e-2, (mode, W, T, overlap, _rel(y, y_ref))
+    # Phase 3: symm and NCCL collectives interleaved, as in a model with other collectives.
+    m = _moe(ep, CFG, "symm", num_waves=2, max_tokens_per_rank=256)
+    for i in range(3):
+        _log(ep, f"interleaved {i}")
+        y, y_ref = m(xs[256]), ref(xs[256])
+        assert _rel(y, y_ref) < 2e-2, (i, _rel(y, y_ref))
+    _log(ep, "done")
 
 
 @pytest.mark.multigpu
@@ -127,6 +156,7 @@ def _graph_replay(ep: EPGroup) -> None:
     with torch.cuda.graph(graph):
         y_static = m(x_static)
     prev_ids = None
+    _log(ep, "captured")
     for step in range(4):
         x = torch.randn(48, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16)
         x_static.copy_(x)
