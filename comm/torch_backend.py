@@ -61,10 +61,11 @@ class TorchBackend:
             recv_PX = send_PX
         else:
             recv_PX = torch.empty_like(send_PX)
+            cur = st.current_stream(dev)        # looked up outside the comm-stream context
             with st.on(self.comm_stream):
-                st.wait_stream(self.comm_stream, st.current_stream(dev))
+                st.wait_stream(self.comm_stream, cur)
                 dist.all_to_all_single(recv_PX, send_PX, group=self.ep.pg)
-            st.wait_stream(st.current_stream(dev), self.comm_stream)
+            st.wait_stream(cur, self.comm_stream)
         # HOST SYNC (the only one of the layer on this backend): splits must be host ints.
         host = torch.stack([send_PX, recv_PX]).cpu()
         send_h, recv_h = host[0], host[1]
