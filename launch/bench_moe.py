@@ -142,8 +142,11 @@ def main() -> int:
     if launch.kind == "none":
         res = spawn(rank_main, args.ranks, args=(args,), timeout_s=300, deadline_s=3600)[0]
     else:
+        import torch.distributed as dist
+
         ep = init_from_env(timeout_s=300)
         res = rank_main(ep, args)
+        dist.destroy_process_group()
         if ep.rank != 0:
             return 0
     rows = res["rows"]

@@ -128,7 +128,14 @@ def build_spec(args, world_size: int, launcher: str) -> dict:
     return dict(grid=grid, dtype=dtype, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots,
                 bench=dict(warmup=args.warmup, iters=args.iters, pool=args.pool, seed=args.seed),
                 prefix=prefix, common=f"--dtype {dtype} --iters {args.iters} --warmup {args.warmup} --out {out}",
-                argv=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+                argv=command_line())
+
+
+def command_line() -> str:
+    """This process's command as a user would type it (``python -m moe_wave ...`` for the CLI)."""
+    head = Path(sys.argv[0]).name
+    head = "python -m moe_wave" if head in ("__main__.py", "cli.py") else head
+    return " ".join([head] + sys.argv[1:])
 
 
 def default_out(world_size: int) -> Path:
@@ -284,11 +291,12 @@ def _progress(total: int, show: bool):
 # ----------------------------------------------------------------------------- sidecar + summary
 
 def git_sha() -> str:
+    """HEAD of the checkout, else $MOE_WAVE_GIT_SHA (a copied tree without .git), else "unknown"."""
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
                                        cwd=Path(__file__).resolve().parent).strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("MOE_WAVE_GIT_SHA", "unknown")
 
 
 def run_meta(world_size: int, command: str) -> dict:
@@ -374,8 +382,11 @@ def run(args) -> int:
         spawn(run_rank, nprocs, args=(spec,), timeout_s=args.timeout, deadline_s=args.deadline)
     else:
         spec = build_spec(args, launch.world_size, launch.kind)
+        import torch.distributed as dist
+
         ep = init_from_env(timeout_s=args.timeout)
         run_rank(ep, spec)
+        dist.destroy_process_group()
         if ep.rank != 0:
             return 0
     rows = read_rows(spec["out"])
