@@ -60,7 +60,8 @@ def run_ranks(fn, *args, world: int = 2) -> None:
         if _EP is None:
             local = int(os.environ["LOCAL_RANK"])
             torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+            if not dist.is_initialized():     # another GPU test module of this run may have done it
+                dist.init_process_group("nccl", device_id=torch.device("cuda", local))
             _EP = EPGroup.from_process_group()
         fn(_EP, *args)
         dist.barrier()
