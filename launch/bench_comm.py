@@ -213,6 +213,8 @@ def meta(ep: EPGroup) -> dict:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
     except OSError:
         sha = ""
+    if len(sha) != 40:      # a copy of the tree without .git (e.g. a GPU host): take GIT_SHA from the launcher
+        sha = ""
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 git_sha=sha or os.environ.get("GIT_SHA", "unknown"),
