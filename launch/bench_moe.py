@@ -21,8 +21,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-import argparse  # noqa: E402
+import argparse
 import datetime  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -75,7 +76,8 @@ def rank_main(ep, args) -> dict:
     grid = QUICK if args.quick else FULL
     dtype = torch.bfloat16 if ep.device.type == "cuda" else torch.float32
     shapes = args.shapes.split(",") if args.shapes else grid["shapes"]
-    bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool)
+    bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool, graph=args.graph)
+    backends = args.backend.split(",")
     p2p = p2p_limit_GBps(ep)
     rows, t_start = [], time.perf_counter()
     with Tracer(args.trace, ep.rank) as tracer:
@@ -84,20 +86,20 @@ def rank_main(ep, args) -> dict:
             if cfg.num_experts % ep.size:
                 raise ValueError(f"shape {shape}: num_experts={cfg.num_experts} must be divisible by {ep.size} ranks")
             moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
-            for T in grid["tokens"]:
-                for placement in grid["placements"]:
-                    for W in grid["waves"]:
-                        m = reschedule(moe, WaveConfig(num_waves=W, shared_placement=placement))
-                        label = f"{shape} T={T} W={W} shared={placement}"
-                        r = measure(m, T, bench, tracer=tracer, label=label)
-                        rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W,
-                                     "effective_waves": m.plan.num_waves, "partition": "experts", "backend": "torch",
-                                     "shared_placement": placement, "dtype": str(dtype).removeprefix("torch."), **r,
-                                     "link_util": round(r["GBps"] / p2p, 3) if p2p else None})
-                        if ep.rank == 0:
-                            print(f"[{time.perf_counter() - t_start:6.1f}s] {label}: serial {r['serial_us']:.0f} "
-                                  f"pipelined {r['pipelined_us']:.0f} comm {r['comm_only_us']:.0f} compute "
-                                  f"{r['compute_only_us']:.0f} us, check {r['check']}", flush=True)
+            for T, placement, W, backend in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
+                                                              backends):
+                m = reschedule(moe, WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
+                                               max_tokens_per_rank=max(T, 128)))
+                label = f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
+                r = measure(m, T, bench, tracer=tracer, label=label)
+                rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "cuda_graph": args.graph,
+                             "effective_waves": m.plan.num_waves, "partition": "experts", "backend": backend,
+                             "shared_placement": placement, "dtype": str(dtype).removeprefix("torch."), **r,
+                             "link_util": round(r["GBps"] / p2p, 3) if p2p else None})
+                if ep.rank == 0:
+                    print(f"[{time.perf_counter() - t_start:6.1f}s] {label}: serial {r['serial_us']:.0f} "
+                          f"pipelined {r['pipelined_us']:.0f} comm {r['comm_only_us']:.0f} compute "
+                          f"{r['compute_only_us']:.0f} us, check {r['check']}", flush=True)
             del moe, m
             if ep.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -111,7 +113,7 @@ def default_out(world_size: int) -> Path:
     return Path("benchmarks") / f"{datetime.date.today().isoformat()}-moe-{kind}.json"
 
 
-COLS = ["shape", "tokens_per_rank", "num_waves", "shared_placement", "serial_us", "pipelined_us", "comm_only_us",
+COLS = ["shape", "tokens_per_rank", "num_waves", "backend", "cuda_graph", "shared_placement", "serial_us", "pipelined_us", "comm_only_us",
         "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps", "check"]
 
 
@@ -136,6 +138,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/moe.json, else benchmarks/...)")
     ap.add_argument("--trace", default=None, metavar="DIR", help="per-rank chrome traces (one iteration per kind)")
     ap.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher")
+    ap.add_argument("--backend", default="torch", help="comma list of comm backends (torch, symm, deepep)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
     args = ap.parse_args()
 
     launch = detect_launcher()

@@ -61,6 +61,9 @@ class BenchConfig:
         pool: distinct random inputs rotated through (reduced to fit ``_POOL_BYTES``).
         flush_l2: write a 256 MB buffer before every iteration (GPU only).
         seed: of the inputs (each rank adds its rank).
+        graph: capture each kind in a CUDA graph and time its replays (GPU, sync-free backends
+            such as ``symm`` only): what the schedule costs on the device once the host is out of
+            the loop. The graph replays one static input (L2 still flushed between replays).
     """
 
     warmup: int = 3
@@ -68,6 +71,7 @@ class BenchConfig:
     pool: int = 4
     flush_l2: bool = True
     seed: int = 0
+    graph: bool = False
 
     def __post_init__(self):
         if self.warmup < 0:
@@ -181,6 +185,21 @@ class Timer:
         return t.tolist()
 
 
+def as_graph(fn: Callable[[int], object], device: torch.device, warmup: int = 2):
+    """Capture ``fn(0)`` in a CUDA graph (after ``warmup`` eager runs on a side stream, as capture
+    requires); returns (replay function with fn's signature, the captured output)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn(0)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(0)
+    return (lambda i: graph.replay()), out
+
+
 # ----------------------------------------------------------------------------- the four kinds
 
 def _identity(got: Received) -> torch.Tensor:
@@ -256,6 +275,16 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
     x0, ids0, w0 = inputs[0]
     y_pipe = moe.forward_routed(x0, ids0, w0, overlap=True)  # also resolves an "auto" wave count
     y_ser = moe.forward_routed(x0, ids0, w0, overlap=False)
+    if bench.graph:
+        if timer.cuda is False:
+            raise ValueError("BenchConfig.graph=True: CUDA graphs need a CUDA device")
+        inputs, n = inputs[:1], 1        # a graph replays its captured (static) input
+        graphs = {k: as_graph(f, x0.device) for k, f in (
+            ("serial", lambda i: moe.forward_routed(x0, ids0, w0, overlap=False)),
+            ("pipelined", lambda i: moe.forward_routed(x0, ids0, w0, overlap=True)))}
+        graphs["serial"][0](0)
+        graphs["pipelined"][0](0)
+        y_ser, y_pipe = graphs["serial"][1], graphs["pipelined"][1]
     rtol, atol = _TOL.get(x0.dtype, (1e-2, 1e-2))
     scale = max(float(y_ser.float().abs().max()), 1e-6) if tokens else 1.0
     err = float((y_pipe.float() - y_ser.float()).abs().max()) if tokens else 0.0
@@ -269,6 +298,8 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
     if "compute_only" in kinds:
         received = [pre_receive(moe, *inp) for inp in inputs]
         fns["compute_only"] = lambda i: compute_only(moe, inputs[i % n][0], received[i % n])
+    if bench.graph:
+        fns = {k: (graphs[k][0] if k in graphs else as_graph(f, x0.device)[0]) for k, f in fns.items()}
     medians = []
     for kind in kinds:
         with annotate(f"bench.{kind}"):
