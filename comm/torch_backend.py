@@ -5,8 +5,8 @@ D hidden.
 
 NCCL/RCCL on GPU, gloo on CPU. Splits live on the host, so ``prepare`` holds the one host sync of
 the layer: after the count exchange it copies every count (and the topk_ids range, for validation)
-to the host in a single transfer. Rows travel with their routing metadata packed in one int32
-tensor [R, 2K] (K local expert ids, then K fp32 weights bit-cast), so a wave is two collectives.
+to the host in a single transfer. Rows travel with their routing metadata (K local expert ids, then K fp32 weights, 8K bytes)
+bit-cast into extra columns of the row, so a wave is one collective each way.
 On GPU every collective is issued from the comm stream (its NCCL kernels then run on the process
 group's stream in issue order: dispatch(0) dispatch(1) combine(0) dispatch(2) ...), and ``wait``
 makes the caller's current stream wait. On gloo the collectives run on the group's worker threads
@@ -108,17 +108,18 @@ class TorchBackend:
         R = sum(recv_counts)
         dev, cur = x_TD.device, st.current_stream(x_TD.device)
         tok_S = lay.send_token_S[lo:hi]
+        D = x_TD.shape[1]
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
-            send_x = x_TD.index_select(0, tok_S)
+            # One collective per wave: each row carries its K local expert ids and K fp32 weights
+            # (8K bytes) bit-cast into extra columns of x's dtype.
             send_m = torch.cat([lay.send_expert_SK[lo:hi], lay.send_weight_SK[lo:hi].view(torch.int32)], 1)
+            send = torch.cat([x_TD.index_select(0, tok_S), send_m.view(x_TD.dtype)], 1)
             if self.ep.size == 1:
-                recv_x, recv_m, works = send_x, send_m, ()
+                recv, works = send, ()
             else:
-                recv_x = torch.empty(R, x_TD.shape[1], dtype=x_TD.dtype, device=dev)
-                recv_m = torch.empty(R, 2 * K, dtype=torch.int32, device=dev)
-                works = (_a2a(recv_x, send_x, recv_counts, send_counts, self.ep.pg),
-                         _a2a(recv_m, send_m, recv_counts, send_counts, self.ep.pg))
+                recv = torch.empty(R, send.shape[1], dtype=x_TD.dtype, device=dev)
+                works = (_a2a(recv, send, recv_counts, send_counts, self.ep.pg),)
         pairs = plan.recv_pairs[wave]
         pairs_dev = plan.recv_pairs_WPe[wave].sum(0)
         handle = WaveHandle(wave=wave, plan=plan, send_token_S=tok_S)
@@ -127,9 +128,9 @@ class TorchBackend:
             self._join(works)
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
-            st.keep_alive(recv_x, now)
-            st.keep_alive(recv_m, now)
-            return Received(x_RD=recv_x, expert_RK=recv_m[:, :K], weight_RK=recv_m[:, K:].view(torch.float32),
+            st.keep_alive(recv, now)
+            recv_m = recv[:, D:].contiguous().view(torch.int32)          # [R, 2K]
+            return Received(x_RD=recv[:, :D], expert_RK=recv_m[:, :K], weight_RK=recv_m[:, K:].view(torch.float32),
                             pairs_e=pairs, pairs_e_dev=pairs_dev, handle=handle)
 
         return Pending(finish, f"dispatch[{wave}]")

@@ -81,6 +81,7 @@ class RoutedExperts(nn.Module):
         I, lim = self.cfg.intermediate_size, self.cfg.swiglu_limit
         if _grouped_ok(self.grouped_mm, x_ND):
             if offs_e is None:
+                # HOST SYNC (pageable copy): only for callers that have no device-side counts.
                 offs_e = torch.tensor(counts_e, device=x_ND.device).cumsum(0).to(torch.int32)
             gu = torch._grouped_mm(x_ND, self.gate_up.transpose(-2, -1), offs=offs_e)
             h = swiglu(gu[:, :I], gu[:, I:], lim).to(x_ND.dtype)
@@ -115,9 +116,9 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     order = torch.argsort(key, stable=True)
     if pairs_e is not None:
         order = order[:sum(pairs_e)]
-        offs = None
-    else:
-        offs = pairs_e_dev.cumsum(0).to(torch.int32)
+    # Group offsets from the device counts: building them from the host list would be a pageable
+    # host-to-device copy, which synchronises the host with the stream once per wave.
+    offs = pairs_e_dev.cumsum(0).to(torch.int32) if pairs_e_dev is not None else None
     row = order // K
     out = experts(x_RD.index_select(0, row), pairs_e, offs)
     w = weight_RK.reshape(-1).index_select(0, order)[:, None]
