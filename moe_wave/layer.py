@@ -55,7 +55,10 @@ class V4DecoderLayer(nn.Module):
         return self.attn.new_cache(batch, max_len, device, dtype)
 
     def forward(self, X: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor | None = None,
-                cache: AttnCache | None = None, *, validate: bool = True, overlap: bool | None = None) -> torch.Tensor:
+                cache: AttnCache | None = None, *, validate: bool = True, overlap: bool | None = None,
+                moe_overlap: bool | None = None) -> torch.Tensor:
+        """``overlap`` overrides the attention's stream schedule, ``moe_overlap`` the MoE's wave pipeline
+        (None: their configured ``ScheduleConfig`` / ``WaveConfig``)."""
         h, post, comb = self.attn_hc.hc_pre(X)
         o = self.attn(rms_norm(h, self.attn_norm, self.eps), positions=positions, cache=cache,
                       validate=validate, overlap=overlap)
@@ -63,5 +66,5 @@ class V4DecoderLayer(nn.Module):
         h, post, comb = self.ffn_hc.hc_pre(X)
         B, S, D = h.shape
         ids = None if input_ids is None else input_ids.reshape(-1)
-        y = self.moe(rms_norm(h, self.ffn_norm, self.eps).reshape(B * S, D), input_ids=ids)
+        y = self.moe(rms_norm(h, self.ffn_norm, self.eps).reshape(B * S, D), input_ids=ids, overlap=moe_overlap)
         return hc_post(y.view(B, S, D), X, post, comb)
