@@ -53,17 +53,19 @@ def _ep_path(ep: EPGroup, x, ids, w, num_waves: int, partition: str, overlap: bo
     backend = TorchBackend(ep)
     xplan = backend.prepare(compute_layout(ids, w, plan))
 
-    def experts(got):
-        y = torch.zeros(got.x_RD.shape, dtype=torch.float32)
-        for r in range(got.x_RD.shape[0]):
-            for k in range(got.expert_RK.shape[1]):
-                j = int(got.expert_RK[r, k])
-                if j >= 0:
-                    y[r] += got.weight_RK[r, k] * _expert_fn(ep.rank * e + j, got.x_RD[r:r + 1])[0]
-        return y
-
     out = torch.zeros(x.shape, dtype=torch.float32)
-    return run_waves(x, xplan, backend, experts, out, overlap=overlap)
+    return run_waves(x, xplan, backend, lambda got: slot_by_slot(got, ep.rank * e), out, overlap=overlap)
+
+
+def slot_by_slot(got, expert_offset: int) -> torch.Tensor:
+    """The per-expert function applied one (row, slot) at a time: y[r] = sum_k w[r,k] f(x[r])."""
+    y = torch.zeros(got.x_RD.shape, dtype=torch.float32)
+    for r in range(got.x_RD.shape[0]):
+        for k in range(got.expert_RK.shape[1]):
+            j = int(got.expert_RK[r, k])
+            if j >= 0:
+                y[r] += got.weight_RK[r, k] * _expert_fn(expert_offset + j, got.x_RD[r:r + 1])[0]
+    return y
 
 
 def _check_cases(ep: EPGroup, cases, waves, partitions) -> list:

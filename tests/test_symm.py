@@ -24,7 +24,7 @@ from moe_wave.comm.symm_kernels import copy_rows_torch
 from moe_wave.pipeline import run_waves
 from moe_wave.reference import reference_dispatch_combine
 from tests.ranks import RankPool
-from tests.test_dispatch import CASES, E_PER_RANK, _expert_fn, _make_case
+from tests.test_dispatch import CASES, E_PER_RANK, _expert_fn, _make_case, slot_by_slot
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -38,12 +38,7 @@ def _symm_path(ep: EPGroup, x, ids, w, num_waves: int, partition: str, overlap: 
 
     def experts(got):
         assert got.pairs_e is None and got.x_RD.shape[0] == ep.size * capacity   # static capacity, device counts
-        y = torch.zeros(got.x_RD.shape, dtype=torch.float32)
-        for r in range(got.x_RD.shape[0]):
-            for k in range(got.expert_RK.shape[1]):
-                j = int(got.expert_RK[r, k])
-                if j >= 0:
-                    y[r] += got.weight_RK[r, k] * _expert_fn(ep.rank * e + j, got.x_RD[r:r + 1])[0]
+        y = slot_by_slot(got, ep.rank * e)
         n_valid = int((got.expert_RK >= 0).sum())
         assert n_valid == int(got.pairs_e_dev.sum()), "pairs_e_dev must count the valid slots"
         return y
