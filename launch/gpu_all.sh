@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
-#   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe comm attn sweep (default: all)
+#   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn sweep (default: all)
 #
 # Full results go to RES (default results/<date>); when the device tool's $OUT is set they are
 # packed into $OUT/results.tgz (it brings back at most 8 files). A short table is printed last.
@@ -18,7 +18,7 @@ for a in "$@"; do
         *) STAGES+=("$a") ;;
     esac
 done
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests moe comm attn sweep)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests moe graph comm attn sweep)
 if [ -n "${OUT:-}" ]; then RES="${RES:-/tmp/moe_wave_results}"; else RES="${RES:-results/$(date +%Y-%m-%d)}"; fi
 mkdir -p "$RES"
 LOG="$RES/gpu_all.log"
@@ -56,12 +56,17 @@ for s in "${STAGES[@]}"; do
             stage tests_single ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
                 $(ls tests/test_gpu_attention.py 2>/dev/null) ;;
         moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
+        graph) # the symm backend with every kind replayed from a CUDA graph: SM copies vs copy engines
+               stage bench_moe_graph_kernel ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=kernel "${TR[@]}" launch/bench_moe.py \
+                   --quick --shapes v4-flash,balanced --backend symm --graph --out "$RES/moe_graph_kernel.json"
+               stage bench_moe_graph_copy ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=copy "${TR[@]}" launch/bench_moe.py \
+                   --quick --shapes v4-flash,balanced --backend symm --graph --out "$RES/moe_graph_copy.json" ;;
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK --out "$RES/comm.json" ;;
         attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json" ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
                    --waves 1,2,4,8 --shared bubbles --iters ${SWEEP_ITERS:-10} --out "$RES/sweep" --trace "$RES/sweep/trace"
                true ;;
-        *) echo "unknown stage $s (tests moe comm attn sweep)" ;;
+        *) echo "unknown stage $s (tests moe graph comm attn sweep)" ;;
     esac
 done
 

@@ -28,23 +28,28 @@ def table(rows, cols, title):
         print("  ".join(_fmt(r.get(c, "")).rjust(n) for c, n in zip(cols, w)))
 
 
+def moe_table(moe, name: str) -> None:
+    if not moe:
+        return
+    rows = [dict(r, vs_ideal=r["pipelined_us"] / max(r["comm_only_us"], r["compute_only_us"]),
+                 speedup=r["serial_us"] / r["pipelined_us"])
+            for r in moe["rows"] if r.get("pipelined_us")]
+    key = [r for r in rows if r.get("tokens_per_rank") in (2048, 8192)
+           and r.get("shared_placement") == "bubbles"]
+    best = {}
+    for r in key:
+        k = (r["shape"], r["tokens_per_rank"])
+        if k not in best or r["pipelined_us"] < best[k]["pipelined_us"]:
+            best[k] = r
+    table(list(best.values()), ["shape", "tokens_per_rank", "num_waves", "serial_us", "pipelined_us",
+                                "comm_only_us", "compute_only_us", "vs_ideal", "speedup"],
+          f"{name}: best W per shape/tokens, shared in bubbles")
+
+
 def main(out: str) -> None:
     out = Path(out)
-    moe = _load(out / "moe.json")
-    if moe:
-        rows = [dict(r, vs_ideal=r["pipelined_us"] / max(r["comm_only_us"], r["compute_only_us"]),
-                     speedup=r["serial_us"] / r["pipelined_us"])
-                for r in moe["rows"] if r.get("pipelined_us")]
-        key = [r for r in rows if r.get("tokens_per_rank") in (2048, 8192)
-               and r.get("shared_placement") == "bubbles"]
-        best = {}
-        for r in key:
-            k = (r["shape"], r["tokens_per_rank"])
-            if k not in best or r["pipelined_us"] < best[k]["pipelined_us"]:
-                best[k] = r
-        table(list(best.values()), ["shape", "tokens_per_rank", "num_waves", "serial_us", "pipelined_us",
-                                    "comm_only_us", "compute_only_us", "vs_ideal", "speedup"],
-              "MoE (best W per shape/tokens, shared in bubbles)")
+    for path in sorted(out.glob("moe*.json")):
+        moe_table(_load(path), path.name)
     comm = _load(out / "comm.json")
     if comm:
         rows = [r for r in comm["rows"] if r.get("layout") in ("v4-flash",) and r.get("tokens_per_rank") in (128, 4096)
