@@ -47,11 +47,11 @@ if triton is not None:
         i = tl.program_id(0)
         s = tl.load(src_idx_ptr + i).to(tl.int64)
         d = tl.load(dst_idx_ptr + i).to(tl.int64)
-        ok = d >= 0
+        width = tl.where(d >= 0, D, 0)  # a skipped row masks every column (a plain block mask)
         d = tl.maximum(d, 0)  # masked below; keeps the address in range for the interpreter
         for c in tl.static_range(NUM_BLOCKS):
             offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-            m = (offs < D) & ok
+            m = offs < width
             v = tl.load(src_ptr + s * src_stride + offs, mask=m)
             tl.store(dst_ptr + d * dst_stride + offs, v, mask=m)
 
