@@ -30,11 +30,13 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
-from moe_wave.bench import BenchConfig, init_random_, measure, reschedule  # noqa: E402
+from moe_wave.bench import BenchConfig, init_random_, measure, random_inputs, reschedule  # noqa: E402
 from moe_wave.comm import detect_launcher, init_from_env, spawn  # noqa: E402
+from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
 from moe_wave.sweep import run_meta  # noqa: E402
 from moe_wave.trace import Tracer  # noqa: E402
 
@@ -46,8 +48,6 @@ QUICK = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 2048, 8192)
 
 def p2p_limit_GBps(ep) -> float | None:
     """A 256 MB device-to-device copy GPU0 -> GPU1 on rank 0 while the others wait (0 when not possible)."""
-    import torch.distributed as dist
-
     val = 0.0
     if ep.rank == 0 and ep.device.type == "cuda" and torch.cuda.device_count() >= 2:
         try:
@@ -89,9 +89,11 @@ def rank_main(ep, args) -> dict:
             for T, placement, W, backend in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
                                                               backends):
                 m = reschedule(moe, WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
-                                               max_tokens_per_rank=max(T, 128)))
+                                               max_tokens_per_rank=capacity(args, moe, T, W)))
                 label = f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
                 r = measure(m, T, bench, tracer=tracer, label=label)
+                if hasattr(m.backend, "check"):
+                    m.backend.check()   # a fixed-capacity backend: raise if any row did not fit
                 rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "cuda_graph": args.graph,
                              "effective_waves": m.plan.num_waves, "partition": "experts", "backend": backend,
                              "shared_placement": placement, "dtype": str(dtype).removeprefix("torch."), **r,
@@ -104,6 +106,21 @@ def rank_main(ep, args) -> dict:
             if ep.device.type == "cuda":
                 torch.cuda.empty_cache()
     return {"rows": rows, "p2p": p2p, "world_size": ep.size}
+
+
+def capacity(args, moe: WaveMoE, tokens: int, waves: int) -> int:
+    """Rows per (wave, peer) for fixed-capacity backends (symm). 'worst': every token, never
+    overflows. 'measured': the fullest (wave, peer) cell of one routed random batch, max over ranks,
+    times --capacity-margin. Static buffers make the expert stage's gather scale with the capacity,
+    so a tight one is what a deployment would use; check() after each point verifies it held."""
+    if args.capacity == "worst" or tokens == 0:
+        return max(tokens, 128)
+    x_TD, ids_TK, w_TK = random_inputs(moe, tokens, 1, seed=12345)[0]
+    plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=waves)
+    fullest = compute_layout(ids_TK, w_TK, plan).send_counts_WP.max().double().reshape(1)
+    if moe.ep.pg is not None:
+        dist.all_reduce(fullest, op=dist.ReduceOp.MAX, group=moe.ep.pg)
+    return max(128, min(tokens, int(float(fullest) * args.capacity_margin) + 1))
 
 
 def default_out(world_size: int) -> Path:
@@ -139,6 +156,10 @@ def main() -> int:
     ap.add_argument("--trace", default=None, metavar="DIR", help="per-rank chrome traces (one iteration per kind)")
     ap.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher")
     ap.add_argument("--backend", default="torch", help="comma list of comm backends (torch, symm, deepep)")
+    ap.add_argument("--capacity", choices=("worst", "measured"), default="worst",
+                    help="rows per (wave, peer) of fixed-capacity backends (symm): every token, or the fullest "
+                         "cell of a routed sample times --capacity-margin")
+    ap.add_argument("--capacity-margin", type=float, default=1.25)
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
     args = ap.parse_args()
@@ -147,8 +168,6 @@ def main() -> int:
     if launch.kind == "none":
         res = spawn(rank_main, args.ranks, args=(args,), timeout_s=300, deadline_s=3600)[0]
     else:
-        import torch.distributed as dist
-
         ep = init_from_env(timeout_s=300)
         res = rank_main(ep, args)
         dist.destroy_process_group()

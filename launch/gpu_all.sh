@@ -58,9 +58,9 @@ for s in "${STAGES[@]}"; do
         moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
         graph) # the symm backend with every kind replayed from a CUDA graph: SM copies vs copy engines
                stage bench_moe_graph_kernel ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=kernel "${TR[@]}" launch/bench_moe.py \
-                   --quick --shapes v4-flash,balanced --backend symm --graph --out "$RES/moe_graph_kernel.json"
+                   --quick --shapes v4-flash,balanced --backend symm --graph --capacity measured --out "$RES/moe_graph_kernel.json"
                stage bench_moe_graph_copy ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=copy "${TR[@]}" launch/bench_moe.py \
-                   --quick --shapes v4-flash,balanced --backend symm --graph --out "$RES/moe_graph_copy.json" ;;
+                   --quick --shapes v4-flash,balanced --backend symm --graph --capacity measured --out "$RES/moe_graph_copy.json" ;;
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK --out "$RES/comm.json" ;;
         attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json" ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
