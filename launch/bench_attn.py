@@ -26,7 +26,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
@@ -219,10 +218,9 @@ def decode_policy(rows) -> dict:
 
 
 def meta(args) -> dict:
-    try:
-        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001 - not a checkout
-        sha = "unknown"
+    from moe_wave.sweep import git_sha
+
+    sha = git_sha()
     n = torch.cuda.device_count()
     nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv), git_sha=sha,

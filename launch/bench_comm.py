@@ -31,7 +31,6 @@ import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
@@ -209,15 +208,11 @@ def save(ep: EPGroup, rows) -> None:
 
 
 def meta(ep: EPGroup) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except OSError:
-        sha = ""
-    if len(sha) != 40:      # a copy of the tree without .git (e.g. a GPU host): take GIT_SHA from the launcher
-        sha = ""
+    from moe_wave.sweep import git_sha
+
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                git_sha=sha or os.environ.get("GIT_SHA", "unknown"),
+                git_sha=git_sha(),
                 gpus=f"{ep.size} x {torch.cuda.get_device_name(ep.device)}", torch=torch.__version__,
                 nccl=".".join(map(str, torch.cuda.nccl.version())), world_size=ep.size)
 

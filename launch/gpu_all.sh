@@ -10,6 +10,8 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# A copy of the tree without .git (the GPU host): pass MOE_WAVE_GIT_SHA=<commit> so results name it.
+export MOE_WAVE_GIT_SHA="${MOE_WAVE_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 QUICK=""
 STAGES=()
 for a in "$@"; do
@@ -34,7 +36,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     nvidia-smi topo -m 2>/dev/null | head -5
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())))'
-    git rev-parse HEAD 2>/dev/null || true
+    echo "git $MOE_WAVE_GIT_SHA"
 } 2>&1 | tee -a "$LOG"
 
 declare -A STATUS
