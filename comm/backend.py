@@ -67,6 +67,7 @@ class ExchangePlan:
         recv_pairs: [W][e] (token, k) pairs received per wave and local expert (host ints) or None.
         send_offsets: [W+1] start of each wave's block in the send order (host ints) or None.
         recv_counts_WP / recv_pairs_WPe: the same on the device (always present).
+        extra: backend-private tensors computed once per layer (e.g. packed routing metadata).
     """
 
     layout: DispatchLayout
@@ -76,6 +77,7 @@ class ExchangePlan:
     recv_counts: list | None = None
     recv_pairs: list | None = None
     send_offsets: list | None = None
+    extra: dict = field(default_factory=dict, compare=False)  # backend-private state
 
     @property
     def num_waves(self) -> int:

@@ -78,10 +78,11 @@ class DispatchLayout:
     Attributes:
         plan: the wave plan.
         num_tokens: T.
-        send_token_S: [T*K] int64, token index of each send row in (wave, peer, token) order; only the
-            first ``send_counts_WP.sum()`` entries are valid (the rest are 0).
-        send_expert_SK: [T*K, K] int32, local expert (on the destination) of slot k, or -1.
-        send_weight_SK: [T*K, K] float32, routing weight of slot k (0 where the slot is -1).
+        send_token_S: [T*min(K, W*P)] int64, token index of each send row in (wave, peer, token)
+            order; only the first ``send_counts_WP.sum()`` entries are valid (the rest are arbitrary
+            token indices in range).
+        send_expert_SK: [S, K] int32, local expert (on the destination) of slot k, or -1.
+        send_weight_SK: [S, K] float32, routing weight of slot k (0 where the slot is -1).
         send_counts_WP: [W, P] int64, rows sent to each peer in each wave.
         pair_counts_WPe: [W, P, e] int64, (token, k) pairs sent per destination local expert.
         ids_min, ids_max: 0-dim int64 tensors, for validation without an extra host sync.
@@ -127,7 +128,7 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
     peer_TK = safe_TK // e
     local_TK = safe_TK % e
     if plan.partition == "experts":
-        wave_TK = plan.wave_of_local_expert(dev)[local_TK]
+        wave_TK = (local_TK * W) // e                   # = wave_of_local_expert()[local_TK]
     else:
         wave_TK = ((torch.arange(T, device=dev) * W) // max(T, 1))[:, None].expand(T, K)
     cell_TK = wave_TK * P + peer_TK
@@ -136,14 +137,10 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
     hit_TC.scatter_(1, cell_TK, True)
     hit_F = hit_TC.t().reshape(-1)                      # flat index f = cell*T + token, sorted order
     send_counts_WP = hit_TC.sum(0).view(W, P)
-    # Stable compaction without nonzero(): position of each hit = running count - 1; misses go to a
-    # dump slot at the end that is cut off.
+    # Stable compaction without nonzero() (which syncs): a stable sort puts the hits first, in flat
+    # order; the entries past the valid count are misses that no consumer reads.
     S_max = T * min(K, C)
-    pos_F = torch.cumsum(hit_F.long(), 0) - 1
-    pos_F = torch.where(hit_F, pos_F, torch.full_like(pos_F, S_max))
-    flat_S = torch.zeros(S_max + 1, dtype=torch.long, device=dev)
-    flat_S.scatter_(0, pos_F, torch.arange(C * T, device=dev))
-    flat_S = flat_S[:S_max]
+    flat_S = torch.argsort(hit_F.logical_not(), stable=True)[:S_max]
     send_token_S = flat_S % max(T, 1)
     send_cell_S = flat_S // max(T, 1)
 
@@ -152,16 +149,15 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
     send_expert_SK = torch.where(mine_SK, local_TK[send_token_S], -1).to(torch.int32)
     send_weight_SK = torch.where(mine_SK, topk_w_TK[send_token_S].float(), 0.0)
 
-    pair_key = (wave_TK * P + peer_TK) * e + local_TK
     # scatter_add, not bincount: CUDA bincount reads max() on the host (a sync that breaks graph capture).
-    key_F = pair_key.reshape(-1)
+    key_F = (cell_TK * e + local_TK).reshape(-1)      # (wave, peer, local expert)
     pair_counts_WPe = torch.zeros(C * e, dtype=torch.long, device=dev).scatter_add_(
         0, key_F, torch.ones_like(key_F)).view(W, P, e)
     if T == 0:
         ids_min = torch.zeros((), dtype=torch.long, device=dev)
         ids_max = ids_min
     else:
-        ids_min, ids_max = ids_TK.min(), ids_TK.max()
+        ids_min, ids_max = torch.aminmax(ids_TK)
     return DispatchLayout(plan=plan, num_tokens=T, send_token_S=send_token_S, send_expert_SK=send_expert_SK,
                           send_weight_SK=send_weight_SK, send_counts_WP=send_counts_WP,
                           pair_counts_WPe=pair_counts_WPe, ids_min=ids_min, ids_max=ids_max)

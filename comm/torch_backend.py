@@ -79,9 +79,11 @@ class TorchBackend:
         for w in range(W):
             offs.append(offs[-1] + sum(send_counts[w]))
         recv_dev = recv_PX[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)
+        # Every wave's routing metadata in one kernel: [S, 2K] int32 (K local ids, K fp32 weights).
+        meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
         return ExchangePlan(layout=layout, recv_counts_WP=recv_dev[..., 0], recv_pairs_WPe=recv_dev[..., 1:],
                             send_counts=send_counts, recv_counts=recv_counts, recv_pairs=recv_pairs,
-                            send_offsets=offs)
+                            send_offsets=offs, extra={"meta_SM": meta_SM})
 
     def _check_range(self, rng_P2: torch.Tensor, num_experts: int) -> None:
         # Every rank sees every rank's id range, so all of them raise the same error (no hang).
@@ -113,8 +115,7 @@ class TorchBackend:
             st.wait_stream(self.comm_stream, cur)
             # One collective per wave: each row carries its K local expert ids and K fp32 weights
             # (8K bytes) bit-cast into extra columns of x's dtype.
-            send_m = torch.cat([lay.send_expert_SK[lo:hi], lay.send_weight_SK[lo:hi].view(torch.int32)], 1)
-            send = torch.cat([x_TD.index_select(0, tok_S), send_m.view(x_TD.dtype)], 1)
+            send = torch.cat([x_TD.index_select(0, tok_S), plan.extra["meta_SM"][lo:hi].view(x_TD.dtype)], 1)
             if self.ep.size == 1:
                 recv, works = send, ()
             else:

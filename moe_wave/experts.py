@@ -111,8 +111,7 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     """
     R, K = expert_RK.shape
     e = experts.num_local
-    flat_e = expert_RK.reshape(-1).long()
-    key = torch.where(flat_e >= 0, flat_e, e)
+    key = torch.remainder(expert_RK.reshape(-1), e + 1)      # -1 (another cell's slot) sorts last, as e
     order = torch.argsort(key, stable=True)
     if pairs_e is not None:
         order = order[:sum(pairs_e)]
@@ -122,11 +121,9 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     row = order // K
     out = experts(x_RD.index_select(0, row), pairs_e, offs)
     w = weight_RK.reshape(-1).index_select(0, order)[:, None]
+    contrib = out * w                                         # fp32 (w is fp32)
     if pairs_e is None:
-        valid = (key.index_select(0, order) < e)[:, None]
-        contrib = torch.where(valid, out.float() * w, 0.0)
-    else:
-        contrib = out.float() * w
+        contrib = torch.where((key.index_select(0, order) < e)[:, None], contrib, 0.0)
     y_RD = torch.zeros(R, x_RD.shape[1], dtype=torch.float32, device=x_RD.device)
     y_RD.index_add_(0, row, contrib)
     return y_RD.to(x_RD.dtype)
