@@ -98,7 +98,8 @@ class WaveMoE(nn.Module):
 
     Forward: ``y = moe(x, input_ids=ids)``; x [T, D] (or [B, S, D]) local tokens in the parameter
     dtype; ids [T] token ids (hash layers). Returns y with x's shape and dtype. Every rank of the
-    group must call forward together (with any T, zero included).
+    group must call forward together (with any T, zero included). Inference only: forward runs
+    under ``torch.no_grad()`` (no backward through the all-to-all).
     """
 
     def __init__(self, cfg: MoEConfig, *, ep: EPGroup | None = None, wave: WaveConfig | None = None,
