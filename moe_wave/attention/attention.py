@@ -143,10 +143,10 @@ class V4Attention(nn.Module):
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
-        return rope_tail(q, pos_BS, self.freq_F)
+        return rope_tail(q, pos_BS, self.freq_F, inplace=True)   # q is fresh
 
     def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
-        return rope_tail(rms_norm(self.kv_proj(x_BSD), self.kv_norm, self.cfg.eps), pos_BS, self.freq_F)
+        return rope_tail(rms_norm(self.kv_proj(x_BSD), self.kv_norm, self.cfg.eps), pos_BS, self.freq_F, inplace=True)
 
     def window_source(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache):
         """Key source ``[ring | chunk]`` [B, W+S, d] and each query's W window rows [B, S, W] (-1: none)."""
@@ -179,7 +179,7 @@ class V4Attention(nn.Module):
         """Undo V's RoPE at the query position, grouped o_a, then o_b."""
         B, S = o_BSHd.shape[:2]
         G, Ro = self.cfg.o_groups, self.cfg.o_lora_rank
-        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True).reshape(B, S, G, -1)
+        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True, inplace=True).reshape(B, S, G, -1)
         z_BSGR = torch.einsum("bsgk,grk->bsgr", o, self.o_a_weight.view(G, Ro, -1))
         return self.o_b_proj(z_BSGR.flatten(2))
 

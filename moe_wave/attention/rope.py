@@ -57,14 +57,17 @@ def inv_freq(cfg: RopeConfig, device=None) -> torch.Tensor:
     return f
 
 
-def rope_tail(x: torch.Tensor, pos: torch.Tensor, freq_F: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, pos: torch.Tensor, freq_F: torch.Tensor, inverse: bool = False,
+              inplace: bool = False) -> torch.Tensor:
     """Rotate the last ``2*F`` channels of ``x`` by ``pos * freq`` (conjugate if ``inverse``).
 
     Args:
         x: [B, S, ..., d] (any number of middle dims, e.g. heads), any float dtype.
         pos: [B, S] int positions (or anything broadcastable to x's leading two dims).
         freq_F: fp32 [F] from ``inv_freq``.
-    Returns a new tensor of x's dtype and shape; the rotation is computed in fp32.
+        inplace: write the rotated channels into ``x`` (a fresh tensor nobody else reads) instead
+            of copying all d channels into a new one.
+    Returns x's dtype and shape (``x`` itself when ``inplace``); the rotation is computed in fp32.
     """
     r = 2 * freq_F.shape[0]
     ang = pos.to(torch.float32)[..., None] * freq_F              # [B, S, F]
@@ -76,6 +79,9 @@ def rope_tail(x: torch.Tensor, pos: torch.Tensor, freq_F: torch.Tensor, inverse:
     t = x[..., -r:].float()
     a, b = t[..., 0::2], t[..., 1::2]
     rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    if inplace:
+        x[..., -r:] = rot
+        return x
     return torch.cat([x[..., :-r], rot.to(x.dtype)], dim=-1)
 
 
