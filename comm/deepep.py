@@ -150,6 +150,6 @@ class DeepEPBackend:
 
         def finish() -> None:
             event.current_stream_wait()
-            out_TD += combined_TD.to(out_TD.dtype)
+            out_TD.add_(combined_TD.to(out_TD.dtype))   # in place: out_TD is the caller's
 
         return Pending(finish, f"deepep.combine[{handle.wave}]")

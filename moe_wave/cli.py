@@ -20,7 +20,7 @@ import moe_wave
 from moe_wave.comm import detect_launcher, init_from_env, spawn
 from moe_wave.demo import format_table, print_demo, resolve_defaults, run_demo_rank
 
-__all__ = ["main", "build_parser", "run_demo_rank"]
+__all__ = ["main", "build_parser", "run_demo_rank", "format_table"]
 
 
 # ----------------------------------------------------------------------------- info

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-__all__ = ["MoEConfig", "WaveConfig", "PRESETS"]
+from moe_wave.comm.layout import PARTITIONS
+
+__all__ = ["MoEConfig", "WaveConfig", "PRESETS", "PARTITIONS"]
 
 BACKENDS = ("torch", "symm", "deepep")
-PARTITIONS = ("experts", "tokens")
 SHARED_PLACEMENTS = ("bubbles", "alt", "serial")
 
 

@@ -37,6 +37,27 @@ def _panels(n: int, plt):
     return fig, list(axes.flat)
 
 
+def _line_panels(plt, rows, shapes, scheds, path: str, *, series: str, x: str, y, hline: float,
+                 xlabel: str, ylabel: str) -> Path:
+    """One panel per shape: a line per (schedule, ``series`` value) of y(row) against row[x] (log2)."""
+    styles = ["-", "--", ":", "-."]
+    fig, axes = _panels(len(shapes), plt)
+    for ax, shape in zip(axes, shapes):
+        lines = defaultdict(list)
+        for r in rows:
+            if r["shape"] == shape:
+                lines[(r["sched"], r[series])].append((r[x], y(r)))
+        for (sched, v), pts in sorted(lines.items()):
+            pts.sort()
+            label = f"{series}={v}" if len(scheds) == 1 else f"{series}={v} {sched}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[scheds.index(sched) % 4], marker="o", label=label)
+        ax.axhline(hline, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(title=shape, xlabel=xlabel, ylabel=ylabel)
+        ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
 def draw(csv_path: str | os.PathLike) -> list[Path]:
     """Draw the three PNGs for ``csv_path``; returns their paths (none when no row passed its check)."""
     import matplotlib
@@ -51,40 +72,14 @@ def draw(csv_path: str | os.PathLike) -> list[Path]:
     stem = csv_path.with_suffix("")
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     scheds = list(dict.fromkeys(r["sched"] for r in rows))
-    styles = ["-", "--", ":", "-."]
     out = []
 
-    fig, axes = _panels(len(shapes), plt)
-    for ax, shape in zip(axes, shapes):
-        lines = defaultdict(list)
-        for r in rows:
-            if r["shape"] == shape:
-                lines[(r["sched"], r["W"])].append((r["T"], float(r["serial_us"]) / float(r["pipelined_us"])))
-        for (sched, W), pts in sorted(lines.items()):
-            pts.sort()
-            label = f"W={W}" if len(scheds) == 1 else f"W={W} {sched}"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[scheds.index(sched) % 4], marker="o", label=label)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set(title=shape, xlabel="tokens per rank", ylabel="speedup (serial / pipelined)")
-        ax.legend(fontsize=7)
-    out.append(_save(fig, plt, f"{stem}_speedup.png"))
-
-    fig, axes = _panels(len(shapes), plt)
-    for ax, shape in zip(axes, shapes):
-        lines = defaultdict(list)
-        for r in rows:
-            if r["shape"] == shape and r.get("exposed_us"):
-                lines[(r["sched"], r["T"])].append((r["W"], float(r["exposed_us"])))
-        for (sched, T), pts in sorted(lines.items()):
-            pts.sort()
-            label = f"T={T}" if len(scheds) == 1 else f"T={T} {sched}"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[scheds.index(sched) % 4], marker="o", label=label)
-        ax.axhline(0.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set(title=shape, xlabel="waves W", ylabel="exposed comm (us)")
-        ax.legend(fontsize=7)
-    out.append(_save(fig, plt, f"{stem}_exposed.png"))
+    out.append(_line_panels(plt, rows, shapes, scheds, f"{stem}_speedup.png", series="W", x="T",
+                            y=lambda r: float(r["serial_us"]) / float(r["pipelined_us"]), hline=1.0,
+                            xlabel="tokens per rank", ylabel="speedup (serial / pipelined)"))
+    out.append(_line_panels(plt, [r for r in rows if r.get("exposed_us")], shapes, scheds, f"{stem}_exposed.png",
+                            series="T", x="W", y=lambda r: float(r["exposed_us"]), hline=0.0,
+                            xlabel="waves W", ylabel="exposed comm (us)"))
 
     best = {}
     for r in rows:

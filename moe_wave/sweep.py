@@ -359,7 +359,7 @@ def summary_md(rows: list[dict], meta: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    from .cli import format_table
+    from .demo import format_table
 
     head = ["shape", "T", "W", "part", "shared", "serial", "pipelined", "comm", "compute", "speedup", "overlap",
             "check", "autoW"]

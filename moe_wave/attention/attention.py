@@ -150,7 +150,7 @@ class V4Attention(nn.Module):
 
     def window_source(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache):
         """Key source ``[ring | chunk]`` [B, W+S, d] and each query's W window rows [B, S, W] (-1: none)."""
-        W, S = self.cfg.window, kv_BSd.shape[1]
+        W = self.cfg.window
         src_BMd = torch.cat([cache.win_BWd, kv_BSd.to(cache.win_BWd.dtype)], dim=1)
         q_BSW = pos_BS[..., None] - torch.arange(W, device=pos_BS.device)   # key positions t, t-1, ..
         p0_B11 = pos_BS[:, :1, None]
