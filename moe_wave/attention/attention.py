@@ -202,6 +202,7 @@ class V4Attention(nn.Module):
         if tuple(positions.shape) != tuple(x.shape[:2]):
             raise ValueError(f"positions.shape={tuple(positions.shape)}: must equal x.shape[:2]={tuple(x.shape[:2])}")
         B, S, _ = x.shape
+        store = cache is not None   # a throw-away cache needs no state for a next step
         if cache is None:
             cache = self.new_cache(B, S, x.device, x.dtype)
         if validate and not is_capturing(x.device):
@@ -211,7 +212,7 @@ class V4Attention(nn.Module):
                              "before capturing a CUDA graph (a capture may not wait on outside events)")
         cache.join()
         use_overlap = self.schedule.use_overlap(B, S) if overlap is None else overlap
-        fe = run_frontend(self, x, positions, cache, use_overlap)
+        fe = run_frontend(self, x, positions, cache, use_overlap, store=store)
         o_BSHd = self.chunked(lambda sl: sparse_attention(
             fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, self.cfg.head_dim ** -0.5), S)
         cache.advance(S)

@@ -90,25 +90,45 @@ class FrontEnd:
     parts: list
 
 
-def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap: bool) -> FrontEnd:
-    """Issue the front-end of ``attn`` (a ``V4Attention``) on its streams; returns after the join."""
+def _cache_tensors(cache) -> dict:
+    """The cache tensors each side stream writes: the caller may drop the cache before they finish."""
+    out = {"win": [cache.win_BWd]}
+    for key, st in (("comp", cache.comp), ("index", cache.index)):
+        if st is not None:
+            out[key] = [st.kv_BRC, st.score_BRC, st.entries_BNd]
+    return out
+
+
+def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap: bool,
+                 store: bool = True) -> FrontEnd:
+    """Issue the front-end of ``attn`` (a ``V4Attention``) on its streams; returns after the join.
+
+    ``store=False`` skips the deferred writes that only a next step reads (the window ring and the
+    compressor rings): for a throw-away cache (a call without one).
+    """
     dev = x_BSD.device
     sa, sb, sc = side_streams(dev) if overlap else (None, None, None)
     main = current_stream(dev) if overlap else None
     hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
     fork = record(main)
-    for s in (sa, sb, sc):
-        if hold:
+    if hold and overlap:
+        # Side streams write into the cache (entries before the join, rings after it): should the
+        # caller drop the cache, its memory must not be handed out again before those writes end.
+        owned = _cache_tensors(cache)
+        for s, key in ((sa, "win"), (sb, "comp"), (sc, "index")):
             keep_alive(x_BSD, s)
             keep_alive(pos_BS, s)
+            for t in owned.get(key, ()):
+                keep_alive(t, s)
 
     with on(sa):                                              # (a) window kv
         wait(fork)
         kv_BSd = attn.window_kv(x_BSD, pos_BS)
         win_src, win_idx = attn.window_source(kv_BSd, pos_BS, cache)
         kv_ready = record(sa)
-        attn.window_write(kv_BSd, pos_BS, cache)
-        cache.pending["win"] = record(sa)
+        if store:
+            attn.window_write(kv_BSd, pos_BS, cache)
+            cache.pending["win"] = record(sa)
     parts = [(win_src, win_idx)]
 
     comp_ready = None
@@ -119,8 +139,9 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             attn.compressor.emit(ckv, csc, pos_BS, cache.comp, attn.freq_F)
             comp_idx = attn.hca_index(pos_BS, cache) if attn.indexer is None else None
             comp_ready = record(sb)
-            attn.compressor.write_state(ckv, csc, pos_BS, cache.comp)
-            cache.pending["comp"] = record(sb)
+            if store:
+                attn.compressor.write_state(ckv, csc, pos_BS, cache.comp)
+                cache.pending["comp"] = record(sb)
 
     qr_BSL = attn.q_lora(x_BSD)                               # main: q chain
     q_lora_ready = record(main)
@@ -140,8 +161,9 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             comp_idx = attn.chunked(lambda sl: ix.select(qI[:, sl], w_BSh[:, sl], cache.index.entries_BNd,
                                                          pos_BS[:, sl], cache.index.num_slots), pos_BS.shape[1])
             idx_ready = record(sc)
-            ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
-            cache.pending["index"] = record(sc)
+            if store:
+                ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
+                cache.pending["index"] = record(sc)
 
     q_BSHd = attn.q_heads(qr_BSL, pos_BS)
     for ev in (kv_ready, comp_ready, idx_ready):              # the single join before the core
