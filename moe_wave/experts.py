@@ -105,7 +105,8 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
                 pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the local experts to received rows: y[r] = sum_k w[r,k] * expert_{id[r,k]}(x[r]).
 
-    Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32.
+    Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32
+    (in slot order k = 0..K-1, so the result is bitwise reproducible).
     With host counts (``pairs_e``) only the valid pairs are computed; without them (device-side
     counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero.
     """
@@ -124,9 +125,11 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     contrib = out * w                                         # fp32 (w is fp32)
     if pairs_e is None:
         contrib = torch.where((key.index_select(0, order) < e)[:, None], contrib, 0.0)
-    y_RD = torch.zeros(R, x_RD.shape[1], dtype=torch.float32, device=x_RD.device)
-    y_RD.index_add_(0, row, contrib)
-    return y_RD.to(x_RD.dtype)
+    # Each pair back to its (row, k) slot, then a sum over k in slot order: deterministic (an
+    # index_add_ over rows would add a row's K contributions by atomics, in a run-dependent order).
+    slots = torch.zeros(R * K, x_RD.shape[1], dtype=torch.float32, device=x_RD.device)
+    slots.index_copy_(0, order, contrib)
+    return slots.view(R, K, x_RD.shape[1]).sum(1).to(x_RD.dtype)
 
 
 class SharedExpert(nn.Module):
