@@ -140,8 +140,7 @@ def branches(attn: V4Attention):
         ix.compressor.emit(kvc, sc, pos, cache.index, attn.freq_F)
         w = ix.weights(x)
         qI = ix.query(attn.q_lora(x), pos, attn.freq_F)
-        attn.chunked(lambda sl: ix.select(qI[:, sl], w[:, sl], cache.index.entries_BNd, pos[:, sl],
-                                          cache.index.num_slots), x.shape[1])
+        attn.index_topk(qI, w, pos, cache)
         ix.compressor.write_state(kvc, sc, pos, cache.index)
 
     out = {"q": q, "kv": kv}

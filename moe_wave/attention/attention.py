@@ -18,6 +18,7 @@ from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
 from .indexer import Indexer, IndexerConfig
+from .kernels import norm_rope, use_kernels
 from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
 from .schedule import ScheduleConfig, is_capturing, run_frontend
 
@@ -142,11 +143,16 @@ class V4Attention(nn.Module):
     def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
+        if use_kernels(q):   # per-head RMSNorm + RoPE in one pass, in place
+            return norm_rope(q, pos_BS, self.freq_F, eps=self.cfg.eps, out=q)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
         return rope_tail(q, pos_BS, self.freq_F, inplace=True)   # q is fresh
 
     def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
-        return rope_tail(rms_norm(self.kv_proj(x_BSD), self.kv_norm, self.cfg.eps), pos_BS, self.freq_F, inplace=True)
+        kv = self.kv_proj(x_BSD)
+        if use_kernels(kv):   # RMSNorm(kv_norm) + RoPE in one pass, in place
+            return norm_rope(kv, pos_BS, self.freq_F, weight=self.kv_norm, eps=self.cfg.eps, out=kv)
+        return rope_tail(rms_norm(kv, self.kv_norm, self.cfg.eps), pos_BS, self.freq_F, inplace=True)
 
     def window_source(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache):
         """Key source ``[ring | chunk]`` [B, W+S, d] and each query's W window rows [B, S, W] (-1: none)."""
@@ -167,6 +173,16 @@ class V4Attention(nn.Module):
         n_N = torch.arange(cache.comp.num_slots, device=pos_BS.device)
         vis_BSN = n_N < ((pos_BS + 1) // self.cfg.ratio)[..., None]
         return torch.where(vis_BSN, n_N, torch.full_like(n_N, -1))
+
+    def index_topk(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, pos_BS: torch.Tensor,
+                   cache: AttnCache) -> torch.Tensor:
+        """CSA: the indexer's picks [B, S, K] for every query (the fused kernel scores all S at once;
+        the torch ops go by query blocks to bound their [B, q_block, h, N] temporaries)."""
+        ix, st = self.indexer, cache.index
+        if use_kernels(qI_BShe):
+            return ix.select(qI_BShe, w_BSh, st.entries_BNd, pos_BS, st.num_slots)
+        return self.chunked(lambda sl: ix.select(qI_BShe[:, sl], w_BSh[:, sl], st.entries_BNd, pos_BS[:, sl],
+                                                 st.num_slots), pos_BS.shape[1])
 
     def chunked(self, fn, S: int) -> torch.Tensor:
         """Run ``fn(slice)`` over query blocks of ``schedule.q_block`` and concatenate on dim 1."""

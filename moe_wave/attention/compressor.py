@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .kernels import norm_rope, use_kernels
 from .rope import rope_tail
 
 __all__ = ["CompressorConfig", "Compressor", "CompressorState", "rms_norm"]
@@ -32,7 +33,10 @@ _MASKED = -1e30  # finite "minus infinity": a fully masked (trash) window pools 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm in fp32, weight (fp32) applied before the cast back, as HF 5.23 does."""
+    """RMSNorm in fp32, weight (fp32) applied before the cast back, as HF 5.23 does (one fused
+    kernel on a GPU: ``kernels.norm_rope`` without RoPE)."""
+    if use_kernels(x) and x.is_contiguous():
+        return norm_rope(x, weight=weight, eps=eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y if weight is None else weight * y).to(x.dtype)
@@ -145,8 +149,11 @@ class Compressor(nn.Module):
             kv_BnJd, sc_BnJd = kv_BnJC, sc_BnJC
         sc_BnJd = sc_BnJd.masked_fill(~valid_BnJ[..., None], _MASKED)
         pooled_Bnd = (kv_BnJd * sc_BnJd.softmax(dim=2)).sum(dim=2)
-        out_Bnd = rms_norm(pooled_Bnd.to(state.entries_BNd.dtype), self.norm_weight, cfg.eps)
-        out_Bnd = rope_tail(out_Bnd, win_Bn * m, freq_F)
+        pooled_Bnd = pooled_Bnd.to(state.entries_BNd.dtype)
+        if use_kernels(pooled_Bnd):
+            out_Bnd = norm_rope(pooled_Bnd, win_Bn * m, freq_F, weight=self.norm_weight, eps=cfg.eps, out=pooled_Bnd)
+        else:
+            out_Bnd = rope_tail(rms_norm(pooled_Bnd, self.norm_weight, cfg.eps), win_Bn * m, freq_F)
         # windows past the chunk's last token or past the capacity go to the trash slot
         N = state.num_slots
         live = (win_Bn * m < p0_B1 + S) & (win_Bn < N)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .compressor import Compressor, CompressorConfig
+from .kernels import index_scores, use_kernels
 from .rope import rope_tail
 
 __all__ = ["IndexerConfig", "Indexer"]
@@ -78,9 +79,12 @@ class Indexer(nn.Module):
         ``k_BNe`` may carry extra rows (the trash slot); only the first ``num_slots`` are scored.
         """
         k_BNe = k_BNe[:, :num_slots]
-        s_BShN = torch.einsum("bshe,bne->bshn", qI_BShe, k_BNe.to(qI_BShe.dtype)).float().relu()
-        score_BSN = (s_BShN * w_BSh[..., None]).sum(dim=2)
-        visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]
-        score_BSN = score_BSN.masked_fill(~visible_BSN, float("-inf"))
+        if use_kernels(qI_BShe):   # fused: no [B, S, h, N] intermediate (kernels.index_scores)
+            score_BSN = index_scores(qI_BShe, w_BSh, k_BNe, pos_BS, self.cfg.ratio)
+        else:
+            s_BShN = torch.einsum("bshe,bne->bshn", qI_BShe, k_BNe.to(qI_BShe.dtype)).float().relu()
+            score_BSN = (s_BShN * w_BSh[..., None]).sum(dim=2)
+            visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]
+            score_BSN = score_BSN.masked_fill(~visible_BSN, float("-inf"))
         val_BSK, idx_BSK = score_BSN.topk(min(self.cfg.topk, num_slots), dim=-1)
         return torch.where(val_BSK == float("-inf"), torch.full_like(idx_BSK, -1), idx_BSK)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import norm_rope, use_kernels
+
 __all__ = ["RopeConfig", "inv_freq", "rope_tail", "rope_config_from_hf"]
 
 
@@ -68,7 +70,10 @@ def rope_tail(x: torch.Tensor, pos: torch.Tensor, freq_F: torch.Tensor, inverse:
         inplace: write the rotated channels into ``x`` (a fresh tensor nobody else reads) instead
             of copying all d channels into a new one.
     Returns x's dtype and shape (``x`` itself when ``inplace``); the rotation is computed in fp32.
+    On a GPU one fused Triton kernel does it (``kernels.norm_rope``).
     """
+    if use_kernels(x) and x.is_contiguous() and tuple(pos.shape) == tuple(x.shape[:2]):
+        return norm_rope(x, pos, freq_F, norm=False, inverse=inverse, out=x if inplace else None)
     r = 2 * freq_F.shape[0]
     ang = pos.to(torch.float32)[..., None] * freq_F              # [B, S, F]
     for _ in range(x.dim() - 3):                                 # broadcast over middle dims

@@ -158,8 +158,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             if hold:
                 keep_alive(qr_BSL, sc)
             qI = ix.query(qr_BSL, pos_BS, attn.freq_F)
-            comp_idx = attn.chunked(lambda sl: ix.select(qI[:, sl], w_BSh[:, sl], cache.index.entries_BNd,
-                                                         pos_BS[:, sl], cache.index.num_slots), pos_BS.shape[1])
+            comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache)
             idx_ready = record(sc)
             if store:
                 ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
