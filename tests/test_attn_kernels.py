@@ -68,6 +68,30 @@ for B, S, Hh, E, N, ratio in [(2, 70, 4, 16, 80, 4), (1, 130, 3, 32, 40, 4), (1,
     assert torch.equal(got[~fin], want[~fin])
     if fin.any():
         assert rel(got[fin], want[fin]) < 1e-5, (B, S, N, rel(got[fin], want[fin]))
+# pool_entries through Compressor.emit: kernels on vs the torch ops, chunks at any offset, the ring in use
+import os
+from moe_wave.attention.compressor import Compressor, CompressorConfig, CompressorState
+for ratio, overlap, d, S, p0 in [(4, True, 16, 13, 6), (4, False, 8, 5, 3), (8, False, 16, 19, 0), (4, True, 16, 1, 9)]:
+    comp = Compressor(CompressorConfig(hidden=12, dim=d, ratio=ratio, overlap=overlap))
+    with torch.no_grad():
+        for prm in comp.parameters():
+            prm.normal_(0, 0.5, generator=g)
+    B, max_len = 2, 48
+    st = CompressorState.empty(comp.cfg, B, max_len, "cpu", torch.float32)
+    st.kv_BRC.normal_(generator=g)
+    st.score_BRC.normal_(generator=g)
+    st.entries_BNd.normal_(generator=g)
+    x = torch.randn(B, S, 12, generator=g)
+    pos = (p0 + torch.arange(S)).expand(B, -1).contiguous()
+    freq = torch.rand(2, generator=g)
+    kv, gate = comp.project(x, pos)
+    want = CompressorState(st.kv_BRC.clone(), st.score_BRC.clone(), st.entries_BNd.clone())
+    os.environ["MOE_WAVE_ATTN_KERNELS"] = "0"
+    comp.emit(kv, gate, pos, want, freq)
+    os.environ["MOE_WAVE_ATTN_KERNELS"] = "1"
+    comp.emit(kv, gate, pos, st, freq)
+    N = st.num_slots
+    assert rel(st.entries_BNd[:, :N], want.entries_BNd[:, :N]) < 1e-5, (ratio, overlap, S, p0)
 print("ok")
 """
 

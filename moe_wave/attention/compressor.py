@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .kernels import norm_rope, use_kernels
+from .kernels import norm_rope, pool_entries, use_kernels
 from .rope import rope_tail
 
 __all__ = ["CompressorConfig", "Compressor", "CompressorState", "rms_norm"]
@@ -114,19 +114,29 @@ class Compressor(nn.Module):
         return mod.to(hf_mod.kv_proj.weight.dtype)
 
     def project(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-token GEMMs: fp32 kv [B, S, C] and score (ape already added) [B, S, C]."""
-        kv = self.kv_proj(x_BSD).float()
-        score = self.gate_proj(x_BSD).float() + self.ape.float()[pos_BS % self.cfg.ratio]
-        return kv, score
+        """The per-token GEMMs as they come out (x's dtype, [B, S, C] each): kv and the gate score
+        before the position bias; ``emit`` and ``write_state`` take these."""
+        return self.kv_proj(x_BSD), self.gate_proj(x_BSD)
 
-    def emit(self, kv_BSC: torch.Tensor, score_BSC: torch.Tensor, pos_BS: torch.Tensor, state: CompressorState,
+    def _fp32(self, kv_BSC: torch.Tensor, gate_BSC: torch.Tensor, pos_BS: torch.Tensor):
+        """fp32 kv and score = gate + ape[pos mod m] (what the ring stores)."""
+        return kv_BSC.float(), gate_BSC.float() + self.ape.float()[pos_BS % self.cfg.ratio]
+
+    def emit(self, kv_BSC: torch.Tensor, gate_BSC: torch.Tensor, pos_BS: torch.Tensor, state: CompressorState,
              freq_F: torch.Tensor) -> None:
         """Recompute every window the chunk touches and write them into ``state.entries_BNd``.
 
         Reads the ring (older tokens) and the chunk; does not modify the ring (``write_state`` does,
-        and may run later on another stream, before this layer's next step).
+        and may run later on another stream, before this layer's next step). On a GPU it is one
+        kernel (``kernels.pool_entries``).
         """
-        cfg, (B, S, C) = self.cfg, kv_BSC.shape
+        cfg = self.cfg
+        if use_kernels(kv_BSC):
+            pool_entries(kv_BSC, gate_BSC, state.kv_BRC, state.score_BRC, self.ape, pos_BS, self.norm_weight, freq_F,
+                         state.entries_BNd, ratio=cfg.ratio, mult=cfg.mult, eps=cfg.eps)
+            return
+        kv_BSC, score_BSC = self._fp32(kv_BSC, gate_BSC, pos_BS)
+        B, S, C = kv_BSC.shape
         m, R, d = cfg.ratio, cfg.state_rows, cfg.dim
         dev = kv_BSC.device
         p0_B1 = pos_BS[:, :1]
@@ -160,11 +170,12 @@ class Compressor(nn.Module):
         dst_Bn = torch.where(live, win_Bn, torch.full_like(win_Bn, N))
         state.entries_BNd.scatter_(1, dst_Bn[..., None].expand(-1, -1, d), out_Bnd)
 
-    def write_state(self, kv_BSC: torch.Tensor, score_BSC: torch.Tensor, pos_BS: torch.Tensor,
+    def write_state(self, kv_BSC: torch.Tensor, gate_BSC: torch.Tensor, pos_BS: torch.Tensor,
                     state: CompressorState) -> None:
         """Store the chunk's last ``min(S, R)`` tokens in the ring (distinct rows: no scatter races)."""
         R = self.cfg.state_rows
         k = min(kv_BSC.shape[1], R)
+        kv_Bk, score_Bk = self._fp32(kv_BSC[:, -k:], gate_BSC[:, -k:], pos_BS[:, -k:])
         row_Bk = (pos_BS[:, -k:] % R)[..., None].expand(-1, -1, kv_BSC.shape[-1])
-        state.kv_BRC.scatter_(1, row_Bk, kv_BSC[:, -k:])
-        state.score_BRC.scatter_(1, row_Bk, score_BSC[:, -k:])
+        state.kv_BRC.scatter_(1, row_Bk, kv_Bk)
+        state.score_BRC.scatter_(1, row_Bk, score_Bk)

@@ -86,5 +86,6 @@ class Indexer(nn.Module):
             score_BSN = (s_BShN * w_BSh[..., None]).sum(dim=2)
             visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]
             score_BSN = score_BSN.masked_fill(~visible_BSN, float("-inf"))
-        val_BSK, idx_BSK = score_BSN.topk(min(self.cfg.topk, num_slots), dim=-1)
+        # the picks are a set (the core is order-free): unsorted top-k on the GPU path
+        val_BSK, idx_BSK = score_BSN.topk(min(self.cfg.topk, num_slots), dim=-1, sorted=not use_kernels(qI_BShe))
         return torch.where(val_BSK == float("-inf"), torch.full_like(idx_BSK, -1), idx_BSK)

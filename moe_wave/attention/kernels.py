@@ -6,6 +6,9 @@ h indexer heads, e indexer head dim, N compressed-entry slots.
 * ``norm_rope``: RMSNorm (optional weight) and the interleaved tail RoPE (optional, forward or
   inverse) of every row in one pass: one read and one write of the tensor instead of ~15 torch ops
   with fp32 temporaries (the q heads alone are 4096 x 64 x 512 at a 4096-token prefill).
+* ``pool_entries``: the compressor's gated pooling of every window a chunk touches, from the ring
+  and the chunk, with its RMSNorm and RoPE, written into the entry cache: one launch instead of ~30
+  torch ops (gathers of [n, R, C] fp32 tiles, softmax, norm, rope, scatter).
 * ``index_scores``: the lightning indexer's ``sum_h w[t,h] * ReLU(q[t,h] . k[j])`` with the causal
   visibility mask, one [BS, BN] tile per program looping over heads, without the [S, h, N]
   intermediate; tiles that no query of the block can see are skipped.
@@ -29,7 +32,8 @@ try:  # optional: without Triton the torch ops run
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["KERNELS_ENV", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "use_kernels"]
+__all__ = ["KERNELS_ENV", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "pool_entries",
+           "use_kernels"]
 
 KERNELS_ENV = "MOE_WAVE_ATTN_KERNELS"
 
@@ -74,30 +78,35 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, R, H, eps,
-                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, F: tl.constexpr, ROWS: tl.constexpr,
-                          NORM: tl.constexpr, WEIGHT: tl.constexpr, INVERSE: tl.constexpr):
+                          D: tl.constexpr, C0: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
+                          F: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr,
+                          INVERSE: tl.constexpr):
+        # Rows r of D channels; this launch touches channels C0 .. D-1 as PAIRS (even, odd) pairs.
+        # Loads are [ROWS, BLOCK, 2] tiles, contiguous in memory, split into even/odd in registers.
         pid = tl.program_id(0)
         r = pid * ROWS + tl.arange(0, ROWS)                              # [ROWS]
-        j = tl.arange(0, BLOCK_HALF)                                     # channel pair j = (2j, 2j+1)
+        j = tl.arange(0, BLOCK)                                          # pair j = channels C0+2j, C0+2j+1
+        two = tl.arange(0, 2)
         rmask = r < R
-        jmask = j < HALF
-        m = rmask[:, None] & jmask[None, :]
-        base = r.to(tl.int64)[:, None] * (2 * HALF) + 2 * j[None, :]
-        xe = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + base + 1, mask=m, other=0.0).to(tl.float32)
+        jmask = j < PAIRS
+        col = C0 + 2 * j[:, None] + two[None, :]                         # [BLOCK, 2]
+        offs = r.to(tl.int64)[:, None, None] * D + col[None, :, :]       # [ROWS, BLOCK, 2]
+        m = rmask[:, None, None] & jmask[None, :, None] & (two[None, None, :] < 2)
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        xe, xo = tl.split(x)                                             # [ROWS, BLOCK] each
         if NORM:
-            ms = (tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / (2 * HALF)
+            ms = (tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D
             inv = 1.0 / tl.sqrt(ms + eps)
             xe = xe * inv[:, None]
             xo = xo * inv[:, None]
             if WEIGHT:
-                we = tl.load(w_ptr + 2 * j, mask=jmask, other=0.0).to(tl.float32)
-                wo = tl.load(w_ptr + 2 * j + 1, mask=jmask, other=0.0).to(tl.float32)
+                wv = tl.load(w_ptr + col, mask=jmask[:, None] & (two[None, :] < 2), other=0.0).to(tl.float32)
+                we, wo = tl.split(wv)
                 xe = xe * we[None, :]
                 xo = xo * wo[None, :]
         if F > 0:
             p = tl.load(pos_ptr + r // H, mask=rmask, other=0).to(tl.float32)
-            fi = j - (HALF - F)
+            fi = j - (PAIRS - F)                                         # rope pairs are the last F
             rot = (fi >= 0) & jmask
             f = tl.load(freq_ptr + tl.maximum(fi, 0), mask=rot, other=0.0)
             ang = p[:, None] * f[None, :]
@@ -109,8 +118,8 @@ if triton is not None:
             yo = xe * s + xo * c
             xe = tl.where(rot[None, :], ye, xe)
             xo = tl.where(rot[None, :], yo, xo)
-        tl.store(out_ptr + base, xe.to(out_ptr.dtype.element_ty), mask=m)
-        tl.store(out_ptr + base + 1, xo.to(out_ptr.dtype.element_ty), mask=m)
+        y = tl.join(xe, xo)                                              # [ROWS, BLOCK, 2]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Tensor | None = None, *,
@@ -150,14 +159,17 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
         freq_c = freq_F.float().contiguous()
     else:
         H, pos_c, freq_c = 1, x, x   # unused pointers
+    in_place = out is not None and out.data_ptr() == x.data_ptr()
     if out is None:
         out = torch.empty_like(x)
-    half = d // 2
-    block_half = triton.next_power_of_2(half)
-    rows = max(1, min(16, 2048 // block_half))
+    # RoPE alone, in place: only the rotated tail is read and written.
+    c0 = d - 2 * F if (in_place and not norm and F) else 0
+    pairs = (d - c0) // 2
+    block = triton.next_power_of_2(pairs)
+    rows = max(1, min(64, 2048 // block))
     w = weight.contiguous() if weight is not None else x
     _norm_rope_kernel[(triton.cdiv(R, rows),)](
-        x, out, pos_c, freq_c, w, R, H, float(eps), HALF=half, BLOCK_HALF=block_half, F=F, ROWS=rows,
+        x, out, pos_c, freq_c, w, R, H, float(eps), D=d, C0=c0, PAIRS=pairs, BLOCK=block, F=F, ROWS=rows,
         NORM=bool(norm), WEIGHT=weight is not None, INVERSE=bool(inverse), num_warps=4)
     return out
 
@@ -233,3 +245,106 @@ def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor
                                k.stride(0), k.stride(1), out.stride(0), out.stride(1),
                                E=E, BS=BS, BN=BN, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out
+
+
+# ----------------------------------------------------------------------------------- compressor
+if triton is not None:
+
+    @triton.jit
+    def _pool_kernel(kv_ptr, sc_ptr, rkv_ptr, rsc_ptr, ape_ptr, pos_ptr, w_ptr, freq_ptr, out_ptr,
+                     S, N, RR, m, eps, s_kv_b, s_kv_s, s_sc_b, s_sc_s, s_r_b, s_r_r, s_o_b, s_o_n,
+                     DIM: tl.constexpr, CM: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
+                     F: tl.constexpr, J: tl.constexpr, BJ: tl.constexpr):
+        # One program per (window touched by the chunk, batch row): the gated pooling of its J slots
+        # (online softmax over slot blocks, per channel), RMSNorm, RoPE at the window's start, store.
+        i = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        p0 = tl.load(pos_ptr + b * S)
+        win = p0 // m + i
+        if (win * m < p0 + S) & (win < N):                               # else: the reference's trash slot
+            jp = tl.arange(0, BLOCK)
+            two = tl.arange(0, 2)
+            col = 2 * jp[:, None] + two[None, :]                        # [BLOCK, 2] channel within DIM
+            cmask = (jp[:, None] < PAIRS) & (two[None, :] < 2)
+            run_max = tl.full((BLOCK, 2), -1e30, tl.float32)
+            run_sum = tl.zeros((BLOCK, 2), tl.float32)
+            acc = tl.zeros((BLOCK, 2), tl.float32)
+            for j0 in range(0, J, BJ):
+                jj = j0 + tl.arange(0, BJ)                               # slots
+                q = (win - CM + 1) * m + jj                              # source positions
+                valid = (jj < J) & (q >= 0) & (q < p0 + S)
+                chunk = valid & (q >= p0)
+                ring = valid & (q < p0)
+                if CM == 2:
+                    choff = tl.where(jj < m, 0, DIM)                     # A-half of window i-1, B-half of i
+                else:
+                    choff = jj * 0
+                ch = choff[:, None, None] + col[None, :, :]              # [BJ, BLOCK, 2]
+                mk = cmask[None, :, :]
+                crow = tl.where(chunk, q - p0, 0).to(tl.int64)
+                rrow = (tl.where(ring, q, 0) % RR).to(tl.int64)
+                mc = chunk[:, None, None] & mk
+                mr = ring[:, None, None] & mk
+                kv = tl.load(kv_ptr + b * s_kv_b + crow[:, None, None] * s_kv_s + ch, mask=mc, other=0.0).to(tl.float32)
+                sc = tl.load(sc_ptr + b * s_sc_b + crow[:, None, None] * s_sc_s + ch, mask=mc, other=0.0).to(tl.float32)
+                sc += tl.load(ape_ptr + (jj % m)[:, None, None] * (CM * DIM) + ch, mask=mc, other=0.0).to(tl.float32)
+                kv += tl.load(rkv_ptr + b * s_r_b + rrow[:, None, None] * s_r_r + ch, mask=mr, other=0.0)
+                sc += tl.load(rsc_ptr + b * s_r_b + rrow[:, None, None] * s_r_r + ch, mask=mr, other=0.0)
+                sc = tl.where(valid[:, None, None] & mk, sc, -1e30)
+                new_max = tl.maximum(run_max, tl.max(sc, axis=0))
+                alpha = tl.exp(run_max - new_max)
+                e = tl.exp(sc - new_max[None, :, :])
+                run_sum = run_sum * alpha + tl.sum(e, axis=0)
+                acc = acc * alpha + tl.sum(e * kv, axis=0)
+                run_max = new_max
+            pooled = (acc / run_sum).to(out_ptr.dtype.element_ty).to(tl.float32)   # the model dtype, as HF
+            pe, po = tl.split(pooled)
+            ms = (tl.sum(pe * pe, axis=0) + tl.sum(po * po, axis=0)) / DIM
+            inv = 1.0 / tl.sqrt(ms + eps)
+            wv = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+            we, wo = tl.split(wv)
+            pe = pe * inv * we
+            po = po * inv * wo
+            fi = jp - (PAIRS - F)
+            rot = (fi >= 0) & (jp < PAIRS)
+            f = tl.load(freq_ptr + tl.maximum(fi, 0), mask=rot, other=0.0)
+            ang = (win * m).to(tl.float32) * f
+            c = tl.cos(ang)
+            s = tl.sin(ang)
+            ye = tl.where(rot, pe * c - po * s, pe)
+            yo = tl.where(rot, pe * s + po * c, po)
+            y = tl.join(ye, yo)
+            tl.store(out_ptr + b * s_o_b + win * s_o_n + col, y.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def pool_entries(kv_BSC: torch.Tensor, score_BSC: torch.Tensor, ring_kv_BRC: torch.Tensor,
+                 ring_score_BRC: torch.Tensor, ape_mC: torch.Tensor, pos_BS: torch.Tensor, norm_weight: torch.Tensor,
+                 freq_F: torch.Tensor, entries_BNd: torch.Tensor, *, ratio: int, mult: int, eps: float) -> None:
+    """The compressor's emit in one kernel (see ``compressor.Compressor.emit`` for the math).
+
+    Args:
+        kv_BSC, score_BSC: the chunk's projections as the GEMMs left them (model dtype, no ape yet).
+        ring_kv_BRC, ring_score_BRC: fp32 ring of the previous tokens (ape included), row pos mod R.
+        ape_mC: [m, C] position bias; pos_BS: positions (each row contiguous from pos[:, 0]).
+        entries_BNd: [B, N+1, d] written in place at every complete or partial window the chunk
+            touches (windows past the capacity are skipped: the reference sends them to the trash row N).
+    """
+    B, S, C = kv_BSC.shape
+    d = entries_BNd.shape[-1]
+    N = entries_BNd.shape[1] - 1
+    R = ring_kv_BRC.shape[1]
+    J = mult * ratio
+    if C != mult * d or R != J or S == 0:
+        raise ValueError(f"pool_entries: C={C}, R={R}, S={S}: need C = mult*d = {mult * d}, R = mult*ratio = {J}, S > 0")
+    kv = kv_BSC if kv_BSC.stride(-1) == 1 else kv_BSC.contiguous()
+    sc = score_BSC if score_BSC.stride(-1) == 1 else score_BSC.contiguous()
+    rkv, rsc = ring_kv_BRC.contiguous(), ring_score_BRC.contiguous()
+    n = (S + ratio - 2) // ratio + 1
+    pairs = d // 2
+    BJ = min(8, triton.next_power_of_2(J))
+    _pool_kernel[(n, B)](kv, sc, rkv, rsc, ape_mC.float().contiguous(), pos_BS.contiguous(),
+                         norm_weight.float().contiguous(), freq_F.float().contiguous(), entries_BNd,
+                         S, N, R, ratio, float(eps), kv.stride(0), kv.stride(1), sc.stride(0), sc.stride(1),
+                         rkv.stride(0), rkv.stride(1), entries_BNd.stride(0), entries_BNd.stride(1),
+                         DIM=d, CM=mult, PAIRS=pairs, BLOCK=triton.next_power_of_2(pairs), F=freq_F.numel(),
+                         J=J, BJ=BJ, num_warps=8)
