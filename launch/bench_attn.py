@@ -4,7 +4,9 @@
 
 Shapes: V4-Flash and V4-Pro attention (bf16, random weights of the real shapes, no HF). Per layer type
 (sliding, csa c4 + indexer, hca c128): prefill of 4096 tokens (eager) and decode at batch 1, 8, 64,
-128 against a cache holding 4096 tokens (CUDA graphs). Columns (microseconds, medians over many
+128 against a cache holding 4096 tokens (CUDA graphs); prefill is timed twice, eager and replayed
+from a CUDA graph (as serving stacks capture fixed prefill sizes), since eager launches on a slow
+host can hide what the streams do. Columns (microseconds, medians over many
 iterations, CUDA events, after warm-up, fresh random inputs each iteration):
   serial_us          front-end up to the core, all branches on one stream (overlap off)
   overlapped_us      the same with the branches on side streams
@@ -152,7 +154,7 @@ def branches(attn: V4Attention):
 
 
 @torch.no_grad()
-def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev) -> dict:
+def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev, graph: bool) -> dict:
     attn = make_attn(shape, kind, dev)
     D = attn.cfg.hidden
     S = CTX if mode == "prefill" else 1
@@ -179,7 +181,7 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
            "layer": layer(True)}
     fns.update({f"branch_{k}": v for k, v in branches(attn).items()})
     res = {}
-    if mode == "decode":
+    if graph:
         static = [pool[0].clone(), pos, cache]
         for name, fn in fns.items():
             if os.environ.get("BENCH_ATTN_DEBUG"):
@@ -191,7 +193,7 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
             res[name] = time_eager(fn, lambda: (pool[next(it) % len(pool)], pos, cache), iters, warmup)
     crit = max(v for k, v in res.items() if k.startswith("branch_"))
     row = dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S, context=CTX,
-               cuda_graph=mode == "decode", serial_us=round(res["serial"], 2),
+               cuda_graph=graph, serial_us=round(res["serial"], 2),
                overlapped_us=round(res["overlapped"], 2), critical_path_us=round(crit, 2),
                layer_serial_us=round(res["layer_serial"], 2), layer_us=round(res["layer"], 2))
     row.update({f"{k}_us": round(v, 2) for k, v in res.items() if k.startswith("branch_")})
@@ -248,10 +250,10 @@ def main() -> None:
     rows = []
     for shape in shapes:
         for kind in TYPES:
-            points = [("prefill", 1)] + [("decode", b) for b in batches]
-            for mode, b in points:
+            points = [("prefill", 1, False), ("prefill", 1, True)] + [("decode", b, True) for b in batches]
+            for mode, b, graph in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
-                row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev)
+                row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     policy = decode_policy(rows)
@@ -260,10 +262,10 @@ def main() -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy}, "rows": rows}, f, indent=1)
-    hdr = f"{'shape':9} {'type':7} {'mode':7} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9}"
+    hdr = f"{'shape':9} {'type':7} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9}"
     print(f"\nwrote {out}\n{hdr}")
     for r in rows:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {r['tokens']:>5} {r['serial_us']:>9.1f} "
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} {r['serial_us']:>9.1f} "
               f"{r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} {r['layer_us']:>9.1f}")
     print(f"recommended ScheduleConfig.decode_overlap_min_batch: {policy}")
 

@@ -77,49 +77,56 @@ def norm_rope_torch(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: to
 if triton is not None:
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, R, H, eps,
-                          D: tl.constexpr, C0: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
-                          F: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr,
-                          INVERSE: tl.constexpr):
-        # Rows r of D channels; this launch touches channels C0 .. D-1 as PAIRS (even, odd) pairs.
-        # Loads are [ROWS, BLOCK, 2] tiles, contiguous in memory, split into even/odd in registers.
-        pid = tl.program_id(0)
-        r = pid * ROWS + tl.arange(0, ROWS)                              # [ROWS]
-        j = tl.arange(0, BLOCK)                                          # pair j = channels C0+2j, C0+2j+1
+    def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, H, eps,
+                          D: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr, F: tl.constexpr, BF: tl.constexpr,
+                          HB: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
+                          HEAD: tl.constexpr):
+        # Program (p, hb): rows p*H + hb*HB .. +HB (rows of one position share its cos/sin). A row is
+        # HP leading channel pairs (the "head", no RoPE) then F rotated pairs (the "tail"); each part
+        # is loaded as a contiguous [HB, pairs, 2] tile and split into even/odd in registers.
+        p = tl.program_id(0)
+        h = tl.program_id(1) * HB + tl.arange(0, HB)
+        hmask = h < H
+        row = (p.to(tl.int64) * H + h)[:, None, None] * D
         two = tl.arange(0, 2)
-        rmask = r < R
-        jmask = j < PAIRS
-        col = C0 + 2 * j[:, None] + two[None, :]                         # [BLOCK, 2]
-        offs = r.to(tl.int64)[:, None, None] * D + col[None, :, :]       # [ROWS, BLOCK, 2]
-        m = rmask[:, None, None] & jmask[None, :, None] & (two[None, None, :] < 2)
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        xe, xo = tl.split(x)                                             # [ROWS, BLOCK] each
-        if NORM:
-            ms = (tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)) / D
-            inv = 1.0 / tl.sqrt(ms + eps)
-            xe = xe * inv[:, None]
-            xo = xo * inv[:, None]
-            if WEIGHT:
-                wv = tl.load(w_ptr + col, mask=jmask[:, None] & (two[None, :] < 2), other=0.0).to(tl.float32)
-                we, wo = tl.split(wv)
-                xe = xe * we[None, :]
-                xo = xo * wo[None, :]
+        ss = tl.zeros((HB,), tl.float32)
+        if HEAD:
+            jh = tl.arange(0, BH)
+            colh = 2 * jh[:, None] + two[None, :]
+            mh2 = (jh[:, None] < HP) & (two[None, :] < 2)
+            mh = hmask[:, None, None] & mh2[None, :, :]
+            xh = tl.load(x_ptr + row + colh[None, :, :], mask=mh, other=0.0).to(tl.float32)
+            if NORM:
+                ss += tl.sum(tl.sum(xh * xh, axis=2), axis=1)
         if F > 0:
-            p = tl.load(pos_ptr + r // H, mask=rmask, other=0).to(tl.float32)
-            fi = j - (PAIRS - F)                                         # rope pairs are the last F
-            rot = (fi >= 0) & jmask
-            f = tl.load(freq_ptr + tl.maximum(fi, 0), mask=rot, other=0.0)
-            ang = p[:, None] * f[None, :]
-            c = tl.cos(ang)
-            s = tl.sin(ang)
+            jt = tl.arange(0, BF)
+            colt = 2 * HP + 2 * jt[:, None] + two[None, :]
+            mt2 = (jt[:, None] < F) & (two[None, :] < 2)
+            mt = hmask[:, None, None] & mt2[None, :, :]
+            xt = tl.load(x_ptr + row + colt[None, :, :], mask=mt, other=0.0).to(tl.float32)
+            if NORM:
+                ss += tl.sum(tl.sum(xt * xt, axis=2), axis=1)
+        if NORM:
+            inv = 1.0 / tl.sqrt(ss / D + eps)
+        if HEAD:
+            if NORM:
+                xh = xh * inv[:, None, None]
+                if WEIGHT:
+                    xh = xh * tl.load(w_ptr + colh, mask=mh2, other=0.0).to(tl.float32)[None, :, :]
+            tl.store(out_ptr + row + colh[None, :, :], xh.to(out_ptr.dtype.element_ty), mask=mh)
+        if F > 0:
+            if NORM:
+                xt = xt * inv[:, None, None]
+                if WEIGHT:
+                    xt = xt * tl.load(w_ptr + colt, mask=mt2, other=0.0).to(tl.float32)[None, :, :]
+            ang = tl.load(pos_ptr + p).to(tl.float32) * tl.load(freq_ptr + jt, mask=jt < F, other=0.0)
+            c = tl.cos(ang)[None, :]
+            s = tl.sin(ang)[None, :]
             if INVERSE:
                 s = -s
-            ye = xe * c - xo * s
-            yo = xe * s + xo * c
-            xe = tl.where(rot[None, :], ye, xe)
-            xo = tl.where(rot[None, :], yo, xo)
-        y = tl.join(xe, xo)                                              # [ROWS, BLOCK, 2]
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+            xe, xo = tl.split(xt)
+            y = tl.join(xe * c - xo * s, xe * s + xo * c)
+            tl.store(out_ptr + row + colt[None, :, :], y.to(out_ptr.dtype.element_ty), mask=mt)
 
 
 def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Tensor | None = None, *,
@@ -158,19 +165,21 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
         pos_c = pos.reshape(-1).contiguous()
         freq_c = freq_F.float().contiguous()
     else:
-        H, pos_c, freq_c = 1, x, x   # unused pointers
+        P, H, pos_c, freq_c = 1, R, x, x   # no RoPE: one group of all rows; unused pointers
     in_place = out is not None and out.data_ptr() == x.data_ptr()
     if out is None:
         out = torch.empty_like(x)
-    # RoPE alone, in place: only the rotated tail is read and written.
-    c0 = d - 2 * F if (in_place and not norm and F) else 0
-    pairs = (d - c0) // 2
-    block = triton.next_power_of_2(pairs)
-    rows = max(1, min(64, 2048 // block))
+    head = norm or not in_place or F == 0     # RoPE alone, in place: only the rotated tail is touched
+    hp = d // 2 - F
+    bh = triton.next_power_of_2(max(hp, 1))
+    bf = triton.next_power_of_2(max(F, 1))
+    width = (bh if head else 0) + (bf if F else 0)
+    hb = max(1, min(triton.next_power_of_2(H), 2048 // width))
+    hb = 1 << (hb.bit_length() - 1)           # a power of two
     w = weight.contiguous() if weight is not None else x
-    _norm_rope_kernel[(triton.cdiv(R, rows),)](
-        x, out, pos_c, freq_c, w, R, H, float(eps), D=d, C0=c0, PAIRS=pairs, BLOCK=block, F=F, ROWS=rows,
-        NORM=bool(norm), WEIGHT=weight is not None, INVERSE=bool(inverse), num_warps=4)
+    _norm_rope_kernel[(P, triton.cdiv(H, hb))](
+        x, out, pos_c, freq_c, w, H, float(eps), D=d, HP=hp, BH=bh, F=F, BF=bf, HB=hb, NORM=bool(norm),
+        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hp > 0), num_warps=4)
     return out
 
 
