@@ -52,7 +52,7 @@ from . import streams as st
 from .backend import ExchangePlan, Pending, Received, WaveHandle
 from .group import EPGroup
 from .layout import DispatchLayout
-from .symm_kernels import copy_rows, triton_ok
+from .symm_kernels import add_rows, copy_rows, triton_ok
 
 __all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES"]
 
@@ -121,6 +121,7 @@ class SymmBackend:
         if mode == "auto":
             mode = "kernel" if triton_ok(ep.device) else "copy"
         self.mode = mode
+        self._add_kernel = triton_ok(ep.device)   # combine's accumulate: Triton add_rows where it runs
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
         if self.symm and (ep.pg is None or "nccl" not in ep.backend):
             raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
@@ -395,6 +396,11 @@ class SymmBackend:
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             N = plan.tok_WPN.shape[2]
+            if self._add_kernel and out_TD.dtype == torch.float32:
+                # one launch per peer block (a token appears once per block): fp32 adds, no temporaries
+                for p in range(P):
+                    add_rows(out_TD, bufs.comb[wave, p, :N], plan.tok_WPN[wave, p], plan.send_dst_WPN[wave, p])
+                return
             back_PND = bufs.comb[wave][:, :N].float()
             back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], back_PND, 0.0)
             out_TD.index_add_(0, plan.tok_WPN[wave].reshape(-1), back_PND.reshape(-1, D).to(out_TD.dtype))

@@ -11,6 +11,8 @@ Measures, in one run (ratios only mean something inside one run):
     through symmetric memory (layout "bytes");
   * the V4-Flash (D 4096, top-6 of 256) and V4-Pro (D 7168, top-6 of 384) dispatch and combine
     layouts at T = 128..8192, bf16, uniform random routing, one wave, for every backend;
+  * the symm backend in both data modes (copy engines, Triton) with prepare, dispatch, combine and
+    the round trip each replayed from a CUDA graph (backend "symm-copy[g]" / "symm-kernel[g]");
   * each backend's dispatch+combine beside a ~300 us bf16 GEMM on the compute stream
     (hidden fraction = 1 - (beside - gemm) / alone);
   * WaveMoE (V4-Flash shape) serial vs pipelined on each backend.
@@ -172,6 +174,52 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
     return rows
 
 
+def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
+    """The symm backend as it is meant to run: prepare, dispatch, combine and the round trip each
+    captured in a CUDA graph and replayed (no host work at all), in both data modes."""
+    from moe_wave.bench import as_graph
+
+    rows = []
+    g = torch.Generator(device=ep.device).manual_seed(100 + ep.rank)
+    for lname in layouts:
+        D, E, K = LAYOUTS[lname]
+        for T in tokens:
+            x = torch.randn(T, D, device=ep.device, dtype=torch.bfloat16, generator=g)
+            ids = torch.argsort(torch.rand(T, E, device=ep.device, generator=g), 1)[:, :K]
+            w = torch.rand(T, K, device=ep.device, generator=g)
+            plan = WavePlan.make(num_ranks=ep.size, num_local_experts=E // ep.size, num_waves=1)
+            layout = compute_layout(ids, w, plan)
+            sent = int(layout.send_counts_WP.sum())          # HOST SYNC: outside the timed region
+            cfg = MoEConfig(hidden_size=D, intermediate_size=256, num_experts=E, top_k=K)
+            for mode in ("copy", "kernel"):
+                log(ep, f"graph symm-{mode} {lname} T={T}")
+                streams = st.Streams.for_device(ep.device)
+                be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
+                be.mode = mode
+                out = torch.zeros(T, D, device=ep.device)
+                prep, xplan = as_graph(lambda i: be.prepare(layout), ep.device)
+                disp, got = as_graph(lambda i: be.dispatch(x, xplan, 0).wait(), ep.device)
+                y = torch.randn_like(got.x_RD)
+                comb, _ = as_graph(lambda i: be.combine(y, got.handle, out).wait(), ep.device)
+
+                def trip(i):
+                    r = be.dispatch(x, xplan, 0).wait()
+                    be.combine(y, r.handle, out).wait()
+                rt, _ = as_graph(trip, ep.device)
+                t_prep, t_disp, t_comb = (timed(lambda f=f: f(0), iters) for f in (prep, disp, comb))
+                alone = timed(lambda: rt(0), iters)
+                be.check()
+                rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
+                                 bytes_per_rank=sent * D * 2, prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_comb,
+                                 p2p_limit_GBps=p2p, alone_us=alone, beside_gemm_us=timed(beside(lambda: rt(0), gemm),
+                                                                                          iters),
+                                 gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / t_disp / 1e3))
+                del be, xplan, got, prep, disp, comb, rt
+                torch.cuda.synchronize()
+                save(ep, rows)
+    return rows
+
+
 def moe_rows(ep: EPGroup, backends, T: int, iters: int) -> list:
     rows = []
     cfg = MoEConfig.preset("v4-flash")
@@ -218,12 +266,13 @@ def meta(ep: EPGroup) -> dict:
 
 
 def table(rows) -> str:
-    lines = [f"{'backend':8} {'layout':14} {'T':>5} {'MB/rank':>8} {'disp_us':>8} {'comb_us':>8} {'alone':>8} "
+    lines = [f"{'backend':15} {'layout':14} {'T':>5} {'MB/rank':>8} {'disp_us':>8} {'comb_us':>8} {'alone':>8} "
              f"{'beside':>8} {'gemm':>7} {'hidden':>6} {'serial':>8} {'piped':>8}"]
     for r in rows:
         hid = (1 - (r["beside_gemm_us"] - r["gemm_us"]) / r["alone_us"]) if "alone_us" in r else None
         f = lambda k: f"{r[k]:8.1f}" if k in r else f"{'':8}"  # noqa: E731
-        lines.append(f"{r['backend']:8} {r['layout']:14} {r['tokens_per_rank']:5d} "
+        name = r["backend"] + ("[g]" if r.get("graph") else "")
+        lines.append(f"{name:15} {r['layout']:14} {r['tokens_per_rank']:5d} "
                      f"{r.get('bytes_per_rank', 0) / MB:8.1f} {f('dispatch_us')} {f('combine_us')} {f('alone_us')} "
                      f"{f('beside_gemm_us')} {r.get('gemm_us', 0):7.1f} "
                      f"{'' if hid is None else f'{hid:6.2f}':>6} {f('serial_us')} {f('pipelined_us')}")
@@ -235,6 +284,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few sizes and iterations (about a minute)")
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "comm.json") if os.environ.get("OUT") else None)
     ap.add_argument("--backends", default="torch,symm,deepep", help="comma list; deepep is skipped when absent")
+    ap.add_argument("--no-graph", action="store_true", help="skip the symm rows replayed from CUDA graphs")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (default 20, quick 8)")
     args = ap.parse_args()
     import faulthandler
@@ -246,7 +296,7 @@ def main() -> None:
     ep = EPGroup.from_process_group()
     backends = [b for b in args.backends.split(",") if b != "deepep" or importlib.util.find_spec("deep_ep")]
     iters = args.iters or (8 if args.quick else 20)
-    sizes = [1 * MB, 64 * MB] if args.quick else [1 * MB, 16 * MB, 256 * MB, 1024 * MB]
+    sizes = [1 * MB, 16 * MB, 64 * MB] if args.quick else [1 * MB, 16 * MB, 64 * MB, 256 * MB, 1024 * MB]
     tokens = [128, 4096] if args.quick else [128, 512, 2048, 8192]
     _SAVE.update(out=args.out, meta=meta(ep), done=[])
     gemm = gemm_fn()
@@ -256,6 +306,8 @@ def main() -> None:
     _SAVE["done"] = rows = bytes_rows(ep, sizes, iters, gemm, gemm_us, p2p)
     save(ep, [])
     _SAVE["done"] = rows = rows + token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
+    if not args.no_graph and "symm" in backends:
+        _SAVE["done"] = rows = rows + graph_rows(ep, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
     rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
     save(ep, [])
     if ep.rank == 0:
