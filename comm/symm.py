@@ -52,7 +52,7 @@ from . import streams as st
 from .backend import ExchangePlan, Pending, Received, WaveHandle
 from .group import EPGroup
 from .layout import DispatchLayout
-from .symm_kernels import add_rows, copy_rows, triton_ok
+from .symm_kernels import copy_rows, gather_add, triton_ok
 
 __all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES"]
 
@@ -74,6 +74,9 @@ class SymmPlan(ExchangePlan):
         send_dst_WPN: [W, P, N] int64 i where row i is valid (i < count and i < C), else -1.
         recv_dst_WPC: [W, P, C] int64 i where received row i of source p is valid, else -1.
         meta_SM: [S, M] int32 the send rows' (local expert, weight) slots.
+        slot_WTP: [W, T, P] int64 row ``p*C + i`` of the comb block where token t's result from peer
+            p lands in wave w, -1 where t sent nothing to p in that wave (the inverse of tok_WPN).
+        src_PC: [P, C] int64 ``p*C + i``: the rows of y that go back to peer p.
     """
 
     capacity: int = 0
@@ -82,6 +85,8 @@ class SymmPlan(ExchangePlan):
     send_dst_WPN: torch.Tensor | None = None
     recv_dst_WPC: torch.Tensor | None = None
     meta_SM: torch.Tensor | None = None
+    slot_WTP: torch.Tensor | None = None
+    src_PC: torch.Tensor | None = None
 
 
 @dataclass
@@ -122,7 +127,13 @@ class SymmBackend:
             mode = "kernel" if triton_ok(ep.device) else "copy"
         self.mode = mode
         self._add_kernel = triton_ok(ep.device)   # combine's accumulate: Triton add_rows where it runs
+        # The block for this rank itself is a local copy: it runs on a second stream, beside the
+        # peer writes over NVLink instead of after them (same priority as the comm stream).
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
+        # The block for this rank itself is a local copy: it runs on a second stream, beside the
+        # peer writes over NVLink instead of after them (same priority as the comm stream).
+        self.local_stream = (st.accel_module(ep.device).Stream(device=ep.device, priority=-1)
+                             if self.symm and comm_stream is not None else None)
         if self.symm and (ep.pg is None or "nccl" not in ep.backend):
             raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
         self._num_experts = 0
@@ -286,9 +297,16 @@ class SymmBackend:
         i_C = torch.arange(C, device=dev)
         recv_dst_WPC = torch.where(i_C < recv_counts_WP.clamp(max=C)[..., None], i_C, -1)
         meta_SM = torch.cat([lay.send_expert_SK, lay.send_weight_SK.view(torch.int32)], 1)
+        # inverse map: slot_WTP[w, tok, p] = p*C + i for every valid row i of block (w, p); the junk
+        # slots (i >= count) write to a spare token row T that is dropped
+        slot = torch.full((W, T + 1, P), -1, dtype=torch.long, device=dev)
+        p_P1 = torch.arange(P, device=dev).view(1, P, 1)
+        tok_or_spare = torch.where(send_dst_WPN >= 0, tok_WPN, T)
+        slot.view(W, -1).scatter_(1, (tok_or_spare * P + p_P1).view(W, -1), (p_P1 * C + i_N).expand(W, P, N).reshape(W, -1))
+        src_PC = torch.arange(P * C, device=dev).view(P, C)
         return SymmPlan(layout=layout, recv_counts_WP=recv_counts_WP, recv_pairs_WPe=recv_pairs_WPe, capacity=C,
                         tok_WPN=tok_WPN, row_WPN=row_WPN, send_dst_WPN=send_dst_WPN, recv_dst_WPC=recv_dst_WPC,
-                        meta_SM=meta_SM)
+                        meta_SM=meta_SM, slot_WTP=slot[:, :T], src_PC=src_PC)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x_TD: torch.Tensor, plan: SymmPlan, wave: int) -> Pending[Received]:
@@ -347,20 +365,42 @@ class SymmBackend:
             dst_x_CD[:N] = x_TD.index_select(0, plan.tok_WPN[wave, p])
             dst_m_CM[:N] = plan.meta_SM.index_select(0, plan.row_WPN[wave, p])
 
+    def _local_fork(self, *tensors):
+        """Start the local block's stream behind the comm stream (None: run it on the comm stream)."""
+        loc = self.local_stream
+        if loc is None:
+            return None
+        st.wait_stream(loc, self.comm_stream)
+        if not torch.cuda.is_current_stream_capturing():
+            for t in tensors:
+                st.keep_alive(t, loc)
+        return loc
+
     def _push_peers(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int) -> None:
         me, N = self.ep.rank, plan.tok_WPN.shape[2]
+        loc = self._local_fork(x_TD)
         if self.mode == "kernel":
             for p, (rx, rm, _) in enumerate(bufs.peers):
-                self._pack(x_TD, plan, wave, p, rx[wave, me], rm[wave, me])
-            return
-        if N == 0:
-            return
-        # Copy engines: gather locally (one index_select), then one cudaMemcpyAsync per peer block.
-        stage_x = x_TD.index_select(0, plan.tok_WPN[wave].reshape(-1)).view(-1, N, x_TD.shape[1])
-        stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave].reshape(-1)).view(-1, N, plan.meta_SM.shape[1])
-        for p, (rx, rm, _) in enumerate(bufs.peers):
-            rx[wave, me, :N].copy_(stage_x[p], non_blocking=True)
-            rm[wave, me, :N].copy_(stage_m[p], non_blocking=True)
+                with st.on(loc if p == me else self.comm_stream):
+                    self._pack(x_TD, plan, wave, p, rx[wave, me], rm[wave, me])
+        elif N:
+            # Copy engines: gather the peers' rows (one index_select), one cudaMemcpyAsync per peer
+            # block; the local block is gathered straight into place on the local stream.
+            rx, rm, _ = bufs.peers[me]
+            with st.on(loc):
+                torch.index_select(x_TD, 0, plan.tok_WPN[wave, me], out=rx[wave, me, :N])
+                torch.index_select(plan.meta_SM, 0, plan.row_WPN[wave, me], out=rm[wave, me, :N])
+            others = [p for p in range(self.ep.size) if p != me]
+            rows = plan.tok_WPN[wave, others].reshape(-1)
+            stage_x = x_TD.index_select(0, rows).view(-1, N, x_TD.shape[1])
+            stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave, others].reshape(-1)).view(-1, N,
+                                                                                               plan.meta_SM.shape[1])
+            for i, p in enumerate(others):
+                prx, prm, _ = bufs.peers[p]
+                prx[wave, me, :N].copy_(stage_x[i], non_blocking=True)
+                prm[wave, me, :N].copy_(stage_m[i], non_blocking=True)
+        if loc is not None:
+            st.wait_stream(self.comm_stream, loc)
 
     # ---------------------------------------------------------------- combine
     def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor) -> Pending[None]:
@@ -377,12 +417,15 @@ class SymmBackend:
             st.keep_alive(y_RD, self.comm_stream)
             y_RD = y_RD.contiguous()
             if self.symm:
+                loc = self._local_fork(y_RD)
                 for s, (_, _, cb) in enumerate(bufs.peers):
-                    if self.mode == "kernel":
-                        src = torch.arange(s * C, (s + 1) * C, device=dev)
-                        copy_rows(y_RD, cb[wave, me], src, plan.recv_dst_WPC[wave, s])
-                    else:
-                        cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
+                    with st.on(loc if s == me else self.comm_stream):
+                        if self.mode == "kernel":
+                            copy_rows(y_RD, cb[wave, me], plan.src_PC[s], plan.recv_dst_WPC[wave, s])
+                        else:
+                            cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
+                if loc is not None:
+                    st.wait_stream(self.comm_stream, loc)
                 bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
             elif P == 1:
                 bufs.comb[wave].view(C, D).copy_(y_RD)
@@ -397,9 +440,9 @@ class SymmBackend:
             st.wait_stream(now, self.comm_stream)
             N = plan.tok_WPN.shape[2]
             if self._add_kernel and out_TD.dtype == torch.float32:
-                # one launch per peer block (a token appears once per block): fp32 adds, no temporaries
-                for p in range(P):
-                    add_rows(out_TD, bufs.comb[wave, p, :N], plan.tok_WPN[wave, p], plan.send_dst_WPN[wave, p])
+                # one program per token sums its rows from every peer block in peer order (fp32, no
+                # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)]
+                gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave])
                 return
             back_PND = bufs.comb[wave][:, :N].float()
             back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], back_PND, 0.0)

@@ -19,7 +19,8 @@ import os
 
 import torch
 
-__all__ = ["add_rows", "add_rows_torch", "copy_rows", "copy_rows_torch", "triton_ok"]
+__all__ = ["add_rows", "add_rows_torch", "copy_rows", "copy_rows_torch", "gather_add", "gather_add_torch",
+           "triton_ok"]
 
 try:  # Triton is optional: the symm backend falls back to copy engines without it.
     import triton
@@ -70,6 +71,22 @@ if triton is not None:
             a = tl.load(out_ptr + t * out_stride + offs, mask=m)
             b = tl.load(src_ptr + i * src_stride + offs, mask=m).to(tl.float32)
             tl.store(out_ptr + t * out_stride + offs, a + b, mask=m)
+
+
+    @triton.jit
+    def _gather_add_kernel(out_ptr, src_ptr, slot_ptr, D, P, out_stride, src_stride,
+                           BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        for c in tl.static_range(NUM_BLOCKS):
+            offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
+            m = offs < D
+            acc = tl.load(out_ptr + t * out_stride + offs, mask=m)
+            for p in range(P):
+                r = tl.load(slot_ptr + t * P + p)
+                width = tl.where(r >= 0, D, 0)
+                acc += tl.load(src_ptr + tl.maximum(r, 0) * src_stride + offs, mask=offs < width,
+                               other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * out_stride + offs, acc, mask=m)
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
@@ -139,3 +156,29 @@ def add_rows_torch(out_TD: torch.Tensor, src_ND: torch.Tensor, tok_N: torch.Tens
     """The reference of ``add_rows`` in torch (the CPU path: no size reaches the host)."""
     ok = (valid_N >= 0)[:, None]
     out_TD.index_add_(0, tok_N, torch.where(ok, src_ND[:tok_N.shape[0]].float(), 0.0))
+
+
+def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor) -> None:
+    """``out_TD[t] += sum_p src_RD[slot_TP[t, p]]`` over the slots >= 0, in p order, in fp32 (Triton,
+    one program a token: one read-modify-write of each output row, no atomics)."""
+    if out_TD.dtype != torch.float32 or out_TD.dim() != 2 or src_RD.dim() != 2 or out_TD.shape[1] != src_RD.shape[1]:
+        raise ValueError(f"gather_add: out {tuple(out_TD.shape)} {out_TD.dtype} must be 2-D fp32 with the width of "
+                         f"src {tuple(src_RD.shape)}")
+    if slot_TP.dim() != 2 or slot_TP.shape[0] != out_TD.shape[0]:
+        raise ValueError(f"gather_add: slot {tuple(slot_TP.shape)} must be [T={out_TD.shape[0]}, P]")
+    if out_TD.stride(1) != 1 or src_RD.stride(1) != 1:
+        raise ValueError("gather_add: rows of out and src must be contiguous (stride(1) == 1)")
+    T, D = out_TD.shape
+    if T == 0 or D == 0:
+        return
+    slot = slot_TP.contiguous()
+    block = min(triton.next_power_of_2(D), 2048)
+    _gather_add_kernel[(T,)](out_TD, src_RD, slot, D, slot.shape[1], out_TD.stride(0), src_RD.stride(0),
+                             BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), num_warps=4 if block >= 1024 else 1)
+
+
+def gather_add_torch(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor) -> None:
+    """The reference of ``gather_add`` in torch."""
+    for p in range(slot_TP.shape[1]):
+        r = slot_TP[:, p]
+        out_TD += torch.where((r >= 0)[:, None], src_RD[r.clamp(min=0)].float(), 0.0)

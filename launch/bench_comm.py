@@ -45,6 +45,7 @@ from moe_wave.moe import make_backend  # noqa: E402
 from moe_wave.comm import streams as st  # noqa: E402
 
 LAYOUTS = {"v4-flash": (4096, 256, 6), "v4-pro": (7168, 384, 6)}
+CARVEOUT = int(os.environ.get("BENCH_GEMM_CARVEOUT", "16"))   # SMs the GEMM leaves free in the carveout rows
 MB = 1 << 20
 
 
@@ -118,9 +119,15 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
         def nccl():
             dist.all_to_all_single(out, x, group=ep.pg)
 
-        def symm():
+        loc = torch.cuda.Stream(device=ep.device)
+
+        def symm():  # peer copies on this stream, the local block beside them on another
+            cur = torch.cuda.current_stream()
+            loc.wait_stream(cur)
             for p in range(P):
-                peers[p][ep.rank].copy_(xs[p], non_blocking=True)
+                with torch.cuda.stream(loc if p == ep.rank else cur):
+                    peers[p][ep.rank].copy_(xs[p], non_blocking=True)
+            cur.wait_stream(loc)
             hdl.barrier(channel=0)
 
         for name, fn in (("torch", nccl), ("symm", symm)):
@@ -208,12 +215,20 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
                 rt, _ = as_graph(trip, ep.device)
                 t_prep, t_disp, t_comb = (timed(lambda f=f: f(0), iters) for f in (prep, disp, comb))
                 alone = timed(lambda: rt(0), iters)
+                row = dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
+                           bytes_per_rank=sent * D * 2, prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_comb,
+                           p2p_limit_GBps=p2p, alone_us=alone, beside_gemm_us=timed(beside(lambda: rt(0), gemm), iters),
+                           gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / t_disp / 1e3)
+                if CARVEOUT and hasattr(torch._C, "_set_sm_carveout_experimental"):
+                    # the GEMM leaves CARVEOUT SMs to the comm kernels (as DeepEP reserves SMs for its own)
+                    torch._C._set_sm_carveout_experimental(CARVEOUT)
+                    try:
+                        row.update(carveout_sms=CARVEOUT, gemm_carveout_us=timed(gemm, iters),
+                                   beside_gemm_carveout_us=timed(beside(lambda: rt(0), gemm), iters))
+                    finally:
+                        torch._C._set_sm_carveout_experimental(None)
                 be.check()
-                rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
-                                 bytes_per_rank=sent * D * 2, prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_comb,
-                                 p2p_limit_GBps=p2p, alone_us=alone, beside_gemm_us=timed(beside(lambda: rt(0), gemm),
-                                                                                          iters),
-                                 gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / t_disp / 1e3))
+                rows.append(row)
                 del be, xplan, got, prep, disp, comb, rt
                 torch.cuda.synchronize()
                 save(ep, rows)
@@ -268,15 +283,21 @@ def meta(ep: EPGroup) -> dict:
 def table(rows) -> str:
     lines = [f"{'backend':15} {'layout':14} {'T':>5} {'MB/rank':>8} {'disp_us':>8} {'comb_us':>8} {'alone':>8} "
              f"{'beside':>8} {'gemm':>7} {'hidden':>6} {'serial':>8} {'piped':>8}"]
+    extra = []
     for r in rows:
         hid = (1 - (r["beside_gemm_us"] - r["gemm_us"]) / r["alone_us"]) if "alone_us" in r else None
+        if "beside_gemm_carveout_us" in r:
+            hc = 1 - (r["beside_gemm_carveout_us"] - r["gemm_carveout_us"]) / r["alone_us"]
+            extra.append(f"{r['backend']}[g] {r['layout']} T={r['tokens_per_rank']}: GEMM with {r['carveout_sms']} SMs "
+                         f"carved out {r['gemm_carveout_us']:.0f} us, beside {r['beside_gemm_carveout_us']:.0f} us, "
+                         f"hidden {hc:.2f}")
         f = lambda k: f"{r[k]:8.1f}" if k in r else f"{'':8}"  # noqa: E731
         name = r["backend"] + ("[g]" if r.get("graph") else "")
         lines.append(f"{name:15} {r['layout']:14} {r['tokens_per_rank']:5d} "
                      f"{r.get('bytes_per_rank', 0) / MB:8.1f} {f('dispatch_us')} {f('combine_us')} {f('alone_us')} "
                      f"{f('beside_gemm_us')} {r.get('gemm_us', 0):7.1f} "
                      f"{'' if hid is None else f'{hid:6.2f}':>6} {f('serial_us')} {f('pipelined_us')}")
-    return "\n".join(lines)
+    return "\n".join(lines + extra)
 
 
 def main() -> None:

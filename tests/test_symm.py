@@ -195,6 +195,16 @@ for dt in (torch.float32, torch.bfloat16):
         add_rows(out, src, tok, valid)
         add_rows_torch(ref, src, tok, valid)
         assert torch.equal(out, ref), (dt, D)
+from moe_wave.comm.symm_kernels import gather_add, gather_add_torch
+for dt in (torch.float32, torch.bfloat16):
+    for D in (1, 37, 2500):
+        out = torch.randn(5, D, generator=g)
+        ref = out.clone()
+        src = torch.randn(8, D, generator=g).to(dt)
+        slot = torch.tensor([[0, 7], [-1, 4], [3, -1], [-1, -1], [1, 6]])
+        gather_add(out, src, slot)
+        gather_add_torch(ref, src, slot)
+        assert torch.equal(out, ref), (dt, D)
 print("ok")
 """
 
