@@ -38,6 +38,45 @@ def kernel_table(prof, rows: int) -> tuple[str, float, int]:
     return "\n".join(lines), total, count
 
 
+def micro(dev) -> str:
+    """Each fused kernel alone on the V4-Flash prefill shapes (CUDA events, median of 20)."""
+    from moe_wave.attention.kernels import index_scores, norm_rope
+
+    def t(fn):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return sorted(ts)[len(ts) // 2]
+
+    S = 4096
+    pos = torch.arange(S, device=dev)[None]
+    freq = torch.rand(32, device=dev)
+    q = torch.randn(1, S, 64, 512, device=dev, dtype=torch.bfloat16)
+    qi = torch.randn(1, S, 64, 128, device=dev, dtype=torch.bfloat16)
+    ql = torch.randn(1, S, 1024, device=dev, dtype=torch.bfloat16)
+    w = torch.rand(1, S, 64, device=dev)
+    k = torch.randn(1, S // 4, 128, device=dev, dtype=torch.bfloat16)
+    rows = [("q heads norm+rope in place [4096,64,512]", lambda: norm_rope(q, pos, freq, out=q), 2 * q.nbytes),
+            ("indexer q rope, new tensor [4096,64,128]", lambda: norm_rope(qi, pos, freq, norm=False), 2 * qi.nbytes),
+            ("indexer q rope in place", lambda: norm_rope(qi, pos, freq, norm=False, out=qi), qi.nbytes // 2),
+            ("q_lora rms_norm [4096,1024]", lambda: norm_rope(ql, weight=torch.ones(1024, device=dev)), 2 * ql.nbytes),
+            ("index_scores [4096 x 1024 x 64h x 128]", lambda: index_scores(qi, w, k, pos, 4), 0),
+            ("topk 512 of 1024 (unsorted)", lambda: torch.randn(1, S, 1024, device=dev).topk(512, dim=-1, sorted=False),
+             0)]
+    lines = ["== kernels alone (V4-Flash prefill 4096)"]
+    for name, fn, nbytes in rows:
+        us = t(fn)
+        lines.append(f"    {us:8.1f} us  {name}" + (f"  ({nbytes / us / 1e3:.0f} GB/s)" if nbytes else ""))
+    return "\n".join(lines)
+
+
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -68,6 +107,8 @@ def main() -> None:
             print(out[-1], flush=True)
         del attn
         torch.cuda.empty_cache()
+    out.append(micro(dev))
+    print(out[-1], flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "profile_attn.txt"), "w") as f:
             f.write("\n".join(out) + "\n")
