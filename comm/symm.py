@@ -134,6 +134,7 @@ class SymmBackend:
         # peer writes over NVLink instead of after them (same priority as the comm stream).
         self.local_stream = (st.accel_module(ep.device).Stream(device=ep.device, priority=-1)
                              if self.symm and comm_stream is not None else None)
+        self._others = torch.tensor([p for p in range(ep.size) if p != ep.rank], dtype=torch.long, device=ep.device)
         if self.symm and (ep.pg is None or "nccl" not in ep.backend):
             raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
         self._num_experts = 0
@@ -391,10 +392,11 @@ class SymmBackend:
                 torch.index_select(x_TD, 0, plan.tok_WPN[wave, me], out=rx[wave, me, :N])
                 torch.index_select(plan.meta_SM, 0, plan.row_WPN[wave, me], out=rm[wave, me, :N])
             others = [p for p in range(self.ep.size) if p != me]
-            rows = plan.tok_WPN[wave, others].reshape(-1)
+            # a device index (made once, outside any capture): a list index would copy from the host
+            rows = plan.tok_WPN[wave].index_select(0, self._others).reshape(-1)
             stage_x = x_TD.index_select(0, rows).view(-1, N, x_TD.shape[1])
-            stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave, others].reshape(-1)).view(-1, N,
-                                                                                               plan.meta_SM.shape[1])
+            stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave].index_select(0, self._others).reshape(-1)).view(
+                -1, N, plan.meta_SM.shape[1])
             for i, p in enumerate(others):
                 prx, prm, _ = bufs.peers[p]
                 prx[wave, me, :N].copy_(stage_x[i], non_blocking=True)
