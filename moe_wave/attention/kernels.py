@@ -78,55 +78,55 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, H, eps,
-                          D: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr, F: tl.constexpr, BF: tl.constexpr,
+                          D: tl.constexpr, HC: tl.constexpr, BH: tl.constexpr, TC: tl.constexpr, BT: tl.constexpr,
                           HB: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
                           HEAD: tl.constexpr):
         # Program (p, hb): rows p*H + hb*HB .. +HB (rows of one position share its cos/sin). A row is
-        # HP leading channel pairs (the "head", no RoPE) then F rotated pairs (the "tail"); each part
-        # is loaded as a contiguous [HB, pairs, 2] tile and split into even/odd in registers.
+        # HC leading channels (the "head", no RoPE) then TC = 2F rotated channels (the "tail"), each
+        # loaded as a contiguous [HB, channels] tile. RoPE pairs (2i, 2i+1) use a second load of the
+        # tail with the pair swapped (channel c ^ 1; same cache lines): y = x*cos -+ x_swap*sin.
         p = tl.program_id(0)
         h = tl.program_id(1) * HB + tl.arange(0, HB)
         hmask = h < H
-        row = (p.to(tl.int64) * H + h)[:, None, None] * D
-        two = tl.arange(0, 2)
+        row = (p.to(tl.int64) * H + h)[:, None] * D
         ss = tl.zeros((HB,), tl.float32)
         if HEAD:
-            jh = tl.arange(0, BH)
-            colh = 2 * jh[:, None] + two[None, :]
-            mh2 = (jh[:, None] < HP) & (two[None, :] < 2)
-            mh = hmask[:, None, None] & mh2[None, :, :]
-            xh = tl.load(x_ptr + row + colh[None, :, :], mask=mh, other=0.0).to(tl.float32)
+            ch = tl.arange(0, BH)
+            mh = hmask[:, None] & (ch < HC)[None, :]
+            xh = tl.load(x_ptr + row + ch[None, :], mask=mh, other=0.0).to(tl.float32)
             if NORM:
-                ss += tl.sum(tl.sum(xh * xh, axis=2), axis=1)
-        if F > 0:
-            jt = tl.arange(0, BF)
-            colt = 2 * HP + 2 * jt[:, None] + two[None, :]
-            mt2 = (jt[:, None] < F) & (two[None, :] < 2)
-            mt = hmask[:, None, None] & mt2[None, :, :]
-            xt = tl.load(x_ptr + row + colt[None, :, :], mask=mt, other=0.0).to(tl.float32)
+                ss += tl.sum(xh * xh, axis=1)
+        if TC > 0:
+            ct = tl.arange(0, BT)
+            tmask = ct < TC
+            mt = hmask[:, None] & tmask[None, :]
+            xt = tl.load(x_ptr + row + HC + ct[None, :], mask=mt, other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + row + HC + (ct ^ 1)[None, :], mask=mt, other=0.0).to(tl.float32)
             if NORM:
-                ss += tl.sum(tl.sum(xt * xt, axis=2), axis=1)
+                ss += tl.sum(xt * xt, axis=1)
         if NORM:
-            inv = 1.0 / tl.sqrt(ss / D + eps)
+            inv = (1.0 / tl.sqrt(ss / D + eps))[:, None]
         if HEAD:
             if NORM:
-                xh = xh * inv[:, None, None]
+                xh = xh * inv
                 if WEIGHT:
-                    xh = xh * tl.load(w_ptr + colh, mask=mh2, other=0.0).to(tl.float32)[None, :, :]
-            tl.store(out_ptr + row + colh[None, :, :], xh.to(out_ptr.dtype.element_ty), mask=mh)
-        if F > 0:
+                    xh = xh * tl.load(w_ptr + ch, mask=ch < HC, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + row + ch[None, :], xh.to(out_ptr.dtype.element_ty), mask=mh)
+        if TC > 0:
             if NORM:
-                xt = xt * inv[:, None, None]
+                xt = xt * inv
+                xs = xs * inv
                 if WEIGHT:
-                    xt = xt * tl.load(w_ptr + colt, mask=mt2, other=0.0).to(tl.float32)[None, :, :]
-            ang = tl.load(pos_ptr + p).to(tl.float32) * tl.load(freq_ptr + jt, mask=jt < F, other=0.0)
-            c = tl.cos(ang)[None, :]
-            s = tl.sin(ang)[None, :]
+                    xt = xt * tl.load(w_ptr + HC + ct, mask=tmask, other=0.0).to(tl.float32)[None, :]
+                    xs = xs * tl.load(w_ptr + HC + (ct ^ 1), mask=tmask, other=0.0).to(tl.float32)[None, :]
+            ang = tl.load(pos_ptr + p).to(tl.float32) * tl.load(freq_ptr + ct // 2, mask=tmask, other=0.0)
+            c = tl.cos(ang)
+            s = tl.sin(ang)
             if INVERSE:
                 s = -s
-            xe, xo = tl.split(xt)
-            y = tl.join(xe * c - xo * s, xe * s + xo * c)
-            tl.store(out_ptr + row + colt[None, :, :], y.to(out_ptr.dtype.element_ty), mask=mt)
+            s = tl.where((ct % 2) == 0, -s, s)          # even: x*cos - x_odd*sin; odd: x*cos + x_even*sin
+            y = xt * c[None, :] + xs * s[None, :]
+            tl.store(out_ptr + row + HC + ct[None, :], y.to(out_ptr.dtype.element_ty), mask=mt)
 
 
 def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Tensor | None = None, *,
@@ -170,16 +170,16 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
     if out is None:
         out = torch.empty_like(x)
     head = norm or not in_place or F == 0     # RoPE alone, in place: only the rotated tail is touched
-    hp = d // 2 - F
-    bh = triton.next_power_of_2(max(hp, 1))
-    bf = triton.next_power_of_2(max(F, 1))
-    width = (bh if head else 0) + (bf if F else 0)
-    hb = max(1, min(triton.next_power_of_2(H), 2048 // width))
+    hc, tc = d - 2 * F, 2 * F
+    bh = triton.next_power_of_2(max(hc, 1))
+    bt = triton.next_power_of_2(max(tc, 1))
+    width = (bh if head else 0) + (bt if tc else 0)
+    hb = max(1, min(triton.next_power_of_2(H), 4096 // width))
     hb = 1 << (hb.bit_length() - 1)           # a power of two
     w = weight.contiguous() if weight is not None else x
     _norm_rope_kernel[(P, triton.cdiv(H, hb))](
-        x, out, pos_c, freq_c, w, H, float(eps), D=d, HP=hp, BH=bh, F=F, BF=bf, HB=hb, NORM=bool(norm),
-        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hp > 0), num_warps=4)
+        x, out, pos_c, freq_c, w, H, float(eps), D=d, HC=hc, BH=bh, TC=tc, BT=bt, HB=hb, NORM=bool(norm),
+        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), num_warps=4)
     return out
 
 
