@@ -291,12 +291,15 @@ def _progress(total: int, show: bool):
 # ----------------------------------------------------------------------------- sidecar + summary
 
 def git_sha() -> str:
-    """HEAD of the checkout, else $MOE_WAVE_GIT_SHA (a copied tree without .git), else "unknown"."""
+    """$MOE_WAVE_GIT_SHA when set (a copied tree, whose .git may be missing or stale), else HEAD of
+    the checkout, else "unknown"."""
+    if os.environ.get("MOE_WAVE_GIT_SHA"):
+        return os.environ["MOE_WAVE_GIT_SHA"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
                                        cwd=Path(__file__).resolve().parent).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MOE_WAVE_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def run_meta(world_size: int, command: str) -> dict:
