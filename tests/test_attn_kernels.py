@@ -25,6 +25,7 @@ ENV = dict(os.environ, TRITON_INTERPRET="1", MOE_WAVE_ATTN_KERNELS="1")
 
 _KERNEL_SCRIPT = r"""
 import itertools
+import os
 import torch
 from moe_wave.attention.kernels import (index_scores, index_scores_torch, norm_rope, norm_rope_torch,
                                         use_kernels)
@@ -68,8 +69,24 @@ for B, S, Hh, E, N, ratio in [(2, 70, 4, 16, 80, 4), (1, 130, 3, 32, 40, 4), (1,
     assert torch.equal(got[~fin], want[~fin])
     if fin.any():
         assert rel(got[fin], want[fin]) < 1e-5, (B, S, N, rel(got[fin], want[fin]))
+# sparse_attention_fused against the torch core: one or two parts, masked picks, a query with none
+from moe_wave.attention.core import sparse_attention
+from moe_wave.attention.kernels import sparse_attention_fused
+for B, S, H, D, M1, J1, M2, J2 in [(2, 5, 4, 32, 20, 8, 9, 6), (1, 3, 3, 24, 7, 5, 0, 0), (1, 4, 20, 64, 40, 40, 12, 12)]:
+    q = torch.randn(B, S, H, D, generator=g)
+    parts = [(torch.randn(B, M1, D, generator=g), torch.randint(-1, M1, (B, S, J1), generator=g))]
+    if J2:
+        parts.append((torch.randn(B, M2, D, generator=g), torch.randint(-1, M2, (B, S, J2), generator=g)))
+    for _, idx in parts:
+        idx[0, 0] = -1                                   # query (0, 0) sees nothing: output 0
+    sinks = torch.randn(H, generator=g)
+    os.environ["MOE_WAVE_ATTN_KERNELS"] = "0"
+    want = sparse_attention(q, parts, sinks, D ** -0.5)
+    os.environ["MOE_WAVE_ATTN_KERNELS"] = "1"
+    got = sparse_attention_fused(q, parts, sinks, D ** -0.5)
+    assert rel(got, want) < 1e-5, (B, S, H, D, rel(got, want))
+    assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
 # pool_entries through Compressor.emit: kernels on vs the torch ops, chunks at any offset, the ring in use
-import os
 from moe_wave.attention.compressor import Compressor, CompressorConfig, CompressorState
 for ratio, overlap, d, S, p0 in [(4, True, 16, 13, 6), (4, False, 8, 5, 3), (8, False, 16, 19, 0), (4, True, 16, 1, 9)]:
     comp = Compressor(CompressorConfig(hidden=12, dim=d, ratio=ratio, overlap=overlap))

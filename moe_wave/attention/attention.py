@@ -229,8 +229,10 @@ class V4Attention(nn.Module):
         cache.join()
         use_overlap = self.schedule.use_overlap(B, S) if overlap is None else overlap
         fe = run_frontend(self, x, positions, cache, use_overlap, store=store)
-        o_BSHd = self.chunked(lambda sl: sparse_attention(
-            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, self.cfg.head_dim ** -0.5), S)
+        core = lambda sl: sparse_attention(  # noqa: E731
+            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, self.cfg.head_dim ** -0.5)
+        # the fused kernel gathers nothing, so it needs no query blocks
+        o_BSHd = core(slice(0, S)) if use_kernels(fe.q_BSHd) else self.chunked(core, S)
         cache.advance(S)
         if is_capturing(x.device):
             cache.join()  # every side stream joins the capture stream before the captured step ends

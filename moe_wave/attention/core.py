@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import sparse_attention_fused, use_kernels
+
 __all__ = ["sparse_attention", "gather_rows"]
 
 
@@ -34,7 +36,10 @@ def sparse_attention(q_BSHd: torch.Tensor, parts: list[tuple[torch.Tensor, torch
         scale: softmax scale (head_dim^-1/2).
     Returns:
         o_BSHd in q's dtype. A query whose every pick is masked returns 0 (the sink takes all mass).
+    On a GPU one fused kernel does it (``kernels.sparse_attention_fused``, online softmax, no gather).
     """
+    if use_kernels(q_BSHd) and 1 <= len(parts) <= 2:
+        return sparse_attention_fused(q_BSHd, parts, sinks_H, scale)
     rows, logits = [], []
     for kv_BMd, idx_BSJ in parts:
         kv_BSJd = gather_rows(kv_BMd, idx_BSJ).to(q_BSHd.dtype)
