@@ -28,6 +28,9 @@ try:  # Triton is optional: the symm backend falls back to copy engines without 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+# Elements a copy_rows program moves per step (a whole V4 row in one step at 4096: more stores in
+# flight per program). Environment MOE_WAVE_COPY_ROWS_BLOCK overrides (a power of two).
+_COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "4096"))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -116,9 +119,10 @@ def copy_rows(src_ND: torch.Tensor, dst_CD: torch.Tensor, src_idx_N: torch.Tenso
     N, D = src_idx_N.shape[0], src_ND.shape[1]
     if N == 0 or D == 0:
         return
-    block = min(triton.next_power_of_2(D), 2048)
+    block = min(triton.next_power_of_2(D), _COPY_BLOCK)
     _copy_rows_kernel[(N,)](src_ND, dst_CD, src_idx_N, dst_idx_N, D, src_ND.stride(0), dst_CD.stride(0),
-                            BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), num_warps=4 if block >= 1024 else 1)
+                            BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),
+                            num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1)
 
 
 def copy_rows_torch(src_ND: torch.Tensor, dst_CD: torch.Tensor, src_idx_N: torch.Tensor,
