@@ -28,9 +28,10 @@ try:  # Triton is optional: the symm backend falls back to copy engines without 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# Elements a copy_rows program moves per step (a whole V4 row in one step at 4096: more stores in
-# flight per program). Environment MOE_WAVE_COPY_ROWS_BLOCK overrides (a power of two).
-_COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "4096"))
+# Elements a copy_rows program moves per step. Environment MOE_WAVE_COPY_ROWS_BLOCK overrides (a power
+# of two); on 2 x H200 4096 (a whole V4-Flash row, 8 warps) measured no better than 2048
+# (benchmarks/2026-11-30-comm-2xh200-rowblock.json).
+_COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "2048"))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 
 
