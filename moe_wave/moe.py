@@ -206,6 +206,7 @@ class WaveMoE(nn.Module):
         ids_TK, w_TK = self.route(x_TD, input_ids)
         return self.forward_routed(x_TD, ids_TK, w_TK, overlap=overlap).view(x.shape)
 
+    @torch.no_grad()
     def forward_routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *,
                        overlap: bool = True) -> torch.Tensor:
         """The MoE after routing: dispatch -> experts -> combine (+ shared); [T, D] in x's dtype."""
