@@ -122,9 +122,11 @@ def test_kernels_match_torch_under_interpreter():
 
 @needs_triton
 def test_attention_parity_with_kernels_under_interpreter():
-    """The HF parity, decode/chunked-prefill and overlap tests again, with every kernel on."""
+    """The HF parity and decode/chunked-prefill tests again, with every kernel on (the overlap and EP
+    tests are left out: on CPU overlap runs the same code, and EP does not touch the kernels)."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
-                        "tests/test_decoder_layer.py", "-k", "not ep"], env=ENV, cwd=ROOT, capture_output=True,
+                        "tests/test_decoder_layer.py", "-k", "not ep and not overlap"], env=ENV, cwd=ROOT,
+                       capture_output=True,
                        text=True, timeout=600, check=False)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
 
