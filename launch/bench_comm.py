@@ -141,19 +141,24 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
 
 
 # ------------------------------------------------------------------------------------ token layouts
+def token_case(ep: EPGroup, g, D: int, E: int, K: int, T: int):
+    """Random bf16 tokens and uniform top-K routing of T tokens: (x, layout, rows sent, MoEConfig)."""
+    x = torch.randn(T, D, device=ep.device, dtype=torch.bfloat16, generator=g)
+    ids = torch.argsort(torch.rand(T, E, device=ep.device, generator=g), 1)[:, :K]
+    w = torch.rand(T, K, device=ep.device, generator=g)
+    plan = WavePlan.make(num_ranks=ep.size, num_local_experts=E // ep.size, num_waves=1)
+    layout = compute_layout(ids, w, plan)
+    sent = int(layout.send_counts_WP.sum())          # HOST SYNC: outside the timed region
+    return x, layout, sent, MoEConfig(hidden_size=D, intermediate_size=256, num_experts=E, top_k=K)
+
+
 def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
     rows = []
     g = torch.Generator(device=ep.device).manual_seed(ep.rank)
     for lname in layouts:
         D, E, K = LAYOUTS[lname]
         for T in tokens:
-            x = torch.randn(T, D, device=ep.device, dtype=torch.bfloat16, generator=g)
-            ids = torch.argsort(torch.rand(T, E, device=ep.device, generator=g), 1)[:, :K]
-            w = torch.rand(T, K, device=ep.device, generator=g)
-            plan = WavePlan.make(num_ranks=ep.size, num_local_experts=E // ep.size, num_waves=1)
-            layout = compute_layout(ids, w, plan)
-            sent = int(layout.send_counts_WP.sum())          # HOST SYNC: outside the timed region
-            cfg = MoEConfig(hidden_size=D, intermediate_size=256, num_experts=E, top_k=K)
+            x, layout, sent, cfg = token_case(ep, g, D, E, K, T)
             for bname in backends:
                 log(ep, f"{bname} {lname} T={T}")
                 streams = st.Streams.for_device(ep.device)
@@ -191,13 +196,7 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
     for lname in layouts:
         D, E, K = LAYOUTS[lname]
         for T in tokens:
-            x = torch.randn(T, D, device=ep.device, dtype=torch.bfloat16, generator=g)
-            ids = torch.argsort(torch.rand(T, E, device=ep.device, generator=g), 1)[:, :K]
-            w = torch.rand(T, K, device=ep.device, generator=g)
-            plan = WavePlan.make(num_ranks=ep.size, num_local_experts=E // ep.size, num_waves=1)
-            layout = compute_layout(ids, w, plan)
-            sent = int(layout.send_counts_WP.sum())          # HOST SYNC: outside the timed region
-            cfg = MoEConfig(hidden_size=D, intermediate_size=256, num_experts=E, top_k=K)
+            x, layout, sent, cfg = token_case(ep, g, D, E, K, T)
             for mode in ("copy", "kernel"):
                 log(ep, f"graph symm-{mode} {lname} T={T}")
                 streams = st.Streams.for_device(ep.device)
