@@ -143,6 +143,16 @@ def test_symm_matches_torch_backend():
 
 # ------------------------------------------------------------------------------------ CUDA graph
 def _graph_replay(ep: EPGroup) -> None:
+    for mode in ("kernel", "copy") if HAS_TRITON else ("copy",):
+        _log(ep, f"graph replay, symm mode={mode}")
+        os.environ["MOE_WAVE_SYMM_MODE"] = mode
+        try:
+            _graph_replay_mode(ep)
+        finally:
+            os.environ.pop("MOE_WAVE_SYMM_MODE", None)
+
+
+def _graph_replay_mode(ep: EPGroup) -> None:
     ref = _moe(ep, CFG, "torch", num_waves=2)
     m = _moe(ep, CFG, "symm", num_waves=2, max_tokens_per_rank=64)
     g = torch.Generator(device=ep.device).manual_seed(7 + ep.rank)
@@ -219,6 +229,20 @@ def test_copy_rows_kernel_matches_torch_on_gpu():
         copy_rows(src, a, si, di)
         copy_rows_torch(src, b, si, di)
         assert torch.equal(a, b), dt
+    from moe_wave.comm.symm_kernels import add_rows, add_rows_torch, gather_add, gather_add_torch
+
+    src = torch.randn(300, 7168, device="cuda").to(torch.bfloat16)
+    out = torch.randn(200, 7168, device="cuda")
+    ref = out.clone()
+    tok = torch.randperm(200, device="cuda")[:150]                 # distinct tokens
+    valid = torch.where(torch.rand(150, device="cuda") < 0.7, torch.arange(150, device="cuda"), -1)
+    add_rows(out, src, tok, valid)
+    add_rows_torch(ref, src, tok, valid)
+    assert torch.equal(out, ref)
+    slot = torch.randint(-1, 300, (200, 2), device="cuda")
+    gather_add(out, src, slot)
+    gather_add_torch(ref, src, slot)
+    assert torch.equal(out, ref)
 
 
 def _deepep_vs_torch(ep: EPGroup) -> None:
