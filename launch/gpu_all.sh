@@ -56,7 +56,9 @@ for s in "${STAGES[@]}"; do
             stage tests_multi ${T_TESTS:-120} "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
                 tests/test_gpu_moe.py $(ls tests/test_gpu_comm.py 2>/dev/null)
             stage tests_single ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
-                $(ls tests/test_gpu_attention.py 2>/dev/null) ;;
+                $(ls tests/test_gpu_attention.py 2>/dev/null)
+            # every schedule bit-identical to the serial one, layer by layer (V4-Flash layers, one GPU)
+            stage check_stack ${T_CHECK:-120} "$PY" launch/check_stack.py --repeats 2 ;;
         moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
         graph) # the symm backend with every kind replayed from a CUDA graph: SM copies vs copy engines
                stage bench_moe_graph_kernel ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=kernel "${TR[@]}" launch/bench_moe.py \
@@ -64,7 +66,8 @@ for s in "${STAGES[@]}"; do
                stage bench_moe_graph_copy ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=copy "${TR[@]}" launch/bench_moe.py \
                    --quick --shapes v4-flash,balanced --backend symm --graph --capacity measured --out "$RES/moe_graph_copy.json" ;;
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK --out "$RES/comm.json" ;;
-        attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json" ;;
+        attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json"
+               stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
                    --waves 1,2,4,8 --shared bubbles --iters ${SWEEP_ITERS:-10} --out "$RES/sweep" --trace "$RES/sweep/trace"
                true ;;
