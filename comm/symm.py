@@ -75,7 +75,8 @@ class SymmPlan(ExchangePlan):
         recv_dst_WPC: [W, P, C] int64 i where received row i of source p is valid, else -1.
         meta_SM: [S, M] int32 the send rows' (local expert, weight) slots.
         slot_WTP: [W, T, P] int64 row ``p*C + i`` of the comb block where token t's result from peer
-            p lands in wave w, -1 where t sent nothing to p in that wave (the inverse of tok_WPN).
+            p lands in wave w, -1 where t sent nothing to p in that wave (the inverse of tok_WPN);
+            None where the combine accumulates with torch ops (no Triton).
         src_PC: [P, C] int64 ``p*C + i``: the rows of y that go back to peer p.
     """
 
@@ -126,15 +127,15 @@ class SymmBackend:
         if mode == "auto":
             mode = "kernel" if triton_ok(ep.device) else "copy"
         self.mode = mode
-        self._add_kernel = triton_ok(ep.device)   # combine's accumulate: Triton add_rows where it runs
-        # The block for this rank itself is a local copy: it runs on a second stream, beside the
-        # peer writes over NVLink instead of after them (same priority as the comm stream).
+        self._add_kernel = triton_ok(ep.device)   # combine's accumulate: Triton gather_add where it runs
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
         # The block for this rank itself is a local copy: it runs on a second stream, beside the
         # peer writes over NVLink instead of after them (same priority as the comm stream).
         self.local_stream = (st.accel_module(ep.device).Stream(device=ep.device, priority=-1)
                              if self.symm and comm_stream is not None else None)
-        self._others = torch.tensor([p for p in range(ep.size) if p != ep.rank], dtype=torch.long, device=ep.device)
+        self._other_ranks = [p for p in range(ep.size) if p != ep.rank]
+        # the same as a device index (made here, outside any capture: a list index copies from the host)
+        self._others = torch.tensor(self._other_ranks, dtype=torch.long, device=ep.device)
         if self.symm and (ep.pg is None or "nccl" not in ep.backend):
             raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
         self._num_experts = 0
@@ -298,16 +299,20 @@ class SymmBackend:
         i_C = torch.arange(C, device=dev)
         recv_dst_WPC = torch.where(i_C < recv_counts_WP.clamp(max=C)[..., None], i_C, -1)
         meta_SM = torch.cat([lay.send_expert_SK, lay.send_weight_SK.view(torch.int32)], 1)
-        # inverse map: slot_WTP[w, tok, p] = p*C + i for every valid row i of block (w, p); the junk
-        # slots (i >= count) write to a spare token row T that is dropped
-        slot = torch.full((W, T + 1, P), -1, dtype=torch.long, device=dev)
-        p_P1 = torch.arange(P, device=dev).view(1, P, 1)
-        tok_or_spare = torch.where(send_dst_WPN >= 0, tok_WPN, T)
-        slot.view(W, -1).scatter_(1, (tok_or_spare * P + p_P1).view(W, -1), (p_P1 * C + i_N).expand(W, P, N).reshape(W, -1))
+        slot_WTP = None
+        if self._add_kernel:
+            # inverse map for gather_add: slot_WTP[w, tok, p] = p*C + i for every valid row i of block
+            # (w, p); the junk slots (i >= count) write to a spare token row T that is dropped
+            slot = torch.full((W, T + 1, P), -1, dtype=torch.long, device=dev)
+            p_P1 = torch.arange(P, device=dev).view(1, P, 1)
+            tok_or_spare = torch.where(send_dst_WPN >= 0, tok_WPN, T)
+            slot.view(W, -1).scatter_(1, (tok_or_spare * P + p_P1).view(W, -1),
+                                      (p_P1 * C + i_N).expand(W, P, N).reshape(W, -1))
+            slot_WTP = slot[:, :T]
         src_PC = torch.arange(P * C, device=dev).view(P, C)
         return SymmPlan(layout=layout, recv_counts_WP=recv_counts_WP, recv_pairs_WPe=recv_pairs_WPe, capacity=C,
                         tok_WPN=tok_WPN, row_WPN=row_WPN, send_dst_WPN=send_dst_WPN, recv_dst_WPC=recv_dst_WPC,
-                        meta_SM=meta_SM, slot_WTP=slot[:, :T], src_PC=src_PC)
+                        meta_SM=meta_SM, slot_WTP=slot_WTP, src_PC=src_PC)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x_TD: torch.Tensor, plan: SymmPlan, wave: int) -> Pending[Received]:
@@ -391,13 +396,11 @@ class SymmBackend:
             with st.on(loc):
                 torch.index_select(x_TD, 0, plan.tok_WPN[wave, me], out=rx[wave, me, :N])
                 torch.index_select(plan.meta_SM, 0, plan.row_WPN[wave, me], out=rm[wave, me, :N])
-            others = [p for p in range(self.ep.size) if p != me]
-            # a device index (made once, outside any capture): a list index would copy from the host
             rows = plan.tok_WPN[wave].index_select(0, self._others).reshape(-1)
             stage_x = x_TD.index_select(0, rows).view(-1, N, x_TD.shape[1])
             stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave].index_select(0, self._others).reshape(-1)).view(
                 -1, N, plan.meta_SM.shape[1])
-            for i, p in enumerate(others):
+            for i, p in enumerate(self._other_ranks):
                 prx, prm, _ = bufs.peers[p]
                 prx[wave, me, :N].copy_(stage_x[i], non_blocking=True)
                 prm[wave, me, :N].copy_(stage_m[i], non_blocking=True)

@@ -19,8 +19,7 @@ import os
 
 import torch
 
-__all__ = ["add_rows", "add_rows_torch", "copy_rows", "copy_rows_torch", "gather_add", "gather_add_torch",
-           "triton_ok"]
+__all__ = ["copy_rows", "copy_rows_torch", "gather_add", "gather_add_torch", "triton_ok"]
 
 try:  # Triton is optional: the symm backend falls back to copy engines without it.
     import triton
@@ -59,22 +58,6 @@ if triton is not None:
             m = offs < width
             v = tl.load(src_ptr + s * src_stride + offs, mask=m)
             tl.store(dst_ptr + d * dst_stride + offs, v, mask=m)
-
-
-    @triton.jit
-    def _add_rows_kernel(out_ptr, src_ptr, tok_ptr, valid_ptr, D, out_stride, src_stride,
-                         BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-        i = tl.program_id(0)
-        t = tl.load(tok_ptr + i).to(tl.int64)
-        v = tl.load(valid_ptr + i)
-        width = tl.where(v >= 0, D, 0)
-        t = tl.where(v >= 0, t, 0)
-        for c in tl.static_range(NUM_BLOCKS):
-            offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-            m = offs < width
-            a = tl.load(out_ptr + t * out_stride + offs, mask=m)
-            b = tl.load(src_ptr + i * src_stride + offs, mask=m).to(tl.float32)
-            tl.store(out_ptr + t * out_stride + offs, a + b, mask=m)
 
 
     @triton.jit
@@ -135,32 +118,6 @@ def copy_rows_torch(src_ND: torch.Tensor, dst_CD: torch.Tensor, src_idx_N: torch
     _check(src_ND, dst_CD, src_idx_N, dst_idx_N)
     ok = dst_idx_N >= 0
     dst_CD[dst_idx_N[ok]] = src_ND[src_idx_N[ok]]
-
-
-def add_rows(out_TD: torch.Tensor, src_ND: torch.Tensor, tok_N: torch.Tensor, valid_N: torch.Tensor) -> None:
-    """``out_TD[tok_N[i]] += src_ND[i]`` (in fp32) for the rows with ``valid_N[i] >= 0`` (Triton, one
-    program a row). ``tok_N`` must not repeat a token among the valid rows (one (wave, peer) block:
-    each token at most once), so there are no atomics and the sum is deterministic."""
-    if out_TD.dtype != torch.float32 or out_TD.dim() != 2 or src_ND.dim() != 2 or out_TD.shape[1] != src_ND.shape[1]:
-        raise ValueError(f"add_rows: out {tuple(out_TD.shape)} {out_TD.dtype} must be 2-D fp32 with the width of "
-                         f"src {tuple(src_ND.shape)}")
-    if tok_N.shape != valid_N.shape or tok_N.dim() != 1 or tok_N.shape[0] > src_ND.shape[0]:
-        raise ValueError(f"add_rows: tok {tuple(tok_N.shape)} and valid {tuple(valid_N.shape)} must be 1-D of equal "
-                         f"length <= src rows {src_ND.shape[0]}")
-    if out_TD.stride(1) != 1 or src_ND.stride(1) != 1:
-        raise ValueError("add_rows: rows of out and src must be contiguous (stride(1) == 1)")
-    N, D = tok_N.shape[0], src_ND.shape[1]
-    if N == 0 or D == 0:
-        return
-    block = min(triton.next_power_of_2(D), 2048)
-    _add_rows_kernel[(N,)](out_TD, src_ND, tok_N, valid_N, D, out_TD.stride(0), src_ND.stride(0),
-                           BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), num_warps=4 if block >= 1024 else 1)
-
-
-def add_rows_torch(out_TD: torch.Tensor, src_ND: torch.Tensor, tok_N: torch.Tensor, valid_N: torch.Tensor) -> None:
-    """The reference of ``add_rows`` in torch (the CPU path: no size reaches the host)."""
-    ok = (valid_N >= 0)[:, None]
-    out_TD.index_add_(0, tok_N, torch.where(ok, src_ND[:tok_N.shape[0]].float(), 0.0))
 
 
 def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor) -> None:

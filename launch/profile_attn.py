@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_attn import CTX, branches, make_attn
+from bench_attn import CTX, branches, make_attn, time_eager
 
 
 def kernel_table(prof, rows: int) -> tuple[str, float, int]:
@@ -43,17 +43,7 @@ def micro(dev) -> str:
     from moe_wave.attention.kernels import index_scores, norm_rope
 
     def t(fn):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3)
-        return sorted(ts)[len(ts) // 2]
+        return time_eager(fn, tuple, 20, 3)
 
     S = 4096
     pos = torch.arange(S, device=dev)[None]

@@ -250,7 +250,8 @@ def print_demo(res: dict, args) -> bool:
     print(format_table(["layer", "type", "tokens/rank", "serial ms", "overlapped ms", "speedup", "on vs off",
                         "vs single", "check"], rows))
     print(f"serial: attention branches on one stream + MoE serial schedule; overlapped: attention side streams + "
-          f"wave pipeline; on vs off: each layer's overlapped output vs its serial output on the same input. Median of {args.iters} after {args.warmup} warm-up, slowest rank"
+          f"wave pipeline; on vs off: each layer's overlapped output vs its serial output on the same input. "
+          f"Median of {args.iters} after {args.warmup} warm-up, slowest rank"
           + ("; on CPU the attention's stream ops are no-ops (same code both ways)." if res["device"] == "cpu"
              else "."))
     return ok

@@ -229,16 +229,11 @@ def test_copy_rows_kernel_matches_torch_on_gpu():
         copy_rows(src, a, si, di)
         copy_rows_torch(src, b, si, di)
         assert torch.equal(a, b), dt
-    from moe_wave.comm.symm_kernels import add_rows, add_rows_torch, gather_add, gather_add_torch
+    from moe_wave.comm.symm_kernels import gather_add, gather_add_torch
 
     src = torch.randn(300, 7168, device="cuda").to(torch.bfloat16)
     out = torch.randn(200, 7168, device="cuda")
     ref = out.clone()
-    tok = torch.randperm(200, device="cuda")[:150]                 # distinct tokens
-    valid = torch.where(torch.rand(150, device="cuda") < 0.7, torch.arange(150, device="cuda"), -1)
-    add_rows(out, src, tok, valid)
-    add_rows_torch(ref, src, tok, valid)
-    assert torch.equal(out, ref)
     slot = torch.randint(-1, 300, (200, 2), device="cuda")
     gather_add(out, src, slot)
     gather_add_torch(ref, src, slot)

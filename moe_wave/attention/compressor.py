@@ -159,11 +159,8 @@ class Compressor(nn.Module):
             kv_BnJd, sc_BnJd = kv_BnJC, sc_BnJC
         sc_BnJd = sc_BnJd.masked_fill(~valid_BnJ[..., None], _MASKED)
         pooled_Bnd = (kv_BnJd * sc_BnJd.softmax(dim=2)).sum(dim=2)
-        pooled_Bnd = pooled_Bnd.to(state.entries_BNd.dtype)
-        if use_kernels(pooled_Bnd):
-            out_Bnd = norm_rope(pooled_Bnd, win_Bn * m, freq_F, weight=self.norm_weight, eps=cfg.eps, out=pooled_Bnd)
-        else:
-            out_Bnd = rope_tail(rms_norm(pooled_Bnd, self.norm_weight, cfg.eps), win_Bn * m, freq_F)
+        out_Bnd = rms_norm(pooled_Bnd.to(state.entries_BNd.dtype), self.norm_weight, cfg.eps)
+        out_Bnd = rope_tail(out_Bnd, win_Bn * m, freq_F)
         # windows past the chunk's last token or past the capacity go to the trash slot
         N = state.num_slots
         live = (win_Bn * m < p0_B1 + S) & (win_Bn < N)

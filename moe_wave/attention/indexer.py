@@ -79,7 +79,8 @@ class Indexer(nn.Module):
         ``k_BNe`` may carry extra rows (the trash slot); only the first ``num_slots`` are scored.
         """
         k_BNe = k_BNe[:, :num_slots]
-        if use_kernels(qI_BShe):   # fused: no [B, S, h, N] intermediate (kernels.index_scores)
+        fused = use_kernels(qI_BShe)
+        if fused:   # fused: no [B, S, h, N] intermediate (kernels.index_scores)
             score_BSN = index_scores(qI_BShe, w_BSh, k_BNe, pos_BS, self.cfg.ratio)
         else:
             s_BShN = torch.einsum("bshe,bne->bshn", qI_BShe, k_BNe.to(qI_BShe.dtype)).float().relu()
@@ -87,5 +88,5 @@ class Indexer(nn.Module):
             visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]
             score_BSN = score_BSN.masked_fill(~visible_BSN, float("-inf"))
         # the picks are a set (the core is order-free): unsorted top-k on the GPU path
-        val_BSK, idx_BSK = score_BSN.topk(min(self.cfg.topk, num_slots), dim=-1, sorted=not use_kernels(qI_BShe))
+        val_BSK, idx_BSK = score_BSN.topk(min(self.cfg.topk, num_slots), dim=-1, sorted=not fused)
         return torch.where(val_BSK == float("-inf"), torch.full_like(idx_BSK, -1), idx_BSK)
