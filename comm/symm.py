@@ -21,13 +21,14 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
 
     prepare:  each rank copies its count row into every peer's ``ctrl`` (copy engine), barrier(0)
               on ``ctrl``, then builds index tables from the counts on the device.
-    dispatch: per peer, the Triton kernel (``symm_kernels.copy_rows``) copies the wave's send rows
-              into the peer's ``recv_x``/``recv_meta`` block (mode "kernel", the default); mode
-              "copy" packs locally and moves N-row blocks with ``copy_`` (cudaMemcpyAsync, copy
-              engines, no SMs). Then barrier(channel=w) on the data allocation.
-    combine:  per source peer, results go back into its ``comb[w, me]`` (kernel: valid rows only;
-              copy: the whole C-row block), barrier(channel=W+w); the source index_adds them
-              into out_TD in fp32.
+    dispatch: one Triton launch (``symm_kernels.scatter_rows``) copies the wave's send rows and their
+              metadata into every peer's ``recv_x``/``recv_meta`` block, this rank's own block
+              included (mode "kernel", the default); mode "copy" packs locally and moves N-row
+              blocks with ``copy_`` (cudaMemcpyAsync, copy engines, no SMs), the local block on a
+              second stream. Then barrier(channel=w) on the data allocation.
+    combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
+              launch; copy: the whole C-row block per peer), barrier(channel=W+w); the source sums
+              them into out_TD in fp32 (``gather_add``: per token, peers in order).
 
 Ordering: peers write into a block only after a barrier that every rank reaches after it has
 finished reading that block (prepare and each wave's barrier are issued after the comm stream waits
@@ -52,7 +53,8 @@ from . import streams as st
 from .backend import ExchangePlan, Pending, Received, WaveHandle
 from .group import EPGroup
 from .layout import DispatchLayout
-from .symm_kernels import copy_rows, gather_add, triton_ok
+from .symm_kernels import RowTargets, gather_add, scatter_rows, triton_ok
+from .symm_tables import STATUS_LEN, build_tables, build_tables_torch, count_rows, count_rows_torch
 
 __all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES"]
 
@@ -60,7 +62,6 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 DEFAULT_CAPACITY = 4096
 MODES = ("auto", "kernel", "copy")
-_STATUS = 9  # [overflow, src, wave, dst, count, ids_bad, rank, ids_min, ids_max]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,9 @@ class _Buffers:
     comb: torch.Tensor            # [W, P, C, D]
     peers: list | None = None     # [P] of (recv_x, recv_meta, comb) views of rank p's buffers
     hdl: object | None = None     # the symmetric-memory handle (barriers)
+    # per wave: RowTargets of (recv_x[w, me], recv_meta[w, me], comb[w, me]) on every rank p (kernel mode)
+    targets: list | None = None
+    stage: tuple | None = None    # emulated transport (CPU / one rank): (x [W, P, C, D], meta [W, P, C, M])
 
 
 class SymmBackend:
@@ -126,16 +130,21 @@ class SymmBackend:
             raise ValueError(f"SymmBackend mode={mode!r}: must be one of {MODES}")
         if mode == "auto":
             mode = "kernel" if triton_ok(ep.device) else "copy"
+        if mode == "kernel" and not triton_ok(ep.device):
+            raise ValueError(f"SymmBackend mode='kernel' needs Triton on {ep.device} (pip install triton; on CPU "
+                             f"also TRITON_INTERPRET=1); mode='copy' runs without it")
         self.mode = mode
-        self._add_kernel = triton_ok(ep.device)   # combine's accumulate: Triton gather_add where it runs
+        # Triton where it runs: prepare's count rows and tables, the combine's accumulate (gather_add)
+        self._kernels = triton_ok(ep.device)
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
-        # The block for this rank itself is a local copy: it runs on a second stream, beside the
-        # peer writes over NVLink instead of after them (same priority as the comm stream).
+        # Copy mode: the block for this rank itself is a local copy on a second stream, beside the peer
+        # copies over NVLink instead of after them (kernel mode interleaves it in the one launch).
         self.local_stream = (st.accel_module(ep.device).Stream(device=ep.device, priority=-1)
                              if self.symm and comm_stream is not None else None)
         self._other_ranks = [p for p in range(ep.size) if p != ep.rank]
         # the same as a device index (made here, outside any capture: a list index copies from the host)
         self._others = torch.tensor(self._other_ranks, dtype=torch.long, device=ep.device)
+        self._src_PC = torch.arange(ep.size * self.capacity, device=ep.device).view(ep.size, self.capacity)
         if self.symm and (ep.pg is None or "nccl" not in ep.backend):
             raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
         self._num_experts = 0
@@ -143,9 +152,9 @@ class SymmBackend:
         self._ctrl: dict = {}
         self._data: dict = {}
         dev = ep.device
-        self._status_dev = torch.zeros(_STATUS, dtype=torch.long, device=dev)
+        self._status_dev = torch.zeros(STATUS_LEN, dtype=torch.long, device=dev)
         pin = st.is_accelerator(dev)
-        self._status_host = torch.zeros(_STATUS, dtype=torch.long, pin_memory=pin)
+        self._status_host = torch.zeros(STATUS_LEN, dtype=torch.long, pin_memory=pin)
 
     # ---------------------------------------------------------------- overflow / id errors
     def check(self) -> None:
@@ -177,21 +186,6 @@ class SymmBackend:
             f"(at most one row per token per (wave, peer), so >= the tokens per rank always fits). "
             f"The rows past the capacity were not sent: that call's results are wrong.")
 
-    def _update_status(self, sent_PWP: torch.Tensor, rng_P2: torch.Tensor, num_experts: int) -> None:
-        P, W, _ = sent_PWP.shape
-        over = (sent_PWP > self.capacity).flatten()
-        first = torch.argmax(over.to(torch.int32))      # the first overflowing (src, wave, dst)
-        bad = (rng_P2[:, 0] < 0) | (rng_P2[:, 1] >= num_experts)
-        r = torch.argmax(bad.to(torch.int32))
-        # index_select, not t[i]: indexing by a 0-dim tensor reads it on the host (a sync, and no capture).
-        count = sent_PWP.flatten().index_select(0, first.view(1))[0]
-        lo_hi = rng_P2.index_select(0, r.view(1))[0]
-        new = torch.stack([over.any().long(), first // (W * P), (first // P) % W, first % P,
-                           count, bad.any().long(), r, lo_hi[0], lo_hi[1]])
-        old = self._status_dev
-        self._status_dev.copy_(torch.where((old[0] > 0) | (old[5] > 0), old, new))   # first error sticks
-        self._status_host.copy_(self._status_dev, non_blocking=True)
-
     # ---------------------------------------------------------------- buffers (collective, lazy)
     def _alloc(self, nbytes: int):
         import torch.distributed._symmetric_memory as symm_mem
@@ -203,12 +197,15 @@ class SymmBackend:
         return buf, hdl
 
     def _ctrl_buf(self, P: int, X: int):
-        """(local [P, X] int64, per-peer views, handle) for the count exchange."""
+        """(local [P, X] int64, the peers' rows for me (a RowTargets with kernels, else [P] views), handle)
+        for the count exchange."""
         if X not in self._ctrl:
             _, hdl = self._alloc(P * X * 8)
             views = [hdl.get_buffer(p, [P, X], torch.int64, 0) for p in range(P)]
             hdl.barrier(channel=0, timeout_ms=self.timeout_ms)  # all zeroed before anyone writes
-            self._ctrl[X] = (views[self.ep.rank], views, hdl)
+            me = self.ep.rank
+            dst = RowTargets.of(v[me:me + 1] for v in views) if self._kernels else views
+            self._ctrl[X] = (views[me], dst, hdl)
         return self._ctrl[X]
 
     def _buffers(self, dtype: torch.dtype, D: int, W: int, K: int) -> _Buffers:
@@ -218,10 +215,17 @@ class SymmBackend:
         P, C, M, dev = self.ep.size, self.capacity, 2 * K, self.ep.device
         shape_x, shape_m = [W, P, C, D], [W, P, C, M]
         if not self.symm:
-            self._data[key] = _Buffers(torch.zeros(shape_x, dtype=dtype, device=dev),
-                                       torch.zeros(shape_m, dtype=torch.int32, device=dev),
-                                       torch.zeros(shape_x, dtype=dtype, device=dev))
-            return self._data[key]
+            bufs = _Buffers(torch.zeros(shape_x, dtype=dtype, device=dev),
+                            torch.zeros(shape_m, dtype=torch.int32, device=dev),
+                            torch.zeros(shape_x, dtype=dtype, device=dev))
+            # the emulated transport: rows are packed into a local stage, then one all_to_all_single
+            stage = ((bufs.recv_x, bufs.recv_meta) if P == 1 else
+                     (torch.zeros(shape_x, dtype=dtype, device=dev), torch.zeros(shape_m, dtype=torch.int32, device=dev)))
+            bufs.stage = stage
+            if triton_ok(dev):
+                bufs.targets = [(RowTargets.of(stage[0][w]), RowTargets.of(stage[1][w]), None) for w in range(W)]
+            self._data[key] = bufs
+            return bufs
         import torch.distributed._symmetric_memory as symm_mem
 
         pad_slots = symm_mem.get_signal_pad_size() // 4 if hasattr(symm_mem, "get_signal_pad_size") else 512
@@ -236,8 +240,12 @@ class SymmBackend:
                   hdl.get_buffer(p, shape_x, dtype, nx)) for p in range(P)]
         hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
         mine = peers[self.ep.rank]
-        self._data[key] = _Buffers(mine[0], mine[1], mine[2], peers, hdl)
-        return self._data[key]
+        bufs = _Buffers(mine[0], mine[1], mine[2], peers, hdl)
+        if triton_ok(dev):   # block (w, me) of every rank's buffers, as pointer tables (built here, not in a capture)
+            me = self.ep.rank
+            bufs.targets = [tuple(RowTargets.of(pb[j][w, me] for pb in peers) for j in range(3)) for w in range(W)]
+        self._data[key] = bufs
+        return bufs
 
     # ---------------------------------------------------------------- count exchange
     def prepare(self, layout: DispatchLayout) -> SymmPlan:
@@ -252,30 +260,37 @@ class SymmBackend:
             self._raise_if_flagged()
         dev, C, T = layout.send_counts_WP.device, self.capacity, layout.num_tokens
         cur = st.current_stream(dev)
+        counts = (layout.send_counts_WP, layout.pair_counts_WPe, layout.ids_min, layout.ids_max)
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
-            # Row for destination p: all my send counts [W*P], my pairs for p [W*e], my id range [2].
-            send_PX = torch.cat([layout.send_counts_WP.reshape(1, W * P).expand(P, -1),
-                                 layout.pair_counts_WPe.permute(1, 0, 2).reshape(P, W * e),
-                                 torch.stack([layout.ids_min, layout.ids_max]).view(1, 2).expand(P, -1)], 1)
-            recv_PX = self._exchange_counts(send_PX.contiguous())
-            sent_PWP = recv_PX[:, :W * P].view(P, W, P)            # [src, wave, dst], identical on all ranks
-            recv_counts_WP = sent_PWP[:, :, me].t()
+            recv_PX = self._exchange_counts(counts, P, W * P + W * e + 2)
+            slot_WTP = torch.full((W, T, P), -1, dtype=torch.long, device=dev) if self._kernels else None
+            build = build_tables if self._kernels else build_tables_torch
+            tabs = build(recv_PX, layout.send_counts_WP, layout.send_token_S, C, T, me, plan.num_experts,
+                         slot_WTP, self._status_dev)
+            self._status_host.copy_(self._status_dev, non_blocking=True)
+            meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
-            self._update_status(sent_PWP, recv_PX[:, -2:], plan.num_experts)
-            xplan = self._tables(layout, recv_counts_WP, recv_pairs_WPe, C, T)
+            xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM,
+                             slot_WTP=slot_WTP, src_PC=self._src_PC, **tabs)
         st.wait_stream(cur, self.comm_stream)
-        for t in (xplan.recv_counts_WP, xplan.recv_pairs_WPe, xplan.tok_WPN, xplan.send_dst_WPN,
-                  xplan.recv_dst_WPC):
-            st.keep_alive(t, cur)
+        for t in (recv_PX, xplan.tok_WPN, xplan.row_WPN, xplan.send_dst_WPN, xplan.recv_dst_WPC, meta_SM, slot_WTP):
+            if t is not None:
+                st.keep_alive(t, cur)
         if not st.is_accelerator(dev):
             self._raise_if_flagged()  # CPU: the status is already on the host (eager error, all ranks alike)
         return xplan
 
-    def _exchange_counts(self, send_PX: torch.Tensor) -> torch.Tensor:
-        P, X = send_PX.shape
+    def _exchange_counts(self, counts, P: int, X: int) -> torch.Tensor:
+        """[P, X]: row src is what rank src sent this rank (see ``symm_tables``)."""
+        if self.symm and self._kernels:     # one kernel writes my row into every peer's ctrl, then the barrier
+            mine, targets, hdl = self._ctrl_buf(P, X)
+            count_rows(targets, *counts)
+            hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
+            return mine.clone()
+        send_PX = count_rows_torch(*counts)
         if P == 1:
-            return send_PX.clone()
+            return send_PX
         if not self.symm:
             recv_PX = torch.empty_like(send_PX)
             dist.all_to_all_single(recv_PX, send_PX, group=self.ep.pg)
@@ -285,34 +300,6 @@ class SymmBackend:
             views[p][self.ep.rank].copy_(send_PX[p])     # peer write over NVLink (copy engine)
         hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
         return mine.clone()
-
-    def _tables(self, layout: DispatchLayout, recv_counts_WP, recv_pairs_WPe, C: int, T: int) -> SymmPlan:
-        plan, lay = layout.plan, layout
-        W, P = plan.num_waves, plan.num_ranks
-        dev, N, S = lay.send_counts_WP.device, min(C, T), lay.send_token_S.shape[0]
-        counts = lay.send_counts_WP.reshape(-1)
-        start_WP = (torch.cumsum(counts, 0) - counts).view(W, P, 1)
-        i_N = torch.arange(N, device=dev)
-        row_WPN = (start_WP + i_N).clamp(max=max(S - 1, 0))
-        tok_WPN = lay.send_token_S[row_WPN] if S else torch.zeros_like(row_WPN)
-        send_dst_WPN = torch.where(i_N < lay.send_counts_WP.clamp(max=C)[..., None], i_N, -1)
-        i_C = torch.arange(C, device=dev)
-        recv_dst_WPC = torch.where(i_C < recv_counts_WP.clamp(max=C)[..., None], i_C, -1)
-        meta_SM = torch.cat([lay.send_expert_SK, lay.send_weight_SK.view(torch.int32)], 1)
-        slot_WTP = None
-        if self._add_kernel:
-            # inverse map for gather_add: slot_WTP[w, tok, p] = p*C + i for every valid row i of block
-            # (w, p); the junk slots (i >= count) write to a spare token row T that is dropped
-            slot = torch.full((W, T + 1, P), -1, dtype=torch.long, device=dev)
-            p_P1 = torch.arange(P, device=dev).view(1, P, 1)
-            tok_or_spare = torch.where(send_dst_WPN >= 0, tok_WPN, T)
-            slot.view(W, -1).scatter_(1, (tok_or_spare * P + p_P1).view(W, -1),
-                                      (p_P1 * C + i_N).expand(W, P, N).reshape(W, -1))
-            slot_WTP = slot[:, :T]
-        src_PC = torch.arange(P * C, device=dev).view(P, C)
-        return SymmPlan(layout=layout, recv_counts_WP=recv_counts_WP, recv_pairs_WPe=recv_pairs_WPe, capacity=C,
-                        tok_WPN=tok_WPN, row_WPN=row_WPN, send_dst_WPN=send_dst_WPN, recv_dst_WPC=recv_dst_WPC,
-                        meta_SM=meta_SM, slot_WTP=slot_WTP, src_PC=src_PC)
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x_TD: torch.Tensor, plan: SymmPlan, wave: int) -> Pending[Received]:
@@ -331,10 +318,12 @@ class SymmBackend:
                 self._push_peers(x_TD, plan, bufs, wave)
                 bufs.hdl.barrier(channel=wave, timeout_ms=self.timeout_ms)
             else:
-                stage_x = bufs.recv_x[wave] if P == 1 else torch.zeros_like(bufs.recv_x[wave])
-                stage_m = bufs.recv_meta[wave] if P == 1 else torch.zeros_like(bufs.recv_meta[wave])
-                for p in range(P):
-                    self._pack(x_TD, plan, wave, p, stage_x[p], stage_m[p])
+                stage_x, stage_m = bufs.stage[0][wave], bufs.stage[1][wave]
+                if self.mode == "kernel":
+                    self._scatter(x_TD, plan, bufs, wave)
+                else:
+                    for p in range(P):
+                        self._pack(x_TD, plan, wave, p, stage_x[p], stage_m[p])
                 if P > 1:
                     works = (dist.all_to_all_single(bufs.recv_x[wave].view(P * C, D), stage_x.view(P * C, D),
                                                     group=self.ep.pg, async_op=True),
@@ -360,16 +349,17 @@ class SymmBackend:
         return Pending(finish, f"dispatch[{wave}]")
 
     def _pack(self, x_TD, plan: SymmPlan, wave: int, p: int, dst_x_CD, dst_m_CM) -> None:
-        """Rows of block (wave, p) into a [C, D] / [C, M] destination (local or a peer's)."""
+        """Copy mode: the rows of block (wave, p) into a local [C, D] / [C, M] destination; rows past the
+        count get junk from valid rows, within the N-row block (masked by the receiver)."""
         N = plan.tok_WPN.shape[2]
-        if N == 0:
-            return
-        if self.mode == "kernel":
-            copy_rows(x_TD, dst_x_CD, plan.tok_WPN[wave, p], plan.send_dst_WPN[wave, p])
-            copy_rows(plan.meta_SM, dst_m_CM, plan.row_WPN[wave, p], plan.send_dst_WPN[wave, p])
-        else:   # rows past the count get junk from valid rows, within the N-row block: masked by the receiver
-            dst_x_CD[:N] = x_TD.index_select(0, plan.tok_WPN[wave, p])
-            dst_m_CM[:N] = plan.meta_SM.index_select(0, plan.row_WPN[wave, p])
+        if N:
+            torch.index_select(x_TD, 0, plan.tok_WPN[wave, p], out=dst_x_CD[:N])
+            torch.index_select(plan.meta_SM, 0, plan.row_WPN[wave, p], out=dst_m_CM[:N])
+
+    def _scatter(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int) -> None:
+        """Kernel mode: every block's valid rows and their metadata, one launch."""
+        tx, tm, _ = bufs.targets[wave]
+        scatter_rows(x_TD, tx, plan.tok_WPN[wave], plan.send_dst_WPN[wave], plan.meta_SM, tm, plan.row_WPN[wave])
 
     def _local_fork(self, *tensors):
         """Start the local block's stream behind the comm stream (None: run it on the comm stream)."""
@@ -383,27 +373,26 @@ class SymmBackend:
         return loc
 
     def _push_peers(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int) -> None:
-        me, N = self.ep.rank, plan.tok_WPN.shape[2]
-        loc = self._local_fork(x_TD)
         if self.mode == "kernel":
-            for p, (rx, rm, _) in enumerate(bufs.peers):
-                with st.on(loc if p == me else self.comm_stream):
-                    self._pack(x_TD, plan, wave, p, rx[wave, me], rm[wave, me])
-        elif N:
-            # Copy engines: gather the peers' rows (one index_select), one cudaMemcpyAsync per peer
-            # block; the local block is gathered straight into place on the local stream.
-            rx, rm, _ = bufs.peers[me]
-            with st.on(loc):
-                torch.index_select(x_TD, 0, plan.tok_WPN[wave, me], out=rx[wave, me, :N])
-                torch.index_select(plan.meta_SM, 0, plan.row_WPN[wave, me], out=rm[wave, me, :N])
-            rows = plan.tok_WPN[wave].index_select(0, self._others).reshape(-1)
-            stage_x = x_TD.index_select(0, rows).view(-1, N, x_TD.shape[1])
-            stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave].index_select(0, self._others).reshape(-1)).view(
-                -1, N, plan.meta_SM.shape[1])
-            for i, p in enumerate(self._other_ranks):
-                prx, prm, _ = bufs.peers[p]
-                prx[wave, me, :N].copy_(stage_x[i], non_blocking=True)
-                prm[wave, me, :N].copy_(stage_m[i], non_blocking=True)
+            self._scatter(x_TD, plan, bufs, wave)
+            return
+        me, N = self.ep.rank, plan.tok_WPN.shape[2]
+        if not N:
+            return
+        # Copy engines: gather the peers' rows (one index_select), one cudaMemcpyAsync per peer block;
+        # the local block is gathered straight into place on the local stream.
+        loc = self._local_fork(x_TD)
+        rx, rm, _ = bufs.peers[me]
+        with st.on(loc):
+            self._pack(x_TD, plan, wave, me, rx[wave, me], rm[wave, me])
+        rows = plan.tok_WPN[wave].index_select(0, self._others).reshape(-1)
+        stage_x = x_TD.index_select(0, rows).view(-1, N, x_TD.shape[1])
+        stage_m = plan.meta_SM.index_select(0, plan.row_WPN[wave].index_select(0, self._others).reshape(-1)).view(
+            -1, N, plan.meta_SM.shape[1])
+        for i, p in enumerate(self._other_ranks):
+            prx, prm, _ = bufs.peers[p]
+            prx[wave, me, :N].copy_(stage_x[i], non_blocking=True)
+            prm[wave, me, :N].copy_(stage_m[i], non_blocking=True)
         if loc is not None:
             st.wait_stream(self.comm_stream, loc)
 
@@ -421,14 +410,14 @@ class SymmBackend:
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(y_RD, self.comm_stream)
             y_RD = y_RD.contiguous()
-            if self.symm:
+            if self.symm and self.mode == "kernel":   # valid rows only, every source's block in one launch
+                scatter_rows(y_RD, bufs.targets[wave][2], plan.src_PC, plan.recv_dst_WPC[wave])
+                bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
+            elif self.symm:
                 loc = self._local_fork(y_RD)
                 for s, (_, _, cb) in enumerate(bufs.peers):
                     with st.on(loc if s == me else self.comm_stream):
-                        if self.mode == "kernel":
-                            copy_rows(y_RD, cb[wave, me], plan.src_PC[s], plan.recv_dst_WPC[wave, s])
-                        else:
-                            cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
+                        cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
                 if loc is not None:
                     st.wait_stream(self.comm_stream, loc)
                 bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
@@ -444,7 +433,7 @@ class SymmBackend:
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             N = plan.tok_WPN.shape[2]
-            if self._add_kernel and out_TD.dtype == torch.float32:
+            if self._kernels and out_TD.dtype == torch.float32:
                 # one program per token sums its rows from every peer block in peer order (fp32, no
                 # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)]
                 gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave])

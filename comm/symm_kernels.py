@@ -1,25 +1,33 @@
-"""Row copies for the ``symm`` backend: a Triton kernel that reads device-side counts, and its torch twin.
+"""Row copies for the ``symm`` backend: Triton kernels that read device-side counts, and their torch twins.
 
-Legend: N rows to copy (programs), D row width (elements), C capacity rows of a destination block.
+Legend: P destination blocks (one per peer), N rows per block (programs), D row width (elements),
+C capacity rows of a destination block, T tokens.
 
-Both functions copy ``src[src_idx[i]] -> dst[dst_idx[i]]`` for the rows i with ``dst_idx[i] >= 0``.
-The index arrays are computed on the device from the exchanged counts (``dst_idx`` is -1 past the
-valid count and past the capacity), so no size ever reaches the host and the launch grid is static
-(N = an upper bound): the kernel is CUDA-graph capturable and never writes a row that ``dst_idx``
-does not name. ``dst`` may be a peer's symmetric-memory buffer (the writes then travel over
-NVLink/xGMI from the SMs) or a local staging block.
+``scatter_rows`` copies ``src[src_idx[p, i]] -> block_p[dst_idx[p, i]]`` for every (p, i) with
+``dst_idx[p, i] >= 0``, for all P blocks in one launch. The blocks are named by a device pointer
+table (``RowTargets``, built once per buffer, outside any capture), so a block may be a peer's
+symmetric-memory buffer (the writes then travel over NVLink/xGMI from the SMs) or a local one. The
+index arrays are computed on the device from the exchanged counts (``dst_idx`` is -1 past the valid
+count and past the capacity), so no size ever reaches the host and the grid is static (P*N, an upper
+bound): the kernel is CUDA-graph capturable and never touches a row that ``dst_idx`` does not name.
+Programs alternate peers (program j serves block j % P), so the local block's copy and the NVLink
+writes run side by side. An optional second row set (the per-row metadata) goes with the same
+``dst_idx`` in the same program.
 
-The kernel also runs on CPU tensors under ``TRITON_INTERPRET=1`` (the CI checks it against
-``copy_rows_torch`` there).
+``gather_add`` sums each token's returned rows from every peer block in peer order, in fp32.
+
+Both kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (the CI checks them against the
+torch twins there).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["copy_rows", "copy_rows_torch", "gather_add", "gather_add_torch", "triton_ok"]
+__all__ = ["RowTargets", "scatter_rows", "scatter_rows_torch", "gather_add", "gather_add_torch", "triton_ok"]
 
 try:  # Triton is optional: the symm backend falls back to copy engines without it.
     import triton
@@ -27,15 +35,16 @@ try:  # Triton is optional: the symm backend falls back to copy engines without 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# Elements a copy_rows program moves per step. Environment MOE_WAVE_COPY_ROWS_BLOCK overrides (a power
-# of two); on 2 x H200 4096 (a whole V4-Flash row, 8 warps) measured no better than 2048
-# (benchmarks/2026-11-30-comm-2xh200-rowblock.json).
-_COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "2048"))
+# Elements a scatter_rows program moves per step, and its warps. Environment MOE_WAVE_COPY_ROWS_BLOCK /
+# MOE_WAVE_COPY_ROWS_WARPS override (the benchmark sweeps them: launch/bench_comm.py --tune).
+COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "2048"))
+COPY_WARPS = int(os.environ.get("MOE_WAVE_COPY_ROWS_WARPS", "0"))     # 0: by block size
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
+_UNIT = 16   # block offsets are kept in units of 16 elements where they allow it (16-byte vector stores)
 
 
 def triton_ok(device: torch.device | str) -> bool:
-    """True when ``copy_rows`` can run on ``device`` (a GPU, or CPU under TRITON_INTERPRET=1)."""
+    """True when the kernels can run on ``device`` (a GPU, or CPU under TRITON_INTERPRET=1)."""
     if triton is None:
         return False
     if torch.device(device).type == "cpu":
@@ -43,21 +52,80 @@ def triton_ok(device: torch.device | str) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class RowTargets:
+    """P destination blocks of equal shape [C, D] as one device table, for ``scatter_rows``.
+
+    The table holds each block's start relative to ``base`` (the first block), in elements divided by
+    ``unit`` (16 where every offset and the row stride allow it: the kernel then knows its stores are
+    16-element aligned and vectorises them). Build it once per buffer, outside CUDA-graph capture (it
+    copies from the host); the blocks must stay allocated while it is used.
+
+    Attributes:
+        base: the first block (its storage anchors the addresses).
+        offs_P: [P] int64 (block start - base start) / unit, in elements.
+        unit: 16 or 1.
+        rows: C; width: D; stride: the blocks' row stride (elements).
+    """
+
+    base: torch.Tensor
+    offs_P: torch.Tensor
+    unit: int
+    rows: int
+    width: int
+    stride: int
+
+    @classmethod
+    def of(cls, blocks) -> "RowTargets":
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("RowTargets.of: needs at least one block")
+        b0 = blocks[0]
+        for i, b in enumerate(blocks):
+            if b.dim() != 2 or b.shape != b0.shape or b.dtype != b0.dtype or b.stride() != b0.stride():
+                raise ValueError(f"RowTargets.of: block {i} is {tuple(b.shape)} {b.dtype} stride {b.stride()}; every "
+                                 f"block must match block 0: {tuple(b0.shape)} {b0.dtype} stride {b0.stride()}")
+            if b.stride(1) != 1 or b.device != b0.device:
+                raise ValueError(f"RowTargets.of: block {i} must have contiguous rows on {b0.device}")
+        es = b0.element_size()
+        delta = [b.data_ptr() - b0.data_ptr() for b in blocks]
+        if any(d % es for d in delta):
+            raise ValueError("RowTargets.of: block addresses must differ by whole elements")
+        el = [d // es for d in delta]
+        unit = _UNIT if all(e % _UNIT == 0 for e in el) and b0.stride(0) % _UNIT == 0 else 1
+        offs = torch.tensor([e // unit for e in el], dtype=torch.int64, device=b0.device)
+        return cls(base=b0, offs_P=offs, unit=unit, rows=b0.shape[0], width=b0.shape[1], stride=b0.stride(0))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.offs_P.shape[0]
+
+
 if triton is not None:
 
     @triton.jit
-    def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, D, src_stride, dst_stride,
-                          BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-        i = tl.program_id(0)
-        s = tl.load(src_idx_ptr + i).to(tl.int64)
-        d = tl.load(dst_idx_ptr + i).to(tl.int64)
-        width = tl.where(d >= 0, D, 0)  # a skipped row masks every column (a plain block mask)
-        d = tl.maximum(d, 0)  # masked below; keeps the address in range for the interpreter
-        for c in tl.static_range(NUM_BLOCKS):
-            offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-            m = offs < width
-            v = tl.load(src_ptr + s * src_stride + offs, mask=m)
-            tl.store(dst_ptr + d * dst_stride + offs, v, mask=m)
+    def _scatter_rows_kernel(src_ptr, dst_ptr, offs_ptr, src_idx_ptr, dst_idx_ptr, D, src_stride, dst_stride,
+                             src2_ptr, dst2_ptr, offs2_ptr, src2_idx_ptr, D2, src2_stride, dst2_stride, P, N,
+                             UNIT: tl.constexpr, UNIT2: tl.constexpr, HAS2: tl.constexpr, BLOCK_D: tl.constexpr,
+                             NUM_BLOCKS: tl.constexpr, BLOCK_D2: tl.constexpr):
+        j = tl.program_id(0)
+        p = j % P                       # programs alternate blocks: local and peer writes side by side
+        k = p.to(tl.int64) * N + j // P
+        d = tl.load(dst_idx_ptr + k)
+        if d >= 0:
+            d = d.to(tl.int64)
+            s = tl.load(src_idx_ptr + k).to(tl.int64)
+            dst = dst_ptr + tl.load(offs_ptr + p) * UNIT + d * dst_stride   # UNIT 16: aligned vector stores
+            for c in tl.static_range(NUM_BLOCKS):
+                offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
+                m = offs < D
+                tl.store(dst + offs, tl.load(src_ptr + s * src_stride + offs, mask=m), mask=m)
+            if HAS2:
+                s2 = tl.load(src2_idx_ptr + k).to(tl.int64)
+                dst2 = dst2_ptr + tl.load(offs2_ptr + p) * UNIT2 + d * dst2_stride
+                offs2 = tl.arange(0, BLOCK_D2)
+                m2 = offs2 < D2
+                tl.store(dst2 + offs2, tl.load(src2_ptr + s2 * src2_stride + offs2, mask=m2), mask=m2)
 
 
     @triton.jit
@@ -76,48 +144,61 @@ if triton is not None:
             tl.store(out_ptr + t * out_stride + offs, acc, mask=m)
 
 
-def _check(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
-    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1]:
-        raise ValueError(f"copy_rows: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be 2-D with equal widths")
-    if src.dtype != dst.dtype:
-        raise ValueError(f"copy_rows: src.dtype={src.dtype} must equal dst.dtype={dst.dtype}")
-    if src_idx.shape != dst_idx.shape or src_idx.dim() != 1:
-        raise ValueError(f"copy_rows: src_idx {tuple(src_idx.shape)} and dst_idx {tuple(dst_idx.shape)} must be "
-                         "1-D of equal length")
-    if src.stride(1) != 1 or dst.stride(1) != 1:
-        raise ValueError("copy_rows: rows of src and dst must be contiguous (stride(1) == 1)")
+def _check(src: torch.Tensor, tg: RowTargets, src_idx: torch.Tensor, dst_idx: torch.Tensor, what: str) -> None:
+    if src.dim() != 2 or src.shape[1] != tg.width or src.dtype != tg.base.dtype:
+        raise ValueError(f"scatter_rows: {what} {tuple(src.shape)} {src.dtype} must be 2-D {tg.base.dtype} rows of "
+                         f"width {tg.width} (the target blocks')")
+    if src.dtype not in _DTYPES:
+        raise ValueError(f"scatter_rows: {what}.dtype={src.dtype} must be one of {_DTYPES}")
+    if src.stride(1) != 1:
+        raise ValueError(f"scatter_rows: rows of {what} must be contiguous (stride(1) == 1)")
+    want = (tg.num_blocks, dst_idx.shape[-1]) if dst_idx.dim() == 2 else None
+    if dst_idx.dim() != 2 or src_idx.shape != dst_idx.shape or tuple(dst_idx.shape) != want:
+        raise ValueError(f"scatter_rows: {what} indices {tuple(src_idx.shape)} / dst_idx {tuple(dst_idx.shape)} must "
+                         f"both be [P={tg.num_blocks}, N]")
+    if src_idx.device != src.device or dst_idx.device != src.device or tg.base.device != src.device:
+        raise ValueError(f"scatter_rows: {what}, its indices and the target blocks must be on one device")
 
 
-def copy_rows(src_ND: torch.Tensor, dst_CD: torch.Tensor, src_idx_N: torch.Tensor, dst_idx_N: torch.Tensor) -> None:
-    """``dst_CD[dst_idx_N[i]] = src_ND[src_idx_N[i]]`` where ``dst_idx_N[i] >= 0`` (Triton, one program a row).
+def scatter_rows(src_ND: torch.Tensor, targets: RowTargets, src_idx_PN: torch.Tensor, dst_idx_PN: torch.Tensor,
+                 src2_ND: torch.Tensor | None = None, targets2: RowTargets | None = None,
+                 src2_idx_PN: torch.Tensor | None = None) -> None:
+    """``block_p[dst_idx_PN[p, i]] = src_ND[src_idx_PN[p, i]]`` where ``dst_idx_PN[p, i] >= 0``, every
+    block p of ``targets`` in one launch (Triton, one program a row). With ``src2_ND``, each such row also
+    copies ``src2_ND[src2_idx_PN[p, i]]`` to row ``dst_idx_PN[p, i]`` of block p of ``targets2``.
 
-    Args:
-        src_ND: [*, D] rows to read (any supported dtype).
-        dst_CD: [C, D] destination rows, same dtype (may live on a peer GPU: a symmetric-memory view).
-        src_idx_N: [N] int64 source row of each program.
-        dst_idx_N: [N] int64 destination row, or -1 to skip (no read, no write).
+    ``dst_idx_PN`` values must be < ``targets.rows`` (the caller's tables guarantee it; -1 skips a row:
+    no read, no write).
     """
-    _check(src_ND, dst_CD, src_idx_N, dst_idx_N)
-    if src_ND.dtype not in _DTYPES:
-        raise ValueError(f"copy_rows: dtype {src_ND.dtype} must be one of {_DTYPES}")
-    N, D = src_idx_N.shape[0], src_ND.shape[1]
+    _check(src_ND, targets, src_idx_PN, dst_idx_PN, "src")
+    has2 = src2_ND is not None
+    if has2:
+        if targets2 is None or src2_idx_PN is None or targets2.num_blocks != targets.num_blocks:
+            raise ValueError("scatter_rows: src2 needs targets2 with the same block count and src2_idx")
+        _check(src2_ND, targets2, src2_idx_PN, dst_idx_PN, "src2")
+    P, N = dst_idx_PN.shape
+    D = src_ND.shape[1]
     if N == 0 or D == 0:
         return
-    block = min(triton.next_power_of_2(D), _COPY_BLOCK)
-    _copy_rows_kernel[(N,)](src_ND, dst_CD, src_idx_N, dst_idx_N, D, src_ND.stride(0), dst_CD.stride(0),
-                            BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),
-                            num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1)
+    block = min(triton.next_power_of_2(D), COPY_BLOCK)
+    warps = COPY_WARPS or (8 if block >= 4096 else 4 if block >= 1024 else 1)
+    s2, t2, i2 = (src2_ND, targets2, src2_idx_PN) if has2 else (src_ND, targets, src_idx_PN)
+    _scatter_rows_kernel[(P * N,)](
+        src_ND, targets.base, targets.offs_P, src_idx_PN.contiguous(), dst_idx_PN.contiguous(), D,
+        src_ND.stride(0), targets.stride,
+        s2, t2.base, t2.offs_P, i2.contiguous(), s2.shape[1], s2.stride(0), t2.stride, P, N,
+        UNIT=targets.unit, UNIT2=t2.unit, HAS2=has2, BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),
+        BLOCK_D2=triton.next_power_of_2(max(s2.shape[1], 1)), num_warps=warps)
 
 
-def copy_rows_torch(src_ND: torch.Tensor, dst_CD: torch.Tensor, src_idx_N: torch.Tensor,
-                    dst_idx_N: torch.Tensor) -> None:
-    """The reference of ``copy_rows`` in torch (tests and CPU).
+def scatter_rows_torch(src_ND: torch.Tensor, blocks, src_idx_PN: torch.Tensor, dst_idx_PN: torch.Tensor) -> None:
+    """The reference of ``scatter_rows`` in torch, on a list of P [C, D] blocks (tests and CPU).
 
     HOST SYNC: boolean indexing sizes the valid rows on the host; this path is for tests only.
     """
-    _check(src_ND, dst_CD, src_idx_N, dst_idx_N)
-    ok = dst_idx_N >= 0
-    dst_CD[dst_idx_N[ok]] = src_ND[src_idx_N[ok]]
+    for p, blk in enumerate(blocks):
+        ok = dst_idx_PN[p] >= 0
+        blk[dst_idx_PN[p][ok]] = src_ND[src_idx_PN[p][ok]]
 
 
 def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor) -> None:

@@ -16,8 +16,8 @@ Measures, in one run (ratios only mean something inside one run):
   * each backend's dispatch+combine beside a ~300 us bf16 GEMM on the compute stream
     (hidden fraction = 1 - (beside - gemm) / alone);
   * WaveMoE (V4-Flash shape) serial vs pipelined on each backend.
-CUDA events, warm-up, medians over iterations, random data, ranks aligned by a barrier before each
-iteration. Writes ``{"meta": {...}, "rows": [...]}`` to --out (default $OUT/comm.json when OUT is set)
+CUDA events around BENCH_REPS (default 10) back-to-back calls, warm-up, medians over iterations,
+random data, ranks aligned by a barrier before each sample. Writes ``{"meta": {...}, "rows": [...]}`` to --out (default $OUT/comm.json when OUT is set)
 and prints a table last.
 """
 
@@ -49,8 +49,14 @@ CARVEOUT = int(os.environ.get("BENCH_GEMM_CARVEOUT", "16"))   # SMs the GEMM lea
 MB = 1 << 20
 
 
-def timed(fn, iters: int, warm: int = 3) -> float:
-    """Median microseconds of fn() between CUDA events on the current stream, ranks aligned."""
+REPS = int(os.environ.get("BENCH_REPS", "10"))
+
+
+def timed(fn, iters: int, warm: int = 3, reps: int | None = None) -> float:
+    """Median microseconds per fn() call: CUDA events around ``reps`` back-to-back calls, ranks aligned by
+    a barrier before each sample. Back to back, the ranks' launch skew after the barrier (tens of us)
+    is paid once per sample, not once per call: the collectives synchronise the ranks at every call."""
+    reps = reps or REPS
     for _ in range(warm):
         fn()
     times = []
@@ -59,10 +65,11 @@ def timed(fn, iters: int, warm: int = 3) -> float:
         dist.barrier()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(a.elapsed_time(b) * 1e3 / reps)
     # every rank reports the slowest rank's median (the collective finishes with the slowest)
     t = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -180,11 +187,29 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
     return rows
 
 
+def graph_case(ep: EPGroup, be, x, layout, iters: int):
+    """prepare, dispatch, combine and the round trip each captured in a CUDA graph: (timings, round trip)."""
+    from moe_wave.bench import as_graph
+
+    T, D = x.shape
+    out = torch.zeros(T, D, device=ep.device)
+    prep, xplan = as_graph(lambda i: be.prepare(layout), ep.device)
+    disp, got = as_graph(lambda i: be.dispatch(x, xplan, 0).wait(), ep.device)
+    y = torch.randn_like(got.x_RD)
+    comb, _ = as_graph(lambda i: be.combine(y, got.handle, out).wait(), ep.device)
+
+    def trip(i):
+        r = be.dispatch(x, xplan, 0).wait()
+        be.combine(y, r.handle, out).wait()
+    rt, _ = as_graph(trip, ep.device)
+    t_prep, t_disp, t_comb, alone = (timed(lambda f=f: f(0), iters) for f in (prep, disp, comb, rt))
+    be.check()
+    return dict(prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_comb, alone_us=alone), (lambda: rt(0))
+
+
 def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
     """The symm backend as it is meant to run: prepare, dispatch, combine and the round trip each
     captured in a CUDA graph and replayed (no host work at all), in both data modes."""
-    from moe_wave.bench import as_graph
-
     rows = []
     g = torch.Generator(device=ep.device).manual_seed(100 + ep.rank)
     for lname in layouts:
@@ -196,35 +221,52 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
                 streams = st.Streams.for_device(ep.device)
                 be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
                 be.mode = mode
-                out = torch.zeros(T, D, device=ep.device)
-                prep, xplan = as_graph(lambda i: be.prepare(layout), ep.device)
-                disp, got = as_graph(lambda i: be.dispatch(x, xplan, 0).wait(), ep.device)
-                y = torch.randn_like(got.x_RD)
-                comb, _ = as_graph(lambda i: be.combine(y, got.handle, out).wait(), ep.device)
-
-                def trip(i):
-                    r = be.dispatch(x, xplan, 0).wait()
-                    be.combine(y, r.handle, out).wait()
-                rt, _ = as_graph(trip, ep.device)
-                t_prep, t_disp, t_comb = (timed(lambda f=f: f(0), iters) for f in (prep, disp, comb))
-                alone = timed(lambda: rt(0), iters)
+                t, rt = graph_case(ep, be, x, layout, iters)
                 row = dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
-                           bytes_per_rank=sent * D * 2, prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_comb,
-                           p2p_limit_GBps=p2p, alone_us=alone, beside_gemm_us=timed(beside(lambda: rt(0), gemm), iters),
-                           gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / t_disp / 1e3)
+                           bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
+                           beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us,
+                           dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3)
                 if CARVEOUT and hasattr(torch._C, "_set_sm_carveout_experimental"):
                     # the GEMM leaves CARVEOUT SMs to the comm kernels (as DeepEP reserves SMs for its own)
                     torch._C._set_sm_carveout_experimental(CARVEOUT)
                     try:
                         row.update(carveout_sms=CARVEOUT, gemm_carveout_us=timed(gemm, iters),
-                                   beside_gemm_carveout_us=timed(beside(lambda: rt(0), gemm), iters))
+                                   beside_gemm_carveout_us=timed(beside(rt, gemm), iters))
                     finally:
                         torch._C._set_sm_carveout_experimental(None)
-                be.check()
                 rows.append(row)
-                del be, xplan, got, prep, disp, comb, rt
+                del be, rt
                 torch.cuda.synchronize()
                 save(ep, rows)
+    return rows
+
+
+TUNE = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (1024, 4), (1024, 2), (512, 2), (256, 1))
+
+
+def tune_rows(ep: EPGroup, iters: int, p2p: float) -> list:
+    """scatter_rows step size and warps (symm kernel mode, V4-Flash, 4096 tokens, CUDA graphs)."""
+    from moe_wave.comm import symm_kernels as sk
+
+    rows, (D, E, K), T = [], LAYOUTS["v4-flash"], 4096
+    g = torch.Generator(device=ep.device).manual_seed(200 + ep.rank)
+    x, layout, sent, cfg = token_case(ep, g, D, E, K, T)
+    keep = sk.COPY_BLOCK, sk.COPY_WARPS
+    try:
+        for block, warps in TUNE:
+            sk.COPY_BLOCK, sk.COPY_WARPS = block, warps
+            log(ep, f"tune scatter_rows block {block} warps {warps}")
+            be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
+                              WaveConfig(backend="symm", max_tokens_per_rank=T))
+            be.mode = "kernel"
+            t, _ = graph_case(ep, be, x, layout, iters)
+            rows.append(dict(backend="symm-kernel-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
+                             copy_block=block, copy_warps=warps, bytes_per_rank=sent * D * 2, **t,
+                             p2p_limit_GBps=p2p, dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3))
+            del be
+            save(ep, rows)
+    finally:
+        sk.COPY_BLOCK, sk.COPY_WARPS = keep
     return rows
 
 
@@ -299,6 +341,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "comm.json") if os.environ.get("OUT") else None)
     ap.add_argument("--backends", default="torch,symm,deepep", help="comma list; deepep is skipped when absent")
     ap.add_argument("--no-graph", action="store_true", help="skip the symm rows replayed from CUDA graphs")
+    ap.add_argument("--tune", action="store_true", help="also sweep scatter_rows' step size and warps")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (default 20, quick 8)")
     args = ap.parse_args()
     import faulthandler
@@ -311,7 +354,7 @@ def main() -> None:
     backends = [b for b in args.backends.split(",") if b != "deepep" or importlib.util.find_spec("deep_ep")]
     iters = args.iters or (8 if args.quick else 20)
     sizes = [1 * MB, 16 * MB, 64 * MB] if args.quick else [1 * MB, 16 * MB, 64 * MB, 256 * MB, 1024 * MB]
-    tokens = [128, 4096] if args.quick else [128, 512, 2048, 8192]
+    tokens = [128, 4096] if args.quick else [128, 512, 2048, 4096, 8192]
     _SAVE.update(out=args.out, meta=meta(ep), done=[])
     gemm = gemm_fn()
     gemm_us = timed(gemm, iters)
@@ -322,6 +365,8 @@ def main() -> None:
     _SAVE["done"] = rows = rows + token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
     if not args.no_graph and "symm" in backends:
         _SAVE["done"] = rows = rows + graph_rows(ep, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
+    if args.tune and "symm" in backends:
+        _SAVE["done"] = rows = rows + tune_rows(ep, iters, p2p)
     rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
     save(ep, [])
     if ep.rank == 0:

@@ -2,6 +2,7 @@
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn sweep (default: all)
+#   COMM_ARGS="--tune" adds bench_comm options; T_<STAGE>=seconds sets a stage's time limit.
 #
 # Full results go to RES (default results/<date>); when the device tool's $OUT is set they are
 # packed into $OUT/results.tgz (it brings back at most 8 files). A short table is printed last.
@@ -65,7 +66,7 @@ for s in "${STAGES[@]}"; do
                    --quick --shapes v4-flash,balanced --backend symm --graph --capacity measured --out "$RES/moe_graph_kernel.json"
                stage bench_moe_graph_copy ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=copy "${TR[@]}" launch/bench_moe.py \
                    --quick --shapes v4-flash,balanced --backend symm --graph --capacity measured --out "$RES/moe_graph_copy.json" ;;
-        comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK --out "$RES/comm.json" ;;
+        comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json"
                stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \

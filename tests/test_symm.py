@@ -1,7 +1,7 @@
 """The ``symm`` backend on CPU (issue 6): the backend contract against the single-process reference on
 1-3 gloo ranks (static-capacity receive buffers, device-side counts, both data modes), WaveMoE with
 backend="symm" against backend="torch", the capacity-overflow error on every rank, and the Triton
-row-copy kernel under TRITON_INTERPRET=1 against its torch twin (when Triton is installed).
+row-scatter and gather-add kernels under TRITON_INTERPRET=1 against their torch twins (when Triton is installed).
 
 The symmetric-memory transport itself needs GPUs: tests/test_gpu_comm.py."""
 
@@ -20,7 +20,7 @@ from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.symm import SymmBackend
-from moe_wave.comm.symm_kernels import copy_rows_torch
+from moe_wave.comm.symm_kernels import RowTargets, scatter_rows_torch
 from moe_wave.pipeline import run_waves
 from moe_wave.reference import reference_dispatch_combine
 from tests.ranks import RankPool
@@ -161,47 +161,120 @@ def test_deepep_missing_gives_install_hint():
 
 
 # ------------------------------------------------------------------------ Triton kernel (interpreter)
-def test_copy_rows_torch_never_writes_skipped_rows():
+def test_scatter_rows_torch_never_writes_skipped_rows():
     src = torch.randn(5, 7)
-    dst = torch.full((4, 7), 3.0)
-    copy_rows_torch(src, dst, torch.tensor([4, 0, 2]), torch.tensor([1, -1, 3]))
-    assert torch.equal(dst[1], src[4]) and torch.equal(dst[3], src[2])
-    assert torch.equal(dst[[0, 2]], torch.full((2, 7), 3.0))
+    blocks = [torch.full((4, 7), 3.0), torch.full((4, 7), 4.0)]
+    scatter_rows_torch(src, blocks, torch.tensor([[4, 0, 2], [1, 1, 1]]), torch.tensor([[1, -1, 3], [-1, -1, 0]]))
+    assert torch.equal(blocks[0][1], src[4]) and torch.equal(blocks[0][3], src[2]) and torch.equal(blocks[1][0], src[1])
+    assert torch.equal(blocks[0][[0, 2]], torch.full((2, 7), 3.0)) and torch.equal(blocks[1][1:], torch.full((3, 7), 4.0))
 
 
-_INTERP_SCRIPT = r"""
+# The kernels against their torch twins; run on CPU under the interpreter here, on the GPU by
+# tests/test_gpu_comm.py (``dev`` is set by the caller). Blocks are separate tensors, and views of one
+# tensor at offsets that do (unit 16) and do not (unit 1) allow 16-element aligned stores.
+KERNEL_CHECKS = r"""
 import torch
-from moe_wave.comm.symm_kernels import copy_rows, copy_rows_torch, triton_ok
-assert triton_ok("cpu")
+from moe_wave.comm.symm_kernels import (RowTargets, gather_add, gather_add_torch, scatter_rows, scatter_rows_torch,
+                                        triton_ok)
+assert triton_ok(dev)
 g = torch.Generator().manual_seed(0)
+
+
+def rand(*shape, dt=torch.float32):
+    return (torch.randn(*shape, generator=g) * 100).to(dt).to(dev)
+
+
 for dt in (torch.float32, torch.bfloat16, torch.int32):
-    for D in (1, 37, 2500):
-        src = (torch.randn(9, D, generator=g) * 100).to(dt)
-        a = (torch.randn(6, D, generator=g) * 100).to(dt)
-        b = a.clone()
-        si = torch.randint(0, 9, (8,), generator=g)
-        di = torch.tensor([0, 5, -1, 2, -1, 1, 3, -1])
-        copy_rows(src, a, si, di)
-        copy_rows_torch(src, b, si, di)
-        assert torch.equal(a, b), (dt, D)
-from moe_wave.comm.symm_kernels import gather_add, gather_add_torch
+    for D in (1, 37, 2500, 4096):
+        for P in (1, 3):
+            C, N, S = 6, 8, 9
+            src, meta = rand(S, D, dt=dt), rand(S + 2, 5, dt=torch.int32)
+            for layout in ("separate", "views"):
+                if layout == "separate":
+                    blocks, mblocks = [rand(C, D, dt=dt) for _ in range(P)], [rand(C, 5, dt=torch.int32) for _ in range(P)]
+                else:   # one tensor, blocks C+1 rows apart (unit 1 unless D is a multiple of 16)
+                    whole, mwhole = rand(P * (C + 1), D, dt=dt), rand(P * (C + 1), 5, dt=torch.int32)
+                    blocks = [whole[p * (C + 1):p * (C + 1) + C] for p in range(P)]
+                    mblocks = [mwhole[p * (C + 1):p * (C + 1) + C] for p in range(P)]
+                tg, tm = RowTargets.of(blocks), RowTargets.of(mblocks)
+                if layout == "views":
+                    assert tg.unit == (16 if D % 16 == 0 else 1), (D, tg.unit)
+                si = torch.randint(0, S, (P, N), generator=g).to(dev)
+                mi = torch.randint(0, S + 2, (P, N), generator=g).to(dev)
+                di = torch.stack([torch.tensor([0, 5, -1, 2, -1, 1, 3, -1]).roll(p) for p in range(P)]).to(dev)
+                ref, mref = [b.clone() for b in blocks], [b.clone() for b in mblocks]
+                spare = whole[C::C + 1].clone() if layout == "views" else None
+                scatter_rows(src, tg, si, di, meta, tm, mi)
+                scatter_rows_torch(src, ref, si, di)
+                scatter_rows_torch(meta, mref, mi, di)
+                for p in range(P):
+                    assert torch.equal(blocks[p], ref[p]), (dt, D, P, layout, p)
+                    assert torch.equal(mblocks[p], mref[p]), (dt, D, P, layout, p, "meta")
+                if spare is not None:   # the spare row after each block is never written
+                    assert torch.equal(whole[C::C + 1], spare)
 for dt in (torch.float32, torch.bfloat16):
     for D in (1, 37, 2500):
-        out = torch.randn(5, D, generator=g)
+        out = rand(5, D)
         ref = out.clone()
-        src = torch.randn(8, D, generator=g).to(dt)
-        slot = torch.tensor([[0, 7], [-1, 4], [3, -1], [-1, -1], [1, 6]])
+        src = rand(8, D, dt=dt)
+        slot = torch.tensor([[0, 7], [-1, 4], [3, -1], [-1, -1], [1, 6]]).to(dev)
         gather_add(out, src, slot)
         gather_add_torch(ref, src, slot)
         assert torch.equal(out, ref), (dt, D)
+from moe_wave.comm.layout import WavePlan, compute_layout
+from moe_wave.comm.symm_tables import build_tables, build_tables_torch, count_rows, count_rows_torch
+for P, W, e, T, K, C in ((1, 1, 4, 9, 2, 16), (3, 2, 4, 20, 3, 7), (2, 4, 8, 33, 4, 5), (4, 1, 2, 0, 2, 3)):
+    E = P * e
+    layouts = []
+    for src in range(P):    # every rank's layout; ids out of range on rank P-1 when P > 2
+        ids = torch.argsort(torch.rand(T, E, generator=g), 1)[:, :K]
+        if P > 2 and src == P - 1 and T:
+            ids[0, 0] = E + 3
+        layouts.append(compute_layout(ids.to(dev), torch.rand(T, K, generator=g).to(dev),
+                                      WavePlan.make(num_ranks=P, num_local_experts=e, num_waves=W)))
+    X = W * P + W * e + 2
+    sent = [count_rows_torch(lay.send_counts_WP, lay.pair_counts_WPe, lay.ids_min, lay.ids_max) for lay in layouts]
+    for src, lay in enumerate(layouts):   # count_rows writes row src of every rank's ctrl
+        ctrls = [torch.full((P, X), -7, dtype=torch.long, device=dev) for _ in range(P)]
+        count_rows(RowTargets.of(c[src:src + 1] for c in ctrls), lay.send_counts_WP, lay.pair_counts_WPe,
+                   lay.ids_min, lay.ids_max)
+        for p in range(P):
+            assert torch.equal(ctrls[p][src], sent[src][p]), (P, W, src, p)
+            assert bool((ctrls[p][torch.arange(P, device=dev) != src] == -7).all()), "only row src is written"
+    for me, lay in enumerate(layouts):
+        recv_PX = torch.stack([sent[src][me] for src in range(P)])
+        got, ref = [], []
+        for fn, acc in ((build_tables, got), (build_tables_torch, ref)):
+            for status0 in (torch.zeros(9, dtype=torch.long), torch.tensor([0, 0, 0, 0, 0, 1, 5, 5, 5])):
+                slot = torch.full((W, T, P), -1, dtype=torch.long, device=dev)
+                status = status0.to(dev)
+                tabs = fn(recv_PX, lay.send_counts_WP, lay.send_token_S, C, T, me, E, slot, status)
+                acc.append((tabs, slot, status))
+        for (ta, sa, xa), (tb, sb, xb) in zip(got, ref):
+            for k in tb:
+                assert torch.equal(ta[k], tb[k]), (P, W, T, C, me, k)
+            assert torch.equal(sa, sb), (P, W, T, C, me, "slot")
+            if xb[0] or xb[5]:   # flags and the fields they name (the rest is junk when no flag is set)
+                n = [0, 5] + ([1, 2, 3, 4] if xb[0] else []) + ([6, 7, 8] if xb[5] else [])
+                assert torch.equal(xa[n], xb[n]), (P, W, T, C, me, xa.tolist(), xb.tolist())
+            else:
+                assert xa[0] == 0 and xa[5] == 0, xa.tolist()
+        assert bool(got[0][2][0]) == bool((torch.stack([lay.send_counts_WP for lay in layouts]) > C).any())
 print("ok")
 """
 
 
+def test_row_targets_reject_mismatched_blocks():
+    with pytest.raises(ValueError, match="block 1 is"):
+        RowTargets.of([torch.zeros(4, 8), torch.zeros(4, 9)])
+    with pytest.raises(ValueError, match="block 1 is"):
+        RowTargets.of([torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float16)])
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
-def test_copy_rows_kernel_matches_torch_under_interpreter():
+def test_symm_kernels_match_torch_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run([sys.executable, "-c", 'dev = "cpu"\n' + KERNEL_CHECKS], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 

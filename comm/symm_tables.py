@@ -1,0 +1,202 @@
+"""The ``symm`` backend's prepare step: the count rows a rank sends, and the index tables built from the
+exchanged counts. Each exists as one Triton kernel (one launch instead of some forty small torch ops:
+prepare is on the critical path of every decode step) and as its torch twin (CPU without Triton, and
+the reference the CI checks the kernels against under ``TRITON_INTERPRET=1``).
+
+Legend: T local tokens, S send rows, K top-k, P ranks, W waves, e local experts, C capacity rows per
+(wave, peer) block, N = min(C, T) rows a block can hold from this rank, X = W*P + W*e + 2 int64 per
+count row, me this rank.
+
+Count row for destination p (``count_rows``): [my send counts [W*P] | my pair counts for p's
+experts [W*e] | my expert id range (min, max)]. Rank p's ``ctrl[me]`` receives it; after the barrier
+``recv_PX[src]`` is source src's row for this rank.
+
+Tables (``build_tables``), all int64:
+    row_WPN      send row (into the layout's S rows) of row i of block (w, p), clamped to S-1
+    tok_WPN      its token (0 when S == 0)
+    send_dst_WPN i where the row is valid (i < count and i < C), else -1
+    recv_dst_WPC i where received row i of source p is valid, else -1
+    slot_WTP     p*C + i: where token t's result from peer p lands in wave w, -1 where t sent nothing
+                 (filled with -1 by the caller: a token is sent at most once per (wave, peer), so
+                 every valid row writes its own slot)
+    status [9]   [overflow, src, wave, dst, count, ids_bad, rank, ids_min, ids_max] of the first
+                 capacity overflow (count > C) and the first rank whose ids leave [0, E); the first
+                 error sticks (an entry with a flag set is never overwritten).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .symm_kernels import triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["count_rows", "count_rows_torch", "build_tables", "build_tables_torch", "STATUS_LEN"]
+
+STATUS_LEN = 9
+
+
+def count_rows_torch(send_counts_WP, pair_counts_WPe, ids_min, ids_max) -> torch.Tensor:
+    """[P, X]: row p is what destination p receives (see the module docstring)."""
+    W, P, e = pair_counts_WPe.shape
+    return torch.cat([send_counts_WP.reshape(1, W * P).expand(P, -1),
+                      pair_counts_WPe.permute(1, 0, 2).reshape(P, W * e),
+                      torch.stack([ids_min, ids_max]).view(1, 2).expand(P, -1)], 1).contiguous()
+
+
+def count_rows(targets, send_counts_WP, pair_counts_WPe, ids_min, ids_max) -> None:
+    """Write row p of ``count_rows_torch`` into block p of ``targets`` (a ``RowTargets`` of P [1, X]
+    int64 blocks: row ``me`` of every peer's ``ctrl``), one launch, one program per peer."""
+    W, P, e = pair_counts_WPe.shape
+    X = W * P + W * e + 2
+    if targets.num_blocks != P or targets.width != X or targets.base.dtype != torch.int64:
+        raise ValueError(f"count_rows: targets must be {P} int64 blocks of width {X}, got {targets.num_blocks} "
+                         f"{targets.base.dtype} of width {targets.width}")
+    _count_rows_kernel[(P,)](targets.base, targets.offs_P, send_counts_WP.contiguous(), pair_counts_WPe.contiguous(),
+                             ids_min, ids_max, W * P, e, P, UNIT=targets.unit,
+                             BLOCK=triton.next_power_of_2(max(W * P, W * e)))
+
+
+def build_tables_torch(recv_PX, send_counts_WP, send_token_S, C: int, T: int, me: int, num_experts: int,
+                       slot_WTP, status) -> dict:
+    """The tables (see the module docstring) in torch; ``slot_WTP`` (may be None) and ``status`` are updated
+    in place, the rest returned."""
+    W, P = send_counts_WP.shape
+    dev, N, S = send_counts_WP.device, min(C, T), send_token_S.shape[0]
+    counts = send_counts_WP.reshape(-1)
+    start_WP = (torch.cumsum(counts, 0) - counts).view(W, P, 1)
+    i_N = torch.arange(N, device=dev)
+    row_WPN = (start_WP + i_N).clamp(max=max(S - 1, 0))
+    tok_WPN = send_token_S[row_WPN] if S else torch.zeros_like(row_WPN)
+    send_dst_WPN = torch.where(i_N < send_counts_WP.clamp(max=C)[..., None], i_N, -1)
+    sent_PWP = recv_PX[:, :W * P].view(P, W, P)            # [src, wave, dst], identical on all ranks
+    recv_counts_WP = sent_PWP[:, :, me].t()
+    i_C = torch.arange(C, device=dev)
+    recv_dst_WPC = torch.where(i_C < recv_counts_WP.clamp(max=C)[..., None], i_C, -1)
+    if slot_WTP is not None:
+        # the junk slots (i >= count) write to a spare token row T that is dropped
+        slot = torch.full((W, T + 1, P), -1, dtype=torch.long, device=dev)
+        p_P1 = torch.arange(P, device=dev).view(1, P, 1)
+        tok_or_spare = torch.where(send_dst_WPN >= 0, tok_WPN, T)
+        slot.view(W, -1).scatter_(1, (tok_or_spare * P + p_P1).view(W, -1),
+                                  (p_P1 * C + i_N).expand(W, P, N).reshape(W, -1))
+        slot_WTP.copy_(slot[:, :T])
+    # status: the first overflowing (src, wave, dst) and the first rank with ids out of range
+    over = (sent_PWP > C).flatten()
+    first = torch.argmax(over.to(torch.int32))
+    rng_P2 = recv_PX[:, -2:]
+    bad = (rng_P2[:, 0] < 0) | (rng_P2[:, 1] >= num_experts)
+    r = torch.argmax(bad.to(torch.int32))
+    # index_select, not t[i]: indexing by a 0-dim tensor reads it on the host (a sync, and no capture).
+    count = sent_PWP.flatten().index_select(0, first.view(1))[0]
+    lo_hi = rng_P2.index_select(0, r.view(1))[0]
+    new = torch.stack([over.any().long(), first // (W * P), (first // P) % W, first % P,
+                       count, bad.any().long(), r, lo_hi[0], lo_hi[1]])
+    status.copy_(torch.where((status[0] > 0) | (status[5] > 0), status, new))   # the first error sticks
+    return dict(row_WPN=row_WPN, tok_WPN=tok_WPN, send_dst_WPN=send_dst_WPN, recv_dst_WPC=recv_dst_WPC,
+                recv_counts_WP=recv_counts_WP)
+
+
+def build_tables(recv_PX, send_counts_WP, send_token_S, C: int, T: int, me: int, num_experts: int,
+                 slot_WTP, status) -> dict:
+    """``build_tables_torch`` in one Triton launch (``slot_WTP`` must be pre-filled with -1)."""
+    W, P = send_counts_WP.shape
+    dev, N, S = send_counts_WP.device, min(C, T), send_token_S.shape[0]
+    X = recv_PX.shape[1]
+    row_WPN = torch.empty(W, P, N, dtype=torch.long, device=dev)
+    tok_WPN, send_dst_WPN = torch.empty_like(row_WPN), torch.empty_like(row_WPN)
+    recv_dst_WPC = torch.empty(W, P, C, dtype=torch.long, device=dev)
+    bn, bc = min(triton.next_power_of_2(max(N, 1)), 1024), min(triton.next_power_of_2(max(C, 1)), 1024)
+    nb_n, nb_c = triton.cdiv(N, bn), triton.cdiv(C, bc)
+    has_slot = slot_WTP is not None
+    _tables_kernel[(W * P * (nb_n + nb_c) + 1,)](
+        recv_PX, send_counts_WP.contiguous(), send_token_S, row_WPN, tok_WPN, send_dst_WPN, recv_dst_WPC,
+        slot_WTP if has_slot else row_WPN, status, W, P, N, C, S, T, X, me, num_experts, nb_n, nb_c,
+        HAS_SLOT=has_slot, BLOCK_N=bn, BLOCK_C=bc, BLOCK_WP=triton.next_power_of_2(W * P),
+        BLOCK_PWP=triton.next_power_of_2(P * W * P), BLOCK_P=triton.next_power_of_2(P))
+    recv_counts_WP = recv_PX[:, :W * P].view(P, W, P)[:, :, me].t()
+    return dict(row_WPN=row_WPN, tok_WPN=tok_WPN, send_dst_WPN=send_dst_WPN, recv_dst_WPC=recv_dst_WPC,
+                recv_counts_WP=recv_counts_WP)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _count_rows_kernel(dst_ptr, offs_ptr, counts_ptr, pairs_ptr, lo_ptr, hi_ptr, WP, e, P,
+                           UNIT: tl.constexpr, BLOCK: tl.constexpr):
+        p = tl.program_id(0)
+        dst = dst_ptr + tl.load(offs_ptr + p) * UNIT
+        k = tl.arange(0, BLOCK)
+        tl.store(dst + k, tl.load(counts_ptr + k, mask=k < WP), mask=k < WP)
+        W = WP // P
+        for w in range(W):           # my pairs for p's experts, wave by wave
+            m = k < e
+            tl.store(dst + WP + w * e + k, tl.load(pairs_ptr + (w * P + p) * e + k, mask=m), mask=m)
+        tl.store(dst + WP + W * e, tl.load(lo_ptr))
+        tl.store(dst + WP + W * e + 1, tl.load(hi_ptr))
+
+    @triton.jit
+    def _tables_kernel(recv_ptr, counts_ptr, tok_ptr, row_ptr, tokout_ptr, sdst_ptr, rdst_ptr, slot_ptr, status_ptr,
+                       W, P, N, C, S, T, X, me, E, nb_n, nb_c, HAS_SLOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_C: tl.constexpr, BLOCK_WP: tl.constexpr, BLOCK_PWP: tl.constexpr,
+                       BLOCK_P: tl.constexpr):
+        j = tl.program_id(0)
+        WP = W * P
+        if j < WP * nb_n:                                   # send side: BLOCK_N rows of block (w, p)
+            wp = j // nb_n
+            i = (j % nb_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            q = tl.arange(0, BLOCK_WP)
+            cnt_q = tl.load(counts_ptr + q, mask=q < WP, other=0)
+            start = tl.sum(tl.where(q < wp, cnt_q, 0))
+            cnt = tl.minimum(tl.sum(tl.where(q == wp, cnt_q, 0)), C)
+            m = i < N
+            row = tl.minimum(start + i, tl.maximum(S - 1, 0))
+            tok = tl.load(tok_ptr + row, mask=m & (row < S), other=0)
+            dst = tl.where(i < cnt, i, -1)
+            o = wp.to(tl.int64) * N + i
+            tl.store(row_ptr + o, row, mask=m)
+            tl.store(tokout_ptr + o, tok, mask=m)
+            tl.store(sdst_ptr + o, dst, mask=m)
+            if HAS_SLOT:
+                w = wp // P
+                p = wp % P
+                tl.store(slot_ptr + ((w * T + tok) * P + p), p * C + i, mask=m & (dst >= 0))
+        elif j < WP * (nb_n + nb_c):                        # receive side: BLOCK_C rows of block (w, src p)
+            jj = j - WP * nb_n
+            wp = jj // nb_c
+            w = wp // P
+            p = wp % P
+            i = (jj % nb_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+            rc = tl.minimum(tl.load(recv_ptr + p * X + w * P + me), C)
+            tl.store(rdst_ptr + wp.to(tl.int64) * C + i, tl.where(i < rc, i, -1), mask=i < C)
+        else:                                               # status (one program)
+            f = tl.arange(0, BLOCK_PWP)                     # flat (src, wave, dst)
+            mf = f < P * WP
+            sent = tl.load(recv_ptr + (f // WP) * X + f % WP, mask=mf, other=0)
+            over = mf & (sent > C)
+            first = tl.min(tl.where(over, f, P * WP), 0)
+            any_over = first < P * WP
+            first = tl.where(any_over, first, 0)
+            count = tl.sum(tl.where(f == first, sent, 0))
+            r = tl.arange(0, BLOCK_P)
+            mr = r < P
+            lo = tl.load(recv_ptr + r * X + X - 2, mask=mr, other=0)
+            hi = tl.load(recv_ptr + r * X + X - 1, mask=mr, other=0)
+            bad = mr & ((lo < 0) | (hi >= E))
+            rb = tl.min(tl.where(bad, r, P), 0)
+            any_bad = rb < P
+            rb = tl.where(any_bad, rb, 0)
+            lo_r = tl.sum(tl.where(r == rb, lo, 0))
+            hi_r = tl.sum(tl.where(r == rb, hi, 0))
+            if (tl.load(status_ptr) == 0) & (tl.load(status_ptr + 5) == 0):   # no earlier error
+                tl.store(status_ptr, any_over.to(tl.int64))
+                tl.store(status_ptr + 1, (first // WP).to(tl.int64))
+                tl.store(status_ptr + 2, ((first // P) % W).to(tl.int64))
+                tl.store(status_ptr + 3, (first % P).to(tl.int64))
+                tl.store(status_ptr + 4, count.to(tl.int64))
+                tl.store(status_ptr + 5, any_bad.to(tl.int64))
+                tl.store(status_ptr + 6, rb.to(tl.int64))
+                tl.store(status_ptr + 7, lo_r.to(tl.int64))
+                tl.store(status_ptr + 8, hi_r.to(tl.int64))
