@@ -39,6 +39,9 @@ except ImportError:  # pragma: no cover - depends on the install
 # MOE_WAVE_COPY_ROWS_WARPS override (the benchmark sweeps them: launch/bench_comm.py --tune).
 COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "2048"))
 COPY_WARPS = int(os.environ.get("MOE_WAVE_COPY_ROWS_WARPS", "0"))     # 0: by block size
+# Programs of scatter_rows and gather_add (0: one per row / token). A cap keeps the comm kernels to a
+# few SMs' worth of programs, so a GEMM beside them keeps the rest (DeepEP's num_sms, in spirit).
+COPY_GRID = int(os.environ.get("MOE_WAVE_COPY_GRID", "0"))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 _UNIT = 16   # block offsets are kept in units of 16 elements where they allow it (16-byte vector stores)
 
@@ -108,40 +111,43 @@ if triton is not None:
                              src2_ptr, dst2_ptr, offs2_ptr, src2_idx_ptr, D2, src2_stride, dst2_stride, P, N,
                              UNIT: tl.constexpr, UNIT2: tl.constexpr, HAS2: tl.constexpr, BLOCK_D: tl.constexpr,
                              NUM_BLOCKS: tl.constexpr, BLOCK_D2: tl.constexpr):
-        j = tl.program_id(0)
-        p = j % P                       # programs alternate blocks: local and peer writes side by side
-        k = p.to(tl.int64) * N + j // P
-        d = tl.load(dst_idx_ptr + k)
-        if d >= 0:
-            d = d.to(tl.int64)
-            s = tl.load(src_idx_ptr + k).to(tl.int64)
-            dst = dst_ptr + tl.load(offs_ptr + p) * UNIT + d * dst_stride   # UNIT 16: aligned vector stores
-            for c in tl.static_range(NUM_BLOCKS):
-                offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-                m = offs < D
-                tl.store(dst + offs, tl.load(src_ptr + s * src_stride + offs, mask=m), mask=m)
-            if HAS2:
-                s2 = tl.load(src2_idx_ptr + k).to(tl.int64)
-                dst2 = dst2_ptr + tl.load(offs2_ptr + p) * UNIT2 + d * dst2_stride
-                offs2 = tl.arange(0, BLOCK_D2)
-                m2 = offs2 < D2
-                tl.store(dst2 + offs2, tl.load(src2_ptr + s2 * src2_stride + offs2, mask=m2), mask=m2)
+        # programs alternate blocks (row j serves block j % P: local and peer writes side by side); with
+        # a capped grid (COPY_GRID) each program walks rows j, j + G, j + 2G, ...
+        for j in range(tl.program_id(0), P * N, tl.num_programs(0)):
+            p = j % P
+            k = tl.cast(p, tl.int64) * N + j // P
+            d = tl.load(dst_idx_ptr + k)
+            if d >= 0:
+                d = d.to(tl.int64)
+                s = tl.load(src_idx_ptr + k).to(tl.int64)
+                dst = dst_ptr + tl.load(offs_ptr + p) * UNIT + d * dst_stride   # UNIT 16: aligned vector stores
+                for c in tl.static_range(NUM_BLOCKS):
+                    offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
+                    m = offs < D
+                    tl.store(dst + offs, tl.load(src_ptr + s * src_stride + offs, mask=m), mask=m)
+                if HAS2:
+                    s2 = tl.load(src2_idx_ptr + k).to(tl.int64)
+                    dst2 = dst2_ptr + tl.load(offs2_ptr + p) * UNIT2 + d * dst2_stride
+                    offs2 = tl.arange(0, BLOCK_D2)
+                    m2 = offs2 < D2
+                    tl.store(dst2 + offs2, tl.load(src2_ptr + s2 * src2_stride + offs2, mask=m2), mask=m2)
 
 
     @triton.jit
-    def _gather_add_kernel(out_ptr, src_ptr, slot_ptr, D, P, out_stride, src_stride,
+    def _gather_add_kernel(out_ptr, src_ptr, slot_ptr, D, T, P, out_stride, src_stride,
                            BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        for c in tl.static_range(NUM_BLOCKS):
-            offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-            m = offs < D
-            acc = tl.load(out_ptr + t * out_stride + offs, mask=m)
-            for p in range(P):
-                r = tl.load(slot_ptr + t * P + p)
-                width = tl.where(r >= 0, D, 0)
-                acc += tl.load(src_ptr + tl.maximum(r, 0) * src_stride + offs, mask=offs < width,
-                               other=0.0).to(tl.float32)
-            tl.store(out_ptr + t * out_stride + offs, acc, mask=m)
+        for t in range(tl.program_id(0), T, tl.num_programs(0)):   # one token a step (capped grid: several)
+            row = tl.cast(t, tl.int64)
+            for c in tl.static_range(NUM_BLOCKS):
+                offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
+                m = offs < D
+                acc = tl.load(out_ptr + row * out_stride + offs, mask=m)
+                for p in range(P):
+                    r = tl.load(slot_ptr + row * P + p)
+                    width = tl.where(r >= 0, D, 0)
+                    acc += tl.load(src_ptr + tl.maximum(r, 0) * src_stride + offs, mask=offs < width,
+                                   other=0.0).to(tl.float32)
+                tl.store(out_ptr + row * out_stride + offs, acc, mask=m)
 
 
 def _check(src: torch.Tensor, tg: RowTargets, src_idx: torch.Tensor, dst_idx: torch.Tensor, what: str) -> None:
@@ -183,7 +189,7 @@ def scatter_rows(src_ND: torch.Tensor, targets: RowTargets, src_idx_PN: torch.Te
     block = min(triton.next_power_of_2(D), COPY_BLOCK)
     warps = COPY_WARPS or (8 if block >= 4096 else 4 if block >= 1024 else 1)
     s2, t2, i2 = (src2_ND, targets2, src2_idx_PN) if has2 else (src_ND, targets, src_idx_PN)
-    _scatter_rows_kernel[(P * N,)](
+    _scatter_rows_kernel[(min(P * N, COPY_GRID) if COPY_GRID > 0 else P * N,)](
         src_ND, targets.base, targets.offs_P, src_idx_PN.contiguous(), dst_idx_PN.contiguous(), D,
         src_ND.stride(0), targets.stride,
         s2, t2.base, t2.offs_P, i2.contiguous(), s2.shape[1], s2.stride(0), t2.stride, P, N,
@@ -216,7 +222,8 @@ def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor
         return
     slot = slot_TP.contiguous()
     block = min(triton.next_power_of_2(D), 2048)
-    _gather_add_kernel[(T,)](out_TD, src_RD, slot, D, slot.shape[1], out_TD.stride(0), src_RD.stride(0),
+    _gather_add_kernel[(min(T, COPY_GRID) if COPY_GRID > 0 else T,)](
+                             out_TD, src_RD, slot, D, T, slot.shape[1], out_TD.stride(0), src_RD.stride(0),
                              BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), num_warps=4 if block >= 1024 else 1)
 
 

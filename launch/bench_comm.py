@@ -42,11 +42,13 @@ from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
 from moe_wave.moe import make_backend  # noqa: E402
+from moe_wave.bench import as_graph  # noqa: E402
 from moe_wave.comm import streams as st  # noqa: E402
 
 LAYOUTS = {"v4-flash": (4096, 256, 6), "v4-pro": (7168, 384, 6)}
 CARVEOUT = int(os.environ.get("BENCH_GEMM_CARVEOUT", "16"))   # SMs the GEMM leaves free in the carveout rows
 MB = 1 << 20
+NO_GRAPH = False    # --no-graph
 
 
 REPS = int(os.environ.get("BENCH_REPS", "10"))
@@ -126,18 +128,37 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
         def nccl():
             dist.all_to_all_single(out, x, group=ep.pg)
 
-        def symm():  # one stream: a second one for the local block measured slower here (host work)
+        def symm():  # one stream: eager, a second one for the local block measured slower (host work)
             for p in range(P):
                 peers[p][ep.rank].copy_(xs[p], non_blocking=True)
             hdl.barrier(channel=0)
 
-        for name, fn in (("torch", nccl), ("symm", symm)):
+        loc = torch.cuda.Stream()
+
+        def symm2():  # for the graph: the local block on a second stream, beside the NVLink copies
+            cur = torch.cuda.current_stream()
+            loc.wait_stream(cur)
+            with torch.cuda.stream(loc):
+                peers[ep.rank][ep.rank].copy_(xs[ep.rank], non_blocking=True)
+            for p in range(P):
+                if p != ep.rank:
+                    peers[p][ep.rank].copy_(xs[p], non_blocking=True)
+            cur.wait_stream(loc)
+            hdl.barrier(channel=0)
+
+        cases = [("torch", False, nccl), ("symm", False, symm)]
+        if not NO_GRAPH:   # each replayed from a CUDA graph: no host work, the bandwidth itself
+            cases += [("torch", True, as_graph(lambda i: nccl(), ep.device)[0]),
+                      ("symm", True, as_graph(lambda i: symm2(), ep.device)[0])]
+        for name, graph, fn in cases:
+            fn = (lambda f=fn: f(0)) if graph else fn
             alone = timed(fn, iters)
-            rows.append(dict(backend=name, layout="bytes", tokens_per_rank=0, bytes_per_rank=n * 2,
+            rows.append(dict(backend=name, graph=graph, layout="bytes", tokens_per_rank=0, bytes_per_rank=n * 2,
                              dispatch_us=alone, combine_us=alone, p2p_limit_GBps=p2p, alone_us=alone,
                              beside_gemm_us=timed(beside(fn, gemm), iters), gemm_us=gemm_us,
                              algbw_GBps=n * 2 * (P - 1) / P / alone / 1e3))
-        del buf, hdl, peers
+        del buf, hdl, peers, cases
+        torch.cuda.synchronize()
     return rows
 
 
@@ -189,8 +210,6 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
 
 def graph_case(ep: EPGroup, be, x, layout, iters: int):
     """prepare, dispatch, combine and the round trip each captured in a CUDA graph: (timings, round trip)."""
-    from moe_wave.bench import as_graph
-
     T, D = x.shape
     out = torch.zeros(T, D, device=ep.device)
     prep, xplan = as_graph(lambda i: be.prepare(layout), ep.device)
@@ -241,32 +260,43 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
     return rows
 
 
-TUNE = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (1024, 4), (1024, 2), (512, 2), (256, 1))
+TUNE = ((2048, 4, 0), (4096, 8, 0), (1024, 2, 0), (2048, 4, 264), (2048, 4, 128), (2048, 4, 64), (2048, 4, 32))
 
 
-def tune_rows(ep: EPGroup, iters: int, p2p: float) -> list:
-    """scatter_rows step size and warps (symm kernel mode, V4-Flash, 4096 tokens, CUDA graphs)."""
+def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list:
+    """scatter_rows / gather_add step size, warps and grid cap (symm kernel mode, V4-Flash, 4096 tokens,
+    CUDA graphs); capped grids also beside the GEMM, whole and with CARVEOUT SMs carved out."""
     from moe_wave.comm import symm_kernels as sk
 
     rows, (D, E, K), T = [], LAYOUTS["v4-flash"], 4096
     g = torch.Generator(device=ep.device).manual_seed(200 + ep.rank)
     x, layout, sent, cfg = token_case(ep, g, D, E, K, T)
-    keep = sk.COPY_BLOCK, sk.COPY_WARPS
+    keep = sk.COPY_BLOCK, sk.COPY_WARPS, sk.COPY_GRID
     try:
-        for block, warps in TUNE:
-            sk.COPY_BLOCK, sk.COPY_WARPS = block, warps
-            log(ep, f"tune scatter_rows block {block} warps {warps}")
+        for block, warps, grid in TUNE:
+            sk.COPY_BLOCK, sk.COPY_WARPS, sk.COPY_GRID = block, warps, grid
+            log(ep, f"tune scatter_rows block {block} warps {warps} grid {grid}")
             be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
                               WaveConfig(backend="symm", max_tokens_per_rank=T))
             be.mode = "kernel"
-            t, _ = graph_case(ep, be, x, layout, iters)
-            rows.append(dict(backend="symm-kernel-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
-                             copy_block=block, copy_warps=warps, bytes_per_rank=sent * D * 2, **t,
-                             p2p_limit_GBps=p2p, dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3))
-            del be
+            t, rt = graph_case(ep, be, x, layout, iters)
+            row = dict(backend="symm-kernel-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
+                       copy_block=block, copy_warps=warps, copy_grid=grid, bytes_per_rank=sent * D * 2, **t,
+                       p2p_limit_GBps=p2p, dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3)
+            if grid:
+                row.update(beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us)
+                if CARVEOUT and hasattr(torch._C, "_set_sm_carveout_experimental"):
+                    torch._C._set_sm_carveout_experimental(CARVEOUT)
+                    try:
+                        row.update(carveout_sms=CARVEOUT, gemm_carveout_us=timed(gemm, iters),
+                                   beside_gemm_carveout_us=timed(beside(rt, gemm), iters))
+                    finally:
+                        torch._C._set_sm_carveout_experimental(None)
+            rows.append(row)
+            del be, rt
             save(ep, rows)
     finally:
-        sk.COPY_BLOCK, sk.COPY_WARPS = keep
+        sk.COPY_BLOCK, sk.COPY_WARPS, sk.COPY_GRID = keep
     return rows
 
 
@@ -320,14 +350,18 @@ def table(rows) -> str:
              f"{'beside':>8} {'gemm':>7} {'hidden':>6} {'serial':>8} {'piped':>8}"]
     extra = []
     for r in rows:
-        hid = (1 - (r["beside_gemm_us"] - r["gemm_us"]) / r["alone_us"]) if "alone_us" in r else None
+        hid = (1 - (r["beside_gemm_us"] - r["gemm_us"]) / r["alone_us"]) if "beside_gemm_us" in r else None
+        if "algbw_GBps" in r:
+            extra.append(f"{r['backend']}{'[g]' if r.get('graph') else ''} bytes {r['bytes_per_rank'] / MB:.0f} MB: "
+                         f"{r['algbw_GBps']:.0f} GB/s across, {100 * r['algbw_GBps'] / r['p2p_limit_GBps']:.0f}% of P2P")
         if "beside_gemm_carveout_us" in r:
             hc = 1 - (r["beside_gemm_carveout_us"] - r["gemm_carveout_us"]) / r["alone_us"]
-            extra.append(f"{r['backend']}[g] {r['layout']} T={r['tokens_per_rank']}: GEMM with {r['carveout_sms']} SMs "
+            extra.append(f"{r['backend']}[g]{'/' + str(r['copy_grid']) if r.get('copy_grid') else ''} {r['layout']} "
+                         f"T={r['tokens_per_rank']}: GEMM with {r['carveout_sms']} SMs "
                          f"carved out {r['gemm_carveout_us']:.0f} us, beside {r['beside_gemm_carveout_us']:.0f} us, "
                          f"hidden {hc:.2f}")
         f = lambda k: f"{r[k]:8.1f}" if k in r else f"{'':8}"  # noqa: E731
-        name = r["backend"] + ("[g]" if r.get("graph") else "")
+        name = r["backend"] + ("[g]" if r.get("graph") else "") + (f"/{r['copy_grid']}" if r.get("copy_grid") else "")
         lines.append(f"{name:15} {r['layout']:14} {r['tokens_per_rank']:5d} "
                      f"{r.get('bytes_per_rank', 0) / MB:8.1f} {f('dispatch_us')} {f('combine_us')} {f('alone_us')} "
                      f"{f('beside_gemm_us')} {r.get('gemm_us', 0):7.1f} "
@@ -340,10 +374,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few sizes and iterations (about a minute)")
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "comm.json") if os.environ.get("OUT") else None)
     ap.add_argument("--backends", default="torch,symm,deepep", help="comma list; deepep is skipped when absent")
-    ap.add_argument("--no-graph", action="store_true", help="skip the symm rows replayed from CUDA graphs")
+    ap.add_argument("--no-graph", action="store_true", help="skip the rows replayed from CUDA graphs")
     ap.add_argument("--tune", action="store_true", help="also sweep scatter_rows' step size and warps")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (default 20, quick 8)")
     args = ap.parse_args()
+    global NO_GRAPH
+    NO_GRAPH = args.no_graph
     import faulthandler
 
     faulthandler.dump_traceback_later(int(os.environ.get("BENCH_HANG_S", "600")), exit=True)
@@ -366,7 +402,7 @@ def main() -> None:
     if not args.no_graph and "symm" in backends:
         _SAVE["done"] = rows = rows + graph_rows(ep, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
     if args.tune and "symm" in backends:
-        _SAVE["done"] = rows = rows + tune_rows(ep, iters, p2p)
+        _SAVE["done"] = rows = rows + tune_rows(ep, iters, p2p, gemm, gemm_us)
     rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
     save(ep, [])
     if ep.rank == 0:

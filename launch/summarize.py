@@ -52,10 +52,21 @@ def main(out: str) -> None:
         moe_table(_load(path), path.name)
     comm = _load(out / "comm.json")
     if comm:
-        rows = [r for r in comm["rows"] if r.get("layout") in ("v4-flash",) and r.get("tokens_per_rank") in (128, 4096)
-                or r.get("bytes_per_rank") == 64 * 2**20]
-        table(rows[:12], ["backend", "layout", "tokens_per_rank", "bytes_per_rank", "dispatch_us", "combine_us",
-                          "p2p_limit_GBps", "alone_us", "beside_gemm_us", "gemm_us"], "comm (key rows)")
+        rows = []
+        for r in comm["rows"]:
+            if r["backend"].endswith("-tune") or "alone_us" not in r:
+                continue
+            if (r.get("layout") == "v4-flash" and r.get("tokens_per_rank") in (128, 4096)
+                    or r.get("layout") == "bytes" and r.get("bytes_per_rank") in (16 * 2**20, 64 * 2**20)):
+                r = dict(r, MB=round(r["bytes_per_rank"] / 2**20, 1), graph=bool(r.get("graph")))
+                if "beside_gemm_us" in r:
+                    r["hidden"] = round(1 - (r["beside_gemm_us"] - r["gemm_us"]) / r["alone_us"], 2)
+                if "algbw_GBps" in r:
+                    r["pct_p2p"] = round(100 * r["algbw_GBps"] / r["p2p_limit_GBps"])
+                rows.append(r)
+        table(rows, ["backend", "graph", "layout", "tokens_per_rank", "MB", "prepare_us", "dispatch_us",
+                     "combine_us", "alone_us", "beside_gemm_us", "gemm_us", "hidden", "pct_p2p"],
+              f"comm (key rows; P2P limit {comm['rows'][0].get('p2p_limit_GBps', 0):.0f} GB/s)")
     attn = _load(out / "attn.json")
     if attn:
         table(attn["rows"][:16], ["shape", "layer_type", "mode", "tokens", "cuda_graph", "serial_us",

@@ -184,7 +184,9 @@ def rand(*shape, dt=torch.float32):
     return (torch.randn(*shape, generator=g) * 100).to(dt).to(dev)
 
 
-for dt in (torch.float32, torch.bfloat16, torch.int32):
+import moe_wave.comm.symm_kernels as sk
+for dt, grid in ((torch.float32, 0), (torch.bfloat16, 0), (torch.int32, 0), (torch.bfloat16, 3)):
+    sk.COPY_GRID = grid      # 3: a capped grid, each program walks several rows / tokens
     for D in (1, 37, 2500, 4096):
         for P in (1, 3):
             C, N, S = 6, 8, 9
@@ -208,11 +210,12 @@ for dt in (torch.float32, torch.bfloat16, torch.int32):
                 scatter_rows_torch(src, ref, si, di)
                 scatter_rows_torch(meta, mref, mi, di)
                 for p in range(P):
-                    assert torch.equal(blocks[p], ref[p]), (dt, D, P, layout, p)
+                    assert torch.equal(blocks[p], ref[p]), (dt, D, P, layout, p, grid)
                     assert torch.equal(mblocks[p], mref[p]), (dt, D, P, layout, p, "meta")
                 if spare is not None:   # the spare row after each block is never written
                     assert torch.equal(whole[C::C + 1], spare)
-for dt in (torch.float32, torch.bfloat16):
+for dt, grid in ((torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 2)):
+    sk.COPY_GRID = grid
     for D in (1, 37, 2500):
         out = rand(5, D)
         ref = out.clone()
