@@ -40,7 +40,9 @@ except ImportError:  # pragma: no cover - depends on the install
 COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "2048"))
 COPY_WARPS = int(os.environ.get("MOE_WAVE_COPY_ROWS_WARPS", "0"))     # 0: by block size
 # Programs of scatter_rows and gather_add (0: one per row / token). A cap keeps the comm kernels to a
-# few SMs' worth of programs, so a GEMM beside them keeps the rest (DeepEP's num_sms, in spirit).
+# few SMs' worth of programs, so a GEMM beside them keeps the rest (DeepEP's num_sms, in spirit). On
+# 2 x H200 every cap measured slower, beside a GEMM too (a program copies its rows one after another):
+# benchmarks/2026-11-30-comm-2xh200-onelaunch.json, rows symm-kernel-tune.
 COPY_GRID = int(os.environ.get("MOE_WAVE_COPY_GRID", "0"))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 _UNIT = 16   # block offsets are kept in units of 16 elements where they allow it (16-byte vector stores)
