@@ -19,8 +19,10 @@ is reported as a RuntimeError naming wave, peers, count and capacity (see ``chec
 
 Flow per layer (all on the comm stream, every size static, so it captures in a CUDA graph):
 
-    prepare:  each rank copies its count row into every peer's ``ctrl`` (copy engine), barrier(0)
-              on ``ctrl``, then builds index tables from the counts on the device.
+    prepare:  each rank writes its count row into every peer's ``ctrl`` (one Triton program per
+              peer, ``symm_tables.count_rows``; copy engines without Triton), barrier(0) on ``ctrl``,
+              then builds every index table and the error status from the counts in one launch
+              (``symm_tables.build_tables``).
     dispatch: one Triton launch (``symm_kernels.scatter_rows``) copies the wave's send rows and their
               metadata into every peer's ``recv_x``/``recv_meta`` block, this rank's own block
               included (mode "kernel", the default); mode "copy" packs locally and moves N-row

@@ -226,6 +226,20 @@ def graph_case(ep: EPGroup, be, x, layout, iters: int):
     return dict(prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_comb, alone_us=alone), (lambda: rt(0))
 
 
+def beside_gemm(rt, gemm, gemm_us: float, iters: int) -> dict:
+    """rt beside the GEMM, then beside the GEMM with CARVEOUT SMs left free (as DeepEP reserves SMs for its
+    own kernels), where torch can carve them out."""
+    row = dict(beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us)
+    if CARVEOUT and hasattr(torch._C, "_set_sm_carveout_experimental"):
+        torch._C._set_sm_carveout_experimental(CARVEOUT)
+        try:
+            row.update(carveout_sms=CARVEOUT, gemm_carveout_us=timed(gemm, iters),
+                       beside_gemm_carveout_us=timed(beside(rt, gemm), iters))
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+    return row
+
+
 def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
     """The symm backend as it is meant to run: prepare, dispatch, combine and the round trip each
     captured in a CUDA graph and replayed (no host work at all), in both data modes."""
@@ -241,19 +255,10 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
                 be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
                 be.mode = mode
                 t, rt = graph_case(ep, be, x, layout, iters)
-                row = dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
-                           bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
-                           beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us,
-                           dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3)
-                if CARVEOUT and hasattr(torch._C, "_set_sm_carveout_experimental"):
-                    # the GEMM leaves CARVEOUT SMs to the comm kernels (as DeepEP reserves SMs for its own)
-                    torch._C._set_sm_carveout_experimental(CARVEOUT)
-                    try:
-                        row.update(carveout_sms=CARVEOUT, gemm_carveout_us=timed(gemm, iters),
-                                   beside_gemm_carveout_us=timed(beside(rt, gemm), iters))
-                    finally:
-                        torch._C._set_sm_carveout_experimental(None)
-                rows.append(row)
+                rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
+                                 bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
+                                 dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3,
+                                 **beside_gemm(rt, gemm, gemm_us, iters)))
                 del be, rt
                 torch.cuda.synchronize()
                 save(ep, rows)
@@ -284,14 +289,7 @@ def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list
                        copy_block=block, copy_warps=warps, copy_grid=grid, bytes_per_rank=sent * D * 2, **t,
                        p2p_limit_GBps=p2p, dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3)
             if grid:
-                row.update(beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us)
-                if CARVEOUT and hasattr(torch._C, "_set_sm_carveout_experimental"):
-                    torch._C._set_sm_carveout_experimental(CARVEOUT)
-                    try:
-                        row.update(carveout_sms=CARVEOUT, gemm_carveout_us=timed(gemm, iters),
-                                   beside_gemm_carveout_us=timed(beside(rt, gemm), iters))
-                    finally:
-                        torch._C._set_sm_carveout_experimental(None)
+                row.update(beside_gemm(rt, gemm, gemm_us, iters))
             rows.append(row)
             del be, rt
             save(ep, rows)
