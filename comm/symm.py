@@ -29,8 +29,9 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
               blocks with ``copy_`` (cudaMemcpyAsync, copy engines, no SMs), the local block on a
               second stream. Then barrier(channel=w) on the data allocation.
     combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
-              launch; copy: the whole C-row block per peer), barrier(channel=W+w); the source sums
-              them into out_TD in fp32 (``gather_add``: per token, peers in order).
+              launch, this rank's own block left in y; copy: the whole C-row block per peer),
+              barrier(channel=W+w); the source sums them into out_TD in fp32 (``gather_add``: per
+              token, peers in order, its own block read from y in kernel mode).
 
 Ordering: peers write into a block only after a barrier that every rank reaches after it has
 finished reading that block (prepare and each wave's barrier are issued after the comm stream waits
@@ -408,12 +409,16 @@ class SymmBackend:
                              f"{bufs.comb.dtype} (one row per received row)")
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
         works = ()
+        gather = self._kernels and out_TD.dtype == torch.float32
+        local_from_y = self.symm and self.mode == "kernel" and gather
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(y_RD, self.comm_stream)
             y_RD = y_RD.contiguous()
             if self.symm and self.mode == "kernel":   # valid rows only, every source's block in one launch
-                scatter_rows(y_RD, bufs.targets[wave][2], plan.src_PC, plan.recv_dst_WPC[wave])
+                # this rank's own results stay in y: gather_add reads them there (no local copy)
+                scatter_rows(y_RD, bufs.targets[wave][2], plan.src_PC, plan.recv_dst_WPC[wave],
+                             skip=me if local_from_y else None)
                 bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
             elif self.symm:
                 loc = self._local_fork(y_RD)
@@ -435,10 +440,15 @@ class SymmBackend:
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             N = plan.tok_WPN.shape[2]
-            if self._kernels and out_TD.dtype == torch.float32:
+            if gather:
                 # one program per token sums its rows from every peer block in peer order (fp32, no
-                # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)]
-                gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave])
+                # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)]; this rank's own
+                # block straight from y (same row index) in kernel mode
+                if local_from_y:
+                    st.keep_alive(y_RD, now)
+                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], y_RD, me)
+                else:
+                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave])
                 return
             back_PND = bufs.comb[wave][:, :N].float()
             back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], back_PND, 0.0)

@@ -35,14 +35,16 @@ try:  # Triton is optional: the symm backend falls back to copy engines without 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# Elements a scatter_rows program moves per step, and its warps. Environment MOE_WAVE_COPY_ROWS_BLOCK /
-# MOE_WAVE_COPY_ROWS_WARPS override (the benchmark sweeps them: launch/bench_comm.py --tune).
+# Elements a scatter_rows program moves per step (a row's chunk), its warps, and the rows (tokens, for
+# gather_add) a program keeps in flight: it loads a tile of ROWS x BLOCK elements before storing it.
+# Environment MOE_WAVE_COPY_ROWS_BLOCK / MOE_WAVE_COPY_ROWS_WARPS / MOE_WAVE_COPY_ROWS override (the
+# benchmark sweeps them: launch/bench_comm.py --tune).
 COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "2048"))
-COPY_WARPS = int(os.environ.get("MOE_WAVE_COPY_ROWS_WARPS", "0"))     # 0: by block size
-# Programs of scatter_rows and gather_add (0: one per row / token). A cap keeps the comm kernels to a
-# few SMs' worth of programs, so a GEMM beside them keeps the rest (DeepEP's num_sms, in spirit). On
-# 2 x H200 every cap measured slower, beside a GEMM too (a program copies its rows one after another):
-# benchmarks/2026-11-30-comm-2xh200-onelaunch.json, rows symm-kernel-tune.
+COPY_WARPS = int(os.environ.get("MOE_WAVE_COPY_ROWS_WARPS", "0"))     # 0: by tile size
+COPY_ROWS = int(os.environ.get("MOE_WAVE_COPY_ROWS", "1"))
+# Programs of scatter_rows and gather_add (0: one per tile). A cap keeps the comm kernels to a few SMs'
+# worth of programs, so that a GEMM beside them keeps the rest (DeepEP's num_sms, in spirit); give such
+# a program more rows in flight (COPY_ROWS) and warps. Environment MOE_WAVE_COPY_GRID.
 COPY_GRID = int(os.environ.get("MOE_WAVE_COPY_GRID", "0"))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 _UNIT = 16   # block offsets are kept in units of 16 elements where they allow it (16-byte vector stores)
@@ -110,46 +112,58 @@ if triton is not None:
 
     @triton.jit
     def _scatter_rows_kernel(src_ptr, dst_ptr, offs_ptr, src_idx_ptr, dst_idx_ptr, D, src_stride, dst_stride,
-                             src2_ptr, dst2_ptr, offs2_ptr, src2_idx_ptr, D2, src2_stride, dst2_stride, P, N,
+                             src2_ptr, dst2_ptr, offs2_ptr, src2_idx_ptr, D2, src2_stride, dst2_stride, Q, N, SKIP,
                              UNIT: tl.constexpr, UNIT2: tl.constexpr, HAS2: tl.constexpr, BLOCK_D: tl.constexpr,
-                             NUM_BLOCKS: tl.constexpr, BLOCK_D2: tl.constexpr):
-        # programs alternate blocks (row j serves block j % P: local and peer writes side by side); with
-        # a capped grid (COPY_GRID) each program walks rows j, j + G, j + 2G, ...
-        for j in range(tl.program_id(0), P * N, tl.num_programs(0)):
-            p = j % P
-            k = tl.cast(p, tl.int64) * N + j // P
-            d = tl.load(dst_idx_ptr + k)
-            if d >= 0:
-                d = d.to(tl.int64)
-                s = tl.load(src_idx_ptr + k).to(tl.int64)
-                dst = dst_ptr + tl.load(offs_ptr + p) * UNIT + d * dst_stride   # UNIT 16: aligned vector stores
-                for c in tl.static_range(NUM_BLOCKS):
-                    offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-                    m = offs < D
-                    tl.store(dst + offs, tl.load(src_ptr + s * src_stride + offs, mask=m), mask=m)
-                if HAS2:
-                    s2 = tl.load(src2_idx_ptr + k).to(tl.int64)
-                    dst2 = dst2_ptr + tl.load(offs2_ptr + p) * UNIT2 + d * dst2_stride
-                    offs2 = tl.arange(0, BLOCK_D2)
-                    m2 = offs2 < D2
-                    tl.store(dst2 + offs2, tl.load(src2_ptr + s2 * src2_stride + offs2, mask=m2), mask=m2)
+                             NUM_BLOCKS: tl.constexpr, BLOCK_D2: tl.constexpr, ROWS: tl.constexpr):
+        # Rows j = 0 .. Q*N-1 (Q = P, or P - 1 when block SKIP < P is left out) in tiles of ROWS; row j
+        # serves block j % Q (past SKIP), so a tile mixes the local block's copy with the NVLink writes. A
+        # tile's loads are all issued before its stores: ROWS rows in flight per program. With a capped
+        # grid (COPY_GRID) each program walks tiles t, t + G, t + 2G, ...
+        for t in range(tl.program_id(0), tl.cdiv(Q * N, ROWS), tl.num_programs(0)):
+            j = t * ROWS + tl.arange(0, ROWS)
+            q = j % Q
+            p = tl.where(q >= SKIP, q + 1, q)
+            k = p.to(tl.int64) * N + j // Q
+            d = tl.load(dst_idx_ptr + k, mask=j < Q * N, other=-1)
+            ok = d >= 0
+            s = tl.load(src_idx_ptr + k, mask=ok, other=0).to(tl.int64)
+            # UNIT 16: the block offsets are multiples of 16 elements, so the stores are aligned vectors
+            dst = tl.load(offs_ptr + p, mask=ok, other=0) * UNIT + d.to(tl.int64) * dst_stride
+            for c in tl.static_range(NUM_BLOCKS):
+                offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
+                m = ok[:, None] & (offs < D)[None, :]
+                v = tl.load(src_ptr + s[:, None] * src_stride + offs[None, :], mask=m)
+                tl.store(dst_ptr + dst[:, None] + offs[None, :], v, mask=m)
+            if HAS2:
+                s2 = tl.load(src2_idx_ptr + k, mask=ok, other=0).to(tl.int64)
+                dst2 = tl.load(offs2_ptr + p, mask=ok, other=0) * UNIT2 + d.to(tl.int64) * dst2_stride
+                offs2 = tl.arange(0, BLOCK_D2)
+                m2 = ok[:, None] & (offs2 < D2)[None, :]
+                v2 = tl.load(src2_ptr + s2[:, None] * src2_stride + offs2[None, :], mask=m2)
+                tl.store(dst2_ptr + dst2[:, None] + offs2[None, :], v2, mask=m2)
 
 
     @triton.jit
-    def _gather_add_kernel(out_ptr, src_ptr, slot_ptr, D, T, P, out_stride, src_stride,
-                           BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-        for t in range(tl.program_id(0), T, tl.num_programs(0)):   # one token a step (capped grid: several)
-            row = tl.cast(t, tl.int64)
+    def _gather_add_kernel(out_ptr, src_ptr, loc_ptr, slot_ptr, D, T, P, LOCAL, out_stride, src_stride, loc_stride,
+                           BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr, ROWS: tl.constexpr):
+        # ROWS tokens a tile (capped grid: several tiles a program); block LOCAL (< P) is read from loc
+        for t in range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0)):
+            row = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
+            rm = row < T
             for c in tl.static_range(NUM_BLOCKS):
                 offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-                m = offs < D
-                acc = tl.load(out_ptr + row * out_stride + offs, mask=m)
+                m = rm[:, None] & (offs < D)[None, :]
+                acc = tl.load(out_ptr + row[:, None] * out_stride + offs[None, :], mask=m)
                 for p in range(P):
-                    r = tl.load(slot_ptr + row * P + p)
-                    width = tl.where(r >= 0, D, 0)
-                    acc += tl.load(src_ptr + tl.maximum(r, 0) * src_stride + offs, mask=offs < width,
-                                   other=0.0).to(tl.float32)
-                tl.store(out_ptr + row * out_stride + offs, acc, mask=m)
+                    r = tl.load(slot_ptr + row * P + p, mask=rm, other=-1).to(tl.int64)
+                    mr = m & (r >= 0)[:, None]
+                    rr = tl.maximum(r, 0)[:, None]
+                    if p == LOCAL:
+                        v = tl.load(loc_ptr + rr * loc_stride + offs[None, :], mask=mr, other=0.0)
+                    else:
+                        v = tl.load(src_ptr + rr * src_stride + offs[None, :], mask=mr, other=0.0)
+                    acc += v.to(tl.float32)
+                tl.store(out_ptr + row[:, None] * out_stride + offs[None, :], acc, mask=m)
 
 
 def _check(src: torch.Tensor, tg: RowTargets, src_idx: torch.Tensor, dst_idx: torch.Tensor, what: str) -> None:
@@ -168,12 +182,19 @@ def _check(src: torch.Tensor, tg: RowTargets, src_idx: torch.Tensor, dst_idx: to
         raise ValueError(f"scatter_rows: {what}, its indices and the target blocks must be on one device")
 
 
+def _launch(tiles: int, rows: int, block: int):
+    """(grid, warps) for ``tiles`` tiles of ``rows`` x ``block`` elements."""
+    warps = COPY_WARPS or max(1, min(16, rows * block // 512))
+    return (min(tiles, COPY_GRID) if COPY_GRID > 0 else tiles,), warps
+
+
 def scatter_rows(src_ND: torch.Tensor, targets: RowTargets, src_idx_PN: torch.Tensor, dst_idx_PN: torch.Tensor,
                  src2_ND: torch.Tensor | None = None, targets2: RowTargets | None = None,
-                 src2_idx_PN: torch.Tensor | None = None) -> None:
+                 src2_idx_PN: torch.Tensor | None = None, skip: int | None = None) -> None:
     """``block_p[dst_idx_PN[p, i]] = src_ND[src_idx_PN[p, i]]`` where ``dst_idx_PN[p, i] >= 0``, every
-    block p of ``targets`` in one launch (Triton, one program a row). With ``src2_ND``, each such row also
-    copies ``src2_ND[src2_idx_PN[p, i]]`` to row ``dst_idx_PN[p, i]`` of block p of ``targets2``.
+    block p of ``targets`` but ``skip`` in one launch (Triton, COPY_ROWS rows a program). With ``src2_ND``,
+    each such row also copies ``src2_ND[src2_idx_PN[p, i]]`` to row ``dst_idx_PN[p, i]`` of block p of
+    ``targets2``.
 
     ``dst_idx_PN`` values must be < ``targets.rows`` (the caller's tables guarantee it; -1 skips a row:
     no read, no write).
@@ -185,52 +206,70 @@ def scatter_rows(src_ND: torch.Tensor, targets: RowTargets, src_idx_PN: torch.Te
             raise ValueError("scatter_rows: src2 needs targets2 with the same block count and src2_idx")
         _check(src2_ND, targets2, src2_idx_PN, dst_idx_PN, "src2")
     P, N = dst_idx_PN.shape
+    if skip is not None and not 0 <= skip < P:
+        raise ValueError(f"scatter_rows: skip={skip} must name one of the {P} blocks (or be None)")
+    Q, skip = (P, P) if skip is None else (P - 1, skip)     # skip == P: no block is left out
     D = src_ND.shape[1]
-    if N == 0 or D == 0:
+    if N == 0 or D == 0 or Q == 0:
         return
-    block = min(triton.next_power_of_2(D), COPY_BLOCK)
-    warps = COPY_WARPS or (8 if block >= 4096 else 4 if block >= 1024 else 1)
+    block, rows = min(triton.next_power_of_2(D), COPY_BLOCK), max(1, triton.next_power_of_2(COPY_ROWS))
+    grid, warps = _launch(triton.cdiv(Q * N, rows), rows, block)
     s2, t2, i2 = (src2_ND, targets2, src2_idx_PN) if has2 else (src_ND, targets, src_idx_PN)
-    _scatter_rows_kernel[(min(P * N, COPY_GRID) if COPY_GRID > 0 else P * N,)](
+    _scatter_rows_kernel[grid](
         src_ND, targets.base, targets.offs_P, src_idx_PN.contiguous(), dst_idx_PN.contiguous(), D,
         src_ND.stride(0), targets.stride,
-        s2, t2.base, t2.offs_P, i2.contiguous(), s2.shape[1], s2.stride(0), t2.stride, P, N,
+        s2, t2.base, t2.offs_P, i2.contiguous(), s2.shape[1], s2.stride(0), t2.stride, Q, N, skip,
         UNIT=targets.unit, UNIT2=t2.unit, HAS2=has2, BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),
-        BLOCK_D2=triton.next_power_of_2(max(s2.shape[1], 1)), num_warps=warps)
+        BLOCK_D2=triton.next_power_of_2(max(s2.shape[1], 1)), ROWS=rows, num_warps=warps)
 
 
-def scatter_rows_torch(src_ND: torch.Tensor, blocks, src_idx_PN: torch.Tensor, dst_idx_PN: torch.Tensor) -> None:
+def scatter_rows_torch(src_ND: torch.Tensor, blocks, src_idx_PN: torch.Tensor, dst_idx_PN: torch.Tensor,
+                       skip: int | None = None) -> None:
     """The reference of ``scatter_rows`` in torch, on a list of P [C, D] blocks (tests and CPU).
 
     HOST SYNC: boolean indexing sizes the valid rows on the host; this path is for tests only.
     """
     for p, blk in enumerate(blocks):
+        if p == skip:
+            continue
         ok = dst_idx_PN[p] >= 0
         blk[dst_idx_PN[p][ok]] = src_ND[src_idx_PN[p][ok]]
 
 
-def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor) -> None:
+def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
+               local_RD: torch.Tensor | None = None, local: int | None = None) -> None:
     """``out_TD[t] += sum_p src_RD[slot_TP[t, p]]`` over the slots >= 0, in p order, in fp32 (Triton,
-    one program a token: one read-modify-write of each output row, no atomics)."""
+    COPY_ROWS tokens a program: one read-modify-write of each output row, no atomics). With ``local``,
+    block ``local``'s rows are read from ``local_RD`` at the same row index instead (the combine reads
+    this rank's own results where the experts left them, with no copy)."""
     if out_TD.dtype != torch.float32 or out_TD.dim() != 2 or src_RD.dim() != 2 or out_TD.shape[1] != src_RD.shape[1]:
         raise ValueError(f"gather_add: out {tuple(out_TD.shape)} {out_TD.dtype} must be 2-D fp32 with the width of "
                          f"src {tuple(src_RD.shape)}")
     if slot_TP.dim() != 2 or slot_TP.shape[0] != out_TD.shape[0]:
         raise ValueError(f"gather_add: slot {tuple(slot_TP.shape)} must be [T={out_TD.shape[0]}, P]")
-    if out_TD.stride(1) != 1 or src_RD.stride(1) != 1:
-        raise ValueError("gather_add: rows of out and src must be contiguous (stride(1) == 1)")
+    loc = src_RD if local is None else local_RD
+    if local is not None and (loc is None or loc.shape != src_RD.shape or loc.dtype != src_RD.dtype
+                              or not 0 <= local < slot_TP.shape[1]):
+        raise ValueError(f"gather_add: local={local} needs local_RD shaped like src {tuple(src_RD.shape)} "
+                         f"{src_RD.dtype} and 0 <= local < P={slot_TP.shape[1]}")
+    if out_TD.stride(1) != 1 or src_RD.stride(1) != 1 or loc.stride(1) != 1:
+        raise ValueError("gather_add: rows of out, src and local must be contiguous (stride(1) == 1)")
     T, D = out_TD.shape
     if T == 0 or D == 0:
         return
     slot = slot_TP.contiguous()
-    block = min(triton.next_power_of_2(D), 2048)
-    _gather_add_kernel[(min(T, COPY_GRID) if COPY_GRID > 0 else T,)](
-                             out_TD, src_RD, slot, D, T, slot.shape[1], out_TD.stride(0), src_RD.stride(0),
-                             BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), num_warps=4 if block >= 1024 else 1)
+    P = slot.shape[1]
+    block, rows = min(triton.next_power_of_2(D), 2048), max(1, triton.next_power_of_2(COPY_ROWS))
+    grid, warps = _launch(triton.cdiv(T, rows), rows, block)
+    _gather_add_kernel[grid](out_TD, src_RD, loc, slot, D, T, P, P if local is None else local, out_TD.stride(0),
+                             src_RD.stride(0), loc.stride(0), BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),
+                             ROWS=rows, num_warps=warps)
 
 
-def gather_add_torch(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor) -> None:
+def gather_add_torch(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
+                     local_RD: torch.Tensor | None = None, local: int | None = None) -> None:
     """The reference of ``gather_add`` in torch."""
     for p in range(slot_TP.shape[1]):
         r = slot_TP[:, p]
-        out_TD += torch.where((r >= 0)[:, None], src_RD[r.clamp(min=0)].float(), 0.0)
+        src = local_RD if p == local else src_RD
+        out_TD += torch.where((r >= 0)[:, None], src[r.clamp(min=0)].float(), 0.0)

@@ -67,6 +67,12 @@ def main(out: str) -> None:
         table(rows, ["backend", "graph", "layout", "tokens_per_rank", "MB", "prepare_us", "dispatch_us",
                      "combine_us", "alone_us", "beside_gemm_us", "gemm_us", "hidden", "pct_p2p"],
               f"comm (key rows; P2P limit {comm['rows'][0].get('p2p_limit_GBps', 0):.0f} GB/s)")
+        tune = [dict(r, hidden=round(1 - (r.get("beside_gemm_carveout_us", r.get("beside_gemm_us", 0))
+                                          - r.get("gemm_us", 0)) / r["alone_us"], 2) if "gemm_us" in r else "")
+                for r in comm["rows"] if r["backend"].endswith("-tune")]
+        table(tune, ["copy_block", "copy_warps", "copy_rows", "copy_grid", "carveout_sms", "dispatch_us",
+                     "combine_us", "alone_us", "gemm_carveout_us", "beside_gemm_carveout_us", "hidden",
+                     "hidden_vs_best"], "symm kernel tune (V4-Flash 4096, graphs; hidden against the whole GEMM)")
     attn = _load(out / "attn.json")
     if attn:
         table(attn["rows"][:16], ["shape", "layer_type", "mode", "tokens", "cuda_graph", "serial_us",

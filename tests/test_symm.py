@@ -185,10 +185,12 @@ def rand(*shape, dt=torch.float32):
 
 
 import moe_wave.comm.symm_kernels as sk
-for dt, grid in ((torch.float32, 0), (torch.bfloat16, 0), (torch.int32, 0), (torch.bfloat16, 3)):
-    sk.COPY_GRID = grid      # 3: a capped grid, each program walks several rows / tokens
+# grid 3: a capped grid, each program walks several tiles; rows: a tile's rows (3 rounds up to 4)
+for dt, grid, rows in ((torch.float32, 0, 1), (torch.bfloat16, 0, 1), (torch.int32, 0, 4), (torch.bfloat16, 3, 1),
+                       (torch.bfloat16, 2, 3)):
+    sk.COPY_GRID, sk.COPY_ROWS = grid, rows
     for D in (1, 37, 2500, 4096):
-        for P in (1, 3):
+        for P, skip in ((1, None), (3, None), (3, 1), (3, 2)):
             C, N, S = 6, 8, 9
             src, meta = rand(S, D, dt=dt), rand(S + 2, 5, dt=torch.int32)
             for layout in ("separate", "views"):
@@ -206,24 +208,30 @@ for dt, grid in ((torch.float32, 0), (torch.bfloat16, 0), (torch.int32, 0), (tor
                 di = torch.stack([torch.tensor([0, 5, -1, 2, -1, 1, 3, -1]).roll(p) for p in range(P)]).to(dev)
                 ref, mref = [b.clone() for b in blocks], [b.clone() for b in mblocks]
                 spare = whole[C::C + 1].clone() if layout == "views" else None
-                scatter_rows(src, tg, si, di, meta, tm, mi)
-                scatter_rows_torch(src, ref, si, di)
-                scatter_rows_torch(meta, mref, mi, di)
+                scatter_rows(src, tg, si, di, meta, tm, mi, skip=skip)
+                scatter_rows_torch(src, ref, si, di, skip=skip)
+                scatter_rows_torch(meta, mref, mi, di, skip=skip)
                 for p in range(P):
-                    assert torch.equal(blocks[p], ref[p]), (dt, D, P, layout, p, grid)
+                    assert torch.equal(blocks[p], ref[p]), (dt, D, P, layout, p, grid, rows, skip)
                     assert torch.equal(mblocks[p], mref[p]), (dt, D, P, layout, p, "meta")
                 if spare is not None:   # the spare row after each block is never written
                     assert torch.equal(whole[C::C + 1], spare)
-for dt, grid in ((torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 2)):
-    sk.COPY_GRID = grid
+for dt, grid, rows in ((torch.float32, 0, 1), (torch.bfloat16, 0, 1), (torch.bfloat16, 2, 1), (torch.bfloat16, 0, 4),
+                       (torch.float32, 1, 2)):
+    sk.COPY_GRID, sk.COPY_ROWS = grid, rows
     for D in (1, 37, 2500):
-        out = rand(5, D)
-        ref = out.clone()
-        src = rand(8, D, dt=dt)
-        slot = torch.tensor([[0, 7], [-1, 4], [3, -1], [-1, -1], [1, 6]]).to(dev)
-        gather_add(out, src, slot)
-        gather_add_torch(ref, src, slot)
-        assert torch.equal(out, ref), (dt, D)
+        for local in (None, 0, 1):
+            out = rand(5, D)
+            ref, other = out.clone(), out.clone()
+            src, loc = rand(8, D, dt=dt), rand(8, D, dt=dt)
+            slot = torch.tensor([[0, 7], [-1, 4], [3, -1], [-1, -1], [1, 6]]).to(dev)
+            gather_add(out, src, slot, loc if local is not None else None, local)
+            gather_add_torch(ref, src, slot, loc, local)
+            assert torch.equal(out, ref), (dt, D, grid, rows, local)
+            if local is not None:   # block `local` really came from loc: from src, the sums differ
+                gather_add_torch(other, src, slot)
+                assert not torch.equal(out, other), (dt, D, local)
+sk.COPY_GRID, sk.COPY_ROWS = 0, 1
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.symm_tables import build_tables, build_tables_torch, count_rows, count_rows_torch
 for P, W, e, T, K, C in ((1, 1, 4, 9, 2, 16), (3, 2, 4, 20, 3, 7), (2, 4, 8, 33, 4, 5), (4, 1, 2, 0, 2, 3)):
