@@ -26,12 +26,14 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
     dispatch: one Triton launch (``symm_kernels.scatter_rows``) copies the wave's send rows and their
               metadata into every peer's ``recv_x``/``recv_meta`` block, this rank's own block
               included (mode "kernel", the default); mode "copy" packs locally and moves N-row
-              blocks with ``copy_`` (cudaMemcpyAsync, copy engines, no SMs), the local block on a
-              second stream. Then barrier(channel=w) on the data allocation.
+              blocks with ``copy_`` (cudaMemcpyAsync, copy engines, no SMs); with Triton the packing
+              is one ``scatter_rows`` launch (this rank's own rows straight into place), without it
+              index_select with the local block on a second stream. Then barrier(channel=w) on the
+              data allocation.
     combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
-              launch, this rank's own block left in y; copy: the whole C-row block per peer),
-              barrier(channel=W+w); the source sums them into out_TD in fp32 (``gather_add``: per
-              token, peers in order, its own block read from y in kernel mode).
+              launch; copy: the whole C-row block per peer), barrier(channel=W+w); the source sums
+              them into out_TD in fp32 (``gather_add``: per token, peers in order; with Triton this
+              rank's own block is never copied: gather_add reads it from y).
 
 Ordering: peers write into a block only after a barrier that every rank reaches after it has
 finished reading that block (prepare and each wave's barrier are issued after the comm stream waits
@@ -106,6 +108,9 @@ class _Buffers:
     # per wave: RowTargets of (recv_x[w, me], recv_meta[w, me], comb[w, me]) on every rank p (kernel mode)
     targets: list | None = None
     stage: tuple | None = None    # emulated transport (CPU / one rank): (x [W, P, C, D], meta [W, P, C, M])
+    # copy mode with Triton: a local [P, C, D] / [P, C, M] staging for the peers' rows, and per wave the
+    # RowTargets (x, meta) of [stage[p] for every peer p, recv_x[w, me] / recv_meta[w, me] for this rank]
+    pack: list | None = None
 
 
 class SymmBackend:
@@ -375,12 +380,39 @@ class SymmBackend:
                 st.keep_alive(t, loc)
         return loc
 
+    def _pack_targets(self, bufs: _Buffers, wave: int):
+        """Copy mode with Triton: (x, meta) RowTargets that pack every peer's rows into the local staging
+        and this rank's own rows straight into its ``recv_x`` / ``recv_meta`` block (built on first use,
+        which must come before any capture: it copies the pointer table from the host)."""
+        if bufs.pack is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("symm copy mode: run one dispatch eagerly before capturing a CUDA graph "
+                                   "(its staging buffers and pointer tables are built on first use)")
+            W, P, C, D = bufs.recv_x.shape
+            me = self.ep.rank
+            sx = torch.empty((P, C, D), dtype=bufs.recv_x.dtype, device=bufs.recv_x.device)
+            sm = torch.empty((P, C, bufs.recv_meta.shape[3]), dtype=torch.int32, device=bufs.recv_x.device)
+            bufs.pack = [(sx, sm) + tuple(RowTargets.of(own[w, me] if p == me else stage[p] for p in range(P))
+                                          for own, stage in ((bufs.recv_x, sx), (bufs.recv_meta, sm)))
+                         for w in range(W)]
+        return bufs.pack[wave]
+
     def _push_peers(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int) -> None:
         if self.mode == "kernel":
             self._scatter(x_TD, plan, bufs, wave)
             return
         me, N = self.ep.rank, plan.tok_WPN.shape[2]
         if not N:
+            return
+        if self._kernels:
+            # one Triton launch packs every peer's valid rows (and metadata) into the local staging and this
+            # rank's own rows into place; then one cudaMemcpyAsync per peer block (copy engines, no SMs)
+            sx, sm, tx, tm = self._pack_targets(bufs, wave)
+            scatter_rows(x_TD, tx, plan.tok_WPN[wave], plan.send_dst_WPN[wave], plan.meta_SM, tm, plan.row_WPN[wave])
+            for p in self._other_ranks:
+                prx, prm, _ = bufs.peers[p]
+                prx[wave, me, :N].copy_(sx[p, :N], non_blocking=True)
+                prm[wave, me, :N].copy_(sm[p, :N], non_blocking=True)
             return
         # Copy engines: gather the peers' rows (one index_select), one cudaMemcpyAsync per peer block;
         # the local block is gathered straight into place on the local stream.
@@ -410,7 +442,7 @@ class SymmBackend:
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
         works = ()
         gather = self._kernels and out_TD.dtype == torch.float32
-        local_from_y = self.symm and self.mode == "kernel" and gather
+        local_from_y = self.symm and gather
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(y_RD, self.comm_stream)
@@ -421,8 +453,10 @@ class SymmBackend:
                              skip=me if local_from_y else None)
                 bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
             elif self.symm:
-                loc = self._local_fork(y_RD)
+                loc = None if gather else self._local_fork(y_RD)
                 for s, (_, _, cb) in enumerate(bufs.peers):
+                    if s == me and gather:      # gather_add reads this rank's own block from y
+                        continue
                     with st.on(loc if s == me else self.comm_stream):
                         cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
                 if loc is not None:
@@ -443,7 +477,7 @@ class SymmBackend:
             if gather:
                 # one program per token sums its rows from every peer block in peer order (fp32, no
                 # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)]; this rank's own
-                # block straight from y (same row index) in kernel mode
+                # block straight from y (same row index) on the GPU
                 if local_from_y:
                     st.keep_alive(y_RD, now)
                     gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], y_RD, me)

@@ -259,7 +259,7 @@ def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor
         return
     slot = slot_TP.contiguous()
     P = slot.shape[1]
-    block, rows = min(triton.next_power_of_2(D), 2048), max(1, triton.next_power_of_2(COPY_ROWS))
+    block, rows = min(triton.next_power_of_2(D), COPY_BLOCK), max(1, triton.next_power_of_2(COPY_ROWS))
     grid, warps = _launch(triton.cdiv(T, rows), rows, block)
     _gather_add_kernel[grid](out_TD, src_RD, loc, slot, D, T, P, P if local is None else local, out_TD.stride(0),
                              src_RD.stride(0), loc.stride(0), BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),

@@ -149,6 +149,19 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
             cur.wait_stream(loc)
             hdl.barrier(channel=0)
 
+        def nolocal():     # symm2 without this rank's own block: is the local copy on the critical path?
+            copies()
+            hdl.barrier(channel=0)
+
+        def smlocal():     # the local block by the SMs (an elementwise kernel) beside the NVLink copies
+            cur = torch.cuda.current_stream()
+            loc.wait_stream(cur)
+            with torch.cuda.stream(loc):
+                torch.mul(xs[ep.rank], 1, out=peers[ep.rank][ep.rank])
+            copies()
+            cur.wait_stream(loc)
+            hdl.barrier(channel=0)
+
         def copies():      # where the fixed cost goes: the copies alone (no barrier), the barrier alone,
             for p in range(P):     # and one plain copy of the bytes that cross into the next rank
                 if p != ep.rank:
@@ -173,7 +186,8 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
             for name, f in (("p2p-copy", lambda i: nxt.copy_(src_n, non_blocking=True)),
                             ("p2p-copy2", lambda i: copy2()),
                             ("symm-copies", lambda i: copies()),
-                            ("symm-barrier", lambda i: hdl.barrier(channel=0))):
+                            ("symm-barrier", lambda i: hdl.barrier(channel=0)),
+                            ("symm-nolocal", lambda i: nolocal()), ("symm-smlocal", lambda i: smlocal())):
                 t = timed(lambda g=as_graph(f, ep.device)[0]: g(0), iters)
                 rows.append(dict(backend=name, graph=True, layout="bytes", diag=True, tokens_per_rank=0,
                                  bytes_per_rank=n * 2, alone_us=t, p2p_limit_GBps=p2p))
@@ -297,15 +311,19 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
     return rows
 
 
-# (step elements, warps, rows in flight per program, grid cap, SMs carved out of the GEMM beside it)
-TUNE = ((2048, 4, 1, 0, 0), (2048, 8, 4, 0, 0), (4096, 8, 2, 0, 0),
-        (4096, 16, 8, 16, 16), (4096, 16, 8, 32, 16), (4096, 16, 8, 24, 24), (4096, 16, 8, 48, 24),
-        (4096, 32, 16, 32, 32), (4096, 16, 8, 64, 32))
+# (data mode, step elements, warps, rows in flight per program, grid cap, SMs carved out of the GEMM
+# beside it); grid 0 is the full grid (one program a tile)
+TUNE = (("kernel", 2048, 4, 1, 0, 0), ("kernel", 4096, 8, 1, 0, 0), ("kernel", 4096, 16, 1, 0, 0),
+        ("kernel", 2048, 8, 4, 0, 0), ("kernel", 2048, 4, 1, 0, 32), ("kernel", 4096, 16, 16, 32, 32),
+        ("kernel", 4096, 16, 8, 64, 32), ("kernel", 4096, 8, 4, 128, 32), ("kernel", 4096, 16, 8, 96, 48),
+        ("kernel", 4096, 8, 4, 192, 48), ("kernel", 4096, 16, 8, 48, 24),
+        ("copy", 2048, 4, 1, 0, 8), ("copy", 2048, 4, 1, 0, 16), ("copy", 2048, 4, 1, 0, 32),
+        ("copy", 4096, 16, 8, 32, 16))
 
 
 def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list:
-    """scatter_rows / gather_add step, warps, rows in flight and grid cap (symm kernel mode, V4-Flash, 4096
-    tokens, CUDA graphs); capped grids beside the GEMM with as many SMs carved out. ``hidden_vs_best``
+    """scatter_rows / gather_add step, warps, rows in flight and grid cap (symm, V4-Flash, 4096 tokens,
+    CUDA graphs, both data modes); beside the GEMM with the given SMs carved out. ``hidden_vs_best``
     counts the exposed time against the fastest round trip alone (the first row), so a slower capped
     copy that hides well is not flattered."""
     from moe_wave.comm import symm_kernels as sk
@@ -316,19 +334,19 @@ def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list
     keep = sk.COPY_BLOCK, sk.COPY_WARPS, sk.COPY_ROWS, sk.COPY_GRID
     best = None
     try:
-        for block, warps, nrows, grid, carve in TUNE:
+        for mode, block, warps, nrows, grid, carve in TUNE:
             sk.COPY_BLOCK, sk.COPY_WARPS, sk.COPY_ROWS, sk.COPY_GRID = block, warps, nrows, grid
-            log(ep, f"tune scatter_rows block {block} warps {warps} rows {nrows} grid {grid} carve {carve}")
+            log(ep, f"tune {mode} block {block} warps {warps} rows {nrows} grid {grid} carve {carve}")
             be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
                               WaveConfig(backend="symm", max_tokens_per_rank=T))
-            be.mode = "kernel"
+            be.mode = mode
             t, rt = graph_case(ep, be, x, layout, iters)
             best = min(best or t["alone_us"], t["alone_us"])
-            row = dict(backend="symm-kernel-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
+            row = dict(backend=f"symm-{mode}-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
                        copy_block=block, copy_warps=warps, copy_rows=nrows, copy_grid=grid,
                        bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
                        dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3)
-            if grid:
+            if carve:
                 row.update(beside_gemm(rt, gemm, gemm_us, iters, carveout=carve))
                 row["hidden_vs_best"] = 1 - (row.get("beside_gemm_carveout_us", row["beside_gemm_us"]) - gemm_us) / best
             rows.append(row)

@@ -70,9 +70,9 @@ def main(out: str) -> None:
         tune = [dict(r, hidden=round(1 - (r.get("beside_gemm_carveout_us", r.get("beside_gemm_us", 0))
                                           - r.get("gemm_us", 0)) / r["alone_us"], 2) if "gemm_us" in r else "")
                 for r in comm["rows"] if r["backend"].endswith("-tune")]
-        table(tune, ["copy_block", "copy_warps", "copy_rows", "copy_grid", "carveout_sms", "dispatch_us",
+        table(tune, ["backend", "copy_block", "copy_warps", "copy_rows", "copy_grid", "carveout_sms", "dispatch_us",
                      "combine_us", "alone_us", "gemm_carveout_us", "beside_gemm_carveout_us", "hidden",
-                     "hidden_vs_best"], "symm kernel tune (V4-Flash 4096, graphs; hidden against the whole GEMM)")
+                     "hidden_vs_best"], "symm tune (V4-Flash 4096, graphs; hidden against the whole GEMM)")
     attn = _load(out / "attn.json")
     if attn:
         table(attn["rows"][:16], ["shape", "layer_type", "mode", "tokens", "cuda_graph", "serial_us",
