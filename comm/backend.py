@@ -12,6 +12,10 @@ then moves rows wave by wave:
     pc = backend.combine(y_RD, got.handle, out_TD)       # -> Pending[None]
     pc.wait()                                            # out_TD (fp32) += the wave's results
 
+``combine(..., accumulate=False)`` ignores what ``out_TD`` held and writes every row (zero where the
+wave brought nothing back): the first wave's combine into a fresh ``torch.empty`` output, with no
+zero fill and no read of it.
+
 ``start`` work is queued on the backend's comm stream (GPU) or handed to the process group's
 worker threads (gloo); ``wait`` makes the *current* stream (or the host, on CPU) wait. Compute
 never communicates: everything between ``wait`` and the next ``start`` is local.
@@ -124,4 +128,5 @@ class CommBackend(Protocol):
 
     def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int) -> Pending[Received]: ...
 
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor) -> Pending[None]: ...
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
+                accumulate: bool = True) -> Pending[None]: ...

@@ -143,13 +143,17 @@ class DeepEPBackend:
 
         return Pending(finish, f"deepep.dispatch[{wave}]")
 
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor) -> Pending[None]:
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
+                accumulate: bool = True) -> Pending[None]:
         combined_TD, _, event = self.buffer.combine(
             y_RD.to(torch.bfloat16).contiguous(), handle.extra["deep_ep"], previous_event=self.deep_ep.Buffer.capture(),
             async_finish=True, allocate_on_comm_stream=True)
 
         def finish() -> None:
             event.current_stream_wait()
-            out_TD.add_(combined_TD.to(out_TD.dtype))   # in place: out_TD is the caller's
+            if accumulate:
+                out_TD.add_(combined_TD.to(out_TD.dtype))   # in place: out_TD is the caller's
+            else:
+                out_TD.copy_(combined_TD)
 
         return Pending(finish, f"deepep.combine[{handle.wave}]")

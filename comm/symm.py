@@ -432,7 +432,8 @@ class SymmBackend:
             st.wait_stream(self.comm_stream, loc)
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor) -> Pending[None]:
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
+                accumulate: bool = True) -> Pending[None]:
         plan, wave, bufs = handle.plan, handle.wave, handle.extra["bufs"]
         P, me, C, W = self.ep.size, self.ep.rank, plan.capacity, plan.num_waves
         D = y_RD.shape[1]
@@ -480,10 +481,13 @@ class SymmBackend:
                 # block straight from y (same row index) on the GPU
                 if local_from_y:
                     st.keep_alive(y_RD, now)
-                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], y_RD, me)
+                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], y_RD, me,
+                               accumulate=accumulate)
                 else:
-                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave])
+                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], accumulate=accumulate)
                 return
+            if not accumulate:
+                out_TD.zero_()
             back_PND = bufs.comb[wave][:, :N].float()
             back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], back_PND, 0.0)
             out_TD.index_add_(0, plan.tok_WPN[wave].reshape(-1), back_PND.reshape(-1, D).to(out_TD.dtype))

@@ -145,7 +145,7 @@ if triton is not None:
 
     @triton.jit
     def _gather_add_kernel(out_ptr, src_ptr, loc_ptr, slot_ptr, D, T, P, LOCAL, out_stride, src_stride, loc_stride,
-                           BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr, ROWS: tl.constexpr):
+                           BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr):
         # ROWS tokens a tile (capped grid: several tiles a program); block LOCAL (< P) is read from loc
         for t in range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0)):
             row = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -153,7 +153,10 @@ if triton is not None:
             for c in tl.static_range(NUM_BLOCKS):
                 offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
                 m = rm[:, None] & (offs < D)[None, :]
-                acc = tl.load(out_ptr + row[:, None] * out_stride + offs[None, :], mask=m)
+                if ACC:
+                    acc = tl.load(out_ptr + row[:, None] * out_stride + offs[None, :], mask=m)
+                else:   # out's old contents are not read (0 + v is v exactly: the same sums as from zeros)
+                    acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
                 for p in range(P):
                     r = tl.load(slot_ptr + row * P + p, mask=rm, other=-1).to(tl.int64)
                     mr = m & (r >= 0)[:, None]
@@ -237,11 +240,12 @@ def scatter_rows_torch(src_ND: torch.Tensor, blocks, src_idx_PN: torch.Tensor, d
 
 
 def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
-               local_RD: torch.Tensor | None = None, local: int | None = None) -> None:
+               local_RD: torch.Tensor | None = None, local: int | None = None, *, accumulate: bool = True) -> None:
     """``out_TD[t] += sum_p src_RD[slot_TP[t, p]]`` over the slots >= 0, in p order, in fp32 (Triton,
     COPY_ROWS tokens a program: one read-modify-write of each output row, no atomics). With ``local``,
     block ``local``'s rows are read from ``local_RD`` at the same row index instead (the combine reads
-    this rank's own results where the experts left them, with no copy)."""
+    this rank's own results where the experts left them, with no copy). ``accumulate=False``: ``out_TD =``
+    instead of ``+=`` (its old contents are never read; the sums are those from a zero ``out_TD``)."""
     if out_TD.dtype != torch.float32 or out_TD.dim() != 2 or src_RD.dim() != 2 or out_TD.shape[1] != src_RD.shape[1]:
         raise ValueError(f"gather_add: out {tuple(out_TD.shape)} {out_TD.dtype} must be 2-D fp32 with the width of "
                          f"src {tuple(src_RD.shape)}")
@@ -263,12 +267,15 @@ def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor
     grid, warps = _launch(triton.cdiv(T, rows), rows, block)
     _gather_add_kernel[grid](out_TD, src_RD, loc, slot, D, T, P, P if local is None else local, out_TD.stride(0),
                              src_RD.stride(0), loc.stride(0), BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),
-                             ROWS=rows, num_warps=warps)
+                             ROWS=rows, ACC=accumulate, num_warps=warps)
 
 
 def gather_add_torch(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
-                     local_RD: torch.Tensor | None = None, local: int | None = None) -> None:
+                     local_RD: torch.Tensor | None = None, local: int | None = None, *,
+                     accumulate: bool = True) -> None:
     """The reference of ``gather_add`` in torch."""
+    if not accumulate:
+        out_TD.zero_()
     for p in range(slot_TP.shape[1]):
         r = slot_TP[:, p]
         src = local_RD if p == local else src_RD

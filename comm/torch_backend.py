@@ -137,7 +137,8 @@ class TorchBackend:
         return Pending(finish, f"dispatch[{wave}]")
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor) -> Pending[None]:
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
+                accumulate: bool = True) -> Pending[None]:
         plan, wave = handle.plan, handle.wave
         send_counts, recv_counts = plan.send_counts[wave], plan.recv_counts[wave]
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
@@ -155,6 +156,8 @@ class TorchBackend:
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             st.keep_alive(back_SD, now)
+            if not accumulate:
+                out_TD.zero_()
             out_TD.index_add_(0, handle.send_token_S, back_SD.to(out_TD.dtype))
 
         return Pending(finish, f"combine[{wave}]")

@@ -13,6 +13,8 @@ Measures, in one run (ratios only mean something inside one run):
     layouts at T = 128..8192, bf16, uniform random routing, one wave, for every backend;
   * the symm backend in both data modes (copy engines, Triton) with prepare, dispatch, combine and
     the round trip each replayed from a CUDA graph (backend "symm-copy[g]" / "symm-kernel[g]");
+  * combine writes a fresh fp32 output (``accumulate=False``: WaveMoE's first wave, and what DeepEP's
+    combine does); ``combine_accumulate_us`` adds into an existing one (later waves);
   * each backend's dispatch+combine beside a ~300 us bf16 GEMM on the compute stream
     (hidden fraction = 1 - (beside - gemm) / alone);
   * WaveMoE (V4-Flash shape) serial vs pipelined on each backend.
@@ -234,14 +236,16 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
                 out = torch.zeros(T, D, device=ep.device)
                 prep = timed(lambda: be.prepare(layout), iters)
                 disp = timed(lambda: be.dispatch(x, xplan, 0).wait(), iters)
-                comb = timed(lambda: be.combine(y, got.handle, out).wait(), iters)
+                comb_acc = timed(lambda: be.combine(y, got.handle, out).wait(), iters)
+                comb = timed(lambda: be.combine(y, got.handle, out, accumulate=False).wait(), iters)
 
-                def round_trip():
+                def round_trip():   # as WaveMoE runs one wave: the combine writes a fresh output
                     r = be.dispatch(x, xplan, 0).wait()
-                    be.combine(y, r.handle, out).wait()          # the plan is fixed: same shapes every time
+                    be.combine(y, r.handle, out, accumulate=False).wait()   # the plan is fixed: same shapes
                 alone = timed(round_trip, iters)
                 rows.append(dict(backend=bname, layout=lname, tokens_per_rank=T, bytes_per_rank=sent * D * 2,
-                                 prepare_us=prep, dispatch_us=disp, combine_us=comb, p2p_limit_GBps=p2p,
+                                 prepare_us=prep, dispatch_us=disp, combine_us=comb,
+                                 combine_accumulate_us=comb_acc, p2p_limit_GBps=p2p,
                                  alone_us=alone, beside_gemm_us=timed(beside(round_trip, gemm), iters),
                                  gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3))
                 if hasattr(be, "check"):
@@ -263,14 +267,16 @@ def graph_case(ep: EPGroup, be, x, layout, iters: int):
     disp(0)
     y = torch.randn_like(got.x_RD)
     comb, _ = as_graph(lambda i: be.combine(y, got.handle, out).wait(), ep.device)
+    fresh, _ = as_graph(lambda i: be.combine(y, got.handle, out, accumulate=False).wait(), ep.device)
 
-    def trip(i):
+    def trip(i):   # as WaveMoE runs one wave: the combine writes a fresh output
         r = be.dispatch(x, xplan, 0).wait()
-        be.combine(y, r.handle, out).wait()
+        be.combine(y, r.handle, out, accumulate=False).wait()
     rt, _ = as_graph(trip, ep.device)
-    t_prep, t_disp, t_comb, alone = (timed(lambda f=f: f(0), iters) for f in (prep, disp, comb, rt))
+    t_prep, t_disp, t_comb, t_fresh, alone = (timed(lambda f=f: f(0), iters) for f in (prep, disp, comb, fresh, rt))
     be.check()
-    return dict(prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_comb, alone_us=alone), (lambda: rt(0))
+    return dict(prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_fresh, combine_accumulate_us=t_comb,
+                alone_us=alone), (lambda: rt(0))
 
 
 def beside_gemm(rt, gemm, gemm_us: float, iters: int, carveout: int | None = None) -> dict:

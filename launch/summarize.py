@@ -65,7 +65,7 @@ def main(out: str) -> None:
                     r["pct_p2p"] = round(100 * r["algbw_GBps"] / r["p2p_limit_GBps"])
                 rows.append(r)
         table(rows, ["backend", "graph", "layout", "tokens_per_rank", "MB", "prepare_us", "dispatch_us",
-                     "combine_us", "alone_us", "beside_gemm_us", "gemm_us", "hidden", "pct_p2p"],
+                     "combine_us", "combine_accumulate_us", "alone_us", "beside_gemm_us", "gemm_us", "hidden", "pct_p2p"],
               f"comm (key rows; P2P limit {comm['rows'][0].get('p2p_limit_GBps', 0):.0f} GB/s)")
         tune = [dict(r, hidden=round(1 - (r.get("beside_gemm_carveout_us", r.get("beside_gemm_us", 0))
                                           - r.get("gemm_us", 0)) / r["alone_us"], 2) if "gemm_us" in r else "")

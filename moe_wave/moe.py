@@ -220,8 +220,8 @@ class WaveMoE(nn.Module):
             shared.start(x_TD)
         with annotate("prepare"):
             xplan = self.backend.prepare(layout)
-        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-        run_waves(x_TD, xplan, self.backend, self.routed_rows, out_TD, overlap=overlap, hooks=shared)
+        out_TD = torch.empty(x_TD.shape, dtype=torch.float32, device=x_TD.device)   # wave 0 writes every row
+        run_waves(x_TD, xplan, self.backend, self.routed_rows, out_TD, overlap=overlap, hooks=shared, fresh=True)
         if shared is not None:
             shared.finish(out_TD)
         return out_TD.to(x_TD.dtype)

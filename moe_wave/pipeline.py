@@ -33,8 +33,10 @@ class PipelineHooks(Protocol):
 
 def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
               expert_fn: Callable[[Received], torch.Tensor], out_TD: torch.Tensor, *,
-              overlap: bool = True, hooks: PipelineHooks | None = None) -> torch.Tensor:
-    """Run every wave; ``out_TD`` (fp32, zeros) receives sum_k w_k * expert_k(x) per token."""
+              overlap: bool = True, hooks: PipelineHooks | None = None, fresh: bool = False) -> torch.Tensor:
+    """Run every wave; ``out_TD`` (fp32) receives sum_k w_k * expert_k(x) per token: added to what it
+    holds, or, with ``fresh``, written over it (wave 0 combines with accumulate=False, so out_TD may
+    come from ``torch.empty``)."""
     W = plan.num_waves
     if not overlap:
         for w in range(W):
@@ -45,7 +47,7 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
             if w == W - 1 and hooks is not None:
                 hooks.before_last_combine()
             with annotate(f"wave{w}.combine"):
-                backend.combine(y_RD, got.handle, out_TD).wait()
+                backend.combine(y_RD, got.handle, out_TD, accumulate=w > 0 or not fresh).wait()
         return out_TD
 
     with annotate("wave0.dispatch"):
@@ -61,7 +63,7 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
         if w == W - 1 and hooks is not None:
             hooks.before_last_combine()
         with annotate(f"wave{w}.combine"):
-            combines.append(backend.combine(y_RD, got.handle, out_TD))
+            combines.append(backend.combine(y_RD, got.handle, out_TD, accumulate=w > 0 or not fresh))
         if w + 2 < W:
             with annotate(f"wave{w + 2}.dispatch"):
                 dispatches[w + 2] = backend.dispatch(x_TD, plan, w + 2)

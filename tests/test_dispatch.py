@@ -53,8 +53,10 @@ def _ep_path(ep: EPGroup, x, ids, w, num_waves: int, partition: str, overlap: bo
     backend = TorchBackend(ep)
     xplan = backend.prepare(compute_layout(ids, w, plan))
 
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    return run_waves(x, xplan, backend, lambda got: slot_by_slot(got, ep.rank * e), out, overlap=overlap)
+    # overlapped: a NaN-filled output that wave 0 must overwrite (fresh); serial: zeros accumulated into
+    out = torch.full(x.shape, float("nan")) if overlap else torch.zeros(x.shape, dtype=torch.float32)
+    return run_waves(x, xplan, backend, lambda got: slot_by_slot(got, ep.rank * e), out, overlap=overlap,
+                     fresh=overlap)
 
 
 def slot_by_slot(got, expert_offset: int) -> torch.Tensor:

@@ -43,8 +43,9 @@ def _symm_path(ep: EPGroup, x, ids, w, num_waves: int, partition: str, overlap: 
         assert n_valid == int(got.pairs_e_dev.sum()), "pairs_e_dev must count the valid slots"
         return y
 
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    return run_waves(x, xplan, backend, experts, out, overlap=overlap)
+    # overlapped: a NaN-filled output that wave 0 must overwrite (fresh); serial: zeros accumulated into
+    out = torch.full(x.shape, float("nan")) if overlap else torch.zeros(x.shape, dtype=torch.float32)
+    return run_waves(x, xplan, backend, experts, out, overlap=overlap, fresh=overlap)
 
 
 def _check_symm(ep: EPGroup, modes) -> list:
@@ -228,6 +229,10 @@ for dt, grid, rows in ((torch.float32, 0, 1), (torch.bfloat16, 0, 1), (torch.bfl
             gather_add(out, src, slot, loc if local is not None else None, local)
             gather_add_torch(ref, src, slot, loc, local)
             assert torch.equal(out, ref), (dt, D, grid, rows, local)
+            fresh, fref = torch.full_like(out, float("nan")), torch.zeros_like(out)   # accumulate=False: =, not +=
+            gather_add(fresh, src, slot, loc if local is not None else None, local, accumulate=False)
+            gather_add_torch(fref, src, slot, loc, local)
+            assert torch.equal(fresh, fref), (dt, D, grid, rows, local, "accumulate=False")
             if local is not None:   # block `local` really came from loc: from src, the sums differ
                 gather_add_torch(other, src, slot)
                 assert not torch.equal(out, other), (dt, D, local)
