@@ -29,7 +29,9 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
               blocks with ``copy_`` (cudaMemcpyAsync, copy engines, no SMs); with Triton the packing
               is one ``scatter_rows`` launch (this rank's own rows straight into place), without it
               index_select with the local block on a second stream. Then barrier(channel=w) on the
-              data allocation.
+              data allocation; in copy mode with Triton, completion flags instead (``CopySignal``:
+              the copy engines write a call number after the data, a waiter started beside the
+              copies sees them: no barrier kernel waiting for the copies to drain).
     combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
               launch; copy: the whole C-row block per peer), barrier(channel=W+w); the source sums
               them into out_TD in fp32 (``gather_add``: per token, peers in order; with Triton this
@@ -59,6 +61,7 @@ from .backend import ExchangePlan, Pending, Received, WaveHandle
 from .group import EPGroup
 from .layout import DispatchLayout
 from .symm_kernels import RowTargets, gather_add, scatter_rows, triton_ok
+from .symm_signal import CopySignal
 from .symm_tables import STATUS_LEN, build_tables, build_tables_torch, count_rows, count_rows_torch
 
 __all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES"]
@@ -159,6 +162,7 @@ class SymmBackend:
         self.timeout_ms = int(os.environ.get("MOE_WAVE_SYMM_TIMEOUT_MS", "120000"))
         self._ctrl: dict = {}
         self._data: dict = {}
+        self._signals: dict = {}     # copy mode: (buffers, channel) -> CopySignal
         dev = ep.device
         self._status_dev = torch.zeros(STATUS_LEN, dtype=torch.long, device=dev)
         pin = st.is_accelerator(dev)
@@ -175,6 +179,8 @@ class SymmBackend:
         elif st.is_accelerator(self.ep.device):
             st.accel_module(self.ep.device).synchronize(self.ep.device)
         self._raise_if_flagged()
+        for sig in self._signals.values():
+            sig.check()
 
     def _raise_if_flagged(self) -> None:
         # Reads pinned host memory that the last prepare's non-blocking copy wrote: no CUDA call,
@@ -255,6 +261,19 @@ class SymmBackend:
         self._data[key] = bufs
         return bufs
 
+    def _signal(self, bufs: _Buffers, channel: int) -> CopySignal | None:
+        """Copy mode with Triton: the completion flags of one exchange channel (None: use the barrier).
+        Allocated on first use, collectively, so that first use must come before any capture."""
+        if self.mode != "copy" or not self._kernels:
+            return None
+        key = (id(bufs), channel)
+        if key not in self._signals:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("symm copy mode: run one dispatch and combine eagerly before capturing a CUDA "
+                                   "graph (the completion flags are allocated on first use, by every rank)")
+            self._signals[key] = CopySignal(self.ep, self._alloc, self.timeout_ms)
+        return self._signals[key]
+
     # ---------------------------------------------------------------- count exchange
     def prepare(self, layout: DispatchLayout) -> SymmPlan:
         """Exchange counts and build the index tables (device-side). Dispatch the plan's waves before the
@@ -323,8 +342,14 @@ class SymmBackend:
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(x_TD, self.comm_stream)
             if self.symm:
+                sig = self._signal(bufs, wave)
+                if sig is not None:     # copy engines: flags follow the data, a waiter started beside them
+                    sig.begin()
                 self._push_peers(x_TD, plan, bufs, wave)
-                bufs.hdl.barrier(channel=wave, timeout_ms=self.timeout_ms)
+                if sig is not None:
+                    sig.end()
+                else:
+                    bufs.hdl.barrier(channel=wave, timeout_ms=self.timeout_ms)
             else:
                 stage_x, stage_m = bufs.stage[0][wave], bufs.stage[1][wave]
                 if self.mode == "kernel":
@@ -454,6 +479,9 @@ class SymmBackend:
                              skip=me if local_from_y else None)
                 bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
             elif self.symm:
+                sig = self._signal(bufs, W + wave)
+                if sig is not None:
+                    sig.begin()
                 loc = None if gather else self._local_fork(y_RD)
                 for s, (_, _, cb) in enumerate(bufs.peers):
                     if s == me and gather:      # gather_add reads this rank's own block from y
@@ -462,7 +490,10 @@ class SymmBackend:
                         cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
                 if loc is not None:
                     st.wait_stream(self.comm_stream, loc)
-                bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
+                if sig is not None:
+                    sig.end()
+                else:
+                    bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
             elif P == 1:
                 bufs.comb[wave].view(C, D).copy_(y_RD)
             else:

@@ -8,7 +8,8 @@ Legend: T tokens per rank, D hidden, K top-k, E experts, P ranks, B bytes per ra
 Measures, in one run (ratios only mean something inside one run):
   * the P2P copy limit: a large copy into the next rank's GPU (copy engine), per direction;
   * all-to-all of B = 1 MB .. 1 GB per rank: NCCL ``all_to_all_single`` vs a copy-engine all-to-all
-    through symmetric memory (layout "bytes");
+    through symmetric memory (layout "bytes"), closed by a barrier kernel ("symm") or by completion
+    flags that the copy engines write after the data ("symm-flags", ``comm.symm_signal``);
   * the V4-Flash (D 4096, top-6 of 256) and V4-Pro (D 7168, top-6 of 384) dispatch and combine
     layouts at T = 128..8192, bf16, uniform random routing, one wave, for every backend;
   * the symm backend in both data modes (copy engines, Triton) with prepare, dispatch, combine and
@@ -46,6 +47,7 @@ from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
 from moe_wave.moe import make_backend  # noqa: E402
 from moe_wave.bench import as_graph  # noqa: E402
 from moe_wave.comm import streams as st  # noqa: E402
+from moe_wave.comm.symm_signal import CopySignal  # noqa: E402
 
 LAYOUTS = {"v4-flash": (4096, 256, 6), "v4-pro": (7168, 384, 6)}
 CARVEOUT = int(os.environ.get("BENCH_GEMM_CARVEOUT", "16"))   # SMs the GEMM leaves free in the carveout rows
@@ -104,6 +106,15 @@ def beside(comm_fn, gemm) -> callable:
 
 
 # ------------------------------------------------------------------------------------ bytes layout
+def _symm_alloc(ep: EPGroup, nbytes: int):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=ep.device)
+    hdl = symm_mem.rendezvous(buf, ep.pg.group_name)
+    buf.zero_()
+    return buf, hdl
+
+
 def p2p_limit(ep: EPGroup, nbytes: int) -> float:
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -151,6 +162,18 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
             cur.wait_stream(loc)
             hdl.barrier(channel=0)
 
+        sig = CopySignal(ep, lambda nbytes: _symm_alloc(ep, nbytes), 120000)
+
+        def symm3():  # symm2 with completion flags written by the copy engines instead of the barrier kernel
+            cur = torch.cuda.current_stream()
+            sig.begin()
+            loc.wait_stream(cur)
+            with torch.cuda.stream(loc):
+                peers[ep.rank][ep.rank].copy_(xs[ep.rank], non_blocking=True)
+            copies()
+            sig.end()
+            cur.wait_stream(loc)
+
         def nolocal():     # symm2 without this rank's own block: is the local copy on the critical path?
             copies()
             hdl.barrier(channel=0)
@@ -184,7 +207,8 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
         cases = [("torch", False, nccl), ("symm", False, symm)]
         if not NO_GRAPH:   # each replayed from a CUDA graph: no host work, the bandwidth itself
             cases += [("torch", True, as_graph(lambda i: nccl(), ep.device)[0]),
-                      ("symm", True, as_graph(lambda i: symm2(), ep.device)[0])]
+                      ("symm", True, as_graph(lambda i: symm2(), ep.device)[0]),
+                      ("symm-flags", True, as_graph(lambda i: symm3(), ep.device)[0])]
             for name, f in (("p2p-copy", lambda i: nxt.copy_(src_n, non_blocking=True)),
                             ("p2p-copy2", lambda i: copy2()),
                             ("symm-copies", lambda i: copies()),
@@ -202,7 +226,8 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
                              algbw_GBps=n * 2 * (P - 1) / P / alone / 1e3,
                              **(beside_gemm(fn, gemm, gemm_us, iters) if graph else
                                 dict(beside_gemm_us=timed(beside(fn, gemm), iters), gemm_us=gemm_us))))
-        del buf, hdl, peers, cases
+        sig.check()
+        del buf, hdl, peers, cases, sig
         torch.cuda.synchronize()
     return rows
 

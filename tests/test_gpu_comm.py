@@ -222,6 +222,28 @@ def test_symm_kernels_match_torch_on_gpu():
     exec(KERNEL_CHECKS, {"dev": "cuda"})
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_copy_signal_waiter_on_gpu():
+    from tests.test_symm import SIGNAL_CHECKS
+
+    exec(SIGNAL_CHECKS, {"dev": "cuda"})
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_copy_signal_missing_peer_stops_the_rank():
+    """A completion flag that never comes: the waiter traps after its timeout (a CUDA error), no hang."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom moe_wave.comm.symm_signal import wait_flags\n"
+            "f = torch.zeros(2, dtype=torch.int64, device='cuda')\n"
+            "v = torch.tensor([0, 1], device='cuda')\ns = torch.zeros(3, dtype=torch.int64, device='cuda')\n"
+            "wait_flags(f, v, s, timeout_ms=50)\ntorch.cuda.synchronize()\nprint('returned')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "returned" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "CopySignal" in r.stderr or "device-side assert" in r.stderr, r.stderr[-2000:]
+
+
 def _deepep_vs_torch(ep: EPGroup) -> None:
     ref = _moe(ep, CFG, "torch", num_waves=2)
     m = _moe(ep, CFG, "deepep", num_waves=2)

@@ -308,3 +308,32 @@ def test_symm_kernel_mode_under_interpreter(monkeypatch):
     for rank, errs in enumerate(results):
         bad = [e for e in errs if not e[-1] <= 1e-5]
         assert errs and not bad, f"rank {rank}: {bad}"
+
+
+SIGNAL_CHECKS = r"""
+import torch
+from moe_wave.comm.symm_signal import wait_flags, wait_flags_torch
+for flags, val0, status0 in (([1, 1, 1], 0, [0, 0, 0]), ([5, 4, 6], 3, [0, 0, 0]), ([1, 0, 1], 0, [0, 0, 0]),
+                             ([2, 2, 1], 1, [0, 0, 0]), ([0, 0], 0, [1, 7, 9]), ([3], 2, [0, 0, 0])):
+    got = [torch.tensor(flags, device=dev), torch.tensor([val0, val0 + 1], device=dev), torch.tensor(status0, device=dev)]
+    ref = [t.clone().cpu() for t in got]
+    wait_flags(*got, timeout_ms=0, trap=False)       # a missing flag times out at once (one spin)
+    wait_flags_torch(*ref)
+    assert [t.tolist() for t in got] == [t.tolist() for t in ref], (flags, val0, status0, got, ref)
+    assert got[1].tolist() == [val0 + 1, val0 + 2], "the call number advances, timeout or not"
+    missing = [p for p, f in enumerate(flags) if f < val0 + 1]
+    if status0[0]:
+        assert got[2].tolist() == status0, "the first error sticks"
+    else:
+        assert got[2].tolist() == ([1, missing[0], val0 + 1] if missing else [0, 0, 0]), (flags, got[2])
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+def test_copy_signal_waiter_under_interpreter():
+    """The copy-engine completion flags' waiter: epochs advance, a missing peer is a recorded timeout."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", 'dev = "cpu"\n' + SIGNAL_CHECKS], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
