@@ -29,7 +29,7 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
               blocks with ``copy_`` (cudaMemcpyAsync, copy engines, no SMs); with Triton the packing
               is one ``scatter_rows`` launch (this rank's own rows straight into place), without it
               index_select with the local block on a second stream. Then barrier(channel=w) on the
-              data allocation; in copy mode with Triton, completion flags instead (``CopySignal``:
+              data allocation (copy mode with ``flags``: completion flags instead, ``CopySignal``:
               the copy engines write a call number after the data, a waiter started beside the
               copies sees them: no barrier kernel waiting for the copies to drain).
     combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
@@ -128,11 +128,17 @@ class SymmBackend:
             within it makes the barrier kernel trap (a CUDA error naming the barrier) instead of hanging.
         mode: "kernel" (Triton, writes only valid rows), "copy" (copy engines, N-row blocks) or
             "auto" (kernel when Triton is usable). Environment override: MOE_WAVE_SYMM_MODE.
+        flags: copy mode only: close each exchange with completion flags written by the copy engines
+            (``CopySignal``) instead of a barrier kernel. Off by default: its waiter spins on one SM
+            for the whole exchange, and beside a GEMM that holds every SM this costs a second wave
+            of the GEMM (2 x H200: 64 MB per rank alone 106.6 vs 107.7 us with the barrier, beside
+            the GEMM 419 vs 347 us; benchmarks/README.md). Environment override: MOE_WAVE_SYMM_FLAGS=1.
     """
 
     name = "symm"
 
-    def __init__(self, ep: EPGroup, *, cfg=None, wave=None, comm_stream=None, mode: str = "auto"):
+    def __init__(self, ep: EPGroup, *, cfg=None, wave=None, comm_stream=None, mode: str = "auto",
+                 flags: bool = False):
         self.ep, self.cfg, self.comm_stream = ep, cfg, comm_stream
         cap = getattr(wave, "max_tokens_per_rank", 0) or DEFAULT_CAPACITY
         self.capacity = int(cap)
@@ -145,6 +151,7 @@ class SymmBackend:
             raise ValueError(f"SymmBackend mode='kernel' needs Triton on {ep.device} (pip install triton; on CPU "
                              f"also TRITON_INTERPRET=1); mode='copy' runs without it")
         self.mode = mode
+        self.flags = os.environ.get("MOE_WAVE_SYMM_FLAGS", "1" if flags else "0") == "1"
         # Triton where it runs: prepare's count rows and tables, the combine's accumulate (gather_add)
         self._kernels = triton_ok(ep.device)
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
@@ -264,7 +271,7 @@ class SymmBackend:
     def _signal(self, bufs: _Buffers, channel: int) -> CopySignal | None:
         """Copy mode with Triton: the completion flags of one exchange channel (None: use the barrier).
         Allocated on first use, collectively, so that first use must come before any capture."""
-        if self.mode != "copy" or not self._kernels:
+        if self.mode != "copy" or not self.flags or not self._kernels:
             return None
         key = (id(bufs), channel)
         if key not in self._signals:

@@ -353,7 +353,7 @@ TUNE = (("kernel", 2048, 4, 1, 0, 0), ("kernel", 4096, 8, 1, 0, 0), ("kernel", 4
         ("kernel", 4096, 16, 8, 64, 32), ("kernel", 4096, 8, 4, 128, 32), ("kernel", 4096, 16, 8, 96, 48),
         ("kernel", 4096, 8, 4, 192, 48), ("kernel", 4096, 16, 8, 48, 24),
         ("copy", 2048, 4, 1, 0, 8), ("copy", 2048, 4, 1, 0, 16), ("copy", 2048, 4, 1, 0, 32),
-        ("copy", 4096, 16, 8, 32, 16))
+        ("copy+flags", 2048, 4, 1, 0, 16), ("copy+flags", 2048, 4, 1, 0, 32))
 
 
 def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list:
@@ -374,7 +374,7 @@ def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list
             log(ep, f"tune {mode} block {block} warps {warps} rows {nrows} grid {grid} carve {carve}")
             be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
                               WaveConfig(backend="symm", max_tokens_per_rank=T))
-            be.mode = mode
+            be.mode, be.flags = mode.split("+")[0], mode.endswith("+flags")
             t, rt = graph_case(ep, be, x, layout, iters)
             best = min(best or t["alone_us"], t["alone_us"])
             row = dict(backend=f"symm-{mode}-tune", graph=True, layout="v4-flash", tokens_per_rank=T,

@@ -1,7 +1,8 @@
-"""GPU checks of the comm backends (issue 6): symm (both data modes) against the torch backend inside
-WaveMoE, the decode step captured in a CUDA graph and replayed while the routing changes, the
-capacity overflow surfacing through ``check()`` on every rank, the Triton row copy against torch,
-and DeepEP when it is installed.
+"""GPU checks of the comm backends (issue 6): symm (both data modes, copy mode also with completion
+flags) against the torch backend inside WaveMoE, the decode step captured in a CUDA graph and
+replayed while the routing changes, the capacity overflow surfacing through ``check()`` on every
+rank, the Triton kernels against torch, the completion-flag waiter and its trap, and DeepEP when
+it is installed.
 
 Run on a GPU host with plain pytest (the 2-rank tests spawn their ranks over a file store) or
 under ``torchrun --nproc-per-node 2 -m pytest tests/test_gpu_comm.py`` (then the ranks are the
@@ -107,10 +108,11 @@ def _symm_vs_torch(ep: EPGroup) -> None:
     xs = {T: torch.randn(T, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16) for T in (256, 37, 0)}
     got = {}
     # Phase 1: symm alone (no other collective in between).
-    for mode in ("kernel", "copy"):
-        if mode == "kernel" and not HAS_TRITON:
+    for mode in ("kernel", "copy", "copy+flags"):
+        if mode != "copy" and not HAS_TRITON:
             continue
-        os.environ["MOE_WAVE_SYMM_MODE"] = mode
+        os.environ["MOE_WAVE_SYMM_MODE"] = mode.split("+")[0]
+        os.environ["MOE_WAVE_SYMM_FLAGS"] = "1" if mode.endswith("+flags") else "0"
         for W in (1, 2, 4):
             m = _moe(ep, CFG, "symm", num_waves=W, max_tokens_per_rank=256)
             for T, x in xs.items():
@@ -119,6 +121,7 @@ def _symm_vs_torch(ep: EPGroup) -> None:
                     got[mode, W, T, overlap] = m(x, overlap=overlap)
             m.backend.check()
     os.environ.pop("MOE_WAVE_SYMM_MODE", None)
+    os.environ.pop("MOE_WAVE_SYMM_FLAGS", None)
     torch.cuda.synchronize()
     # Phase 2: the torch backend, compared.
     ref = _moe(ep, CFG, "torch", num_waves=2)
@@ -143,13 +146,15 @@ def test_symm_matches_torch_backend():
 
 # ------------------------------------------------------------------------------------ CUDA graph
 def _graph_replay(ep: EPGroup) -> None:
-    for mode in ("kernel", "copy") if HAS_TRITON else ("copy",):
+    for mode in ("kernel", "copy", "copy+flags") if HAS_TRITON else ("copy",):
         _log(ep, f"graph replay, symm mode={mode}")
-        os.environ["MOE_WAVE_SYMM_MODE"] = mode
+        os.environ["MOE_WAVE_SYMM_MODE"] = mode.split("+")[0]
+        os.environ["MOE_WAVE_SYMM_FLAGS"] = "1" if mode.endswith("+flags") else "0"
         try:
             _graph_replay_mode(ep)
         finally:
             os.environ.pop("MOE_WAVE_SYMM_MODE", None)
+            os.environ.pop("MOE_WAVE_SYMM_FLAGS", None)
 
 
 def _graph_replay_mode(ep: EPGroup) -> None:
