@@ -47,12 +47,15 @@ from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
 from moe_wave.moe import make_backend  # noqa: E402
 from moe_wave.bench import as_graph  # noqa: E402
 from moe_wave.comm import streams as st  # noqa: E402
+from moe_wave.comm.symm_memops import MemopSignal  # noqa: E402
 from moe_wave.comm.symm_signal import CopySignal  # noqa: E402
 
 LAYOUTS = {"v4-flash": (4096, 256, 6), "v4-pro": (7168, 384, 6)}
 CARVEOUT = int(os.environ.get("BENCH_GEMM_CARVEOUT", "16"))   # SMs the GEMM leaves free in the carveout rows
 MB = 1 << 20
 NO_GRAPH = False    # --no-graph
+MEMOPS = False      # --memops
+BYTES_ONLY = False  # --bytes-only
 
 
 REPS = int(os.environ.get("BENCH_REPS", "10"))
@@ -174,6 +177,35 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
             sig.end()
             cur.wait_stream(loc)
 
+        mem = MemopSignal(ep, lambda nbytes: _symm_alloc(ep, nbytes)) if MEMOPS else None
+
+        def symm4():  # symm2 with a barrier of stream memory operations (no kernel, no SM; no timeout either)
+            cur = torch.cuda.current_stream()
+            mem.begin()
+            loc.wait_stream(cur)
+            with torch.cuda.stream(loc):
+                peers[ep.rank][ep.rank].copy_(xs[ep.rank], non_blocking=True)
+            copies()
+            mem.end()
+            cur.wait_stream(loc)
+
+        def verify(name, fn):   # what arrived equals NCCL's all_to_all of the same input
+            x.normal_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            buf.fill_(float("nan"))
+            torch.cuda.synchronize()
+            dist.barrier()
+            fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            nccl()
+            torch.cuda.synchronize()
+            if not torch.equal(buf, out):
+                raise RuntimeError(f"bytes all-to-all {name} at {n * 2 / MB:.0f} MB: the received bytes differ from "
+                                   f"NCCL's all_to_all_single of the same input")
+            log(ep, f"{name} {n * 2 / MB:.0f} MB: received bytes equal NCCL's")
+
         def nolocal():     # symm2 without this rank's own block: is the local copy on the critical path?
             copies()
             hdl.barrier(channel=0)
@@ -205,7 +237,22 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
             cur.wait_stream(other)
 
         cases = [("torch", False, nccl), ("symm", False, symm)]
-        if not NO_GRAPH:   # each replayed from a CUDA graph: no host work, the bandwidth itself
+        verify("symm", symm)
+        if mem is not None:
+            verify("symm-memops", symm4)
+            cases.append(("symm-memops", False, symm4))
+            if not NO_GRAPH:
+                try:
+                    g4 = as_graph(lambda i: symm4(), ep.device)[0]
+                    verify("symm-memops[g]", lambda: g4(0))
+                    cases.append(("symm-memops", True, g4))
+                except RuntimeError as e:    # the driver may not capture stream memory operations
+                    log(ep, f"symm-memops: no CUDA graph: {e}")
+        if BYTES_ONLY:
+            cases = [c for c in cases if c[0] == "symm-memops"] + [
+                ("torch", True, as_graph(lambda i: nccl(), ep.device)[0]),
+                ("symm", True, as_graph(lambda i: symm2(), ep.device)[0])]
+        elif not NO_GRAPH:   # each replayed from a CUDA graph: no host work, the bandwidth itself
             cases += [("torch", True, as_graph(lambda i: nccl(), ep.device)[0]),
                       ("symm", True, as_graph(lambda i: symm2(), ep.device)[0]),
                       ("symm-flags", True, as_graph(lambda i: symm3(), ep.device)[0])]
@@ -227,7 +274,7 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
                              **(beside_gemm(fn, gemm, gemm_us, iters) if graph else
                                 dict(beside_gemm_us=timed(beside(fn, gemm), iters), gemm_us=gemm_us))))
         sig.check()
-        del buf, hdl, peers, cases, sig
+        del buf, hdl, peers, cases, sig, mem
         torch.cuda.synchronize()
     return rows
 
@@ -476,9 +523,14 @@ def main() -> None:
     ap.add_argument("--no-graph", action="store_true", help="skip the rows replayed from CUDA graphs")
     ap.add_argument("--tune", action="store_true", help="also sweep scatter_rows' step size and warps")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (default 20, quick 8)")
+    ap.add_argument("--memops", action="store_true",
+                    help="also the bytes all-to-all with a barrier of stream memory operations (comm.symm_memops: "
+                         "no SM, but no timeout: a stuck peer stops the stream for good)")
+    ap.add_argument("--bytes-only", action="store_true", help="only the bytes all-to-all rows (with --memops: "
+                    "those and the symm graph rows)")
     args = ap.parse_args()
-    global NO_GRAPH
-    NO_GRAPH = args.no_graph
+    global NO_GRAPH, MEMOPS, BYTES_ONLY
+    NO_GRAPH, MEMOPS, BYTES_ONLY = args.no_graph, args.memops, args.bytes_only
     import faulthandler
 
     faulthandler.dump_traceback_later(int(os.environ.get("BENCH_HANG_S", "600")), exit=True)
@@ -497,12 +549,14 @@ def main() -> None:
     log(ep, f"P2P {p2p:.0f} GB/s, GEMM {gemm_us:.0f} us")
     _SAVE["done"] = rows = bytes_rows(ep, sizes, iters, gemm, gemm_us, p2p)
     save(ep, [])
-    _SAVE["done"] = rows = rows + token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
-    if not args.no_graph and "symm" in backends:
+    if not BYTES_ONLY:
+        _SAVE["done"] = rows = rows + token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
+    if not args.no_graph and "symm" in backends and not BYTES_ONLY:
         _SAVE["done"] = rows = rows + graph_rows(ep, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
-    if args.tune and "symm" in backends:
+    if args.tune and "symm" in backends and not BYTES_ONLY:
         _SAVE["done"] = rows = rows + tune_rows(ep, iters, p2p, gemm, gemm_us)
-    rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
+    if not BYTES_ONLY:
+        rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
     save(ep, [])
     if ep.rank == 0:
         print(f"P2P copy limit {p2p:.0f} GB/s per direction; GEMM 4096x7168x4096 {gemm_us:.0f} us")
