@@ -55,7 +55,7 @@ CARVEOUT = int(os.environ.get("BENCH_GEMM_CARVEOUT", "16"))   # SMs the GEMM lea
 MB = 1 << 20
 NO_GRAPH = False    # --no-graph
 MEMOPS = False      # --memops
-BYTES_ONLY = False  # --bytes-only
+SECTIONS = ("bytes", "tokens", "graph", "moe")   # --sections (tune: with --tune, or named)
 
 
 REPS = int(os.environ.get("BENCH_REPS", "10"))
@@ -248,7 +248,7 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
                     cases.append(("symm-memops", True, g4))
                 except RuntimeError as e:    # the driver may not capture stream memory operations
                     log(ep, f"symm-memops: no CUDA graph: {e}")
-        if BYTES_ONLY:
+        if MEMOPS and len(SECTIONS) == 1:   # --memops --sections bytes: those rows and the graph baselines
             cases = [c for c in cases if c[0] == "symm-memops"] + [
                 ("torch", True, as_graph(lambda i: nccl(), ep.device)[0]),
                 ("symm", True, as_graph(lambda i: symm2(), ep.device)[0])]
@@ -394,14 +394,30 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
 
 
 # (data mode, step elements, warps, rows in flight per program, grid cap, SMs carved out of the GEMM
-# beside it); grid 0 is the full grid (one program a tile)
-TUNE = (("kernel", 2048, 4, 1, 0, 0), ("kernel", 4096, 8, 1, 0, 0), ("kernel", 4096, 16, 1, 0, 0),
-        ("kernel", 2048, 8, 4, 0, 0), ("kernel", 2048, 4, 1, 0, 32), ("kernel", 4096, 16, 16, 32, 32),
+# beside it: None = not beside the GEMM, 0 = beside the whole GEMM); grid 0 is the full grid (one program
+# a tile). "copy+flags": copy mode closed by completion flags; "copy+memops": by stream memory operations
+# (comm.symm_memops, wired in by this benchmark only: it has no timeout).
+TUNE = (("kernel", 2048, 4, 1, 0, None), ("kernel", 4096, 8, 1, 0, None), ("kernel", 4096, 16, 1, 0, None),
+        ("kernel", 2048, 8, 4, 0, None), ("kernel", 2048, 4, 1, 0, 32), ("kernel", 4096, 16, 16, 32, 32),
         ("kernel", 4096, 16, 8, 64, 32), ("kernel", 4096, 8, 4, 128, 32), ("kernel", 4096, 16, 8, 96, 48),
         ("kernel", 4096, 8, 4, 192, 48), ("kernel", 4096, 16, 8, 48, 24),
         ("copy", 2048, 4, 1, 0, 8), ("copy", 2048, 4, 1, 0, 16), ("copy", 2048, 4, 1, 0, 24),
         ("copy", 2048, 4, 1, 0, 32), ("copy", 2048, 4, 1, 0, 48),
-        ("copy+flags", 2048, 4, 1, 0, 16), ("copy+flags", 2048, 4, 1, 0, 32))
+        ("copy+flags", 2048, 4, 1, 0, 16), ("copy+flags", 2048, 4, 1, 0, 32),
+        ("copy+memops", 2048, 4, 1, 0, 0), ("copy+memops", 2048, 4, 1, 0, 16), ("copy+memops", 2048, 4, 1, 0, 24))
+
+
+def _memops_signals(ep: EPGroup, be) -> None:
+    """Benchmark only: close every exchange channel of the copy-mode backend ``be`` with stream memory
+    operations (``MemopSignal``, made on first use, before any capture) instead of its barrier."""
+    sigs: dict = {}
+
+    def signal(bufs, channel):
+        key = (id(bufs), channel)
+        if key not in sigs:
+            sigs[key] = MemopSignal(ep, be._alloc)
+        return sigs[key]
+    be._signal = signal
 
 
 def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list:
@@ -423,13 +439,15 @@ def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list
             be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
                               WaveConfig(backend="symm", max_tokens_per_rank=T))
             be.mode, be.flags = mode.split("+")[0], mode.endswith("+flags")
+            if mode.endswith("+memops"):
+                _memops_signals(ep, be)
             t, rt = graph_case(ep, be, x, layout, iters)
             best = min(best or t["alone_us"], t["alone_us"])
             row = dict(backend=f"symm-{mode}-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
                        copy_block=block, copy_warps=warps, copy_rows=nrows, copy_grid=grid,
                        bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
                        dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3)
-            if carve:
+            if carve is not None:
                 row.update(beside_gemm(rt, gemm, gemm_us, iters, carveout=carve))
                 row["hidden_vs_best"] = 1 - (row.get("beside_gemm_carveout_us", row["beside_gemm_us"]) - gemm_us) / best
             rows.append(row)
@@ -526,11 +544,16 @@ def main() -> None:
     ap.add_argument("--memops", action="store_true",
                     help="also the bytes all-to-all with a barrier of stream memory operations (comm.symm_memops: "
                          "no SM, but no timeout: a stuck peer stops the stream for good)")
-    ap.add_argument("--bytes-only", action="store_true", help="only the bytes all-to-all rows (with --memops: "
-                    "those and the symm graph rows)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma list of bytes,tokens,graph,tune,moe (--tune adds tune); --memops --sections bytes "
+                         "keeps the memops rows and the graph baselines only")
     args = ap.parse_args()
-    global NO_GRAPH, MEMOPS, BYTES_ONLY
-    NO_GRAPH, MEMOPS, BYTES_ONLY = args.no_graph, args.memops, args.bytes_only
+    global NO_GRAPH, MEMOPS, SECTIONS
+    NO_GRAPH, MEMOPS = args.no_graph, args.memops
+    SECTIONS = tuple(x for x in args.sections.split(",") if x)
+    bad = [x for x in SECTIONS if x not in ("bytes", "tokens", "graph", "tune", "moe")]
+    if bad:
+        ap.error(f"--sections {args.sections}: unknown {bad}; choose from bytes,tokens,graph,tune,moe")
     import faulthandler
 
     faulthandler.dump_traceback_later(int(os.environ.get("BENCH_HANG_S", "600")), exit=True)
@@ -547,15 +570,17 @@ def main() -> None:
     gemm_us = timed(gemm, iters)
     p2p = p2p_limit(ep, (256 if args.quick else 1024) * MB)
     log(ep, f"P2P {p2p:.0f} GB/s, GEMM {gemm_us:.0f} us")
-    _SAVE["done"] = rows = bytes_rows(ep, sizes, iters, gemm, gemm_us, p2p)
-    save(ep, [])
-    if not BYTES_ONLY:
+    rows = []
+    if "bytes" in SECTIONS:
+        _SAVE["done"] = rows = bytes_rows(ep, sizes, iters, gemm, gemm_us, p2p)
+        save(ep, [])
+    if "tokens" in SECTIONS:
         _SAVE["done"] = rows = rows + token_rows(ep, backends, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
-    if not args.no_graph and "symm" in backends and not BYTES_ONLY:
+    if "graph" in SECTIONS and not args.no_graph and "symm" in backends:
         _SAVE["done"] = rows = rows + graph_rows(ep, list(LAYOUTS), tokens, iters, gemm, gemm_us, p2p)
-    if args.tune and "symm" in backends and not BYTES_ONLY:
+    if (args.tune or "tune" in SECTIONS) and "symm" in backends:
         _SAVE["done"] = rows = rows + tune_rows(ep, iters, p2p, gemm, gemm_us)
-    if not BYTES_ONLY:
+    if "moe" in SECTIONS:
         rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
     save(ep, [])
     if ep.rank == 0:
