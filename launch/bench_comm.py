@@ -535,6 +535,7 @@ def table(rows) -> str:
 
 
 def main() -> None:
+    global NO_GRAPH, MEMOPS, SECTIONS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few sizes and iterations (about a minute)")
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "comm.json") if os.environ.get("OUT") else None)
@@ -549,7 +550,6 @@ def main() -> None:
                     help="comma list of bytes,tokens,graph,tune,moe (--tune adds tune); --memops --sections bytes "
                          "keeps the memops rows and the graph baselines only")
     args = ap.parse_args()
-    global NO_GRAPH, MEMOPS, SECTIONS
     NO_GRAPH, MEMOPS = args.no_graph, args.memops
     SECTIONS = tuple(x for x in args.sections.split(",") if x)
     bad = [x for x in SECTIONS if x not in ("bytes", "tokens", "graph", "tune", "moe")]
