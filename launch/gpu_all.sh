@@ -2,7 +2,8 @@
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn sweep (default: all)
-#   COMM_ARGS="--tune" adds bench_comm options; T_<STAGE>=seconds sets a stage's time limit.
+#   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the kernel-free memory-operation
+#   barrier, which has no timeout of its own); T_<STAGE>=seconds sets a stage's time limit.
 #
 # Full results go to RES (default results/<date>); when the device tool's $OUT is set they are
 # packed into $OUT/results.tgz (it brings back at most 8 files). A short table is printed last.
