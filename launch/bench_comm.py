@@ -165,29 +165,24 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
             cur.wait_stream(loc)
             hdl.barrier(channel=0)
 
+        def closed_by(sig):   # symm2 with sig.begin() / sig.end() around it instead of the barrier kernel
+            def run():
+                cur = torch.cuda.current_stream()
+                sig.begin()
+                loc.wait_stream(cur)
+                with torch.cuda.stream(loc):
+                    peers[ep.rank][ep.rank].copy_(xs[ep.rank], non_blocking=True)
+                copies()
+                sig.end()
+                cur.wait_stream(loc)
+            return run
+
+        # completion flags written by the copy engines; a barrier of stream memory operations (no kernel,
+        # no SM, and no timeout either)
         sig = CopySignal(ep, lambda nbytes: _symm_alloc(ep, nbytes), 120000)
-
-        def symm3():  # symm2 with completion flags written by the copy engines instead of the barrier kernel
-            cur = torch.cuda.current_stream()
-            sig.begin()
-            loc.wait_stream(cur)
-            with torch.cuda.stream(loc):
-                peers[ep.rank][ep.rank].copy_(xs[ep.rank], non_blocking=True)
-            copies()
-            sig.end()
-            cur.wait_stream(loc)
-
+        symm3 = closed_by(sig)
         mem = MemopSignal(ep, lambda nbytes: _symm_alloc(ep, nbytes)) if MEMOPS else None
-
-        def symm4():  # symm2 with a barrier of stream memory operations (no kernel, no SM; no timeout either)
-            cur = torch.cuda.current_stream()
-            mem.begin()
-            loc.wait_stream(cur)
-            with torch.cuda.stream(loc):
-                peers[ep.rank][ep.rank].copy_(xs[ep.rank], non_blocking=True)
-            copies()
-            mem.end()
-            cur.wait_stream(loc)
+        symm4 = closed_by(mem)
 
         def verify(name, fn):   # what arrived equals NCCL's all_to_all of the same input
             x.normal_()
