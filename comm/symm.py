@@ -131,8 +131,9 @@ class SymmBackend:
         flags: copy mode only: close each exchange with completion flags written by the copy engines
             (``CopySignal``) instead of a barrier kernel. Off by default: its waiter spins on one SM
             for the whole exchange, and beside a GEMM that holds every SM this costs a second wave
-            of the GEMM (2 x H200: 64 MB per rank alone 106.6 vs 107.7 us with the barrier, beside
-            the GEMM 419 vs 347 us; benchmarks/README.md). Environment override: MOE_WAVE_SYMM_FLAGS=1.
+            of the GEMM (2 x H200, bytes all-to-all of 64 MB per rank: alone 112.9 vs 113.7 us with the
+            barrier, beside the GEMM 399.9 vs 354.8 us; benchmarks/README.md, fourth session).
+            Environment override: MOE_WAVE_SYMM_FLAGS=1.
     """
 
     name = "symm"
