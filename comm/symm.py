@@ -41,7 +41,9 @@ Ordering: peers write into a block only after a barrier that every rank reaches 
 finished reading that block (prepare and each wave's barrier are issued after the comm stream waits
 for the caller's stream), so wave w+1 travels while wave w is consumed, and the next layer never
 overwrites rows still in use. ``Received.x_RD`` is a view of ``recv_x`` valid until the next
-``prepare``; rows past a block's count are stale and have expert slot -1, weight 0.
+``prepare`` (on the GPU ``expert_RK`` / ``weight_RK`` are views of ``recv_meta`` too); rows past a
+block's count are stale and have expert slot -1, weight 0 (reset in place after each dispatch's
+barrier on the GPU).
 
 On CPU (gloo) and for one rank, the very same layout and index tables run with a local staging
 buffer and an equal-split ``all_to_all_single`` in place of peer writes, so the CPU tests exercise
@@ -87,6 +89,10 @@ class SymmPlan(ExchangePlan):
             p lands in wave w, -1 where t sent nothing to p in that wave (the inverse of tok_WPN);
             None where the combine accumulates with torch ops (no Triton).
         src_PC: [P, C] int64 ``p*C + i``: the rows of y that go back to peer p.
+        stale_WPC1: [W, P, C, 1] bool, True where received row i of source p is past its count (its
+            metadata is reset in place at dispatch: expert -1, weight 0).
+        pairs_We: [W, e] int64 (row, slot) pairs received per local expert: the exchanged counts summed
+            over the sources.
     """
 
     capacity: int = 0
@@ -97,6 +103,8 @@ class SymmPlan(ExchangePlan):
     meta_SM: torch.Tensor | None = None
     slot_WTP: torch.Tensor | None = None
     src_PC: torch.Tensor | None = None
+    stale_WPC1: torch.Tensor | None = None
+    pairs_We: torch.Tensor | None = None
 
 
 @dataclass
@@ -307,9 +315,11 @@ class SymmBackend:
             meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
             xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM,
-                             slot_WTP=slot_WTP, src_PC=self._src_PC, **tabs)
+                             slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
+                             stale_WPC1=(tabs["recv_dst_WPC"] < 0)[..., None] if self.symm else None, **tabs)
         st.wait_stream(cur, self.comm_stream)
-        for t in (recv_PX, xplan.tok_WPN, xplan.row_WPN, xplan.send_dst_WPN, xplan.recv_dst_WPC, meta_SM, slot_WTP):
+        for t in (recv_PX, xplan.tok_WPN, xplan.row_WPN, xplan.send_dst_WPN, xplan.recv_dst_WPC, meta_SM, slot_WTP,
+                  xplan.pairs_We, xplan.stale_WPC1):
             if t is not None:
                 st.keep_alive(t, cur)
         if not st.is_accelerator(dev):
@@ -358,6 +368,12 @@ class SymmBackend:
                     sig.end()
                 else:
                     bufs.hdl.barrier(channel=wave, timeout_ms=self.timeout_ms)
+                # rows past a source's count hold stale (copy mode: junk) metadata: expert -1, weight 0,
+                # in place, so that finish() hands out views. After the barrier: copy mode's N-row blocks
+                # write those rows too; the next writes into this block come after the next prepare.
+                meta = bufs.recv_meta[wave]
+                meta[..., :K].masked_fill_(plan.stale_WPC1[wave], -1)
+                meta[..., K:].masked_fill_(plan.stale_WPC1[wave], 0)
             else:
                 stage_x, stage_m = bufs.stage[0][wave], bufs.stage[1][wave]
                 if self.mode == "kernel":
@@ -379,6 +395,10 @@ class SymmBackend:
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             meta_RM = bufs.recv_meta[wave].view(P * C, 2 * K)
+            if self.symm:       # stale rows were reset at dispatch: views, and the exchanged pair counts
+                return Received(x_RD=bufs.recv_x[wave].view(P * C, D), expert_RK=meta_RM[:, :K],
+                                weight_RK=meta_RM[:, K:].view(torch.float32), pairs_e=None,
+                                pairs_e_dev=plan.pairs_We[wave], handle=handle)
             valid_R1 = (plan.recv_dst_WPC[wave] >= 0).reshape(-1, 1)
             expert_RK = torch.where(valid_R1, meta_RM[:, :K], -1)
             weight_RK = torch.where(valid_R1, meta_RM[:, K:].view(torch.float32), 0.0)

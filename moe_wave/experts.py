@@ -118,7 +118,8 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
         order = order[:sum(pairs_e)]
     # Group offsets from the device counts: building them from the host list would be a pageable
     # host-to-device copy, which synchronises the host with the stream once per wave.
-    offs = pairs_e_dev.cumsum(0).to(torch.int32) if pairs_e_dev is not None else None
+    # (clamped to the R*K rows: a capacity overflow, reported later, must not send a group past them)
+    offs = pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32) if pairs_e_dev is not None else None
     row = order // K
     out = experts(x_RD.index_select(0, row), pairs_e, offs)
     w = weight_RK.reshape(-1).index_select(0, order)[:, None]
