@@ -535,7 +535,7 @@ class SymmBackend:
             st.wait_stream(now, self.comm_stream)
             N = plan.tok_WPN.shape[2]
             if gather:
-                # one program per token sums its rows from every peer block in peer order (fp32, no
+                # one program per token (tile) sums its rows from every peer block in peer order (fp32, no
                 # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)]; this rank's own
                 # block straight from y (same row index) on the GPU
                 if local_from_y:

@@ -8,13 +8,14 @@ C capacity rows of a destination block, T tokens.
 table (``RowTargets``, built once per buffer, outside any capture), so a block may be a peer's
 symmetric-memory buffer (the writes then travel over NVLink/xGMI from the SMs) or a local one. The
 index arrays are computed on the device from the exchanged counts (``dst_idx`` is -1 past the valid
-count and past the capacity), so no size ever reaches the host and the grid is static (P*N, an upper
-bound): the kernel is CUDA-graph capturable and never touches a row that ``dst_idx`` does not name.
-Programs alternate peers (program j serves block j % P), so the local block's copy and the NVLink
-writes run side by side. An optional second row set (the per-row metadata) goes with the same
-``dst_idx`` in the same program.
+count and past the capacity), so no size ever reaches the host and the grid is static (P*N rows in
+tiles of COPY_ROWS, an upper bound): the kernel is CUDA-graph capturable and never touches a row that
+``dst_idx`` does not name. Rows alternate peers (row j serves block j % P), so the local block's copy
+and the NVLink writes run side by side; ``skip`` leaves one block out. An optional second row set
+(the per-row metadata) goes with the same ``dst_idx`` in the same program.
 
-``gather_add`` sums each token's returned rows from every peer block in peer order, in fp32.
+``gather_add`` sums each token's returned rows from every peer block in peer order, in fp32, one
+block optionally read from another tensor (``local``), into the output or over it (``accumulate``).
 
 Both kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (the CI checks them against the
 torch twins there).
