@@ -510,9 +510,9 @@ class SymmBackend:
                 sig = self._signal(bufs, W + wave)
                 if sig is not None:
                     sig.begin()
-                loc = None if gather else self._local_fork(y_RD)
+                loc = None if local_from_y else self._local_fork(y_RD)
                 for s, (_, _, cb) in enumerate(bufs.peers):
-                    if s == me and gather:      # gather_add reads this rank's own block from y
+                    if s == me and local_from_y:      # gather_add reads this rank's own block from y
                         continue
                     with st.on(loc if s == me else self.comm_stream):
                         cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
