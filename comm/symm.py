@@ -66,12 +66,28 @@ from .symm_kernels import RowTargets, gather_add, scatter_rows, triton_ok
 from .symm_signal import CopySignal
 from .symm_tables import STATUS_LEN, build_tables, build_tables_torch, count_rows, count_rows_torch
 
-__all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES"]
+__all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "DENSE_FILL", "dense_fill", "wave_token_ranges"]
 
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 DEFAULT_CAPACITY = 4096
 MODES = ("auto", "kernel", "copy")
+DENSE_FILL = 0.8
+
+
+def dense_fill(num_ranks: int, num_waves: int, top_k: int, partition: str) -> float:
+    """Expected fraction of a dense block's rows that carry at least one pair, under uniform routing."""
+    cells = num_ranks * num_waves if partition == "experts" else num_ranks
+    return 1.0 - (1.0 - 1.0 / cells) ** top_k
+
+
+def wave_token_ranges(T: int, W: int, partition: str) -> tuple:
+    """(start, length) of each wave's tokens: all T for "experts", the contiguous chunks of
+    ``compute_layout`` (token t in wave t*W // T) for "tokens"."""
+    if partition == "experts":
+        return tuple((0, T) for _ in range(W))
+    bounds = [-(-w * T // W) for w in range(W + 1)]
+    return tuple((bounds[w], bounds[w + 1] - bounds[w]) for w in range(W))
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,10 @@ class SymmPlan(ExchangePlan):
             metadata is reset in place at dispatch: expert -1, weight 0).
         pairs_We: [W, e] int64 (row, slot) pairs received per local expert: the exchanged counts summed
             over the sources.
+        dense: ((start, rows) per wave) in dense blocks (see ``SymmBackend``): row i of block (w, p) is
+            token start_w + i for i < rows_w, whether or not it has an expert on p; None for sparse blocks.
+        meta_WPNM: [W, P, N, M] int32, dense blocks only: the (local expert, weight) slots of each row
+            for peer p (expert -1 and weight 0 where the token has none of p's experts in wave w).
     """
 
     capacity: int = 0
@@ -105,6 +125,8 @@ class SymmPlan(ExchangePlan):
     src_PC: torch.Tensor | None = None
     stale_WPC1: torch.Tensor | None = None
     pairs_We: torch.Tensor | None = None
+    dense: tuple | None = None
+    meta_WPNM: torch.Tensor | None = None
 
 
 @dataclass
@@ -142,25 +164,42 @@ class SymmBackend:
             of the GEMM (2 x H200, bytes all-to-all of 64 MB per rank: alone 112.9 vs 113.7 us with the
             barrier, beside the GEMM 399.9 vs 354.8 us; benchmarks/README.md, fourth session).
             Environment override: MOE_WAVE_SYMM_FLAGS=1.
+        dense: copy mode only: dense blocks (an all-gather layout). Row i of block (w, p) is token
+            start_w + i of the wave's token range, sent whether or not it has an expert on p (its
+            metadata then says expert -1): the dispatch copies x itself with one cudaMemcpyAsync per
+            peer, with no pack kernel, at the price of the rows that carry no pair. None (the default)
+            chooses dense where the expected fill of a block under uniform routing,
+            1 - (1 - 1/(W*P))^K ("experts" partition) or 1 - (1 - 1/P)^K ("tokens"), is at least
+            ``DENSE_FILL`` (0.8): e.g. 2 ranks, one wave, top-6 (0.98), not 8 ranks (0.55). True with
+            mode "auto" means copy mode. Environment override: MOE_WAVE_SYMM_DENSE=0|1|auto.
     """
 
     name = "symm"
 
     def __init__(self, ep: EPGroup, *, cfg=None, wave=None, comm_stream=None, mode: str = "auto",
-                 flags: bool = False):
+                 flags: bool = False, dense: bool | None = None):
         self.ep, self.cfg, self.comm_stream = ep, cfg, comm_stream
         cap = getattr(wave, "max_tokens_per_rank", 0) or DEFAULT_CAPACITY
         self.capacity = int(cap)
         mode = os.environ.get("MOE_WAVE_SYMM_MODE", mode)
         if mode not in MODES:
             raise ValueError(f"SymmBackend mode={mode!r}: must be one of {MODES}")
+        env = os.environ.get("MOE_WAVE_SYMM_DENSE")
+        if env is not None:
+            if env not in ("0", "1", "auto"):
+                raise ValueError(f"MOE_WAVE_SYMM_DENSE={env!r}: must be 0, 1 or auto")
+            dense = None if env == "auto" else env == "1"
+        if dense and mode == "kernel":
+            raise ValueError(f"SymmBackend dense=True needs mode='copy' (mode is {mode!r}): kernel mode writes only "
+                             f"the rows that carry pairs, so it has no pack to save")
         if mode == "auto":
-            mode = "kernel" if triton_ok(ep.device) else "copy"
+            mode = "copy" if dense or not triton_ok(ep.device) else "kernel"
         if mode == "kernel" and not triton_ok(ep.device):
             raise ValueError(f"SymmBackend mode='kernel' needs Triton on {ep.device} (pip install triton; on CPU "
                              f"also TRITON_INTERPRET=1); mode='copy' runs without it")
         self.mode = mode
         self.flags = os.environ.get("MOE_WAVE_SYMM_FLAGS", "1" if flags else "0") == "1"
+        self.dense = dense
         # Triton where it runs: prepare's count rows and tables, the combine's accumulate (gather_add)
         self._kernels = triton_ok(ep.device)
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
@@ -179,6 +218,7 @@ class SymmBackend:
         self._ctrl: dict = {}
         self._data: dict = {}
         self._signals: dict = {}     # copy mode: (buffers, channel) -> CopySignal
+        self._dense_cache: dict = {}  # (T, W, P, partition) -> the routing-independent dense tables
         dev = ep.device
         self._status_dev = torch.zeros(STATUS_LEN, dtype=torch.long, device=dev)
         pin = st.is_accelerator(dev)
@@ -303,28 +343,89 @@ class SymmBackend:
             self._raise_if_flagged()
         dev, C, T = layout.send_counts_WP.device, self.capacity, layout.num_tokens
         cur = st.current_stream(dev)
-        counts = (layout.send_counts_WP, layout.pair_counts_WPe, layout.ids_min, layout.ids_max)
+        K = layout.send_expert_SK.shape[1]
+        dense = self.uses_dense(plan, K)
+        static = self._dense_static(T, plan) if dense else None
+        # dense blocks: the counts exchanged are the blocks' row counts (the wave's token range)
+        counts = (static["counts_WP"] if dense else layout.send_counts_WP, layout.pair_counts_WPe,
+                  layout.ids_min, layout.ids_max)
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
             recv_PX = self._exchange_counts(counts, P, W * P + W * e + 2)
             slot_WTP = torch.full((W, T, P), -1, dtype=torch.long, device=dev) if self._kernels else None
             build = build_tables if self._kernels else build_tables_torch
+            # the send side always from the sparse rows (dense blocks are derived from them below); the
+            # receive side and the overflow status from the exchanged counts
             tabs = build(recv_PX, layout.send_counts_WP, layout.send_token_S, C, T, me, plan.num_experts,
                          slot_WTP, self._status_dev)
             self._status_host.copy_(self._status_dev, non_blocking=True)
             meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
+            extra = {}
+            if dense:
+                extra = self._densify(tabs, meta_SM, slot_WTP, static, K, C)
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
             xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM,
                              slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
-                             stale_WPC1=(tabs["recv_dst_WPC"] < 0)[..., None] if self.symm else None, **tabs)
+                             stale_WPC1=(tabs["recv_dst_WPC"] < 0)[..., None] if self.symm else None,
+                             **{**tabs, **extra})
         st.wait_stream(cur, self.comm_stream)
         for t in (recv_PX, xplan.tok_WPN, xplan.row_WPN, xplan.send_dst_WPN, xplan.recv_dst_WPC, meta_SM, slot_WTP,
-                  xplan.pairs_We, xplan.stale_WPC1):
+                  xplan.pairs_We, xplan.stale_WPC1, xplan.meta_WPNM):
             if t is not None:
                 st.keep_alive(t, cur)
         if not st.is_accelerator(dev):
             self._raise_if_flagged()  # CPU: the status is already on the host (eager error, all ranks alike)
         return xplan
+
+    # ---------------------------------------------------------------- dense blocks
+    def uses_dense(self, plan, top_k: int) -> bool:
+        """Whether this plan's blocks are dense (see ``dense`` in the class docstring)."""
+        if self.dense is not None:
+            return self.dense
+        return self.mode == "copy" and dense_fill(plan.num_ranks, plan.num_waves, top_k, plan.partition) >= DENSE_FILL
+
+    def _dense_static(self, T: int, plan) -> dict:
+        """The routing-independent part of dense blocks for T tokens (cached; made outside any capture:
+        the first prepare of a shape runs eagerly)."""
+        W, P, C, dev = plan.num_waves, plan.num_ranks, self.capacity, self.ep.device
+        key = (T, W, P, plan.partition)
+        if key not in self._dense_cache:
+            N = min(C, T)
+            ranges = wave_token_ranges(T, W, plan.partition)
+            start_W1 = torch.tensor([a for a, _ in ranges], dtype=torch.long).view(W, 1)
+            len_W1 = torch.tensor([n for _, n in ranges], dtype=torch.long).view(W, 1)
+            i_N = torch.arange(N)
+            tok_WPN = (start_W1 + i_N).clamp(max=max(T - 1, 0)).view(W, 1, N).expand(W, P, N)
+            send_dst_WPN = torch.where(i_N < len_W1.clamp(max=C), i_N, -1).view(W, 1, N).expand(W, P, N)
+            t_T = torch.arange(T)
+            rel_WT = t_T - start_W1                                       # token t's row in wave w's blocks
+            self._dense_cache[key] = dict(
+                ranges=tuple((a, min(n, N)) for a, n in ranges),
+                counts_WP=len_W1.expand(W, P).contiguous().to(dev),
+                tok_WPN=tok_WPN.contiguous().to(dev), send_dst_WPN=send_dst_WPN.contiguous().to(dev),
+                # where token t's result from peer p lands (p*C + its row), -1 past the capacity
+                slot_WTP=torch.where(((rel_WT >= 0) & (rel_WT < C))[..., None],
+                                     torch.arange(P).view(1, 1, P) * C + rel_WT[..., None], -1).to(dev),
+                # a send row's flat row in [W, P, N] is base + (token - start)
+                base_WP1=(torch.arange(W * P).view(W, P, 1) * N).to(dev), start_W11=start_W1.view(W, 1, 1).to(dev))
+        return self._dense_cache[key]
+
+    def _densify(self, tabs: dict, meta_SM, slot_WTP, static: dict, K: int, C: int) -> dict:
+        """Dense blocks from the sparse tables: each send row's metadata moves to its token's row of the
+        block (a dump row takes the rest), and the combine's slots point at those rows."""
+        W, P, N = tabs["tok_WPN"].shape
+        M = meta_SM.shape[1]
+        flat = W * P * N
+        meta = torch.zeros(flat + 1, M, dtype=torch.int32, device=meta_SM.device)
+        meta[:, :K] = -1
+        rel_WPN = tabs["tok_WPN"] - static["start_W11"]
+        # rows past the capacity (an overflow, reported) go to the dump row
+        dst = torch.where((tabs["send_dst_WPN"] >= 0) & (rel_WPN < N), static["base_WP1"] + rel_WPN, flat)
+        meta.index_copy_(0, dst.reshape(-1), meta_SM.index_select(0, tabs["row_WPN"].reshape(-1)))
+        if slot_WTP is not None:       # a token keeps a slot only where it sent a row (it has pairs there)
+            slot_WTP.copy_(torch.where(slot_WTP >= 0, static["slot_WTP"], -1))
+        return dict(tok_WPN=static["tok_WPN"], send_dst_WPN=static["send_dst_WPN"], row_WPN=None,
+                    meta_WPNM=meta[:flat].view(W, P, N, M), dense=static["ranges"])
 
     def _exchange_counts(self, counts, P: int, X: int) -> torch.Tensor:
         """[P, X]: row src is what rank src sent this rank (see ``symm_tables``)."""
@@ -410,10 +511,15 @@ class SymmBackend:
         return Pending(finish, f"dispatch[{wave}]")
 
     def _pack(self, x_TD, plan: SymmPlan, wave: int, p: int, dst_x_CD, dst_m_CM) -> None:
-        """Copy mode: the rows of block (wave, p) into a local [C, D] / [C, M] destination; rows past the
-        count get junk from valid rows, within the N-row block (masked by the receiver)."""
+        """Copy mode: the rows of block (wave, p) into a [C, D] / [C, M] destination (local, or p's block
+        with dense blocks); sparse rows past the count get junk from valid rows, within the N-row block
+        (masked by the receiver)."""
         N = plan.tok_WPN.shape[2]
-        if N:
+        if plan.dense is not None:          # dense: the wave's token range as it is, and p's metadata rows
+            start, n = plan.dense[wave]
+            dst_x_CD[:n].copy_(x_TD[start:start + n], non_blocking=True)
+            dst_m_CM[:N].copy_(plan.meta_WPNM[wave, p], non_blocking=True)
+        elif N:
             torch.index_select(x_TD, 0, plan.tok_WPN[wave, p], out=dst_x_CD[:N])
             torch.index_select(plan.meta_SM, 0, plan.row_WPN[wave, p], out=dst_m_CM[:N])
 
@@ -456,6 +562,19 @@ class SymmBackend:
             return
         me, N = self.ep.rank, plan.tok_WPN.shape[2]
         if not N:
+            return
+        if plan.dense is not None:
+            # dense blocks: no pack. One cudaMemcpyAsync of x's rows and one of the metadata per peer (copy
+            # engines, no SMs); this rank's own block the same way on the local stream.
+            loc = self._local_fork(x_TD, plan.meta_WPNM)
+            rx, rm, _ = bufs.peers[me]
+            with st.on(loc):
+                self._pack(x_TD, plan, wave, me, rx[wave, me], rm[wave, me])
+            for p in self._other_ranks:
+                prx, prm, _ = bufs.peers[p]
+                self._pack(x_TD, plan, wave, p, prx[wave, me], prm[wave, me])
+            if loc is not None:
+                st.wait_stream(self.comm_stream, loc)
             return
         if self._kernels:
             # one Triton launch packs every peer's valid rows (and metadata) into the local staging and this

@@ -33,7 +33,9 @@ def _symm_path(ep: EPGroup, x, ids, w, num_waves: int, partition: str, overlap: 
                capacity: int = 16) -> torch.Tensor:
     e = E_PER_RANK
     plan = WavePlan.make(num_ranks=ep.size, num_local_experts=e, num_waves=num_waves, partition=partition)
-    backend = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=capacity), mode=mode)
+    data, _, blocks = mode.partition("+")          # "copy+dense", "copy+sparse", "copy" (auto), "kernel"
+    dense = {"dense": True, "sparse": False}.get(blocks)
+    backend = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=capacity), mode=data, dense=dense)
     xplan = backend.prepare(compute_layout(ids, w, plan))
 
     def experts(got):
@@ -64,7 +66,7 @@ def _check_symm(ep: EPGroup, modes) -> list:
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_symm_dispatch_combine_matches_reference(ranks, P):
-    modes = ["copy"]
+    modes = ["copy+sparse", "copy+dense"]
     results = [_check_symm(EPGroup.single(), modes)] if P == 1 else ranks(P).run(_check_symm, modes)
     for rank, errs in enumerate(results):
         assert len(errs) == len(CASES) * 3 * 2 * 2 * len(modes)
@@ -94,28 +96,35 @@ def test_wavemoe_symm_matches_torch_backend(ranks):
     assert ranks(2).run(_moe_symm_vs_torch, [21, 0]) == pytest.approx([0.0, 0.0], abs=1e-5)
 
 
-def _overflow(ep: EPGroup, capacity: int) -> str:
+def _overflow(ep: EPGroup, capacity: int, mode: str) -> str:
     x, ids, w = _make_case("one_expert", ep.size)[ep.rank]   # 9 tokens per rank, all to rank P-1
     try:
-        _symm_path(ep, x, ids, w, 1, "experts", True, "copy", capacity=capacity)
+        _symm_path(ep, x, ids, w, 1, "experts", True, mode, capacity=capacity)
     except RuntimeError as e:
         return str(e)
     return "no error"
 
 
-def test_capacity_overflow_raises_on_every_rank(ranks):
-    msgs = ranks(2).run(_overflow, 4)
+@pytest.mark.parametrize("mode", ["copy+sparse", "copy+dense"])
+def test_capacity_overflow_raises_on_every_rank(ranks, mode):
+    msgs = ranks(2).run(_overflow, 4, mode)
     assert msgs[0] == msgs[1], msgs      # every rank raises the same error (no rank left hanging)
     found = re.search(r"capacity overflow in wave 0: rank (\d) sent (\d+) rows to rank (\d), capacity is 4 rows", msgs[0])
     assert found, msgs[0]
     count = int(found.group(2))
     assert count > 4 and f"WaveConfig.max_tokens_per_rank >= {count}" in msgs[0]
-    assert ranks(2).run(_overflow, 9) == ["no error", "no error"]   # T == C always fits
+    assert ranks(2).run(_overflow, 9, mode) == ["no error", "no error"]   # T == C always fits
 
 
-def test_bad_mode_and_plan_errors():
+def test_bad_mode_and_plan_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"mode='fast'"):
         SymmBackend(EPGroup.single(), mode="fast")
+    with pytest.raises(ValueError, match=r"dense=True needs mode='copy' \(mode is 'kernel'\)"):
+        SymmBackend(EPGroup.single(), mode="kernel", dense=True)
+    monkeypatch.setenv("MOE_WAVE_SYMM_DENSE", "yes")
+    with pytest.raises(ValueError, match=r"MOE_WAVE_SYMM_DENSE='yes': must be 0, 1 or auto"):
+        SymmBackend(EPGroup.single(), mode="copy")
+    monkeypatch.delenv("MOE_WAVE_SYMM_DENSE")
     backend = SymmBackend(EPGroup.single())
     plan = WavePlan.make(num_ranks=2, num_local_experts=4, num_waves=1)
     lay = compute_layout(torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), plan)
@@ -295,7 +304,7 @@ def test_symm_kernels_match_torch_under_interpreter():
 
 
 def _kernel_mode(ep: EPGroup) -> list:
-    return _check_symm(ep, ["kernel"])
+    return _check_symm(ep, ["kernel", "copy+dense"])   # copy+dense: gather_add over the dense slots
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
