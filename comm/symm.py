@@ -31,7 +31,9 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
               index_select with the local block on a second stream. Then barrier(channel=w) on the
               data allocation (copy mode with ``flags``: completion flags instead, ``CopySignal``:
               the copy engines write a call number after the data, a waiter started beside the
-              copies sees them: no barrier kernel waiting for the copies to drain).
+              copies sees them: no barrier kernel waiting for the copies to drain; ``signal="memops"``:
+              a flag per peer written and awaited by stream memory operations, no kernel at all).
+              Copy mode with dense blocks (``dense``) has no pack: x's rows are copied as they are.
     combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
               launch; copy: the whole C-row block per peer), barrier(channel=W+w); the source sums
               them into out_TD in fp32 (``gather_add``: per token, peers in order; with Triton this
@@ -63,15 +65,17 @@ from .backend import ExchangePlan, Pending, Received, WaveHandle
 from .group import EPGroup
 from .layout import DispatchLayout
 from .symm_kernels import RowTargets, gather_add, scatter_rows, triton_ok
+from . import symm_memops as memops
 from .symm_signal import CopySignal
 from .symm_tables import STATUS_LEN, build_tables, build_tables_torch, count_rows, count_rows_torch
 
-__all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "DENSE_FILL", "dense_fill", "wave_token_ranges"]
+__all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "SIGNALS", "DENSE_FILL", "dense_fill", "wave_token_ranges"]
 
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 DEFAULT_CAPACITY = 4096
 MODES = ("auto", "kernel", "copy")
+SIGNALS = ("barrier", "flags", "memops")
 DENSE_FILL = 0.8
 
 
@@ -158,12 +162,18 @@ class SymmBackend:
             within it makes the barrier kernel trap (a CUDA error naming the barrier) instead of hanging.
         mode: "kernel" (Triton, writes only valid rows), "copy" (copy engines, N-row blocks) or
             "auto" (kernel when Triton is usable). Environment override: MOE_WAVE_SYMM_MODE.
-        flags: copy mode only: close each exchange with completion flags written by the copy engines
-            (``CopySignal``) instead of a barrier kernel. Off by default: its waiter spins on one SM
-            for the whole exchange, and beside a GEMM that holds every SM this costs a second wave
-            of the GEMM (2 x H200, bytes all-to-all of 64 MB per rank: alone 112.9 vs 113.7 us with the
-            barrier, beside the GEMM 399.9 vs 354.8 us; benchmarks/README.md, fourth session).
-            Environment override: MOE_WAVE_SYMM_FLAGS=1.
+        signal: what closes each dispatch / combine exchange (environment override
+            MOE_WAVE_SYMM_SIGNAL):
+            "barrier" (default): torch's symmetric-memory barrier kernel, with its timeout.
+            "flags": copy mode only: completion flags written by the copy engines (``CopySignal``).
+                Its waiter spins on one SM for the whole exchange, and beside a GEMM that holds every
+                SM this costs a second wave of the GEMM (2 x H200, bytes all-to-all of 64 MB per rank:
+                alone 112.9 vs 113.7 us with the barrier, beside the GEMM 399.9 vs 354.8 us;
+                benchmarks/README.md, fourth session).
+            "memops": stream memory operations (``symm_memops.MemopSignal``): written and awaited by
+                the GPU's front end, no SM at all; the wait is bounded by a host watchdog thread
+                that names the missing peer and stops the rank after MOE_WAVE_SYMM_TIMEOUT_MS.
+        flags: the same as signal="flags" (environment: MOE_WAVE_SYMM_FLAGS=1).
         dense: copy mode only: dense blocks (an all-gather layout). Row i of block (w, p) is token
             start_w + i of the wave's token range, sent whether or not it has an expert on p (its
             metadata then says expert -1): the dispatch copies x itself with one cudaMemcpyAsync per
@@ -177,7 +187,7 @@ class SymmBackend:
     name = "symm"
 
     def __init__(self, ep: EPGroup, *, cfg=None, wave=None, comm_stream=None, mode: str = "auto",
-                 flags: bool = False, dense: bool | None = None):
+                 flags: bool = False, dense: bool | None = None, signal: str | None = None):
         self.ep, self.cfg, self.comm_stream = ep, cfg, comm_stream
         cap = getattr(wave, "max_tokens_per_rank", 0) or DEFAULT_CAPACITY
         self.capacity = int(cap)
@@ -198,11 +208,21 @@ class SymmBackend:
             raise ValueError(f"SymmBackend mode='kernel' needs Triton on {ep.device} (pip install triton; on CPU "
                              f"also TRITON_INTERPRET=1); mode='copy' runs without it")
         self.mode = mode
-        self.flags = os.environ.get("MOE_WAVE_SYMM_FLAGS", "1" if flags else "0") == "1"
+        if os.environ.get("MOE_WAVE_SYMM_FLAGS") == "1" or (flags and signal is None):
+            signal = "flags"
+        signal = os.environ.get("MOE_WAVE_SYMM_SIGNAL", signal or "barrier")
+        if signal not in SIGNALS:
+            raise ValueError(f"SymmBackend signal={signal!r}: must be one of {SIGNALS}")
         self.dense = dense
         # Triton where it runs: prepare's count rows and tables, the combine's accumulate (gather_add)
         self._kernels = triton_ok(ep.device)
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
+        if signal == "flags" and (mode != "copy" or not self._kernels):
+            raise ValueError(f"SymmBackend signal='flags' needs mode='copy' and Triton (mode is {mode!r}, Triton "
+                             f"{'usable' if self._kernels else 'not usable'} on {ep.device})")
+        if signal == "memops" and self.symm and memops.available():
+            raise ValueError(f"SymmBackend signal='memops': {memops.available()}")
+        self.signal = signal
         # Copy mode: the block for this rank itself is a local copy on a second stream, beside the peer
         # copies over NVLink instead of after them (kernel mode interleaves it in the one launch).
         self.local_stream = (st.accel_module(ep.device).Stream(device=ep.device, priority=-1)
@@ -317,18 +337,34 @@ class SymmBackend:
         self._data[key] = bufs
         return bufs
 
-    def _signal(self, bufs: _Buffers, channel: int) -> CopySignal | None:
-        """Copy mode with Triton: the completion flags of one exchange channel (None: use the barrier).
-        Allocated on first use, collectively, so that first use must come before any capture."""
-        if self.mode != "copy" or not self.flags or not self._kernels:
+    def _signal(self, bufs: _Buffers, channel: int, what: str):
+        """The signal that closes one exchange channel: completion flags (``CopySignal``), stream memory
+        operations (``MemopSignal``), or None for the barrier kernel. Allocated on first use,
+        collectively, so that first use must come before any capture."""
+        if not self.symm or self.signal == "barrier":
             return None
         key = (id(bufs), channel)
         if key not in self._signals:
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("symm copy mode: run one dispatch and combine eagerly before capturing a CUDA "
-                                   "graph (the completion flags are allocated on first use, by every rank)")
-            self._signals[key] = CopySignal(self.ep, self._alloc, self.timeout_ms)
+                raise RuntimeError(f"symm signal={self.signal!r}: run one dispatch and combine eagerly before "
+                                   f"capturing a CUDA graph (the signal words are allocated on first use, by every rank)")
+            if self.signal == "flags":
+                self._signals[key] = CopySignal(self.ep, self._alloc, self.timeout_ms)
+            else:   # no acknowledgement: prepare's barrier orders every reuse of a block (module docstring)
+                self._signals[key] = memops.MemopSignal(self.ep, self._alloc, ack=False, timeout_ms=self.timeout_ms,
+                                                        name=what)
         return self._signals[key]
+
+    def _close(self, sig, bufs: _Buffers, channel: int) -> None:
+        """End an exchange: the signal's wait, or the barrier kernel on the data allocation."""
+        if sig is not None:
+            sig.end()
+        else:
+            bufs.hdl.barrier(channel=channel, timeout_ms=self.timeout_ms)
+
+    def _raise_watchdog(self) -> None:
+        if self.signal == "memops" and self._signals:
+            memops.watchdog().raise_if_fired()
 
     # ---------------------------------------------------------------- count exchange
     def prepare(self, layout: DispatchLayout) -> SymmPlan:
@@ -339,6 +375,7 @@ class SymmBackend:
         if P != self.ep.size:
             raise ValueError(f"WavePlan.num_ranks={P}: must equal the EP group size {self.ep.size}")
         self._num_experts = plan.num_experts
+        self._raise_watchdog()
         if st.is_accelerator(self.ep.device):
             self._raise_if_flagged()
         dev, C, T = layout.send_counts_WP.device, self.capacity, layout.num_tokens
@@ -454,6 +491,7 @@ class SymmBackend:
         K, D = lay.send_expert_SK.shape[1], x_TD.shape[1]
         if x_TD.shape[0] != lay.num_tokens:
             raise ValueError(f"x.shape[0]={x_TD.shape[0]}: must equal the layout's {lay.num_tokens} tokens")
+        self._raise_watchdog()
         bufs = self._buffers(x_TD.dtype, D, plan.num_waves, K)
         dev, cur = x_TD.device, st.current_stream(x_TD.device)
         works = ()
@@ -461,14 +499,11 @@ class SymmBackend:
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(x_TD, self.comm_stream)
             if self.symm:
-                sig = self._signal(bufs, wave)
-                if sig is not None:     # copy engines: flags follow the data, a waiter started beside them
+                sig = self._signal(bufs, wave, f"dispatch wave {wave}")
+                if sig is not None:     # flags: a waiter started beside the copies; memops: nothing (no ack)
                     sig.begin()
                 self._push_peers(x_TD, plan, bufs, wave)
-                if sig is not None:
-                    sig.end()
-                else:
-                    bufs.hdl.barrier(channel=wave, timeout_ms=self.timeout_ms)
+                self._close(sig, bufs, wave)
                 # rows past a source's count hold stale (copy mode: junk) metadata: expert -1, weight 0,
                 # in place, so that finish() hands out views. After the barrier: copy mode's N-row blocks
                 # write those rows too; the next writes into this block come after the next prepare.
@@ -612,6 +647,7 @@ class SymmBackend:
         if y_RD.shape != (P * C, D) or y_RD.dtype != bufs.comb.dtype:
             raise ValueError(f"y: shape {tuple(y_RD.shape)} dtype {y_RD.dtype}: must be {(P * C, D)} "
                              f"{bufs.comb.dtype} (one row per received row)")
+        self._raise_watchdog()
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
         works = ()
         gather = self._kernels and out_TD.dtype == torch.float32
@@ -620,15 +656,15 @@ class SymmBackend:
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(y_RD, self.comm_stream)
             y_RD = y_RD.contiguous()
+            sig = self._signal(bufs, W + wave, f"combine wave {wave}")
+            if sig is not None:
+                sig.begin()
             if self.symm and self.mode == "kernel":   # valid rows only, every source's block in one launch
                 # this rank's own results stay in y: gather_add reads them there (no local copy)
                 scatter_rows(y_RD, bufs.targets[wave][2], plan.src_PC, plan.recv_dst_WPC[wave],
                              skip=me if local_from_y else None)
-                bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
+                self._close(sig, bufs, W + wave)
             elif self.symm:
-                sig = self._signal(bufs, W + wave)
-                if sig is not None:
-                    sig.begin()
                 loc = None if local_from_y else self._local_fork(y_RD)
                 for s, (_, _, cb) in enumerate(bufs.peers):
                     if s == me and local_from_y:      # gather_add reads this rank's own block from y
@@ -637,10 +673,7 @@ class SymmBackend:
                         cb[wave, me].copy_(y_RD[s * C:(s + 1) * C], non_blocking=True)
                 if loc is not None:
                     st.wait_stream(self.comm_stream, loc)
-                if sig is not None:
-                    sig.end()
-                else:
-                    bufs.hdl.barrier(channel=W + wave, timeout_ms=self.timeout_ms)
+                self._close(sig, bufs, W + wave)
             elif P == 1:
                 bufs.comb[wave].view(C, D).copy_(y_RD)
             else:

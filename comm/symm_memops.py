@@ -3,7 +3,7 @@
 Legend: P ranks, me this rank, p a peer.
 
 ``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` are executed by the GPU's front end, not by a
-kernel: a barrier built from them occupies no SM, so a GEMM beside it keeps every SM. CUDA graphs
+kernel: a signal built from them occupies no SM, so a GEMM beside it keeps every SM. CUDA graphs
 capture them as memory-operation nodes. Their values are fixed when they are issued, so the
 protocol cannot count calls; it resets each word after it has seen it. Every rank owns an int32
 ``[2, P]`` symmetric buffer, row 0 the data flags and row 1 the acknowledgements, slot p for peer p.
@@ -11,27 +11,39 @@ All words start at 0. One exchange, on the stream that issues the data copies:
 
     1. for every p: write ack[me] = 1 on p       "I am done with what you sent me last time"
     2. for every p: wait my ack[p] == 1, set 0   p is done with my previous data: I may overwrite it
-    3. the data copies into the peers' buffers (copy engines)
+    3. the data copies into the peers' buffers (copy engines, or a kernel's stores)
     4. for every p: write flag[me] = 1 on p      behind the copies (a write carries a memory fence)
     5. for every p: wait my flag[p] == 1, set 0  p's data has landed here
 
 A word is set again only after its owner has reset it: p writes my flag[p] again in its next
 exchange only after step 2 there, which needs my step-1 write of that exchange, which my stream
-issues after my step-5 reset. The same holds for the acknowledgements.
+issues after my step-5 reset. The same holds for the acknowledgements. With ``ack=False`` steps 1-2
+are skipped: the caller orders every reuse of the buffers behind another barrier (the symm backend's
+prepare, which every rank reaches only after it has finished reading the previous layer's blocks).
 
-**No timeout.** A memory-operation wait has no deadline: a peer that never signals stops this
-stream for good. ``launch/bench_comm.py`` uses this module to measure what a kernel-free barrier
-buys (its stage time limit bounds a hang); the backend keeps its timed barriers. Loads libcuda
-through ctypes; ``available()`` says why it cannot be used where it cannot.
+**Bounded waits.** A memory-operation wait has no deadline of its own. Before each wait the stream
+writes a code (peer, step, call) into a word of pinned host memory, and 0 after the last one; a
+process-wide ``Watchdog`` thread reads these words (no CUDA call) and, when one has held the same
+code for ``timeout_s``, prints the root cause (this rank, the peer that never signalled, the
+step, the seconds), records it for the caller (``MemopSignal.error``: the symm backend raises it at
+its next call), releases the stuck wait so that the process can leave a blocking synchronisation,
+and exits the process (code 1) ``grace_s`` later unless the error was raised by then. So no rank
+hangs: the one waiting names the peer, the peer's own failure is its root cause, and the launcher
+stops the rest. Loads libcuda through ctypes; ``available()`` says why it cannot be used where it
+cannot.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
+import threading
+import time
 
 import torch
 
-__all__ = ["MemopSignal", "available"]
+__all__ = ["MemopSignal", "Watchdog", "available", "watchdog"]
 
 _WAIT_EQ = 0x1
 _WAIT_FLUSH = 1 << 30
@@ -49,6 +61,10 @@ def _lib():
                 f.restype = ctypes.c_int
                 f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32]
                 fns[name] = f
+            hp = getattr(cu, "cuMemHostGetDevicePointer_v2", None) or cu.cuMemHostGetDevicePointer
+            hp.restype = ctypes.c_int
+            hp.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+            fns["host_ptr"] = hp
             attr = cu.cuDeviceGetAttribute
             attr.restype = ctypes.c_int
             attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
@@ -65,37 +81,166 @@ def available() -> str | None:
     return _lib()["error"]
 
 
+# The wait code written before each wait: (call % 2^15) << 16 | step << 15 | (peer + 1). The call part
+# tells two eager calls apart (the watchdog needs the same code to persist); a CUDA graph replays the
+# codes it captured. step 0: the acknowledgement of peer, step 1: its data flag.
+STEPS = ("acknowledgement", "data flag")
+
+
+def wait_code(call: int, step: int, peer: int) -> int:
+    return ((call % 0x8000) << 16) | (step << 15) | (peer + 1)
+
+
+def decode(code: int) -> tuple[int, int, int]:
+    """(call, step, peer) of a nonzero wait code."""
+    return code >> 16, (code >> 15) & 1, (code & 0x7FFF) - 1
+
+
+class Watchdog:
+    """A daemon thread that turns a stream stuck in a memory-operation wait into an error (see the module
+    docstring). Each watched entry is a pinned host int32 tensor of wait codes (0: not waiting), with its
+    own timeout and two callbacks: ``describe(index, code, seconds) -> str`` (the message) and
+    ``release(index, code)`` (unblock the stream; best effort). ``exit`` and ``clock`` are for tests."""
+
+    def __init__(self, poll_s: float = 0.01, grace_s: float | None = None, exit=os._exit, clock=time.monotonic,
+                 thread: bool = True):
+        self.poll_s, self._use_thread = poll_s, thread
+        self.grace_s = float(os.environ.get("MOE_WAVE_SYMM_GRACE_S", "10")) if grace_s is None else grace_s
+        self._exit, self._clock = exit, clock
+        self._entries: list = []           # [words, timeout_s, describe, release, seen: {index: (code, since)}]
+        self._lock = threading.Lock()
+        self.error: str | None = None      # the first root cause
+        self.delivered = False             # set by the caller that raised ``error``
+        self._exit_at: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def watch(self, words: torch.Tensor, timeout_s: float, describe, release) -> None:
+        with self._lock:
+            self._entries.append([words, float(timeout_s), describe, release, {}])
+        if self._thread is None and self._use_thread:
+            self._thread = threading.Thread(target=self._run, name="moe-wave-memops-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            self.poll()
+
+    def poll(self) -> None:
+        """One pass over every word (the thread calls it every ``poll_s``)."""
+        now = self._clock()
+        with self._lock:
+            entries = list(self._entries)
+        for words, timeout_s, describe, release, seen in entries:
+            for i, code in enumerate(words.tolist()):
+                if code == 0:
+                    seen.pop(i, None)
+                    continue
+                old = seen.get(i)
+                if old is None or old[0] != code:
+                    seen[i] = (code, now, False)
+                    continue
+                if old[2] or now - old[1] < timeout_s:
+                    continue
+                seen[i] = (code, old[1], True)          # fire once per stuck wait
+                self._fire(describe(i, code, now - old[1]), lambda i=i, code=code: release(i, code), now)
+        if self._exit_at is not None and now >= self._exit_at and not self.delivered:
+            print(f"[moe-wave] exiting: {self.error} (not raised by the caller within {self.grace_s:g} s)",
+                  file=sys.stderr, flush=True)
+            self._exit_at = None
+            self._exit(1)
+
+    def _fire(self, msg: str, release, now: float) -> None:
+        if self.error is None:
+            self.error = msg
+            self._exit_at = now + self.grace_s
+        print(f"[moe-wave] {msg}", file=sys.stderr, flush=True)
+        try:
+            release()
+        except Exception as e:     # noqa: BLE001 - the message above is what matters; the exit still comes
+            print(f"[moe-wave] could not release the stuck wait: {e!r}", file=sys.stderr, flush=True)
+
+    def raise_if_fired(self) -> None:
+        """Raise the first root cause as a RuntimeError (and cancel the exit: the caller has it now)."""
+        if self.error is not None:
+            self.delivered = True
+            raise RuntimeError(self.error)
+
+
+_WATCHDOG: list = []
+
+
+def watchdog() -> Watchdog:
+    """The process's watchdog (made on first use)."""
+    if not _WATCHDOG:
+        _WATCHDOG.append(Watchdog())
+    return _WATCHDOG[0]
+
+
 class MemopSignal:
-    """One exchange channel's flags and acknowledgements (see the module docstring).
+    """One exchange channel's flags (and acknowledgements with ``ack``; see the module docstring).
 
     Args:
         ep: the expert-parallel group (CUDA, NCCL).
         alloc: ``alloc(nbytes) -> (buffer, symmetric-memory handle)``, collective and zeroed.
+        ack: steps 1-2 (off where another barrier orders every reuse of the buffers).
+        timeout_ms: a wait that lasts longer is reported by the ``Watchdog`` (0: not watched).
+        name: what the exchange is, for the message (e.g. "dispatch wave 0").
 
     Use, per exchange, on the stream that issues the data copies: ``begin()``, the copies, ``end()``.
     """
 
-    def __init__(self, ep, alloc):
+    def __init__(self, ep, alloc, *, ack: bool = True, timeout_ms: int = 0, name: str = "exchange"):
         why = available()
         if why:
             raise RuntimeError(f"MemopSignal: {why}")
         lib = _lib()
         self._write, self._wait = lib["cuStreamWriteValue32"], lib["cuStreamWaitValue32"]
         P, me = ep.size, ep.rank
-        self.ep = ep
+        self.ep, self.ack, self.name = ep, ack, name
         _, hdl = alloc(2 * P * 4)
         rows = [hdl.get_buffer(p, [2, P], torch.int32, 0) for p in range(P)]
         hdl.barrier(channel=0)          # every word is 0 before anyone writes one
         self._hdl, self._rows = hdl, rows
-        peers = [p for p in range(P) if p != me]
-        self._ack_to = [rows[p][1, me].data_ptr() for p in peers]
-        self._my_ack = [rows[me][1, p].data_ptr() for p in peers]
-        self._flag_to = [rows[p][0, me].data_ptr() for p in peers]
-        self._my_flag = [rows[me][0, p].data_ptr() for p in peers]
+        self._peers = [p for p in range(P) if p != me]
+        self._ack_to = [rows[p][1, me].data_ptr() for p in self._peers]
+        self._my_ack = [rows[me][1, p].data_ptr() for p in self._peers]
+        self._flag_to = [rows[p][0, me].data_ptr() for p in self._peers]
+        self._my_flag = [rows[me][0, p].data_ptr() for p in self._peers]
         can = ctypes.c_int(0)
         lib["attr"](ctypes.byref(can), _ATTR_CAN_FLUSH_REMOTE_WRITES, ep.device.index or 0)
         self.flush = bool(can.value)
         self._wait_flags = _WAIT_EQ | (_WAIT_FLUSH if self.flush else 0)
+        self.calls = 0
+        self._state = None
+        if timeout_ms > 0:            # the wait codes, in pinned host memory the stream writes and the watchdog reads
+            self._state = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            dptr = ctypes.c_uint64(0)
+            rc = lib["host_ptr"](ctypes.byref(dptr), ctypes.c_void_p(self._state.data_ptr()), 0)
+            if rc != 0:
+                raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {rc}: the memops watchdog needs "
+                                   f"pinned host memory the device can write")
+            self._state_dev = dptr.value
+            self._wd = watchdog()
+            self._wd.watch(self._state, timeout_ms / 1000, self._describe, self._release)
+
+    @property
+    def error(self) -> str | None:
+        return self._wd.error if self._state is not None else None
+
+    def _describe(self, i: int, code: int, seconds: float) -> str:
+        _, step, p = decode(code)
+        return (f"symm memops signal: rank {self.ep.rank} waited {seconds:.1f} s for rank {p}'s {STEPS[step]} "
+                f"({self.name}); rank {p} stopped or never reached this exchange: see its own error. The wait "
+                f"was released and this rank stops (MOE_WAVE_SYMM_TIMEOUT_MS)")
+
+    def _release(self, i: int, code: int) -> None:
+        _, step, p = decode(code)
+        word = self._rows[self.ep.rank][1 - step, p]     # row 0 flags (step 1), row 1 acks (step 0)
+        side = torch.cuda.Stream(device=self.ep.device)
+        with torch.cuda.stream(side):
+            word.fill_(1)
+        side.synchronize()
 
     def _call(self, fn, what: str, addr: int, value: int, flags: int) -> None:
         rc = fn(ctypes.c_void_p(torch.cuda.current_stream(self.ep.device).cuda_stream), addr, value, flags)
@@ -103,16 +248,32 @@ class MemopSignal:
             raise RuntimeError(f"{what} failed with CUresult {rc} (900-series: not capturable in a CUDA graph "
                                f"on this driver)")
 
+    def _mark(self, value: int) -> None:
+        if self._state is not None:
+            self._call(self._write, "cuStreamWriteValue32", self._state_dev, value, 0)
+
+    def _wait_all(self, step: int, mine: list, flags: int) -> None:
+        for p, a in zip(self._peers, mine):
+            self._mark(wait_code(self.calls, step, p))
+            self._call(self._wait, "cuStreamWaitValue32", a, 1, flags)
+            self._call(self._write, "cuStreamWriteValue32", a, 0, 0)
+
     def begin(self) -> None:
+        self.check()
+        self.calls += 1
+        if not self.ack:
+            return
         for a in self._ack_to:
             self._call(self._write, "cuStreamWriteValue32", a, 1, 0)
-        for a in self._my_ack:
-            self._call(self._wait, "cuStreamWaitValue32", a, 1, _WAIT_EQ)
-            self._call(self._write, "cuStreamWriteValue32", a, 0, 0)
+        self._wait_all(0, self._my_ack, _WAIT_EQ)
+
+    def check(self) -> None:
+        """Raise the watchdog's root cause, if it fired."""
+        if self.error is not None:
+            self._wd.raise_if_fired()
 
     def end(self) -> None:
         for a in self._flag_to:
             self._call(self._write, "cuStreamWriteValue32", a, 1, 0)
-        for a in self._my_flag:
-            self._call(self._wait, "cuStreamWaitValue32", a, 1, self._wait_flags)
-            self._call(self._write, "cuStreamWriteValue32", a, 0, 0)
+        self._wait_all(1, self._my_flag, self._wait_flags)
+        self._mark(0)

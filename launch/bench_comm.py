@@ -12,13 +12,14 @@ Measures, in one run (ratios only mean something inside one run):
     flags that the copy engines write after the data ("symm-flags", ``comm.symm_signal``);
   * the V4-Flash (D 4096, top-6 of 256) and V4-Pro (D 7168, top-6 of 384) dispatch and combine
     layouts at T = 128..8192, bf16, uniform random routing, one wave, for every backend;
-  * the symm backend in both data modes (copy engines, Triton) with prepare, dispatch, combine and
-    the round trip each replayed from a CUDA graph (backend "symm-copy[g]" / "symm-kernel[g]");
+  * the symm backend's variants (``GRAPH_VARIANTS``: data mode kernel or copy, sparse or dense blocks,
+    closed by the barrier kernel or by stream memory operations) with prepare, dispatch, combine and
+    the round trip each replayed from a CUDA graph (backend "symm-<variant>[g]");
   * combine writes a fresh fp32 output (``accumulate=False``: WaveMoE's first wave, and what DeepEP's
     combine does); ``combine_accumulate_us`` adds into an existing one (later waves);
   * each backend's dispatch+combine beside a ~300 us bf16 GEMM on the compute stream
     (hidden fraction = 1 - (beside - gemm) / alone);
-  * WaveMoE (V4-Flash shape) serial vs pipelined on each backend.
+  * WaveMoE (V4-Flash shape) serial vs pipelined on each backend (symm: each of ``MOE_VARIANTS``).
 CUDA events around BENCH_REPS (default 10) back-to-back calls, warm-up, medians over iterations,
 random data, ranks aligned by a barrier before each sample. Writes ``{"meta": {...}, "rows": [...]}`` to --out (default $OUT/comm.json when OUT is set)
 and prints a table last.
@@ -363,6 +364,19 @@ def beside_gemm(rt, gemm, gemm_us: float, iters: int, carveout: int | None = Non
     return row
 
 
+# symm variants: data mode, then "+sparse" / "+dense" (blocks; neither: the backend's choice by the fill)
+# and "+flags" / "+memops" (the signal that closes an exchange; neither: the barrier kernel)
+GRAPH_VARIANTS = ("kernel", "copy+sparse", "copy+dense", "kernel+memops", "copy+dense+memops")
+
+
+def variant(be, name: str) -> None:
+    """Set a symm backend's data mode, blocks and signal from a variant name (before its first call)."""
+    mode, *opts = name.split("+")
+    be.mode = mode
+    be.signal = next((o for o in opts if o in ("flags", "memops")), "barrier")
+    be.dense = True if "dense" in opts else False if "sparse" in opts else None
+
+
 def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
     """The symm backend as it is meant to run: prepare, dispatch, combine and the round trip each
     captured in a CUDA graph and replayed (no host work at all), in both data modes."""
@@ -372,11 +386,11 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
         D, E, K = LAYOUTS[lname]
         for T in tokens:
             x, layout, sent, cfg = token_case(ep, g, D, E, K, T)
-            for mode in ("copy", "kernel"):
+            for mode in GRAPH_VARIANTS:
                 log(ep, f"graph symm-{mode} {lname} T={T}")
                 streams = st.Streams.for_device(ep.device)
                 be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
-                be.mode = mode
+                variant(be, mode)
                 t, rt = graph_case(ep, be, x, layout, iters)
                 rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
                                  bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
@@ -388,32 +402,19 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
     return rows
 
 
-# (data mode, step elements, warps, rows in flight per program, grid cap, SMs carved out of the GEMM
+# (symm variant, step elements, warps, rows in flight per program, grid cap, SMs carved out of the GEMM
 # beside it: None = not beside the GEMM, 0 = beside the whole GEMM); grid 0 is the full grid (one program
-# a tile). "copy+flags": copy mode closed by completion flags; "copy+memops": by stream memory operations
-# (comm.symm_memops, wired in by this benchmark only: it has no timeout).
+# a tile). Variants as in GRAPH_VARIANTS.
 TUNE = (("kernel", 2048, 4, 1, 0, None), ("kernel", 4096, 8, 1, 0, None), ("kernel", 4096, 16, 1, 0, None),
         ("kernel", 2048, 8, 4, 0, None), ("kernel", 2048, 4, 1, 0, 32), ("kernel", 4096, 16, 16, 32, 32),
-        ("kernel", 4096, 16, 8, 64, 32), ("kernel", 4096, 8, 4, 128, 32), ("kernel", 4096, 16, 8, 96, 48),
-        ("kernel", 4096, 8, 4, 192, 48), ("kernel", 4096, 16, 8, 48, 24),
-        ("kernel", 2048, 4, 1, 0, 0), ("copy", 2048, 4, 1, 0, 0),
-        ("copy", 2048, 4, 1, 0, 8), ("copy", 2048, 4, 1, 0, 16), ("copy", 2048, 4, 1, 0, 24),
-        ("copy", 2048, 4, 1, 0, 32), ("copy", 2048, 4, 1, 0, 48),
-        ("copy+flags", 2048, 4, 1, 0, 16), ("copy+flags", 2048, 4, 1, 0, 32),
-        ("copy+memops", 2048, 4, 1, 0, 0), ("copy+memops", 2048, 4, 1, 0, 16), ("copy+memops", 2048, 4, 1, 0, 24))
-
-
-def _memops_signals(ep: EPGroup, be) -> None:
-    """Benchmark only: close every exchange channel of the copy-mode backend ``be`` with stream memory
-    operations (``MemopSignal``, made on first use, before any capture) instead of its barrier."""
-    sigs: dict = {}
-
-    def signal(bufs, channel):
-        key = (id(bufs), channel)
-        if key not in sigs:
-            sigs[key] = MemopSignal(ep, be._alloc)
-        return sigs[key]
-    be._signal = signal
+        ("kernel", 2048, 4, 1, 0, 0), ("copy+sparse", 2048, 4, 1, 0, 0),
+        ("copy+sparse", 2048, 4, 1, 0, 16), ("copy+sparse", 2048, 4, 1, 0, 24),
+        ("copy+sparse+flags", 2048, 4, 1, 0, 16), ("copy+sparse+memops", 2048, 4, 1, 0, 24),
+        ("kernel+memops", 2048, 4, 1, 0, 0), ("kernel+memops", 2048, 4, 1, 0, 32),
+        ("copy+dense", 2048, 4, 1, 0, 0), ("copy+dense", 2048, 4, 1, 0, 8), ("copy+dense", 2048, 4, 1, 0, 16),
+        ("copy+dense+memops", 2048, 4, 1, 0, 0), ("copy+dense+memops", 2048, 4, 1, 0, 8),
+        ("copy+dense+memops", 2048, 4, 1, 0, 16), ("copy+dense+memops", 2048, 4, 1, 0, 24),
+        ("copy+dense+memops", 2048, 4, 1, 0, 32))
 
 
 def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list:
@@ -434,9 +435,7 @@ def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list
             log(ep, f"tune {mode} block {block} warps {warps} rows {nrows} grid {grid} carve {carve}")
             be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
                               WaveConfig(backend="symm", max_tokens_per_rank=T))
-            be.mode, be.flags = mode.split("+")[0], mode.endswith("+flags")
-            if mode.endswith("+memops"):
-                _memops_signals(ep, be)
+            variant(be, mode)
             t, rt = graph_case(ep, be, x, layout, iters)
             best = min(best or t["alone_us"], t["alone_us"])
             row = dict(backend=f"symm-{mode}-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
@@ -454,20 +453,27 @@ def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list
     return rows
 
 
+MOE_VARIANTS = ("kernel", "copy", "copy+memops", "kernel+memops")   # "copy": blocks by the fill (2 waves, 2 ranks: dense)
+
+
 def moe_rows(ep: EPGroup, backends, T: int, iters: int) -> list:
     rows = []
     cfg = MoEConfig.preset("v4-flash")
-    for bname in backends:
-        log(ep, f"moe {bname} T={T}")
+    names = [b for b in backends if b != "symm"] + ([f"symm-{v}" for v in MOE_VARIANTS] if "symm" in backends else [])
+    for name in names:
+        bname = name.split("-")[0]
+        log(ep, f"moe {name} T={T}")
         m = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=2, backend=bname, max_tokens_per_rank=T),
                     device=ep.device, dtype=torch.bfloat16)
+        if bname == "symm":
+            variant(m.backend, name.split("-", 1)[1])
         with torch.no_grad():
             for p in m.parameters():
                 p.normal_(0, 0.02)
         x = torch.randn(T, cfg.hidden_size, device=ep.device, dtype=torch.bfloat16)
         serial = timed(lambda: m(x, overlap=False), iters)
         piped = timed(lambda: m(x, overlap=True), iters)
-        rows.append(dict(backend=bname, layout="moe:v4-flash", tokens_per_rank=T, num_waves=2, serial_us=serial,
+        rows.append(dict(backend=name, layout="moe:v4-flash", tokens_per_rank=T, num_waves=2, serial_us=serial,
                          pipelined_us=piped))
         del m
         torch.cuda.empty_cache()
@@ -539,8 +545,8 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="also sweep scatter_rows' step size and warps")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per point (default 20, quick 8)")
     ap.add_argument("--memops", action="store_true",
-                    help="also the bytes all-to-all with a barrier of stream memory operations (comm.symm_memops: "
-                         "no SM, but no timeout: a stuck peer stops the stream for good)")
+                    help="also the bytes all-to-all closed by stream memory operations (comm.symm_memops with "
+                         "acknowledgements, as a bare exchange: no watchdog here)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="comma list of bytes,tokens,graph,tune,moe (--tune adds tune); --memops --sections bytes "
                          "keeps the memops rows and the graph baselines only")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
-#   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn sweep (default: all)
-#   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the kernel-free memory-operation
-#   barrier, which has no timeout of its own); T_<STAGE>=seconds sets a stage's time limit.
+#   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn sweep (default: all),
+#   or commtests (the multi-GPU tests only)
+#   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
+#   stream memory operations); T_<STAGE>=seconds sets a stage's time limit.
 #
 # Full results go to RES (default results/<date>); when the device tool's $OUT is set they are
 # packed into $OUT/results.tgz (it brings back at most 8 files). A short table is printed last.
@@ -61,6 +62,9 @@ for s in "${STAGES[@]}"; do
                 $(ls tests/test_gpu_attention.py 2>/dev/null)
             # every schedule bit-identical to the serial one, layer by layer (V4-Flash layers, one GPU)
             stage check_stack ${T_CHECK:-120} "$PY" launch/check_stack.py --repeats 2 ;;
+        commtests)  # the multi-GPU tests only (comm backends, WaveMoE)
+            stage tests_multi ${T_TESTS:-120} "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+                tests/test_gpu_moe.py tests/test_gpu_comm.py ;;
         moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
         graph) # the symm backend with every kind replayed from a CUDA graph: SM copies vs copy engines
                stage bench_moe_graph_kernel ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=kernel "${TR[@]}" launch/bench_moe.py \
@@ -73,7 +77,7 @@ for s in "${STAGES[@]}"; do
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
                    --waves 1,2,4,8 --shared bubbles --iters ${SWEEP_ITERS:-10} --out "$RES/sweep" --trace "$RES/sweep/trace"
                true ;;
-        *) echo "unknown stage $s (tests moe graph comm attn sweep)" ;;
+        *) echo "unknown stage $s (tests commtests moe graph comm attn sweep)" ;;
     esac
 done
 

@@ -1,8 +1,9 @@
 """GPU checks of the comm backends (issue 6): symm (both data modes, copy mode also with completion
-flags) against the torch backend inside WaveMoE, the decode step captured in a CUDA graph and
-replayed while the routing changes, the capacity overflow surfacing through ``check()`` on every
-rank, the Triton kernels against torch, the completion-flag waiter and its trap, and DeepEP when
-it is installed.
+flags and dense blocks, both with stream-memory-operation signals) against the torch backend inside
+WaveMoE, the decode step captured in a CUDA graph and replayed while the routing changes, the
+capacity overflow surfacing through ``check()`` on every rank, the Triton kernels against torch,
+the completion-flag waiter and its trap, the memops watchdog naming a peer that never signals, and
+DeepEP when it is installed.
 
 Run on a GPU host with plain pytest (the 2-rank tests spawn their ranks over a file store) or
 under ``torchrun --nproc-per-node 2 -m pytest tests/test_gpu_comm.py`` (then the ranks are the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import tempfile
 
 import pytest
@@ -103,16 +105,33 @@ def _log(ep, msg: str) -> None:
     print(f"[rank {ep.rank}] {msg}", file=sys.stderr, flush=True)
 
 
+# symm variants: data mode, then "+flags" / "+memops" (the signal) and "+dense" (dense blocks); "copy" alone
+# chooses dense blocks by the fill (here: dense for one wave, sparse for 2 and 4)
+SYMM_VARIANTS = (("kernel", "copy", "copy+flags", "kernel+memops", "copy+memops", "copy+dense+memops")
+                 if HAS_TRITON else ("copy", "copy+memops"))
+_ENV = ("MOE_WAVE_SYMM_MODE", "MOE_WAVE_SYMM_SIGNAL", "MOE_WAVE_SYMM_DENSE")
+
+
+def _variant_env(variant: str | None) -> None:
+    """Set (or with None, clear) the environment that selects a symm variant."""
+    for k in _ENV:
+        os.environ.pop(k, None)
+    if variant is None:
+        return
+    mode, *opts = variant.split("+")
+    os.environ["MOE_WAVE_SYMM_MODE"] = mode
+    os.environ["MOE_WAVE_SYMM_SIGNAL"] = next((o for o in opts if o in ("flags", "memops")), "barrier")
+    if "dense" in opts:
+        os.environ["MOE_WAVE_SYMM_DENSE"] = "1"
+
+
 def _symm_vs_torch(ep: EPGroup) -> None:
     g = torch.Generator(device=ep.device).manual_seed(1 + ep.rank)
     xs = {T: torch.randn(T, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16) for T in (256, 37, 0)}
     got = {}
     # Phase 1: symm alone (no other collective in between).
-    for mode in ("kernel", "copy", "copy+flags"):
-        if mode != "copy" and not HAS_TRITON:
-            continue
-        os.environ["MOE_WAVE_SYMM_MODE"] = mode.split("+")[0]
-        os.environ["MOE_WAVE_SYMM_FLAGS"] = "1" if mode.endswith("+flags") else "0"
+    for mode in SYMM_VARIANTS:
+        _variant_env(mode)
         for W in (1, 2, 4):
             m = _moe(ep, CFG, "symm", num_waves=W, max_tokens_per_rank=256)
             for T, x in xs.items():
@@ -120,8 +139,7 @@ def _symm_vs_torch(ep: EPGroup) -> None:
                     _log(ep, f"symm mode={mode} W={W} T={T} overlap={overlap}")
                     got[mode, W, T, overlap] = m(x, overlap=overlap)
             m.backend.check()
-    os.environ.pop("MOE_WAVE_SYMM_MODE", None)
-    os.environ.pop("MOE_WAVE_SYMM_FLAGS", None)
+    _variant_env(None)
     torch.cuda.synchronize()
     # Phase 2: the torch backend, compared.
     ref = _moe(ep, CFG, "torch", num_waves=2)
@@ -146,15 +164,13 @@ def test_symm_matches_torch_backend():
 
 # ------------------------------------------------------------------------------------ CUDA graph
 def _graph_replay(ep: EPGroup) -> None:
-    for mode in ("kernel", "copy", "copy+flags") if HAS_TRITON else ("copy",):
+    for mode in SYMM_VARIANTS:
         _log(ep, f"graph replay, symm mode={mode}")
-        os.environ["MOE_WAVE_SYMM_MODE"] = mode.split("+")[0]
-        os.environ["MOE_WAVE_SYMM_FLAGS"] = "1" if mode.endswith("+flags") else "0"
+        _variant_env(mode)
         try:
             _graph_replay_mode(ep)
         finally:
-            os.environ.pop("MOE_WAVE_SYMM_MODE", None)
-            os.environ.pop("MOE_WAVE_SYMM_FLAGS", None)
+            _variant_env(None)
 
 
 def _graph_replay_mode(ep: EPGroup) -> None:
@@ -247,6 +263,96 @@ def test_copy_signal_missing_peer_stops_the_rank():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "returned" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
     assert "CopySignal" in r.stderr or "device-side assert" in r.stderr, r.stderr[-2000:]
+
+
+MEMOPS_STALL = r"""
+import os, sys, time
+import torch
+import torch.distributed as dist
+rank, path, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=2,
+                        device_id=torch.device("cuda", rank))
+from moe_wave import WaveConfig
+from moe_wave.comm import EPGroup
+from moe_wave.comm.layout import WavePlan, compute_layout
+from moe_wave.comm.symm import SymmBackend
+ep = EPGroup.from_process_group()
+be = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=64), comm_stream=torch.cuda.Stream(), mode="copy",
+                 signal="memops")
+plan = WavePlan.make(num_ranks=2, num_local_experts=4, num_waves=1)
+g = torch.Generator(device="cuda").manual_seed(rank)
+ids = torch.randint(0, 8, (32, 2), device="cuda", generator=g)
+lay = compute_layout(ids, torch.rand(32, 2, device="cuda", generator=g), plan)
+x = torch.randn(32, 64, device="cuda", generator=g).to(torch.bfloat16)
+for _ in range(2):                       # both ranks: whole exchanges (the signal words are made here)
+    xp = be.prepare(lay)
+    got = be.dispatch(x, xp, 0).wait()
+    be.combine(got.x_RD.clone(), got.handle, torch.zeros(32, 64, device="cuda")).wait()
+torch.cuda.synchronize()
+xp = be.prepare(lay)
+if rank == 1:                            # passes prepare, then never dispatches
+    torch.cuda.synchronize()
+    print("rank 1 stalls", flush=True)
+    time.sleep(60)
+    os._exit(0)
+t0 = time.time()
+be.dispatch(x, xp, 0).wait()
+torch.cuda.synchronize()                 # returns once the watchdog has released the wait
+print(f"released after {time.time() - t0:.1f} s", flush=True)
+if how == "raise":
+    try:
+        be.dispatch(x, xp, 0)
+    except RuntimeError as e:
+        print(f"raised: {e}", flush=True)
+        os._exit(3)
+else:
+    time.sleep(60)                       # never calls the backend again: the watchdog ends the process
+print("no error", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.multigpu
+def test_memops_missing_peer_is_named_and_the_rank_stops():
+    """signal="memops": rank 1 never dispatches. Rank 0's watchdog names rank 1 after the timeout, releases
+    the wait, and either the next backend call raises the root cause or the process exits after the grace
+    period: never a hang."""
+    import subprocess
+    import sys
+    import time
+
+    from moe_wave.comm import symm_memops
+
+    if NGPU < 2:
+        pytest.skip(f"needs 2 GPUs, {NGPU} visible")
+    if UNDER_TORCHRUN and int(os.environ.get("RANK", "0")) != 0:
+        pytest.skip("starts its own two ranks: run once, by rank 0")
+    if symm_memops.available():
+        pytest.skip(symm_memops.available())
+    env = dict(os.environ, MOE_WAVE_SYMM_TIMEOUT_MS="1500", MOE_WAVE_SYMM_GRACE_S="3",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for how, code in (("raise", 3), ("exit", 1)):
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.time()
+            procs = [subprocess.Popen([sys.executable, "-c", MEMOPS_STALL, str(r), os.path.join(tmp, "store"), how],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for r in range(2)]
+            try:
+                out0, _ = procs[0].communicate(timeout=120)
+            finally:
+                for p in procs:
+                    p.kill()
+            elapsed = time.time() - t0
+            assert procs[0].returncode == code, (how, procs[0].returncode, out0[-3000:])
+            assert re.search(r"\[moe-wave\] symm memops signal: rank 0 waited 1\.\d s for rank 1's data flag "
+                             r"\(dispatch wave 0\)", out0), out0[-3000:]
+            assert "released after" in out0, out0[-3000:]
+            if how == "raise":
+                assert "raised: symm memops signal: rank 0 waited" in out0, out0[-3000:]
+            else:
+                assert "[moe-wave] exiting: symm memops signal" in out0 and "no error" not in out0, out0[-3000:]
+            assert elapsed < 100, elapsed
 
 
 def _deepep_vs_torch(ep: EPGroup) -> None:

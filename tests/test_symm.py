@@ -346,3 +346,99 @@ def test_copy_signal_waiter_under_interpreter():
     r = subprocess.run([sys.executable, "-c", 'dev = "cpu"\n' + SIGNAL_CHECKS], env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------ memops watchdog
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_memops_wait_codes_round_trip():
+    from moe_wave.comm.symm_memops import decode, wait_code
+
+    for call, step, peer in ((1, 0, 0), (7, 1, 3), (0x8000 + 5, 1, 0x7FFE), (123456, 0, 17)):
+        code = wait_code(call, step, peer)
+        assert 0 < code < 2 ** 32
+        assert decode(code) == (call % 0x8000, step, peer)
+    assert wait_code(1, 1, 2) != wait_code(2, 1, 2), "two eager calls must write different codes"
+
+
+def test_memops_watchdog_fires_on_a_stuck_wait_then_exits():
+    """A word holding the same wait code for the timeout fires once: the message, the release, then the
+    exit after the grace period; a changing code or a 0 in between restarts the clock."""
+    from moe_wave.comm.symm_memops import Watchdog
+
+    clock, exits, released = _Clock(), [], []
+    wd = Watchdog(grace_s=5, exit=exits.append, clock=clock, thread=False)
+    words = torch.zeros(3, dtype=torch.int32)
+    wd.watch(words, 2.0, lambda i, code, sec: f"word {i} code {code} after {sec:.2f} s",
+             lambda i, code: released.append((i, code)))
+
+    def at(t, **set_words):
+        clock.t = t
+        for k, v in set_words.items():
+            words[int(k[1:])] = v
+        wd.poll()
+
+    at(0.0, w1=11)
+    at(1.9)
+    at(1.95, w1=12)            # the stream moved on to another wait: the clock restarts
+    at(3.0, w2=13)
+    at(3.5, w2=0)              # word 2 finished its wait
+    at(3.9)
+    assert wd.error is None and not released
+    at(3.96)
+    assert wd.error == "word 1 code 12 after 2.01 s" and released == [(1, 12)]
+    at(4.5, w2=13)
+    at(6.4)
+    assert released == [(1, 12)], "a stuck wait fires once; word 2 restarted at 4.5"
+    at(6.6)
+    assert released == [(1, 12), (2, 13)] and wd.error == "word 1 code 12 after 2.01 s", "the first error sticks"
+    assert not exits
+    at(8.96)                    # 3.96 + grace 5
+    assert exits == [1]
+    at(20.0)
+    assert exits == [1], "the exit is asked for once"
+
+
+def test_memops_watchdog_error_raised_by_the_caller_cancels_the_exit():
+    from moe_wave.comm.symm_memops import Watchdog
+
+    clock, exits = _Clock(), []
+    wd = Watchdog(grace_s=1, exit=exits.append, clock=clock, thread=False)
+    words = torch.tensor([5], dtype=torch.int32)
+
+    def release(i, code):
+        raise RuntimeError("device gone")       # a failed release must not stop the report or the exit
+
+    wd.watch(words, 0.5, lambda i, code, sec: "rank 0 waited for rank 1", release)
+    wd.poll()
+    wd.raise_if_fired()                          # nothing yet
+    clock.t = 0.6
+    wd.poll()
+    with pytest.raises(RuntimeError, match="rank 0 waited for rank 1"):
+        wd.raise_if_fired()
+    clock.t = 5.0
+    wd.poll()
+    assert exits == [], "the caller raised the error: no exit"
+
+    wd2 = Watchdog(grace_s=1, exit=exits.append, clock=clock, thread=False)
+    wd2.watch(torch.tensor([5], dtype=torch.int32), 0.5, lambda i, code, sec: "stuck", release)
+    for t in (5.0, 5.6, 6.7):
+        clock.t = t
+        wd2.poll()
+    assert exits == [1], "a failed release still ends in the exit"
+
+
+def test_signal_option_errors(monkeypatch):
+    with pytest.raises(ValueError, match=r"signal='bell': must be one of \('barrier', 'flags', 'memops'\)"):
+        SymmBackend(EPGroup.single(), signal="bell")
+    if not HAS_TRITON:
+        with pytest.raises(ValueError, match=r"signal='flags' needs mode='copy' and Triton"):
+            SymmBackend(EPGroup.single(), mode="copy", signal="flags")
+    monkeypatch.setenv("MOE_WAVE_SYMM_SIGNAL", "memops")
+    assert SymmBackend(EPGroup.single(), mode="copy").signal == "memops"   # CPU: the emulated transport ignores it
