@@ -32,7 +32,8 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
               data allocation (copy mode with ``flags``: completion flags instead, ``CopySignal``:
               the copy engines write a call number after the data, a waiter started beside the
               copies sees them: no barrier kernel waiting for the copies to drain; ``signal="memops"``:
-              a flag per peer written and awaited by stream memory operations, no kernel at all).
+              an acknowledgement before and a flag after the data per peer, written and awaited by
+              stream memory operations, no kernel at all).
               Copy mode with dense blocks (``dense``) has no pack: x's rows are copied as they are.
     combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
               launch; copy: the whole C-row block per peer), barrier(channel=W+w); the source sums
@@ -67,7 +68,8 @@ from .layout import DispatchLayout
 from .symm_kernels import RowTargets, gather_add, scatter_rows, triton_ok
 from . import symm_memops as memops
 from .symm_signal import CopySignal
-from .symm_tables import STATUS_LEN, build_tables, build_tables_torch, count_rows, count_rows_torch
+from .symm_tables import (STATUS_LEN, build_tables, build_tables_torch, count_rows, count_rows_torch, densify,
+                          densify_torch)
 
 __all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "SIGNALS", "DENSE_FILL", "dense_fill", "wave_token_ranges"]
 
@@ -172,7 +174,9 @@ class SymmBackend:
                 benchmarks/README.md, fourth session).
             "memops": stream memory operations (``symm_memops.MemopSignal``): written and awaited by
                 the GPU's front end, no SM at all; the wait is bounded by a host watchdog thread
-                that names the missing peer and stops the rank after MOE_WAVE_SYMM_TIMEOUT_MS.
+                that names the missing peer and stops the rank after MOE_WAVE_SYMM_TIMEOUT_MS (plus
+                MOE_WAVE_SYMM_GRACE_S for the caller to raise it). Another stream that shares a
+                hardware queue with the comm stream waits behind a memops wait too.
         flags: the same as signal="flags" (environment: MOE_WAVE_SYMM_FLAGS=1).
         dense: copy mode only: dense blocks (an all-gather layout). Row i of block (w, p) is token
             start_w + i of the wave's token range, sent whether or not it has an expert on p (its
@@ -350,8 +354,8 @@ class SymmBackend:
                                    f"capturing a CUDA graph (the signal words are allocated on first use, by every rank)")
             if self.signal == "flags":
                 self._signals[key] = CopySignal(self.ep, self._alloc, self.timeout_ms)
-            else:   # no acknowledgement: prepare's barrier orders every reuse of a block (module docstring)
-                self._signals[key] = memops.MemopSignal(self.ep, self._alloc, ack=False, timeout_ms=self.timeout_ms,
+            else:   # with acknowledgements: safe for any sequence of calls (symm_memops docstring)
+                self._signals[key] = memops.MemopSignal(self.ep, self._alloc, ack=True, timeout_ms=self.timeout_ms,
                                                         name=what)
         return self._signals[key]
 
@@ -434,35 +438,23 @@ class SymmBackend:
             i_N = torch.arange(N)
             tok_WPN = (start_W1 + i_N).clamp(max=max(T - 1, 0)).view(W, 1, N).expand(W, P, N)
             send_dst_WPN = torch.where(i_N < len_W1.clamp(max=C), i_N, -1).view(W, 1, N).expand(W, P, N)
-            t_T = torch.arange(T)
-            rel_WT = t_T - start_W1                                       # token t's row in wave w's blocks
             self._dense_cache[key] = dict(
-                ranges=tuple((a, min(n, N)) for a, n in ranges),
-                counts_WP=len_W1.expand(W, P).contiguous().to(dev),
-                tok_WPN=tok_WPN.contiguous().to(dev), send_dst_WPN=send_dst_WPN.contiguous().to(dev),
-                # where token t's result from peer p lands (p*C + its row), -1 past the capacity
-                slot_WTP=torch.where(((rel_WT >= 0) & (rel_WT < C))[..., None],
-                                     torch.arange(P).view(1, 1, P) * C + rel_WT[..., None], -1).to(dev),
-                # a send row's flat row in [W, P, N] is base + (token - start)
-                base_WP1=(torch.arange(W * P).view(W, P, 1) * N).to(dev), start_W11=start_W1.view(W, 1, 1).to(dev))
+                ranges=tuple((a, min(n, N)) for a, n in ranges), max_len=max((n for _, n in ranges), default=0),
+                counts_WP=len_W1.expand(W, P).contiguous().to(dev), rng_W2=torch.cat([start_W1, len_W1], 1).to(dev),
+                start_W=start_W1.view(W).to(dev),
+                tok_WPN=tok_WPN.contiguous().to(dev), send_dst_WPN=send_dst_WPN.contiguous().to(dev))
         return self._dense_cache[key]
 
     def _densify(self, tabs: dict, meta_SM, slot_WTP, static: dict, K: int, C: int) -> dict:
-        """Dense blocks from the sparse tables: each send row's metadata moves to its token's row of the
-        block (a dump row takes the rest), and the combine's slots point at those rows."""
-        W, P, N = tabs["tok_WPN"].shape
-        M = meta_SM.shape[1]
-        flat = W * P * N
-        meta = torch.zeros(flat + 1, M, dtype=torch.int32, device=meta_SM.device)
-        meta[:, :K] = -1
-        rel_WPN = tabs["tok_WPN"] - static["start_W11"]
-        # rows past the capacity (an overflow, reported) go to the dump row
-        dst = torch.where((tabs["send_dst_WPN"] >= 0) & (rel_WPN < N), static["base_WP1"] + rel_WPN, flat)
-        meta.index_copy_(0, dst.reshape(-1), meta_SM.index_select(0, tabs["row_WPN"].reshape(-1)))
-        if slot_WTP is not None:       # a token keeps a slot only where it sent a row (it has pairs there)
-            slot_WTP.copy_(torch.where(slot_WTP >= 0, static["slot_WTP"], -1))
+        """Dense blocks from the sparse tables (``symm_tables.densify``): each send row's metadata moves to
+        its token's row of the block, and the combine's slots point at those rows."""
+        if slot_WTP is not None:         # Triton: one launch
+            meta = densify(slot_WTP, tabs["row_WPN"], meta_SM, static["rng_W2"], C, K, static["max_len"])
+        else:
+            meta = densify_torch(tabs["tok_WPN"], tabs["row_WPN"], tabs["send_dst_WPN"], meta_SM, None,
+                                 static["start_W"], C, K)
         return dict(tok_WPN=static["tok_WPN"], send_dst_WPN=static["send_dst_WPN"], row_WPN=None,
-                    meta_WPNM=meta[:flat].view(W, P, N, M), dense=static["ranges"])
+                    meta_WPNM=meta, dense=static["ranges"])
 
     def _exchange_counts(self, counts, P: int, X: int) -> torch.Tensor:
         """[P, X]: row src is what rank src sent this rank (see ``symm_tables``)."""
@@ -500,7 +492,7 @@ class SymmBackend:
             st.keep_alive(x_TD, self.comm_stream)
             if self.symm:
                 sig = self._signal(bufs, wave, f"dispatch wave {wave}")
-                if sig is not None:     # flags: a waiter started beside the copies; memops: nothing (no ack)
+                if sig is not None:     # flags: a waiter started beside the copies; memops: the acknowledgements
                     sig.begin()
                 self._push_peers(x_TD, plan, bufs, wave)
                 self._close(sig, bufs, wave)

@@ -17,20 +17,27 @@ All words start at 0. One exchange, on the stream that issues the data copies:
 
 A word is set again only after its owner has reset it: p writes my flag[p] again in its next
 exchange only after step 2 there, which needs my step-1 write of that exchange, which my stream
-issues after my step-5 reset. The same holds for the acknowledgements. With ``ack=False`` steps 1-2
-are skipped: the caller orders every reuse of the buffers behind another barrier (the symm backend's
-prepare, which every rank reaches only after it has finished reading the previous layer's blocks).
+issues after my step-5 reset. The same holds for the acknowledgements. ``ack=False`` skips steps 1-2;
+that is only safe where another barrier separates any two exchanges on the channel: without it, a
+peer one exchange ahead can set my flag again before I have reset it, and the second signal is
+lost (a hang). The symm backend keeps the acknowledgements (a benchmark replays one dispatch
+graph back to back).
 
 **Bounded waits.** A memory-operation wait has no deadline of its own. Before each wait the stream
 writes a code (peer, step, call) into a word of pinned host memory, and 0 after the last one; a
 process-wide ``Watchdog`` thread reads these words (no CUDA call) and, when one has held the same
 code for ``timeout_s``, prints the root cause (this rank, the peer that never signalled, the
 step, the seconds), records it for the caller (``MemopSignal.error``: the symm backend raises it at
-its next call), releases the stuck wait so that the process can leave a blocking synchronisation,
-and exits the process (code 1) ``grace_s`` later unless the error was raised by then. So no rank
-hangs: the one waiting names the peer, the peer's own failure is its root cause, and the launcher
-stops the rest. Loads libcuda through ctypes; ``available()`` says why it cannot be used where it
-cannot.
+its next call), tries to release the stuck wait (it writes the awaited word from a stream of its
+own, so that a host blocked in a synchronisation can return and raise; best effort, since that
+stream may share a hardware queue with the stuck one), and exits the process (code 1) ``grace_s``
+(MOE_WAVE_SYMM_GRACE_S, default 10) later unless the error was raised by then. So no rank hangs:
+the one waiting names the peer, the peer's own failure is its root cause, and the launcher stops
+the rest.
+
+Streams share the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, default 8): work another
+stream queues behind a waiting memory operation on a shared queue waits with it. Loads libcuda
+through ctypes; ``available()`` says why it cannot be used where it cannot.
 """
 
 from __future__ import annotations
@@ -155,10 +162,18 @@ class Watchdog:
             self.error = msg
             self._exit_at = now + self.grace_s
         print(f"[moe-wave] {msg}", file=sys.stderr, flush=True)
-        try:
-            release()
-        except Exception as e:     # noqa: BLE001 - the message above is what matters; the exit still comes
-            print(f"[moe-wave] could not release the stuck wait: {e!r}", file=sys.stderr, flush=True)
+
+        def attempt():
+            try:
+                release()
+            except Exception as e:     # noqa: BLE001 - the message above is what matters; the exit still comes
+                print(f"[moe-wave] could not release the stuck wait: {e!r}", file=sys.stderr, flush=True)
+        # In a thread of its own: the release goes through a stream, which may itself wait behind the stuck
+        # one (streams share the device's hardware queues), and the exit must come regardless.
+        if self._use_thread:
+            threading.Thread(target=attempt, name="moe-wave-memops-release", daemon=True).start()
+        else:
+            attempt()
 
     def raise_if_fired(self) -> None:
         """Raise the first root cause as a RuntimeError (and cancel the exit: the caller has it now)."""
@@ -221,6 +236,7 @@ class MemopSignal:
                 raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {rc}: the memops watchdog needs "
                                    f"pinned host memory the device can write")
             self._state_dev = dptr.value
+            self._release_stream = torch.cuda.Stream(device=ep.device, priority=-1)
             self._wd = watchdog()
             self._wd.watch(self._state, timeout_ms / 1000, self._describe, self._release)
 
@@ -235,12 +251,14 @@ class MemopSignal:
                 f"was released and this rank stops (MOE_WAVE_SYMM_TIMEOUT_MS)")
 
     def _release(self, i: int, code: int) -> None:
+        """Write the awaited word ourselves, from a stream made for this at construction (no kernel, no
+        allocation, no wait here). Best effort: if that stream shares a hardware queue with the stuck
+        one, the write waits behind it and the watchdog's exit ends the process instead."""
         _, step, p = decode(code)
         word = self._rows[self.ep.rank][1 - step, p]     # row 0 flags (step 1), row 1 acks (step 0)
-        side = torch.cuda.Stream(device=self.ep.device)
-        with torch.cuda.stream(side):
-            word.fill_(1)
-        side.synchronize()
+        rc = self._write(ctypes.c_void_p(self._release_stream.cuda_stream), word.data_ptr(), 1, 0)
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
 
     def _call(self, fn, what: str, addr: int, value: int, flags: int) -> None:
         rc = fn(ctypes.c_void_p(torch.cuda.current_stream(self.ep.device).cuda_stream), addr, value, flags)

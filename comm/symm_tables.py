@@ -22,6 +22,13 @@ Tables (``build_tables``), all int64:
     status [9]   [overflow, src, wave, dst, count, ids_bad, rank, ids_min, ids_max] of the first
                  capacity overflow (count > C) and the first rank whose ids leave [0, E); the first
                  error sticks (an entry with a flag set is never overwritten).
+
+Dense blocks (``densify``, from the sparse tables above): row r of block (w, p) is token start_w + r
+of wave w's token range [start_w, start_w + len_w):
+    meta_WPNM    [W, P, N, M] int32: the metadata of the send row of that token for (w, p) where it
+                 has one (and r < N), else K slots of expert -1 and K of weight 0
+    slot_WTP     rewritten in place: p*C + r where the token sent a row to p in wave w and r < N,
+                 else -1
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from .symm_kernels import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["count_rows", "count_rows_torch", "build_tables", "build_tables_torch", "STATUS_LEN"]
+__all__ = ["count_rows", "count_rows_torch", "build_tables", "build_tables_torch", "densify", "densify_torch",
+           "STATUS_LEN"]
 
 STATUS_LEN = 9
 
@@ -121,7 +129,63 @@ def build_tables(recv_PX, send_counts_WP, send_token_S, C: int, T: int, me: int,
                 recv_counts_WP=recv_counts_WP)
 
 
+def densify_torch(tok_WPN, row_WPN, send_dst_WPN, meta_SM, slot_WTP, start_W, C: int, K: int) -> torch.Tensor:
+    """Dense blocks from the sparse tables (see the module docstring): returns meta_WPNM and rewrites
+    ``slot_WTP`` (may be None) in place."""
+    W, P, N = tok_WPN.shape
+    dev, M, flat = tok_WPN.device, meta_SM.shape[1], W * P * N
+    rel_WPN = tok_WPN - start_W.view(W, 1, 1)
+    base_WP1 = torch.arange(W * P, device=dev).view(W, P, 1) * N
+    dst = torch.where((send_dst_WPN >= 0) & (rel_WPN >= 0) & (rel_WPN < N), base_WP1 + rel_WPN, flat)
+    meta = torch.zeros(flat + 1, M, dtype=torch.int32, device=dev)     # the last row takes the rest
+    meta[:, :K] = -1
+    meta.index_copy_(0, dst.reshape(-1), meta_SM.index_select(0, row_WPN.reshape(-1)))
+    if slot_WTP is not None:
+        T = slot_WTP.shape[1]
+        rel_WT1 = (torch.arange(T, device=dev).view(1, T) - start_W.view(W, 1))[..., None]
+        dense = torch.arange(P, device=dev).view(1, 1, P) * C + rel_WT1
+        slot_WTP.copy_(torch.where((slot_WTP >= 0) & (rel_WT1 >= 0) & (rel_WT1 < N), dense, -1))
+    return meta[:flat].view(W, P, N, M)
+
+
+def densify(slot_WTP, row_WPN, meta_SM, rng_W2, C: int, K: int, max_len: int) -> torch.Tensor:
+    """``densify_torch`` in one Triton launch, from the sparse ``slot_WTP`` (rewritten in place);
+    ``rng_W2`` [W, 2] int64 (start, len) of each wave's tokens, ``max_len`` the largest len (host)."""
+    W, P, N = row_WPN.shape
+    T, M = slot_WTP.shape[1], meta_SM.shape[1]
+    out = torch.empty(W, P, N, M, dtype=torch.int32, device=row_WPN.device)
+    R = max(N, max_len)
+    if R == 0:
+        return out
+    block = min(triton.next_power_of_2(R), 256)
+    _densify_kernel[(W * P, triton.cdiv(R, block))](slot_WTP, row_WPN, meta_SM, out, rng_W2, P, N, C, T, K, M,
+                                                    BLOCK=block, BLOCK_M=triton.next_power_of_2(M))
+    return out
+
+
 if triton is not None:
+
+    @triton.jit
+    def _densify_kernel(slot_ptr, row_ptr, meta_ptr, out_ptr, rng_ptr, P, N, C, T, K, M,
+                        BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+        wp = tl.program_id(0)
+        w = wp // P
+        p = wp % P
+        start = tl.load(rng_ptr + 2 * w)
+        n = tl.load(rng_ptr + 2 * w + 1)
+        r = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        in_wave = r < n
+        sidx = ((w * T + start + r) * P + p).to(tl.int64)
+        s = tl.load(slot_ptr + sidx, mask=in_wave, other=-1)
+        hit = in_wave & (s >= 0) & (r < N)
+        row = tl.load(row_ptr + wp.to(tl.int64) * N + (s - p * C), mask=hit, other=0)
+        m = tl.arange(0, BLOCK_M)
+        mm = m < M
+        vals = tl.load(meta_ptr + row[:, None] * M + m[None, :], mask=hit[:, None] & mm[None, :], other=0)
+        fill = tl.where(m < K, -1, 0)
+        vals = tl.where(hit[:, None], vals, fill[None, :])
+        tl.store(out_ptr + (wp.to(tl.int64) * N + r)[:, None] * M + m[None, :], vals, mask=(r < N)[:, None] & mm[None, :])
+        tl.store(slot_ptr + sidx, tl.where(hit, p * C + r, -1), mask=in_wave)
 
     @triton.jit
     def _count_rows_kernel(dst_ptr, offs_ptr, counts_ptr, pairs_ptr, lo_ptr, hi_ptr, WP, e, P,

@@ -285,6 +285,32 @@ for P, W, e, T, K, C in ((1, 1, 4, 9, 2, 16), (3, 2, 4, 20, 3, 7), (2, 4, 8, 33,
             else:
                 assert xa[0] == 0 and xa[5] == 0, xa.tolist()
         assert bool(got[0][2][0]) == bool((torch.stack([lay.send_counts_WP for lay in layouts]) > C).any())
+# dense blocks: the one-launch densify against its torch twin (C < T: rows past the capacity lose their slot)
+from moe_wave.comm.symm import wave_token_ranges
+from moe_wave.comm.symm_tables import densify, densify_torch
+for part in ("experts", "tokens"):
+    for P, W, e, T, K, C in ((2, 1, 4, 9, 3, 16), (3, 2, 4, 20, 3, 7), (2, 3, 2, 13, 2, 5), (2, 2, 2, 0, 2, 4)):
+        E = P * e
+        ids = torch.argsort(torch.rand(T, E, generator=g), 1)[:, :K].to(dev)
+        lay = compute_layout(ids, torch.rand(T, K, generator=g).to(dev),
+                             WavePlan.make(num_ranks=P, num_local_experts=e, num_waves=W, partition=part))
+        W = lay.plan.num_waves       # "experts" clamps the waves to e
+        recv_PX = count_rows_torch(lay.send_counts_WP, lay.pair_counts_WPe, lay.ids_min, lay.ids_max)
+        slot = torch.full((W, T, P), -1, dtype=torch.long, device=dev)
+        tabs = build_tables(recv_PX, lay.send_counts_WP, lay.send_token_S, C, T, 0, E, slot,
+                            torch.zeros(9, dtype=torch.long, device=dev))
+        meta_SM = torch.cat([lay.send_expert_SK, lay.send_weight_SK.view(torch.int32)], 1)
+        ranges = wave_token_ranges(T, W, part)
+        s1, s2 = slot.clone(), slot.clone()
+        m1 = densify(s1, tabs["row_WPN"], meta_SM, torch.tensor(ranges, dtype=torch.long, device=dev).view(W, 2), C, K,
+                     max(n for _, n in ranges))
+        m2 = densify_torch(tabs["tok_WPN"], tabs["row_WPN"], tabs["send_dst_WPN"], meta_SM, s2,
+                           torch.tensor([a for a, _ in ranges], dtype=torch.long, device=dev), C, K)
+        assert torch.equal(m1, m2), (part, P, W, T, C)
+        assert torch.equal(s1, s2), (part, P, W, T, C, "slot")
+        if C >= T:    # no row lost: every (token, peer) with a slot keeps one, and rows with metadata match
+            assert torch.equal(s1 >= 0, slot >= 0), (part, P, W, T)
+            assert int((m1[..., :K] >= 0).sum()) == int((lay.send_expert_SK >= 0).sum())
 print("ok")
 """
 
