@@ -350,7 +350,8 @@ def test_memops_missing_peer_is_named_and_the_rank_stops():
                     p.kill()
             elapsed = time.time() - t0
             assert procs[0].returncode == code, (how, procs[0].returncode, out0[-3000:])
-            assert re.search(r"\[moe-wave\] symm memops signal: rank 0 waited 1\.\d s for rank 1's data flag "
+            # rank 1 never starts the dispatch: rank 0 waits for its acknowledgement, the first step
+            assert re.search(r"\[moe-wave\] symm memops signal: rank 0 waited 1\.\d s for rank 1's acknowledgement "
                              r"\(dispatch wave 0\)", out0), out0[-3000:]
             if how == "raise":
                 assert "raised: symm memops signal: rank 0 waited" in out0, out0[-3000:]
