@@ -71,7 +71,8 @@ from .symm_signal import CopySignal
 from .symm_tables import (STATUS_LEN, build_tables, build_tables_torch, count_rows, count_rows_torch, densify,
                           densify_torch)
 
-__all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "SIGNALS", "DENSE_FILL", "dense_fill", "wave_token_ranges"]
+__all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "SIGNALS", "DENSE_FILL", "AUTO_COPY_MIN_TOKENS",
+           "dense_fill", "wave_token_ranges"]
 
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
@@ -79,6 +80,12 @@ DEFAULT_CAPACITY = 4096
 MODES = ("auto", "kernel", "copy")
 SIGNALS = ("barrier", "flags", "memops")
 DENSE_FILL = 0.8
+# mode "auto": copy mode with dense blocks from this many tokens per rank, kernel mode below. On 2 x H200
+# (V4-Flash / V4-Pro, CUDA graphs, benchmarks/2026-11-30-comm-2xh200-session5.json) kernel mode has the
+# lower latency alone up to 2048 tokens (Flash round trip 132 vs 146 us at 2048, 24 vs 48 us at 128), and
+# dense copy mode hides better beside a GEMM from 512 tokens on (beside 379 vs 400 us at 2048) and is as
+# fast alone from 4096 (Pro 8192: 772 vs 777 us).
+AUTO_COPY_MIN_TOKENS = 1024
 
 
 def dense_fill(num_ranks: int, num_waves: int, top_k: int, partition: str) -> float:
@@ -102,6 +109,7 @@ class SymmPlan(ExchangePlan):
 
     Attributes:
         capacity: C.
+        mode: the data mode of this plan's exchanges, "kernel" or "copy" (``SymmBackend.choose``).
         tok_WPN: [W, P, N] int64 token of row i of the block for (wave, peer); junk where invalid.
         row_WPN: [W, P, N] int64 send row (into the layout's S rows) of the same.
         send_dst_WPN: [W, P, N] int64 i where row i is valid (i < count and i < C), else -1.
@@ -122,6 +130,7 @@ class SymmPlan(ExchangePlan):
     """
 
     capacity: int = 0
+    mode: str = "copy"
     tok_WPN: torch.Tensor | None = None
     row_WPN: torch.Tensor | None = None
     send_dst_WPN: torch.Tensor | None = None
@@ -163,7 +172,10 @@ class SymmBackend:
         Environment: MOE_WAVE_SYMM_TIMEOUT_MS (default 120000): a peer that does not reach a barrier
             within it makes the barrier kernel trap (a CUDA error naming the barrier) instead of hanging.
         mode: "kernel" (Triton, writes only valid rows), "copy" (copy engines, N-row blocks) or
-            "auto" (kernel when Triton is usable). Environment override: MOE_WAVE_SYMM_MODE.
+            "auto": without Triton copy; with it, chosen at each prepare (``choose``): copy mode with
+            dense blocks from ``AUTO_COPY_MIN_TOKENS`` (1024) tokens per rank where dense blocks fill
+            (2 ranks, one wave), kernel mode otherwise (decode). Environment override:
+            MOE_WAVE_SYMM_MODE.
         signal: what closes each dispatch / combine exchange (environment override
             MOE_WAVE_SYMM_SIGNAL):
             "barrier" (default): torch's symmetric-memory barrier kernel, with its timeout.
@@ -206,22 +218,22 @@ class SymmBackend:
         if dense and mode == "kernel":
             raise ValueError(f"SymmBackend dense=True needs mode='copy' (mode is {mode!r}): kernel mode writes only "
                              f"the rows that carry pairs, so it has no pack to save")
-        if mode == "auto":
-            mode = "copy" if dense or not triton_ok(ep.device) else "kernel"
-        if mode == "kernel" and not triton_ok(ep.device):
-            raise ValueError(f"SymmBackend mode='kernel' needs Triton on {ep.device} (pip install triton; on CPU "
-                             f"also TRITON_INTERPRET=1); mode='copy' runs without it")
-        self.mode = mode
         if os.environ.get("MOE_WAVE_SYMM_FLAGS") == "1" or (flags and signal is None):
             signal = "flags"
         signal = os.environ.get("MOE_WAVE_SYMM_SIGNAL", signal or "barrier")
         if signal not in SIGNALS:
             raise ValueError(f"SymmBackend signal={signal!r}: must be one of {SIGNALS}")
+        if mode == "auto" and (dense or signal == "flags" or not triton_ok(ep.device)):
+            mode = "copy"       # otherwise "auto" stays, and each prepare chooses (``choose``)
+        if mode == "kernel" and not triton_ok(ep.device):
+            raise ValueError(f"SymmBackend mode='kernel' needs Triton on {ep.device} (pip install triton; on CPU "
+                             f"also TRITON_INTERPRET=1); mode='copy' runs without it")
+        self.mode = mode
         self.dense = dense
         # Triton where it runs: prepare's count rows and tables, the combine's accumulate (gather_add)
         self._kernels = triton_ok(ep.device)
         self.symm = st.is_accelerator(ep.device) and ep.size > 1
-        if signal == "flags" and (mode != "copy" or not self._kernels):
+        if signal == "flags" and (mode == "kernel" or not self._kernels):
             raise ValueError(f"SymmBackend signal='flags' needs mode='copy' and Triton (mode is {mode!r}, Triton "
                              f"{'usable' if self._kernels else 'not usable'} on {ep.device})")
         if signal == "memops" and self.symm and memops.available():
@@ -385,7 +397,7 @@ class SymmBackend:
         dev, C, T = layout.send_counts_WP.device, self.capacity, layout.num_tokens
         cur = st.current_stream(dev)
         K = layout.send_expert_SK.shape[1]
-        dense = self.uses_dense(plan, K)
+        mode, dense = self.choose(plan, T, K)
         static = self._dense_static(T, plan) if dense else None
         # dense blocks: the counts exchanged are the blocks' row counts (the wave's token range)
         counts = (static["counts_WP"] if dense else layout.send_counts_WP, layout.pair_counts_WPe,
@@ -405,7 +417,7 @@ class SymmBackend:
             if dense:
                 extra = self._densify(tabs, meta_SM, slot_WTP, static, K, C)
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
-            xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM,
+            xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM, mode=mode,
                              slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
                              stale_WPC1=(tabs["recv_dst_WPC"] < 0)[..., None] if self.symm else None,
                              **{**tabs, **extra})
@@ -419,11 +431,15 @@ class SymmBackend:
         return xplan
 
     # ---------------------------------------------------------------- dense blocks
-    def uses_dense(self, plan, top_k: int) -> bool:
-        """Whether this plan's blocks are dense (see ``dense`` in the class docstring)."""
-        if self.dense is not None:
-            return self.dense
-        return self.mode == "copy" and dense_fill(plan.num_ranks, plan.num_waves, top_k, plan.partition) >= DENSE_FILL
+    def choose(self, plan, num_tokens: int, top_k: int) -> tuple[str, bool]:
+        """(data mode, dense blocks) for one prepare: the settings where they are fixed; mode "auto" takes
+        copy mode with dense blocks where they are expected to fill (``DENSE_FILL``) and the tokens per
+        rank reach ``AUTO_COPY_MIN_TOKENS``, else kernel mode."""
+        full = dense_fill(plan.num_ranks, plan.num_waves, top_k, plan.partition) >= DENSE_FILL
+        mode = self.mode
+        if mode == "auto":
+            mode = "copy" if self.dense is not False and full and num_tokens >= AUTO_COPY_MIN_TOKENS else "kernel"
+        return mode, mode == "copy" and (full if self.dense is None else self.dense)
 
     def _dense_static(self, T: int, plan) -> dict:
         """The routing-independent part of dense blocks for T tokens (cached; made outside any capture:
@@ -504,7 +520,7 @@ class SymmBackend:
                 meta[..., K:].masked_fill_(plan.stale_WPC1[wave], 0)
             else:
                 stage_x, stage_m = bufs.stage[0][wave], bufs.stage[1][wave]
-                if self.mode == "kernel":
+                if plan.mode == "kernel":
                     self._scatter(x_TD, plan, bufs, wave)
                 else:
                     for p in range(P):
@@ -584,7 +600,7 @@ class SymmBackend:
         return bufs.pack[wave]
 
     def _push_peers(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int) -> None:
-        if self.mode == "kernel":
+        if plan.mode == "kernel":
             self._scatter(x_TD, plan, bufs, wave)
             return
         me, N = self.ep.rank, plan.tok_WPN.shape[2]
@@ -651,7 +667,7 @@ class SymmBackend:
             sig = self._signal(bufs, W + wave, f"combine wave {wave}")
             if sig is not None:
                 sig.begin()
-            if self.symm and self.mode == "kernel":   # valid rows only, every source's block in one launch
+            if self.symm and plan.mode == "kernel":   # valid rows only, every source's block in one launch
                 # this rank's own results stay in y: gather_add reads them there (no local copy)
                 scatter_rows(y_RD, bufs.targets[wave][2], plan.src_PC, plan.recv_dst_WPC[wave],
                              skip=me if local_from_y else None)

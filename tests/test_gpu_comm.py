@@ -107,7 +107,7 @@ def _log(ep, msg: str) -> None:
 
 # symm variants: data mode, then "+flags" / "+memops" (the signal) and "+dense" (dense blocks); "copy" alone
 # chooses dense blocks by the fill (here: dense for one wave, sparse for 2 and 4)
-SYMM_VARIANTS = (("kernel", "copy", "copy+flags", "kernel+memops", "copy+memops", "copy+dense+memops")
+SYMM_VARIANTS = (("auto", "kernel", "copy", "copy+flags", "kernel+memops", "copy+memops", "copy+dense+memops")
                  if HAS_TRITON else ("copy", "copy+memops"))
 _ENV = ("MOE_WAVE_SYMM_MODE", "MOE_WAVE_SYMM_SIGNAL", "MOE_WAVE_SYMM_DENSE")
 
@@ -127,13 +127,15 @@ def _variant_env(variant: str | None) -> None:
 
 def _symm_vs_torch(ep: EPGroup) -> None:
     g = torch.Generator(device=ep.device).manual_seed(1 + ep.rank)
-    xs = {T: torch.randn(T, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16) for T in (256, 37, 0)}
+    # 1024 tokens: mode "auto" takes dense copy mode for one wave (AUTO_COPY_MIN_TOKENS), kernel mode below
+    xs = {T: torch.randn(T, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16)
+          for T in (1024, 256, 37, 0)}
     got = {}
     # Phase 1: symm alone (no other collective in between).
     for mode in SYMM_VARIANTS:
         _variant_env(mode)
         for W in (1, 2, 4):
-            m = _moe(ep, CFG, "symm", num_waves=W, max_tokens_per_rank=256)
+            m = _moe(ep, CFG, "symm", num_waves=W, max_tokens_per_rank=1024)
             for T, x in xs.items():
                 for overlap in (True, False):
                     _log(ep, f"symm mode={mode} W={W} T={T} overlap={overlap}")

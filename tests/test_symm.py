@@ -468,3 +468,28 @@ def test_signal_option_errors(monkeypatch):
             SymmBackend(EPGroup.single(), mode="copy", signal="flags")
     monkeypatch.setenv("MOE_WAVE_SYMM_SIGNAL", "memops")
     assert SymmBackend(EPGroup.single(), mode="copy").signal == "memops"   # CPU: the emulated transport ignores it
+
+
+def test_auto_mode_choice():
+    """mode "auto" with Triton: dense copy mode for large batches where dense blocks fill, kernel mode
+    for decode and where they would not fill; the fixed settings stay fixed."""
+    from moe_wave.comm import symm
+
+    def choose(T, P=2, W=1, K=6, partition="experts", **kw):
+        be = SymmBackend.__new__(SymmBackend)          # the rule only: no group, no buffers
+        be.mode, be.dense = kw.get("mode", "auto"), kw.get("dense")
+        plan = WavePlan.make(num_ranks=P, num_local_experts=8, num_waves=W, partition=partition)
+        return be.choose(plan, T, K)
+
+    big, small = symm.AUTO_COPY_MIN_TOKENS, symm.AUTO_COPY_MIN_TOKENS - 1
+    assert choose(big) == ("copy", True)
+    assert choose(small) == ("kernel", False)
+    assert choose(big, P=8) == ("kernel", False)                        # fill 0.55
+    assert choose(big, W=2) == ("copy", True)                           # 1 - (3/4)^6 = 0.82
+    assert choose(big, W=4) == ("kernel", False)                        # 0.55
+    assert choose(big, W=4, partition="tokens") == ("copy", True)       # a wave is a token chunk: 0.98
+    assert choose(big, dense=False) == ("kernel", False)
+    assert choose(small, mode="copy") == ("copy", True)
+    assert choose(big, P=8, mode="copy") == ("copy", False)
+    assert choose(big, P=8, mode="copy", dense=True) == ("copy", True)
+    assert choose(big, mode="kernel") == ("kernel", False)
