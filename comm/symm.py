@@ -80,7 +80,7 @@ DEFAULT_CAPACITY = 4096
 MODES = ("auto", "kernel", "copy")
 SIGNALS = ("barrier", "flags", "memops")
 DENSE_FILL = 0.8
-# mode "auto": copy mode with dense blocks from this many tokens per rank, kernel mode below. On 2 x H200
+# mode "auto": copy mode with dense blocks from this capacity (max tokens per rank), kernel mode below. On 2 x H200
 # (V4-Flash / V4-Pro, CUDA graphs, benchmarks/2026-11-30-comm-2xh200-session5.json) kernel mode has the
 # lower latency alone up to 2048 tokens (Flash round trip 132 vs 146 us at 2048, 24 vs 48 us at 128), and
 # dense copy mode hides better beside a GEMM from 512 tokens on (beside 379 vs 400 us at 2048) and is as
@@ -120,13 +120,14 @@ class SymmPlan(ExchangePlan):
             None where the combine accumulates with torch ops (no Triton).
         src_PC: [P, C] int64 ``p*C + i``: the rows of y that go back to peer p.
         stale_WPC1: [W, P, C, 1] bool, True where received row i of source p is past its count (its
-            metadata is reset in place at dispatch: expert -1, weight 0).
+            metadata is reset in place at dispatch: expert -1, weight 0); sparse blocks on the GPU only.
         pairs_We: [W, e] int64 (row, slot) pairs received per local expert: the exchanged counts summed
             over the sources.
         dense: ((start, rows) per wave) in dense blocks (see ``SymmBackend``): row i of block (w, p) is
             token start_w + i for i < rows_w, whether or not it has an expert on p; None for sparse blocks.
-        meta_WPNM: [W, P, N, M] int32, dense blocks only: the (local expert, weight) slots of each row
-            for peer p (expert -1 and weight 0 where the token has none of p's experts in wave w).
+        meta_WPCM: [W, P, C, M] int32, dense blocks only: the (local expert, weight) slots of each row
+            for peer p (expert -1 and weight 0 where the token has none of p's experts in wave w, and in
+            the rows past the wave's tokens: the whole block is sent, so no stale row remains).
     """
 
     capacity: int = 0
@@ -141,7 +142,7 @@ class SymmPlan(ExchangePlan):
     stale_WPC1: torch.Tensor | None = None
     pairs_We: torch.Tensor | None = None
     dense: tuple | None = None
-    meta_WPNM: torch.Tensor | None = None
+    meta_WPCM: torch.Tensor | None = None
 
 
 @dataclass
@@ -173,8 +174,9 @@ class SymmBackend:
             within it makes the barrier kernel trap (a CUDA error naming the barrier) instead of hanging.
         mode: "kernel" (Triton, writes only valid rows), "copy" (copy engines, N-row blocks) or
             "auto": without Triton copy; with it, chosen at each prepare (``choose``): copy mode with
-            dense blocks from ``AUTO_COPY_MIN_TOKENS`` (1024) tokens per rank where dense blocks fill
-            (2 ranks, one wave), kernel mode otherwise (decode). Environment override:
+            dense blocks where they fill (2 ranks, one wave) and the capacity (max_tokens_per_rank,
+            the same on every rank) is at least ``AUTO_COPY_MIN_TOKENS`` (1024), kernel mode otherwise
+            (size the capacity to the decode batch for decode graphs). Environment override:
             MOE_WAVE_SYMM_MODE.
         signal: what closes each dispatch / combine exchange (environment override
             MOE_WAVE_SYMM_SIGNAL):
@@ -397,7 +399,7 @@ class SymmBackend:
         dev, C, T = layout.send_counts_WP.device, self.capacity, layout.num_tokens
         cur = st.current_stream(dev)
         K = layout.send_expert_SK.shape[1]
-        mode, dense = self.choose(plan, T, K)
+        mode, dense = self.choose(plan, K)
         static = self._dense_static(T, plan) if dense else None
         # dense blocks: the counts exchanged are the blocks' row counts (the wave's token range)
         counts = (static["counts_WP"] if dense else layout.send_counts_WP, layout.pair_counts_WPe,
@@ -419,11 +421,11 @@ class SymmBackend:
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
             xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM, mode=mode,
                              slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
-                             stale_WPC1=(tabs["recv_dst_WPC"] < 0)[..., None] if self.symm else None,
+                             stale_WPC1=(tabs["recv_dst_WPC"] < 0)[..., None] if self.symm and not dense else None,
                              **{**tabs, **extra})
         st.wait_stream(cur, self.comm_stream)
         for t in (recv_PX, xplan.tok_WPN, xplan.row_WPN, xplan.send_dst_WPN, xplan.recv_dst_WPC, meta_SM, slot_WTP,
-                  xplan.pairs_We, xplan.stale_WPC1, xplan.meta_WPNM):
+                  xplan.pairs_We, xplan.stale_WPC1, xplan.meta_WPCM):
             if t is not None:
                 st.keep_alive(t, cur)
         if not st.is_accelerator(dev):
@@ -431,14 +433,16 @@ class SymmBackend:
         return xplan
 
     # ---------------------------------------------------------------- dense blocks
-    def choose(self, plan, num_tokens: int, top_k: int) -> tuple[str, bool]:
+    def choose(self, plan, top_k: int) -> tuple[str, bool]:
         """(data mode, dense blocks) for one prepare: the settings where they are fixed; mode "auto" takes
-        copy mode with dense blocks where they are expected to fill (``DENSE_FILL``) and the tokens per
-        rank reach ``AUTO_COPY_MIN_TOKENS``, else kernel mode."""
+        copy mode with dense blocks where they are expected to fill (``DENSE_FILL``) and the capacity
+        (``WaveConfig.max_tokens_per_rank``) reaches ``AUTO_COPY_MIN_TOKENS``, else kernel mode. Only
+        what every rank shares decides (the plan, top-k, the capacity), never this call's token count:
+        all ranks must pick the same."""
         full = dense_fill(plan.num_ranks, plan.num_waves, top_k, plan.partition) >= DENSE_FILL
         mode = self.mode
         if mode == "auto":
-            mode = "copy" if self.dense is not False and full and num_tokens >= AUTO_COPY_MIN_TOKENS else "kernel"
+            mode = "copy" if self.dense is not False and full and self.capacity >= AUTO_COPY_MIN_TOKENS else "kernel"
         return mode, mode == "copy" and (full if self.dense is None else self.dense)
 
     def _dense_static(self, T: int, plan) -> dict:
@@ -470,7 +474,7 @@ class SymmBackend:
             meta = densify_torch(tabs["tok_WPN"], tabs["row_WPN"], tabs["send_dst_WPN"], meta_SM, None,
                                  static["start_W"], C, K)
         return dict(tok_WPN=static["tok_WPN"], send_dst_WPN=static["send_dst_WPN"], row_WPN=None,
-                    meta_WPNM=meta, dense=static["ranges"])
+                    meta_WPCM=meta, dense=static["ranges"])
 
     def _exchange_counts(self, counts, P: int, X: int) -> torch.Tensor:
         """[P, X]: row src is what rank src sent this rank (see ``symm_tables``)."""
@@ -515,9 +519,10 @@ class SymmBackend:
                 # rows past a source's count hold stale (copy mode: junk) metadata: expert -1, weight 0,
                 # in place, so that finish() hands out views. After the barrier: copy mode's N-row blocks
                 # write those rows too; the next writes into this block come after the next prepare.
-                meta = bufs.recv_meta[wave]
-                meta[..., :K].masked_fill_(plan.stale_WPC1[wave], -1)
-                meta[..., K:].masked_fill_(plan.stale_WPC1[wave], 0)
+                if plan.dense is None:      # dense blocks send all C metadata rows: nothing is stale
+                    meta = bufs.recv_meta[wave]
+                    meta[..., :K].masked_fill_(plan.stale_WPC1[wave], -1)
+                    meta[..., K:].masked_fill_(plan.stale_WPC1[wave], 0)
             else:
                 stage_x, stage_m = bufs.stage[0][wave], bufs.stage[1][wave]
                 if plan.mode == "kernel":
@@ -561,7 +566,7 @@ class SymmBackend:
         if plan.dense is not None:          # dense: the wave's token range as it is, and p's metadata rows
             start, n = plan.dense[wave]
             dst_x_CD[:n].copy_(x_TD[start:start + n], non_blocking=True)
-            dst_m_CM[:N].copy_(plan.meta_WPNM[wave, p], non_blocking=True)
+            dst_m_CM.copy_(plan.meta_WPCM[wave, p], non_blocking=True)     # all C rows: none left stale
         elif N:
             torch.index_select(x_TD, 0, plan.tok_WPN[wave, p], out=dst_x_CD[:N])
             torch.index_select(plan.meta_SM, 0, plan.row_WPN[wave, p], out=dst_m_CM[:N])
@@ -604,12 +609,10 @@ class SymmBackend:
             self._scatter(x_TD, plan, bufs, wave)
             return
         me, N = self.ep.rank, plan.tok_WPN.shape[2]
-        if not N:
-            return
-        if plan.dense is not None:
+        if plan.dense is not None:      # even with no rows: the metadata block is sent whole (no stale rows)
             # dense blocks: no pack. One cudaMemcpyAsync of x's rows and one of the metadata per peer (copy
             # engines, no SMs); this rank's own block the same way on the local stream.
-            loc = self._local_fork(x_TD, plan.meta_WPNM)
+            loc = self._local_fork(x_TD, plan.meta_WPCM)
             rx, rm, _ = bufs.peers[me]
             with st.on(loc):
                 self._pack(x_TD, plan, wave, me, rx[wave, me], rm[wave, me])
@@ -618,6 +621,8 @@ class SymmBackend:
                 self._pack(x_TD, plan, wave, p, prx[wave, me], prm[wave, me])
             if loc is not None:
                 st.wait_stream(self.comm_stream, loc)
+            return
+        if not N:
             return
         if self._kernels:
             # one Triton launch packs every peer's valid rows (and metadata) into the local staging and this

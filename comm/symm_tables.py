@@ -25,8 +25,9 @@ Tables (``build_tables``), all int64:
 
 Dense blocks (``densify``, from the sparse tables above): row r of block (w, p) is token start_w + r
 of wave w's token range [start_w, start_w + len_w):
-    meta_WPNM    [W, P, N, M] int32: the metadata of the send row of that token for (w, p) where it
-                 has one (and r < N), else K slots of expert -1 and K of weight 0
+    meta_WPCM    [W, P, C, M] int32: the metadata of the send row of that token for (w, p) where it
+                 has one (and r < N), else K slots of expert -1 and K of weight 0 (rows N..C-1 too: the
+                 whole block is copied, so no stale row is left at the receiver)
     slot_WTP     rewritten in place: p*C + r where the token sent a row to p in wave w and r < N,
                  else -1
 """
@@ -130,12 +131,12 @@ def build_tables(recv_PX, send_counts_WP, send_token_S, C: int, T: int, me: int,
 
 
 def densify_torch(tok_WPN, row_WPN, send_dst_WPN, meta_SM, slot_WTP, start_W, C: int, K: int) -> torch.Tensor:
-    """Dense blocks from the sparse tables (see the module docstring): returns meta_WPNM and rewrites
+    """Dense blocks from the sparse tables (see the module docstring): returns meta_WPCM and rewrites
     ``slot_WTP`` (may be None) in place."""
     W, P, N = tok_WPN.shape
-    dev, M, flat = tok_WPN.device, meta_SM.shape[1], W * P * N
+    dev, M, flat = tok_WPN.device, meta_SM.shape[1], W * P * C
     rel_WPN = tok_WPN - start_W.view(W, 1, 1)
-    base_WP1 = torch.arange(W * P, device=dev).view(W, P, 1) * N
+    base_WP1 = torch.arange(W * P, device=dev).view(W, P, 1) * C
     dst = torch.where((send_dst_WPN >= 0) & (rel_WPN >= 0) & (rel_WPN < N), base_WP1 + rel_WPN, flat)
     meta = torch.zeros(flat + 1, M, dtype=torch.int32, device=dev)     # the last row takes the rest
     meta[:, :K] = -1
@@ -145,7 +146,7 @@ def densify_torch(tok_WPN, row_WPN, send_dst_WPN, meta_SM, slot_WTP, start_W, C:
         rel_WT1 = (torch.arange(T, device=dev).view(1, T) - start_W.view(W, 1))[..., None]
         dense = torch.arange(P, device=dev).view(1, 1, P) * C + rel_WT1
         slot_WTP.copy_(torch.where((slot_WTP >= 0) & (rel_WT1 >= 0) & (rel_WT1 < N), dense, -1))
-    return meta[:flat].view(W, P, N, M)
+    return meta[:flat].view(W, P, C, M)
 
 
 def densify(slot_WTP, row_WPN, meta_SM, rng_W2, C: int, K: int, max_len: int) -> torch.Tensor:
@@ -153,8 +154,8 @@ def densify(slot_WTP, row_WPN, meta_SM, rng_W2, C: int, K: int, max_len: int) ->
     ``rng_W2`` [W, 2] int64 (start, len) of each wave's tokens, ``max_len`` the largest len (host)."""
     W, P, N = row_WPN.shape
     T, M = slot_WTP.shape[1], meta_SM.shape[1]
-    out = torch.empty(W, P, N, M, dtype=torch.int32, device=row_WPN.device)
-    R = max(N, max_len)
+    out = torch.empty(W, P, C, M, dtype=torch.int32, device=row_WPN.device)
+    R = max(C, max_len)
     if R == 0:
         return out
     block = min(triton.next_power_of_2(R), 256)
@@ -184,7 +185,7 @@ if triton is not None:
         vals = tl.load(meta_ptr + row[:, None] * M + m[None, :], mask=hit[:, None] & mm[None, :], other=0)
         fill = tl.where(m < K, -1, 0)
         vals = tl.where(hit[:, None], vals, fill[None, :])
-        tl.store(out_ptr + (wp.to(tl.int64) * N + r)[:, None] * M + m[None, :], vals, mask=(r < N)[:, None] & mm[None, :])
+        tl.store(out_ptr + (wp.to(tl.int64) * C + r)[:, None] * M + m[None, :], vals, mask=(r < C)[:, None] & mm[None, :])
         tl.store(slot_ptr + sidx, tl.where(hit, p * C + r, -1), mask=in_wave)
 
     @triton.jit

@@ -471,15 +471,16 @@ def test_signal_option_errors(monkeypatch):
 
 
 def test_auto_mode_choice():
-    """mode "auto" with Triton: dense copy mode for large batches where dense blocks fill, kernel mode
-    for decode and where they would not fill; the fixed settings stay fixed."""
+    """mode "auto" with Triton: dense copy mode for a large capacity where dense blocks fill, kernel mode for
+    a decode-sized capacity and where they would not fill; the fixed settings stay fixed. The choice reads
+    only what all ranks share (never the call's token count)."""
     from moe_wave.comm import symm
 
-    def choose(T, P=2, W=1, K=6, partition="experts", **kw):
+    def choose(C, P=2, W=1, K=6, partition="experts", **kw):
         be = SymmBackend.__new__(SymmBackend)          # the rule only: no group, no buffers
-        be.mode, be.dense = kw.get("mode", "auto"), kw.get("dense")
+        be.mode, be.dense, be.capacity = kw.get("mode", "auto"), kw.get("dense"), C
         plan = WavePlan.make(num_ranks=P, num_local_experts=8, num_waves=W, partition=partition)
-        return be.choose(plan, T, K)
+        return be.choose(plan, K)
 
     big, small = symm.AUTO_COPY_MIN_TOKENS, symm.AUTO_COPY_MIN_TOKENS - 1
     assert choose(big) == ("copy", True)
