@@ -120,6 +120,8 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     # host-to-device copy, which synchronises the host with the stream once per wave.
     # (clamped to the R*K rows: a capacity overflow, reported later, must not send a group past them)
     offs = pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32) if pairs_e_dev is not None else None
+    if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
+        return _expert_rows_fused(x_RD, weight_RK, experts, order, offs, K)
     row = order // K
     out = experts(x_RD.index_select(0, row), pairs_e, offs)
     w = weight_RK.reshape(-1).index_select(0, order)[:, None]
@@ -131,6 +133,30 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     slots = torch.zeros(R * K, x_RD.shape[1], dtype=torch.float32, device=x_RD.device)
     slots.index_copy_(0, order, contrib)
     return slots.view(R, K, x_RD.shape[1]).sum(1).to(x_RD.dtype)
+
+
+def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
+    """The device-count path's kernels (``expert_kernels``) run here: a GPU with Triton and the grouped GEMM."""
+    from .expert_kernels import triton_ok
+
+    return x_RD.is_cuda and triton_ok(x_RD.device) and _grouped_ok(experts.grouped_mm, x_RD)
+
+
+def _expert_rows_fused(x_RD, weight_RK, experts: RoutedExperts, order, offs, K: int) -> torch.Tensor:
+    """``expert_rows`` with device counts, touching only the n valid pairs (n = offs[-1], on the device):
+    gather, SwiGLU and the weighted per-row sum skip the pairs past n; the grouped GEMMs only compute the
+    groups. Same math as the torch path (the sum over k in slot order, in fp32)."""
+    from .expert_kernels import gather_rows, swiglu_rows, weighted_sum
+
+    n = offs[-1:]
+    lim = experts.cfg.swiglu_limit
+    xs = gather_rows(x_RD, order // K, n)
+    gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
+    h = swiglu_rows(gu, lim, n, x_RD.dtype)
+    out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.shape[0], device=order.device)     # where pair (r, k) sits in the sorted order
+    return weighted_sum(out, pos.view(-1, K), weight_RK, n, x_RD.dtype)
 
 
 class SharedExpert(nn.Module):

@@ -113,3 +113,35 @@ def test_hash_routing_gpu(ep):
     ids = torch.randint(0, 100, (128,), device=ep.device)
     ref = reference_moe(full, cfg, x, ids)
     _agree(ep, float((moe(x, input_ids=ids) - ref).abs().max() / ref.abs().max()), 1e-3, "hash rel err")
+
+
+def test_device_count_expert_stage_matches_host_counts():
+    """expert_rows with device counts only (the fixed-capacity backends, CUDA graphs) takes the kernels that
+    skip the pairs past n; it must give what the host-count path gives, slots of -1 and empty rows included."""
+    from moe_wave.experts import RoutedExperts, _fused_ok, expert_rows
+
+    cfg = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=8, top_k=4, swiglu_limit=7.0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(5)
+    ex = RoutedExperts(cfg, num_local=8, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ex.gate_up.copy_(torch.randn(ex.gate_up.shape, generator=g) * 0.05)
+        ex.down.copy_(torch.randn(ex.down.shape, generator=g) * 0.05)
+    for R in (300, 1, 0):
+        x = (torch.randn(R, cfg.hidden_size, generator=g) * 2).to(dev, torch.bfloat16)
+        ids = torch.randint(0, 8, (R, 4), generator=g)
+        ids[torch.rand(R, 4, generator=g) < 0.5] = -1                  # slots of other ranks / waves
+        if R > 2:
+            ids[:2] = -1                                              # rows with no pair at all
+        w = torch.rand(R, 4, generator=g).to(dev)
+        ids = ids.to(dev, torch.int32)
+        counts = torch.bincount(ids[ids >= 0].long(), minlength=8).to(dev)
+        assert _fused_ok(x, ex)
+        y_dev = expert_rows(x, ids, w, ex, None, counts)
+        y_host = expert_rows(x, ids, w, ex, counts.tolist(), counts)
+        assert y_dev.shape == y_host.shape == (R, cfg.hidden_size) and y_dev.dtype == torch.bfloat16
+        if R:
+            err = float((y_dev.float() - y_host.float()).norm() / y_host.float().norm().clamp_min(1e-6))
+            assert err < 1e-2, (R, err)
+        if R > 2:
+            assert torch.equal(y_dev[:2], torch.zeros_like(y_dev[:2])), "rows with no pair are 0"
