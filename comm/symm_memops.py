@@ -54,10 +54,6 @@ __all__ = ["MemopSignal", "Watchdog", "available", "watchdog"]
 
 _WAIT_EQ = 0x1
 _WAIT_FLUSH = 1 << 30
-# A write with this flag may pass writes issued before it on the stream (no fence in front of it). Used for
-# the wait codes (host memory, read by the watchdog only) and for the resets of this rank's own words; the
-# acknowledgement and data-flag writes keep the fence: they order the resets and the data before them.
-_WRITE_NO_BARRIER = 0x1
 _ATTR_CAN_FLUSH_REMOTE_WRITES = 98
 _LIB: dict = {}
 
@@ -272,13 +268,13 @@ class MemopSignal:
 
     def _mark(self, value: int) -> None:
         if self._state is not None:
-            self._call(self._write, "cuStreamWriteValue32", self._state_dev, value, _WRITE_NO_BARRIER)
+            self._call(self._write, "cuStreamWriteValue32", self._state_dev, value, 0)
 
     def _wait_all(self, step: int, mine: list, flags: int) -> None:
         for p, a in zip(self._peers, mine):
             self._mark(wait_code(self.calls, step, p))
             self._call(self._wait, "cuStreamWaitValue32", a, 1, flags)
-            self._call(self._write, "cuStreamWriteValue32", a, 0, _WRITE_NO_BARRIER)
+            self._call(self._write, "cuStreamWriteValue32", a, 0, 0)
 
     def begin(self) -> None:
         self.check()
