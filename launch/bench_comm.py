@@ -583,7 +583,7 @@ def main() -> None:
     if (args.tune or "tune" in SECTIONS) and "symm" in backends:
         _SAVE["done"] = rows = rows + tune_rows(ep, iters, p2p, gemm, gemm_us)
     if "moe" in SECTIONS:
-        rows += moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
+        _SAVE["done"] = rows = rows + moe_rows(ep, backends, 512 if args.quick else 4096, max(3, iters // 2))
     save(ep, [])
     if ep.rank == 0:
         print(f"P2P copy limit {p2p:.0f} GB/s per direction; GEMM 4096x7168x4096 {gemm_us:.0f} us")
