@@ -247,8 +247,8 @@ class MemopSignal:
     def _describe(self, i: int, code: int, seconds: float) -> str:
         _, step, p = decode(code)
         return (f"symm memops signal: rank {self.ep.rank} waited {seconds:.1f} s for rank {p}'s {STEPS[step]} "
-                f"({self.name}); rank {p} stopped or never reached this exchange: see its own error. The wait "
-                f"was released and this rank stops (MOE_WAVE_SYMM_TIMEOUT_MS)")
+                f"({self.name}); rank {p} stopped or never reached this exchange: see its own error. This rank "
+                f"stops (MOE_WAVE_SYMM_TIMEOUT_MS; the wait is released where the device allows)")
 
     def _release(self, i: int, code: int) -> None:
         """Write the awaited word ourselves, from a stream made for this at construction (no kernel, no

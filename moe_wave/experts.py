@@ -136,10 +136,12 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
 
 
 def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
-    """The device-count path's kernels (``expert_kernels``) run here: a GPU with Triton and the grouped GEMM."""
+    """The device-count path's kernels (``expert_kernels``) run here: a GPU with Triton and the grouped GEMM,
+    and experts whose forward is ours (a subclass with its own forward keeps the generic path)."""
     from .expert_kernels import triton_ok
 
-    return x_RD.is_cuda and triton_ok(x_RD.device) and _grouped_ok(experts.grouped_mm, x_RD)
+    return (x_RD.is_cuda and type(experts).forward is RoutedExperts.forward and triton_ok(x_RD.device)
+            and _grouped_ok(experts.grouped_mm, x_RD))
 
 
 def _expert_rows_fused(x_RD, weight_RK, experts: RoutedExperts, order, offs, K: int) -> torch.Tensor:
