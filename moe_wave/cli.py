@@ -84,9 +84,28 @@ def cmd_info(args) -> int:
 
 # ----------------------------------------------------------------------------- demo
 
+# --symm-* flags -> the symm backend's environment (read by every rank's SymmBackend, spawned ranks inherit it)
+SYMM_FLAGS = (("symm_mode", "MOE_WAVE_SYMM_MODE", {"auto": "auto", "kernel": "kernel", "copy": "copy"}),
+              ("symm_dense", "MOE_WAVE_SYMM_DENSE", {"auto": "auto", "on": "1", "off": "0"}),
+              ("symm_signal", "MOE_WAVE_SYMM_SIGNAL", {"barrier": "barrier", "flags": "flags", "memops": "memops"}))
+
+
+def apply_symm_flags(args, env=None) -> None:
+    """Set the symm backend's environment from the demo's --symm-* flags (those given)."""
+    env = os.environ if env is None else env
+    given = [f"--{name.replace('_', '-')}" for name, _, _ in SYMM_FLAGS if getattr(args, name, None) is not None]
+    if given and args.backend != "symm":
+        raise ValueError(f"{', '.join(given)}: only with --backend symm (--backend is {args.backend!r})")
+    for name, var, values in SYMM_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            env[var] = values[value]
+
+
 def cmd_demo(args) -> int:
     try:
         resolve_defaults(args)
+        apply_symm_flags(args)
     except ValueError as e:
         raise SystemExit(f"moe-wave demo: {e}") from None
     launch = detect_launcher()
@@ -141,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--waves", type=_waves, default=2, help="number of waves W, or 'auto'")
     d.add_argument("--partition", choices=("experts", "tokens"), default="experts")
     d.add_argument("--backend", choices=("torch", "symm", "deepep"), default="torch", help="comm backend")
+    d.add_argument("--symm-mode", choices=("auto", "kernel", "copy"), default=None,
+                   help="symm backend: SM copies (kernel), copy engines (copy), or auto: dense copy mode where its "
+                        "blocks fill and the capacity is >= 1024 tokens, kernel mode below (env MOE_WAVE_SYMM_MODE)")
+    d.add_argument("--symm-dense", choices=("auto", "on", "off"), default=None,
+                   help="symm copy mode: send each wave's tokens whole, with no pack kernel; auto where a block is "
+                        "expected to be >= 80%% useful (env MOE_WAVE_SYMM_DENSE)")
+    d.add_argument("--symm-signal", choices=("barrier", "flags", "memops"), default=None,
+                   help="symm: what closes an exchange: the barrier kernel, copy-engine completion flags, or stream "
+                        "memory operations (no SM; a watchdog bounds the wait) (env MOE_WAVE_SYMM_SIGNAL)")
     d.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="MoE wave pipeline with overlap in the overlapped run (--no-overlap: the serial "
                         "schedule there too); env MOE_WAVE_OVERLAP=0 overrides")

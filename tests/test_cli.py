@@ -46,3 +46,24 @@ def test_bad_flag_value_is_rejected():
 def test_table_is_aligned():
     lines = format_table(["a", "bbb"], [[1, 2], [333, 4]]).splitlines()
     assert len({len(ln) for ln in lines}) == 1
+
+
+def test_symm_flags_set_the_backend_environment():
+    from moe_wave.cli import apply_symm_flags
+
+    args = build_parser().parse_args(["demo", "--backend", "symm", "--symm-mode", "copy", "--symm-dense", "off",
+                                      "--symm-signal", "memops"])
+    env = {}
+    apply_symm_flags(args, env)
+    assert env == {"MOE_WAVE_SYMM_MODE": "copy", "MOE_WAVE_SYMM_DENSE": "0", "MOE_WAVE_SYMM_SIGNAL": "memops"}
+    env = {}
+    apply_symm_flags(build_parser().parse_args(["demo", "--backend", "symm"]), env)
+    assert env == {}, "flags not given leave the environment alone"
+    with pytest.raises(ValueError, match=r"--symm-dense: only with --backend symm \(--backend is 'torch'\)"):
+        apply_symm_flags(build_parser().parse_args(["demo", "--symm-dense", "on"]), {})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--symm-signal", "bell"])
+    helptext = subprocess.run([sys.executable, "-m", "moe_wave", "demo", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60).stdout
+    for flag in ("--symm-mode", "--symm-dense", "--symm-signal"):
+        assert flag in helptext, helptext
