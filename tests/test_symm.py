@@ -494,3 +494,26 @@ def test_auto_mode_choice():
     assert choose(big, P=8, mode="copy") == ("copy", False)
     assert choose(big, P=8, mode="copy", dense=True) == ("copy", True)
     assert choose(big, mode="kernel") == ("kernel", False)
+
+
+def test_wave_token_ranges_match_the_layout():
+    """Dense blocks of the "tokens" partition copy each wave's token range as one slice: it must be exactly the
+    tokens that compute_layout puts in that wave (and all tokens for "experts")."""
+    from moe_wave.comm.symm import wave_token_ranges
+
+    for T in (0, 1, 5, 9, 10, 37):
+        for W in (1, 2, 3, 4, 7):
+            ids = torch.zeros(T, 1, dtype=torch.long)
+            lay = compute_layout(ids, torch.ones(T, 1), WavePlan.make(num_ranks=1, num_local_experts=8, num_waves=W,
+                                                                      partition="tokens"))
+            counts = lay.send_counts_WP[:, 0].tolist()
+            ranges = wave_token_ranges(T, W, "tokens")
+            assert [n for _, n in ranges] == counts, (T, W, ranges, counts)
+            start = 0
+            for w, (a, n) in enumerate(ranges):
+                assert a == start
+                got = lay.send_token_S[sum(counts[:w]):sum(counts[:w]) + n].tolist()
+                assert got == list(range(a, a + n)), (T, W, w)
+                start += n
+            assert start == T
+            assert wave_token_ranges(T, W, "experts") == tuple((0, T) for _ in range(W))
