@@ -72,7 +72,7 @@ from .symm_tables import (STATUS_LEN, build_tables, build_tables_torch, count_ro
                           densify_torch)
 
 __all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "SIGNALS", "DENSE_FILL", "AUTO_COPY_MIN_TOKENS",
-           "dense_fill", "wave_token_ranges"]
+           "dense_fill", "parse_variant", "wave_token_ranges"]
 
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
@@ -86,6 +86,19 @@ DENSE_FILL = 0.8
 # dense copy mode hides better beside a GEMM from 512 tokens on (beside 379 vs 400 us at 2048) and is as
 # fast alone from 4096 (Pro 8192: 772 vs 777 us).
 AUTO_COPY_MIN_TOKENS = 1024
+
+
+def parse_variant(name: str) -> tuple[str, bool | None, str]:
+    """(mode, dense, signal) from a variant name as the benchmarks and tests spell it: the data mode, then
+    "+dense" / "+sparse" (neither: chosen by the fill) and "+flags" / "+memops" (neither: the barrier),
+    e.g. "copy+dense+memops"."""
+    mode, *opts = name.split("+")
+    bad = [o for o in opts if o not in ("dense", "sparse") + SIGNALS]
+    if mode not in MODES or bad:
+        raise ValueError(f"symm variant {name!r}: must be one of {MODES} followed by +dense/+sparse and "
+                         f"+flags/+memops")
+    dense = True if "dense" in opts else False if "sparse" in opts else None
+    return mode, dense, next((o for o in opts if o in SIGNALS), "barrier")
 
 
 def dense_fill(num_ranks: int, num_waves: int, top_k: int, partition: str) -> float:
@@ -368,9 +381,8 @@ class SymmBackend:
                                    f"capturing a CUDA graph (the signal words are allocated on first use, by every rank)")
             if self.signal == "flags":
                 self._signals[key] = CopySignal(self.ep, self._alloc, self.timeout_ms)
-            else:   # with acknowledgements: safe for any sequence of calls (symm_memops docstring)
-                self._signals[key] = memops.MemopSignal(self.ep, self._alloc, ack=True, timeout_ms=self.timeout_ms,
-                                                        name=what)
+            else:
+                self._signals[key] = memops.MemopSignal(self.ep, self._alloc, timeout_ms=self.timeout_ms, name=what)
         return self._signals[key]
 
     def _close(self, sig, bufs: _Buffers, channel: int) -> None:

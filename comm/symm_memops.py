@@ -17,11 +17,9 @@ All words start at 0. One exchange, on the stream that issues the data copies:
 
 A word is set again only after its owner has reset it: p writes my flag[p] again in its next
 exchange only after step 2 there, which needs my step-1 write of that exchange, which my stream
-issues after my step-5 reset. The same holds for the acknowledgements. ``ack=False`` skips steps 1-2;
-that is only safe where another barrier separates any two exchanges on the channel: without it, a
-peer one exchange ahead can set my flag again before I have reset it, and the second signal is
-lost (a hang). The symm backend keeps the acknowledgements (a benchmark replays one dispatch
-graph back to back).
+issues after my step-5 reset. The same holds for the acknowledgements. Without steps 1-2 a peer one
+exchange ahead could set my flag again before I have reset it, and the second signal would be lost
+(a hang: a benchmark that replays one dispatch graph back to back did hang that way).
 
 **Bounded waits.** A memory-operation wait has no deadline of its own. Before each wait the stream
 writes a code (peer, step, call) into a word of pinned host memory, and 0 after the last one; a
@@ -193,26 +191,25 @@ def watchdog() -> Watchdog:
 
 
 class MemopSignal:
-    """One exchange channel's flags (and acknowledgements with ``ack``; see the module docstring).
+    """One exchange channel's acknowledgements and flags (see the module docstring).
 
     Args:
         ep: the expert-parallel group (CUDA, NCCL).
         alloc: ``alloc(nbytes) -> (buffer, symmetric-memory handle)``, collective and zeroed.
-        ack: steps 1-2 (off where another barrier orders every reuse of the buffers).
         timeout_ms: a wait that lasts longer is reported by the ``Watchdog`` (0: not watched).
         name: what the exchange is, for the message (e.g. "dispatch wave 0").
 
     Use, per exchange, on the stream that issues the data copies: ``begin()``, the copies, ``end()``.
     """
 
-    def __init__(self, ep, alloc, *, ack: bool = True, timeout_ms: int = 0, name: str = "exchange"):
+    def __init__(self, ep, alloc, *, timeout_ms: int = 0, name: str = "exchange"):
         why = available()
         if why:
             raise RuntimeError(f"MemopSignal: {why}")
         lib = _lib()
         self._write, self._wait = lib["cuStreamWriteValue32"], lib["cuStreamWaitValue32"]
         P, me = ep.size, ep.rank
-        self.ep, self.ack, self.name = ep, ack, name
+        self.ep, self.name = ep, name
         _, hdl = alloc(2 * P * 4)
         rows = [hdl.get_buffer(p, [2, P], torch.int32, 0) for p in range(P)]
         hdl.barrier(channel=0)          # every word is 0 before anyone writes one
@@ -279,8 +276,6 @@ class MemopSignal:
     def begin(self) -> None:
         self.check()
         self.calls += 1
-        if not self.ack:
-            return
         for a in self._ack_to:
             self._call(self._write, "cuStreamWriteValue32", a, 1, 0)
         self._wait_all(0, self._my_ack, _WAIT_EQ)

@@ -45,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
+from moe_wave.comm.symm import parse_variant  # noqa: E402
 from moe_wave.moe import make_backend  # noqa: E402
 from moe_wave.bench import as_graph  # noqa: E402
 from moe_wave.comm import streams as st  # noqa: E402
@@ -287,39 +288,44 @@ def token_case(ep: EPGroup, g, D: int, E: int, K: int, T: int):
     return x, layout, sent, MoEConfig(hidden_size=D, intermediate_size=256, num_experts=E, top_k=K)
 
 
-def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
-    rows = []
-    g = torch.Generator(device=ep.device).manual_seed(ep.rank)
+def token_cases(ep: EPGroup, layouts, tokens, seed: int):
+    """(layout name, D, T, x, layout, rows sent, MoEConfig) for every layout and token count, one generator."""
+    g = torch.Generator(device=ep.device).manual_seed(seed + ep.rank)
     for lname in layouts:
         D, E, K = LAYOUTS[lname]
         for T in tokens:
-            x, layout, sent, cfg = token_case(ep, g, D, E, K, T)
-            for bname in backends:
-                log(ep, f"{bname} {lname} T={T}")
-                streams = st.Streams.for_device(ep.device)
-                be = make_backend(bname, ep, streams, cfg, WaveConfig(backend=bname, max_tokens_per_rank=T))
-                xplan = be.prepare(layout)
-                got = be.dispatch(x, xplan, 0).wait()
-                y = torch.randn_like(got.x_RD)
-                out = torch.zeros(T, D, device=ep.device)
-                prep = timed(lambda: be.prepare(layout), iters)
-                disp = timed(lambda: be.dispatch(x, xplan, 0).wait(), iters)
-                comb_acc = timed(lambda: be.combine(y, got.handle, out).wait(), iters)
-                comb = timed(lambda: be.combine(y, got.handle, out, accumulate=False).wait(), iters)
+            yield (lname, D, T) + token_case(ep, g, D, E, K, T)
 
-                def round_trip():   # as WaveMoE runs one wave: the combine writes a fresh output
-                    r = be.dispatch(x, xplan, 0).wait()
-                    be.combine(y, r.handle, out, accumulate=False).wait()   # the plan is fixed: same shapes
-                alone = timed(round_trip, iters)
-                rows.append(dict(backend=bname, layout=lname, tokens_per_rank=T, bytes_per_rank=sent * D * 2,
-                                 prepare_us=prep, dispatch_us=disp, combine_us=comb,
-                                 combine_accumulate_us=comb_acc, p2p_limit_GBps=p2p,
-                                 alone_us=alone, beside_gemm_us=timed(beside(round_trip, gemm), iters),
-                                 gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3))
-                if hasattr(be, "check"):
-                    be.check()
-                del be, xplan, got
-                save(ep, rows)
+
+def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
+    rows = []
+    for lname, D, T, x, layout, sent, cfg in token_cases(ep, layouts, tokens, 0):
+        for bname in backends:
+            log(ep, f"{bname} {lname} T={T}")
+            streams = st.Streams.for_device(ep.device)
+            be = make_backend(bname, ep, streams, cfg, WaveConfig(backend=bname, max_tokens_per_rank=T))
+            xplan = be.prepare(layout)
+            got = be.dispatch(x, xplan, 0).wait()
+            y = torch.randn_like(got.x_RD)
+            out = torch.zeros(T, D, device=ep.device)
+            prep = timed(lambda: be.prepare(layout), iters)
+            disp = timed(lambda: be.dispatch(x, xplan, 0).wait(), iters)
+            comb_acc = timed(lambda: be.combine(y, got.handle, out).wait(), iters)
+            comb = timed(lambda: be.combine(y, got.handle, out, accumulate=False).wait(), iters)
+
+            def round_trip():   # as WaveMoE runs one wave: the combine writes a fresh output
+                r = be.dispatch(x, xplan, 0).wait()
+                be.combine(y, r.handle, out, accumulate=False).wait()   # the plan is fixed: same shapes
+            alone = timed(round_trip, iters)
+            rows.append(dict(backend=bname, layout=lname, tokens_per_rank=T, bytes_per_rank=sent * D * 2,
+                             prepare_us=prep, dispatch_us=disp, combine_us=comb,
+                             combine_accumulate_us=comb_acc, p2p_limit_GBps=p2p,
+                             alone_us=alone, beside_gemm_us=timed(beside(round_trip, gemm), iters),
+                             gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3))
+            if hasattr(be, "check"):
+                be.check()
+            del be, xplan, got
+            save(ep, rows)
     return rows
 
 
@@ -371,34 +377,27 @@ GRAPH_VARIANTS = ("kernel", "copy+sparse", "copy+dense", "kernel+memops", "copy+
 
 def variant(be, name: str) -> None:
     """Set a symm backend's data mode, blocks and signal from a variant name (before its first call)."""
-    mode, *opts = name.split("+")
-    be.mode = mode
-    be.signal = next((o for o in opts if o in ("flags", "memops")), "barrier")
-    be.dense = True if "dense" in opts else False if "sparse" in opts else None
+    be.mode, be.dense, be.signal = parse_variant(name)
 
 
 def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p2p: float) -> list:
     """The symm backend as it is meant to run: prepare, dispatch, combine and the round trip each
     captured in a CUDA graph and replayed (no host work at all), in both data modes."""
     rows = []
-    g = torch.Generator(device=ep.device).manual_seed(100 + ep.rank)
-    for lname in layouts:
-        D, E, K = LAYOUTS[lname]
-        for T in tokens:
-            x, layout, sent, cfg = token_case(ep, g, D, E, K, T)
-            for mode in GRAPH_VARIANTS:
-                log(ep, f"graph symm-{mode} {lname} T={T}")
-                streams = st.Streams.for_device(ep.device)
-                be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
-                variant(be, mode)
-                t, rt = graph_case(ep, be, x, layout, iters)
-                rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
-                                 bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
-                                 dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3,
-                                 **beside_gemm(rt, gemm, gemm_us, iters)))
-                del be, rt
-                torch.cuda.synchronize()
-                save(ep, rows)
+    for lname, D, T, x, layout, sent, cfg in token_cases(ep, layouts, tokens, 100):
+        for mode in GRAPH_VARIANTS:
+            log(ep, f"graph symm-{mode} {lname} T={T}")
+            streams = st.Streams.for_device(ep.device)
+            be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
+            variant(be, mode)
+            t, rt = graph_case(ep, be, x, layout, iters)
+            rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
+                             bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
+                             dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3,
+                             **beside_gemm(rt, gemm, gemm_us, iters)))
+            del be, rt
+            torch.cuda.synchronize()
+            save(ep, rows)
     return rows
 
 

@@ -118,11 +118,13 @@ def _variant_env(variant: str | None) -> None:
         os.environ.pop(k, None)
     if variant is None:
         return
-    mode, *opts = variant.split("+")
+    from moe_wave.comm.symm import parse_variant
+
+    mode, dense, signal = parse_variant(variant)
     os.environ["MOE_WAVE_SYMM_MODE"] = mode
-    os.environ["MOE_WAVE_SYMM_SIGNAL"] = next((o for o in opts if o in ("flags", "memops")), "barrier")
-    if "dense" in opts:
-        os.environ["MOE_WAVE_SYMM_DENSE"] = "1"
+    os.environ["MOE_WAVE_SYMM_SIGNAL"] = signal
+    if dense is not None:
+        os.environ["MOE_WAVE_SYMM_DENSE"] = "1" if dense else "0"
 
 
 def _symm_vs_torch(ep: EPGroup) -> None:

@@ -19,7 +19,7 @@ import torch
 from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import WavePlan, compute_layout
-from moe_wave.comm.symm import SymmBackend
+from moe_wave.comm.symm import SymmBackend, parse_variant
 from moe_wave.comm.symm_kernels import RowTargets, scatter_rows_torch
 from moe_wave.pipeline import run_waves
 from moe_wave.reference import reference_dispatch_combine
@@ -33,8 +33,7 @@ def _symm_path(ep: EPGroup, x, ids, w, num_waves: int, partition: str, overlap: 
                capacity: int = 16) -> torch.Tensor:
     e = E_PER_RANK
     plan = WavePlan.make(num_ranks=ep.size, num_local_experts=e, num_waves=num_waves, partition=partition)
-    data, _, blocks = mode.partition("+")          # "copy+dense", "copy+sparse", "copy" (auto), "kernel"
-    dense = {"dense": True, "sparse": False}.get(blocks)
+    data, dense, _ = parse_variant(mode)          # "copy+dense", "copy+sparse", "copy" (by the fill), "kernel"
     backend = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=capacity), mode=data, dense=dense)
     xplan = backend.prepare(compute_layout(ids, w, plan))
 
@@ -517,3 +516,12 @@ def test_wave_token_ranges_match_the_layout():
                 start += n
             assert start == T
             assert wave_token_ranges(T, W, "experts") == tuple((0, T) for _ in range(W))
+
+
+def test_parse_variant():
+    assert parse_variant("copy+dense+memops") == ("copy", True, "memops")
+    assert parse_variant("copy+sparse") == ("copy", False, "barrier")
+    assert parse_variant("kernel") == ("kernel", None, "barrier")
+    assert parse_variant("auto+flags") == ("auto", None, "flags")
+    with pytest.raises(ValueError, match=r"symm variant 'copy\+fast'"):
+        parse_variant("copy+fast")
