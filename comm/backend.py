@@ -16,6 +16,20 @@ then moves rows wave by wave:
 wave brought nothing back): the first wave's combine into a fresh ``torch.empty`` output, with no
 zero fill and no read of it.
 
+The sum can end the layer (``add_TD``, ``dst_TD``): ``dst_TD = (out_TD if accumulate else 0) + the wave's
+rows + add_TD``, summed in fp32 and stored in ``dst_TD``'s dtype (WaveMoE's last wave: the shared expert's
+output added and the bf16 result written in the same pass; ``out_TD`` is then scratch). ``add_TD`` is read
+when ``wait()`` runs, on the stream current then.
+
+``dispatch(..., local_view=True)`` lets the backend leave this rank's own rows in x instead of copying
+them into ``x_RD`` (``Received.local`` then says where they are; ``rows_of`` reads rows either way). A
+backend may ignore it (``local`` is then None).
+
+``combine(..., reduce=False)``: ``wait()`` makes the current stream wait for the rows to arrive and
+returns the sum as a function of no arguments, run when and on the stream the caller chooses (the
+rows stay in the backend's buffers until the next ``prepare``): the exchange itself does no SM work
+there, and the sum can join the op that consumes it.
+
 ``start`` work is queued on the backend's comm stream (GPU) or handed to the process group's
 worker threads (gloo); ``wait`` makes the *current* stream (or the host, on CPU) wait. Compute
 never communicates: everything between ``wait`` and the next ``start`` is local.
@@ -30,7 +44,8 @@ import torch
 
 from .layout import DispatchLayout
 
-__all__ = ["Pending", "Received", "WaveHandle", "ExchangePlan", "CommBackend", "Done"]
+__all__ = ["Pending", "Received", "WaveHandle", "ExchangePlan", "CommBackend", "Done", "check_sum_args", "sum_tail",
+           "rows_of"]
 
 R_ = TypeVar("R_")
 
@@ -110,6 +125,9 @@ class Received:
             backend keeps counts on the device only (then ``pairs_e_dev`` is authoritative).
         pairs_e_dev: [e] int64 the same on the device.
         handle: for ``combine``.
+        local: None, or (row0, x_nD) where the dispatch was asked for ``local_view`` and took it: rows row0 ..
+            row0 + n - 1 of ``x_RD`` were not filled, they are x_nD's rows (this rank's own tokens, left in
+            x with no copy); rows row0 + n .. of that block carry no pair. Read rows with ``rows_of``.
     """
 
     x_RD: torch.Tensor
@@ -118,6 +136,44 @@ class Received:
     pairs_e: list | None
     pairs_e_dev: torch.Tensor
     handle: WaveHandle
+    local: tuple | None = None
+
+
+def rows_of(x_RD: torch.Tensor, row_N: torch.Tensor, local: tuple | None) -> torch.Tensor:
+    """``x_RD[row_N]`` where ``Received.local`` may hold some rows elsewhere (torch ops; the GPU expert stage
+    has a kernel for it)."""
+    out = x_RD.index_select(0, row_N)
+    if local is None or local[1].shape[0] == 0:
+        return out
+    row0, x_nD = local
+    own = (row_N >= row0) & (row_N < row0 + x_nD.shape[0])
+    mine = x_nD.index_select(0, (row_N - row0).clamp(0, x_nD.shape[0] - 1))
+    return torch.where(own[:, None], mine, out)
+
+
+def check_sum_args(out_TD: torch.Tensor, add_TD: torch.Tensor | None, dst_TD: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the argument where ``add_TD`` / ``dst_TD`` cannot end ``out_TD``'s sum."""
+    for name, t in (("add_TD", add_TD), ("dst_TD", dst_TD)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.shape != out_TD.shape or not t.is_floating_point():
+            raise ValueError(f"combine: {name} {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t))}: "
+                             f"must be a floating tensor shaped like out_TD {tuple(out_TD.shape)}")
+        if t.device != out_TD.device:
+            raise ValueError(f"combine: {name} is on {t.device}: must be on out_TD's device {out_TD.device}")
+    same = dst_TD is not None and out_TD.numel() and dst_TD.data_ptr() == out_TD.data_ptr()
+    if same and dst_TD.dtype != out_TD.dtype:
+        raise ValueError("combine: dst_TD shares out_TD's memory with another dtype: pass dst_TD=None to sum into "
+                         "out_TD, or a separate tensor")
+
+
+def sum_tail(out_TD: torch.Tensor, add_TD: torch.Tensor | None, dst_TD: torch.Tensor | None) -> None:
+    """The end of a combine's sum for backends that sum into ``out_TD`` first: ``out_TD += add_TD``, then
+    ``dst_TD`` gets it in its dtype (the same fp32 operations, in the same order, as a fused kernel's)."""
+    if add_TD is not None:
+        out_TD += add_TD.to(out_TD.dtype)
+    if dst_TD is not None and dst_TD is not out_TD:
+        dst_TD.copy_(out_TD)
 
 
 @runtime_checkable
@@ -126,7 +182,9 @@ class CommBackend(Protocol):
 
     def prepare(self, layout: DispatchLayout) -> ExchangePlan: ...
 
-    def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int) -> Pending[Received]: ...
+    def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int, *,
+                 local_view: bool = False) -> Pending[Received]: ...
 
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
-                accumulate: bool = True) -> Pending[None]: ...
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *, accumulate: bool = True,
+                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None,
+                reduce: bool = True) -> Pending: ...

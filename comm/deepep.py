@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import ExchangePlan, Pending, Received, WaveHandle
+from .backend import ExchangePlan, Pending, Received, WaveHandle, check_sum_args, sum_tail
 from .group import EPGroup
 from .layout import DispatchLayout
 
@@ -119,7 +119,8 @@ class DeepEPBackend:
         return DeepEPPlan(layout=layout, recv_counts_WP=zeros, recv_pairs_WPe=zeros[..., None].expand(W, P, e),
                           ids_WTK=ids_WTK, w_WTK=w_WTK)
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DeepEPPlan, wave: int) -> Pending[Received]:
+    def dispatch(self, x_TD: torch.Tensor, plan: DeepEPPlan, wave: int, *,
+                 local_view: bool = False) -> Pending[Received]:
         if x_TD.dtype != torch.bfloat16:
             raise ValueError(f"x.dtype={x_TD.dtype}: the deepep backend moves bfloat16 rows")
         ids_TK, w_TK = plan.ids_WTK[wave], plan.w_WTK[wave]
@@ -143,17 +144,24 @@ class DeepEPBackend:
 
         return Pending(finish, f"deepep.dispatch[{wave}]")
 
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
-                accumulate: bool = True) -> Pending[None]:
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *, accumulate: bool = True,
+                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None, reduce: bool = True) -> Pending:
+        check_sum_args(out_TD, add_TD, dst_TD)
         combined_TD, _, event = self.buffer.combine(
             y_RD.to(torch.bfloat16).contiguous(), handle.extra["deep_ep"], previous_event=self.deep_ep.Buffer.capture(),
             async_finish=True, allocate_on_comm_stream=True)
 
-        def finish() -> None:
-            event.current_stream_wait()
+        def total() -> None:    # DeepEP's combine has summed each token's rows already (on its SMs)
             if accumulate:
                 out_TD.add_(combined_TD.to(out_TD.dtype))   # in place: out_TD is the caller's
             else:
                 out_TD.copy_(combined_TD)
+            sum_tail(out_TD, add_TD, dst_TD)
+
+        def finish():
+            event.current_stream_wait()
+            if not reduce:
+                return total
+            total()
 
         return Pending(finish, f"deepep.combine[{handle.wave}]")

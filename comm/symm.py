@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from . import streams as st
-from .backend import ExchangePlan, Pending, Received, WaveHandle
+from .backend import ExchangePlan, Pending, Received, WaveHandle, check_sum_args, sum_tail
 from .group import EPGroup
 from .layout import DispatchLayout
 from .symm_kernels import RowTargets, gather_add, scatter_rows, triton_ok
@@ -268,6 +268,7 @@ class SymmBackend:
         self.timeout_ms = int(os.environ.get("MOE_WAVE_SYMM_TIMEOUT_MS", "120000"))
         self._ctrl: dict = {}
         self._data: dict = {}
+        self._meta_bufs: dict = {}
         self._signals: dict = {}     # copy mode: (buffers, channel) -> CopySignal
         self._dense_cache: dict = {}  # (T, W, P, partition) -> the routing-independent dense tables
         dev = ep.device
@@ -329,15 +330,32 @@ class SymmBackend:
             self._ctrl[X] = (views[me], dst, hdl)
         return self._ctrl[X]
 
+    def _meta(self, W: int, K: int):
+        """(recv_meta [W, P, C, M] int32, [P] every rank's recv_meta (GPU) or None, the handle): the routing
+        metadata, in an allocation of its own shared by every dtype and width of x, so that prepare can
+        write this rank's own dense block before x is seen (collective on first use, before any capture)."""
+        key = (W, K)
+        if key not in self._meta_bufs:
+            P, C, M, dev = self.ep.size, self.capacity, 2 * K, self.ep.device
+            if not self.symm:
+                self._meta_bufs[key] = (torch.zeros([W, P, C, M], dtype=torch.int32, device=dev), None, None)
+            else:
+                _, hdl = self._alloc(W * P * C * M * 4)
+                peers = [hdl.get_buffer(p, [W, P, C, M], torch.int32, 0) for p in range(P)]
+                hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
+                # the handle is kept: the peers' mappings live as long as it does (its views alone do not hold them)
+                self._meta_bufs[key] = (peers[self.ep.rank], peers, hdl)
+        return self._meta_bufs[key]
+
     def _buffers(self, dtype: torch.dtype, D: int, W: int, K: int) -> _Buffers:
         key = (dtype, D, W, K)
         if key in self._data:
             return self._data[key]
         P, C, M, dev = self.ep.size, self.capacity, 2 * K, self.ep.device
         shape_x, shape_m = [W, P, C, D], [W, P, C, M]
+        recv_meta, meta_peers, _ = self._meta(W, K)
         if not self.symm:
-            bufs = _Buffers(torch.zeros(shape_x, dtype=dtype, device=dev),
-                            torch.zeros(shape_m, dtype=torch.int32, device=dev),
+            bufs = _Buffers(torch.zeros(shape_x, dtype=dtype, device=dev), recv_meta,
                             torch.zeros(shape_x, dtype=dtype, device=dev))
             # the emulated transport: rows are packed into a local stage, then one all_to_all_single
             stage = ((bufs.recv_x, bufs.recv_meta) if P == 1 else
@@ -355,10 +373,9 @@ class SymmBackend:
                              f"has {pad_slots}; use fewer waves or call symm_mem.set_signal_pad_size first")
         es = torch.empty((), dtype=dtype).element_size()
         nx = W * P * C * D
-        meta_off = -(-2 * nx * es // 16) * 16
-        _, hdl = self._alloc(meta_off + W * P * C * M * 4)
-        peers = [(hdl.get_buffer(p, shape_x, dtype, 0), hdl.get_buffer(p, shape_m, torch.int32, meta_off // 4),
-                  hdl.get_buffer(p, shape_x, dtype, nx)) for p in range(P)]
+        _, hdl = self._alloc(2 * nx * es)
+        peers = [(hdl.get_buffer(p, shape_x, dtype, 0), meta_peers[p], hdl.get_buffer(p, shape_x, dtype, nx))
+                 for p in range(P)]
         hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
         mine = peers[self.ep.rank]
         bufs = _Buffers(mine[0], mine[1], mine[2], peers, hdl)
@@ -430,6 +447,8 @@ class SymmBackend:
             extra = {}
             if dense:
                 extra = self._densify(tabs, meta_SM, slot_WTP, static, K, C)
+                if self.symm:   # this rank's own block of metadata, here: the dispatch sends the peers' only
+                    self._meta(W, K)[0][:, me].copy_(extra["meta_WPCM"][:, me], non_blocking=True)
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
             xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM, mode=mode,
                              slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
@@ -509,7 +528,11 @@ class SymmBackend:
         return mine.clone()
 
     # ---------------------------------------------------------------- dispatch
-    def dispatch(self, x_TD: torch.Tensor, plan: SymmPlan, wave: int) -> Pending[Received]:
+    def dispatch(self, x_TD: torch.Tensor, plan: SymmPlan, wave: int, *,
+                 local_view: bool = False) -> Pending[Received]:
+        """See ``comm.backend``. ``local_view``: with dense blocks this rank's own rows are not copied into its
+        receive block (on the GPU a same-device copy runs on the SMs, which a GEMM beside it holds):
+        ``Received.local`` names them in x instead, and the caller's consumer must read them there."""
         lay = plan.layout
         P, C = self.ep.size, plan.capacity
         K, D = lay.send_expert_SK.shape[1], x_TD.shape[1]
@@ -526,7 +549,7 @@ class SymmBackend:
                 sig = self._signal(bufs, wave, f"dispatch wave {wave}")
                 if sig is not None:     # flags: a waiter started beside the copies; memops: the acknowledgements
                     sig.begin()
-                self._push_peers(x_TD, plan, bufs, wave)
+                self._push_peers(x_TD, plan, bufs, wave, local_view)
                 self._close(sig, bufs, wave)
                 # rows past a source's count hold stale (copy mode: junk) metadata: expert -1, weight 0,
                 # in place, so that finish() hands out views. After the barrier: copy mode's N-row blocks
@@ -549,6 +572,10 @@ class SymmBackend:
                                                     stage_m.view(P * C, 2 * K), group=self.ep.pg, async_op=True))
         handle = WaveHandle(wave=wave, plan=plan, send_token_S=plan.tok_WPN[wave].reshape(-1), extra={"bufs": bufs})
         e = plan.layout.plan.num_local_experts
+        local = None
+        if local_view and plan.dense is not None:     # this rank's own rows stay in x
+            start, n = plan.dense[wave]
+            local = (self.ep.rank * C, x_TD[start:start + n])
 
         def finish() -> Received:
             for wk in works:
@@ -556,17 +583,21 @@ class SymmBackend:
             now = st.current_stream(dev)
             st.wait_stream(now, self.comm_stream)
             meta_RM = bufs.recv_meta[wave].view(P * C, 2 * K)
+            if local is not None:
+                st.keep_alive(x_TD, now)
+                if not st.is_accelerator(dev):    # emulated transport (CPU): the rows the GPU would not copy
+                    bufs.recv_x[wave, self.ep.rank].fill_(float("nan"))    # are poisoned: reading them fails
             if self.symm:       # stale rows were reset at dispatch: views, and the exchanged pair counts
                 return Received(x_RD=bufs.recv_x[wave].view(P * C, D), expert_RK=meta_RM[:, :K],
                                 weight_RK=meta_RM[:, K:].view(torch.float32), pairs_e=None,
-                                pairs_e_dev=plan.pairs_We[wave], handle=handle)
+                                pairs_e_dev=plan.pairs_We[wave], handle=handle, local=local)
             valid_R1 = (plan.recv_dst_WPC[wave] >= 0).reshape(-1, 1)
             expert_RK = torch.where(valid_R1, meta_RM[:, :K], -1)
             weight_RK = torch.where(valid_R1, meta_RM[:, K:].view(torch.float32), 0.0)
             key = torch.where(expert_RK >= 0, expert_RK, e).long().reshape(-1)
             pairs = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))[:e]
             return Received(x_RD=bufs.recv_x[wave].view(P * C, D), expert_RK=expert_RK, weight_RK=weight_RK,
-                            pairs_e=None, pairs_e_dev=pairs, handle=handle)
+                            pairs_e=None, pairs_e_dev=pairs, handle=handle, local=local)
 
         return Pending(finish, f"dispatch[{wave}]")
 
@@ -616,18 +647,22 @@ class SymmBackend:
                          for w in range(W)]
         return bufs.pack[wave]
 
-    def _push_peers(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int) -> None:
+    def _push_peers(self, x_TD, plan: SymmPlan, bufs: _Buffers, wave: int, local_view: bool = False) -> None:
         if plan.mode == "kernel":
             self._scatter(x_TD, plan, bufs, wave)
             return
         me, N = self.ep.rank, plan.tok_WPN.shape[2]
         if plan.dense is not None:      # even with no rows: the metadata block is sent whole (no stale rows)
             # dense blocks: no pack. One cudaMemcpyAsync of x's rows and one of the metadata per peer (copy
-            # engines, no SMs); this rank's own block the same way on the local stream.
-            loc = self._local_fork(x_TD, plan.meta_WPCM)
-            rx, rm, _ = bufs.peers[me]
-            with st.on(loc):
-                self._pack(x_TD, plan, wave, me, rx[wave, me], rm[wave, me])
+            # engines, no SMs). This rank's own metadata block was written by prepare; its own rows are
+            # copied on the local stream unless the caller reads them from x (local_view: a same-device copy
+            # runs on the SMs, and would wait for a GEMM beside it).
+            loc = None
+            if not local_view:
+                loc = self._local_fork(x_TD)
+                start, n = plan.dense[wave]
+                with st.on(loc):
+                    bufs.recv_x[wave, me, :n].copy_(x_TD[start:start + n], non_blocking=True)
             for p in self._other_ranks:
                 prx, prm, _ = bufs.peers[p]
                 self._pack(x_TD, plan, wave, p, prx[wave, me], prm[wave, me])
@@ -664,8 +699,12 @@ class SymmBackend:
             st.wait_stream(self.comm_stream, loc)
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
-                accumulate: bool = True) -> Pending[None]:
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *, accumulate: bool = True,
+                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None, reduce: bool = True) -> Pending:
+        """See ``comm.backend``. With ``reduce=False`` the returned sum reads this wave's ``comb`` block (and
+        y, for this rank's own rows): run it before the next ``prepare`` on the stream that calls it (or
+        one that stream is ordered after)."""
+        check_sum_args(out_TD, add_TD, dst_TD)
         plan, wave, bufs = handle.plan, handle.wave, handle.extra["bufs"]
         P, me, C, W = self.ep.size, self.ep.rank, plan.capacity, plan.num_waves
         D = y_RD.shape[1]
@@ -705,27 +744,33 @@ class SymmBackend:
                 works = (dist.all_to_all_single(bufs.comb[wave].view(P * C, D), y_RD, group=self.ep.pg,
                                                 async_op=True),)
 
-        def finish() -> None:
-            for wk in works:
-                wk.wait()
-            now = st.current_stream(dev)
-            st.wait_stream(now, self.comm_stream)
+        def total() -> None:
             N = plan.tok_WPN.shape[2]
             if gather:
                 # one program per token (tile) sums its rows from every peer block in peer order (fp32, no
-                # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)]; this rank's own
-                # block straight from y (same row index) on the GPU
+                # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)] (+ add[t], into dst);
+                # this rank's own block straight from y (same row index) on the GPU
                 if local_from_y:
-                    st.keep_alive(y_RD, now)
+                    st.keep_alive(y_RD, st.current_stream(dev))
                     gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], y_RD, me,
-                               accumulate=accumulate)
+                               accumulate=accumulate, add_TD=add_TD, dst_TD=dst_TD)
                 else:
-                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], accumulate=accumulate)
+                    gather_add(out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], accumulate=accumulate,
+                               add_TD=add_TD, dst_TD=dst_TD)
                 return
             if not accumulate:
                 out_TD.zero_()
             back_PND = bufs.comb[wave][:, :N].float()
             back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], back_PND, 0.0)
             out_TD.index_add_(0, plan.tok_WPN[wave].reshape(-1), back_PND.reshape(-1, D).to(out_TD.dtype))
+            sum_tail(out_TD, add_TD, dst_TD)
+
+        def finish():
+            for wk in works:
+                wk.wait()
+            st.wait_stream(st.current_stream(dev), self.comm_stream)
+            if not reduce:
+                return total
+            total()
 
         return Pending(finish, f"combine[{wave}]")

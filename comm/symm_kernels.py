@@ -145,9 +145,11 @@ if triton is not None:
 
 
     @triton.jit
-    def _gather_add_kernel(out_ptr, src_ptr, loc_ptr, slot_ptr, D, T, P, LOCAL, out_stride, src_stride, loc_stride,
-                           BLOCK_D: tl.constexpr, NUM_BLOCKS: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr):
-        # ROWS tokens a tile (capped grid: several tiles a program); block LOCAL (< P) is read from loc
+    def _gather_add_kernel(out_ptr, src_ptr, loc_ptr, slot_ptr, add_ptr, dst_ptr, D, T, P, LOCAL, out_stride,
+                           src_stride, loc_stride, add_stride, dst_stride, BLOCK_D: tl.constexpr,
+                           NUM_BLOCKS: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, ADD: tl.constexpr):
+        # ROWS tokens a tile (capped grid: several tiles a program); block LOCAL (< P) is read from loc;
+        # add (ADD) is added after the peers, and the fp32 sum is stored in dst's dtype
         for t in range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0)):
             row = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
             rm = row < T
@@ -167,7 +169,11 @@ if triton is not None:
                     else:
                         v = tl.load(src_ptr + rr * src_stride + offs[None, :], mask=mr, other=0.0)
                     acc += v.to(tl.float32)
-                tl.store(out_ptr + row[:, None] * out_stride + offs[None, :], acc, mask=m)
+                if ADD:
+                    acc += tl.load(add_ptr + row[:, None] * add_stride + offs[None, :], mask=m).to(tl.float32)
+                # to dst's dtype: on the GPU round to nearest even, as torch's casts (TRITON_INTERPRET truncates)
+                tl.store(dst_ptr + row[:, None] * dst_stride + offs[None, :], acc.to(dst_ptr.dtype.element_ty),
+                         mask=m)
 
 
 def _check(src: torch.Tensor, tg: RowTargets, src_idx: torch.Tensor, dst_idx: torch.Tensor, what: str) -> None:
@@ -241,15 +247,23 @@ def scatter_rows_torch(src_ND: torch.Tensor, blocks, src_idx_PN: torch.Tensor, d
 
 
 def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
-               local_RD: torch.Tensor | None = None, local: int | None = None, *, accumulate: bool = True) -> None:
+               local_RD: torch.Tensor | None = None, local: int | None = None, *, accumulate: bool = True,
+               add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None) -> None:
     """``out_TD[t] += sum_p src_RD[slot_TP[t, p]]`` over the slots >= 0, in p order, in fp32 (Triton,
     COPY_ROWS tokens a program: one read-modify-write of each output row, no atomics). With ``local``,
     block ``local``'s rows are read from ``local_RD`` at the same row index instead (the combine reads
     this rank's own results where the experts left them, with no copy). ``accumulate=False``: ``out_TD =``
-    instead of ``+=`` (its old contents are never read; the sums are those from a zero ``out_TD``)."""
+    instead of ``+=`` (its old contents are never read; the sums are those from a zero ``out_TD``).
+    ``add_TD`` is added after the peers' rows; ``dst_TD`` (any float dtype) receives the sum instead of
+    ``out_TD``, which is then only read (``accumulate``): the same fp32 operations as summing into
+    ``out_TD``, adding ``add_TD`` to it and casting."""
     if out_TD.dtype != torch.float32 or out_TD.dim() != 2 or src_RD.dim() != 2 or out_TD.shape[1] != src_RD.shape[1]:
         raise ValueError(f"gather_add: out {tuple(out_TD.shape)} {out_TD.dtype} must be 2-D fp32 with the width of "
                          f"src {tuple(src_RD.shape)}")
+    for name, t in (("add", add_TD), ("dst", dst_TD)):
+        if t is not None and (t.shape != out_TD.shape or not t.is_floating_point() or t.stride(1) != 1):
+            raise ValueError(f"gather_add: {name} {tuple(t.shape)} {t.dtype} must be a float tensor shaped like out "
+                             f"{tuple(out_TD.shape)} with contiguous rows")
     if slot_TP.dim() != 2 or slot_TP.shape[0] != out_TD.shape[0]:
         raise ValueError(f"gather_add: slot {tuple(slot_TP.shape)} must be [T={out_TD.shape[0]}, P]")
     loc = src_RD if local is None else local_RD
@@ -266,18 +280,26 @@ def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor
     P = slot.shape[1]
     block, rows = min(triton.next_power_of_2(D), COPY_BLOCK), max(1, triton.next_power_of_2(COPY_ROWS))
     grid, warps = _launch(triton.cdiv(T, rows), rows, block)
-    _gather_add_kernel[grid](out_TD, src_RD, loc, slot, D, T, P, P if local is None else local, out_TD.stride(0),
-                             src_RD.stride(0), loc.stride(0), BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block),
-                             ROWS=rows, ACC=accumulate, num_warps=warps)
+    add = out_TD if add_TD is None else add_TD
+    dst = out_TD if dst_TD is None else dst_TD
+    _gather_add_kernel[grid](out_TD, src_RD, loc, slot, add, dst, D, T, P, P if local is None else local,
+                             out_TD.stride(0), src_RD.stride(0), loc.stride(0), add.stride(0), dst.stride(0),
+                             BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), ROWS=rows, ACC=accumulate,
+                             ADD=add_TD is not None, num_warps=warps)
 
 
 def gather_add_torch(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
                      local_RD: torch.Tensor | None = None, local: int | None = None, *,
-                     accumulate: bool = True) -> None:
-    """The reference of ``gather_add`` in torch."""
+                     accumulate: bool = True, add_TD: torch.Tensor | None = None,
+                     dst_TD: torch.Tensor | None = None) -> None:
+    """The reference of ``gather_add`` in torch (``out_TD`` is written even with ``dst_TD``)."""
     if not accumulate:
         out_TD.zero_()
     for p in range(slot_TP.shape[1]):
         r = slot_TP[:, p]
         src = local_RD if p == local else src_RD
         out_TD += torch.where((r >= 0)[:, None], src[r.clamp(min=0)].float(), 0.0)
+    if add_TD is not None:
+        out_TD += add_TD.float()
+    if dst_TD is not None:
+        dst_TD.copy_(out_TD)

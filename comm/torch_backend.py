@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import streams as st
-from .backend import ExchangePlan, Pending, Received, WaveHandle
+from .backend import ExchangePlan, Pending, Received, WaveHandle, check_sum_args, sum_tail
 from .group import EPGroup
 from .layout import DispatchLayout
 
@@ -102,7 +102,8 @@ class TorchBackend:
                 wk.wait()
 
     # ---------------------------------------------------------------- dispatch
-    def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int) -> Pending[Received]:
+    def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int, *,
+                 local_view: bool = False) -> Pending[Received]:
         lay = plan.layout
         K = lay.send_expert_SK.shape[1]
         lo, hi = plan.send_offsets[wave], plan.send_offsets[wave + 1]
@@ -137,8 +138,9 @@ class TorchBackend:
         return Pending(finish, f"dispatch[{wave}]")
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *,
-                accumulate: bool = True) -> Pending[None]:
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *, accumulate: bool = True,
+                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None, reduce: bool = True) -> Pending:
+        check_sum_args(out_TD, add_TD, dst_TD)
         plan, wave = handle.plan, handle.wave
         send_counts, recv_counts = plan.send_counts[wave], plan.recv_counts[wave]
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
@@ -151,14 +153,19 @@ class TorchBackend:
                 back_SD = torch.empty(sum(send_counts), y_RD.shape[1], dtype=y_RD.dtype, device=dev)
                 works = (_a2a(back_SD, y_RD.contiguous(), send_counts, recv_counts, self.ep.pg),)
 
-        def finish() -> None:
-            self._join(works)
-            now = st.current_stream(dev)
-            st.wait_stream(now, self.comm_stream)
-            st.keep_alive(back_SD, now)
+        def total() -> None:
+            st.keep_alive(back_SD, st.current_stream(dev))
             if not accumulate:
                 out_TD.zero_()
             out_TD.index_add_(0, handle.send_token_S, back_SD.to(out_TD.dtype))
+            sum_tail(out_TD, add_TD, dst_TD)
+
+        def finish():
+            self._join(works)
+            st.wait_stream(st.current_stream(dev), self.comm_stream)
+            if not reduce:
+                return total
+            total()
 
         return Pending(finish, f"combine[{wave}]")
 

@@ -329,28 +329,47 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
     return rows
 
 
-def graph_case(ep: EPGroup, be, x, layout, iters: int):
-    """prepare, dispatch, combine and the round trip each captured in a CUDA graph: (timings, round trip)."""
+def graph_replays(ep: EPGroup, be, x, layout) -> dict:
+    """prepare, dispatch, combine (accumulating and fresh) and the round trip, each captured in a CUDA
+    graph: {name: replay function}. The dispatches leave this rank's own rows in x where the backend can
+    (``local_view``, as WaveMoE dispatches: dense blocks copy no local rows)."""
     T, D = x.shape
     out = torch.zeros(T, D, device=ep.device)
     # A captured graph's outputs hold nothing until it is replayed: replay each one before the next
     # capture's eager warm-up reads them (the plan's tables, the received metadata).
     prep, xplan = as_graph(lambda i: be.prepare(layout), ep.device)
     prep(0)
-    disp, got = as_graph(lambda i: be.dispatch(x, xplan, 0).wait(), ep.device)
+    disp, got = as_graph(lambda i: be.dispatch(x, xplan, 0, local_view=True).wait(), ep.device)
     disp(0)
     y = torch.randn_like(got.x_RD)
     comb, _ = as_graph(lambda i: be.combine(y, got.handle, out).wait(), ep.device)
     fresh, _ = as_graph(lambda i: be.combine(y, got.handle, out, accumulate=False).wait(), ep.device)
 
     def trip(i):   # as WaveMoE runs one wave: the combine writes a fresh output
-        r = be.dispatch(x, xplan, 0).wait()
+        r = be.dispatch(x, xplan, 0, local_view=True).wait()
         be.combine(y, r.handle, out, accumulate=False).wait()
     rt, _ = as_graph(trip, ep.device)
-    t_prep, t_disp, t_comb, t_fresh, alone = (timed(lambda f=f: f(0), iters) for f in (prep, disp, comb, fresh, rt))
+
+    def transfer(i):   # the round trip's exchanges alone: the sum is left to the consumer (reduce=False)
+        r = be.dispatch(x, xplan, 0, local_view=True).wait()
+        return be.combine(y, r.handle, out, accumulate=False, reduce=False).wait()
+    tr, total = as_graph(transfer, ep.device)
+    tr(0)
+    sm, _ = as_graph(lambda i: total(), ep.device)    # that sum alone (the combine's gather_add)
+    return dict(prepare=prep, dispatch=disp, combine_accumulate=comb, combine=fresh, round_trip=rt, transfer=tr,
+                sum=sm)
+
+
+def graph_case(ep: EPGroup, be, x, layout, iters: int):
+    """prepare, dispatch, combine, the round trip, its exchanges alone (``transfer``: the combine's sum left
+    to the consumer) and that sum alone, each replayed from a CUDA graph: (timings, round trip, transfer)."""
+    g = graph_replays(ep, be, x, layout)
+    t = {n: timed(lambda f=f: f(0), iters) for n, f in g.items()}
     be.check()
-    return dict(prepare_us=t_prep, dispatch_us=t_disp, combine_us=t_fresh, combine_accumulate_us=t_comb,
-                alone_us=alone), (lambda: rt(0))
+    return (dict(prepare_us=t["prepare"], dispatch_us=t["dispatch"], combine_us=t["combine"],
+                 combine_accumulate_us=t["combine_accumulate"], alone_us=t["round_trip"],
+                 transfer_us=t["transfer"], sum_us=t["sum"]),
+            (lambda: g["round_trip"](0)), (lambda: g["transfer"](0)))
 
 
 def beside_gemm(rt, gemm, gemm_us: float, iters: int, carveout: int | None = None) -> dict:
@@ -390,12 +409,13 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
             streams = st.Streams.for_device(ep.device)
             be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
             variant(be, mode)
-            t, rt = graph_case(ep, be, x, layout, iters)
+            t, rt, tr = graph_case(ep, be, x, layout, iters)
             rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
                              bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
                              dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3,
-                             **beside_gemm(rt, gemm, gemm_us, iters)))
-            del be, rt
+                             **beside_gemm(rt, gemm, gemm_us, iters),
+                             beside_gemm_transfer_us=timed(beside(tr, gemm), iters)))
+            del be, rt, tr
             torch.cuda.synchronize()
             save(ep, rows)
     return rows
@@ -435,7 +455,7 @@ def tune_rows(ep: EPGroup, iters: int, p2p: float, gemm, gemm_us: float) -> list
             be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
                               WaveConfig(backend="symm", max_tokens_per_rank=T))
             variant(be, mode)
-            t, rt = graph_case(ep, be, x, layout, iters)
+            t, rt, _ = graph_case(ep, be, x, layout, iters)
             best = min(best or t["alone_us"], t["alone_us"])
             row = dict(backend=f"symm-{mode}-tune", graph=True, layout="v4-flash", tokens_per_rank=T,
                        copy_block=block, copy_warps=warps, copy_rows=nrows, copy_grid=grid,
@@ -524,6 +544,11 @@ def table(rows) -> str:
                          f"(alone {r['alone_us']:.0f} us): GEMM with {r['carveout_sms']} SMs carved out "
                          f"{r['gemm_carveout_us']:.0f} us (whole {r['gemm_us']:.0f}), beside "
                          f"{r['beside_gemm_carveout_us']:.0f} us, hidden {hc:.2f}{vs}")
+        if "beside_gemm_transfer_us" in r:
+            ht = 1 - (r["beside_gemm_transfer_us"] - r["gemm_us"]) / r["transfer_us"]
+            extra.append(f"{r['backend']}[g] {r['layout']} T={r['tokens_per_rank']}: exchanges alone (the sum left "
+                         f"to the consumer) {r['transfer_us']:.0f} us, beside the GEMM {r['beside_gemm_transfer_us']:.0f} "
+                         f"us, hidden {ht:.2f}; the sum alone {r['sum_us']:.0f} us")
         f = lambda k: f"{r[k]:8.1f}" if k in r else f"{'':8}"  # noqa: E731
         name = r["backend"] + ("[g]" if r.get("graph") else "") + (
             f"/{r.get('copy_rows', 1)}x{r['copy_grid']}" if r.get("copy_grid") else "")

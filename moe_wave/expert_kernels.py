@@ -8,7 +8,8 @@ path gathers, activates, weights and sums all J pairs, with the invalid ones mas
 tokens per rank, 2 ranks and top-6 that is about four times the valid pairs and several GB of memory
 traffic per wave. These kernels read n on the device and skip the pairs past it:
 
-    gather_rows(x_RD, src_J, n)           xs[j] = x[src[j]] for j < n (rows past n untouched)
+    gather_rows(x_RD, src_J, n, local)    xs[j] = x[src[j]] for j < n (rows past n untouched; rows
+                                          that ``local`` holds read there)
     swiglu_rows(gu_J2I, limit, n)         the V4 SwiGLU (clamped gate and up) for j < n
     weighted_sum(out_JD, pos_RK, w_RK, n) y[r] = sum over k in order of w[r, k] * out[pos[r, k]] for
                                           the slots with pos < n, in fp32; rows with none are 0
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_wave.comm.backend import rows_of
 from moe_wave.comm.symm_kernels import triton, triton_ok
 
 if triton is not None:
@@ -33,10 +35,11 @@ __all__ = ["gather_rows", "gather_rows_torch", "swiglu_rows", "swiglu_rows_torch
 BLOCK_D = 1024
 
 
-def gather_rows_torch(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def gather_rows_torch(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, out: torch.Tensor,
+                      local: tuple | None = None) -> torch.Tensor:
     j = torch.arange(src_J.shape[0], device=src_J.device)
     keep = j < n
-    out[keep] = x_RD.index_select(0, src_J[keep])
+    out[keep] = rows_of(x_RD, src_J[keep], local)
     return out
 
 
@@ -62,12 +65,18 @@ def weighted_sum_torch(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.T
     return acc.to(dtype)
 
 
-def gather_rows(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """[J, D] in x's dtype; rows j >= n are left as allocated (``torch.empty``)."""
+def gather_rows(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, local: tuple | None = None) -> torch.Tensor:
+    """[J, D] in x's dtype; rows j >= n are left as allocated (``torch.empty``). ``local`` = (row0, x_LD)
+    (``Received.local``): source rows row0 .. row0 + L - 1 are read from x_LD instead."""
     J, D = src_J.shape[0], x_RD.shape[1]
     out = torch.empty(J, D, dtype=x_RD.dtype, device=x_RD.device)
+    row0, loc = (0, x_RD[:0]) if local is None else local
+    if loc.shape[1:] != x_RD.shape[1:] or loc.dtype != x_RD.dtype or (loc.numel() and loc.stride(0) != D):
+        raise ValueError(f"gather_rows: local rows {tuple(loc.shape)} {loc.dtype} must be contiguous [L, {D}] "
+                         f"{x_RD.dtype} rows")
     if J and D:
-        _gather_kernel[(J,)](x_RD, src_J, n, out, D, BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+        _gather_kernel[(J,)](x_RD, src_J, n, out, D, loc if loc.numel() else x_RD, row0, loc.shape[0],
+                             BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
     return out
 
 
@@ -96,14 +105,19 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _gather_kernel(x_ptr, src_ptr, n_ptr, out_ptr, D, BLOCK: tl.constexpr):
+    def _gather_kernel(x_ptr, src_ptr, n_ptr, out_ptr, D, loc_ptr, ROW0, L, BLOCK: tl.constexpr):
+        # source rows ROW0 .. ROW0 + L - 1 come from loc (this rank's own tokens, not copied into x)
         j = tl.program_id(0)
         if j < tl.load(n_ptr):
             s = tl.load(src_ptr + j).to(tl.int64)
+            if (s >= ROW0) & (s < ROW0 + L):
+                base = loc_ptr + (s - ROW0) * D
+            else:
+                base = x_ptr + s * D
             for d0 in range(0, D, BLOCK):
                 d = d0 + tl.arange(0, BLOCK)
                 m = d < D
-                tl.store(out_ptr + j.to(tl.int64) * D + d, tl.load(x_ptr + s * D + d, mask=m), mask=m)
+                tl.store(out_ptr + j.to(tl.int64) * D + d, tl.load(base + d, mask=m), mask=m)
 
     @triton.jit
     def _swiglu_kernel(gu_ptr, n_ptr, out_ptr, I, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe_wave.comm.backend import rows_of
+
 from .config import MoEConfig
 
 __all__ = ["V4Router", "RoutedExperts", "SharedExpert", "swiglu", "expert_rows"]
@@ -102,8 +104,11 @@ class RoutedExperts(nn.Module):
 
 
 def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
-                pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None) -> torch.Tensor:
+                pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None,
+                local: tuple | None = None) -> torch.Tensor:
     """Apply the local experts to received rows: y[r] = sum_k w[r,k] * expert_{id[r,k]}(x[r]).
+
+    ``local`` (``Received.local``): rows of x_RD held elsewhere, read there.
 
     Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32
     (in slot order k = 0..K-1, so the result is bitwise reproducible).
@@ -121,9 +126,9 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     # (clamped to the R*K rows: a capacity overflow, reported later, must not send a group past them)
     offs = pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32) if pairs_e_dev is not None else None
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
-        return _expert_rows_fused(x_RD, weight_RK, experts, order, offs, K)
+        return _expert_rows_fused(x_RD, weight_RK, experts, order, offs, K, local)
     row = order // K
-    out = experts(x_RD.index_select(0, row), pairs_e, offs)
+    out = experts(rows_of(x_RD, row, local), pairs_e, offs)
     w = weight_RK.reshape(-1).index_select(0, order)[:, None]
     contrib = out * w                                         # fp32 (w is fp32)
     if pairs_e is None:
@@ -144,7 +149,7 @@ def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
             and _grouped_ok(experts.grouped_mm, x_RD))
 
 
-def _expert_rows_fused(x_RD, weight_RK, experts: RoutedExperts, order, offs, K: int) -> torch.Tensor:
+def _expert_rows_fused(x_RD, weight_RK, experts: RoutedExperts, order, offs, K: int, local=None) -> torch.Tensor:
     """``expert_rows`` with device counts, touching only the n valid pairs (n = offs[-1], on the device):
     gather, SwiGLU and the weighted per-row sum skip the pairs past n; the grouped GEMMs only compute the
     groups. Same math as the torch path (the sum over k in slot order, in fp32)."""
@@ -152,7 +157,7 @@ def _expert_rows_fused(x_RD, weight_RK, experts: RoutedExperts, order, offs, K: 
 
     n = offs[-1:]
     lim = experts.cfg.swiglu_limit
-    xs = gather_rows(x_RD, order // K, n)
+    xs = gather_rows(x_RD, order // K, n, local)
     gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
     h = swiglu_rows(gu, lim, n, x_RD.dtype)
     out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)

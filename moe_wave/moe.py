@@ -73,20 +73,24 @@ class _SharedSchedule:
             for c in range(self.C - self.tail, self.C):
                 self.shared.down_chunk(self.h, c, self.C, self.out)
 
-    def finish(self, out_TD: torch.Tensor) -> None:
-        """out_TD (fp32) += shared(x)."""
+    def output(self) -> torch.Tensor:
+        """The tensor that will hold shared(x) (allocated at ``start``; ready after ``before_last_wait``)."""
+        if self.out is None:      # serial: computed on the current stream at before_last_wait
+            self.out = torch.empty_like(self.x)
+        return self.out
+
+    def before_last_wait(self) -> None:
+        """shared(x) is ready on the current stream: computed there (serial), or waited for (alt stream)."""
+        cur = st.current_stream(self.x.device)
         if self.placement == "serial":
             with annotate("shared.serial"):   # the same row chunks as on the alt stream: bitwise equal
-                h, out = self.shared.up(self.x), torch.empty_like(self.x)
+                h = self.shared.up(self.x)
                 for c in range(self.C):
-                    self.shared.down_chunk(h, c, self.C, out)
-                out_TD += out.float()
+                    self.shared.down_chunk(h, c, self.C, self.out)
         else:
-            cur = st.current_stream(out_TD.device)
             st.wait_stream(cur, self.streams.alt)
             st.keep_alive(self.out, cur)
-            out_TD += self.out.float()
-        self.x = self.h = self.out = None
+        self.x = self.h = None
 
 
 class WaveMoE(nn.Module):
@@ -197,7 +201,8 @@ class WaveMoE(nn.Module):
 
     def routed_rows(self, got) -> torch.Tensor:
         """Expert compute for one wave's received rows (local; never communicates)."""
-        return expert_rows(got.x_RD, got.expert_RK, got.weight_RK, self.experts, got.pairs_e, got.pairs_e_dev)
+        return expert_rows(got.x_RD, got.expert_RK, got.weight_RK, self.experts, got.pairs_e, got.pairs_e_dev,
+                           got.local)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, *, overlap: bool | None = None):
@@ -220,8 +225,10 @@ class WaveMoE(nn.Module):
             shared.start(x_TD)
         with annotate("prepare"):
             xplan = self.backend.prepare(layout)
-        out_TD = torch.empty(x_TD.shape, dtype=torch.float32, device=x_TD.device)   # wave 0 writes every row
-        run_waves(x_TD, xplan, self.backend, self.routed_rows, out_TD, overlap=overlap, hooks=shared, fresh=True)
-        if shared is not None:
-            shared.finish(out_TD)
-        return out_TD.to(x_TD.dtype)
+        acc_TD = torch.empty(x_TD.shape, dtype=torch.float32, device=x_TD.device)   # wave 0 writes every row
+        # the last wave's combine sums its rows, adds shared(x) (fp32) and writes the result in x's dtype in
+        # one pass: the same fp32 operations as accumulating, adding and casting one after another
+        out_TD = torch.empty_like(x_TD)
+        return run_waves(x_TD, xplan, self.backend, self.routed_rows, acc_TD, overlap=overlap, hooks=shared,
+                         fresh=True, add_TD=shared.output() if shared is not None else None, dst_TD=out_TD,
+                         local_view=True)    # routed_rows reads this rank's own rows where they are

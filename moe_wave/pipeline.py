@@ -30,31 +30,50 @@ __all__ = ["run_waves", "PipelineHooks"]
 class PipelineHooks(Protocol):
     def before_last_combine(self) -> None: ...
 
+    def before_last_wait(self) -> None: ...
+
 
 def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
               expert_fn: Callable[[Received], torch.Tensor], out_TD: torch.Tensor, *,
-              overlap: bool = True, hooks: PipelineHooks | None = None, fresh: bool = False) -> torch.Tensor:
+              overlap: bool = True, hooks: PipelineHooks | None = None, fresh: bool = False,
+              add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None,
+              local_view: bool = False) -> torch.Tensor:
     """Run every wave; ``out_TD`` (fp32) receives sum_k w_k * expert_k(x) per token: added to what it
     holds, or, with ``fresh``, written over it (wave 0 combines with accumulate=False, so out_TD may
-    come from ``torch.empty``)."""
+    come from ``torch.empty``). The last wave's sum adds ``add_TD`` and goes to ``dst_TD`` (see
+    ``comm.backend``: the layer's output in one pass); returns ``dst_TD`` if given, else ``out_TD``.
+    ``hooks.before_last_wait()`` runs just before the last combine's wait (``add_TD`` is read then).
+    ``local_view``: the dispatches may leave this rank's own rows in x (``Received.local``; ``expert_fn``
+    must read rows with ``comm.backend.rows_of`` or honour ``local`` itself)."""
     W = plan.num_waves
+
+    def combine(w: int, y_RD, handle):
+        last = w == W - 1
+        return backend.combine(y_RD, handle, out_TD, accumulate=w > 0 or not fresh,
+                               add_TD=add_TD if last else None, dst_TD=dst_TD if last else None)
+
+    def wait(w: int, pending) -> None:
+        if w == W - 1 and hooks is not None:
+            hooks.before_last_wait()
+        pending.wait()
+
     if not overlap:
         for w in range(W):
             with annotate(f"wave{w}.dispatch"):
-                got = backend.dispatch(x_TD, plan, w).wait()
+                got = backend.dispatch(x_TD, plan, w, local_view=local_view).wait()
             with annotate(f"wave{w}.experts"):
                 y_RD = expert_fn(got)
             if w == W - 1 and hooks is not None:
                 hooks.before_last_combine()
             with annotate(f"wave{w}.combine"):
-                backend.combine(y_RD, got.handle, out_TD, accumulate=w > 0 or not fresh).wait()
-        return out_TD
+                wait(w, combine(w, y_RD, got.handle))
+        return out_TD if dst_TD is None else dst_TD
 
     with annotate("wave0.dispatch"):
-        dispatches = {0: backend.dispatch(x_TD, plan, 0)}
+        dispatches = {0: backend.dispatch(x_TD, plan, 0, local_view=local_view)}
     if W > 1:
         with annotate("wave1.dispatch"):
-            dispatches[1] = backend.dispatch(x_TD, plan, 1)
+            dispatches[1] = backend.dispatch(x_TD, plan, 1, local_view=local_view)
     combines = []
     for w in range(W):
         got = dispatches.pop(w).wait()
@@ -63,10 +82,10 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
         if w == W - 1 and hooks is not None:
             hooks.before_last_combine()
         with annotate(f"wave{w}.combine"):
-            combines.append(backend.combine(y_RD, got.handle, out_TD, accumulate=w > 0 or not fresh))
+            combines.append(combine(w, y_RD, got.handle))
         if w + 2 < W:
             with annotate(f"wave{w + 2}.dispatch"):
-                dispatches[w + 2] = backend.dispatch(x_TD, plan, w + 2)
-    for c in combines:
-        c.wait()
-    return out_TD
+                dispatches[w + 2] = backend.dispatch(x_TD, plan, w + 2, local_view=local_view)
+    for w, c in enumerate(combines):
+        wait(w, c)
+    return out_TD if dst_TD is None else dst_TD

@@ -196,6 +196,15 @@ for R, K, D, I, n in ((7, 3, 37, 20, 11), (5, 2, 1030, 6, 10), (4, 2, 8, 4, 0), 
     a = gather_rows(x, src, nt)
     b = gather_rows_torch(x, src, nt, torch.full((J, D), 7.0))
     assert torch.equal(a[:n], b[:n]), (R, K, D, n)
+    # rows 1 .. 3 held elsewhere (Received.local): read there, never from x (poisoned)
+    loc = torch.randn(3, D, generator=g)
+    xp = x.clone()
+    xp[1:4] = float("nan")
+    a = gather_rows(xp, src, nt, (1, loc))
+    b = gather_rows_torch(xp, src, nt, torch.full((J, D), 7.0), (1, loc))
+    assert torch.equal(a[:n], b[:n]) and not a[:n].isnan().any(), (R, K, D, n, "local")
+    want = torch.where(((src >= 1) & (src < 4))[:, None], loc[(src - 1).clamp(0, 2)], x[src])
+    assert torch.equal(a[:n], want[:n]), (R, K, D, n, "local rows")
     gu = torch.randn(J, 2 * I, generator=g) * 3
     for lim in (0.0, 1.5):
         a = swiglu_rows(gu, lim, nt, torch.float32)

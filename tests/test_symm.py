@@ -15,12 +15,13 @@ import sys
 
 import pytest
 import torch
-
-from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.symm import SymmBackend, parse_variant
 from moe_wave.comm.symm_kernels import RowTargets, scatter_rows_torch
+from moe_wave.comm.torch_backend import TorchBackend
+
+from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.pipeline import run_waves
 from moe_wave.reference import reference_dispatch_combine
 from tests.ranks import RankPool
@@ -73,7 +74,7 @@ def test_symm_dispatch_combine_matches_reference(ranks, P):
         assert not bad, f"rank {rank}: {bad}"
 
 
-def _moe_symm_vs_torch(ep: EPGroup, T_per_rank: list) -> list:
+def _moe_symm_vs_torch(ep: EPGroup, T_per_rank: list, dense: str = "auto") -> list:
     cfg = MoEConfig.preset("tiny", num_experts=12, top_k=3)
     torch.manual_seed(0)
     full = {"gate": torch.randn(12, 64) * 0.3, "bias": torch.randn(12) * 0.1,
@@ -83,16 +84,74 @@ def _moe_symm_vs_torch(ep: EPGroup, T_per_rank: list) -> list:
     g = torch.Generator().manual_seed(10 + ep.rank)
     x = torch.randn(T_per_rank[ep.rank], 64, generator=g)
     outs = {}
-    for backend in ("torch", "symm"):
-        m = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=2, backend=backend, max_tokens_per_rank=32))
-        m.load_full(full)
-        outs[backend] = m(x)
+    os.environ["MOE_WAVE_SYMM_DENSE"] = dense    # "1": dense blocks, this rank's own rows read from x (local_view)
+    try:
+        for backend in ("torch", "symm"):
+            m = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=2, backend=backend, max_tokens_per_rank=32))
+            m.load_full(full)
+            outs[backend] = m(x)
+    finally:
+        del os.environ["MOE_WAVE_SYMM_DENSE"]
     return float((outs["torch"] - outs["symm"]).abs().max()) if x.numel() else 0.0
 
 
-def test_wavemoe_symm_matches_torch_backend(ranks):
-    """WaveMoE(wave=WaveConfig(backend="symm")) gives the torch backend's result (2 ranks, one empty)."""
-    assert ranks(2).run(_moe_symm_vs_torch, [21, 0]) == pytest.approx([0.0, 0.0], abs=1e-5)
+@pytest.mark.parametrize("dense", ["auto", "1"])
+def test_wavemoe_symm_matches_torch_backend(ranks, dense):
+    """WaveMoE(wave=WaveConfig(backend="symm")) gives the torch backend's result (2 ranks, one empty). With
+    dense blocks WaveMoE dispatches with local_view: this rank's own rows are read from x (the emulated
+    transport poisons them in the receive buffer with NaN, so a consumer that read them there would fail)."""
+    assert ranks(2).run(_moe_symm_vs_torch, [21, 0], dense) == pytest.approx([0.0, 0.0], abs=1e-5)
+    assert ranks(2).run(_moe_symm_vs_torch, [9, 14], dense) == pytest.approx([0.0, 0.0], abs=1e-5)
+
+
+def _combine_api(ep: EPGroup, backends) -> list:
+    """combine's sum options on every backend: ``add_TD`` / ``dst_TD`` equal the unfused operations bit for
+    bit, ``reduce=False`` leaves out_TD alone until its sum runs, and a bad ``add_TD`` is refused before
+    any communication (every rank raises it)."""
+    e, res = E_PER_RANK, []
+    for case in ("uneven", "zero_send"):
+        x, ids, w = _make_case(case, ep.size)[ep.rank]
+        T, D = x.shape
+        add = (torch.randn(T, D, generator=torch.Generator().manual_seed(5 + ep.rank)) * 3).to(torch.bfloat16)
+        for name in backends:
+            if name == "torch":
+                be = TorchBackend(ep)
+            else:
+                data, dense, _ = parse_variant(name)
+                be = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=16), mode=data, dense=dense)
+            plan = WavePlan.make(num_ranks=ep.size, num_local_experts=e, num_waves=1)
+            xplan = be.prepare(compute_layout(ids, w, plan))
+            got = be.dispatch(x, xplan, 0).wait()
+            y = slot_by_slot(got, ep.rank * e)
+            base = torch.zeros(T, D)
+            be.combine(y, got.handle, base).wait()
+            want = (base + add.float()).to(torch.bfloat16)
+            acc, dst = torch.full((T, D), float("nan")), torch.full((T, D), float("nan"), dtype=torch.bfloat16)
+            be.combine(y, got.handle, acc, accumulate=False, add_TD=add, dst_TD=dst).wait()
+            lazy = torch.full((T, D), float("nan"))
+            total = be.combine(y, got.handle, lazy, accumulate=False, reduce=False).wait()
+            untouched = bool(lazy.isnan().all())
+            total()
+            try:
+                be.combine(y, got.handle, base, add_TD=torch.zeros(T + 1, D))
+                err = "no error"
+            except ValueError as ex:
+                err = str(ex)
+            close = torch.allclose(dst.float(), want.float(), rtol=2 ** -7, atol=0)   # within 1 bf16 ulp
+            res.append((case, name, torch.equal(dst, want), close, callable(total) and untouched,
+                        torch.equal(lazy, base), err))
+    return res
+
+
+def test_combine_add_dst_and_deferred_sum(ranks):
+    """combine(add_TD=, dst_TD=) ends the layer in one pass with the unfused result; combine(reduce=False)
+    returns the sum for the caller to run (torch and symm backends, 2 ranks, one of them sending nothing)."""
+    for rank, res in enumerate(ranks(2).run(_combine_api, ["torch", "copy+sparse", "copy+dense"])):
+        assert len(res) == 6
+        for case, name, fused_ok, _, deferred_ok, lazy_ok, err in res:
+            assert fused_ok, (rank, case, name, "add_TD/dst_TD differ from the unfused sum")
+            assert deferred_ok and lazy_ok, (rank, case, name, "reduce=False")
+            assert "add_TD" in err and "shaped like out_TD" in err, (rank, case, name, err)
 
 
 def _overflow(ep: EPGroup, capacity: int, mode: str) -> str:
@@ -244,6 +303,24 @@ for dt, grid, rows in ((torch.float32, 0, 1), (torch.bfloat16, 0, 1), (torch.bfl
             if local is not None:   # block `local` really came from loc: from src, the sums differ
                 gather_add_torch(other, src, slot)
                 assert not torch.equal(out, other), (dt, D, local)
+            # the layer's end: + add after the peers, stored in dst's dtype; out is only read (accumulate)
+            for acc in (True, False):
+                for ddt in (torch.bfloat16, torch.float32):
+                    add = rand(5, D, dt=torch.bfloat16)
+                    out2 = rand(5, D)
+                    keep, ref2 = out2.clone(), out2.clone()
+                    dst, dref = torch.full((5, D), float("nan"), dtype=ddt, device=dev), torch.empty((5, D), dtype=ddt, device=dev)
+                    gather_add(out2, src, slot, loc if local is not None else None, local, accumulate=acc,
+                               add_TD=add, dst_TD=dst)
+                    gather_add_torch(ref2, src, slot, loc, local, accumulate=acc, add_TD=add, dst_TD=dref)
+                    if dev == "cpu" and ddt == torch.bfloat16:   # the interpreter truncates to bf16: within 1 ulp
+                        assert torch.allclose(dst.float(), dref.float(), rtol=2 ** -7, atol=0), (D, acc, "add/dst")
+                    else:    # the GPU rounds to nearest even, as torch does
+                        assert torch.equal(dst, dref), (dt, D, grid, rows, local, acc, ddt, "add/dst")
+                    assert torch.equal(out2, keep), "with dst, out is read, never written"
+                    steps = keep.clone() if acc else torch.zeros_like(keep)   # the unfused operations
+                    gather_add_torch(steps, src, slot, loc, local)
+                    assert torch.equal(dref, (steps + add.float()).to(ddt)), (D, acc, ddt)
 sk.COPY_GRID, sk.COPY_ROWS = 0, 1
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.symm_tables import build_tables, build_tables_torch, count_rows, count_rows_torch
@@ -329,7 +406,12 @@ def test_symm_kernels_match_torch_under_interpreter():
 
 
 def _kernel_mode(ep: EPGroup) -> list:
-    return _check_symm(ep, ["kernel", "copy+dense"])   # copy+dense: gather_add over the dense slots
+    errs = _check_symm(ep, ["kernel", "copy+dense"])   # copy+dense: gather_add over the dense slots
+    # the sum options through the Triton gather_add (add_TD, a bf16 dst_TD: the interpreter truncates to
+    # bf16, so within 1 ulp here; tests/test_gpu_comm.py runs the kernel checks bit for bit; reduce=False)
+    api = _combine_api(ep, ["kernel", "copy+dense"])
+    return errs + [("api", case, name, 0.0 if close and deferred and lazy and "add_TD" in err else 1.0)
+                   for case, name, _, close, deferred, lazy, err in api]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")

@@ -1,0 +1,139 @@
+"""What stays exposed when a symm exchange runs beside the GEMM: a GPU timeline of one CUDA-graph round
+trip (V4-Flash layout by default) beside the ~300 us GEMM, and the pieces beside the GEMM one at a time.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --standalone --nproc-per-node 2 launch/profile_beside.py [--tokens 4096] \\
+        [--variants copy+dense+memops,copy+dense] [--layout v4-flash]
+
+For each symm variant (names as in bench_comm's GRAPH_VARIANTS) rank 0 prints:
+  * alone / beside the GEMM / hidden for the dispatch, the combine, the round trip, its exchanges alone
+    (``transfer``: the combine's sum left to the consumer, ``combine(reduce=False)``) and that sum alone,
+    each replayed from its own CUDA graph (hidden = 1 - (beside - gemm) / alone, as in bench_comm);
+  * the GPU activities (kernels, copies) of the last profiled round trip and transfer beside the GEMM,
+    both made ready at the same moment behind a sleep kernel, in start order, with their stream, start
+    and end relative to the GEMM's start: an SM kernel of the exchange that waits for the GEMM's SMs is
+    what keeps the exchange exposed. Stream memory operations are not GPU activities to the profiler:
+    the gaps between copies show them.
+The Chrome traces (one per variant, rank 0) go to $OUT when OUT is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_comm import LAYOUTS, beside, gemm_fn, graph_replays, timed, token_case, variant  # noqa: E402
+
+from moe_wave import WaveConfig  # noqa: E402
+from moe_wave.comm import EPGroup  # noqa: E402
+from moe_wave.comm import streams as st  # noqa: E402
+from moe_wave.moe import make_backend  # noqa: E402
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def timeline(trace_path: str, gap_us: float = 500.0) -> list:
+    """The GPU activities of the last burst in a Chrome trace (bursts are split by idle gaps), as
+    (start, end, stream, category, name) in us relative to the burst's longest kernel (the GEMM)."""
+    with open(trace_path) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    ev.sort(key=lambda e: e["ts"])
+    if not ev:
+        return []
+    burst, end = [ev[-1]], ev[-1]["ts"]
+    for e in reversed(ev[:-1]):
+        if e["ts"] + e["dur"] < burst[-1]["ts"] - gap_us and e["ts"] + e["dur"] < end - gap_us:
+            break
+        burst.append(e)
+    burst.reverse()
+    t0 = max((e for e in burst if "sleep" not in e["name"]), key=lambda e: e["dur"])["ts"]
+    return [(e["ts"] - t0, e["ts"] + e["dur"] - t0, e.get("args", {}).get("stream", "?"), e["cat"], e["name"])
+            for e in burst]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
+    ap.add_argument("--layout", default="v4-flash", choices=list(LAYOUTS))
+    ap.add_argument("--variants", default="copy+dense+memops,copy+dense", help="comma list of symm variants")
+    ap.add_argument("--iters", type=int, default=10, help="timed iterations per point")
+    ap.add_argument("--carveout", type=int, default=0, help="SMs carved out of the GEMM (0: the whole GEMM)")
+    args = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    ep = EPGroup.from_process_group()
+    D, E, K = LAYOUTS[args.layout]
+    g = torch.Generator(device=ep.device).manual_seed(300 + ep.rank)
+    x, layout, _, cfg = token_case(ep, g, D, E, K, args.tokens)
+    gemm = gemm_fn()
+    gemm_us = timed(gemm, args.iters)
+    if args.carveout:
+        torch._C._set_sm_carveout_experimental(args.carveout)
+    text = [f"GEMM 4096x7168x4096 alone {gemm_us:.1f} us (whole); carve-out {args.carveout} SMs for the rows below"]
+    out_dir = os.environ.get("OUT")
+    for name in args.variants.split(","):
+        be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
+                          WaveConfig(backend="symm", max_tokens_per_rank=args.tokens))
+        variant(be, name)
+        fns = graph_replays(ep, be, x, layout)
+        text.append(f"== symm-{name}, {args.layout}, {args.tokens} tokens/rank (mode {be.mode}, dense {be.dense}, "
+                    f"signal {be.signal})")
+        gemm_c = timed(gemm, args.iters)
+        for piece in ("dispatch", "combine", "round_trip", "transfer", "sum"):
+            f = fns[piece]
+            alone = timed(lambda: f(0), args.iters)
+            both = timed(beside(lambda: f(0), gemm), args.iters)
+            text.append(f"  {piece:<10} alone {alone:7.1f} us  beside {both:7.1f} us (GEMM here {gemm_c:.1f})  "
+                        f"hidden {1 - (both - gemm_us) / alone:5.2f}")
+        for piece in ("round_trip", "transfer"):
+            rt = beside(lambda f=fns[piece]: f(0), gemm)
+            for _ in range(3):
+                rt()
+            torch.cuda.synchronize()
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    # a 0.5 ms sleep kernel first, so that the GEMM and the exchange become ready at the same
+                    # moment, as back to back in the timed loop (not the exchange first while the host launches)
+                    torch.cuda._sleep(1_000_000)
+                    rt()
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    time.sleep(0.005)        # an idle gap between bursts
+            be.check()
+            if ep.rank == 0:
+                path = os.path.join(out_dir or "/tmp", f"beside_{name.replace('+', '_')}_{piece}.json")
+                prof.export_chrome_trace(path)
+                text.append(f"  timeline of the last {piece} beside the GEMM (us from the GEMM's start; {path}):")
+                for a, b, s, cat, n in timeline(path):
+                    if "sleep" not in n:
+                        text.append(f"    {a:8.1f} {b:8.1f}  stream {s:<4} {cat:<10} {n[:90]}")
+        del be, fns
+        torch.cuda.synchronize()
+        dist.barrier()
+    if args.carveout:
+        torch._C._set_sm_carveout_experimental(None)
+    if ep.rank == 0:
+        print("\n".join(text), flush=True)
+        if out_dir:
+            with open(os.path.join(out_dir, "profile_beside.txt"), "w") as f:
+                f.write("\n".join(text) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
