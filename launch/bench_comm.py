@@ -18,7 +18,7 @@ Measures, in one run (ratios only mean something inside one run):
   * combine writes a fresh fp32 output (``accumulate=False``: WaveMoE's first wave, and what DeepEP's
     combine does); ``combine_accumulate_us`` adds into an existing one (later waves);
   * each backend's dispatch+combine beside a ~300 us bf16 GEMM on the compute stream
-    (hidden fraction = 1 - (beside - gemm) / alone);
+    (hidden fraction = 1 - (beside - gemm) / alone, the GEMM alone timed again in each row: it drifts);
   * WaveMoE (V4-Flash shape) serial vs pipelined on each backend (symm: each of ``MOE_VARIANTS``).
 CUDA events around BENCH_REPS (default 10) back-to-back calls, warm-up, medians over iterations,
 random data, ranks aligned by a barrier before each sample. Writes ``{"meta": {...}, "rows": [...]}`` to --out (default $OUT/comm.json when OUT is set)
@@ -269,7 +269,8 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
                              dispatch_us=alone, combine_us=alone, p2p_limit_GBps=p2p, alone_us=alone,
                              algbw_GBps=n * 2 * (P - 1) / P / alone / 1e3,
                              **(beside_gemm(fn, gemm, gemm_us, iters) if graph else
-                                dict(beside_gemm_us=timed(beside(fn, gemm), iters), gemm_us=gemm_us))))
+                                dict(gemm_row_us=timed(gemm, iters), beside_gemm_us=timed(beside(fn, gemm), iters),
+                                     gemm_us=gemm_us))))
         sig.check()
         del buf, hdl, peers, cases, sig, mem
         torch.cuda.synchronize()
@@ -320,7 +321,8 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
             rows.append(dict(backend=bname, layout=lname, tokens_per_rank=T, bytes_per_rank=sent * D * 2,
                              prepare_us=prep, dispatch_us=disp, combine_us=comb,
                              combine_accumulate_us=comb_acc, p2p_limit_GBps=p2p,
-                             alone_us=alone, beside_gemm_us=timed(beside(round_trip, gemm), iters),
+                             alone_us=alone, gemm_row_us=timed(gemm, iters),
+                             beside_gemm_us=timed(beside(round_trip, gemm), iters),
                              gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3))
             if hasattr(be, "check"):
                 be.check()
@@ -372,13 +374,16 @@ def graph_case(ep: EPGroup, be, x, layout, iters: int):
             (lambda: g["round_trip"](0)), (lambda: g["transfer"](0)))
 
 
-def beside_gemm(rt, gemm, gemm_us: float, iters: int, carveout: int | None = None) -> dict:
-    """rt beside the GEMM, then beside the GEMM with ``carveout`` (default CARVEOUT) SMs left free (as
-    DeepEP reserves SMs for its own kernels), where torch can carve them out. The carved GEMM alone is
-    timed too; the hidden fraction still counts against the whole GEMM (``gemm_us``): the carve-out's
-    own cost is not forgiven."""
+def beside_gemm(rt, gemm, gemm_us: float, iters: int, carveout: int | None = None, also: dict | None = None) -> dict:
+    """rt beside the GEMM (and each of ``also``: ``beside_gemm_<name>_us``), then beside the GEMM with
+    ``carveout`` (default CARVEOUT) SMs left free (as DeepEP reserves SMs for its own kernels), where torch
+    can carve them out. The GEMM alone is timed again first (``gemm_row_us``: it drifts by up to ~8 % over
+    a run, so each row's hidden fraction counts against its own), and the carved GEMM alone too; the
+    hidden fraction still counts against the whole GEMM: the carve-out's own cost is not forgiven."""
     carveout = CARVEOUT if carveout is None else carveout
-    row = dict(beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us)
+    row = dict(gemm_row_us=timed(gemm, iters), beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us)
+    for name, fn in (also or {}).items():     # before any carve-out: once lifted, the GEMM seemed slower
+        row[f"beside_gemm_{name}_us"] = timed(beside(fn, gemm), iters)
     if carveout and hasattr(torch._C, "_set_sm_carveout_experimental"):
         torch._C._set_sm_carveout_experimental(carveout)
         try:
@@ -413,11 +418,10 @@ def graph_rows(ep: EPGroup, layouts, tokens, iters: int, gemm, gemm_us: float, p
             be = make_backend("symm", ep, streams, cfg, WaveConfig(backend="symm", max_tokens_per_rank=T))
             variant(be, mode)
             t, rt, tr = graph_case(ep, be, x, layout, iters)
-            tr_beside = timed(beside(tr, gemm), iters)     # before any carve-out (see beside_gemm)
             rows.append(dict(backend=f"symm-{mode}", graph=True, layout=lname, tokens_per_rank=T,
                              bytes_per_rank=sent * D * 2, **t, p2p_limit_GBps=p2p,
                              dispatch_GBps=sent * D * 2 / t["dispatch_us"] / 1e3,
-                             beside_gemm_transfer_us=tr_beside, **beside_gemm(rt, gemm, gemm_us, iters)))
+                             **beside_gemm(rt, gemm, gemm_us, iters, also={"transfer": tr})))
             del be, rt, tr
             torch.cuda.synchronize()
             save(ep, rows)
@@ -532,7 +536,8 @@ def table(rows) -> str:
              f"{'beside':>8} {'gemm':>7} {'hidden':>6} {'serial':>8} {'piped':>8}"]
     extra = []
     for r in rows:
-        hid = (1 - (r["beside_gemm_us"] - r["gemm_us"]) / r["alone_us"]) if "beside_gemm_us" in r else None
+        g_us = r.get("gemm_row_us", r.get("gemm_us", 0))     # the GEMM timed in the same row where it was
+        hid = (1 - (r["beside_gemm_us"] - g_us) / r["alone_us"]) if "beside_gemm_us" in r else None
         if "algbw_GBps" in r:
             extra.append(f"{r['backend']}{'[g]' if r.get('graph') else ''} bytes {r['bytes_per_rank'] / MB:.0f} MB: "
                          f"{r['algbw_GBps']:.0f} GB/s across, {100 * r['algbw_GBps'] / r['p2p_limit_GBps']:.0f}% of P2P")
@@ -540,7 +545,7 @@ def table(rows) -> str:
             extra.append(f"{r['backend']}[g] bytes {r['bytes_per_rank'] / MB:.0f} MB: {r['alone_us']:.1f} us")
             continue
         if "beside_gemm_carveout_us" in r:
-            hc = 1 - (r["beside_gemm_carveout_us"] - r["gemm_us"]) / r["alone_us"]
+            hc = 1 - (r["beside_gemm_carveout_us"] - g_us) / r["alone_us"]
             tag = f"/{r.get('copy_rows', 1)}x{r['copy_grid']}" if r.get("copy_grid") else ""
             vs = f", vs the best alone {r['hidden_vs_best']:.2f}" if "hidden_vs_best" in r else ""
             extra.append(f"{r['backend']}[g]{tag} {r['layout']} T={r['tokens_per_rank']} "
@@ -548,7 +553,7 @@ def table(rows) -> str:
                          f"{r['gemm_carveout_us']:.0f} us (whole {r['gemm_us']:.0f}), beside "
                          f"{r['beside_gemm_carveout_us']:.0f} us, hidden {hc:.2f}{vs}")
         if "beside_gemm_transfer_us" in r:
-            ht = 1 - (r["beside_gemm_transfer_us"] - r["gemm_us"]) / r["transfer_us"]
+            ht = 1 - (r["beside_gemm_transfer_us"] - g_us) / r["transfer_us"]
             extra.append(f"{r['backend']}[g] {r['layout']} T={r['tokens_per_rank']}: exchanges alone (the sum left "
                          f"to the consumer) {r['transfer_us']:.0f} us, beside the GEMM {r['beside_gemm_transfer_us']:.0f} "
                          f"us, hidden {ht:.2f}; the sum alone {r['sum_us']:.0f} us")
@@ -557,7 +562,7 @@ def table(rows) -> str:
             f"/{r.get('copy_rows', 1)}x{r['copy_grid']}" if r.get("copy_grid") else "")
         lines.append(f"{name:15} {r['layout']:14} {r['tokens_per_rank']:5d} "
                      f"{r.get('bytes_per_rank', 0) / MB:8.1f} {f('dispatch_us')} {f('combine_us')} {f('alone_us')} "
-                     f"{f('beside_gemm_us')} {r.get('gemm_us', 0):7.1f} "
+                     f"{f('beside_gemm_us')} {g_us:7.1f} "
                      f"{'' if hid is None else f'{hid:6.2f}':>6} {f('serial_us')} {f('pipelined_us')}")
     return "\n".join(lines + extra)
 
