@@ -18,7 +18,8 @@ Measures, in one run (ratios only mean something inside one run):
   * combine writes a fresh fp32 output (``accumulate=False``: WaveMoE's first wave, and what DeepEP's
     combine does); ``combine_accumulate_us`` adds into an existing one (later waves);
   * each backend's dispatch+combine beside a ~300 us bf16 GEMM on the compute stream
-    (hidden fraction = 1 - (beside - gemm) / alone, the GEMM alone timed again in each row: it drifts);
+    (hidden fraction = 1 - (beside - gemm) / alone, beside and GEMM-alone samples taken in turns and
+    paired: the GEMM drifts by up to ~8 % over a run);
   * WaveMoE (V4-Flash shape) serial vs pipelined on each backend (symm: each of ``MOE_VARIANTS``).
 CUDA events around BENCH_REPS (default 10) back-to-back calls, warm-up, medians over iterations,
 random data, ranks aligned by a barrier before each sample. Writes ``{"meta": {...}, "rows": [...]}`` to --out (default $OUT/comm.json when OUT is set)
@@ -63,6 +64,26 @@ SECTIONS = ("bytes", "tokens", "graph", "moe")   # --sections (tune: with --tune
 REPS = int(os.environ.get("BENCH_REPS", "10"))
 
 
+def _sample(fn, reps: int) -> float:
+    """Microseconds per fn() call over ``reps`` back-to-back calls, ranks aligned by a barrier first."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def _slowest(*values: float) -> list:
+    """Every rank reports the slowest rank's value of each (the collective finishes with the slowest)."""
+    t = torch.tensor(values, device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def timed(fn, iters: int, warm: int = 3, reps: int | None = None) -> float:
     """Median microseconds per fn() call: CUDA events around ``reps`` back-to-back calls, ranks aligned by
     a barrier before each sample. Back to back, the ranks' launch skew after the barrier (tens of us)
@@ -70,21 +91,20 @@ def timed(fn, iters: int, warm: int = 3, reps: int | None = None) -> float:
     reps = reps or REPS
     for _ in range(warm):
         fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    # every rank reports the slowest rank's median (the collective finishes with the slowest)
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return _slowest(statistics.median(_sample(fn, reps) for _ in range(iters)))[0]
+
+
+def timed_pair(base, fn, iters: int, warm: int = 3, reps: int | None = None) -> tuple:
+    """(base us, fn us, fn - base us): medians of samples taken in turns, base then fn, and of the paired
+    differences. The GEMM alone drifts by up to ~8 % over a run (305-337 us on 2 x H200): each beside
+    sample is compared with the GEMM sample taken just before it."""
+    reps = reps or REPS
+    for _ in range(warm):
+        base()
+        fn()
+    pairs = [(_sample(base, reps), _sample(fn, reps)) for _ in range(iters)]
+    a, b = zip(*pairs)
+    return tuple(_slowest(statistics.median(a), statistics.median(b), statistics.median(y - x for x, y in pairs)))
 
 
 def gemm_fn(n: int = 4096, k: int = 7168):
@@ -269,8 +289,8 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
                              dispatch_us=alone, combine_us=alone, p2p_limit_GBps=p2p, alone_us=alone,
                              algbw_GBps=n * 2 * (P - 1) / P / alone / 1e3,
                              **(beside_gemm(fn, gemm, gemm_us, iters) if graph else
-                                dict(gemm_row_us=timed(gemm, iters), beside_gemm_us=timed(beside(fn, gemm), iters),
-                                     gemm_us=gemm_us))))
+                                dict(zip(("gemm_row_us", "beside_gemm_us", "exposed_us"),
+                                         timed_pair(gemm, beside(fn, gemm), iters)), gemm_us=gemm_us))))
         sig.check()
         del buf, hdl, peers, cases, sig, mem
         torch.cuda.synchronize()
@@ -321,9 +341,9 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
             rows.append(dict(backend=bname, layout=lname, tokens_per_rank=T, bytes_per_rank=sent * D * 2,
                              prepare_us=prep, dispatch_us=disp, combine_us=comb,
                              combine_accumulate_us=comb_acc, p2p_limit_GBps=p2p,
-                             alone_us=alone, gemm_row_us=timed(gemm, iters),
-                             beside_gemm_us=timed(beside(round_trip, gemm), iters),
-                             gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3))
+                             alone_us=alone, gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3,
+                             **dict(zip(("gemm_row_us", "beside_gemm_us", "exposed_us"),
+                                        timed_pair(gemm, beside(round_trip, gemm), iters)))))
             if hasattr(be, "check"):
                 be.check()
             del be, xplan, got
@@ -377,13 +397,15 @@ def graph_case(ep: EPGroup, be, x, layout, iters: int):
 def beside_gemm(rt, gemm, gemm_us: float, iters: int, carveout: int | None = None, also: dict | None = None) -> dict:
     """rt beside the GEMM (and each of ``also``: ``beside_gemm_<name>_us``), then beside the GEMM with
     ``carveout`` (default CARVEOUT) SMs left free (as DeepEP reserves SMs for its own kernels), where torch
-    can carve them out. The GEMM alone is timed again first (``gemm_row_us``: it drifts by up to ~8 % over
-    a run, so each row's hidden fraction counts against its own), and the carved GEMM alone too; the
-    hidden fraction still counts against the whole GEMM: the carve-out's own cost is not forgiven."""
+    can carve them out. Beside the whole GEMM, samples alternate with the GEMM alone (``timed_pair``:
+    ``exposed_us`` is the median of the paired differences, ``gemm_row_us`` the GEMM's median); the
+    carved GEMM alone is timed too, and the carved rows still count against the whole GEMM: the
+    carve-out's own cost is not forgiven."""
     carveout = CARVEOUT if carveout is None else carveout
-    row = dict(gemm_row_us=timed(gemm, iters), beside_gemm_us=timed(beside(rt, gemm), iters), gemm_us=gemm_us)
+    g, b, d = timed_pair(gemm, beside(rt, gemm), iters)
+    row = dict(gemm_row_us=g, beside_gemm_us=b, exposed_us=d, gemm_us=gemm_us)
     for name, fn in (also or {}).items():     # before any carve-out: once lifted, the GEMM seemed slower
-        row[f"beside_gemm_{name}_us"] = timed(beside(fn, gemm), iters)
+        _, row[f"beside_gemm_{name}_us"], row[f"exposed_{name}_us"] = timed_pair(gemm, beside(fn, gemm), iters)
     if carveout and hasattr(torch._C, "_set_sm_carveout_experimental"):
         torch._C._set_sm_carveout_experimental(carveout)
         try:
@@ -537,7 +559,8 @@ def table(rows) -> str:
     extra = []
     for r in rows:
         g_us = r.get("gemm_row_us", r.get("gemm_us", 0))     # the GEMM timed in the same row where it was
-        hid = (1 - (r["beside_gemm_us"] - g_us) / r["alone_us"]) if "beside_gemm_us" in r else None
+        exp = r.get("exposed_us", r.get("beside_gemm_us", 0) - g_us)      # paired differences where measured
+        hid = (1 - exp / r["alone_us"]) if "beside_gemm_us" in r else None
         if "algbw_GBps" in r:
             extra.append(f"{r['backend']}{'[g]' if r.get('graph') else ''} bytes {r['bytes_per_rank'] / MB:.0f} MB: "
                          f"{r['algbw_GBps']:.0f} GB/s across, {100 * r['algbw_GBps'] / r['p2p_limit_GBps']:.0f}% of P2P")
@@ -553,7 +576,7 @@ def table(rows) -> str:
                          f"{r['gemm_carveout_us']:.0f} us (whole {r['gemm_us']:.0f}), beside "
                          f"{r['beside_gemm_carveout_us']:.0f} us, hidden {hc:.2f}{vs}")
         if "beside_gemm_transfer_us" in r:
-            ht = 1 - (r["beside_gemm_transfer_us"] - g_us) / r["transfer_us"]
+            ht = 1 - r.get("exposed_transfer_us", r["beside_gemm_transfer_us"] - g_us) / r["transfer_us"]
             extra.append(f"{r['backend']}[g] {r['layout']} T={r['tokens_per_rank']}: exchanges alone (the sum left "
                          f"to the consumer) {r['transfer_us']:.0f} us, beside the GEMM {r['beside_gemm_transfer_us']:.0f} "
                          f"us, hidden {ht:.2f}; the sum alone {r['sum_us']:.0f} us")

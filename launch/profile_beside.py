@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_comm import LAYOUTS, beside, gemm_fn, graph_replays, timed, token_case, variant  # noqa: E402
+from bench_comm import LAYOUTS, beside, gemm_fn, graph_replays, timed, timed_pair, token_case, variant  # noqa: E402
 
 from moe_wave import WaveConfig  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
@@ -91,13 +91,12 @@ def main() -> None:
         fns = graph_replays(ep, be, x, layout)
         text.append(f"== symm-{name}, {args.layout}, {args.tokens} tokens/rank (mode {be.mode}, dense {be.dense}, "
                     f"signal {be.signal})")
-        gemm_c = timed(gemm, args.iters)
         for piece in ("dispatch", "combine", "round_trip", "transfer", "sum"):
             f = fns[piece]
             alone = timed(lambda: f(0), args.iters)
-            both = timed(beside(lambda: f(0), gemm), args.iters)
-            text.append(f"  {piece:<10} alone {alone:7.1f} us  beside {both:7.1f} us (GEMM here {gemm_c:.1f})  "
-                        f"hidden {1 - (both - gemm_us) / alone:5.2f}")
+            g, both, exposed = timed_pair(gemm, beside(lambda: f(0), gemm), args.iters)
+            text.append(f"  {piece:<10} alone {alone:7.1f} us  beside {both:7.1f} us (GEMM alone in turns {g:.1f}, "
+                        f"paired exposed {exposed:6.1f})  hidden {1 - exposed / alone:5.2f}")
         for piece in ("round_trip", "transfer"):
             rt = beside(lambda f=fns[piece]: f(0), gemm)
             for _ in range(3):

@@ -60,10 +60,12 @@ def main(out: str) -> None:
                     or r.get("layout") == "bytes" and r.get("bytes_per_rank") in (16 * 2**20, 64 * 2**20)):
                 r = dict(r, MB=round(r["bytes_per_rank"] / 2**20, 1), graph=bool(r.get("graph")))
                 g_us = r.get("gemm_row_us", r.get("gemm_us", 0))    # the GEMM timed in the same row
-                if "beside_gemm_us" in r:
-                    r["hidden"] = round(1 - (r["beside_gemm_us"] - g_us) / r["alone_us"], 2)
+                if "beside_gemm_us" in r:     # paired differences (exposed_us) where the run measured them
+                    exp = r.get("exposed_us", r["beside_gemm_us"] - g_us)
+                    r["hidden"] = round(1 - exp / r["alone_us"], 2)
                 if "beside_gemm_transfer_us" in r:     # the exchanges alone, the sum left to the consumer
-                    r["hidden_transfer"] = round(1 - (r["beside_gemm_transfer_us"] - g_us) / r["transfer_us"], 2)
+                    exp = r.get("exposed_transfer_us", r["beside_gemm_transfer_us"] - g_us)
+                    r["hidden_transfer"] = round(1 - exp / r["transfer_us"], 2)
                 if "algbw_GBps" in r:
                     r["pct_p2p"] = round(100 * r["algbw_GBps"] / r["p2p_limit_GBps"])
                 rows.append(r)
