@@ -8,7 +8,8 @@ trip (V4-Flash layout by default) beside the ~300 us GEMM, and the pieces beside
 For each symm variant (names as in bench_comm's GRAPH_VARIANTS) rank 0 prints:
   * alone / beside the GEMM / hidden for the dispatch, the combine, the round trip, its exchanges alone
     (``transfer``: the combine's sum left to the consumer, ``combine(reduce=False)``) and that sum alone,
-    each replayed from its own CUDA graph (hidden = 1 - (beside - gemm) / alone, as in bench_comm);
+    each replayed from its own CUDA graph (hidden = 1 - exposed / alone, exposed the median of
+    beside minus GEMM-alone samples taken in turns, as in bench_comm);
   * the GPU activities (kernels, copies) of the last profiled round trip and transfer beside the GEMM,
     both made ready at the same moment behind a sleep kernel, in start order, with their stream, start
     and end relative to the GEMM's start: an SM kernel of the exchange that waits for the GEMM's SMs is
