@@ -10,7 +10,8 @@ Every rank owns, in one CUDA symmetric-memory allocation (``torch.distributed._s
     recv_meta[W, P(src), C, M]   their (local expert, weight) slots
     comb     [W, P(dst), C, D]   results that peer ``dst`` sent back for the rows we sent it
 
-and, in a small second allocation, ``ctrl [P(src), X]`` for the count exchange. Each (wave, peer)
+(``recv_meta`` in an allocation of its own, so that prepare can write this rank's own dense block), and in a
+small further allocation ``ctrl [P(src), X]`` for the count exchange. Each (wave, peer)
 block has its own region, so a sender needs no offset from anyone: row i of its block for peer p
 lands at ``recv_x[w, me, i]`` on p. One token goes at most once per (wave, peer), so C =
 ``WaveConfig.max_tokens_per_rank`` (default 4096) rows can never overflow while T <= C; past that a
@@ -34,11 +35,14 @@ Flow per layer (all on the comm stream, every size static, so it captures in a C
               copies sees them: no barrier kernel waiting for the copies to drain; ``signal="memops"``:
               an acknowledgement before and a flag after the data per peer, written and awaited by
               stream memory operations, no kernel at all).
-              Copy mode with dense blocks (``dense``) has no pack: x's rows are copied as they are.
+              Copy mode with dense blocks (``dense``) has no pack: x's rows are copied as they are,
+              this rank's own metadata block comes from prepare, and with ``local_view`` its own rows
+              are not copied at all (``Received.local``): the dispatch is then copy engines only.
     combine:  results go back into each source's ``comb[w, me]`` (kernel: valid rows only, one
               launch; copy: the whole C-row block per peer), barrier(channel=W+w); the source sums
               them into out_TD in fp32 (``gather_add``: per token, peers in order; with Triton this
-              rank's own block is never copied: gather_add reads it from y).
+              rank's own block is never copied: gather_add reads it from y), optionally adding
+              ``add_TD`` and storing into ``dst_TD`` in the same pass, or later (``reduce=False``).
 
 Ordering: peers write into a block only after a barrier that every rank reaches after it has
 finished reading that block (prepare and each wave's barrier are issued after the comm stream waits
