@@ -64,6 +64,14 @@ SECTIONS = ("bytes", "tokens", "graph", "moe")   # --sections (tune: with --tune
 REPS = int(os.environ.get("BENCH_REPS", "10"))
 
 
+def init_ep() -> EPGroup:
+    """This torchrun rank's GPU (LOCAL_RANK) and an NCCL group over all ranks."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    return EPGroup.from_process_group()
+
+
 def _sample(fn, reps: int) -> float:
     """Microseconds per fn() call over ``reps`` back-to-back calls, ranks aligned by a barrier first."""
     torch.cuda.synchronize()
@@ -614,10 +622,7 @@ def main() -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(int(os.environ.get("BENCH_HANG_S", "600")), exit=True)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    ep = EPGroup.from_process_group()
+    ep = init_ep()
     backends = [b for b in args.backends.split(",") if b != "deepep" or importlib.util.find_spec("deep_ep")]
     iters = args.iters or (8 if args.quick else 20)
     sizes = [1 * MB, 16 * MB, 64 * MB] if args.quick else [1 * MB, 16 * MB, 64 * MB, 256 * MB, 1024 * MB]

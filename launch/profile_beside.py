@@ -35,10 +35,10 @@ import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_comm import LAYOUTS, beside, gemm_fn, graph_replays, timed, timed_pair, token_case, variant  # noqa: E402
+from bench_comm import (LAYOUTS, beside, gemm_fn, graph_replays, init_ep, timed, timed_pair, token_case,  # noqa: E402
+                        variant)
 
 from moe_wave import WaveConfig  # noqa: E402
-from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm import streams as st  # noqa: E402
 from moe_wave.moe import make_backend  # noqa: E402
 
@@ -72,10 +72,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per point")
     ap.add_argument("--carveout", type=int, default=0, help="SMs carved out of the GEMM (0: the whole GEMM)")
     args = ap.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    ep = EPGroup.from_process_group()
+    ep = init_ep()
     D, E, K = LAYOUTS[args.layout]
     g = torch.Generator(device=ep.device).manual_seed(300 + ep.rank)
     x, layout, _, cfg = token_case(ep, g, D, E, K, args.tokens)

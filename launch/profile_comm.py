@@ -25,10 +25,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_comm import LAYOUTS, token_case  # noqa: E402
+from bench_comm import LAYOUTS, init_ep, token_case  # noqa: E402
 
 from moe_wave import WaveConfig  # noqa: E402
-from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm import streams as st  # noqa: E402
 from moe_wave.moe import make_backend  # noqa: E402
 
@@ -40,10 +39,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50, help="calls per phase")
     ap.add_argument("--rows", type=int, default=25, help="operators per table")
     args = ap.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    ep = EPGroup.from_process_group()
+    ep = init_ep()
     D, E, K = LAYOUTS["v4-flash"]
     g = torch.Generator(device=ep.device).manual_seed(ep.rank)
     x, layout, _, cfg = token_case(ep, g, D, E, K, args.tokens)
