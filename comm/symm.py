@@ -316,6 +316,9 @@ class SymmBackend:
     def _alloc(self, nbytes: int):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("symm backend: run one prepare, dispatch and combine of this shape eagerly before "
+                               "capturing a CUDA graph (its buffers are allocated on first use, by every rank)")
         name = self.ep.pg.group_name
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.ep.device)
         hdl = symm_mem.rendezvous(buf, name)

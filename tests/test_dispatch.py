@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_wave.comm import EPGroup
+from moe_wave.comm.backend import rows_of
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.torch_backend import TorchBackend
 from moe_wave.pipeline import run_waves
@@ -60,13 +61,15 @@ def _ep_path(ep: EPGroup, x, ids, w, num_waves: int, partition: str, overlap: bo
 
 
 def slot_by_slot(got, expert_offset: int) -> torch.Tensor:
-    """The per-expert function applied one (row, slot) at a time: y[r] = sum_k w[r,k] f(x[r])."""
+    """The per-expert function applied one (row, slot) at a time: y[r] = sum_k w[r,k] f(x[r]) (rows read with
+    ``rows_of``: where the dispatch left this rank's own rows in x, ``Received.local``, they are read there)."""
+    x_RD = rows_of(got.x_RD, torch.arange(got.x_RD.shape[0]), getattr(got, "local", None))
     y = torch.zeros(got.x_RD.shape, dtype=torch.float32)
-    for r in range(got.x_RD.shape[0]):
+    for r in range(x_RD.shape[0]):
         for k in range(got.expert_RK.shape[1]):
             j = int(got.expert_RK[r, k])
             if j >= 0:
-                y[r] += got.weight_RK[r, k] * _expert_fn(expert_offset + j, got.x_RD[r:r + 1])[0]
+                y[r] += got.weight_RK[r, k] * _expert_fn(expert_offset + j, x_RD[r:r + 1])[0]
     return y
 
 
