@@ -120,6 +120,12 @@ def wave_token_ranges(T: int, W: int, partition: str) -> tuple:
     return tuple((bounds[w], bounds[w + 1] - bounds[w]) for w in range(W))
 
 
+def _wave_rows(x_TD: torch.Tensor, plan, wave: int) -> torch.Tensor:
+    """Dense blocks: x's rows of wave ``wave`` (its token range, capped at the capacity), a view."""
+    start, n = plan.dense[wave]
+    return x_TD[start:start + n]
+
+
 @dataclass(frozen=True)
 class SymmPlan(ExchangePlan):
     """The exchange plan plus the device-side index tables of the symm backend.
@@ -579,10 +585,7 @@ class SymmBackend:
                                                     stage_m.view(P * C, 2 * K), group=self.ep.pg, async_op=True))
         handle = WaveHandle(wave=wave, plan=plan, send_token_S=plan.tok_WPN[wave].reshape(-1), extra={"bufs": bufs})
         e = plan.layout.plan.num_local_experts
-        local = None
-        if local_view and plan.dense is not None:     # this rank's own rows stay in x
-            start, n = plan.dense[wave]
-            local = (self.ep.rank * C, x_TD[start:start + n])
+        local = (self.ep.rank * C, _wave_rows(x_TD, plan, wave)) if local_view and plan.dense is not None else None
 
         def finish() -> Received:
             for wk in works:
@@ -614,8 +617,8 @@ class SymmBackend:
         (masked by the receiver)."""
         N = plan.tok_WPN.shape[2]
         if plan.dense is not None:          # dense: the wave's token range as it is, and p's metadata rows
-            start, n = plan.dense[wave]
-            dst_x_CD[:n].copy_(x_TD[start:start + n], non_blocking=True)
+            rows = _wave_rows(x_TD, plan, wave)
+            dst_x_CD[:rows.shape[0]].copy_(rows, non_blocking=True)
             dst_m_CM.copy_(plan.meta_WPCM[wave, p], non_blocking=True)     # all C rows: none left stale
         elif N:
             torch.index_select(x_TD, 0, plan.tok_WPN[wave, p], out=dst_x_CD[:N])
@@ -667,9 +670,9 @@ class SymmBackend:
             loc = None
             if not local_view:
                 loc = self._local_fork(x_TD)
-                start, n = plan.dense[wave]
+                rows = _wave_rows(x_TD, plan, wave)
                 with st.on(loc):
-                    bufs.recv_x[wave, me, :n].copy_(x_TD[start:start + n], non_blocking=True)
+                    bufs.recv_x[wave, me, :rows.shape[0]].copy_(rows, non_blocking=True)
             for p in self._other_ranks:
                 prx, prm, _ = bufs.peers[p]
                 self._pack(x_TD, plan, wave, p, prx[wave, me], prm[wave, me])

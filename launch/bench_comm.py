@@ -296,9 +296,7 @@ def bytes_rows(ep: EPGroup, sizes, iters: int, gemm, gemm_us: float, p2p: float)
             rows.append(dict(backend=name, graph=graph, layout="bytes", tokens_per_rank=0, bytes_per_rank=n * 2,
                              dispatch_us=alone, combine_us=alone, p2p_limit_GBps=p2p, alone_us=alone,
                              algbw_GBps=n * 2 * (P - 1) / P / alone / 1e3,
-                             **(beside_gemm(fn, gemm, gemm_us, iters) if graph else
-                                dict(zip(("gemm_row_us", "beside_gemm_us", "exposed_us"),
-                                         timed_pair(gemm, beside(fn, gemm), iters)), gemm_us=gemm_us))))
+                             **beside_gemm(fn, gemm, gemm_us, iters, carveout=None if graph else 0)))
         sig.check()
         del buf, hdl, peers, cases, sig, mem
         torch.cuda.synchronize()
@@ -349,9 +347,8 @@ def token_rows(ep: EPGroup, backends, layouts, tokens, iters: int, gemm, gemm_us
             rows.append(dict(backend=bname, layout=lname, tokens_per_rank=T, bytes_per_rank=sent * D * 2,
                              prepare_us=prep, dispatch_us=disp, combine_us=comb,
                              combine_accumulate_us=comb_acc, p2p_limit_GBps=p2p,
-                             alone_us=alone, gemm_us=gemm_us, dispatch_GBps=sent * D * 2 / disp / 1e3,
-                             **dict(zip(("gemm_row_us", "beside_gemm_us", "exposed_us"),
-                                        timed_pair(gemm, beside(round_trip, gemm), iters)))))
+                             alone_us=alone, dispatch_GBps=sent * D * 2 / disp / 1e3,
+                             **beside_gemm(round_trip, gemm, gemm_us, iters, carveout=0)))
             if hasattr(be, "check"):
                 be.check()
             del be, xplan, got

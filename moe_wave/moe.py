@@ -51,8 +51,11 @@ class _SharedSchedule:
         self.x = self.h = self.out = None
 
     def start(self, x_TD: torch.Tensor) -> None:
+        """Queue the head of shared(x) on the alt stream; ``out`` will hold shared(x) once
+        ``before_last_wait`` has run (serial: computed there, on the current stream)."""
         self.x = x_TD
         if self.placement == "serial":
+            self.out = torch.empty_like(x_TD)
             return
         alt = self.streams.alt
         st.wait_stream(alt, st.current_stream(x_TD.device))
@@ -72,12 +75,6 @@ class _SharedSchedule:
         with st.on(alt), annotate("shared.down_tail"):
             for c in range(self.C - self.tail, self.C):
                 self.shared.down_chunk(self.h, c, self.C, self.out)
-
-    def output(self) -> torch.Tensor:
-        """The tensor that will hold shared(x) (allocated at ``start``; ready after ``before_last_wait``)."""
-        if self.out is None:      # serial: computed on the current stream at before_last_wait
-            self.out = torch.empty_like(self.x)
-        return self.out
 
     def before_last_wait(self) -> None:
         """shared(x) is ready on the current stream: computed there (serial), or waited for (alt stream)."""
@@ -230,5 +227,5 @@ class WaveMoE(nn.Module):
         # one pass: the same fp32 operations as accumulating, adding and casting one after another
         out_TD = torch.empty_like(x_TD)
         return run_waves(x_TD, xplan, self.backend, self.routed_rows, acc_TD, overlap=overlap, hooks=shared,
-                         fresh=True, add_TD=shared.output() if shared is not None else None, dst_TD=out_TD,
+                         fresh=True, add_TD=shared.out if shared is not None else None, dst_TD=out_TD,
                          local_view=True)    # routed_rows reads this rank's own rows where they are
