@@ -5,4 +5,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO_ROOT"
 ensure_venv ""
-exec .venv/bin/python -m moe_wave demo "$@"
+exec "$VENV_PY" -m moe_wave demo "$@"

@@ -9,7 +9,7 @@ ensure_venv test
 export MASTER_ADDR=127.0.0.1 GLOO_SOCKET_IFNAME=lo  # tests talk to loopback only
 export PYTHONDONTWRITEBYTECODE=1
 rc=0
-.venv/bin/python -m pytest -q "$@" || rc=$?
+"$VENV_PY" -m pytest -q "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "[moe-wave] pytest collected no tests: failing" >&2
     exit 1
