@@ -44,7 +44,7 @@ import torch
 
 from .layout import DispatchLayout
 
-__all__ = ["Pending", "Received", "WaveHandle", "ExchangePlan", "CommBackend", "Done", "check_sum_args", "sum_tail",
+__all__ = ["Pending", "Received", "WaveHandle", "ExchangePlan", "CommBackend", "check_sum_args", "sum_tail",
            "rows_of"]
 
 R_ = TypeVar("R_")
@@ -68,11 +68,6 @@ class Pending(Generic[R_]):
         self._result = self._finish()
         self._finish = None
         return self._result
-
-
-def Done(value: R_ = None, name: str = "") -> Pending[R_]:
-    """An already-finished Pending (single-process paths)."""
-    return Pending(lambda: value, name)
 
 
 @dataclass(frozen=True)

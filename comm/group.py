@@ -63,12 +63,38 @@ class EPGroup:
                 device = torch.device("cpu")
         return cls(dist.get_rank(pg), dist.get_world_size(pg), torch.device(device), backend, pg)
 
-    @property
-    def is_single(self) -> bool:
-        return self.size == 1
+    # ------------------------------------------------------------------ cross-rank helpers (host)
+    # Every rank of the group must call these together; a single process returns its own value.
 
-    def global_rank(self, group_rank: int) -> int:
-        """The world rank of ``group_rank`` (what point-to-point calls need)."""
-        if self.pg is None:
-            return group_rank
-        return dist.get_global_rank(self.pg, group_rank)
+    def gather_objects(self, value) -> list:
+        """``value`` from every rank, in rank order (pickled; host sync)."""
+        if self.size == 1:
+            return [value]
+        vals = [None] * self.size
+        dist.all_gather_object(vals, value, group=self.pg)
+        return vals
+
+    def check_same(self, what: str, value) -> list:
+        """Gather ``value`` from every rank; raise the same ValueError on every rank, naming ``what`` and each
+        rank's value, if they differ."""
+        vals = self.gather_objects(value)
+        if any(v != vals[0] for v in vals):
+            desc = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+            raise ValueError(f"{what} differs between ranks ({desc}): every rank must use the same value")
+        return vals
+
+    def max_over(self, values: list[float]) -> list[float]:
+        """The element-wise maximum over ranks of a list of numbers (float64; host sync)."""
+        if self.size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return t.tolist()
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank (pickled; host sync)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
+        return box[0]

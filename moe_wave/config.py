@@ -6,12 +6,21 @@ streams are arguments of the modules, never configuration.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from moe_wave.comm.layout import PARTITIONS
+from moe_wave.comm.options import SymmOptions
 
-__all__ = ["MoEConfig", "WaveConfig", "PRESETS", "PARTITIONS"]
+__all__ = ["MoEConfig", "WaveConfig", "PRESETS", "PARTITIONS", "require_hf"]
+
+
+def require_hf(what: str) -> None:
+    """Raise an ImportError naming the extra when transformers (what ``from_hf`` copies from) is missing."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{what} copies a transformers DeepseekV4 module, and transformers is not installed: "
+                          f"pip install 'moe-wave[hf]' (transformers==5.23.0)") from e
 
 BACKENDS = ("torch", "symm", "deepep")
 SHARED_PLACEMENTS = ("bubbles", "alt", "serial")
@@ -59,6 +68,7 @@ class MoEConfig:
     @classmethod
     def from_hf(cls, hf_config, layer_idx: int | None = None, **overrides) -> "MoEConfig":
         """From a transformers ``DeepseekV4Config``; ``layer_idx`` decides hash vs top-k routing."""
+        require_hf("MoEConfig.from_hf")
         is_hash = False
         if layer_idx is not None:
             types = getattr(hf_config, "mlp_layer_types", None) or []
@@ -92,11 +102,6 @@ PRESETS = {
 }
 
 
-def _env_overlap(default: bool) -> bool:
-    v = os.environ.get("MOE_WAVE_OVERLAP")
-    return default if v is None else v.strip().lower() not in ("0", "false", "off", "no")
-
-
 @dataclass(frozen=True, kw_only=True)
 class WaveConfig:
     """The wave pipeline's schedule.
@@ -108,14 +113,17 @@ class WaveConfig:
         partition: "experts" (V4: a wave is a block of local experts) or "tokens" (Tutel style).
         backend: "torch" (NCCL/RCCL/gloo), "symm" (symmetric memory), "deepep" (if installed).
         overlap: the pipelined schedule; False runs the same operations one after another (the
-            ``serial`` baseline). Environment override: MOE_WAVE_OVERLAP=0.
+            ``serial`` baseline).
         shared_placement: "bubbles" (alt stream; gate_up, activation and most of down_proj while
             wave 0 travels, the last ``shared_tail_chunks`` of down_proj during the last combine),
             "alt" (all of it on the alt stream at once) or "serial" (after the routed experts).
         shared_chunks: row chunks the shared down_proj is cut into.
         shared_tail_chunks: how many of them run during the last combine (bubbles only).
         grouped_mm: "auto" (torch._grouped_mm on CUDA bf16, a loop elsewhere), "on" or "off".
-        max_tokens_per_rank: capacity for fixed-buffer backends (symm); 0 = backend default.
+        symm: the symm backend's options (``moe_wave.comm.options.SymmOptions``: capacity, data mode, dense
+            blocks, signal, timeouts, kernel tuning).
+        autowave_cache: num_waves="auto": where the calibrated choices persist, a ``.json`` file or a folder
+            (which gets ``autowave.json``); None (the default) keeps them in this process only.
     """
 
     num_waves: int | str = 2
@@ -127,7 +135,8 @@ class WaveConfig:
     shared_chunks: int = 4
     shared_tail_chunks: int = 1
     grouped_mm: str = "auto"
-    max_tokens_per_rank: int = 0
+    symm: SymmOptions = field(default_factory=SymmOptions)
+    autowave_cache: str | None = None
 
     def __post_init__(self):
         nw = self.num_waves
@@ -149,9 +158,10 @@ class WaveConfig:
                              f"must be in [0, shared_chunks={self.shared_chunks}]")
         if self.grouped_mm not in ("auto", "on", "off"):
             raise ValueError(f"WaveConfig.grouped_mm={self.grouped_mm!r}: must be 'auto', 'on' or 'off'")
-        if self.max_tokens_per_rank < 0:
-            raise ValueError(f"WaveConfig.max_tokens_per_rank={self.max_tokens_per_rank}: must be >= 0")
-        object.__setattr__(self, "overlap", _env_overlap(self.overlap))
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"WaveConfig.overlap={self.overlap!r}: must be True or False")
+        if not isinstance(self.symm, SymmOptions):
+            raise ValueError(f"WaveConfig.symm={self.symm!r}: must be a moe_wave.comm.options.SymmOptions")
 
     def waves_for(self, num_local_experts: int) -> int:
         """The requested wave count before clamping (experts_per_wave wins over num_waves)."""

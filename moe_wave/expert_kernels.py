@@ -24,10 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_wave.comm.backend import rows_of
-from moe_wave.comm.symm_kernels import triton, triton_ok
-
-if triton is not None:
-    import triton.language as tl
+from moe_wave.comm.triton_gate import tl, triton, triton_ok
 
 __all__ = ["gather_rows", "gather_rows_torch", "swiglu_rows", "swiglu_rows_torch", "weighted_sum",
            "weighted_sum_torch", "triton_ok"]

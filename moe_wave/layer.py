@@ -16,6 +16,7 @@ from torch import nn
 
 from .attention import AttnCache, ScheduleConfig, V4Attention
 from .attention.compressor import rms_norm
+from .config import require_hf
 from .mhc import HyperConnection, hc_post
 
 __all__ = ["V4DecoderLayer"]
@@ -40,7 +41,9 @@ class V4DecoderLayer(nn.Module):
     @classmethod
     def from_hf(cls, hf_layer, hf_config, layer_idx: int, *, ep=None, wave=None,
                 schedule: ScheduleConfig | None = None) -> "V4DecoderLayer":
-        """Copy a transformers 5.23 ``DeepseekV4DecoderLayer``; under EP each rank keeps its experts."""
+        """Copy a transformers 5.23 ``DeepseekV4DecoderLayer``; under EP each rank keeps its experts. Needs
+        transformers: pip install 'moe-wave[hf]'."""
+        require_hf("V4DecoderLayer.from_hf")
         from .moe import WaveMoE  # lazy: the MoE side pulls in the comm backends
 
         attn = V4Attention.from_hf(hf_layer.self_attn, hf_config, layer_idx=layer_idx, schedule=schedule)

@@ -19,7 +19,7 @@ from moe_wave.comm import streams as st
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.torch_backend import TorchBackend, all_gather_object_checked
 
-from .config import MoEConfig, WaveConfig
+from .config import MoEConfig, WaveConfig, require_hf
 from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
 from .pipeline import run_waves
 from .profiling import annotate
@@ -33,10 +33,10 @@ def make_backend(name: str, ep: EPGroup, streams: st.Streams, cfg: MoEConfig, wa
         return TorchBackend(ep, comm_stream=streams.comm)
     if name == "symm":
         from moe_wave.comm.symm import SymmBackend
-        return SymmBackend(ep, cfg=cfg, wave=wave, comm_stream=streams.comm)
+        return SymmBackend(ep, wave.symm, comm_stream=streams.comm)
     if name == "deepep":
         from moe_wave.comm.deepep import DeepEPBackend
-        return DeepEPBackend(ep, cfg=cfg, wave=wave, comm_stream=streams.comm)
+        return DeepEPBackend(ep, hidden_size=cfg.hidden_size, comm_stream=streams.comm)
     raise ValueError(f"backend={name!r}: must be one of ('torch', 'symm', 'deepep')")
 
 
@@ -134,7 +134,8 @@ class WaveMoE(nn.Module):
     def from_hf(cls, hf_block, hf_config, *, ep: EPGroup | None = None, wave: WaveConfig | None = None,
                 layer_idx: int | None = None, device=None, dtype=None, **cfg_overrides) -> "WaveMoE":
         """Build from a transformers ``DeepseekV4SparseMoeBlock`` and copy its weights (this rank's
-        experts only)."""
+        experts only). Needs transformers: pip install 'moe-wave[hf]'."""
+        require_hf("WaveMoE.from_hf")
         if layer_idx is None:
             is_hash = hasattr(hf_block.gate, "tid2eid")
             cfg = MoEConfig.from_hf(hf_config, None, hash_routing=is_hash, **cfg_overrides)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config import require_hf
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
@@ -110,7 +111,9 @@ class V4Attention(nn.Module):
     # ----------------------------------------------------------------------------------- loading
     @classmethod
     def from_hf(cls, hf_attn, hf_config, layer_idx: int, schedule: ScheduleConfig | None = None) -> "V4Attention":
-        """Copy a transformers 5.23 ``DeepseekV4Attention``; the ratio is read from its compressor."""
+        """Copy a transformers 5.23 ``DeepseekV4Attention``; the ratio is read from its compressor. Needs
+        transformers: pip install 'moe-wave[hf]'."""
+        require_hf("V4Attention.from_hf")
         ratio = 0 if hf_attn.compressor is None else int(hf_attn.compressor.compress_rate)
         mod = cls(AttnConfig.from_hf(hf_config, layer_idx, ratio), schedule)
         eps = hf_config.rms_norm_eps

@@ -1,0 +1,187 @@
+"""The one reader of moe-wave's environment variables, for the CLI and the launch scripts.
+
+The library itself never reads ``MOE_WAVE_*``: every knob is a typed argument (``WaveConfig``,
+``SymmOptions``, ``ScheduleConfig``, ``init_from_env(high_priority=)``). ``read_env`` turns the variables
+into those arguments once, and the callers merge them under one rule everywhere:
+
+    an explicit argument (a CLI flag, a keyword)  >  the environment  >  the default
+
+A malformed value is a ValueError naming the variable, the value and the rule.
+
+========================== ===================================== ==========================================
+variable                   becomes                               values
+========================== ===================================== ==========================================
+MOE_WAVE_SYMM_CAPACITY     SymmOptions.capacity                  int >= 1
+MOE_WAVE_SYMM_MODE         SymmOptions.mode                      auto | kernel | copy
+MOE_WAVE_SYMM_DENSE        SymmOptions.dense                     auto | 1 | 0
+MOE_WAVE_SYMM_SIGNAL       SymmOptions.signal                    barrier | flags | memops
+MOE_WAVE_SYMM_TIMEOUT_MS   SymmOptions.timeout_ms                int >= 1
+MOE_WAVE_SYMM_GRACE_S      SymmOptions.grace_s                   seconds > 0
+MOE_WAVE_SYMM_KERNELS      SymmOptions.kernels                   auto | triton | torch
+MOE_WAVE_COPY_ROWS_BLOCK   SymmOptions.copy.rows_block           power of two >= 16
+MOE_WAVE_COPY_ROWS_WARPS   SymmOptions.copy.warps                0 1 2 4 8 16 32
+MOE_WAVE_COPY_ROWS         SymmOptions.copy.rows                 power of two
+MOE_WAVE_COPY_GRID         SymmOptions.copy.grid                 int >= 0
+MOE_WAVE_OVERLAP           WaveConfig.overlap                    1 | 0
+MOE_WAVE_ATTN_OVERLAP      ScheduleConfig.overlap                1 | 0
+MOE_WAVE_ATTN_KERNELS      ScheduleConfig.kernels                auto | 1 | 0
+MOE_WAVE_CACHE             WaveConfig.autowave_cache             a .json file or a folder; off: none
+MOE_WAVE_NVTX              profiling.set_nvtx                    1 | 0
+MOE_WAVE_NCCL_HIGH_PRIORITY init_from_env(high_priority=)        1 | 0
+MOE_WAVE_GIT_SHA           the commit named in result files      text (a copy of the tree without .git)
+========================== ===================================== ==========================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
+
+__all__ = ["EnvSettings", "read_env", "VARIABLES"]
+
+_TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def _flag(var: str, v: str) -> bool:
+    s = v.strip().lower()
+    if s in _TRUE or s in _FALSE:
+        return s in _TRUE
+    raise ValueError(f"{var}={v!r}: must be 1 or 0 (also on/off, true/false, yes/no)")
+
+
+def _int(var: str, v: str, lo: int) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = None
+    if n is None or n < lo:
+        raise ValueError(f"{var}={v!r}: must be an integer >= {lo}")
+    return n
+
+
+def _seconds(var: str, v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = float("nan")
+    if not x > 0:
+        raise ValueError(f"{var}={v!r}: must be a number of seconds > 0")
+    return x
+
+
+def _choice(var: str, v: str, choices) -> str:
+    if v not in choices:
+        raise ValueError(f"{var}={v!r}: must be one of {', '.join(choices)}")
+    return v
+
+
+def _dense(var: str, v: str):
+    return None if _choice(var, v, ("auto", "1", "0")) == "auto" else v == "1"
+
+
+def _attn_kernels(var: str, v: str) -> str:
+    s = v.strip().lower()
+    if s == "auto":
+        return "auto"
+    return "on" if _flag(var, s) else "off"
+
+
+def _cache(var: str, v: str) -> str | None:
+    return None if v.strip().lower() in ("", "0", "off", "none") else v
+
+
+# variable -> (where it goes, parser). "symm.X" and "copy.X" are SymmOptions fields.
+_SYMM = {
+    "MOE_WAVE_SYMM_CAPACITY": ("symm.capacity", lambda k, v: _int(k, v, 1)),
+    "MOE_WAVE_SYMM_MODE": ("symm.mode", lambda k, v: _choice(k, v, MODES)),
+    "MOE_WAVE_SYMM_DENSE": ("symm.dense", _dense),
+    "MOE_WAVE_SYMM_SIGNAL": ("symm.signal", lambda k, v: _choice(k, v, SIGNALS)),
+    "MOE_WAVE_SYMM_TIMEOUT_MS": ("symm.timeout_ms", lambda k, v: _int(k, v, 1)),
+    "MOE_WAVE_SYMM_GRACE_S": ("symm.grace_s", _seconds),
+    "MOE_WAVE_SYMM_KERNELS": ("symm.kernels", lambda k, v: _choice(k, v, KERNELS)),
+    "MOE_WAVE_COPY_ROWS_BLOCK": ("copy.rows_block", lambda k, v: _int(k, v, 16)),
+    "MOE_WAVE_COPY_ROWS_WARPS": ("copy.warps", lambda k, v: _int(k, v, 0)),
+    "MOE_WAVE_COPY_ROWS": ("copy.rows", lambda k, v: _int(k, v, 1)),
+    "MOE_WAVE_COPY_GRID": ("copy.grid", lambda k, v: _int(k, v, 0)),
+}
+_OTHER = {
+    "MOE_WAVE_OVERLAP": ("overlap", _flag),
+    "MOE_WAVE_ATTN_OVERLAP": ("attn_overlap", _flag),
+    "MOE_WAVE_ATTN_KERNELS": ("attn_kernels", _attn_kernels),
+    "MOE_WAVE_CACHE": ("autowave_cache", _cache),
+    "MOE_WAVE_NVTX": ("nvtx", _flag),
+    "MOE_WAVE_NCCL_HIGH_PRIORITY": ("nccl_high_priority", _flag),
+    "MOE_WAVE_GIT_SHA": ("git_sha", lambda k, v: v.strip() or None),
+}
+VARIABLES = tuple(_SYMM) + tuple(_OTHER)
+_RETIRED = {"MOE_WAVE_SYMM_FLAGS": "use MOE_WAVE_SYMM_SIGNAL=flags"}
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """What the environment sets; None (or absent from ``symm`` / ``copy``) where a variable is unset.
+
+    Attributes:
+        symm: SymmOptions fields set by ``MOE_WAVE_SYMM_*``.
+        copy: CopyTuning fields set by ``MOE_WAVE_COPY_*``.
+        overlap, attn_overlap, attn_kernels, autowave_cache, nvtx, nccl_high_priority, git_sha: see the table.
+        autowave_cache_set: True when MOE_WAVE_CACHE was given (``off`` sets it to None on purpose).
+    """
+
+    symm: dict = field(default_factory=dict)
+    copy: dict = field(default_factory=dict)
+    overlap: bool | None = None
+    attn_overlap: bool | None = None
+    attn_kernels: str | None = None
+    autowave_cache: str | None = None
+    autowave_cache_set: bool = False
+    nvtx: bool | None = None
+    nccl_high_priority: bool | None = None
+    git_sha: str | None = None
+
+    def symm_options(self, base: SymmOptions | None = None, **given) -> SymmOptions:
+        """SymmOptions under the rule argument > environment > ``base`` (default ``SymmOptions()``). ``given``
+        holds the arguments the caller has (None: not given); ``copy_<field>`` names a CopyTuning field."""
+        given = {k: v for k, v in given.items() if v is not None}
+        copy = {**self.copy, **{k[5:]: given.pop(k) for k in list(given) if k.startswith("copy_")}}
+        return (base or SymmOptions()).replace(**{**self.symm, **given}, copy=copy)
+
+    def pick(self, name: str, given, default):
+        """One setting under the rule: ``given`` unless None, else the environment's ``name``, else ``default``."""
+        if given is not None:
+            return given
+        env = getattr(self, name)
+        if name == "autowave_cache":
+            return env if self.autowave_cache_set else default
+        return default if env is None else env
+
+
+def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
+    """Read every ``MOE_WAVE_*`` variable once (``env`` defaults to ``os.environ``); see the module docstring."""
+    env = os.environ if env is None else env
+    for var, hint in _RETIRED.items():
+        if var in env:
+            raise ValueError(f"{var}={env[var]!r}: no longer read; {hint}")
+    symm, copy, other = {}, {}, {}
+    for table in (_SYMM, _OTHER):
+        for var, (dest, parse) in table.items():
+            if var not in env:
+                continue
+            value = parse(var, env[var])
+            if dest.startswith("symm."):
+                symm[dest[5:]] = value
+            elif dest.startswith("copy."):
+                copy[dest[5:]] = value
+            else:
+                other[dest] = value
+    if "autowave_cache" in other:
+        other["autowave_cache_set"] = True
+    try:
+        SymmOptions().replace(**symm, copy=copy)   # the combination must be valid too
+    except ValueError as e:
+        set_vars = ", ".join(f"{k}={env[k]}" for k in _SYMM if k in env)
+        raise ValueError(f"the environment's symm options ({set_vars}): {e}") from None
+    return EnvSettings(symm=symm, copy=copy, **other)
