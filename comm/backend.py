@@ -3,32 +3,26 @@
 Legend: T local tokens, K top-k, P ranks, W waves, e local experts, S sent rows, R received rows,
 D hidden.
 
-A backend turns a ``DispatchLayout`` into an ``ExchangePlan`` (``prepare``: the count exchange),
-then moves rows wave by wave:
+A backend turns a ``DispatchLayout`` into its own plan type (``prepare``: the count exchange), then moves
+rows wave by wave:
 
     plan = backend.prepare(layout)                       # counts exchanged; host sync if the backend needs one
     pd = backend.dispatch(x_TD, plan, wave)              # -> Pending[Received]
     got = pd.wait()                                      # got.x_RD, got.expert_RK, got.weight_RK
-    pc = backend.combine(y_RD, got.handle, out_TD)       # -> Pending[None]
+    pc = backend.combine(y_RD, got.handle, CombineOut(out_TD))   # -> Pending[None]
     pc.wait()                                            # out_TD (fp32) += the wave's results
 
-``combine(..., accumulate=False)`` ignores what ``out_TD`` held and writes every row (zero where the
-wave brought nothing back): the first wave's combine into a fresh ``torch.empty`` output, with no
-zero fill and no read of it.
-
-The sum can end the layer (``add_TD``, ``dst_TD``): ``dst_TD = (out_TD if accumulate else 0) + the wave's
-rows + add_TD``, summed in fp32 and stored in ``dst_TD``'s dtype (WaveMoE's last wave: the shared expert's
-output added and the bf16 result written in the same pass; ``out_TD`` is then scratch). ``add_TD`` is read
-when ``wait()`` runs, on the stream current then.
+``CombineOut`` groups where the wave's sum goes. ``accumulate=False`` ignores what ``out_TD`` held and
+writes every row (zero where the wave brought nothing back): the first wave's combine into a fresh
+``torch.empty`` output, with no zero fill and no read of it. The sum can end the layer (``add_TD``,
+``dst_TD``): ``dst_TD = (out_TD if accumulate else 0) + the wave's rows + add_TD``, summed in fp32 and
+stored in ``dst_TD``'s dtype (WaveMoE's last wave: the shared expert's output added and the bf16 result
+written in the same pass; ``out_TD`` is then scratch). ``add_TD`` is read when ``wait()`` runs, on the
+stream current then.
 
 ``dispatch(..., local_view=True)`` lets the backend leave this rank's own rows in x instead of copying
 them into ``x_RD`` (``Received.local`` then says where they are; ``rows_of`` reads rows either way). A
 backend may ignore it (``local`` is then None).
-
-``combine(..., reduce=False)``: ``wait()`` makes the current stream wait for the rows to arrive and
-returns the sum as a function of no arguments, run when and on the stream the caller chooses (the
-rows stay in the backend's buffers until the next ``prepare``): the exchange itself does no SM work
-there, and the sum can join the op that consumes it.
 
 ``start`` work is queued on the backend's comm stream (GPU) or handed to the process group's
 worker threads (gloo); ``wait`` makes the *current* stream (or the host, on CPU) wait. Compute
@@ -44,8 +38,8 @@ import torch
 
 from .layout import DispatchLayout
 
-__all__ = ["Pending", "Received", "WaveHandle", "ExchangePlan", "CommBackend", "check_sum_args", "sum_tail",
-           "rows_of"]
+__all__ = ["Pending", "Received", "WaveHandle", "ExchangePlan", "CombineOut", "CommBackend", "check_sum_args",
+           "pending_after", "rows_of"]
 
 R_ = TypeVar("R_")
 
@@ -72,26 +66,19 @@ class Pending(Generic[R_]):
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """The layout plus what the peers told us. Host lists exist only on host-split backends.
+    """What every backend's plan holds: the layout plus what the peers told us, on the device. Each backend
+    subclasses it with its own state (``TorchPlan``, ``SymmPlan``, ``DeepEPPlan``).
 
     Attributes:
         layout: the send-side layout.
-        send_counts: [W][P] rows sent per wave and peer (host ints) or None.
-        recv_counts: [W][P] rows received per wave and source peer (host ints) or None.
-        recv_pairs: [W][e] (token, k) pairs received per wave and local expert (host ints) or None.
-        send_offsets: [W+1] start of each wave's block in the send order (host ints) or None.
-        recv_counts_WP / recv_pairs_WPe: the same on the device (always present).
-        extra: backend-private tensors computed once per layer (e.g. packed routing metadata).
+        recv_counts_WP: [W, P] rows received per wave and source peer (device; zeros where the backend
+            exchanges its counts inside each dispatch, as DeepEP does).
+        recv_pairs_WPe: [W, P, e] (token, k) pairs received per wave, source and local expert (device).
     """
 
     layout: DispatchLayout
     recv_counts_WP: torch.Tensor
     recv_pairs_WPe: torch.Tensor
-    send_counts: list | None = None
-    recv_counts: list | None = None
-    recv_pairs: list | None = None
-    send_offsets: list | None = None
-    extra: dict = field(default_factory=dict, compare=False)  # backend-private state
 
     @property
     def num_waves(self) -> int:
@@ -100,12 +87,52 @@ class ExchangePlan:
 
 @dataclass(frozen=True)
 class WaveHandle:
-    """Everything combine needs for one wave (the inverse of that wave's dispatch)."""
+    """Everything combine needs for one wave (the inverse of that wave's dispatch); backends subclass it."""
 
     wave: int
     plan: ExchangePlan
-    send_token_S: torch.Tensor          # [S_w] token of each row sent this wave, send order
-    extra: dict = field(default_factory=dict, compare=False)  # backend-private state
+
+
+@dataclass(frozen=True)
+class CombineOut:
+    """Where a combine's sum goes (see the module docstring).
+
+    Attributes:
+        out_TD: [T, D] the fp32 accumulator (also what the sum is written into when ``dst_TD`` is None).
+        accumulate: add to what ``out_TD`` holds (True) or write every row over it (False).
+        add_TD: None or [T, D]: added to the sum in fp32 (read when ``wait()`` runs).
+        dst_TD: None or [T, D]: receives the sum in its dtype (``out_TD`` is then scratch).
+    """
+
+    out_TD: torch.Tensor
+    accumulate: bool = True
+    add_TD: torch.Tensor | None = None
+    dst_TD: torch.Tensor | None = None
+
+    def __post_init__(self):
+        check_sum_args(self.out_TD, self.add_TD, self.dst_TD)
+
+    def add_rows(self, token_N: torch.Tensor, rows_ND: torch.Tensor) -> None:
+        """The sum with torch ops, for backends that bring rows home unsummed: ``out_TD[token_N] += rows_ND``
+        (over zeros without ``accumulate``), then ``add_TD`` and ``dst_TD`` (the same fp32 operations, in the
+        same order, as a fused kernel's)."""
+        out_TD = self.out_TD
+        if not self.accumulate:
+            out_TD.zero_()
+        out_TD.index_add_(0, token_N, rows_ND.to(out_TD.dtype))
+        self.finish_sum()
+
+    def finish_sum(self) -> None:
+        """``out_TD += add_TD``, then ``dst_TD`` gets it in its dtype (after an unfused sum into ``out_TD``)."""
+        if self.add_TD is not None:
+            self.out_TD += self.add_TD.to(self.out_TD.dtype)
+        if self.dst_TD is not None and self.dst_TD is not self.out_TD:
+            self.dst_TD.copy_(self.out_TD)
+
+    @property
+    def result(self) -> torch.Tensor:
+        """The tensor holding the finished sum: ``dst_TD`` if given, else ``out_TD``."""
+        return self.out_TD if self.dst_TD is None else self.dst_TD
 
 
 @dataclass(frozen=True)
@@ -162,13 +189,18 @@ def check_sum_args(out_TD: torch.Tensor, add_TD: torch.Tensor | None, dst_TD: to
                          "out_TD, or a separate tensor")
 
 
-def sum_tail(out_TD: torch.Tensor, add_TD: torch.Tensor | None, dst_TD: torch.Tensor | None) -> None:
-    """The end of a combine's sum for backends that sum into ``out_TD`` first: ``out_TD += add_TD``, then
-    ``dst_TD`` gets it in its dtype (the same fp32 operations, in the same order, as a fused kernel's)."""
-    if add_TD is not None:
-        out_TD += add_TD.to(out_TD.dtype)
-    if dst_TD is not None and dst_TD is not out_TD:
-        dst_TD.copy_(out_TD)
+def pending_after(name: str, works, comm_stream, device: torch.device, then: Callable[[], R_]) -> Pending[R_]:
+    """The one way a backend finishes a started exchange: ``wait()`` waits for the process group's ``works``
+    (gloo/NCCL async handles), makes the current stream wait for ``comm_stream``, then returns ``then()``."""
+    from . import streams as st
+
+    def finish() -> R_:
+        for wk in works:
+            wk.wait()
+        st.wait_stream(st.current_stream(device), comm_stream)
+        return then()
+
+    return Pending(finish, name)
 
 
 @runtime_checkable
@@ -180,6 +212,4 @@ class CommBackend(Protocol):
     def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int, *,
                  local_view: bool = False) -> Pending[Received]: ...
 
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *, accumulate: bool = True,
-                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None,
-                reduce: bool = True) -> Pending: ...
+    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out: CombineOut) -> Pending[None]: ...

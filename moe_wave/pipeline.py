@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from moe_wave.comm.backend import CommBackend, ExchangePlan, Received
+from moe_wave.comm.backend import CombineOut, CommBackend, ExchangePlan, Received
 
 from .profiling import annotate
 
@@ -49,8 +49,9 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
 
     def combine(w: int, y_RD, handle):
         last = w == W - 1
-        return backend.combine(y_RD, handle, out_TD, accumulate=w > 0 or not fresh,
-                               add_TD=add_TD if last else None, dst_TD=dst_TD if last else None)
+        return backend.combine(y_RD, handle, CombineOut(out_TD, accumulate=w > 0 or not fresh,
+                                                        add_TD=add_TD if last else None,
+                                                        dst_TD=dst_TD if last else None))
 
     def wait(w: int, pending) -> None:
         if w == W - 1 and hooks is not None:
