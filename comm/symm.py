@@ -78,7 +78,7 @@ from .symm_tables import (STATUS_LEN, build_tables, build_tables_torch, count_ro
 __all__ = ["SymmBackend", "SymmPlan", "DEFAULT_CAPACITY", "MODES", "SIGNALS", "DENSE_FILL", "AUTO_COPY_MIN_TOKENS",
            "dense_fill", "parse_variant", "wave_token_ranges"]
 
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
 
 DEFAULT_CAPACITY = 4096
 MODES = ("auto", "kernel", "copy")

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# On a host without a GPU, Triton's kernels can only run in its interpreter, which Triton chooses when a
+# kernel is defined (at import): turn it on before any kernel module is imported, so that the kernel tests
+# run in-process (the library runs a kernel on CPU only where a caller asks for it: ``triton_ok(want=True)``,
+# ``SymmOptions(kernels="triton")``, ``ScheduleConfig(kernels="on")``). Spawned ranks inherit it.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 from tests.ranks import RankPool
 
