@@ -8,10 +8,9 @@ import os
 
 # NVLink multicast off, before any process group or symmetric-memory allocation exists: it can take a shared
 # host down. Every Python entry point imports moe_wave.comm; the shell launchers set the same in launch/env.sh.
-# An explicit setting in the environment is kept.
+# These win over the environment: moe-wave never uses multicast.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-for _k, _v in MULTICAST_OFF.items():
-    os.environ.setdefault(_k, _v)
+os.environ.update(MULTICAST_OFF)
 
 from .bootstrap import LaunchInfo, RankFailure, detect_launcher, init_from_env, spawn
 from .group import EPGroup
