@@ -190,13 +190,16 @@ def check_sum_args(out_TD: torch.Tensor, add_TD: torch.Tensor | None, dst_TD: to
 
 
 def pending_after(name: str, works, comm_stream, device: torch.device, then: Callable[[], R_]) -> Pending[R_]:
-    """The one way a backend finishes a started exchange: ``wait()`` waits for the process group's ``works``
-    (gloo/NCCL async handles), makes the current stream wait for ``comm_stream``, then returns ``then()``."""
+    """The one way a backend finishes a started exchange: ``wait()`` makes ``comm_stream`` wait for the process
+    group's ``works`` (gloo/NCCL async handles; the host waits on gloo), then the current stream wait for
+    ``comm_stream``, then returns ``then()``. Buffers allocated on the comm stream are freed after this, so the
+    allocator hands them out again only to work ordered after the collectives that read or wrote them."""
     from . import streams as st
 
     def finish() -> R_:
-        for wk in works:
-            wk.wait()
+        with st.on(comm_stream):
+            for wk in works:
+                wk.wait()
         st.wait_stream(st.current_stream(device), comm_stream)
         return then()
 

@@ -32,17 +32,17 @@ import torch.distributed as dist
 from .group import EPGroup
 
 __all__ = ["LaunchInfo", "RankFailure", "RankError", "detect_launcher", "init_from_env", "spawn",
-           "set_safe_env", "format_failures"]
+           "set_safe_env", "format_failures", "MULTICAST_OFF"]
 
-# NVLink SHARP multicast is off everywhere (see KINDS.md on the GPU hosts): set before any init.
-_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NVLink multicast is off everywhere, set before any process group or symmetric-memory allocation exists: it can
+# take a shared host down. These win over the environment (moe-wave never uses multicast). The one definition for
+# Python; ``moe_wave.comm`` applies it at import, and launch/env.sh sets the same for the shell launchers.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def set_safe_env(env: dict | None = None) -> None:
-    """``setdefault`` the multicast-off variables (a user's explicit value wins)."""
-    env = os.environ if env is None else env
-    for k, v in _SAFE_ENV.items():
-        env.setdefault(k, v)
+    """Set the multicast-off variables in ``env`` (default ``os.environ``)."""
+    (os.environ if env is None else env).update(MULTICAST_OFF)
 
 
 # ----------------------------------------------------------------------------- launcher detection
@@ -145,7 +145,7 @@ def _mpi_rendezvous(info: LaunchInfo) -> str:
     return f"tcp://{addr}:{port}"
 
 
-def init_from_env(timeout_s: float = 60, device=None) -> EPGroup:
+def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = True) -> EPGroup:
     """Create the world process group for the detected launcher and return its ``EPGroup``.
 
     If torch.distributed is already initialised (a host application), its world group is
@@ -154,6 +154,7 @@ def init_from_env(timeout_s: float = 60, device=None) -> EPGroup:
     Args:
         timeout_s: collective timeout of the new group (short: a dead peer fails fast).
         device: force the device (default: ``cuda:<local_rank>`` when every local rank has a GPU).
+        high_priority: NCCL communicators on high-priority streams (``pg_options``).
     """
     if dist.is_available() and dist.is_initialized():
         return EPGroup.from_process_group(device=device)
@@ -173,15 +174,15 @@ def init_from_env(timeout_s: float = 60, device=None) -> EPGroup:
                              "export MASTER_ADDR=$(scontrol show hostnames | head -n1) MASTER_PORT=29500")
         init_method = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend))
+                            timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend, high_priority))
     return EPGroup.from_process_group(device=dev)
 
 
-def pg_options(backend: str) -> dict:
+def pg_options(backend: str, high_priority: bool = True) -> dict:
     """NCCL on high-priority streams: the block scheduler then places an all-to-all's CTAs ahead of
     the expert GEMM's pending ones, which is what lets a wave's transfer start while the previous
-    wave computes. MOE_WAVE_NCCL_HIGH_PRIORITY=0 turns it off."""
-    if backend != "nccl" or os.environ.get("MOE_WAVE_NCCL_HIGH_PRIORITY", "1") == "0":
+    wave computes. ``high_priority=False`` turns it off."""
+    if backend != "nccl" or not high_priority:
         return {}
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = True

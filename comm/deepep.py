@@ -29,19 +29,29 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import ExchangePlan, Pending, Received, WaveHandle, check_sum_args, sum_tail
+from .backend import CombineOut, ExchangePlan, Pending, Received, WaveHandle
 from .group import EPGroup
 from .layout import DispatchLayout
 
-__all__ = ["DeepEPBackend", "DeepEPPlan", "import_deep_ep", "wave_topk"]
+__all__ = ["DeepEPBackend", "DeepEPPlan", "DeepEPHandle", "import_deep_ep", "wave_topk"]
+
+# DeepEP V1's intranode kernels assert num_experts / num_ranks <= 128 (the V4-Pro layout at EP2 has 192).
+MAX_LOCAL_EXPERTS = 128
 
 
 @dataclass(frozen=True)
 class DeepEPPlan(ExchangePlan):
     """The plan plus each wave's masked top-k (``wave_topk``); DeepEP exchanges its own counts."""
 
-    ids_WTK: torch.Tensor | None = None
-    w_WTK: torch.Tensor | None = None
+    ids_WTK: torch.Tensor
+    w_WTK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DeepEPHandle(WaveHandle):
+    """One wave's combine state: DeepEP's own dispatch handle."""
+
+    deep_ep: object
 
 
 def import_deep_ep():
@@ -85,24 +95,23 @@ class DeepEPBackend:
 
     Args:
         ep: the expert-parallel group (NCCL).
-        cfg: the MoE config (``hidden_size`` sizes the NVLink buffer).
-        wave: the wave config (unused beyond the contract; kept for the common constructor).
+        hidden_size: D, which sizes the NVLink buffer (bf16 rows).
         comm_stream: unused: DeepEP owns its communication stream.
         num_sms: SMs DeepEP's kernels may take (``Buffer.set_num_sms``); None keeps DeepEP's default.
     """
 
     name = "deepep"
 
-    def __init__(self, ep: EPGroup, *, cfg=None, wave=None, comm_stream=None, num_sms: int | None = None):
+    def __init__(self, ep: EPGroup, *, hidden_size: int, comm_stream=None, num_sms: int | None = None):
         if ep.pg is None or not ep.device.type == "cuda":
             raise ValueError(f"EPGroup(device={ep.device}, backend={ep.backend!r}): DeepEP needs CUDA ranks and "
                              "a process group")
         self.deep_ep = import_deep_ep()
-        self.ep, self.cfg = ep, cfg
+        self.ep = ep
         Buffer = self.deep_ep.Buffer
         if num_sms is not None:
             Buffer.set_num_sms(num_sms)
-        hidden_bytes = cfg.hidden_size * 2   # bf16 rows
+        hidden_bytes = hidden_size * 2   # bf16 rows
         nvl = 0
         for c in (Buffer.get_dispatch_config(ep.size), Buffer.get_combine_config(ep.size)):
             nvl = max(nvl, c.get_nvl_buffer_size_hint(hidden_bytes, ep.size))
@@ -112,6 +121,9 @@ class DeepEPBackend:
         plan = layout.plan
         if plan.num_ranks != self.ep.size:
             raise ValueError(f"WavePlan.num_ranks={plan.num_ranks}: must equal the EP group size {self.ep.size}")
+        if plan.num_local_experts > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"num_experts / num_ranks = {plan.num_local_experts}: DeepEP V1 supports at most "
+                             f"{MAX_LOCAL_EXPERTS} experts per rank; use more ranks or backend='symm' / 'torch'")
         ids_WTK, w_WTK = wave_topk(layout)
         # DeepEP exchanges its own counts inside each dispatch: the device count fields stay zero.
         W, P, e = plan.num_waves, plan.num_ranks, plan.num_local_experts
@@ -133,8 +145,7 @@ class DeepEPBackend:
             x_TD, num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma, is_token_in_rank=in_rank,
             num_tokens_per_expert=n_exp, topk_idx=ids_TK, topk_weights=w_TK, previous_event=ev,
             async_finish=True, allocate_on_comm_stream=True)
-        handle = WaveHandle(wave=wave, plan=plan, send_token_S=torch.arange(x_TD.shape[0], device=x_TD.device),
-                            extra={"deep_ep": dhandle})
+        handle = DeepEPHandle(wave=wave, plan=plan, deep_ep=dhandle)
 
         def finish() -> Received:
             event.current_stream_wait()
@@ -144,24 +155,17 @@ class DeepEPBackend:
 
         return Pending(finish, f"deepep.dispatch[{wave}]")
 
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *, accumulate: bool = True,
-                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None, reduce: bool = True) -> Pending:
-        check_sum_args(out_TD, add_TD, dst_TD)
+    def combine(self, y_RD: torch.Tensor, handle: DeepEPHandle, out: CombineOut) -> Pending[None]:
         combined_TD, _, event = self.buffer.combine(
-            y_RD.to(torch.bfloat16).contiguous(), handle.extra["deep_ep"], previous_event=self.deep_ep.Buffer.capture(),
+            y_RD.to(torch.bfloat16).contiguous(), handle.deep_ep, previous_event=self.deep_ep.Buffer.capture(),
             async_finish=True, allocate_on_comm_stream=True)
 
-        def total() -> None:    # DeepEP's combine has summed each token's rows already (on its SMs)
-            if accumulate:
-                out_TD.add_(combined_TD.to(out_TD.dtype))   # in place: out_TD is the caller's
-            else:
-                out_TD.copy_(combined_TD)
-            sum_tail(out_TD, add_TD, dst_TD)
-
-        def finish():
+        def finish() -> None:    # DeepEP's combine has summed each token's rows already (on its SMs)
             event.current_stream_wait()
-            if not reduce:
-                return total
-            total()
+            if out.accumulate:
+                out.out_TD.add_(combined_TD.to(out.out_TD.dtype))   # in place: out_TD is the caller's
+            else:
+                out.out_TD.copy_(combined_TD)
+            out.finish_sum()
 
         return Pending(finish, f"deepep.combine[{handle.wave}]")

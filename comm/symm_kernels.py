@@ -9,7 +9,7 @@ table (``RowTargets``, built once per buffer, outside any capture), so a block m
 symmetric-memory buffer (the writes then travel over NVLink/xGMI from the SMs) or a local one. The
 index arrays are computed on the device from the exchanged counts (``dst_idx`` is -1 past the valid
 count and past the capacity), so no size ever reaches the host and the grid is static (P*N rows in
-tiles of COPY_ROWS, an upper bound): the kernel is CUDA-graph capturable and never touches a row that
+tiles of ``CopyTuning.rows`` rows, an upper bound): the kernel is CUDA-graph capturable and never touches a row that
 ``dst_idx`` does not name. Rows alternate peers (row j serves block j % P), so the local block's copy
 and the NVLink writes run side by side; ``skip`` leaves one block out. An optional second row set
 (the per-row metadata) goes with the same ``dst_idx`` in the same program.
@@ -23,41 +23,18 @@ torch twins there).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .options import CopyTuning
+from .triton_gate import tl, triton, triton_ok
+
 __all__ = ["RowTargets", "scatter_rows", "scatter_rows_torch", "gather_add", "gather_add_torch", "triton_ok"]
 
-try:  # Triton is optional: the symm backend falls back to copy engines without it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
-# Elements a scatter_rows program moves per step (a row's chunk), its warps, and the rows (tokens, for
-# gather_add) a program keeps in flight: it loads a tile of ROWS x BLOCK elements before storing it.
-# Environment MOE_WAVE_COPY_ROWS_BLOCK / MOE_WAVE_COPY_ROWS_WARPS / MOE_WAVE_COPY_ROWS override (the
-# benchmark sweeps them: launch/bench_comm.py --tune).
-COPY_BLOCK = int(os.environ.get("MOE_WAVE_COPY_ROWS_BLOCK", "2048"))
-COPY_WARPS = int(os.environ.get("MOE_WAVE_COPY_ROWS_WARPS", "0"))     # 0: by tile size
-COPY_ROWS = int(os.environ.get("MOE_WAVE_COPY_ROWS", "1"))
-# Programs of scatter_rows and gather_add (0: one per tile). A cap keeps the comm kernels to a few SMs'
-# worth of programs, so that a GEMM beside them keeps the rest (DeepEP's num_sms, in spirit); give such
-# a program more rows in flight (COPY_ROWS) and warps. Environment MOE_WAVE_COPY_GRID.
-COPY_GRID = int(os.environ.get("MOE_WAVE_COPY_GRID", "0"))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 _UNIT = 16   # block offsets are kept in units of 16 elements where they allow it (16-byte vector stores)
-
-
-def triton_ok(device: torch.device | str) -> bool:
-    """True when the kernels can run on ``device`` (a GPU, or CPU under TRITON_INTERPRET=1)."""
-    if triton is None:
-        return False
-    if torch.device(device).type == "cpu":
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return True
+_DEFAULT = CopyTuning()
 
 
 @dataclass(frozen=True)
@@ -119,7 +96,7 @@ if triton is not None:
         # Rows j = 0 .. Q*N-1 (Q = P, or P - 1 when block SKIP < P is left out) in tiles of ROWS; row j
         # serves block j % Q (past SKIP), so a tile mixes the local block's copy with the NVLink writes. A
         # tile's loads are all issued before its stores: ROWS rows in flight per program. With a capped
-        # grid (COPY_GRID) each program walks tiles t, t + G, t + 2G, ...
+        # grid (``CopyTuning.grid``) each program walks tiles t, t + G, t + 2G, ...
         for t in range(tl.program_id(0), tl.cdiv(Q * N, ROWS), tl.num_programs(0)):
             j = t * ROWS + tl.arange(0, ROWS)
             q = j % Q
@@ -192,17 +169,24 @@ def _check(src: torch.Tensor, tg: RowTargets, src_idx: torch.Tensor, dst_idx: to
         raise ValueError(f"scatter_rows: {what}, its indices and the target blocks must be on one device")
 
 
-def _launch(tiles: int, rows: int, block: int):
+def _shape(D: int, tune: CopyTuning) -> tuple[int, int]:
+    """(elements a program moves per step of a row, rows a program keeps in flight)."""
+    return min(triton.next_power_of_2(D), tune.rows_block), tune.rows
+
+
+def _launch(tiles: int, rows: int, block: int, tune: CopyTuning):
     """(grid, warps) for ``tiles`` tiles of ``rows`` x ``block`` elements."""
-    warps = COPY_WARPS or max(1, min(16, rows * block // 512))
-    return (min(tiles, COPY_GRID) if COPY_GRID > 0 else tiles,), warps
+    warps = tune.warps or max(1, min(16, rows * block // 512))
+    return (min(tiles, tune.grid) if tune.grid > 0 else tiles,), warps
 
 
 def scatter_rows(src_ND: torch.Tensor, targets: RowTargets, src_idx_PN: torch.Tensor, dst_idx_PN: torch.Tensor,
                  src2_ND: torch.Tensor | None = None, targets2: RowTargets | None = None,
-                 src2_idx_PN: torch.Tensor | None = None, skip: int | None = None) -> None:
+                 src2_idx_PN: torch.Tensor | None = None, skip: int | None = None,
+                 tune: CopyTuning = _DEFAULT) -> None:
     """``block_p[dst_idx_PN[p, i]] = src_ND[src_idx_PN[p, i]]`` where ``dst_idx_PN[p, i] >= 0``, every
-    block p of ``targets`` but ``skip`` in one launch (Triton, COPY_ROWS rows a program). With ``src2_ND``,
+    block p of ``targets`` but ``skip`` in one launch (Triton, ``tune.rows`` rows a program; ``tune`` is the
+    launch shape, see ``CopyTuning``). With ``src2_ND``,
     each such row also copies ``src2_ND[src2_idx_PN[p, i]]`` to row ``dst_idx_PN[p, i]`` of block p of
     ``targets2``.
 
@@ -222,8 +206,8 @@ def scatter_rows(src_ND: torch.Tensor, targets: RowTargets, src_idx_PN: torch.Te
     D = src_ND.shape[1]
     if N == 0 or D == 0 or Q == 0:
         return
-    block, rows = min(triton.next_power_of_2(D), COPY_BLOCK), max(1, triton.next_power_of_2(COPY_ROWS))
-    grid, warps = _launch(triton.cdiv(Q * N, rows), rows, block)
+    block, rows = _shape(D, tune)
+    grid, warps = _launch(triton.cdiv(Q * N, rows), rows, block, tune)
     s2, t2, i2 = (src2_ND, targets2, src2_idx_PN) if has2 else (src_ND, targets, src_idx_PN)
     _scatter_rows_kernel[grid](
         src_ND, targets.base, targets.offs_P, src_idx_PN.contiguous(), dst_idx_PN.contiguous(), D,
@@ -248,9 +232,10 @@ def scatter_rows_torch(src_ND: torch.Tensor, blocks, src_idx_PN: torch.Tensor, d
 
 def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
                local_RD: torch.Tensor | None = None, local: int | None = None, *, accumulate: bool = True,
-               add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None) -> None:
+               add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None,
+               tune: CopyTuning = _DEFAULT) -> None:
     """``out_TD[t] += sum_p src_RD[slot_TP[t, p]]`` over the slots >= 0, in p order, in fp32 (Triton,
-    COPY_ROWS tokens a program: one read-modify-write of each output row, no atomics). With ``local``,
+    ``tune.rows`` tokens a program: one read-modify-write of each output row, no atomics). With ``local``,
     block ``local``'s rows are read from ``local_RD`` at the same row index instead (the combine reads
     this rank's own results where the experts left them, with no copy). ``accumulate=False``: ``out_TD =``
     instead of ``+=`` (its old contents are never read; the sums are those from a zero ``out_TD``).
@@ -278,8 +263,8 @@ def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor
         return
     slot = slot_TP.contiguous()
     P = slot.shape[1]
-    block, rows = min(triton.next_power_of_2(D), COPY_BLOCK), max(1, triton.next_power_of_2(COPY_ROWS))
-    grid, warps = _launch(triton.cdiv(T, rows), rows, block)
+    block, rows = _shape(D, tune)
+    grid, warps = _launch(triton.cdiv(T, rows), rows, block, tune)
     add = out_TD if add_TD is None else add_TD
     dst = out_TD if dst_TD is None else dst_TD
     _gather_add_kernel[grid](out_TD, src_RD, loc, slot, add, dst, D, T, P, P if local is None else local,

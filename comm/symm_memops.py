@@ -29,7 +29,7 @@ step, the seconds), records it for the caller (``MemopSignal.error``: the symm b
 its next call), tries to release the stuck wait (it writes the awaited word from a stream of its
 own, so that a host blocked in a synchronisation can return and raise; best effort, since that
 stream may share a hardware queue with the stuck one), and exits the process (code 1) ``grace_s``
-(MOE_WAVE_SYMM_GRACE_S, default 10) later unless the error was raised by then. So no rank hangs:
+(``SymmOptions.grace_s``, default 10) later unless the error was raised by then. So no rank hangs:
 the one waiting names the peer, the peer's own failure is its root cause, and the launcher stops
 the rest.
 
@@ -107,10 +107,10 @@ class Watchdog:
     own timeout and two callbacks: ``describe(index, code, seconds) -> str`` (the message) and
     ``release(index, code)`` (unblock the stream; best effort). ``exit`` and ``clock`` are for tests."""
 
-    def __init__(self, poll_s: float = 0.01, grace_s: float | None = None, exit=os._exit, clock=time.monotonic,
+    def __init__(self, poll_s: float = 0.01, grace_s: float = 10.0, exit=os._exit, clock=time.monotonic,
                  thread: bool = True):
         self.poll_s, self._use_thread = poll_s, thread
-        self.grace_s = float(os.environ.get("MOE_WAVE_SYMM_GRACE_S", "10")) if grace_s is None else grace_s
+        self.grace_s = float(grace_s)
         self._exit, self._clock = exit, clock
         self._entries: list = []           # [words, timeout_s, describe, release, seen: {index: (code, since)}]
         self._lock = threading.Lock()
@@ -183,10 +183,13 @@ class Watchdog:
 _WATCHDOG: list = []
 
 
-def watchdog() -> Watchdog:
-    """The process's watchdog (made on first use)."""
+def watchdog(grace_s: float | None = None) -> Watchdog:
+    """The process's watchdog (made on first use, with ``grace_s``: default 10 s; a later caller's
+    ``grace_s`` shortens it, never lengthens it)."""
     if not _WATCHDOG:
-        _WATCHDOG.append(Watchdog())
+        _WATCHDOG.append(Watchdog(grace_s=10.0 if grace_s is None else grace_s))
+    elif grace_s is not None:
+        _WATCHDOG[0].grace_s = min(_WATCHDOG[0].grace_s, float(grace_s))
     return _WATCHDOG[0]
 
 
@@ -196,13 +199,17 @@ class MemopSignal:
     Args:
         ep: the expert-parallel group (CUDA, NCCL).
         alloc: ``alloc(nbytes) -> (buffer, symmetric-memory handle)``, collective and zeroed.
-        timeout_ms: a wait that lasts longer is reported by the ``Watchdog`` (0: not watched).
+        timeout_ms: a wait that lasts longer is reported by the ``Watchdog`` (>= 1; the setup barrier is
+            bounded by it too).
+        grace_s: how long the caller has to raise the watchdog's error before the process exits.
         name: what the exchange is, for the message (e.g. "dispatch wave 0").
 
     Use, per exchange, on the stream that issues the data copies: ``begin()``, the copies, ``end()``.
     """
 
-    def __init__(self, ep, alloc, *, timeout_ms: int = 0, name: str = "exchange"):
+    def __init__(self, ep, alloc, *, timeout_ms: int, grace_s: float = 10.0, name: str = "exchange"):
+        if timeout_ms < 1:
+            raise ValueError(f"MemopSignal timeout_ms={timeout_ms}: must be >= 1 (every wait is bounded)")
         why = available()
         if why:
             raise RuntimeError(f"MemopSignal: {why}")
@@ -212,7 +219,7 @@ class MemopSignal:
         self.ep, self.name = ep, name
         _, hdl = alloc(2 * P * 4)
         rows = [hdl.get_buffer(p, [2, P], torch.int32, 0) for p in range(P)]
-        hdl.barrier(channel=0)          # every word is 0 before anyone writes one
+        hdl.barrier(channel=0, timeout_ms=timeout_ms)          # every word is 0 before anyone writes one
         self._hdl, self._rows = hdl, rows
         self._peers = [p for p in range(P) if p != me]
         self._ack_to = [rows[p][1, me].data_ptr() for p in self._peers]
@@ -224,28 +231,27 @@ class MemopSignal:
         self.flush = bool(can.value)
         self._wait_flags = _WAIT_EQ | (_WAIT_FLUSH if self.flush else 0)
         self.calls = 0
-        self._state = None
-        if timeout_ms > 0:            # the wait codes, in pinned host memory the stream writes and the watchdog reads
-            self._state = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            dptr = ctypes.c_uint64(0)
-            rc = lib["host_ptr"](ctypes.byref(dptr), ctypes.c_void_p(self._state.data_ptr()), 0)
-            if rc != 0:
-                raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {rc}: the memops watchdog needs "
-                                   f"pinned host memory the device can write")
-            self._state_dev = dptr.value
-            self._release_stream = torch.cuda.Stream(device=ep.device, priority=-1)
-            self._wd = watchdog()
-            self._wd.watch(self._state, timeout_ms / 1000, self._describe, self._release)
+        # the wait codes, in pinned host memory the stream writes and the watchdog reads
+        self._state = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        dptr = ctypes.c_uint64(0)
+        rc = lib["host_ptr"](ctypes.byref(dptr), ctypes.c_void_p(self._state.data_ptr()), 0)
+        if rc != 0:
+            raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUresult {rc}: the memops watchdog needs "
+                               f"pinned host memory the device can write")
+        self._state_dev = dptr.value
+        self._release_stream = torch.cuda.Stream(device=ep.device, priority=-1)
+        self._wd = watchdog(grace_s)
+        self._wd.watch(self._state, timeout_ms / 1000, self._describe, self._release)
 
     @property
     def error(self) -> str | None:
-        return self._wd.error if self._state is not None else None
+        return self._wd.error
 
     def _describe(self, i: int, code: int, seconds: float) -> str:
         _, step, p = decode(code)
         return (f"symm memops signal: rank {self.ep.rank} waited {seconds:.1f} s for rank {p}'s {STEPS[step]} "
                 f"({self.name}); rank {p} stopped or never reached this exchange: see its own error. This rank "
-                f"stops (MOE_WAVE_SYMM_TIMEOUT_MS; the wait is released where the device allows)")
+                f"stops (SymmOptions.timeout_ms; the wait is released where the device allows)")
 
     def _release(self, i: int, code: int) -> None:
         """Write the awaited word ourselves, from a stream made for this at construction (no kernel, no
@@ -264,8 +270,7 @@ class MemopSignal:
                                f"on this driver)")
 
     def _mark(self, value: int) -> None:
-        if self._state is not None:
-            self._call(self._write, "cuStreamWriteValue32", self._state_dev, value, 0)
+        self._call(self._write, "cuStreamWriteValue32", self._state_dev, value, 0)
 
     def _wait_all(self, step: int, mine: list, flags: int) -> None:
         for p, a in zip(self._peers, mine):

@@ -31,10 +31,7 @@ from __future__ import annotations
 import torch
 
 from . import streams as st
-from .symm_kernels import triton
-
-if triton is not None:
-    import triton.language as tl
+from .triton_gate import tl, triton
 
 __all__ = ["CopySignal", "wait_flags", "wait_flags_torch", "SPINS_PER_MS"]
 
@@ -61,7 +58,7 @@ if triton is not None:
                     tl.store(status_ptr + 2, target)
             if TRAP:   # as torch's symmetric-memory barrier does: the CUDA error stops this rank
                 tl.device_assert(seen >= target, "moe_wave CopySignal: a peer's completion flag did not arrive "
-                                                 "within MOE_WAVE_SYMM_TIMEOUT_MS")
+                                                 "within SymmOptions.timeout_ms")
         tl.store(val_ptr, target)
         tl.store(val_ptr + 1, target + 1)
 
@@ -137,4 +134,4 @@ class CopySignal:
         if s[0]:
             raise RuntimeError(f"rank {self.ep.rank}: no completion flag from rank {s[1]} for exchange {s[2]} "
                                f"within {self.timeout_ms} ms: that rank stopped or fell behind "
-                               f"(MOE_WAVE_SYMM_TIMEOUT_MS sets the limit)")
+                               f"(SymmOptions.timeout_ms sets the limit)")

@@ -36,10 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .symm_kernels import triton
-
-if triton is not None:
-    import triton.language as tl
+from .triton_gate import tl, triton
 
 __all__ = ["count_rows", "count_rows_torch", "build_tables", "build_tables_torch", "densify", "densify_torch",
            "STATUS_LEN"]

@@ -19,11 +19,39 @@ import torch
 import torch.distributed as dist
 
 from . import streams as st
-from .backend import ExchangePlan, Pending, Received, WaveHandle, check_sum_args, sum_tail
+from dataclasses import dataclass
+
+from .backend import CombineOut, ExchangePlan, Pending, Received, WaveHandle, pending_after
 from .group import EPGroup
 from .layout import DispatchLayout
 
-__all__ = ["TorchBackend", "all_gather_object_checked"]
+__all__ = ["TorchBackend", "TorchPlan", "TorchHandle"]
+
+
+@dataclass(frozen=True)
+class TorchPlan(ExchangePlan):
+    """The plan with the host splits that ``all_to_all_single`` needs.
+
+    Attributes:
+        send_counts: [W][P] rows sent per wave and peer (host ints).
+        recv_counts: [W][P] rows received per wave and source peer (host ints).
+        recv_pairs: [W][e] (token, k) pairs received per wave and local expert (host ints).
+        send_offsets: [W+1] start of each wave's rows in the layout's send order (host ints).
+        meta_SM: [S, 2K] int32 every send row's K local expert ids and K fp32 weights (bit-cast).
+    """
+
+    send_counts: list
+    recv_counts: list
+    recv_pairs: list
+    send_offsets: list
+    meta_SM: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TorchHandle(WaveHandle):
+    """One wave's combine state: the token of each row this rank sent (send order)."""
+
+    send_token_S: torch.Tensor
 
 
 def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, pg):
@@ -46,7 +74,7 @@ class TorchBackend:
         self.comm_stream = comm_stream
 
     # ---------------------------------------------------------------- count exchange
-    def prepare(self, layout: DispatchLayout) -> ExchangePlan:
+    def prepare(self, layout: DispatchLayout) -> TorchPlan:
         plan = layout.plan
         P, W, e = plan.num_ranks, plan.num_waves, plan.num_local_experts
         if P != self.ep.size:
@@ -81,9 +109,9 @@ class TorchBackend:
         recv_dev = recv_PX[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)
         # Every wave's routing metadata in one kernel: [S, 2K] int32 (K local ids, K fp32 weights).
         meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
-        return ExchangePlan(layout=layout, recv_counts_WP=recv_dev[..., 0], recv_pairs_WPe=recv_dev[..., 1:],
-                            send_counts=send_counts, recv_counts=recv_counts, recv_pairs=recv_pairs,
-                            send_offsets=offs, extra={"meta_SM": meta_SM})
+        return TorchPlan(layout=layout, recv_counts_WP=recv_dev[..., 0], recv_pairs_WPe=recv_dev[..., 1:],
+                         send_counts=send_counts, recv_counts=recv_counts, recv_pairs=recv_pairs,
+                         send_offsets=offs, meta_SM=meta_SM)
 
     def _check_range(self, rng_P2: torch.Tensor, num_experts: int) -> None:
         # Every rank sees every rank's id range, so all of them raise the same error (no hang).
@@ -93,16 +121,8 @@ class TorchBackend:
             desc = "; ".join(f"rank {r}: ids in [{lo}, {hi}]" for r, lo, hi in bad)
             raise ValueError(f"topk_ids out of range ({desc}): expert ids must be in [0, {num_experts})")
 
-    def _join(self, works) -> None:
-        """The comm stream waits for the collectives (the host, on gloo). Buffers allocated on the
-        comm stream are freed after this, so the allocator can only hand them out again to work
-        ordered after the NCCL kernels that read or wrote them."""
-        with st.on(self.comm_stream):
-            for wk in works:
-                wk.wait()
-
     # ---------------------------------------------------------------- dispatch
-    def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int, *,
+    def dispatch(self, x_TD: torch.Tensor, plan: TorchPlan, wave: int, *,
                  local_view: bool = False) -> Pending[Received]:
         lay = plan.layout
         K = lay.send_expert_SK.shape[1]
@@ -116,7 +136,7 @@ class TorchBackend:
             st.wait_stream(self.comm_stream, cur)
             # One collective per wave: each row carries its K local expert ids and K fp32 weights
             # (8K bytes) bit-cast into extra columns of x's dtype.
-            send = torch.cat([x_TD.index_select(0, tok_S), plan.extra["meta_SM"][lo:hi].view(x_TD.dtype)], 1)
+            send = torch.cat([x_TD.index_select(0, tok_S), plan.meta_SM[lo:hi].view(x_TD.dtype)], 1)
             if self.ep.size == 1:
                 recv, works = send, ()
             else:
@@ -124,23 +144,18 @@ class TorchBackend:
                 works = (_a2a(recv, send, recv_counts, send_counts, self.ep.pg),)
         pairs = plan.recv_pairs[wave]
         pairs_dev = plan.recv_pairs_WPe[wave].sum(0)
-        handle = WaveHandle(wave=wave, plan=plan, send_token_S=tok_S)
+        handle = TorchHandle(wave=wave, plan=plan, send_token_S=tok_S)
 
-        def finish() -> Received:
-            self._join(works)
-            now = st.current_stream(dev)
-            st.wait_stream(now, self.comm_stream)
-            st.keep_alive(recv, now)
+        def received() -> Received:
+            st.keep_alive(recv, st.current_stream(dev))
             recv_m = recv[:, D:].contiguous().view(torch.int32)          # [R, 2K]
             return Received(x_RD=recv[:, :D], expert_RK=recv_m[:, :K], weight_RK=recv_m[:, K:].view(torch.float32),
                             pairs_e=pairs, pairs_e_dev=pairs_dev, handle=handle)
 
-        return Pending(finish, f"dispatch[{wave}]")
+        return pending_after(f"dispatch[{wave}]", works, self.comm_stream, dev, received)
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out_TD: torch.Tensor, *, accumulate: bool = True,
-                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None, reduce: bool = True) -> Pending:
-        check_sum_args(out_TD, add_TD, dst_TD)
+    def combine(self, y_RD: torch.Tensor, handle: TorchHandle, out: CombineOut) -> Pending[None]:
         plan, wave = handle.plan, handle.wave
         send_counts, recv_counts = plan.send_counts[wave], plan.recv_counts[wave]
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
@@ -155,28 +170,6 @@ class TorchBackend:
 
         def total() -> None:
             st.keep_alive(back_SD, st.current_stream(dev))
-            if not accumulate:
-                out_TD.zero_()
-            out_TD.index_add_(0, handle.send_token_S, back_SD.to(out_TD.dtype))
-            sum_tail(out_TD, add_TD, dst_TD)
+            out.add_rows(handle.send_token_S, back_SD)
 
-        def finish():
-            self._join(works)
-            st.wait_stream(st.current_stream(dev), self.comm_stream)
-            if not reduce:
-                return total
-            total()
-
-        return Pending(finish, f"combine[{wave}]")
-
-
-def all_gather_object_checked(ep: EPGroup, what: str, value) -> list:
-    """Gather ``value`` from every rank; raise the same ValueError on all ranks if they differ."""
-    if ep.size == 1:
-        return [value]
-    vals = [None] * ep.size
-    dist.all_gather_object(vals, value, group=ep.pg)
-    if any(v != vals[0] for v in vals):
-        desc = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
-        raise ValueError(f"{what} differs between ranks ({desc}): every rank must use the same value")
-    return vals
+        return pending_after(f"combine[{wave}]", works, self.comm_stream, dev, total)
