@@ -125,7 +125,7 @@ class CombineOut:
     def finish_sum(self) -> None:
         """``out_TD += add_TD``, then ``dst_TD`` gets it in its dtype (after an unfused sum into ``out_TD``)."""
         if self.add_TD is not None:
-            self.out_TD += self.add_TD.to(self.out_TD.dtype)
+            self.out_TD.add_(self.add_TD.to(self.out_TD.dtype))
         if self.dst_TD is not None and self.dst_TD is not self.out_TD:
             self.dst_TD.copy_(self.out_TD)
 

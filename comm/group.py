@@ -76,12 +76,17 @@ class EPGroup:
 
     def check_same(self, what: str, value) -> list:
         """Gather ``value`` from every rank; raise the same ValueError on every rank, naming ``what`` and each
-        rank's value, if they differ."""
+        rank's value, if they differ. A dict is compared key by key, and the message names the keys that
+        differ."""
         vals = self.gather_objects(value)
-        if any(v != vals[0] for v in vals):
+        if all(v == vals[0] for v in vals):
+            return vals
+        if all(isinstance(v, dict) for v in vals):
+            keys = [k for k in vals[0] if any(v.get(k) != vals[0][k] for v in vals)]
+            desc = "; ".join(f"{k}: " + ", ".join(f"rank {r} {v.get(k)!r}" for r, v in enumerate(vals)) for k in keys)
+        else:
             desc = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
-            raise ValueError(f"{what} differs between ranks ({desc}): every rank must use the same value")
-        return vals
+        raise ValueError(f"{what} differs between ranks ({desc}): every rank must use the same value")
 
     def max_over(self, values: list[float]) -> list[float]:
         """The element-wise maximum over ranks of a list of numbers (float64; host sync)."""

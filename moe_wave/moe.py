@@ -17,7 +17,7 @@ import torch.nn as nn
 from moe_wave.comm import EPGroup
 from moe_wave.comm import streams as st
 from moe_wave.comm.layout import WavePlan, compute_layout
-from moe_wave.comm.torch_backend import TorchBackend, all_gather_object_checked
+from moe_wave.comm.torch_backend import TorchBackend
 
 from .config import MoEConfig, WaveConfig, require_hf
 from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
@@ -115,10 +115,14 @@ class WaveMoE(nn.Module):
         device = torch.device(device) if device is not None else ep.device
         if cfg.num_experts % ep.size:
             raise ValueError(f"MoEConfig.num_experts={cfg.num_experts}: must be divisible by the EP size {ep.size}")
-        all_gather_object_checked(ep, "MoE shape (hidden, intermediate, num_experts, top_k)",
-                                  (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k))
-        all_gather_object_checked(ep, "WaveConfig (num_waves, experts_per_wave, partition, backend)",
-                                  (wave.num_waves, wave.experts_per_wave, wave.partition, wave.backend))
+        # every setting that must agree between ranks, in one gather (the same ValueError on every rank)
+        ep.check_same("WaveMoE settings", {
+            "MoE shape (hidden, intermediate, num_experts, top_k)":
+                (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k),
+            "WaveConfig (num_waves, experts_per_wave, partition, backend, overlap, shared_placement)":
+                (wave.num_waves, wave.experts_per_wave, wave.partition, wave.backend, wave.overlap,
+                 wave.shared_placement),
+            "SymmOptions": wave.symm, "dtype": str(dtype or torch.get_default_dtype())})
         self.num_local = cfg.num_experts // ep.size
         self.expert_offset = ep.rank * self.num_local
         self.gate = V4Router(cfg, device=device, dtype=dtype)
