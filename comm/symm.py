@@ -40,9 +40,9 @@ from .group import EPGroup
 from .layout import DispatchLayout
 from .options import SymmOptions
 from .symm_heap import Buffers
-from .symm_kernels import gather_add
+from .symm_kernels import gather_add, poison_rows
 from .symm_plan import DenseTables, SymmPlan, choose, wave_rows
-from .symm_tables import STATUS_LEN, build_tables, build_tables_torch
+from .symm_tables import POISON, STATUS_LEN, build_tables, build_tables_torch
 from .symm_transport import EmulatedTransport, PeerTransport
 from .triton_gate import triton_ok
 
@@ -95,39 +95,54 @@ class SymmBackend:
             raise ValueError(f"SymmOptions.signal='flags' needs Triton (its waiter is a kernel), which does not run "
                              f"on {ep.device} here")
         self.options, self.mode = options, mode
+        # the device-side fault status (``symm_tables``): overflow, bad ids, and the poison word that the exchanges'
+        # waiters also set (with the peer they gave up on); its host copy is read without a sync
+        self._status_dev = torch.zeros(STATUS_LEN, dtype=torch.long, device=ep.device)
+        self._status_host = torch.zeros(STATUS_LEN, dtype=torch.long, pin_memory=st.is_accelerator(ep.device))
         peer = st.is_accelerator(ep.device) and ep.size > 1
-        self.transport = (PeerTransport if peer else EmulatedTransport)(ep, options, comm_stream, self.kernels)
+        self.transport = (PeerTransport if peer else EmulatedTransport)(ep, options, comm_stream, self.kernels,
+                                                                        self._status_dev)
         self._src_PC = torch.arange(ep.size * options.capacity, device=ep.device).view(ep.size, options.capacity)
         self._dense = DenseTables(options.capacity, ep.device)
         self._num_experts = 0
-        self._status_dev = torch.zeros(STATUS_LEN, dtype=torch.long, device=ep.device)
-        self._status_host = torch.zeros(STATUS_LEN, dtype=torch.long, pin_memory=st.is_accelerator(ep.device))
 
     @property
     def capacity(self) -> int:
         return self.options.capacity
 
-    # ---------------------------------------------------------------- overflow / id errors
-    def check(self) -> None:
-        """Raise the first capacity overflow or out-of-range expert id seen so far, then clear it.
+    # ---------------------------------------------------------------- faults
+    # A fault the device detects (a capacity overflow, an expert id out of range, a peer that never arrived)
+    # sets the status's poison word, and from then on every combine's sum is NaN: no call returns a plausible
+    # wrong result. The error itself reaches the host without a sync: the status is copied to pinned memory at
+    # each prepare and raised at a later call's prepare (one or two calls later), or at once by ``check()``
+    # (a host sync: under CUDA graphs, call it after a replay). Raising clears the status.
 
-        HOST SYNC: waits for the comm stream so that the latest status has reached the host.
+    def check(self) -> None:
+        """Raise the first fault seen so far (capacity overflow, ids out of range, a missing peer), then clear it.
+
+        HOST SYNC: waits for the comm stream, then reads the device status.
         """
         if self.comm_stream is not None:
             self.comm_stream.synchronize()
         elif st.is_accelerator(self.ep.device):
             st.accel_module(self.ep.device).synchronize(self.ep.device)
+        self.transport.raise_watchdog()
+        self._status_host.copy_(self._status_dev)
         self._raise_if_flagged()
-        self.transport.signal_check()
 
     def _raise_if_flagged(self) -> None:
-        # Reads pinned host memory that the last prepare's non-blocking copy wrote: no CUDA call,
-        # so it is safe on the hot path and during graph capture (the value may be one call old).
+        # Reads pinned host memory that a prepare's non-blocking copy wrote: no CUDA call,
+        # so it is safe on the hot path and during graph capture (the value may be a call or two old).
         s = self._status_host.tolist()
-        if not (s[0] or s[5]):
+        if not (s[0] or s[5] or s[POISON]):
             return
         self._status_host.zero_()
         self._status_dev.zero_()
+        if not (s[0] or s[5]):
+            raise RuntimeError(
+                f"symm backend: rank {self.ep.rank} gave up waiting for rank {s[POISON + 1]} (exchange call "
+                f"{s[POISON + 2]}) after SymmOptions.timeout_ms={self.options.timeout_ms}: that rank stopped or fell "
+                f"behind; the outputs since then were poisoned with NaN")
         if s[5]:
             raise ValueError(f"topk_ids out of range (rank {s[6]}: ids in [{s[7]}, {s[8]}]): "
                              f"expert ids must be in [0, {self._num_experts})")
@@ -135,7 +150,7 @@ class SymmBackend:
             f"symm backend capacity overflow in wave {s[2]}: rank {s[1]} sent {s[4]} rows to rank {s[3]}, "
             f"capacity is {self.capacity} rows per (wave, peer); set SymmOptions.capacity >= {s[4]} "
             f"(at most one row per token per (wave, peer), so >= the tokens per rank always fits). "
-            f"The rows past the capacity were not sent: that call's results are wrong.")
+            f"The rows past the capacity were not sent: that call's output (and any since) was poisoned with NaN.")
 
     # ---------------------------------------------------------------- count exchange
     def prepare(self, layout: DispatchLayout) -> SymmPlan:
@@ -241,6 +256,7 @@ class SymmBackend:
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
         gather = self.kernels and out.out_TD.dtype == torch.float32
         own_from_y = self.transport.peer_memory and gather     # gather_add reads this rank's own block from y
+        poison = self._status_dev[POISON:POISON + 1]
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(y_RD, self.comm_stream)
@@ -255,10 +271,12 @@ class SymmBackend:
                 if own_from_y:
                     st.keep_alive(y_RD, st.current_stream(dev))
                 gather_add(out.out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], *local,
-                           accumulate=out.accumulate, add_TD=out.add_TD, dst_TD=out.dst_TD, tune=self.options.copy)
+                           accumulate=out.accumulate, add_TD=out.add_TD, dst_TD=out.dst_TD, poison=poison,
+                           tune=self.options.copy)
                 return
             N = plan.tok_WPN.shape[2]
             back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], bufs.comb[wave][:, :N].float(), 0.0)
             out.add_rows(plan.tok_WPN[wave].reshape(-1), back_PND.reshape(-1, D))
+            poison_rows(out.result, poison)
 
         return total, works, dev

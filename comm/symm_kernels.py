@@ -30,7 +30,8 @@ import torch
 from .options import CopyTuning
 from .triton_gate import tl, triton, triton_ok
 
-__all__ = ["RowTargets", "scatter_rows", "scatter_rows_torch", "gather_add", "gather_add_torch", "triton_ok"]
+__all__ = ["RowTargets", "scatter_rows", "scatter_rows_torch", "gather_add", "gather_add_torch", "poison_rows",
+           "triton_ok"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 _UNIT = 16   # block offsets are kept in units of 16 elements where they allow it (16-byte vector stores)
@@ -122,11 +123,13 @@ if triton is not None:
 
 
     @triton.jit
-    def _gather_add_kernel(out_ptr, src_ptr, loc_ptr, slot_ptr, add_ptr, dst_ptr, D, T, P, LOCAL, out_stride,
-                           src_stride, loc_stride, add_stride, dst_stride, BLOCK_D: tl.constexpr,
-                           NUM_BLOCKS: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, ADD: tl.constexpr):
+    def _gather_add_kernel(out_ptr, src_ptr, loc_ptr, slot_ptr, add_ptr, dst_ptr, poison_ptr, D, T, P, LOCAL,
+                           out_stride, src_stride, loc_stride, add_stride, dst_stride, BLOCK_D: tl.constexpr,
+                           NUM_BLOCKS: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, ADD: tl.constexpr,
+                           POISON: tl.constexpr):
         # ROWS tokens a tile (capped grid: several tiles a program); block LOCAL (< P) is read from loc;
-        # add (ADD) is added after the peers, and the fp32 sum is stored in dst's dtype
+        # add (ADD) is added after the peers, and the fp32 sum is stored in dst's dtype; a nonzero poison
+        # word (POISON) stores NaN instead
         for t in range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0)):
             row = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
             rm = row < T
@@ -148,6 +151,8 @@ if triton is not None:
                     acc += v.to(tl.float32)
                 if ADD:
                     acc += tl.load(add_ptr + row[:, None] * add_stride + offs[None, :], mask=m).to(tl.float32)
+                if POISON:   # one word, cached: read where it is used
+                    acc = tl.where(tl.load(poison_ptr) != 0, float("nan"), acc)
                 # to dst's dtype: on the GPU round to nearest even, as torch's casts (TRITON_INTERPRET truncates)
                 tl.store(dst_ptr + row[:, None] * dst_stride + offs[None, :], acc.to(dst_ptr.dtype.element_ty),
                          mask=m)
@@ -233,7 +238,7 @@ def scatter_rows_torch(src_ND: torch.Tensor, blocks, src_idx_PN: torch.Tensor, d
 def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
                local_RD: torch.Tensor | None = None, local: int | None = None, *, accumulate: bool = True,
                add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None,
-               tune: CopyTuning = _DEFAULT) -> None:
+               poison: torch.Tensor | None = None, tune: CopyTuning = _DEFAULT) -> None:
     """``out_TD[t] += sum_p src_RD[slot_TP[t, p]]`` over the slots >= 0, in p order, in fp32 (Triton,
     ``tune.rows`` tokens a program: one read-modify-write of each output row, no atomics). With ``local``,
     block ``local``'s rows are read from ``local_RD`` at the same row index instead (the combine reads
@@ -241,7 +246,8 @@ def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor
     instead of ``+=`` (its old contents are never read; the sums are those from a zero ``out_TD``).
     ``add_TD`` is added after the peers' rows; ``dst_TD`` (any float dtype) receives the sum instead of
     ``out_TD``, which is then only read (``accumulate``): the same fp32 operations as summing into
-    ``out_TD``, adding ``add_TD`` to it and casting."""
+    ``out_TD``, adding ``add_TD`` to it and casting. ``poison``: a one-element int64 device word; where it is
+    nonzero every stored row is NaN (a fault the device detected: no plausible result leaves the kernel)."""
     if out_TD.dtype != torch.float32 or out_TD.dim() != 2 or src_RD.dim() != 2 or out_TD.shape[1] != src_RD.shape[1]:
         raise ValueError(f"gather_add: out {tuple(out_TD.shape)} {out_TD.dtype} must be 2-D fp32 with the width of "
                          f"src {tuple(src_RD.shape)}")
@@ -265,18 +271,21 @@ def gather_add(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor
     P = slot.shape[1]
     block, rows = _shape(D, tune)
     grid, warps = _launch(triton.cdiv(T, rows), rows, block, tune)
+    if poison is not None and (poison.numel() != 1 or poison.dtype != torch.int64 or poison.device != out_TD.device):
+        raise ValueError(f"gather_add: poison must be one int64 word on {out_TD.device}")
     add = out_TD if add_TD is None else add_TD
     dst = out_TD if dst_TD is None else dst_TD
-    _gather_add_kernel[grid](out_TD, src_RD, loc, slot, add, dst, D, T, P, P if local is None else local,
+    _gather_add_kernel[grid](out_TD, src_RD, loc, slot, add, dst, slot if poison is None else poison, D, T, P,
+                             P if local is None else local,
                              out_TD.stride(0), src_RD.stride(0), loc.stride(0), add.stride(0), dst.stride(0),
                              BLOCK_D=block, NUM_BLOCKS=triton.cdiv(D, block), ROWS=rows, ACC=accumulate,
-                             ADD=add_TD is not None, num_warps=warps)
+                             ADD=add_TD is not None, POISON=poison is not None, num_warps=warps)
 
 
 def gather_add_torch(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.Tensor,
                      local_RD: torch.Tensor | None = None, local: int | None = None, *,
                      accumulate: bool = True, add_TD: torch.Tensor | None = None,
-                     dst_TD: torch.Tensor | None = None) -> None:
+                     dst_TD: torch.Tensor | None = None, poison: torch.Tensor | None = None) -> None:
     """The reference of ``gather_add`` in torch (``out_TD`` is written even with ``dst_TD``)."""
     if not accumulate:
         out_TD.zero_()
@@ -286,5 +295,12 @@ def gather_add_torch(out_TD: torch.Tensor, src_RD: torch.Tensor, slot_TP: torch.
         out_TD += torch.where((r >= 0)[:, None], src[r.clamp(min=0)].float(), 0.0)
     if add_TD is not None:
         out_TD += add_TD.float()
+    poison_rows(out_TD, poison)
     if dst_TD is not None:
         dst_TD.copy_(out_TD)
+
+
+def poison_rows(t: torch.Tensor, poison: torch.Tensor | None) -> None:
+    """``t`` = NaN where the one-element device word ``poison`` is nonzero (no host sync)."""
+    if poison is not None:
+        t.masked_fill_(poison.reshape(()) != 0, float("nan"))

@@ -202,12 +202,15 @@ class MemopSignal:
         timeout_ms: a wait that lasts longer is reported by the ``Watchdog`` (>= 1; the setup barrier is
             bounded by it too).
         grace_s: how long the caller has to raise the watchdog's error before the process exits.
+        fault: the backend's [poison, peer, call] int64 device words: the release writes them before it
+            unblocks the stream, so that what the stream then computes from the missing rows is poisoned.
         name: what the exchange is, for the message (e.g. "dispatch wave 0").
 
     Use, per exchange, on the stream that issues the data copies: ``begin()``, the copies, ``end()``.
     """
 
-    def __init__(self, ep, alloc, *, timeout_ms: int, grace_s: float = 10.0, name: str = "exchange"):
+    def __init__(self, ep, alloc, *, timeout_ms: int, grace_s: float = 10.0, name: str = "exchange",
+                 fault: torch.Tensor | None = None):
         if timeout_ms < 1:
             raise ValueError(f"MemopSignal timeout_ms={timeout_ms}: must be >= 1 (every wait is bounded)")
         why = available()
@@ -216,7 +219,7 @@ class MemopSignal:
         lib = _lib()
         self._write, self._wait = lib["cuStreamWriteValue32"], lib["cuStreamWaitValue32"]
         P, me = ep.size, ep.rank
-        self.ep, self.name = ep, name
+        self.ep, self.name, self.fault = ep, name, fault
         _, hdl = alloc(2 * P * 4)
         rows = [hdl.get_buffer(p, [2, P], torch.int32, 0) for p in range(P)]
         hdl.barrier(channel=0, timeout_ms=timeout_ms)          # every word is 0 before anyone writes one
@@ -251,17 +254,24 @@ class MemopSignal:
         _, step, p = decode(code)
         return (f"symm memops signal: rank {self.ep.rank} waited {seconds:.1f} s for rank {p}'s {STEPS[step]} "
                 f"({self.name}); rank {p} stopped or never reached this exchange: see its own error. This rank "
-                f"stops (SymmOptions.timeout_ms; the wait is released where the device allows)")
+                f"stops (SymmOptions.timeout_ms; the wait is released where the device allows, and what the "
+                f"stream computes from then on is poisoned with NaN)")
 
     def _release(self, i: int, code: int) -> None:
         """Write the awaited word ourselves, from a stream made for this at construction (no kernel, no
         allocation, no wait here). Best effort: if that stream shares a hardware queue with the stuck
         one, the write waits behind it and the watchdog's exit ends the process instead."""
-        _, step, p = decode(code)
+        call, step, p = decode(code)
+        stream = ctypes.c_void_p(self._release_stream.cuda_stream)
+        writes = []
+        if self.fault is not None:     # low 32-bit words of the int64 fault words (zero above), poison last
+            base = self.fault.data_ptr()
+            writes += [(base + 8, p), (base + 16, call), (base, 1)]
         word = self._rows[self.ep.rank][1 - step, p]     # row 0 flags (step 1), row 1 acks (step 0)
-        rc = self._write(ctypes.c_void_p(self._release_stream.cuda_stream), word.data_ptr(), 1, 0)
-        if rc != 0:
-            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
+        for addr, value in writes + [(word.data_ptr(), 1)]:
+            rc = self._write(stream, addr, value, 0)
+            if rc != 0:
+                raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
 
     def _call(self, fn, what: str, addr: int, value: int, flags: int) -> None:
         rc = fn(ctypes.c_void_p(torch.cuda.current_stream(self.ep.device).cuda_stream), addr, value, flags)

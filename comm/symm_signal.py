@@ -17,10 +17,10 @@ call's flag copies writes: the copies of call k have read ``val[1]`` by then. Fl
 peer one call ahead is seen as arrived, which is right: it could only get there after this rank's
 flag of the same call.
 
-A peer that never signals does not hang the stream: the waiter gives up after about ``timeout_ms``
-(a bounded spin), records the slot it waited for in ``status`` and traps, as torch's symmetric-memory
-barrier does, so that this rank stops with a CUDA error instead of computing on missing rows
-(``check()`` reads the status where the trap is off).
+A peer that never signals does not hang the stream: the waiter gives up after ``timeout_ms`` (by the GPU's
+global timer on CUDA; a bounded spin elsewhere and under the interpreter) and records the peer and the call in
+the backend's fault words (``[poison, peer, call]``, the first one sticks): the combine's sum then writes NaN,
+and the backend raises the error naming the peer (``SymmBackend.check`` or a later call).
 
 The waiter also runs under ``TRITON_INTERPRET=1`` on CPU (the CI tests the epochs and the timeout
 there); the torch twin ``wait_flags_torch`` is the same logic on the host.
@@ -31,50 +31,55 @@ from __future__ import annotations
 import torch
 
 from . import streams as st
-from .triton_gate import tl, triton
+from .triton_gate import interpreting, tl, triton
 
 __all__ = ["CopySignal", "wait_flags", "wait_flags_torch", "SPINS_PER_MS"]
 
-# Spin iterations of the waiter per millisecond of timeout: one volatile load of local memory per
-# iteration is well under a microsecond, so the real timeout is at most about the nominal one.
+# Without the global timer (ROCm, the interpreter): spin iterations per millisecond of timeout. One volatile
+# load of local memory per iteration is well under a microsecond, so the real timeout is at most the nominal one.
 SPINS_PER_MS = 2000
 
-
+globaltimer = None
 if triton is not None:
+    try:
+        from triton.language.extra.cuda import globaltimer
+    except ImportError:  # pragma: no cover - depends on the Triton build
+        globaltimer = None
 
-    @triton.jit(debug=True)     # debug: device_assert is compiled in (the trap below)
-    def _wait_flags_kernel(flags_ptr, val_ptr, status_ptr, P, spin_limit, TRAP: tl.constexpr):
+    @triton.jit
+    def _wait_flags_kernel(flags_ptr, val_ptr, fault_ptr, P, limit, CLOCK: tl.constexpr):
         target = tl.load(val_ptr) + 1
         for p in range(P):
-            n = 0
             seen = tl.load(flags_ptr + p, volatile=True)
-            while (seen < target) & (n < spin_limit):
+            n = target * 0                   # int64: nanoseconds waited (CLOCK) or spins
+            if CLOCK:
+                t0 = globaltimer()
+            while (seen < target) & (n < limit):
                 seen = tl.load(flags_ptr + p, volatile=True)
-                n += 1
-            if seen < target:       # timed out: the first one sticks (rank waited for, call number)
-                if tl.load(status_ptr) == 0:
-                    tl.store(status_ptr, 1)
-                    tl.store(status_ptr + 1, p)
-                    tl.store(status_ptr + 2, target)
-            if TRAP:   # as torch's symmetric-memory barrier does: the CUDA error stops this rank
-                tl.device_assert(seen >= target, "moe_wave CopySignal: a peer's completion flag did not arrive "
-                                                 "within SymmOptions.timeout_ms")
+                if CLOCK:
+                    n = globaltimer() - t0
+                else:
+                    n += 1
+            if seen < target:       # gave up: the first fault sticks (poison, rank waited for, call number)
+                if tl.load(fault_ptr) == 0:
+                    tl.store(fault_ptr + 1, p)
+                    tl.store(fault_ptr + 2, target)
+                    tl.store(fault_ptr, 1)
         tl.store(val_ptr, target)
         tl.store(val_ptr + 1, target + 1)
 
 
-def wait_flags(flags_P: torch.Tensor, val: torch.Tensor, status: torch.Tensor, timeout_ms: int,
-               trap: bool = True) -> None:
+def wait_flags(flags_P: torch.Tensor, val: torch.Tensor, fault: torch.Tensor, timeout_ms: int) -> None:
     """Wait (on the current stream) until every ``flags_P[p] >= val[0] + 1``, then advance ``val`` by one.
-    Past about ``timeout_ms`` it records ``[1, p, k]`` in ``status`` (if it holds no error), then traps
-    (a CUDA error on this rank) with ``trap``, or goes on without it."""
-    if flags_P.dtype != torch.int64 or val.dtype != torch.int64 or status.dtype != torch.int64:
-        raise ValueError("wait_flags: flags, val and status must be int64")
-    if val.numel() != 2 or status.numel() < 3:
-        raise ValueError(f"wait_flags: val must hold 2 values (got {val.numel()}), status at least 3 "
-                         f"(got {status.numel()})")
-    _wait_flags_kernel[(1,)](flags_P, val, status, flags_P.numel(), max(1, int(timeout_ms) * SPINS_PER_MS),
-                             TRAP=trap, num_warps=1)
+    Past ``timeout_ms`` it gives up on that peer and records ``[1, p, k]`` in ``fault`` (if it holds none)."""
+    if flags_P.dtype != torch.int64 or val.dtype != torch.int64 or fault.dtype != torch.int64:
+        raise ValueError("wait_flags: flags, val and fault must be int64")
+    if val.numel() != 2 or fault.numel() != 3 or not fault.is_contiguous():
+        raise ValueError(f"wait_flags: val must hold 2 values (got {val.numel()}), fault 3 contiguous words "
+                         f"(got {fault.numel()})")
+    clock = globaltimer is not None and flags_P.is_cuda and torch.version.cuda is not None and not interpreting()
+    limit = int(timeout_ms) * 1_000_000 if clock else max(1, int(timeout_ms) * SPINS_PER_MS)
+    _wait_flags_kernel[(1,)](flags_P, val, fault, flags_P.numel(), limit, CLOCK=clock, num_warps=1)
 
 
 def wait_flags_torch(flags_P: torch.Tensor, val: torch.Tensor, status: torch.Tensor) -> None:
@@ -94,7 +99,8 @@ class CopySignal:
     Args:
         ep: the expert-parallel group.
         alloc: ``alloc(nbytes) -> (buffer, symmetric-memory handle)``, collective and zeroed.
-        timeout_ms: how long the waiter spins for a peer before it records an error.
+        timeout_ms: how long the waiter waits for a peer before it gives up and records the fault.
+        fault: the backend's [poison, peer, call] int64 words.
 
     Use, per call, on the stream that issues the data copies::
 
@@ -103,16 +109,15 @@ class CopySignal:
         sig.end()        # the flag copies; the current stream joins the waiter
     """
 
-    def __init__(self, ep, alloc, timeout_ms: int):
+    def __init__(self, ep, alloc, timeout_ms: int, fault: torch.Tensor):
         P, me, dev = ep.size, ep.rank, ep.device
-        self.ep, self.timeout_ms = ep, int(timeout_ms)
+        self.ep, self.timeout_ms, self.fault = ep, int(timeout_ms), fault
         _, hdl = alloc(P * 8)
         self.flags = [hdl.get_buffer(p, [P], torch.int64, 0) for p in range(P)]
         hdl.barrier(channel=0, timeout_ms=self.timeout_ms)      # every row zeroed before anyone signals
         self._hdl = hdl
         self.mine = self.flags[me]
         self.val = torch.tensor([0, 1], dtype=torch.int64, device=dev)
-        self.status = torch.zeros(3, dtype=torch.int64, device=dev)
         self.side = st.accel_module(dev).Stream(device=dev, priority=-1)
         # destinations in issue order: the peers, then this rank's own slot last (the waiter's cue)
         self._dst = [self.flags[p][me:me + 1] for p in range(P) if p != me] + [self.mine[me:me + 1]]
@@ -121,17 +126,9 @@ class CopySignal:
         cur = st.current_stream(self.ep.device)
         st.wait_stream(self.side, cur)
         with st.on(self.side):
-            wait_flags(self.mine, self.val, self.status, self.timeout_ms)
+            wait_flags(self.mine, self.val, self.fault, self.timeout_ms)
 
     def end(self) -> None:
         for d in self._dst:
             d.copy_(self.val[1:2], non_blocking=True)      # copy engine: lands after the data copies
         st.wait_stream(st.current_stream(self.ep.device), self.side)
-
-    def check(self) -> None:
-        """Raise the first timeout seen so far (HOST SYNC)."""
-        s = self.status.tolist()
-        if s[0]:
-            raise RuntimeError(f"rank {self.ep.rank}: no completion flag from rank {s[1]} for exchange {s[2]} "
-                               f"within {self.timeout_ms} ms: that rank stopped or fell behind "
-                               f"(SymmOptions.timeout_ms sets the limit)")

@@ -19,9 +19,12 @@ Tables (``build_tables``), all int64:
     slot_WTP     p*C + i: where token t's result from peer p lands in wave w, -1 where t sent nothing
                  (filled with -1 by the caller: a token is sent at most once per (wave, peer), so
                  every valid row writes its own slot)
-    status [9]   [overflow, src, wave, dst, count, ids_bad, rank, ids_min, ids_max] of the first
+    status [12]  [overflow, src, wave, dst, count, ids_bad, rank, ids_min, ids_max] of the first
                  capacity overflow (count > C) and the first rank whose ids leave [0, E); the first
-                 error sticks (an entry with a flag set is never overwritten).
+                 error sticks (an entry with a flag set is never overwritten). [9] is the poison word:
+                 nonzero once any fault was seen (set here with either flag, and by the exchanges'
+                 waiters with [10] the peer they gave up on and [11] the call): the combine's sum then
+                 writes NaN, so no call after a fault returns a plausible result.
 
 Dense blocks (``densify``, from the sparse tables above): row r of block (w, p) is token start_w + r
 of wave w's token range [start_w, start_w + len_w):
@@ -39,9 +42,10 @@ import torch
 from .triton_gate import tl, triton
 
 __all__ = ["count_rows", "count_rows_torch", "build_tables", "build_tables_torch", "densify", "densify_torch",
-           "STATUS_LEN"]
+           "STATUS_LEN", "POISON"]
 
-STATUS_LEN = 9
+STATUS_LEN = 12
+POISON = 9   # the poison word of the status (see the module docstring)
 
 
 def count_rows_torch(send_counts_WP, pair_counts_WPe, ids_min, ids_max) -> torch.Tensor:
@@ -100,7 +104,8 @@ def build_tables_torch(recv_PX, send_counts_WP, send_token_S, C: int, T: int, me
     lo_hi = rng_P2.index_select(0, r.view(1))[0]
     new = torch.stack([over.any().long(), first // (W * P), (first // P) % W, first % P,
                        count, bad.any().long(), r, lo_hi[0], lo_hi[1]])
-    status.copy_(torch.where((status[0] > 0) | (status[5] > 0), status, new))   # the first error sticks
+    status[:9].copy_(torch.where((status[0] > 0) | (status[5] > 0), status[:9], new))   # the first error sticks
+    status[9:10].copy_(torch.maximum(status[9:10], (over.any() | bad.any()).long().view(1)))
     return dict(row_WPN=row_WPN, tok_WPN=tok_WPN, send_dst_WPN=send_dst_WPN, recv_dst_WPC=recv_dst_WPC,
                 recv_counts_WP=recv_counts_WP)
 
@@ -262,3 +267,5 @@ if triton is not None:
                 tl.store(status_ptr + 6, rb.to(tl.int64))
                 tl.store(status_ptr + 7, lo_r.to(tl.int64))
                 tl.store(status_ptr + 8, hi_r.to(tl.int64))
+            if any_over | any_bad:                          # the poison word sticks until cleared
+                tl.store(status_ptr + 9, 1)

@@ -9,7 +9,7 @@ Both transports have the same small interface, and the backend picks one at cons
     write_own_meta(plan, W, K)                 dense blocks: this rank's own metadata block, at prepare
     dispatch(x_TD, plan, bufs, wave, local_view) -> works
     combine(y_RD, plan, bufs, wave, own_from_y) -> works
-    signal_check() / raise_watchdog()          errors the exchanges' signals recorded
+    raise_watchdog()                           the memops watchdog's error, if it fired
 
 ``works`` are handles whose ``wait()`` completes the exchange (the host waits on gloo); the caller then orders
 its stream after the comm stream (``backend.pending_after``).
@@ -27,7 +27,8 @@ its stream after the comm stream (``backend.pending_after``).
 
 An exchange is closed by the barrier kernel on the data allocation (channel w for dispatch wave w, W + w for its
 combine), by completion flags written by the copy engines (``CopySignal``), or by stream memory operations
-(``MemopSignal``, no SM; bounded by a watchdog). Ordering: peers write into a block only after a barrier that
+(``MemopSignal``, no SM; bounded by a watchdog). A waiter that gives up on a peer records it in the backend's
+status and sets its poison word (the combine's sum is then NaN). Ordering: peers write into a block only after a barrier that
 every rank reaches after it has finished reading that block, so wave w+1 travels while wave w is consumed, and
 the next layer never overwrites rows still in use. Rows past a sparse block's count hold stale metadata: it is
 reset in place (expert -1, weight 0) after the exchange, so the receiver hands out views.
@@ -48,7 +49,7 @@ from .symm_heap import Buffers, LocalHeap, PeerHeap
 from .symm_kernels import scatter_rows
 from .symm_plan import SymmPlan, wave_rows
 from .symm_signal import CopySignal
-from .symm_tables import count_rows, count_rows_torch
+from .symm_tables import POISON, count_rows, count_rows_torch
 
 __all__ = ["PeerTransport", "EmulatedTransport", "pack_block"]
 
@@ -86,12 +87,14 @@ class PeerTransport:
 
     peer_memory = True
 
-    def __init__(self, ep, options: SymmOptions, comm_stream, kernels: bool):
+    def __init__(self, ep, options: SymmOptions, comm_stream, kernels: bool, status: torch.Tensor):
         if ep.pg is None or "nccl" not in ep.backend:
             raise ValueError(f"EPGroup.backend={ep.backend!r}: the symm backend on {ep.device} needs an NCCL group")
         if options.signal == "memops" and memops.available():
             raise ValueError(f"SymmOptions.signal='memops': {memops.available()}")
         self.ep, self.options, self.comm_stream, self.kernels = ep, options, comm_stream, kernels
+        # where a waiter that gives up records it: [poison, peer, call] of the backend's status
+        self.fault = status[POISON:POISON + 3]
         self.heap = PeerHeap(ep, options.capacity, options.timeout_ms, kernels)
         # Copy mode: the block for this rank itself is a local copy on a second stream, beside the peer
         # copies over NVLink instead of after them (kernel mode interleaves it in the one launch).
@@ -126,9 +129,9 @@ class PeerTransport:
                 raise RuntimeError(f"symm signal={kind!r}: run one dispatch and combine eagerly before capturing a "
                                    f"CUDA graph (the signal words are allocated on first use, by every rank)")
             o = self.options
-            self._signals[key] = (CopySignal(self.ep, self.heap.alloc, o.timeout_ms) if kind == "flags" else
-                                  memops.MemopSignal(self.ep, self.heap.alloc, timeout_ms=o.timeout_ms,
-                                                     grace_s=o.grace_s, name=what))
+            self._signals[key] = (CopySignal(self.ep, self.heap.alloc, o.timeout_ms, self.fault) if kind == "flags"
+                                  else memops.MemopSignal(self.ep, self.heap.alloc, timeout_ms=o.timeout_ms,
+                                                          grace_s=o.grace_s, name=what, fault=self.fault))
         return self._signals[key]
 
     def _exchange(self, bufs: Buffers, channel: int, what: str, push) -> None:
@@ -141,10 +144,6 @@ class PeerTransport:
             sig.end()
         else:
             bufs.hdl.barrier(channel=channel, timeout_ms=self.options.timeout_ms)
-
-    def signal_check(self) -> None:
-        for sig in self._signals.values():
-            sig.check()
 
     def raise_watchdog(self) -> None:
         if self.options.signal == "memops" and self._signals:
@@ -285,7 +284,7 @@ class EmulatedTransport:
 
     peer_memory = False
 
-    def __init__(self, ep, options: SymmOptions, comm_stream, kernels: bool):
+    def __init__(self, ep, options: SymmOptions, comm_stream, kernels: bool, status: torch.Tensor):
         self.ep, self.options, self.comm_stream, self.kernels = ep, options, comm_stream, kernels
         self.heap = LocalHeap(ep, options.capacity, kernels)
 
@@ -297,9 +296,6 @@ class EmulatedTransport:
 
     def write_own_meta(self, plan: SymmPlan, W: int, K: int) -> None:
         """Nothing to do: the staging carries this rank's own block with the others."""
-
-    def signal_check(self) -> None:
-        """No signals: the collectives close the exchanges."""
 
     def raise_watchdog(self) -> None:
         """No watchdog: gloo's timeout bounds every wait."""

@@ -419,3 +419,37 @@ def test_parse_variant():
         parse_variant("copy+fast")
     assert SymmOptions.variant("copy+dense+memops", capacity=8) == SymmOptions(capacity=8, mode="copy", dense=True,
                                                                                 signal="memops")
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON or not interpreting(), reason="needs triton and TRITON_INTERPRET=1 on CPU"))])
+def test_poison_word_fails_the_forward_then_raises(kernels):
+    """A fault a waiter records on the device (the poison word with the peer and call) makes the combine's sum
+    NaN in that very call, whatever path sums (Triton gather_add or torch ops), and the next prepare raises the
+    error naming the peer; raising clears it."""
+    from moe_wave.comm.symm_tables import POISON
+
+    ep = EPGroup.single()
+    x, ids, w = _make_case("uneven", 1)[0]
+    plan = WavePlan.make(num_ranks=1, num_local_experts=E_PER_RANK, num_waves=1)
+    be = SymmBackend(ep, SymmOptions(capacity=16, mode="copy", kernels=kernels))
+
+    def one_call():
+        xplan = be.prepare(compute_layout(ids, w, plan))
+        got = be.dispatch(x, xplan, 0).wait()
+        out, dst = torch.zeros(x.shape), torch.zeros(x.shape, dtype=torch.bfloat16)
+        be.combine(slot_by_slot(got, 0), got.handle, CombineOut(out, accumulate=False, dst_TD=dst)).wait()
+        return dst
+
+    clean = one_call()
+    assert not clean.isnan().any()
+    xplan = be.prepare(compute_layout(ids, w, plan))
+    be._status_dev[POISON:POISON + 3] = torch.tensor([1, 3, 17])     # as a waiter that gave up on rank 3 writes it
+    got = be.dispatch(x, xplan, 0).wait()
+    dst = torch.zeros(x.shape, dtype=torch.bfloat16)
+    be.combine(slot_by_slot(got, 0), got.handle, CombineOut(torch.zeros(x.shape), dst_TD=dst)).wait()
+    assert bool(dst.isnan().all()), "the call that hit the fault must not return a plausible result"
+    be._status_host.copy_(be._status_dev)        # what the next prepare's copy brings to the host
+    with pytest.raises(RuntimeError, match=r"rank 0 gave up waiting for rank 3 \(exchange call 17\)"):
+        be.prepare(compute_layout(ids, w, plan))
+    assert torch.equal(one_call(), clean), "raising clears the fault"

@@ -13,8 +13,8 @@ from moe_wave.comm.options import CopyTuning
 from moe_wave.comm.symm_kernels import RowTargets, gather_add, gather_add_torch, scatter_rows, scatter_rows_torch
 from moe_wave.comm.symm_plan import wave_token_ranges
 from moe_wave.comm.symm_signal import wait_flags, wait_flags_torch
-from moe_wave.comm.symm_tables import (build_tables, build_tables_torch, count_rows, count_rows_torch, densify,
-                                       densify_torch)
+from moe_wave.comm.symm_tables import (POISON, STATUS_LEN, build_tables, build_tables_torch, count_rows,
+                                       count_rows_torch, densify, densify_torch)
 from moe_wave.comm.triton_gate import interpreting, triton
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(triton is None or not interpreting(),
@@ -152,7 +152,8 @@ def test_count_rows_and_build_tables_match_torch(dev):
             recv_PX = torch.stack([sent[src][me] for src in range(P)])
             got, ref = [], []
             for fn, acc in ((build_tables, got), (build_tables_torch, ref)):
-                for status0 in (torch.zeros(9, dtype=torch.long), torch.tensor([0, 0, 0, 0, 0, 1, 5, 5, 5])):
+                for status0 in (torch.zeros(STATUS_LEN, dtype=torch.long),
+                                 torch.tensor([0, 0, 0, 0, 0, 1, 5, 5, 5, 1, 0, 0])):
                     slot = torch.full((W, T, P), -1, dtype=torch.long, device=dev)
                     status = status0.to(dev)
                     tabs = fn(recv_PX, lay.send_counts_WP, lay.send_token_S, C, T, me, E, slot, status)
@@ -161,6 +162,7 @@ def test_count_rows_and_build_tables_match_torch(dev):
                 for k in tb:
                     assert torch.equal(ta[k], tb[k]), (P, W, T, C, me, k)
                 assert torch.equal(sa, sb), (P, W, T, C, me, "slot")
+                assert xa[POISON] == xb[POISON] == int(bool(xb[0] or xb[5])), (xa.tolist(), xb.tolist())
                 if xb[0] or xb[5]:   # flags and the fields they name (the rest is junk when no flag is set)
                     n = [0, 5] + ([1, 2, 3, 4] if xb[0] else []) + ([6, 7, 8] if xb[5] else [])
                     assert torch.equal(xa[n], xb[n]), (P, W, T, C, me, xa.tolist(), xb.tolist())
@@ -183,7 +185,7 @@ def test_densify_matches_torch(dev, part):
         recv_PX = count_rows_torch(lay.send_counts_WP, lay.pair_counts_WPe, lay.ids_min, lay.ids_max)
         slot = torch.full((W, T, P), -1, dtype=torch.long, device=dev)
         tabs = build_tables(recv_PX, lay.send_counts_WP, lay.send_token_S, C, T, 0, E, slot,
-                            torch.zeros(9, dtype=torch.long, device=dev))
+                            torch.zeros(STATUS_LEN, dtype=torch.long, device=dev))
         meta_SM = torch.cat([lay.send_expert_SK, lay.send_weight_SK.view(torch.int32)], 1)
         ranges = wave_token_ranges(T, W, part)
         s1, s2 = slot.clone(), slot.clone()
@@ -204,10 +206,10 @@ def test_densify_matches_torch(dev, part):
                                                 ([1, 0, 1], 0, [0, 0, 0]), ([2, 2, 1], 1, [0, 0, 0]),
                                                 ([0, 0], 0, [1, 7, 9]), ([3], 2, [0, 0, 0])])
 def test_copy_signal_waiter_matches_torch(dev, flags, val0, status0):
-    """The copy-engine completion flags' waiter: epochs advance, a missing peer is a recorded timeout."""
+    """The copy-engine completion flags' waiter: epochs advance, a missing peer is a recorded fault [1, peer, call]."""
     got = [torch.tensor(flags, device=dev), torch.tensor([val0, val0 + 1], device=dev), torch.tensor(status0, device=dev)]
     ref = [t.clone().cpu() for t in got]
-    wait_flags(*got, timeout_ms=0, trap=False)       # a missing flag times out at once (one spin)
+    wait_flags(*got, timeout_ms=0)       # a missing flag is given up on at once
     wait_flags_torch(*ref)
     assert [t.tolist() for t in got] == [t.tolist() for t in ref], (flags, val0, status0, got, ref)
     assert got[1].tolist() == [val0 + 1, val0 + 2], "the call number advances, timeout or not"
@@ -216,3 +218,22 @@ def test_copy_signal_waiter_matches_torch(dev, flags, val0, status0):
         assert got[2].tolist() == status0, "the first error sticks"
     else:
         assert got[2].tolist() == ([1, missing[0], val0 + 1] if missing else [0, 0, 0]), (flags, got[2])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("word", [0, 1, 7])
+def test_gather_add_poison_word(dev, word):
+    """A nonzero poison word makes gather_add store NaN in every row it writes (a fault the device detected);
+    zero changes nothing. The torch twin does the same."""
+    g = torch.Generator().manual_seed(4)
+    src, add = _rand(g, dev, 8, 37, dt=torch.bfloat16), _rand(g, dev, 5, 37, dt=torch.bfloat16)
+    slot = torch.tensor([[0, 7], [-1, 4], [3, -1], [-1, -1], [1, 6]]).to(dev)
+    poison = torch.tensor([word], dtype=torch.int64, device=dev)
+    out, ref, plain = (torch.zeros(5, 37, device=dev) for _ in range(3))
+    dst = torch.zeros(5, 37, dtype=torch.bfloat16, device=dev)
+    gather_add(out, src, slot, add_TD=add, dst_TD=dst, poison=poison)
+    gather_add_torch(ref, src, slot, add_TD=add, poison=poison)
+    gather_add_torch(plain, src, slot, add_TD=add)
+    assert bool(dst.isnan().all()) == bool(ref.isnan().all()) == (word != 0)
+    if word == 0:
+        assert torch.allclose(dst.float(), plain.to(torch.bfloat16).float(), rtol=2 ** -7, atol=0)
