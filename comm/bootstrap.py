@@ -20,7 +20,9 @@ import queue
 import re
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from .group import EPGroup
 
 __all__ = ["LaunchInfo", "RankFailure", "RankError", "detect_launcher", "init_from_env", "spawn",
-           "set_safe_env", "format_failures", "MULTICAST_OFF"]
+           "set_safe_env", "format_failures", "die_with_parent", "MULTICAST_OFF"]
 
 # NVLink multicast is off everywhere, set before any process group or symmetric-memory allocation exists: it can
 # take a shared host down. These win over the environment (moe-wave never uses multicast). The one definition for
@@ -89,7 +91,14 @@ def detect_launcher(env: Mapping[str, str] = os.environ) -> LaunchInfo:
     A launcher is recognised by its marker variable; its other variables must then be valid
     (``ValueError`` names the variable otherwise). Without a launcher: ``kind="none"``, one rank.
     """
-    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+    if "TORCHELASTIC_RUN_ID" not in env and "RANK" in env and "WORLD_SIZE" in env:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:     # a half-set env:// launch would wait for a rendezvous that never comes
+            raise ValueError(f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set but {' and '.join(missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} not: this looks like a half-set torchrun/env:// "
+                             f"launch. Set {' and '.join(missing)}, launch with torchrun, or unset RANK and WORLD_SIZE "
+                             f"to run without a launcher")
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         # Plain env:// without torchrun's LOCAL_* variables: assume a single host.
         local = {"LOCAL_RANK": env.get("LOCAL_RANK", env.get("RANK", "0")),
                  "LOCAL_WORLD_SIZE": env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))}
@@ -108,17 +117,28 @@ def detect_launcher(env: Mapping[str, str] = os.environ) -> LaunchInfo:
 # ----------------------------------------------------------------------------- init from a launcher
 
 def _pick_backend(local_world_size: int, local_rank: int, device) -> tuple[str, torch.device]:
-    """NCCL with one GPU per local rank when there are enough GPUs, else gloo on CPU."""
+    """NCCL with one GPU per local rank where the GPUs are visible, gloo on CPU where there is none.
+
+    Every local rank sees all the host's GPUs: rank i takes cuda:i. Each sees exactly one (SLURM
+    ``--gpus-per-task``, Ray): cuda:0. Any other shortfall is an error, never a silent CPU run."""
     if device is not None:
         device = torch.device(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             return "nccl", device
         return "gloo", device
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        return "gloo", torch.device("cpu")
+    if gpus >= local_world_size:
         torch.cuda.set_device(local_rank)
         return "nccl", torch.device("cuda", local_rank)
-    return "gloo", torch.device("cpu")
+    if gpus == 1:
+        torch.cuda.set_device(0)
+        return "nccl", torch.device("cuda", 0)
+    raise ValueError(f"{local_world_size} local ranks but {gpus} GPUs visible to this process "
+                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give every rank all "
+                     f"the host's GPUs or exactly one, or pass device='cpu' to run on CPU with gloo")
 
 
 def _free_port(host: str) -> int:
@@ -128,13 +148,19 @@ def _free_port(host: str) -> int:
 
 
 def _mpi_rendezvous(info: LaunchInfo) -> str:
-    """Agree on ``tcp://addr:port`` through MPI: rank 0 picks a free port and broadcasts it."""
+    """Agree on the rendezvous through MPI. On one host: a ``file://`` store in a fresh temp dir that rank 0
+    makes (no listening socket at all); across hosts: ``tcp://addr:port``, rank 0 picks a free port (the
+    store then listens on every interface: run across hosts only on a trusted network)."""
     try:
         from mpi4py import MPI
     except ImportError as e:
         raise ImportError("launching under mpirun needs mpi4py: pip install 'moe-wave[mpi]'") from e
     comm = MPI.COMM_WORLD
     hosts = comm.allgather(socket.gethostname())
+    if len(set(hosts)) == 1 and "MASTER_ADDR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="moe_wave_mpi_") if info.rank == 0 else None
+        path = comm.bcast(path, root=0)
+        return f"file://{os.path.join(path, 'store')}"
     default = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
     addr = os.environ.get("MASTER_ADDR", default)
     port = None
@@ -162,6 +188,9 @@ def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = T
     info = detect_launcher()
     if info.kind == "none":
         return EPGroup.single(device)
+    if info.rank == 0:
+        print(f"[moe-wave] launcher {info.kind}: {info.world_size} ranks, {info.local_world_size} on this host",
+              file=sys.stderr, flush=True)
     backend, dev = _pick_backend(info.local_world_size, info.local_rank, device)
     if info.kind == "torchrun":
         init_method = "env://"
@@ -237,16 +266,27 @@ def order_errors(errors: list[RankError]) -> list[RankError]:
 
 
 def format_failures(errors: list[RankError], silent: Mapping[int, str], what: str) -> str:
-    """One message: the root cause's traceback, then the other ranks', then ranks that never answered."""
+    """One message: the root cause's traceback, then the other ranks', then ranks that never answered.
+
+    Where every reported failure is secondary (timeouts, closed connections) and some ranks never answered,
+    those ranks come first as the probable root cause: they were still working (or hanging) while the others
+    gave up waiting for them, and their stacks say where."""
     errors = order_errors(errors)
     lines = [f"{what}: {len(errors)} rank(s) failed, {len(silent)} stopped"]
     t0 = errors[0].time if errors else 0.0
-    for i, e in enumerate(errors):
-        tag = "ROOT CAUSE" if i == 0 else ("secondary" if e.secondary else "also failed")
-        lines += [f"===== rank {e.rank} ({tag}, {e.time - t0:+.2f} s) =====", e.traceback.rstrip()]
+    blame_silent = bool(silent) and all(e.secondary for e in errors)
+    silent_lines = []
     for r, why in sorted(silent.items()):
         why, _, stack = why.partition("\n")
-        lines += [f"===== rank {r} (stopped: {why}) =====", *([stack] if stack else [])]
+        tag = "PROBABLE ROOT CAUSE: still running while the others gave up" if blame_silent else "stopped"
+        silent_lines += [f"===== rank {r} ({tag}: {why}) =====", *([stack] if stack else [])]
+    if blame_silent:
+        lines += silent_lines
+    for i, e in enumerate(errors):
+        tag = "ROOT CAUSE" if i == 0 and not blame_silent else ("secondary" if e.secondary else "also failed")
+        lines += [f"===== rank {e.rank} ({tag}, {e.time - t0:+.2f} s) =====", e.traceback.rstrip()]
+    if not blame_silent:
+        lines += silent_lines
     return "\n".join(lines)
 
 
@@ -335,7 +375,54 @@ def child_setup(rank: int, world_size: int, backend: str, store_path: str, timeo
     return EPGroup.from_process_group(device=device)
 
 
-def _spawn_main(fn, args, rank, world_size, backend, tmp, timeout_s, results_q):
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Child side: end this process when its parent dies, so that a killed demo or sweep leaves no rank running
+    (and holding GPUs). Linux: the kernel sends SIGKILL at the parent's death (PR_SET_PDEATHSIG); everywhere: a
+    daemon thread that sees the parent gone (a new parent pid) exits the process."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(poll_s)
+
+    if os.getppid() != parent_pid:        # the parent died before the signal was armed
+        os._exit(1)
+    threading.Thread(target=watch, name="moe_wave-parent-watch", daemon=True).start()
+
+
+class _StopOnSignals:
+    """Parent side: SIGTERM and SIGINT raise in the main thread (SystemExit / KeyboardInterrupt), so that the
+    spawning call's cleanup stops the ranks before the process goes; the previous handlers come back after."""
+
+    def __enter__(self):
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def _spawn_main(fn, args, rank, world_size, backend, tmp, timeout_s, results_q, parent_pid):
+    die_with_parent(parent_pid)
     install_stack_dump(os.path.join(tmp, f"stack.{rank}"))
     try:
         ep = child_setup(rank, world_size, backend, os.path.join(tmp, "store"), timeout_s)
@@ -386,15 +473,17 @@ def spawn(fn: Callable, nprocs: int | None = None, args: tuple = (), backend: st
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="moe_wave_spawn_") as tmp:
         results_q = ctx.Queue()
-        procs = [ctx.Process(target=_spawn_main, args=(fn, args, r, nprocs, backend, tmp, timeout_s, results_q),
+        procs = [ctx.Process(target=_spawn_main, args=(fn, args, r, nprocs, backend, tmp, timeout_s, results_q,
+                                                        os.getpid()),
                              daemon=True, name=f"moe_wave-rank{r}") for r in range(nprocs)]
-        for p in procs:
-            p.start()
-        try:
-            results, errors, silent = collect(procs, results_q, time.monotonic() + deadline_s, grace_s)
-            stop(procs, {r: os.path.join(tmp, f"stack.{r}") for r in range(nprocs)}, silent)
-        finally:
-            stop(procs)
+        with _StopOnSignals():     # SIGTERM / SIGINT to this process stop the ranks first
+            try:
+                for p in procs:
+                    p.start()
+                results, errors, silent = collect(procs, results_q, time.monotonic() + deadline_s, grace_s)
+                stop(procs, {r: os.path.join(tmp, f"stack.{r}") for r in range(nprocs)}, silent)
+            finally:
+                stop(procs)
     if errors or silent:
         what = f"spawn({getattr(fn, '__qualname__', fn)}, nprocs={nprocs}, backend={backend})"
         if not errors:

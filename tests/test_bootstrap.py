@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ({}, LaunchInfo("none", 0, 1, 0, 1)),
     ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
      LaunchInfo("torchrun", 3, 4, 1, 2)),
-    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, LaunchInfo("torchrun", 1, 2, 1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     LaunchInfo("torchrun", 1, 2, 1, 2)),
     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, LaunchInfo("openmpi", 2, 4, 0, 2)),
     ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
@@ -55,6 +56,9 @@ def test_detect_slurm_needs_srun_and_stray_vars_are_ignored():
 
 @pytest.mark.parametrize("env, match", [
     ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}, "RANK is not set"),
+    # stray variables of a half-set env:// launch: an error at once, never a rendezvous that waits for nobody
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}, "MASTER_PORT is not: this looks like a half-set"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not"),
     ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE is not set"),
     ({"PMI_RANK": "2", "PMI_SIZE": "2"}, r"PMI_RANK=2: must be in \[0, PMI_SIZE=2\)"),
     ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "PMI_RANK='x': must be a non-negative integer"),
@@ -97,6 +101,102 @@ def test_spawn_failure_names_the_root_cause_first():
     msg = str(err)
     assert "rank 1 (ROOT CAUSE" in msg and "boom in rank 1" in msg
     assert msg.index("rank 1 (ROOT CAUSE") < msg.index("rank 0") and msg.index("rank 1") < msg.index("rank 2")
+
+
+# ----------------------------------------------------------------------------- failure paths
+
+
+def _wait_for(cond, timeout_s: float, step: float = 0.1) -> float:
+    """Seconds until ``cond()`` held (raises AssertionError after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s} s"
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"      # a zombie has exited
+    except OSError:
+        return False
+
+
+def _sleep_and_report_pid(ep, folder):
+    Path(folder, f"rank{ep.rank}.pid").write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+_PARENT = """
+import sys
+from moe_wave.comm import spawn
+from tests.test_bootstrap import _sleep_and_report_pid
+spawn(_sleep_and_report_pid, 2, args=(sys.argv[1],), backend="gloo", timeout_s=600)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to see the ranks")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_spawned_ranks_die_with_their_parent(tmp_path, how):
+    """A demo or sweep killed by its user (SIGKILL, or SIGTERM from a job scheduler) leaves no rank running."""
+    import signal
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], cwd=ROOT, env=_env())
+    try:
+        _wait_for(lambda: len(list(tmp_path.glob("rank*.pid"))) == 2, 90)
+        pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+        assert all(_alive(p) for p in pids)
+        parent.send_signal(getattr(signal, how))
+        took = _wait_for(lambda: not any(_alive(p) for p in pids), 15)
+        print(f"{how}: both ranks gone {took:.2f} s after the parent was signalled")
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _slow_rank1(ep):
+    if ep.rank == 1:
+        time.sleep(60)          # still working long after rank 0's collective timed out
+    dist.all_reduce(torch.ones(1))
+    return ep.rank
+
+
+@pytest.mark.timeout(120)
+def test_slow_rank_is_blamed_not_the_one_that_waited():
+    with pytest.raises(RankFailure) as info:
+        spawn(_slow_rank1, 2, backend="gloo", timeout_s=3, grace_s=2)
+    msg = str(info.value)
+    assert "rank 1 (PROBABLE ROOT CAUSE" in msg, msg[-3000:]
+    assert msg.index("rank 1 (PROBABLE ROOT CAUSE") < msg.index("===== rank 0"), msg[-3000:]
+    assert "rank 0 (ROOT CAUSE" not in msg
+
+
+def test_visible_gpu_shortfall_is_an_error(monkeypatch):
+    """Fewer GPUs visible than local ranks, but more than one: an error, never a silent CPU run; exactly one
+    (SLURM --gpus-per-task, Ray): that one."""
+    from moe_wave.comm import bootstrap
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"4 local ranks but 2 GPUs visible"):
+        bootstrap._pick_backend(4, 3, None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert bootstrap._pick_backend(4, 3, None) == ("gloo", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    assert bootstrap._pick_backend(4, 3, None) == ("nccl", torch.device("cuda", 0))
+
+
+@pytest.mark.timeout(60)
+def test_half_set_launcher_environment_fails_fast():
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", "from moe_wave.comm import init_from_env; init_from_env()"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=50)
+    assert r.returncode != 0 and "MASTER_PORT is not: this looks like a half-set" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
 
 
 # ----------------------------------------------------------------------------- the test pool
