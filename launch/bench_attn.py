@@ -18,24 +18,22 @@ prints a table last and the recommended ``ScheduleConfig.decode_overlap_min_batc
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
+import statistics
+import sys
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+import torch
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_common import git_sha, out_path  # noqa: E402
 
-import torch  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
+from moe_wave.timing import as_graph, iteration_us  # noqa: E402
 
 SHAPES = {  # hidden, heads, q_lora, o_groups, index_topk (spec 1.1)
     "v4-flash": dict(hidden=4096, heads=64, q_lora_rank=1024, o_groups=8, index_topk=512),
@@ -74,47 +72,20 @@ def fill_cache(cache, length: int) -> None:
             st.entries_BNd.normal_()
 
 
-def time_eager(fn, make_inputs, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn(*make_inputs())
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        args = make_inputs()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+def time_eager(fn, inputs, iters: int, warmup: int) -> float:
+    """Median us of ``fn(*inputs(i))``, each iteration from an idle device (``inputs(i)`` picks from a pool of
+    tensors made beforehand: host work only)."""
+    return statistics.median(iteration_us(lambda i: fn(*inputs(i)), iters, warmup, device="cuda"))
 
 
 def time_graph(fn, static_inputs, pool, iters: int, warmup: int) -> float:
-    """Capture ``fn(*static_inputs)`` once, then time replays with fresh inputs copied in beforehand."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(*static_inputs)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(*static_inputs)
-    for _ in range(warmup):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
+    """Capture ``fn(*static_inputs)`` once, then the median us of replays, fresh inputs copied in beforehand."""
+    replay, _ = as_graph(lambda i: fn(*static_inputs), "cuda", warmup=3)
+
+    def before(i):
         static_inputs[0].copy_(pool[i % len(pool)])
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    del g
+    times = iteration_us(replay, iters, warmup, device="cuda", before=before)
+    del replay
     return statistics.median(times)
 
 
@@ -154,7 +125,8 @@ def branches(attn: V4Attention):
 
 
 @torch.no_grad()
-def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev, graph: bool) -> dict:
+def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev, graph: bool,
+            debug: bool = False) -> dict:
     attn = make_attn(shape, kind, dev)
     D = attn.cfg.hidden
     S = CTX if mode == "prefill" else 1
@@ -184,13 +156,12 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
     if graph:
         static = [pool[0].clone(), pos, cache]
         for name, fn in fns.items():
-            if os.environ.get("BENCH_ATTN_DEBUG"):
+            if debug:
                 print("capture", shape, kind, batch, name, flush=True)
             res[name] = time_graph(fn, static, pool, iters, warmup)
     else:
-        it = iter(range(1 << 30))
         for name, fn in fns.items():
-            res[name] = time_eager(fn, lambda: (pool[next(it) % len(pool)], pos, cache), iters, warmup)
+            res[name] = time_eager(fn, lambda i: (pool[i % len(pool)], pos, cache), iters, warmup)
     crit = max(v for k, v in res.items() if k.startswith("branch_"))
     row = dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S, context=CTX,
                cuda_graph=graph, serial_us=round(res["serial"], 2),
@@ -219,8 +190,6 @@ def decode_policy(rows) -> dict:
 
 
 def meta(args) -> dict:
-    from moe_wave.sweep import git_sha
-
     sha = git_sha()
     n = torch.cuda.device_count()
     nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
@@ -236,6 +205,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="V4-Flash only, decode batches 1 and 64, fewer iterations")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/attn.json or benchmarks/)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per point")
+    ap.add_argument("--debug", action="store_true", help="print each capture before it starts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attn: needs a CUDA/ROCm GPU")
@@ -253,12 +223,12 @@ def main() -> None:
             points = [("prefill", 1, False), ("prefill", 1, True)] + [("decode", b, True) for b in batches]
             for mode, b, graph in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
-                row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph)
+                row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph,
+                              debug=args.debug)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     policy = decode_policy(rows)
-    out = args.out or (os.path.join(os.environ["OUT"], "attn.json") if os.environ.get("OUT") else
-                       os.path.join("benchmarks", f"{datetime.date.today()}-attn-1gpu.json"))
+    out = args.out or out_path("attn.json", os.path.join("benchmarks", f"{datetime.date.today()}-attn-1gpu.json"))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy}, "rows": rows}, f, indent=1)

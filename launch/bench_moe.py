@@ -15,29 +15,29 @@ benchmarks/<date>-moe-<P>gpu.json) and a markdown summary beside it, then prints
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
 import argparse
-import datetime  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_common import git_sha, out_dir  # noqa: E402
+
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.bench import BenchConfig, init_random_, measure, random_inputs, reschedule  # noqa: E402
 from moe_wave.comm import detect_launcher, init_from_env, spawn  # noqa: E402
 from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
+from moe_wave.comm.options import MODES  # noqa: E402
+from moe_wave.env import read_env  # noqa: E402
 from moe_wave.sweep import run_meta  # noqa: E402
+from moe_wave.timing import slowest  # noqa: E402
 from moe_wave.trace import Tracer  # noqa: E402
 
 FULL = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 512, 2048, 8192), waves=(1, 2, 4, 8),
@@ -46,7 +46,7 @@ QUICK = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 2048, 8192)
              placements=("bubbles",))
 
 
-def p2p_limit_GBps(ep) -> float | None:
+def p2p_limit_GBps(ep) -> float:
     """A 256 MB device-to-device copy GPU0 -> GPU1 on rank 0 while the others wait (0 when not possible)."""
     val = 0.0
     if ep.rank == 0 and ep.device.type == "cuda" and torch.cuda.device_count() >= 2:
@@ -54,22 +54,18 @@ def p2p_limit_GBps(ep) -> float | None:
             src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:0").fill_(1)
             dst = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:1")
             dst.copy_(src)
-            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(0)    # HOST SYNC: both devices idle before the clock starts
             torch.cuda.synchronize(1)
             t0 = time.perf_counter()
             for _ in range(5):
                 dst.copy_(src)
-            torch.cuda.synchronize(0)  # HOST SYNC: timing
+            torch.cuda.synchronize(0)    # HOST SYNC: the copies are done when the clock stops
             torch.cuda.synchronize(1)
             val = 5 * src.numel() / (time.perf_counter() - t0) / 1e9
             del src, dst
         except RuntimeError:  # no peer access in this process
             val = 0.0
-    if ep.pg is not None:
-        t = torch.tensor([val], dtype=torch.float64, device=ep.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.pg)
-        val = float(t.item())
-    return round(val, 1)
+    return round(slowest(ep, [val])[0], 1)
 
 
 def rank_main(ep, args) -> dict:
@@ -79,6 +75,7 @@ def rank_main(ep, args) -> dict:
     bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool, graph=args.graph)
     backends = args.backend.split(",")
     p2p = p2p_limit_GBps(ep)
+    env = read_env()
     rows, t_start = [], time.perf_counter()
     with Tracer(args.trace, ep.rank) as tracer:
         for shape in shapes:
@@ -88,8 +85,8 @@ def rank_main(ep, args) -> dict:
             moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
             for T, placement, W, backend in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
                                                               backends):
-                m = reschedule(moe, WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
-                                               max_tokens_per_rank=capacity(args, moe, T, W)))
+                symm = env.symm_options(capacity=capacity(args, moe, T, W), mode=args.symm_mode)
+                m = reschedule(moe, WaveConfig(num_waves=W, shared_placement=placement, backend=backend, symm=symm))
                 label = f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
                 r = measure(m, T, bench, tracer=tracer, label=label)
                 if hasattr(m.backend, "check"):
@@ -117,15 +114,13 @@ def capacity(args, moe: WaveMoE, tokens: int, waves: int) -> int:
         return max(tokens, 128)
     x_TD, ids_TK, w_TK = random_inputs(moe, tokens, 1, seed=12345)[0]
     plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=waves)
-    fullest = compute_layout(ids_TK, w_TK, plan).send_counts_WP.max().double().reshape(1)
-    if moe.ep.pg is not None:
-        dist.all_reduce(fullest, op=dist.ReduceOp.MAX, group=moe.ep.pg)
-    return max(128, min(tokens, int(float(fullest) * args.capacity_margin) + 1))
+    fullest = slowest(moe.ep, [compute_layout(ids_TK, w_TK, plan).send_counts_WP.max().item()])[0]  # HOST SYNC: setup
+    return max(128, min(tokens, int(fullest * args.capacity_margin) + 1))
 
 
 def default_out(world_size: int) -> Path:
-    if os.environ.get("OUT"):
-        return Path(os.environ["OUT"]) / "moe.json"
+    if out_dir():
+        return Path(out_dir()) / "moe.json"
     kind = f"{world_size}gpu" if torch.cuda.is_available() else f"cpu{world_size}"
     return Path("benchmarks") / f"{datetime.date.today().isoformat()}-moe-{kind}.json"
 
@@ -160,6 +155,9 @@ def main() -> int:
                     help="rows per (wave, peer) of fixed-capacity backends (symm): every token, or the fullest "
                          "cell of a routed sample times --capacity-margin")
     ap.add_argument("--capacity-margin", type=float, default=1.25)
+    ap.add_argument("--symm-mode", choices=MODES, default=None,
+                    help="the symm backend's data mode (default $MOE_WAVE_SYMM_MODE, else auto); the other "
+                         "MOE_WAVE_SYMM_* / MOE_WAVE_COPY_* variables apply too")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
     args = ap.parse_args()
@@ -175,7 +173,7 @@ def main() -> int:
             return 0
     rows = res["rows"]
     meta = {**run_meta(res["world_size"], " ".join(["launch/bench_moe.py"] + sys.argv[1:])),
-            "p2p_limit_GBps": res["p2p"]}
+            "git_sha": git_sha(), "p2p_limit_GBps": res["p2p"]}
     out = Path(args.out) if args.out else default_out(res["world_size"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -13,23 +13,22 @@ largest relative error over the repeats; exits 1 when a row exceeds --tol.
 
 from __future__ import annotations
 
-import os
-
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_k] = _v
-
 import argparse
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_wave.model import build_layer_stack, layer_kind, stack_inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch_common  # noqa: E402,F401  (the repo on sys.path)
+
+from moe_wave.model import build_layer_stack, layer_kind, stack_inputs  # noqa: E402
 
 MODES = {"serial": (False, False), "attn": (True, False), "moe": (False, True), "both": (True, True)}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (HOST SYNC: a check, outside any timing)."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 

@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:     # a plain checkout runs without an install
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
 
-__all__ = ["init_ep", "git_sha", "out_path", "now"]
+__all__ = ["init_ep", "git_sha", "out_dir", "out_path", "now"]
 
 
 def init_ep() -> EPGroup:
@@ -46,9 +46,14 @@ def git_sha() -> str:
         return "unknown"
 
 
+def out_dir() -> str | None:
+    """The folder whose files the GPU host's runner brings back ($OUT), or None."""
+    return os.environ.get("OUT") or None
+
+
 def out_path(name: str, fallback: str | None = None) -> str | None:
-    """``$OUT/<name>`` when the device tool's OUT folder is set, else ``fallback`` (an argparse default)."""
-    return os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else fallback
+    """``$OUT/<name>`` when OUT is set, else ``fallback`` (an argparse default)."""
+    return os.path.join(out_dir(), name) if out_dir() else fallback
 
 
 def now() -> str:

@@ -10,21 +10,16 @@ tables go to $OUT/profile_attn.txt when OUT is set.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
 import argparse
+import os
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_attn import CTX, branches, make_attn, time_eager
+from bench_attn import CTX, branches, make_attn, time_eager  # noqa: E402
+from launch_common import out_path  # noqa: E402
 
 
 def kernel_table(prof, rows: int) -> tuple[str, float, int]:
@@ -43,7 +38,7 @@ def micro(dev) -> str:
     from moe_wave.attention.kernels import index_scores, norm_rope
 
     def t(fn):
-        return time_eager(fn, tuple, 20, 3)
+        return time_eager(fn, lambda i: (), 20, 3)
 
     S = 4096
     pos = torch.arange(S, device=dev)[None]
@@ -87,10 +82,10 @@ def main() -> None:
             cache = attn.new_cache(1, S + 8)
             for _ in range(3):
                 fn(x, pos, cache)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()   # HOST SYNC: the warm-up stays out of the profile
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn(x, pos, cache)
-                torch.cuda.synchronize()
+                torch.cuda.synchronize()   # HOST SYNC: the profile ends with the kernels it launched
             table, total, count = kernel_table(prof, args.rows)
             out.append(f"== {args.shape} {kind} prefill {S}: branch {name}: {total:.0f} us of kernels, "
                        f"{count} launches\n{table}")
@@ -99,8 +94,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     out.append(micro(dev))
     print(out[-1], flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile_attn.txt"), "w") as f:
+    if out_path("profile_attn.txt"):
+        with open(out_path("profile_attn.txt"), "w") as f:
             f.write("\n".join(out) + "\n")
 
 

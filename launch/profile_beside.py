@@ -1,13 +1,12 @@
 """What stays exposed when a symm exchange runs beside the GEMM: a GPU timeline of one CUDA-graph round
 trip (V4-Flash layout by default) beside the ~300 us GEMM, and the pieces beside the GEMM one at a time.
 
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        torchrun --standalone --nproc-per-node 2 launch/profile_beside.py [--tokens 4096] \\
+    torchrun --standalone --nproc-per-node 2 launch/profile_beside.py [--tokens 4096] \\
         [--variants copy+dense+memops,copy+dense] [--layout v4-flash]
 
-For each symm variant (names as in bench_comm's GRAPH_VARIANTS) rank 0 prints:
+For each symm variant (``SymmOptions.variant`` names, as in comm_bench.graph.GRAPH_VARIANTS) rank 0 prints:
   * alone / beside the GEMM / hidden for the dispatch, the combine, the round trip, its exchanges alone
-    (``transfer``: the combine's sum left to the consumer, ``combine(reduce=False)``) and that sum alone,
+    (``transfer``: the combine's sum left to the consumer, ``combine_deferred``) and that sum alone,
     each replayed from its own CUDA graph (hidden = 1 - exposed / alone, exposed the median of
     beside minus GEMM-alone samples taken in turns, as in bench_comm);
   * the GPU activities (kernels, copies) of the last profiled round trip and transfer beside the GEMM,
@@ -15,34 +14,33 @@ For each symm variant (names as in bench_comm's GRAPH_VARIANTS) rank 0 prints:
     and end relative to the GEMM's start: an SM kernel of the exchange that waits for the GEMM's SMs is
     what keeps the exchange exposed. Stream memory operations are not GPU activities to the profiler:
     the gaps between copies show them.
-The Chrome traces (one per variant, rank 0) go to $OUT when OUT is set.
+The Chrome traces (one per variant and piece, rank 0) go to $OUT when OUT is set, else to a fresh temporary
+folder that is named in the output.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
+import tempfile
+import time
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_k] = _v
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_comm import (LAYOUTS, beside, gemm_fn, graph_replays, init_ep, timed, timed_pair, token_case,  # noqa: E402
-                        variant)
+from launch_common import init_ep, out_dir  # noqa: E402
+from comm_bench.common import LAYOUTS, Run, Settings, backend, beside, token_case  # noqa: E402
+from comm_bench.graph import graph_replays  # noqa: E402
 
-from moe_wave import WaveConfig  # noqa: E402
-from moe_wave.comm import streams as st  # noqa: E402
-from moe_wave.moe import make_backend  # noqa: E402
+from moe_wave.comm.options import SymmOptions  # noqa: E402
+from moe_wave.timing import align  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+PIECES = ("dispatch", "combine", "round_trip", "transfer", "sum")
 
 
 def timeline(trace_path: str, gap_us: float = 500.0) -> list:
@@ -64,6 +62,65 @@ def timeline(trace_path: str, gap_us: float = 500.0) -> list:
             for e in burst]
 
 
+def hidden_lines(run: Run, fns: dict) -> list[str]:
+    """Alone, beside the GEMM and hidden, for each piece replayed from its graph."""
+    text = []
+    for piece in PIECES:
+        f = fns[piece]
+        alone = run.timed(lambda: f(0))
+        g, both, exposed = run.pair(run.gemm, beside(lambda: f(0), run.gemm))
+        text.append(f"  {piece:<10} alone {alone:7.1f} us  beside {both:7.1f} us (GEMM alone in turns {g:.1f}, "
+                    f"paired exposed {exposed:6.1f})  hidden {1 - exposed / alone:5.2f}")
+    return text
+
+
+def profiled(run: Run, fn):
+    """Three bursts of ``fn`` beside the GEMM under torch.profiler; returns the profile."""
+    rt = beside(fn, run.gemm)
+    for _ in range(3):
+        rt()
+    align(run.ep)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            # a 0.5 ms sleep kernel first, so that the GEMM and the exchange become ready at the same
+            # moment, as back to back in the timed loop (not the exchange first while the host launches)
+            torch.cuda._sleep(1_000_000)
+            rt()
+            align(run.ep)
+            time.sleep(0.005)        # an idle gap between bursts
+    return prof
+
+
+def timeline_lines(run: Run, fns: dict, name: str, trace_dir: str) -> list[str]:
+    """The GPU timeline of the last round trip and transfer beside the GEMM (rank 0 writes the traces)."""
+    text = []
+    for piece in ("round_trip", "transfer"):
+        prof = profiled(run, lambda f=fns[piece]: f(0))
+        if run.ep.rank != 0:
+            continue
+        path = os.path.join(trace_dir, f"beside_{name.replace('+', '_')}_{piece}.json")
+        prof.export_chrome_trace(path)
+        text.append(f"  timeline of the last {piece} beside the GEMM (us from the GEMM's start; {path}):")
+        text += [f"    {a:8.1f} {b:8.1f}  stream {s:<4} {cat:<10} {n[:90]}"
+                 for a, b, s, cat, n in timeline(path) if "sleep" not in n]
+    return text
+
+
+def variant_lines(run: Run, name: str, case, tokens: int, layout_name: str, trace_dir: str) -> list[str]:
+    x, layout, _, cfg = case
+    be = backend(run.ep, "symm", cfg, SymmOptions.variant(name, capacity=tokens))
+    fns = graph_replays(be, x, layout)
+    o = be.options
+    text = [f"== symm-{name}, {layout_name}, {tokens} tokens/rank (mode {be.mode}, dense {o.dense}, "
+            f"signal {o.signal})"]
+    text += hidden_lines(run, fns)
+    text += timeline_lines(run, fns, name, trace_dir)
+    be.check()
+    del be, fns
+    align(run.ep)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
@@ -75,58 +132,22 @@ def main() -> None:
     ep = init_ep()
     D, E, K = LAYOUTS[args.layout]
     g = torch.Generator(device=ep.device).manual_seed(300 + ep.rank)
-    x, layout, _, cfg = token_case(ep, g, D, E, K, args.tokens)
-    gemm = gemm_fn()
-    gemm_us = timed(gemm, args.iters)
+    case = token_case(ep, g, D, E, K, args.tokens)
+    run = Run(ep, Settings(iters=args.iters, carveout=args.carveout), meta={})
+    trace_dir = out_dir() or (tempfile.mkdtemp(prefix="profile_beside_") if ep.rank == 0 else "")
     if args.carveout:
         torch._C._set_sm_carveout_experimental(args.carveout)
-    text = [f"GEMM 4096x7168x4096 alone {gemm_us:.1f} us (whole); carve-out {args.carveout} SMs for the rows below"]
-    out_dir = os.environ.get("OUT")
-    for name in args.variants.split(","):
-        be = make_backend("symm", ep, st.Streams.for_device(ep.device), cfg,
-                          WaveConfig(backend="symm", max_tokens_per_rank=args.tokens))
-        variant(be, name)
-        fns = graph_replays(ep, be, x, layout)
-        text.append(f"== symm-{name}, {args.layout}, {args.tokens} tokens/rank (mode {be.mode}, dense {be.dense}, "
-                    f"signal {be.signal})")
-        for piece in ("dispatch", "combine", "round_trip", "transfer", "sum"):
-            f = fns[piece]
-            alone = timed(lambda: f(0), args.iters)
-            g, both, exposed = timed_pair(gemm, beside(lambda: f(0), gemm), args.iters)
-            text.append(f"  {piece:<10} alone {alone:7.1f} us  beside {both:7.1f} us (GEMM alone in turns {g:.1f}, "
-                        f"paired exposed {exposed:6.1f})  hidden {1 - exposed / alone:5.2f}")
-        for piece in ("round_trip", "transfer"):
-            rt = beside(lambda f=fns[piece]: f(0), gemm)
-            for _ in range(3):
-                rt()
-            torch.cuda.synchronize()
-            dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    # a 0.5 ms sleep kernel first, so that the GEMM and the exchange become ready at the same
-                    # moment, as back to back in the timed loop (not the exchange first while the host launches)
-                    torch.cuda._sleep(1_000_000)
-                    rt()
-                    torch.cuda.synchronize()
-                    dist.barrier()
-                    time.sleep(0.005)        # an idle gap between bursts
-            be.check()
-            if ep.rank == 0:
-                path = os.path.join(out_dir or "/tmp", f"beside_{name.replace('+', '_')}_{piece}.json")
-                prof.export_chrome_trace(path)
-                text.append(f"  timeline of the last {piece} beside the GEMM (us from the GEMM's start; {path}):")
-                for a, b, s, cat, n in timeline(path):
-                    if "sleep" not in n:
-                        text.append(f"    {a:8.1f} {b:8.1f}  stream {s:<4} {cat:<10} {n[:90]}")
-        del be, fns
-        torch.cuda.synchronize()
-        dist.barrier()
-    if args.carveout:
-        torch._C._set_sm_carveout_experimental(None)
+    text = [f"GEMM 4096x7168x4096 alone {run.gemm_us:.1f} us (whole); carve-out {args.carveout} SMs for the rows below"]
+    try:
+        for name in args.variants.split(","):
+            text += variant_lines(run, name, case, args.tokens, args.layout, trace_dir)
+    finally:
+        if args.carveout:
+            torch._C._set_sm_carveout_experimental(None)
     if ep.rank == 0:
         print("\n".join(text), flush=True)
-        if out_dir:
-            with open(os.path.join(out_dir, "profile_beside.txt"), "w") as f:
+        if out_dir():
+            with open(os.path.join(out_dir(), "profile_beside.txt"), "w") as f:
                 f.write("\n".join(text) + "\n")
     dist.barrier()
     dist.destroy_process_group()

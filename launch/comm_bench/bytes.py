@@ -58,8 +58,11 @@ class Exchange:
         self.xs = self.x.view(P, chunk)
         self.loc, self.other = torch.cuda.Stream(), torch.cuda.Stream()
         self.nxt, self.src_n, self.half = self.peers[(me + 1) % P][me], self.xs[(me + 1) % P], chunk // 2
-        self.flags = CopySignal(ep, lambda nb: symm_alloc(ep, nb), TIMEOUT_MS)
-        self.mem = MemopSignal(ep, lambda nb: symm_alloc(ep, nb), timeout_ms=TIMEOUT_MS) if memops else None
+        # [poison, peer, call]: where a signal records a peer that did not arrive (``check_fault``)
+        self.fault = torch.zeros(3, dtype=torch.int64, device=ep.device)
+        self.flags = CopySignal(ep, lambda nb: symm_alloc(ep, nb), TIMEOUT_MS, self.fault)
+        self.mem = (MemopSignal(ep, lambda nb: symm_alloc(ep, nb), timeout_ms=TIMEOUT_MS, fault=self.fault)
+                    if memops else None)
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +138,15 @@ class Exchange:
             self.nxt[h:].copy_(self.src_n[h:], non_blocking=True)
         self.nxt[:h].copy_(self.src_n[:h], non_blocking=True)
         cur.wait_stream(self.other)
+
+    def check_fault(self) -> None:
+        """Raise if a signal gave up waiting for a peer (HOST SYNC: after the size's rows, untimed)."""
+        poison, peer, call = self.fault.tolist()
+        if poison:
+            raise RuntimeError(f"bytes all-to-all {self.nbytes / MB:.0f} MB: rank {self.ep.rank} gave up waiting "
+                               f"for rank {peer} (exchange call {call}) after {TIMEOUT_MS} ms")
+        if self.mem is not None:
+            self.mem.check()
 
     def verify(self, run: Run, name: str, fn) -> None:
         """What ``fn`` delivers equals NCCL's all-to-all of the same input (HOST SYNC: setup, untimed)."""
@@ -217,7 +229,7 @@ def _size_rows(run: Run, nbytes: int) -> list:
                          dispatch_us=alone, combine_us=alone, p2p_limit_GBps=run.p2p, alone_us=alone,
                          algbw_GBps=ex.nbytes * (P - 1) / P / alone / 1e3,
                          **beside_gemm(run, fn, carveout=None if graph else 0)))
-    ex.flags.check()
+    ex.check_fault()
     return rows
 
 
