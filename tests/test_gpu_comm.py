@@ -1,13 +1,13 @@
-"""GPU checks of the comm backends (issue 6): symm (both data modes, copy mode also with completion
-flags and dense blocks, both with stream-memory-operation signals) against the torch backend inside
-WaveMoE, the decode step captured in a CUDA graph and replayed while the routing changes, the
-capacity overflow surfacing through ``check()`` on every rank, the Triton kernels against torch,
-the completion-flag waiter and its trap, the memops watchdog naming a peer that never signals, and
-DeepEP when it is installed.
+"""GPU checks of the comm backends: symm (both data modes, copy mode also with completion flags and dense
+blocks, both with stream-memory-operation signals) against the torch backend inside WaveMoE, the decode step
+captured in a CUDA graph and replayed while the routing changes, the capacity overflow surfacing through
+``check()`` on every rank, the completion-flag waiter giving up on a missing peer, the memops watchdog naming a
+peer that never signals, and DeepEP when it is installed. (The Triton kernels against their torch twins, on
+CPU and GPU: ``tests/test_symm_kernels.py``.)
 
-Run on a GPU host with plain pytest (the 2-rank tests spawn their ranks over a file store) or
-under ``torchrun --nproc-per-node 2 -m pytest tests/test_gpu_comm.py`` (then the ranks are the
-torchrun processes). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
+Run on a GPU host with plain pytest (the 2-rank tests spawn their ranks over a file store) or under
+``torchrun --nproc-per-node 2 -m pytest tests/test_gpu_comm.py`` (then the ranks are the torchrun
+processes). NVLink multicast stays off: importing ``moe_wave.comm`` sets it.
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-
-import torch.distributed as dist  # noqa: E402
-
-from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
-from moe_wave.comm import EPGroup  # noqa: E402
-from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
+from moe_wave import MoEConfig, WaveConfig, WaveMoE
+from moe_wave.comm import EPGroup
+from moe_wave.comm.backend import CombineOut
+from moe_wave.comm.layout import WavePlan, compute_layout
+from moe_wave.comm.options import SymmOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -39,7 +40,6 @@ _EP = None
 
 def _spawned(rank: int, world: int, path: str, fn, args) -> None:
     import faulthandler
-    import sys
     import traceback
 
     faulthandler.dump_traceback_later(90, exit=True)     # a hung rank prints its stack and exits
@@ -86,6 +86,7 @@ def _weights(cfg: MoEConfig) -> dict:
 
 
 def _moe(ep, cfg, backend: str, **wave_kw) -> WaveMoE:
+    """WaveMoE with the same weights on every rank; ``wave_kw`` are WaveConfig fields (``symm=SymmOptions``)."""
     m = WaveMoE(cfg, ep=ep, wave=WaveConfig(backend=backend, **wave_kw), device=ep.device, dtype=torch.bfloat16)
     m.load_full({k: v.to(ep.device, torch.bfloat16 if v.dim() > 1 else torch.float32) for k, v in _weights(cfg).items()})
     return m
@@ -100,31 +101,13 @@ CFG = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=16, top_k=4)
 
 # ------------------------------------------------------------------------------------ symm vs torch
 def _log(ep, msg: str) -> None:
-    import sys
-
     print(f"[rank {ep.rank}] {msg}", file=sys.stderr, flush=True)
 
 
-# symm variants: data mode, then "+flags" / "+memops" (the signal) and "+dense" (dense blocks); "copy" alone
-# chooses dense blocks by the fill (here: dense for one wave, sparse for 2 and 4)
+# symm variants (SymmOptions.variant): data mode, then "+flags" / "+memops" (the signal) and "+dense" (dense
+# blocks); "copy" alone chooses dense blocks by the fill (here: dense for one wave, sparse for 2 and 4)
 SYMM_VARIANTS = (("auto", "kernel", "copy", "copy+flags", "kernel+memops", "copy+memops", "copy+dense+memops")
                  if HAS_TRITON else ("copy", "copy+memops"))
-_ENV = ("MOE_WAVE_SYMM_MODE", "MOE_WAVE_SYMM_SIGNAL", "MOE_WAVE_SYMM_DENSE")
-
-
-def _variant_env(variant: str | None) -> None:
-    """Set (or with None, clear) the environment that selects a symm variant."""
-    for k in _ENV:
-        os.environ.pop(k, None)
-    if variant is None:
-        return
-    from moe_wave.comm.symm import parse_variant
-
-    mode, dense, signal = parse_variant(variant)
-    os.environ["MOE_WAVE_SYMM_MODE"] = mode
-    os.environ["MOE_WAVE_SYMM_SIGNAL"] = signal
-    if dense is not None:
-        os.environ["MOE_WAVE_SYMM_DENSE"] = "1" if dense else "0"
 
 
 def _symm_vs_torch(ep: EPGroup) -> None:
@@ -137,15 +120,13 @@ def _symm_vs_torch(ep: EPGroup) -> None:
     got = {}
     # Phase 1: symm alone (no other collective in between).
     for mode in SYMM_VARIANTS:
-        _variant_env(mode)
         for W in (1, 2, 4):
-            m = _moe(ep, CFG, "symm", num_waves=W, max_tokens_per_rank=1024)
+            m = _moe(ep, CFG, "symm", num_waves=W, symm=SymmOptions.variant(mode, capacity=1024))
             for i, x in enumerate(xs):
                 for overlap in (True, False):
                     _log(ep, f"symm mode={mode} W={W} T={x.shape[0]} overlap={overlap}")
                     got[mode, W, i, overlap] = m(x, overlap=overlap)
             m.backend.check()
-    _variant_env(None)
     torch.cuda.synchronize()
     # Phase 2: the torch backend, compared.
     ref = _moe(ep, CFG, "torch", num_waves=2)
@@ -155,7 +136,7 @@ def _symm_vs_torch(ep: EPGroup) -> None:
         if xs[i].shape[0]:
             assert _rel(y, y_ref) < 2e-2, (mode, W, xs[i].shape[0], overlap, _rel(y, y_ref))
     # Phase 3: symm and NCCL collectives interleaved, as in a model with other collectives.
-    m = _moe(ep, CFG, "symm", num_waves=2, max_tokens_per_rank=256)
+    m = _moe(ep, CFG, "symm", num_waves=2, symm=SymmOptions(capacity=256))
     for i in range(3):
         _log(ep, f"interleaved {i}")
         y, y_ref = m(xs[2]), ref(xs[2])
@@ -172,16 +153,12 @@ def test_symm_matches_torch_backend():
 def _graph_replay(ep: EPGroup) -> None:
     for mode in SYMM_VARIANTS:
         _log(ep, f"graph replay, symm mode={mode}")
-        _variant_env(mode)
-        try:
-            _graph_replay_mode(ep)
-        finally:
-            _variant_env(None)
+        _graph_replay_mode(ep, SymmOptions.variant(mode, capacity=64))
 
 
-def _graph_replay_mode(ep: EPGroup) -> None:
+def _graph_replay_mode(ep: EPGroup, symm: SymmOptions) -> None:
     ref = _moe(ep, CFG, "torch", num_waves=2)
-    m = _moe(ep, CFG, "symm", num_waves=2, max_tokens_per_rank=64)
+    m = _moe(ep, CFG, "symm", num_waves=2, symm=symm)
     g = torch.Generator(device=ep.device).manual_seed(7 + ep.rank)
     x_static = torch.randn(48, CFG.hidden_size, device=ep.device, generator=g).to(torch.bfloat16)
     s = torch.cuda.Stream()
@@ -220,7 +197,7 @@ def _overflow(ep: EPGroup) -> None:
     from moe_wave.comm.symm import SymmBackend
 
     e = 4
-    backend = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=8), comm_stream=torch.cuda.Stream())
+    backend = SymmBackend(ep, SymmOptions(capacity=8), comm_stream=torch.cuda.Stream())
     plan = WavePlan.make(num_ranks=ep.size, num_local_experts=e, num_waves=1)
     T = 20
     ids = torch.full((T, 2), e * (ep.size - 1), dtype=torch.long, device=ep.device)   # all to the last rank
@@ -229,9 +206,9 @@ def _overflow(ep: EPGroup) -> None:
     xplan = backend.prepare(compute_layout(ids, torch.rand(T, 2, device=ep.device), plan))
     got = backend.dispatch(x, xplan, 0).wait()
     assert got.x_RD.shape[0] == ep.size * 8          # static capacity: never more rows than C per peer
-    backend.combine(got.x_RD.clone(), got.handle, torch.zeros(T, 64, device=ep.device)).wait()
+    backend.combine(got.x_RD.clone(), got.handle, CombineOut(torch.zeros(T, 64, device=ep.device))).wait()
     with pytest.raises(RuntimeError, match=r"capacity overflow in wave 0: rank \d sent 20 rows to rank 1, "
-                                           r"capacity is 8 .*max_tokens_per_rank >= 20"):
+                                           r"capacity is 8 .*SymmOptions.capacity >= 20"):
         backend.check()
     backend.check()                                    # reported once, then cleared
 
@@ -241,85 +218,72 @@ def test_symm_capacity_overflow_reported_by_check():
     run_ranks(_overflow)
 
 
-# ------------------------------------------------------------------------------------ kernel, DeepEP
+# ------------------------------------------------------------------------------------ missing peers
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_symm_kernels_match_torch_on_gpu():
-    from tests.test_symm import KERNEL_CHECKS
+def test_copy_signal_missing_peer_is_recorded_after_the_timeout():
+    """A completion flag that never comes: the waiter gives up after its timeout (the GPU's global timer) and
+    records [1, peer, call] in the fault words, which poison what follows; it returns, no hang, no trap."""
+    from moe_wave.comm.symm_signal import wait_flags
 
-    exec(KERNEL_CHECKS, {"dev": "cuda"})
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_copy_signal_waiter_on_gpu():
-    from tests.test_symm import SIGNAL_CHECKS
-
-    exec(SIGNAL_CHECKS, {"dev": "cuda"})
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_copy_signal_missing_peer_stops_the_rank():
-    """A completion flag that never comes: the waiter traps after its timeout (a CUDA error), no hang."""
-    import subprocess
-    import sys
-
-    code = ("import torch\nfrom moe_wave.comm.symm_signal import wait_flags\n"
-            "f = torch.zeros(2, dtype=torch.int64, device='cuda')\n"
-            "v = torch.tensor([0, 1], device='cuda')\ns = torch.zeros(3, dtype=torch.int64, device='cuda')\n"
-            "wait_flags(f, v, s, timeout_ms=50)\ntorch.cuda.synchronize()\nprint('returned')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "returned" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
-    assert "CopySignal" in r.stderr or "device-side assert" in r.stderr, r.stderr[-2000:]
+    flags = torch.ones(2, dtype=torch.int64, device="cuda")
+    val = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
+    fault = torch.zeros(3, dtype=torch.int64, device="cuda")
+    wait_flags(flags, val, fault, timeout_ms=50)         # call 1: every flag is there (and the kernel compiles)
+    flags[0] = 2                                         # call 2: peer 0 arrives, peer 1 never does
+    torch.cuda.synchronize()   # HOST SYNC: time the second call alone
+    t0 = time.perf_counter()
+    wait_flags(flags, val, fault, timeout_ms=50)
+    torch.cuda.synchronize()   # HOST SYNC: the waiter must have given up and returned
+    elapsed = time.perf_counter() - t0
+    assert fault.tolist() == [1, 1, 2], fault.tolist()
+    assert val.tolist() == [2, 3], "the call number advances, timeout or not"
+    assert 0.04 <= elapsed < 10, elapsed
 
 
-MEMOPS_STALL = r"""
-import os, sys, time
-import torch
-import torch.distributed as dist
-rank, path, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-torch.cuda.set_device(rank)
-dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=2,
-                        device_id=torch.device("cuda", rank))
-from moe_wave import WaveConfig
-from moe_wave.comm import EPGroup
-from moe_wave.comm.layout import WavePlan, compute_layout
-from moe_wave.comm.symm import SymmBackend
-ep = EPGroup.from_process_group()
-be = SymmBackend(ep, wave=WaveConfig(max_tokens_per_rank=64), comm_stream=torch.cuda.Stream(), mode="copy",
-                 signal="memops")
-plan = WavePlan.make(num_ranks=2, num_local_experts=4, num_waves=1)
-g = torch.Generator(device="cuda").manual_seed(rank)
-ids = torch.randint(0, 8, (32, 2), device="cuda", generator=g)
-lay = compute_layout(ids, torch.rand(32, 2, device="cuda", generator=g), plan)
-x = torch.randn(32, 64, device="cuda", generator=g).to(torch.bfloat16)
-for _ in range(2):                       # both ranks: whole exchanges (the signal words are made here)
+def memops_stall_rank(rank: int, path: str, how: str, timeout_ms: int, grace_s: float) -> None:
+    """One rank of ``test_memops_missing_peer_is_named_and_the_rank_stops`` (a process of its own, started as
+    ``python -m tests.test_gpu_comm``): two whole exchanges, then rank 1 stalls while rank 0 dispatches."""
+    from moe_wave.comm import symm_memops
+    from moe_wave.comm.symm import SymmBackend
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    ep = EPGroup.from_process_group()
+    opts = SymmOptions(capacity=64, mode="copy", signal="memops", timeout_ms=timeout_ms, grace_s=grace_s)
+    be = SymmBackend(ep, opts, comm_stream=torch.cuda.Stream())
+    plan = WavePlan.make(num_ranks=2, num_local_experts=4, num_waves=1)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    ids = torch.randint(0, 8, (32, 2), device="cuda", generator=g)
+    lay = compute_layout(ids, torch.rand(32, 2, device="cuda", generator=g), plan)
+    x = torch.randn(32, 64, device="cuda", generator=g).to(torch.bfloat16)
+    for _ in range(2):                       # both ranks: whole exchanges (the signal words are made here)
+        xp = be.prepare(lay)
+        got = be.dispatch(x, xp, 0).wait()
+        be.combine(got.x_RD.clone(), got.handle, CombineOut(torch.zeros(32, 64, device="cuda"))).wait()
+    torch.cuda.synchronize()
     xp = be.prepare(lay)
-    got = be.dispatch(x, xp, 0).wait()
-    be.combine(got.x_RD.clone(), got.handle, torch.zeros(32, 64, device="cuda")).wait()
-torch.cuda.synchronize()
-xp = be.prepare(lay)
-if rank == 1:                            # passes prepare, then never dispatches
-    torch.cuda.synchronize()
-    print("rank 1 stalls", flush=True)
-    time.sleep(60)
+    if rank == 1:                            # passes prepare, then never dispatches
+        torch.cuda.synchronize()
+        print("rank 1 stalls", flush=True)
+        time.sleep(60)
+        os._exit(0)
+    t0 = time.time()
+    be.dispatch(x, xp, 0).wait()
+    if how == "raise":                       # the host runs on (no sync) and calls the backend again
+        while symm_memops.watchdog().error is None and time.time() - t0 < 30:
+            time.sleep(0.05)
+        try:
+            be.dispatch(x, xp, 0)
+        except RuntimeError as e:
+            print(f"raised: {e}", flush=True)
+            os._exit(3)
+    else:                                    # the host blocks in a sync: released (best effort) or ended
+        torch.cuda.synchronize()
+        print(f"released after {time.time() - t0:.1f} s", flush=True)
+        time.sleep(60)                       # never calls the backend again: the watchdog ends the process
+    print("no error", flush=True)
     os._exit(0)
-from moe_wave.comm import symm_memops
-t0 = time.time()
-be.dispatch(x, xp, 0).wait()
-if how == "raise":                       # the host runs on (no sync) and calls the backend again
-    while symm_memops.watchdog().error is None and time.time() - t0 < 30:
-        time.sleep(0.05)
-    try:
-        be.dispatch(x, xp, 0)
-    except RuntimeError as e:
-        print(f"raised: {e}", flush=True)
-        os._exit(3)
-else:                                    # the host blocks in a sync: released (best effort) or ended
-    torch.cuda.synchronize()
-    print(f"released after {time.time() - t0:.1f} s", flush=True)
-    time.sleep(60)                       # never calls the backend again: the watchdog ends the process
-print("no error", flush=True)
-os._exit(0)
-"""
 
 
 @pytest.mark.multigpu
@@ -329,8 +293,6 @@ def test_memops_missing_peer_is_named_and_the_rank_stops():
     period: never a hang. Whether the best-effort release reached the stuck stream is reported as a
     warning."""
     import subprocess
-    import sys
-    import time
     import warnings
 
     from moe_wave.comm import symm_memops
@@ -341,13 +303,15 @@ def test_memops_missing_peer_is_named_and_the_rank_stops():
         pytest.skip("starts its own two ranks: run once, by rank 0")
     if symm_memops.available():
         pytest.skip(symm_memops.available())
-    env = dict(os.environ, MOE_WAVE_SYMM_TIMEOUT_MS="1500", MOE_WAVE_SYMM_GRACE_S="3",
-               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for how, code in (("raise", 3), ("exit", 1)):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.time()
-            procs = [subprocess.Popen([sys.executable, "-c", MEMOPS_STALL, str(r), os.path.join(tmp, "store"), how],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            # SymmOptions(timeout_ms=1500, grace_s=3) in each rank
+            procs = [subprocess.Popen([sys.executable, "-m", "tests.test_gpu_comm", str(r), os.path.join(tmp, "store"),
+                                       how, "1500", "3"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
                      for r in range(2)]
             try:
                 out0, _ = procs[0].communicate(timeout=120)
@@ -379,3 +343,7 @@ def _deepep_vs_torch(ep: EPGroup) -> None:
 @pytest.mark.skipif(not HAS_DEEPEP, reason="deep_ep is not installed")
 def test_deepep_matches_torch_backend():
     run_ranks(_deepep_vs_torch)
+
+
+if __name__ == "__main__":     # one rank of the memops stall test (see memops_stall_rank)
+    memops_stall_rank(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
