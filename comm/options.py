@@ -1,4 +1,4 @@
-"""Typed options of the ``symm`` backend: what used to travel through ``MOE_WAVE_SYMM_*`` variables.
+"""Typed options of the ``symm`` backend, with the environment variable each one is read from by the CLI.
 
 The library never reads the environment for these. ``moe_wave.env.read_env`` maps the variables onto the
 fields below for the CLI and the launch scripts, under one rule: an explicit argument wins over the

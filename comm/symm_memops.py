@@ -19,7 +19,7 @@ A word is set again only after its owner has reset it: p writes my flag[p] again
 exchange only after step 2 there, which needs my step-1 write of that exchange, which my stream
 issues after my step-5 reset. The same holds for the acknowledgements. Without steps 1-2 a peer one
 exchange ahead could set my flag again before I have reset it, and the second signal would be lost
-(a hang: a benchmark that replays one dispatch graph back to back did hang that way).
+(a hang: one dispatch graph replayed back to back runs into exactly that).
 
 **Bounded waits.** A memory-operation wait has no deadline of its own. Before each wait the stream
 writes a code (peer, step, call) into a word of pinned host memory, and 0 after the last one; a
