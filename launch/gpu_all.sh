@@ -6,12 +6,13 @@
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
 #   stream memory operations); T_<STAGE>=seconds sets a stage's time limit.
 #
-# Full results go to RES (default results/<date>); when the device tool's $OUT is set they are
-# packed into $OUT/results.tgz (it brings back at most 8 files). A short table is printed last.
+# Full results go to RES: a fresh folder per run (results/<date>-<time>, or a mktemp -d folder when the
+# device tool's $OUT is set; pass RES=<folder> to reuse one, e.g. to resume a sweep's CSV). With $OUT they
+# are packed into $OUT/results.tgz (it brings back at most 8 files). A short table is printed last.
 # Each stage has its own time limit so that one hang cannot eat the whole run.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"      # NVLink multicast off, REPO_ROOT
+cd "$REPO_ROOT"
 export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 # A copy of the tree without .git (the GPU host): pass MOE_WAVE_GIT_SHA=<commit> so results name it.
 export MOE_WAVE_GIT_SHA="${MOE_WAVE_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
@@ -24,15 +25,20 @@ for a in "$@"; do
     esac
 done
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests moe graph comm attn sweep)
-if [ -n "${OUT:-}" ]; then RES="${RES:-/tmp/moe_wave_results}"; else RES="${RES:-results/$(date +%Y-%m-%d)}"; fi
+if [ -z "${RES:-}" ]; then
+    if [ -n "${OUT:-}" ]; then RES="$(mktemp -d "${TMPDIR:-/tmp}/moe_wave_results.XXXXXX")"
+    else RES="results/$(date +%Y-%m-%d-%H%M%S)"; fi
+fi
 mkdir -p "$RES"
+echo "results in $RES"
 LOG="$RES/gpu_all.log"
 PY="${PYTHON:-python3}"
 NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
 
-# moe_wave mounts ../comm as moe_wave.comm when run from a plain checkout (no install needed).
+# a plain checkout runs without an install (moe_wave/comm links to ../comm)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+MULTI_TESTS=(tests/test_gpu_moe.py tests/test_gpu_comm.py $(ls tests/test_gpu_faults.py 2>/dev/null))
 
 {
     date -u +"date %Y-%m-%dT%H:%M:%SZ"
@@ -57,20 +63,20 @@ for s in "${STAGES[@]}"; do
     case "$s" in
         tests)
             stage tests_multi ${T_TESTS:-120} "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
-                tests/test_gpu_moe.py $(ls tests/test_gpu_comm.py 2>/dev/null)
+                "${MULTI_TESTS[@]}"
             stage tests_single ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
-                $(ls tests/test_gpu_attention.py 2>/dev/null)
+                tests/test_gpu_attention.py
             # every schedule bit-identical to the serial one, layer by layer (V4-Flash layers, one GPU)
             stage check_stack ${T_CHECK:-120} "$PY" launch/check_stack.py --repeats 2 ;;
-        commtests)  # the multi-GPU tests only (comm backends, WaveMoE)
+        commtests)  # the multi-GPU tests only (comm backends, their failure paths, WaveMoE)
             stage tests_multi ${T_TESTS:-120} "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
-                tests/test_gpu_moe.py tests/test_gpu_comm.py ;;
+                "${MULTI_TESTS[@]}" ;;
         moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
         graph) # the symm backend with every kind replayed from a CUDA graph: SM copies vs copy engines
-               stage bench_moe_graph_kernel ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=kernel "${TR[@]}" launch/bench_moe.py \
-                   --quick --shapes v4-flash,balanced --backend symm --graph --capacity measured --out "$RES/moe_graph_kernel.json"
-               stage bench_moe_graph_copy ${T_GRAPH:-200} env MOE_WAVE_SYMM_MODE=copy "${TR[@]}" launch/bench_moe.py \
-                   --quick --shapes v4-flash,balanced --backend symm --graph --capacity measured --out "$RES/moe_graph_copy.json" ;;
+               for mode in kernel copy; do
+                   stage bench_moe_graph_$mode ${T_GRAPH:-200} "${TR[@]}" launch/bench_moe.py --quick --shapes v4-flash,balanced \
+                       --backend symm --symm-mode $mode --graph --capacity measured --out "$RES/moe_graph_$mode.json"
+               done ;;
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json"
                stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa ;;

@@ -46,39 +46,51 @@ def moe_table(moe, name: str) -> None:
           f"{name}: best W per shape/tokens, shared in bubbles")
 
 
+def _comm_key_rows(comm) -> list:
+    """The V4-Flash rows at 128 and 4096 tokens and the bytes rows at 16 and 64 MB, with their hidden fractions
+    (against each row's own GEMM time; paired differences where the run measured them)."""
+    rows = []
+    for r in comm["rows"]:
+        if r["backend"].endswith("-tune") or "alone_us" not in r:
+            continue
+        if not (r.get("layout") == "v4-flash" and r.get("tokens_per_rank") in (128, 4096)
+                or r.get("layout") == "bytes" and r.get("bytes_per_rank") in (16 * 2**20, 64 * 2**20)):
+            continue
+        r = dict(r, MB=round(r["bytes_per_rank"] / 2**20, 1), graph=bool(r.get("graph")))
+        g_us = r.get("gemm_row_us", r.get("gemm_us", 0))
+        if "beside_gemm_us" in r:
+            r["hidden"] = round(1 - r.get("exposed_us", r["beside_gemm_us"] - g_us) / r["alone_us"], 2)
+        if "beside_gemm_transfer_us" in r:     # the exchanges alone, the sum left to the consumer
+            exp = r.get("exposed_transfer_us", r["beside_gemm_transfer_us"] - g_us)
+            r["hidden_transfer"] = round(1 - exp / r["transfer_us"], 2)
+        if "algbw_GBps" in r:
+            r["pct_p2p"] = round(100 * r["algbw_GBps"] / r["p2p_limit_GBps"])
+        rows.append(r)
+    return rows
+
+
+def comm_tables(comm) -> None:
+    if not comm:
+        return
+    table(_comm_key_rows(comm), ["backend", "graph", "layout", "tokens_per_rank", "MB", "prepare_us", "dispatch_us",
+                                 "combine_us", "combine_accumulate_us", "alone_us", "beside_gemm_us", "gemm_row_us",
+                                 "hidden", "transfer_us", "hidden_transfer", "pct_p2p"],
+          f"comm (key rows; P2P limit {comm['rows'][0].get('p2p_limit_GBps', 0):.0f} GB/s)")
+    tune = [dict(r, hidden=round(1 - (r.get("beside_gemm_carveout_us", r.get("beside_gemm_us", 0))
+                                      - r.get("gemm_us", 0)) / r["alone_us"], 2) if "gemm_us" in r else "")
+            for r in comm["rows"] if r["backend"].endswith("-tune")]
+    table(tune, ["backend", "copy_block", "copy_warps", "copy_rows", "copy_grid", "carveout_sms", "dispatch_us",
+                 "combine_us", "alone_us", "gemm_carveout_us", "beside_gemm_carveout_us", "hidden",
+                 "hidden_vs_best"], "symm tune (V4-Flash 4096, graphs; hidden against the whole GEMM)")
+    table([r for r in comm["rows"] if r.get("skipped")], ["backend", "layout", "tokens_per_rank", "skipped"],
+          "comm rows skipped")
+
+
 def main(out: str) -> None:
     out = Path(out)
     for path in sorted(out.glob("moe*.json")):
         moe_table(_load(path), path.name)
-    comm = _load(out / "comm.json")
-    if comm:
-        rows = []
-        for r in comm["rows"]:
-            if r["backend"].endswith("-tune") or "alone_us" not in r:
-                continue
-            if (r.get("layout") == "v4-flash" and r.get("tokens_per_rank") in (128, 4096)
-                    or r.get("layout") == "bytes" and r.get("bytes_per_rank") in (16 * 2**20, 64 * 2**20)):
-                r = dict(r, MB=round(r["bytes_per_rank"] / 2**20, 1), graph=bool(r.get("graph")))
-                g_us = r.get("gemm_row_us", r.get("gemm_us", 0))    # the GEMM timed in the same row
-                if "beside_gemm_us" in r:     # paired differences (exposed_us) where the run measured them
-                    exp = r.get("exposed_us", r["beside_gemm_us"] - g_us)
-                    r["hidden"] = round(1 - exp / r["alone_us"], 2)
-                if "beside_gemm_transfer_us" in r:     # the exchanges alone, the sum left to the consumer
-                    exp = r.get("exposed_transfer_us", r["beside_gemm_transfer_us"] - g_us)
-                    r["hidden_transfer"] = round(1 - exp / r["transfer_us"], 2)
-                if "algbw_GBps" in r:
-                    r["pct_p2p"] = round(100 * r["algbw_GBps"] / r["p2p_limit_GBps"])
-                rows.append(r)
-        table(rows, ["backend", "graph", "layout", "tokens_per_rank", "MB", "prepare_us", "dispatch_us",
-                     "combine_us", "combine_accumulate_us", "alone_us", "beside_gemm_us", "gemm_row_us", "hidden",
-                     "transfer_us", "hidden_transfer", "pct_p2p"],
-              f"comm (key rows; P2P limit {comm['rows'][0].get('p2p_limit_GBps', 0):.0f} GB/s)")
-        tune = [dict(r, hidden=round(1 - (r.get("beside_gemm_carveout_us", r.get("beside_gemm_us", 0))
-                                          - r.get("gemm_us", 0)) / r["alone_us"], 2) if "gemm_us" in r else "")
-                for r in comm["rows"] if r["backend"].endswith("-tune")]
-        table(tune, ["backend", "copy_block", "copy_warps", "copy_rows", "copy_grid", "carveout_sms", "dispatch_us",
-                     "combine_us", "alone_us", "gemm_carveout_us", "beside_gemm_carveout_us", "hidden",
-                     "hidden_vs_best"], "symm tune (V4-Flash 4096, graphs; hidden against the whole GEMM)")
+    comm_tables(_load(out / "comm.json"))
     attn = _load(out / "attn.json")
     if attn:
         table(attn["rows"][:16], ["shape", "layer_type", "mode", "tokens", "cuda_graph", "serial_us",
