@@ -17,25 +17,30 @@ left out. Calibration (``calibrate``) times F, comm-only and routed-compute-only
 (4, or fewer local experts) on the first real batch and fits a, X, o, C from the two points.
 
 The choice is cached per shape key (device, ranks, D, I, E, K, dtype, backend, partition, T rounded up
-to a power of two) in this process and in a JSON file: ``$MOE_WAVE_CACHE`` (a file, or a folder that
-gets ``autowave.json``; ``off`` disables the file), else ``~/.cache/moe_wave/autowave.json``. Every
-rank takes the same decision: times are maxed over ranks, and a cache hit counts only if every rank hit.
+to a power of two) in this process, and in a JSON file only where ``WaveConfig.autowave_cache`` names one
+(a ``.json`` path, or a folder that gets ``autowave.json``). A malformed file or entry is a miss, with one
+warning naming the file. Every rank takes the same decision: times are maxed over ranks, and a cache hit
+counts only if every rank hit.
+
+``resolve`` returns the choice (``AutoChoice``: the plan and where it came from); ``WaveMoE`` assigns it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from moe_wave.comm.layout import WavePlan, compute_layout
+from moe_wave.comm.layout import WavePlan
 
-__all__ = ["CostModel", "calibrate", "choose_waves", "resolve", "shape_key", "cache_path", "clear_memory_cache"]
+from .probe import probe_times
+
+__all__ = ["AutoChoice", "CostModel", "calibrate", "choose_waves", "resolve", "shape_key", "cache_path",
+           "clear_memory_cache"]
 
 _MEMORY: dict[str, dict] = {}
 TIE_TOL = 0.02  # prefer the smaller W when its predicted time is within 2% of the best
@@ -97,39 +102,63 @@ def choose_waves(model: CostModel, max_waves: int = 8) -> int:
 
 # ----------------------------------------------------------------------------- cache
 
-def cache_path() -> Path | None:
-    env = os.environ.get("MOE_WAVE_CACHE")
-    if env is not None and env.strip().lower() in ("", "0", "off", "none"):
+_WARNED: set[str] = set()
+
+
+def cache_path(setting: str | os.PathLike | None) -> Path | None:
+    """The cache file of a ``WaveConfig.autowave_cache`` setting: None (this process only), a ``.json``
+    path, or a folder that gets ``autowave.json``."""
+    if setting is None:
         return None
-    p = Path(env) if env else Path.home() / ".cache" / "moe_wave"
-    return p / "autowave.json" if p.suffix != ".json" else p
+    p = Path(setting).expanduser()
+    return p if p.suffix == ".json" else p / "autowave.json"
 
 
-def _read_file() -> dict:
-    p = cache_path()
+def _miss(path: Path, why: str) -> None:
+    """A malformed cache must not fail the forward: one warning per file, then it counts as a miss."""
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        warnings.warn(f"autowave cache {path}: {why}; ignored (the wave count is measured again)", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _read_file(path: Path | None) -> dict:
+    if path is None or not path.exists():
+        return {}
     try:
-        return json.loads(p.read_text()) if p is not None and p.exists() else {}
-    except (OSError, ValueError):
-        return {}  # a corrupt or unreadable cache is a miss, never an error
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        _miss(path, f"unreadable ({type(e).__name__}: {e})")
+        return {}
+    if not isinstance(data, dict):
+        _miss(path, f"holds a {type(data).__name__}, not an object of entries")
+        return {}
+    return data
 
 
-def _write_file(key: str, entry: dict) -> None:
-    p = cache_path()
-    if p is None:
+def _valid(entry, max_waves: int) -> bool:
+    W = entry.get("num_waves") if isinstance(entry, dict) else None
+    return isinstance(W, int) and not isinstance(W, bool) and 1 <= W <= max_waves
+
+
+def _write_file(path: Path | None, key: str, entry: dict) -> None:
+    if path is None:
         return
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_file(path)
         data[key] = entry
-        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, p)
-    except OSError:
-        pass  # a read-only home must not break the forward pass
+        os.replace(tmp, path)
+    except OSError as e:
+        _miss(path, f"not writable ({e})")   # a read-only folder must not break the forward pass
 
 
 def clear_memory_cache() -> None:
+    """Forget this process's choices (and which cache files were already warned about)."""
     _MEMORY.clear()
+    _WARNED.clear()
 
 
 def shape_key(moe, tokens: int) -> str:
@@ -141,61 +170,69 @@ def shape_key(moe, tokens: int) -> str:
             f"{str(moe.gate.weight.dtype).removeprefix('torch.')}|{wave.backend}|{wave.partition}|T{bucket}")
 
 
-def _lookup(key: str) -> tuple[dict | None, str]:
+def _lookup(path: Path | None, key: str, max_waves: int) -> tuple[dict | None, str]:
     if key in _MEMORY:
         return _MEMORY[key], "memory"
-    entry = _read_file().get(key)
-    return (entry, "file") if entry is not None else (None, "")
+    entry = _read_file(path).get(key)
+    if entry is None:
+        return None, ""
+    if not _valid(entry, max_waves):
+        _miss(path, f"entry {key!r} is {entry!r}: needs num_waves, an int in [1, {max_waves}]")
+        return None, ""
+    return entry, "file"
 
 
 # ----------------------------------------------------------------------------- calibration
 
+def max_waves_of(moe) -> int:
+    """The largest W the model considers: 8, or the local expert count when waves are blocks of experts."""
+    return min(8, moe.num_local) if moe.wave.partition == "experts" else 8
+
+
+def _plan(moe, W: int) -> WavePlan:
+    return WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=W,
+                         partition=moe.wave.partition)
+
+
 @torch.no_grad()
 def calibrate(moe, x_TD, ids_TK, w_TK, iters: int = 5, warmup: int = 1) -> tuple[CostModel, int]:
     """Fit the cost model on this batch (every rank together). Returns (model, max_waves)."""
-    from .bench import Timer, comm_only, compute_only, pre_receive  # bench imports moe, moe imports us lazily
-
-    e, P = moe.num_local, moe.ep.size
-    max_waves = min(8, e) if moe.wave.partition == "experts" else 8
+    max_waves = max_waves_of(moe)
     Wc = min(4, max_waves)
-    plans = {W: WavePlan.make(num_ranks=P, num_local_experts=e, num_waves=W, partition=moe.wave.partition)
-             for W in (1, Wc)}
-    timer = Timer(moe.ep, flush_l2=False)
-
-    def med(fn) -> float:
-        return statistics.median(timer.run(lambda i: fn(), iters, warmup))
-
-    fixed = med(lambda: moe.backend.prepare(compute_layout(ids_TK, w_TK, plans[1])))
-    comm = {W: med(lambda W=W: comm_only(moe, x_TD, ids_TK, w_TK, plans[W])) for W in plans}
-    got = {W: pre_receive(moe, x_TD, ids_TK, w_TK, plans[W]) for W in plans}
-    comp = {W: med(lambda W=W: compute_only(moe, x_TD, got[W], shared=False)) for W in plans}
-    fixed, c1, cW, k1, kW = timer.max_over_ranks([fixed, comm[1], comm[Wc], comp[1], comp[Wc]])
+    t = probe_times(moe.backend, moe.routed_rows, x_TD, ids_TK, w_TK, [_plan(moe, W) for W in dict.fromkeys((1, Wc))],
+                    ep=moe.ep, iters=iters, warmup=warmup)
     if Wc == 1:
-        return CostModel(fixed_us=fixed, comm_us=max(0.0, (c1 - fixed) / 2), comm_op_us=0.0,
-                         compute_us=k1, compute_wave_us=0.0), 1
-    return CostModel.fit(Wc, fixed, c1, cW, k1, kW), max_waves
+        return CostModel(fixed_us=t.fixed_us, comm_us=max(0.0, (t.comm_us[1] - t.fixed_us) / 2), comm_op_us=0.0,
+                         compute_us=t.compute_us[1], compute_wave_us=0.0), 1
+    return CostModel.fit(Wc, t.fixed_us, t.comm_us[1], t.comm_us[Wc], t.compute_us[1], t.compute_us[Wc]), max_waves
 
 
-def _gather(moe, value) -> list:
-    if moe.ep.pg is None:
-        return [value]
-    vals = [None] * moe.ep.size
-    dist.all_gather_object(vals, value, group=moe.ep.pg)
-    return vals
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``resolve`` chose.
+
+    Attributes:
+        plan: the wave plan to run.
+        source: "memory", "file" (a cache hit), "measured" (calibrated now) or "empty" (no tokens anywhere).
+        model: the fitted CostModel when measured, else None.
+    """
+
+    plan: WavePlan
+    source: str
+    model: CostModel | None = None
 
 
-def resolve(moe, x_TD, ids_TK, w_TK) -> int:
-    """Give an ``auto`` WaveMoE its wave plan (once, at its first forward); returns W.
+def resolve(moe, x_TD, ids_TK, w_TK) -> AutoChoice:
+    """The wave plan of a ``num_waves="auto"`` WaveMoE for this batch's shape (see the module docstring).
 
-    Every rank must call it together (it is called from ``WaveMoE.forward_routed``). Sets
-    ``moe.plan``, ``moe.auto_source`` ("memory", "file", "measured" or "empty") and
-    ``moe.auto_model`` (the CostModel, or None on a cache hit)."""
-    if moe.wave.num_waves != "auto" or moe.wave.experts_per_wave is not None or moe.__dict__.get("_auto_done"):
-        return moe.plan.num_waves
-    T = max(_gather(moe, int(x_TD.shape[0])))  # the key (and so W) must be the same on every rank
+    Every rank must call it together (``WaveMoE.forward_routed`` does, at its first forward); every rank
+    gets the same choice. Reads ``moe`` (its shapes, backend, expert function, group), never changes it."""
+    T = max(moe.ep.gather_objects(int(x_TD.shape[0])))  # the key (and so W) must be the same on every rank
     key = shape_key(moe, T)
-    entry, source = _lookup(key)
-    hits = _gather(moe, None if entry is None else entry["num_waves"])
+    path = cache_path(moe.wave.autowave_cache)
+    max_waves = max_waves_of(moe)
+    entry, source = _lookup(path, key, max_waves)
+    hits = moe.ep.gather_objects(None if entry is None else entry["num_waves"])
     model = None
     if T == 0:
         W, source = 1, "empty"
@@ -208,11 +245,7 @@ def resolve(moe, x_TD, ids_TK, w_TK) -> int:
                  "predicted_us": {str(w): round(model.predict(w), 2) for w in candidates(max_waves)}}
         _MEMORY[key] = entry
         if moe.ep.rank == 0:
-            _write_file(key, entry)
+            _write_file(path, key, entry)
     if source == "file":
         _MEMORY[key] = entry
-    moe.plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=W,
-                             partition=moe.wave.partition)
-    moe.auto_source, moe.auto_model = source, model
-    moe._auto_done = True
-    return moe.plan.num_waves
+    return AutoChoice(plan=_plan(moe, W), source=source, model=model)

@@ -1,9 +1,13 @@
-"""Command line: ``python -m moe_wave info`` and ``python -m moe_wave demo``.
+"""Command line: ``python -m moe_wave info | demo | sweep | plot``.
 
 ``demo`` runs a stack of V4 decoder layers (attention + mHC + expert-parallel MoE) serial vs
-overlapped and checks the results (``moe_wave.demo``). Without a launcher it spawns its own ranks
+overlapped and checks the results (``moe_wave.tools.demo``). Without a launcher it spawns its own ranks
 (CPU: gloo, ``--ranks``; GPU host: every local GPU with NCCL); under torchrun or mpirun it joins the
-launcher's ranks.
+launcher's ranks. ``sweep`` and ``plot``: ``moe_wave.tools.sweep``.
+
+The environment is read here, once per command (``moe_wave.env.read_env``), and merged with the flags under
+one rule: a flag given > its ``MOE_WAVE_*`` variable > the default. The ranks get the result as arguments
+(the ``WaveConfig`` / ``SymmOptions`` their function builds), never through the environment.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ import torch
 
 import moe_wave
 from moe_wave.comm import detect_launcher, init_from_env, spawn
-from moe_wave.demo import format_table, print_demo, resolve_defaults, run_demo_rank
+from moe_wave.env import VARIABLES, EnvSettings, read_env
+from moe_wave.profiling import set_nvtx
+from moe_wave.tools import sweep
+from moe_wave.tools.demo import format_table, print_demo, resolve_defaults, run_demo_rank
+from moe_wave.tools.flags import HelpFormatter, add_symm_args
 
 __all__ = ["main", "build_parser", "run_demo_rank", "format_table"]
 
@@ -49,7 +57,10 @@ def _devices() -> list[str]:
     return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
 
 
-def info_lines() -> list[tuple[str, str]]:
+def info_lines(environ=None) -> list[tuple[str, str]]:
+    """The rows of ``info``; ``environ`` (default ``os.environ``) is read once, through ``read_env``."""
+    environ = os.environ if environ is None else environ
+    read_env(environ)   # a malformed MOE_WAVE_* value is an error here too
     accel = "none"
     if torch.version.hip:
         accel = f"HIP {torch.version.hip}"
@@ -70,12 +81,16 @@ def info_lines() -> list[tuple[str, str]]:
     launch = detect_launcher()
     rows += [("devices", ", ".join(_devices())), ("comm backends", ", ".join(comm_backends())),
              ("launcher", f"{launch.kind} (rank {launch.rank}/{launch.world_size}, "
-                          f"local {launch.local_rank}/{launch.local_world_size})")]
+                          f"local {launch.local_rank}/{launch.local_world_size})"),
+             ("environment", ", ".join(f"{v}={environ[v]}" for v in VARIABLES if v in environ) or "no MOE_WAVE_*")]
     return rows
 
 
 def cmd_info(args) -> int:
-    rows = info_lines()
+    try:
+        rows = info_lines()
+    except ValueError as e:
+        raise SystemExit(f"moe-wave info: {e}") from None
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -84,30 +99,20 @@ def cmd_info(args) -> int:
 
 # ----------------------------------------------------------------------------- demo
 
-# --symm-* flags -> the symm backend's environment (read by every rank's SymmBackend, spawned ranks inherit it)
-SYMM_FLAGS = (("symm_mode", "MOE_WAVE_SYMM_MODE", {"auto": "auto", "kernel": "kernel", "copy": "copy"}),
-              ("symm_dense", "MOE_WAVE_SYMM_DENSE", {"auto": "auto", "on": "1", "off": "0"}),
-              ("symm_signal", "MOE_WAVE_SYMM_SIGNAL", {"barrier": "barrier", "flags": "flags", "memops": "memops"}))
-
-
-def apply_symm_flags(args, env=None) -> None:
-    """Set the symm backend's environment from the demo's --symm-* flags (those given)."""
-    env = os.environ if env is None else env
-    given = [f"--{name.replace('_', '-')}" for name, _, _ in SYMM_FLAGS if getattr(args, name, None) is not None]
-    if given and args.backend != "symm":
-        raise ValueError(f"{', '.join(given)}: only with --backend symm (--backend is {args.backend!r})")
-    for name, var, values in SYMM_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None:
-            env[var] = values[value]
+def demo_args(args, environ=None):
+    """``args`` completed (``resolve_defaults``) with the environment (default ``os.environ``), read once."""
+    env: EnvSettings = read_env(environ)
+    resolve_defaults(args, env)
+    args.high_priority = env.pick("nccl_high_priority", None, True)
+    return args
 
 
 def cmd_demo(args) -> int:
     try:
-        resolve_defaults(args)
-        apply_symm_flags(args)
+        demo_args(args)
     except ValueError as e:
         raise SystemExit(f"moe-wave demo: {e}") from None
+    set_nvtx(args.nvtx)
     launch = detect_launcher()
     if launch.kind == "none":
         row = spawn(run_demo_rank, None if args.ranks is None else args.ranks, args=(args,),
@@ -115,7 +120,7 @@ def cmd_demo(args) -> int:
     else:
         import torch.distributed as dist
 
-        ep = init_from_env(timeout_s=args.timeout)
+        ep = init_from_env(timeout_s=args.timeout, high_priority=args.high_priority)
         try:
             row = run_demo_rank(ep, args)
         finally:
@@ -133,13 +138,6 @@ def _waves(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the None of preset-dependent flags (their help says what they become)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-wave", description="Expert-parallel MoE engine for DeepSeek-V4.")
     p.add_argument("--version", action="version", version=f"moe-wave {moe_wave.__version__}")
@@ -147,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, devices, comm backends, launcher").set_defaults(func=cmd_info)
 
     d = sub.add_parser("demo", help="run a stack of V4 decoder layers over EP ranks, serial vs overlapped, "
-                       "and check the results", formatter_class=_HelpFormatter)
+                       "and check the results", formatter_class=HelpFormatter)
     d.add_argument("--ranks", type=int, default=None,
                    help="ranks to spawn without a launcher (default: every GPU, or 2 on CPU)")
     d.add_argument("--preset", choices=("tiny", "v4-flash", "v4-pro"), default=None,
@@ -160,31 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--waves", type=_waves, default=2, help="number of waves W, or 'auto'")
     d.add_argument("--partition", choices=("experts", "tokens"), default="experts")
     d.add_argument("--backend", choices=("torch", "symm", "deepep"), default="torch", help="comm backend")
-    d.add_argument("--symm-mode", choices=("auto", "kernel", "copy"), default=None,
-                   help="symm backend: SM copies (kernel), copy engines (copy), or auto: dense copy mode where its "
-                        "blocks fill and the capacity is >= 1024 tokens, kernel mode below (env MOE_WAVE_SYMM_MODE)")
-    d.add_argument("--symm-dense", choices=("auto", "on", "off"), default=None,
-                   help="symm copy mode: send each wave's tokens whole, with no pack kernel; auto where a block is "
-                        "expected to be >= 80%% useful (env MOE_WAVE_SYMM_DENSE)")
-    d.add_argument("--symm-signal", choices=("barrier", "flags", "memops"), default=None,
-                   help="symm: what closes an exchange: the barrier kernel, copy-engine completion flags, or stream "
-                        "memory operations (no SM; a watchdog bounds the wait) (env MOE_WAVE_SYMM_SIGNAL)")
-    d.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+    d.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="MoE wave pipeline with overlap in the overlapped run (--no-overlap: the serial "
-                        "schedule there too); env MOE_WAVE_OVERLAP=0 overrides")
+                        "schedule there too). Default: env MOE_WAVE_OVERLAP, else on")
     d.add_argument("--attn-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="attention branches on side streams in the overlapped run (--no-attn-overlap: one "
                         "stream). Default: env MOE_WAVE_ATTN_OVERLAP, else on")
+    d.add_argument("--attn-kernels", choices=("auto", "on", "off"), default=None,
+                   help="the attention's fused Triton kernels: auto (on a GPU), on (also on CPU under "
+                        "TRITON_INTERPRET=1), off. Default: env MOE_WAVE_ATTN_KERNELS, else auto")
+    d.add_argument("--autowave-cache", default=None, metavar="PATH",
+                   help="--waves auto: where the wave choices persist, a .json file or a folder. Default: env "
+                        "MOE_WAVE_CACHE, else this run only")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 (tiny), bfloat16 (v4-flash, v4-pro)")
     d.add_argument("--iters", type=int, default=None, help="timed iterations per mode (default: 3 tiny, else 10)")
     d.add_argument("--warmup", type=int, default=None, help="warm-up iterations per mode (default: 1 tiny, else 3)")
     d.add_argument("--timeout", type=float, default=60, help="collective timeout in seconds")
+    add_symm_args(d)
     d.set_defaults(func=cmd_demo)
-
-    from moe_wave import sweep  # sweep + plot (owned by the benchmark side)
-
     sweep.register(sub)
     return p
 

@@ -14,8 +14,8 @@ traffic per wave. These kernels read n on the device and skip the pairs past it:
     weighted_sum(out_JD, pos_RK, w_RK, n) y[r] = sum over k in order of w[r, k] * out[pos[r, k]] for
                                           the slots with pos < n, in fp32; rows with none are 0
 
-Each has a torch twin (``*_torch``) with the same meaning; the CI compares them under
-``TRITON_INTERPRET=1`` (tests/test_moe.py).
+Each has a torch twin (``*_torch``) with the same meaning; tests/test_moe.py compares them (on CPU under
+``TRITON_INTERPRET=1``). The kernels run wherever Triton does (``moe_wave.comm.triton_gate``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from moe_wave.comm.backend import rows_of
-from moe_wave.comm.triton_gate import tl, triton, triton_ok
+from moe_wave.comm.triton_gate import tl, triton
 
 __all__ = ["gather_rows", "gather_rows_torch", "swiglu_rows", "swiglu_rows_torch", "weighted_sum",
-           "weighted_sum_torch", "triton_ok"]
+           "weighted_sum_torch"]
 
 BLOCK_D = 1024
 

@@ -143,7 +143,7 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
 def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
     """The device-count path's kernels (``expert_kernels``) run here: a GPU with Triton and the grouped GEMM,
     and experts whose forward is ours (a subclass with its own forward keeps the generic path)."""
-    from .expert_kernels import triton_ok
+    from moe_wave.comm.triton_gate import triton_ok
 
     return (x_RD.is_cuda and type(experts).forward is RoutedExperts.forward and triton_ok(x_RD.device)
             and _grouped_ok(experts.grouped_mm, x_RD))

@@ -62,12 +62,13 @@ class V4DecoderLayer(nn.Module):
                 moe_overlap: bool | None = None) -> torch.Tensor:
         """``overlap`` overrides the attention's stream schedule, ``moe_overlap`` the MoE's wave pipeline
         (None: their configured ``ScheduleConfig`` / ``WaveConfig``)."""
+        k = self.attn.schedule.kernels
         h, post, comb = self.attn_hc.hc_pre(X)
-        o = self.attn(rms_norm(h, self.attn_norm, self.eps), positions=positions, cache=cache,
+        o = self.attn(rms_norm(h, self.attn_norm, self.eps, k), positions=positions, cache=cache,
                       validate=validate, overlap=overlap)
         X = hc_post(o, X, post, comb)
         h, post, comb = self.ffn_hc.hc_pre(X)
         B, S, D = h.shape
         ids = None if input_ids is None else input_ids.reshape(-1)
-        y = self.moe(rms_norm(h, self.ffn_norm, self.eps).reshape(B * S, D), input_ids=ids, overlap=moe_overlap)
+        y = self.moe(rms_norm(h, self.ffn_norm, self.eps, k).reshape(B * S, D), input_ids=ids, overlap=moe_overlap)
         return hc_post(y.view(B, S, D), X, post, comb)

@@ -11,6 +11,8 @@ W waves, R received rows, C shared down_proj chunks.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -19,6 +21,7 @@ from moe_wave.comm import streams as st
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.torch_backend import TorchBackend
 
+from . import autowave
 from .config import MoEConfig, WaveConfig, require_hf
 from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
 from .pipeline import run_waves
@@ -38,6 +41,17 @@ def make_backend(name: str, ep: EPGroup, streams: st.Streams, cfg: MoEConfig, wa
         from moe_wave.comm.deepep import DeepEPBackend
         return DeepEPBackend(ep, hidden_size=cfg.hidden_size, comm_stream=streams.comm)
     raise ValueError(f"backend={name!r}: must be one of ('torch', 'symm', 'deepep')")
+
+
+def _check_agree(ep: EPGroup, cfg: MoEConfig, wave: WaveConfig, dtype: torch.dtype) -> None:
+    """Every setting that must agree between ranks, in one gather (the same ValueError on every rank)."""
+    ep.check_same("WaveMoE settings", {
+        "MoE shape (hidden, intermediate, num_experts, top_k)":
+            (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k),
+        "WaveConfig (num_waves, experts_per_wave, partition, backend, overlap, shared_placement)":
+            (wave.num_waves, wave.experts_per_wave, wave.partition, wave.backend, wave.overlap,
+             wave.shared_placement),
+        "SymmOptions": wave.symm, "dtype": str(dtype)})
 
 
 class _SharedSchedule:
@@ -111,27 +125,42 @@ class WaveMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ep = ep = ep or EPGroup.single(device)
-        self.wave = wave = wave or WaveConfig()
+        wave = wave or WaveConfig()
         device = torch.device(device) if device is not None else ep.device
         if cfg.num_experts % ep.size:
             raise ValueError(f"MoEConfig.num_experts={cfg.num_experts}: must be divisible by the EP size {ep.size}")
-        # every setting that must agree between ranks, in one gather (the same ValueError on every rank)
-        ep.check_same("WaveMoE settings", {
-            "MoE shape (hidden, intermediate, num_experts, top_k)":
-                (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k),
-            "WaveConfig (num_waves, experts_per_wave, partition, backend, overlap, shared_placement)":
-                (wave.num_waves, wave.experts_per_wave, wave.partition, wave.backend, wave.overlap,
-                 wave.shared_placement),
-            "SymmOptions": wave.symm, "dtype": str(dtype or torch.get_default_dtype())})
+        _check_agree(ep, cfg, wave, dtype or torch.get_default_dtype())
         self.num_local = cfg.num_experts // ep.size
         self.expert_offset = ep.rank * self.num_local
         self.gate = V4Router(cfg, device=device, dtype=dtype)
         self.experts = RoutedExperts(cfg, self.num_local, wave.grouped_mm, device=device, dtype=dtype)
         self.shared = SharedExpert(cfg, device=device, dtype=dtype) if cfg.num_shared_experts else None
         self.streams = st.Streams.for_device(device)
-        self.backend = make_backend(wave.backend, ep, self.streams, cfg, wave)
-        self.plan = WavePlan.make(num_ranks=ep.size, num_local_experts=self.num_local,
+        self._schedule(wave, make_backend(wave.backend, ep, self.streams, cfg, wave))
+
+    def _schedule(self, wave: WaveConfig, backend) -> None:
+        """Take ``wave`` as the schedule, over ``backend``."""
+        self.wave, self.backend = wave, backend
+        self.plan = WavePlan.make(num_ranks=self.ep.size, num_local_experts=self.num_local,
                                   num_waves=wave.waves_for(self.num_local), partition=wave.partition)
+        # num_waves="auto": the plan above is a placeholder until the first forward resolves it
+        self._auto_pending = wave.num_waves == "auto" and wave.experts_per_wave is None
+        self.auto_source: str | None = None
+        self.auto_model: autowave.CostModel | None = None
+
+    def rescheduled(self, wave: WaveConfig) -> "WaveMoE":
+        """A WaveMoE that shares this one's parameters (no copy) and runs under ``wave``: a benchmark changes
+        the schedule without re-creating the expert weights (25 GB per rank for V4-Pro). Every rank must call
+        it together (the settings are checked across ranks, as at construction). The comm backend is shared
+        while ``wave`` keeps its backend and symm options; an ``auto`` wave count is resolved again."""
+        if wave.grouped_mm != self.wave.grouped_mm:
+            raise ValueError(f"WaveConfig.grouped_mm={wave.grouped_mm!r}: rescheduled() keeps the experts' "
+                             f"{self.wave.grouped_mm!r}; build a new WaveMoE to change it")
+        _check_agree(self.ep, self.cfg, wave, self.gate.weight.dtype)
+        same = (wave.backend, wave.symm) == (self.wave.backend, self.wave.symm)
+        m = copy.copy(self)
+        m._schedule(wave, self.backend if same else make_backend(wave.backend, self.ep, self.streams, self.cfg, wave))
+        return m
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -217,10 +246,11 @@ class WaveMoE(nn.Module):
     def forward_routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *,
                        overlap: bool = True) -> torch.Tensor:
         """The MoE after routing: dispatch -> experts -> combine (+ shared); [T, D] in x's dtype."""
+        if self._auto_pending:   # every rank together: measures once per shape (cached)
+            choice = autowave.resolve(self, x_TD, ids_TK, w_TK)
+            self.plan, self.auto_source, self.auto_model = choice.plan, choice.source, choice.model
+            self._auto_pending = False
         shared = _SharedSchedule(self.shared, self.wave, self.streams, overlap) if self.shared is not None else None
-        if self.wave.num_waves == "auto":
-            from .autowave import resolve  # lazy: measures once per shape (cached), then sets self.plan
-            resolve(self, x_TD, ids_TK, w_TK)
         with annotate("layout"):
             layout = compute_layout(ids_TK, w_TK, self.plan)
         if shared is not None:

@@ -1,20 +1,29 @@
 """Named ranges for timelines: torch.profiler ``record_function`` while a profiler runs, NVTX
-ranges when ``MOE_WAVE_NVTX=1`` (for Nsight). Both cost a flag check when off."""
+ranges once ``set_nvtx(True)`` (for Nsight; the CLI sets it from ``MOE_WAVE_NVTX``). Both cost a flag
+check when off."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-__all__ = ["annotate", "nvtx_enabled"]
+__all__ = ["annotate", "nvtx_enabled", "set_nvtx"]
 
 _NULL = contextlib.nullcontext()
+_NVTX = False
+
+
+def set_nvtx(on: bool) -> None:
+    """Emit NVTX ranges from ``annotate`` in this process (they need a CUDA build; ignored without one)."""
+    global _NVTX
+    if not isinstance(on, bool):
+        raise ValueError(f"set_nvtx(on={on!r}): must be True or False")
+    _NVTX = on and torch.cuda.is_available()
 
 
 def nvtx_enabled() -> bool:
-    return os.environ.get("MOE_WAVE_NVTX", "0") == "1" and torch.cuda.is_available()
+    return _NVTX
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from transformers.masking_utils import create_sliding_window_causal_mask  # noqa
 from moe_wave import attention as A  # noqa: E402
 from moe_wave.attention.core import sparse_attention  # noqa: E402
 from moe_wave.attention.rope import inv_freq, rope_config_from_hf  # noqa: E402
+from moe_wave.comm.triton_gate import triton_ok  # noqa: E402
 
 LAYERS = [0, 1, 2]  # sliding, CSA (c4 + indexer), HCA (ratio 8 here)
 B, S = 2, 24
@@ -85,9 +86,23 @@ def test_inv_freq_matches_hf(hf):
                                    rtol=0, atol=0)
 
 
+# "on": the fused Triton kernels, on CPU under the interpreter that tests/conftest.py turns on
+KERNELS = ["off", pytest.param("on", marks=pytest.mark.skipif(
+    not triton_ok("cuda" if torch.cuda.is_available() else "cpu", want=True),
+    reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)"))]
+
+
+def _attn(hf, i, kernels):
+    if kernels == "off":
+        return hf["attns"][i]
+    return A.V4Attention.from_hf(hf["model"].layers[i].self_attn, hf["cfg"], layer_idx=i,
+                                 schedule=A.ScheduleConfig(kernels=kernels))
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("i", LAYERS)
-def test_attention_matches_hf(hf, i):
-    attn = hf["attns"][i]
+def test_attention_matches_hf(hf, i, kernels):
+    attn = _attn(hf, i, kernels)
     assert attn.cfg.layer_type == hf["cfg"].layer_types[i]
     assert attn.cfg.ratio == [0, 4, 8][i]  # read from the HF module, not hard-coded
     with torch.no_grad():
@@ -96,9 +111,10 @@ def test_attention_matches_hf(hf, i):
     assert rel(out, hf["refs"][i]) < 2e-6
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("i", LAYERS)
-def test_prefill_then_decode_matches_full(hf, i):
-    attn, x, pos = hf["attns"][i], hf["x"], hf["pos"]
+def test_prefill_then_decode_matches_full(hf, i, kernels):
+    attn, x, pos = _attn(hf, i, kernels), hf["x"], hf["pos"]
     cache = attn.new_cache(B, 32)
     with torch.no_grad():
         outs = [attn(x[:, :10], positions=pos[:, :10], cache=cache)]
@@ -130,9 +146,9 @@ def test_overlap_on_off_identical(hf, i):
 
 
 def test_overlap_switches(monkeypatch):
-    monkeypatch.setenv(A.OVERLAP_ENV, "0")
-    assert A.ScheduleConfig().overlap is False
-    monkeypatch.setenv(A.OVERLAP_ENV, "1")
+    monkeypatch.setenv("MOE_WAVE_ATTN_OVERLAP", "0")   # read by the CLI only (moe_wave.env), never here
+    assert A.ScheduleConfig().overlap is True and A.ScheduleConfig().kernels == "auto"
+    assert A.ScheduleConfig(overlap=False).overlap is False
     cfg = A.ScheduleConfig(decode_overlap_min_batch=8)
     assert cfg.overlap is True
     assert cfg.use_overlap(batch=4, seq=1) is False      # small decode batch: serial
@@ -140,6 +156,10 @@ def test_overlap_switches(monkeypatch):
     assert cfg.use_overlap(batch=1, seq=512) is True     # prefill keeps overlap
     with pytest.raises(ValueError, match="decode_overlap_min_batch"):
         A.ScheduleConfig(decode_overlap_min_batch=-1)
+    with pytest.raises(ValueError, match=r"ScheduleConfig.kernels='1': must be one of \('auto', 'on', 'off'\)"):
+        A.ScheduleConfig(kernels="1")
+    with pytest.raises(ValueError, match=r"ScheduleConfig.overlap='0': must be True or False"):
+        A.ScheduleConfig(overlap="0")
 
 
 def test_query_blocks_match_one_block(hf):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+from pathlib import Path
+
 import pytest
+import torch
 
 from moe_wave import autowave
 from moe_wave.autowave import CostModel, candidates, choose_waves
@@ -52,34 +57,29 @@ def test_fit_recovers_parameters():
         CostModel.fit(1, 0, 1, 1, 1, 1)
 
 
-def test_cache_path_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("MOE_WAVE_CACHE", "off")
-    assert autowave.cache_path() is None
-    monkeypatch.setenv("MOE_WAVE_CACHE", str(tmp_path))
-    assert autowave.cache_path() == tmp_path / "autowave.json"
-    monkeypatch.setenv("MOE_WAVE_CACHE", str(tmp_path / "c.json"))
-    assert autowave.cache_path() == tmp_path / "c.json"
+def test_cache_path():
+    assert autowave.cache_path(None) is None
+    assert autowave.cache_path("/x/y") == Path("/x/y/autowave.json")
+    assert autowave.cache_path("/x/c.json") == Path("/x/c.json")
 
 
 def _auto_rank(ep, cache_file):
-    import os
-
-    os.environ["MOE_WAVE_CACHE"] = cache_file
     from moe_wave import MoEConfig, WaveConfig, WaveMoE
-    from moe_wave.bench import init_random_, random_inputs, reschedule
+    from moe_wave.tools.bench import init_random_, random_inputs
 
     autowave.clear_memory_cache()
-    moe = init_random_(WaveMoE(MoEConfig.preset("tiny"), ep=ep, wave=WaveConfig(num_waves="auto")))
+    auto = WaveConfig(num_waves="auto", autowave_cache=cache_file)
+    moe = init_random_(WaveMoE(MoEConfig.preset("tiny"), ep=ep, wave=auto))
     x, ids, w = random_inputs(moe, 16 + 8 * ep.rank, 1)[0]  # uneven tokens: the ranks must still agree
     y_auto = moe.forward_routed(x, ids, w)
     first = (moe.auto_source, moe.plan.num_waves)
-    again = reschedule(moe, WaveConfig(num_waves="auto"))
+    again = moe.rescheduled(auto)
     again.forward_routed(x, ids, w)
     second = again.auto_source
     autowave.clear_memory_cache()
-    third_moe = reschedule(moe, WaveConfig(num_waves="auto"))
+    third_moe = moe.rescheduled(auto)
     third_moe.forward_routed(x, ids, w)
-    fixed = reschedule(moe, WaveConfig(num_waves=first[1]))
+    fixed = moe.rescheduled(WaveConfig(num_waves=first[1]))
     same = bool((fixed.forward_routed(x, ids, w) == y_auto).all())
     return first, second, third_moe.auto_source, same
 
@@ -92,3 +92,51 @@ def test_auto_resolves_once_and_uses_the_cache(ranks, tmp_path):
     assert second == "memory" and third == "file"
     assert same, "auto must give the result of its chosen W"
     assert (tmp_path / "autowave.json").exists()
+
+
+def _single_auto(cache):
+    from moe_wave import MoEConfig, WaveConfig, WaveMoE
+    from moe_wave.tools.bench import init_random_, random_inputs
+
+    moe = init_random_(WaveMoE(MoEConfig.preset("tiny"), wave=WaveConfig(num_waves="auto", autowave_cache=cache)))
+    x, ids, w = random_inputs(moe, 12, 1)[0]
+    y = moe.forward_routed(x, ids, w)
+    return moe, y, autowave.shape_key(moe, 12)
+
+
+def test_no_cache_file_unless_asked(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MOE_WAVE_CACHE", str(tmp_path / "env.json"))   # the library does not read it
+    autowave.clear_memory_cache()
+    moe, y, _ = _single_auto(None)
+    assert moe.auto_source == "measured" and torch.isfinite(y).all()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "ENTRY"])
+def test_malformed_cache_is_a_miss_with_one_warning(tmp_path, content):
+    path = tmp_path / "aw.json"
+    autowave.clear_memory_cache()
+    if content == "ENTRY":   # a well-formed file with a bad entry for this very shape
+        _, _, key = _single_auto(None)
+        autowave.clear_memory_cache()
+        content = json.dumps({key: {"num_waves": "four"}})
+    path.write_text(content)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moe, y, _ = _single_auto(str(path))
+        entry = next(iter(json.loads(path.read_text()).values()))
+        assert entry["num_waves"] == moe.plan.num_waves, "the measured choice replaces the malformed cache"
+        path.write_text(content)          # malformed again, and forgotten in memory: read again, no new warning
+        autowave._MEMORY.clear()
+        again = moe.rescheduled(moe.wave)
+        again.forward_routed(*_inputs(again))
+    named = [w for w in caught if str(path) in str(w.message)]
+    assert len(named) == 1 and issubclass(named[0].category, RuntimeWarning), [str(w.message) for w in caught]
+    assert moe.auto_source == "measured" and again.auto_source == "measured" and torch.isfinite(y).all()
+
+
+def _inputs(moe):
+    from moe_wave.tools.bench import random_inputs
+
+    return random_inputs(moe, 12, 1)[0]

@@ -1,69 +1,128 @@
-"""CLI: ``info`` lists versions, backends and launcher; the parser takes the documented flags."""
+"""CLI: ``info`` lists versions, backends and launcher; flags and the environment merge under one rule (flag >
+MOE_WAVE_* > default) into the options the ranks get as arguments; bad values are one-line errors."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from moe_wave.cli import build_parser, comm_backends, format_table
+from moe_wave.cli import build_parser, demo_args, format_table, info_lines
+from moe_wave.comm.options import CopyTuning, SymmOptions
+from moe_wave.tools import sweep
+from moe_wave.tools.demo import demo_configs
 
 ROOT = Path(__file__).resolve().parents[1]
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MOE_WAVE_")}
+
+SYMM_ARGV = ["--backend", "symm", "--symm-capacity", "256", "--symm-mode", "copy", "--symm-dense", "off",
+             "--symm-signal", "memops", "--symm-timeout-ms", "5000", "--symm-grace-s", "2.5", "--symm-kernels", "torch",
+             "--copy-rows-block", "512", "--copy-warps", "4", "--copy-rows", "2", "--copy-grid", "16"]
+SYMM_WANT = SymmOptions(capacity=256, mode="copy", dense=False, signal="memops", timeout_ms=5000, grace_s=2.5,
+                        kernels="torch", copy=CopyTuning(rows_block=512, warps=4, rows=2, grid=16))
+
+
+def _demo(argv, environ=None):
+    return demo_args(build_parser().parse_args(["demo", "--preset", "tiny", *argv]), environ or {})
+
+
+def _cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "moe_wave", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**CLEAN_ENV, **(env or {})})
 
 
 @pytest.mark.timeout(60)
 def test_info_runs_and_lists_backends():
-    proc = subprocess.run([sys.executable, "-m", "moe_wave", "info"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = _cli("info", env={"MOE_WAVE_SYMM_MODE": "copy"})
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for key in ("moe-wave", "python", "torch", "comm backends", "launcher", "devices"):
         assert key in out, out
     backends = next(ln for ln in out.splitlines() if ln.startswith("comm backends"))
     assert "torch" in backends
+    assert "MOE_WAVE_SYMM_MODE=copy" in next(ln for ln in out.splitlines() if ln.startswith("environment"))
 
 
-def test_torch_backend_always_available():
-    assert comm_backends()[0] == "torch"
+def _rank_options(ep, args):
+    wave, schedule = demo_configs(args)
+    return wave.symm, wave.overlap, schedule.overlap, schedule.kernels, os.environ.get("MOE_WAVE_SYMM_MODE")
 
 
-def test_demo_flags_parse():
-    args = build_parser().parse_args(["demo", "--ranks", "3", "--tokens", "0", "--waves", "4", "--partition",
-                                      "tokens", "--backend", "torch", "--no-overlap", "--seed", "7", "--dtype",
-                                      "bfloat16"])
-    assert (args.ranks, args.tokens, args.waves, args.partition, args.overlap, args.seed, args.dtype) == (
-        3, 0, 4, "tokens", False, 7, "bfloat16")
-    assert build_parser().parse_args(["demo"]).overlap is True
+def test_symm_flags_reach_the_options_every_rank_gets(ranks):
+    """Each flag lands in its SymmOptions field, and the spawned ranks get it as an argument (no environment)."""
+    args = _demo([*SYMM_ARGV, "--no-overlap", "--attn-kernels", "off"])
+    assert args.symm == SYMM_WANT
+    for got in ranks(2).run(_rank_options, args):
+        assert got == (SYMM_WANT, False, True, "off", None)
 
 
-def test_bad_flag_value_is_rejected():
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--partition", "rows"])
+def test_flag_beats_environment_beats_default():
+    environ = {"MOE_WAVE_SYMM_MODE": "kernel", "MOE_WAVE_SYMM_CAPACITY": "64", "MOE_WAVE_COPY_GRID": "8",
+               "MOE_WAVE_OVERLAP": "0", "MOE_WAVE_ATTN_OVERLAP": "off", "MOE_WAVE_ATTN_KERNELS": "0",
+               "MOE_WAVE_CACHE": "/tmp/aw.json", "MOE_WAVE_SYMM_DENSE": "0"}
+    env_only = _demo(["--backend", "symm"], environ)
+    assert env_only.symm == SymmOptions(capacity=64, mode="kernel", dense=False, copy=CopyTuning(grid=8))
+    assert (env_only.overlap, env_only.attn_overlap, env_only.attn_kernels, env_only.autowave_cache) == (
+        False, False, "off", "/tmp/aw.json")
+    flags = _demo(["--backend", "symm", "--symm-mode", "copy", "--symm-capacity", "2048", "--copy-grid", "0",
+                   "--symm-dense", "auto", "--overlap", "--attn-overlap", "--attn-kernels", "auto",
+                   "--autowave-cache", "/tmp/other"], environ)
+    assert flags.symm == SymmOptions(capacity=2048, mode="copy", dense=None, copy=CopyTuning(grid=0))
+    assert (flags.overlap, flags.attn_overlap, flags.attn_kernels, flags.autowave_cache) == (
+        True, True, "auto", "/tmp/other")
+    default = _demo([])
+    assert default.symm == SymmOptions()
+    assert (default.overlap, default.attn_overlap, default.attn_kernels, default.autowave_cache, default.nvtx) == (
+        True, True, "auto", None, False)
+
+
+def test_symm_flags_need_the_symm_backend():
+    with pytest.raises(ValueError, match=r"--symm-dense, --copy-grid: only with the symm backend \(--backend is "
+                                         r"'torch'\)"):
+        _demo(["--symm-dense", "on", "--copy-grid", "4"])
+    with pytest.raises(ValueError, match=r"--symm-mode: SymmOptions.mode='kernel' with kernels='torch'"):
+        _demo(["--backend", "symm", "--symm-mode", "kernel"], {"MOE_WAVE_SYMM_KERNELS": "torch"})
+
+
+def test_sweep_takes_the_symm_flags_and_the_environment(tmp_path):
+    p = build_parser()
+    argv = ["sweep", "--backend", "torch,symm", "--symm-signal", "flags", "--out", str(tmp_path / "s.csv")]
+    spec = sweep.build_spec(p.parse_args(argv), 2, "none", env=None)
+    assert spec["symm"] == SymmOptions(signal="flags") and spec["autowave_cache"] is None
+    with pytest.raises(ValueError, match=r"--symm-signal: only with the symm backend \(--backend is 'torch'\)"):
+        sweep.build_spec(p.parse_args(["sweep", "--symm-signal", "flags"]), 2, "none")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("var, value", [("MOE_WAVE_SYMM_TIMEOUT_MS", "soon"), ("MOE_WAVE_OVERLAP", "maybe"),
+                                        ("MOE_WAVE_SYMM_FLAGS", "1")])
+def test_bad_environment_is_a_one_line_error(var, value):
+    proc = _cli("demo", env={var: value})
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"moe-wave demo: {var}={value!r}"), proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_help_lists_every_symm_flag():
+    for cmd in ("demo", "sweep"):
+        text = _cli(cmd, "--help").stdout
+        for flag in ("--symm-capacity", "--symm-mode", "--symm-dense", "--symm-signal", "--symm-timeout-ms",
+                     "--symm-grace-s", "--symm-kernels", "--copy-rows-block", "--copy-warps", "--copy-rows",
+                     "--copy-grid"):
+            assert flag in text, (cmd, flag)
+
+
+def test_info_reads_the_environment_it_is_given():
+    rows = dict(info_lines({"MOE_WAVE_NVTX": "1"}))
+    assert rows["environment"] == "MOE_WAVE_NVTX=1"
+    with pytest.raises(ValueError, match=r"MOE_WAVE_NVTX='2': must be 1 or 0"):
+        info_lines({"MOE_WAVE_NVTX": "2"})
 
 
 def test_table_is_aligned():
     lines = format_table(["a", "bbb"], [[1, 2], [333, 4]]).splitlines()
     assert len({len(ln) for ln in lines}) == 1
-
-
-def test_symm_flags_set_the_backend_environment():
-    from moe_wave.cli import apply_symm_flags
-
-    args = build_parser().parse_args(["demo", "--backend", "symm", "--symm-mode", "copy", "--symm-dense", "off",
-                                      "--symm-signal", "memops"])
-    env = {}
-    apply_symm_flags(args, env)
-    assert env == {"MOE_WAVE_SYMM_MODE": "copy", "MOE_WAVE_SYMM_DENSE": "0", "MOE_WAVE_SYMM_SIGNAL": "memops"}
-    env = {}
-    apply_symm_flags(build_parser().parse_args(["demo", "--backend", "symm"]), env)
-    assert env == {}, "flags not given leave the environment alone"
-    with pytest.raises(ValueError, match=r"--symm-dense: only with --backend symm \(--backend is 'torch'\)"):
-        apply_symm_flags(build_parser().parse_args(["demo", "--symm-dense", "on"]), {})
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--symm-signal", "bell"])
-    helptext = subprocess.run([sys.executable, "-m", "moe_wave", "demo", "--help"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60).stdout
-    for flag in ("--symm-mode", "--symm-dense", "--symm-signal"):
-        assert flag in helptext, helptext

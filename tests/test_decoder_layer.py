@@ -12,7 +12,8 @@ from moe_wave import V4DecoderLayer  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.config import WaveConfig  # noqa: E402
 from moe_wave.mhc import HCConfig  # noqa: E402
-from tests.test_attention import hf_kwargs, rel, tiny_hf  # noqa: E402
+from moe_wave.attention import ScheduleConfig  # noqa: E402
+from tests.test_attention import KERNELS, hf_kwargs, rel, tiny_hf  # noqa: E402
 
 LAYERS = [0, 1, 2]  # sliding + hash MoE, CSA + top-k MoE, HCA + top-k MoE
 B, S = 2, 24
@@ -40,9 +41,11 @@ def _layer(hf, i, ep=None, **kw):
                                   wave=WaveConfig(num_waves=2), **kw)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("i", LAYERS)
-def test_layer_matches_hf(hf, i):
-    layer = _layer(hf, i)
+def test_layer_matches_hf(hf, i, kernels):
+    layer = _layer(hf, i, schedule=ScheduleConfig(kernels=kernels))
+    assert layer.attn.schedule.kernels == kernels
     with torch.no_grad():
         out = layer(hf["X"], positions=hf["pos"], input_ids=hf["ids"])
     assert out.shape == hf["X"].shape

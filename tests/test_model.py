@@ -1,4 +1,4 @@
-"""The random-weight V4 layer stack (moe_wave.model) and the demo built on it: EP on 2 gloo ranks equals
+"""The random-weight V4 layer stack (moe_wave.tools.stack) and the demo built on it: EP on 2 gloo ranks equals
 the single-process stack, overlap on equals off, the weights are seeded and independent of the EP size."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from moe_wave.cli import build_parser
 from moe_wave.comm import EPGroup
 from moe_wave.config import WaveConfig
-from moe_wave.demo import print_demo, resolve_defaults, run_demo_rank
-from moe_wave.model import (STACK_PRESETS, _attn_config, build_layer_stack, layer_kind, layer_ratios, run_stack,
-                            stack_inputs)
+from moe_wave.tools.demo import print_demo, resolve_defaults, run_demo_rank
+from moe_wave.tools.stack import (STACK_PRESETS, _attn_config, build_layer_stack, layer_kind, layer_ratios,
+                                  run_stack, stack_inputs)
 
 ROOT = Path(__file__).resolve().parents[1]
 S = 24  # > window 8, >= 16 so that CSA (c4, top-3 of 6) prunes and HCA (ratio 8) emits entries

@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from moe_wave import plots, sweep
-from moe_wave.trace import load_trace, range_names
+from moe_wave.env import read_env
+from moe_wave.tools import plots, sweep
+from moe_wave.tools.trace import load_trace, range_names
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    # Set before the module's rank pool spawns (it inherits the environment): no writes to ~/.cache.
-    old = os.environ.get("MOE_WAVE_CACHE")
-    os.environ["MOE_WAVE_CACHE"] = str(tmp_path_factory.mktemp("autowave"))
-    yield
-    if old is None:
-        os.environ.pop("MOE_WAVE_CACHE", None)
-    else:
-        os.environ["MOE_WAVE_CACHE"] = old
 
 
 def _args(*argv) -> argparse.Namespace:
@@ -40,7 +28,7 @@ def _spec(tmp_path, waves="1,2", trace=True):
             "--warmup", "1", "--pool", "2", "--out", str(tmp_path / "s.csv"), "--no-plots"]
     if trace:
         argv += ["--trace", str(tmp_path / "traces")]
-    return sweep.build_spec(_args(*argv), 2, "none")
+    return sweep.build_spec(_args(*argv), 2, "none", read_env({"MOE_WAVE_GIT_SHA": "abc123"}))
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +55,9 @@ def test_grid_writes_csv_sidecar_and_traces(grid):
         assert r["command"].startswith("python -m moe_wave sweep --ranks 2 --preset tiny")
         assert f"--tokens {r['tokens_per_rank']} --waves {r['num_waves']}" in r["command"]
     doc = json.loads((tmp / "s.json").read_text())
-    for k in ("date", "command", "git_sha", "gpus", "torch", "nccl", "world_size", "env"):
+    for k in ("date", "command", "git_sha", "gpus", "torch", "nccl", "world_size", "env", "settings"):
         assert k in doc["meta"], k
+    assert doc["meta"]["git_sha"] == "abc123" and doc["meta"]["settings"]["autowave_cache"] is None
     assert len(doc["rows"]) == 4
     assert "| tiny |" in (tmp / "s.md").read_text()
     for r in range(2):
@@ -99,7 +88,14 @@ def test_plots_from_csv(grid):
     for name in ("s_speedup.png", "s_exposed.png", "s_best_waves.png"):
         p = tmp / name
         assert p.exists() and p.read_bytes()[:4] == b"\x89PNG", name
-    assert plots.draw(tmp / "missing.csv") == []
+    assert plots.draw([], tmp / "none") == []
+    assert plots.draw([{**r, "check": "FAIL"} for r in sweep.read_rows(tmp / "s.csv")], tmp / "failed") == []
+
+
+def test_default_out_is_never_the_committed_folder(tmp_path):
+    spec = sweep.build_spec(_args("--preset", "tiny"), 2, "none")
+    assert Path(spec["out"]).parts[:2] == ("results", "sweep") and spec["out"].endswith(".csv")
+    assert sweep.build_spec(_args(), 2, "none", out_root=str(tmp_path))["out"] == str(tmp_path / "sweep.csv")
 
 
 @pytest.mark.parametrize("argv, match", [

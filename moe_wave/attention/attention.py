@@ -3,8 +3,8 @@
 Legend: B batch, S chunk length, D hidden, H heads, d head_dim, r rope dim, L q_lora rank,
 G output groups, Ro o_lora rank, W window, N compressed-entry slots, K picked entries.
 
-The stream schedule is in ``schedule.py``; the cache in ``cache.py``. Overlap switch:
-``ScheduleConfig.overlap`` / env ``MOE_WAVE_ATTN_OVERLAP=0`` (see schedule.py).
+The stream schedule is in ``schedule.py``; the cache in ``cache.py``. Switches: ``ScheduleConfig.overlap``
+(side streams) and ``ScheduleConfig.kernels`` (the fused Triton kernels), see schedule.py.
 """
 
 from __future__ import annotations
@@ -141,21 +141,22 @@ class V4Attention(nn.Module):
 
     # ------------------------------------------------------------------------------ branch math
     def q_lora(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps)
+        return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
 
     def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
-        if use_kernels(q):   # per-head RMSNorm + RoPE in one pass, in place
+        if use_kernels(q, self.schedule.kernels):   # per-head RMSNorm + RoPE in one pass, in place
             return norm_rope(q, pos_BS, self.freq_F, eps=self.cfg.eps, out=q)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
-        return rope_tail(q, pos_BS, self.freq_F, inplace=True)   # q is fresh
+        return rope_tail(q, pos_BS, self.freq_F, inplace=True, kernels=self.schedule.kernels)   # q is fresh
 
     def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
         kv = self.kv_proj(x_BSD)
-        if use_kernels(kv):   # RMSNorm(kv_norm) + RoPE in one pass, in place
+        if use_kernels(kv, self.schedule.kernels):   # RMSNorm(kv_norm) + RoPE in one pass, in place
             return norm_rope(kv, pos_BS, self.freq_F, weight=self.kv_norm, eps=self.cfg.eps, out=kv)
-        return rope_tail(rms_norm(kv, self.kv_norm, self.cfg.eps), pos_BS, self.freq_F, inplace=True)
+        k = self.schedule.kernels
+        return rope_tail(rms_norm(kv, self.kv_norm, self.cfg.eps, k), pos_BS, self.freq_F, inplace=True, kernels=k)
 
     def window_source(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache):
         """Key source ``[ring | chunk]`` [B, W+S, d] and each query's W window rows [B, S, W] (-1: none)."""
@@ -181,11 +182,11 @@ class V4Attention(nn.Module):
                    cache: AttnCache) -> torch.Tensor:
         """CSA: the indexer's picks [B, S, K] for every query (the fused kernel scores all S at once;
         the torch ops go by query blocks to bound their [B, q_block, h, N] temporaries)."""
-        ix, st = self.indexer, cache.index
-        if use_kernels(qI_BShe):
-            return ix.select(qI_BShe, w_BSh, st.entries_BNd, pos_BS, st.num_slots)
+        ix, st, k = self.indexer, cache.index, self.schedule.kernels
+        if use_kernels(qI_BShe, k):
+            return ix.select(qI_BShe, w_BSh, st.entries_BNd, pos_BS, st.num_slots, k)
         return self.chunked(lambda sl: ix.select(qI_BShe[:, sl], w_BSh[:, sl], st.entries_BNd, pos_BS[:, sl],
-                                                 st.num_slots), pos_BS.shape[1])
+                                                 st.num_slots, k), pos_BS.shape[1])
 
     def chunked(self, fn, S: int) -> torch.Tensor:
         """Run ``fn(slice)`` over query blocks of ``schedule.q_block`` and concatenate on dim 1."""
@@ -198,7 +199,8 @@ class V4Attention(nn.Module):
         """Undo V's RoPE at the query position, grouped o_a, then o_b."""
         B, S = o_BSHd.shape[:2]
         G, Ro = self.cfg.o_groups, self.cfg.o_lora_rank
-        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True, inplace=True).reshape(B, S, G, -1)
+        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True, inplace=True,
+                      kernels=self.schedule.kernels).reshape(B, S, G, -1)
         z_BSGR = torch.einsum("bsgk,grk->bsgr", o, self.o_a_weight.view(G, Ro, -1))
         return self.o_b_proj(z_BSGR.flatten(2))
 
@@ -233,9 +235,10 @@ class V4Attention(nn.Module):
         use_overlap = self.schedule.use_overlap(B, S) if overlap is None else overlap
         fe = run_frontend(self, x, positions, cache, use_overlap, store=store)
         core = lambda sl: sparse_attention(  # noqa: E731
-            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, self.cfg.head_dim ** -0.5)
+            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, self.cfg.head_dim ** -0.5,
+            self.schedule.kernels)
         # the fused kernel gathers nothing, so it needs no query blocks
-        o_BSHd = core(slice(0, S)) if use_kernels(fe.q_BSHd) else self.chunked(core, S)
+        o_BSHd = core(slice(0, S)) if use_kernels(fe.q_BSHd, self.schedule.kernels) else self.chunked(core, S)
         cache.advance(S)
         if is_capturing(x.device):
             cache.join()  # every side stream joins the capture stream before the captured step ends

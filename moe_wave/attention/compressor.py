@@ -32,10 +32,10 @@ __all__ = ["CompressorConfig", "Compressor", "CompressorState", "rms_norm"]
 _MASKED = -1e30  # finite "minus infinity": a fully masked (trash) window pools to finite values, not NaN
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernels: str = "auto") -> torch.Tensor:
     """RMSNorm in fp32, weight (fp32) applied before the cast back, as HF 5.23 does (one fused
-    kernel on a GPU: ``kernels.norm_rope`` without RoPE)."""
-    if use_kernels(x) and x.is_contiguous():
+    kernel where ``use_kernels(x, kernels)``: ``kernels.norm_rope`` without RoPE)."""
+    if use_kernels(x, kernels) and x.is_contiguous():
         return norm_rope(x, weight=weight, eps=eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -123,15 +123,15 @@ class Compressor(nn.Module):
         return kv_BSC.float(), gate_BSC.float() + self.ape.float()[pos_BS % self.cfg.ratio]
 
     def emit(self, kv_BSC: torch.Tensor, gate_BSC: torch.Tensor, pos_BS: torch.Tensor, state: CompressorState,
-             freq_F: torch.Tensor) -> None:
+             freq_F: torch.Tensor, kernels: str = "auto") -> None:
         """Recompute every window the chunk touches and write them into ``state.entries_BNd``.
 
         Reads the ring (older tokens) and the chunk; does not modify the ring (``write_state`` does,
-        and may run later on another stream, before this layer's next step). On a GPU it is one
-        kernel (``kernels.pool_entries``).
+        and may run later on another stream, before this layer's next step). Where
+        ``use_kernels(kv, kernels)`` it is one kernel (``kernels.pool_entries``).
         """
         cfg = self.cfg
-        if use_kernels(kv_BSC):
+        if use_kernels(kv_BSC, kernels):
             pool_entries(kv_BSC, gate_BSC, state.kv_BRC, state.score_BRC, self.ape, pos_BS, self.norm_weight, freq_F,
                          state.entries_BNd, ratio=cfg.ratio, mult=cfg.mult, eps=cfg.eps)
             return
@@ -159,8 +159,8 @@ class Compressor(nn.Module):
             kv_BnJd, sc_BnJd = kv_BnJC, sc_BnJC
         sc_BnJd = sc_BnJd.masked_fill(~valid_BnJ[..., None], _MASKED)
         pooled_Bnd = (kv_BnJd * sc_BnJd.softmax(dim=2)).sum(dim=2)
-        out_Bnd = rms_norm(pooled_Bnd.to(state.entries_BNd.dtype), self.norm_weight, cfg.eps)
-        out_Bnd = rope_tail(out_Bnd, win_Bn * m, freq_F)
+        out_Bnd = rms_norm(pooled_Bnd.to(state.entries_BNd.dtype), self.norm_weight, cfg.eps, kernels)
+        out_Bnd = rope_tail(out_Bnd, win_Bn * m, freq_F, kernels=kernels)
         # windows past the chunk's last token or past the capacity go to the trash slot
         N = state.num_slots
         live = (win_Bn * m < p0_B1 + S) & (win_Bn < N)

@@ -26,7 +26,7 @@ def gather_rows(src_BMd: torch.Tensor, idx_BSJ: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_attention(q_BSHd: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sinks_H: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, kernels: str = "auto") -> torch.Tensor:
     """Attention of every query over the rows its parts pick.
 
     Args:
@@ -34,11 +34,13 @@ def sparse_attention(q_BSHd: torch.Tensor, parts: list[tuple[torch.Tensor, torch
         parts: ``(kv_BMd, idx_BSJ)`` pairs; ids index dim 1 of ``kv_BMd``, -1 is masked out.
         sinks_H: per-head sink logits (fp32).
         scale: softmax scale (head_dim^-1/2).
+        kernels: ``ScheduleConfig.kernels``.
     Returns:
         o_BSHd in q's dtype. A query whose every pick is masked returns 0 (the sink takes all mass).
-    On a GPU one fused kernel does it (``kernels.sparse_attention_fused``, online softmax, no gather).
+    Where ``use_kernels(q, kernels)`` one fused kernel does it (``kernels.sparse_attention_fused``, online
+    softmax, no gather).
     """
-    if use_kernels(q_BSHd) and 1 <= len(parts) <= 2:
+    if use_kernels(q_BSHd, kernels) and 1 <= len(parts) <= 2:
         return sparse_attention_fused(q_BSHd, parts, sinks_H, scale)
     rows, logits = [], []
     for kv_BMd, idx_BSJ in parts:

@@ -67,19 +67,21 @@ class Indexer(nn.Module):
         """fp32 [B, S, h] head weights, scaled by h^-1/2 and e^-1/2 (folded here, not in the scores)."""
         return self.weights_proj(x_BSD).float() * (self.cfg.heads ** -0.5 * self.cfg.dim ** -0.5)
 
-    def query(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, freq_F: torch.Tensor) -> torch.Tensor:
+    def query(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, freq_F: torch.Tensor,
+              kernels: str = "auto") -> torch.Tensor:
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.dim)
-        return rope_tail(q, pos_BS, freq_F)
+        return rope_tail(q, pos_BS, freq_F, kernels=kernels)
 
     def select(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor, pos_BS: torch.Tensor,
-               num_slots: int) -> torch.Tensor:
+               num_slots: int, kernels: str = "auto") -> torch.Tensor:
         """int64 [B, S, K] entry ids (absolute, -1 = none), K = min(topk, num_slots).
 
         ``k_BNe`` may carry extra rows (the trash slot); only the first ``num_slots`` are scored.
+        ``kernels``: ``ScheduleConfig.kernels``.
         """
         k_BNe = k_BNe[:, :num_slots]
-        fused = use_kernels(qI_BShe)
+        fused = use_kernels(qI_BShe, kernels)
         if fused:   # fused: no [B, S, h, N] intermediate (kernels.index_scores)
             score_BSN = index_scores(qI_BShe, w_BSh, k_BNe, pos_BS, self.cfg.ratio)
         else:

@@ -15,39 +15,38 @@ h indexer heads, e indexer head dim, N compressed-entry slots.
   visibility mask, one [BS, BN] tile per program looping over heads, without the [S, h, N]
   intermediate; tiles that no query of the block can see are skipped.
 
-Both run on CUDA/ROCm tensors (and on CPU under ``TRITON_INTERPRET=1``, which the CI uses to check
-them against the torch versions). ``use_kernels(t)`` decides; environment ``MOE_WAVE_ATTN_KERNELS``:
-"auto" (default: Triton on a GPU), "0" (torch ops everywhere), "1" (Triton wherever it can run).
+Both run on CUDA/ROCm tensors (and on CPU under ``TRITON_INTERPRET=1``, which the tests use to check
+them against the torch versions). Callers decide with ``use_kernels(t, mode)``, ``mode`` being
+``ScheduleConfig.kernels``: "auto" (Triton on a GPU), "off" (torch ops everywhere), "on" (Triton wherever
+it can run). Called directly, a kernel function runs Triton wherever it can and its torch twin elsewhere.
 The kernels compute in fp32 and round once at the end; the torch ops round the way HF does (e.g.
 q * rsqrt(..).to(bf16)), so the two agree to the dtype's rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # optional: without Triton the torch ops run
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from moe_wave.comm.triton_gate import tl, triton, triton_ok
 
-__all__ = ["KERNELS_ENV", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "pool_entries",
+__all__ = ["KERNEL_MODES", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "pool_entries",
            "sparse_attention_fused", "use_kernels"]
 
-KERNELS_ENV = "MOE_WAVE_ATTN_KERNELS"
+KERNEL_MODES = ("auto", "on", "off")
+_WANT = {"auto": None, "on": True, "off": False}
 
 
-def use_kernels(t: torch.Tensor) -> bool:
-    """True when the Triton kernels should run on ``t``'s device (see the module docstring)."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower()
-    if triton is None or mode in ("0", "off", "false", "no"):
-        return False
-    if t.device.type == "cpu":
-        return mode in ("1", "on", "true", "yes") and os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return True
+def use_kernels(t: torch.Tensor, mode: str = "auto") -> bool:
+    """True when the Triton kernels run on ``t``'s device under ``mode`` (``ScheduleConfig.kernels``): "auto" on
+    a GPU with Triton, "on" also on CPU under Triton's interpreter, "off" never."""
+    if mode not in _WANT:
+        raise ValueError(f"kernels={mode!r}: must be one of {KERNEL_MODES}")
+    return triton_ok(t.device, want=_WANT[mode])
+
+
+def _direct(t: torch.Tensor) -> bool:
+    """A kernel function called directly runs Triton wherever Triton can run."""
+    return triton_ok(t.device, want=True)
 
 
 # ----------------------------------------------------------------------------------- norm + rope
@@ -144,7 +143,8 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
         inverse: rotate by -angle (undo RoPE).
         out: where to write (may be ``x`` itself); default a new tensor.
     Returns:
-        ``out`` (x's shape and dtype). Triton when ``use_kernels(x)``, else the torch ops.
+        ``out`` (x's shape and dtype). Triton wherever it runs (a GPU, or CPU under the interpreter), else the
+        torch ops.
     """
     d = x.shape[-1]
     F = 0 if freq_F is None else freq_F.numel()
@@ -152,7 +152,7 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
         raise ValueError(f"norm_rope: last dim {d} must be even and >= 2 * freq ({2 * F})")
     if weight is not None and weight.numel() != d:
         raise ValueError(f"norm_rope: weight has {weight.numel()} elements, must equal the last dim {d}")
-    if not (use_kernels(x) and x.is_contiguous() and x.numel()):
+    if not (_direct(x) and x.is_contiguous() and x.numel()):
         y = norm_rope_torch(x, pos, freq_F, norm=norm, weight=weight, eps=eps, inverse=inverse)
         if out is None:
             return y
@@ -241,7 +241,7 @@ def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor
     """
     B, S, Hh, E = qI_BShe.shape
     N = k_BNe.shape[1]
-    if not use_kernels(qI_BShe) or E & (E - 1) or E < 16 or B * S * N == 0:
+    if not _direct(qI_BShe) or E & (E - 1) or E < 16 or B * S * N == 0:
         return index_scores_torch(qI_BShe, w_BSh, k_BNe, pos_BS, ratio)
     q = qI_BShe if qI_BShe.stride(-1) == 1 else qI_BShe.contiguous()
     k = k_BNe.to(q.dtype)

@@ -60,7 +60,7 @@ def inv_freq(cfg: RopeConfig, device=None) -> torch.Tensor:
 
 
 def rope_tail(x: torch.Tensor, pos: torch.Tensor, freq_F: torch.Tensor, inverse: bool = False,
-              inplace: bool = False) -> torch.Tensor:
+              inplace: bool = False, kernels: str = "auto") -> torch.Tensor:
     """Rotate the last ``2*F`` channels of ``x`` by ``pos * freq`` (conjugate if ``inverse``).
 
     Args:
@@ -69,10 +69,11 @@ def rope_tail(x: torch.Tensor, pos: torch.Tensor, freq_F: torch.Tensor, inverse:
         freq_F: fp32 [F] from ``inv_freq``.
         inplace: write the rotated channels into ``x`` (a fresh tensor nobody else reads) instead
             of copying all d channels into a new one.
+        kernels: ``ScheduleConfig.kernels``: where ``use_kernels(x, kernels)`` one fused Triton kernel does
+            it (``kernels.norm_rope``).
     Returns x's dtype and shape (``x`` itself when ``inplace``); the rotation is computed in fp32.
-    On a GPU one fused Triton kernel does it (``kernels.norm_rope``).
     """
-    if use_kernels(x) and x.is_contiguous() and tuple(pos.shape) == tuple(x.shape[:2]):
+    if use_kernels(x, kernels) and x.is_contiguous() and tuple(pos.shape) == tuple(x.shape[:2]):
         return norm_rope(x, pos, freq_F, norm=False, inverse=inverse, out=x if inplace else None)
     r = 2 * freq_F.shape[0]
     ang = pos.to(torch.float32)[..., None] * freq_F              # [B, S, F]

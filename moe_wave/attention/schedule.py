@@ -15,9 +15,10 @@ The deferred writes are read only by the same layer's next step, so they overlap
 next layer; their events go to ``cache.pending`` and are waited on at the start of the next call.
 Under CUDA-graph capture every side stream is joined before the call returns.
 
-Switch: ``ScheduleConfig.overlap`` (default from the environment variable ``MOE_WAVE_ATTN_OVERLAP``,
-"0" turns it off; default on). ``decode_overlap_min_batch`` turns it off for decode steps (S == 1)
-with a smaller batch, should launch latency beat the overlap. Default 0 (always overlap): on one H200
+Switches: ``ScheduleConfig.overlap`` (default on; the CLI maps ``MOE_WAVE_ATTN_OVERLAP`` onto it) and
+``ScheduleConfig.kernels`` (the fused Triton kernels, ``attention/kernels.py``).
+``decode_overlap_min_batch`` turns overlap off for decode steps (S == 1) with a smaller batch, should
+launch latency beat the overlap. Default 0 (always overlap): on one H200
 (launch/bench_attn.py, CUDA graphs, 4096-token cache) overlap cut the decode front-end by 15-40% and the
 whole attention layer by 5-33% at every batch from 1 to 128, for V4-Flash and V4-Pro, all layer types;
 in prefill at 4096 tokens it neither gains nor loses more than ~4%. On CPU every stream op is a no-op
@@ -26,36 +27,39 @@ and both settings run the same code serially.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from moe_wave.comm.streams import Streams, current_stream, keep_alive, on, record, wait
 
-__all__ = ["OVERLAP_ENV", "ScheduleConfig", "FrontEnd", "run_frontend", "side_streams", "is_capturing"]
+from .kernels import KERNEL_MODES
 
-OVERLAP_ENV = "MOE_WAVE_ATTN_OVERLAP"
-
-
-def _env_overlap() -> bool:
-    return os.environ.get(OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+__all__ = ["ScheduleConfig", "FrontEnd", "run_frontend", "side_streams", "is_capturing"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """How the front-end runs (not what it computes).
 
-    overlap: run the branches on side streams (default: ``MOE_WAVE_ATTN_OVERLAP``, on).
+    overlap: run the branches on side streams.
+    kernels: the fused Triton kernels (``attention/kernels.py``): "auto" (on a GPU with Triton), "on"
+        (wherever Triton runs: also on CPU under ``TRITON_INTERPRET=1``, as the tests do) or "off"
+        (the torch ops everywhere). The two agree to the dtype's rounding, not bit for bit.
     decode_overlap_min_batch: decode steps (S == 1) with batch < this run serially (0: never).
     q_block: queries per core block in prefill; bounds the gathered memory to q_block*(W+K)*d.
     """
 
-    overlap: bool = field(default_factory=_env_overlap)
+    overlap: bool = True
+    kernels: str = "auto"
     decode_overlap_min_batch: int = 0
     q_block: int = 1024
 
     def __post_init__(self):
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"ScheduleConfig.overlap={self.overlap!r}: must be True or False")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"ScheduleConfig.kernels={self.kernels!r}: must be one of {KERNEL_MODES}")
         if self.decode_overlap_min_batch < 0:
             raise ValueError(f"ScheduleConfig.decode_overlap_min_batch={self.decode_overlap_min_batch}: must be >= 0")
         if self.q_block <= 0:
@@ -106,7 +110,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     ``store=False`` skips the deferred writes that only a next step reads (the window ring and the
     compressor rings): for a throw-away cache (a call without one).
     """
-    dev = x_BSD.device
+    dev, kernels = x_BSD.device, attn.schedule.kernels
     sa, sb, sc = side_streams(dev) if overlap else (None, None, None)
     main = current_stream(dev) if overlap else None
     hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
@@ -136,7 +140,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
         with on(sb):
             wait(fork)
             ckv, csc = attn.compressor.project(x_BSD, pos_BS)
-            attn.compressor.emit(ckv, csc, pos_BS, cache.comp, attn.freq_F)
+            attn.compressor.emit(ckv, csc, pos_BS, cache.comp, attn.freq_F, kernels=kernels)
             comp_idx = attn.hca_index(pos_BS, cache) if attn.indexer is None else None
             comp_ready = record(sb)
             if store:
@@ -152,12 +156,12 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
         with on(sc):
             wait(fork)
             ikv, isc = ix.compressor.project(x_BSD, pos_BS)
-            ix.compressor.emit(ikv, isc, pos_BS, cache.index, attn.freq_F)
+            ix.compressor.emit(ikv, isc, pos_BS, cache.index, attn.freq_F, kernels=kernels)
             w_BSh = ix.weights(x_BSD)
             wait(q_lora_ready)
             if hold:
                 keep_alive(qr_BSL, sc)
-            qI = ix.query(qr_BSL, pos_BS, attn.freq_F)
+            qI = ix.query(qr_BSL, pos_BS, attn.freq_F, kernels=kernels)
             comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache)
             idx_ready = record(sc)
             if store:

@@ -1,11 +1,13 @@
-"""Plots of a sweep CSV (matplotlib, Agg), written next to the CSV:
+"""Plots of a sweep's rows (matplotlib, Agg), written beside the sweep's CSV (``<stem>`` is its path
+without the suffix):
 
     <stem>_speedup.png      serial / pipelined vs tokens per rank, one line per wave count, a panel per shape
     <stem>_exposed.png      exposed comm (pipelined - compute_only) vs waves, one line per tokens per rank
     <stem>_best_waves.png   heat map of the best wave count (lowest pipelined time), shape x tokens per rank
 
-Rows whose check failed are left out. When the CSV holds several partitions, backends or shared
-placements, each (partition, backend, placement) combination gets its own line style / heat-map row.
+The rows are dicts of strings as ``csv.DictReader`` gives them (``sweep.read_rows``). Rows whose check
+failed are left out. When the rows hold several partitions, backends or shared placements, each
+(partition, backend, placement) combination gets its own line style / heat-map row.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from pathlib import Path
 __all__ = ["draw"]
 
 
-def _rows(csv_path) -> list[dict]:
-    from .sweep import read_rows
-
-    rows = [r for r in read_rows(csv_path) if r.get("check") == "ok" and r.get("pipelined_us")]
-    for r in rows:
+def _usable(rows: list[dict]) -> list[dict]:
+    out = []
+    for row in rows:
+        if row.get("check") != "ok" or not row.get("pipelined_us"):
+            continue
+        r = dict(row)   # the caller's rows stay as they were
         r["T"] = int(r["tokens_per_rank"])
         r["W"] = int(r["num_waves"])
         r["sched"] = f"{r['partition']}/{r['backend']}/{r['shared_placement']}"
-    return rows
+        out.append(r)
+    return out
 
 
 def _panels(n: int, plt):
@@ -58,18 +62,18 @@ def _line_panels(plt, rows, shapes, scheds, path: str, *, series: str, x: str, y
     return _save(fig, plt, path)
 
 
-def draw(csv_path: str | os.PathLike) -> list[Path]:
-    """Draw the three PNGs for ``csv_path``; returns their paths (none when no row passed its check)."""
-    import matplotlib
+def draw(rows: list[dict], stem: str | os.PathLike) -> list[Path]:
+    """Draw the three PNGs of ``rows`` at ``<stem>_*.png``; returns their paths (none when no row passed its
+    check)."""
+    rows = _usable(rows)
+    if not rows:
+        return []
+    import matplotlib   # the [bench] extra: only where there is something to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    csv_path = Path(csv_path)
-    rows = _rows(csv_path)
-    if not rows:
-        return []
-    stem = csv_path.with_suffix("")
+    stem = Path(stem)
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     scheds = list(dict.fromkeys(r["sched"] for r in rows))
     out = []

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import AttnConfig, ScheduleConfig, V4Attention
-from .attention.rope import RopeConfig
-from .config import MoEConfig, WaveConfig
-from .layer import V4DecoderLayer
-from .mhc import HCConfig, HyperConnection
+from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention
+from moe_wave.attention.rope import RopeConfig
+from moe_wave.comm import EPGroup
+from moe_wave.config import MoEConfig, WaveConfig
+from moe_wave.layer import V4DecoderLayer
+from moe_wave.mhc import HCConfig, HyperConnection
+from moe_wave.moe import WaveMoE
 
 __all__ = ["StackPreset", "STACK_PRESETS", "build_layer_stack", "layer_ratios", "layer_kind", "run_stack",
            "stack_inputs"]
@@ -173,9 +175,6 @@ def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig
     Returns:
         ``nn.ModuleList`` of ``V4DecoderLayer`` (run it with ``run_stack``).
     """
-    from moe_wave.comm import EPGroup  # lazy: keeps this module importable without the comm backends
-    from .moe import WaveMoE
-
     p = _preset(preset)
     if num_layers < 1:
         raise ValueError(f"num_layers={num_layers}: must be >= 1")

@@ -1,4 +1,4 @@
-"""Measurement core: one benchmark point of a ``WaveMoE`` (DESIGN.md, "Performance method").
+"""Measurement core: one benchmark point of a ``WaveMoE``.
 
 Legend: T local tokens, D hidden, K top-k, P ranks, W waves, R received rows.
 
@@ -25,28 +25,24 @@ to flush L2, the ranks meet at a barrier, and CUDA events time the iteration. On
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import statistics
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from moe_wave.comm.backend import Received
-from moe_wave.comm.layout import WavePlan, compute_layout
+from moe_wave.comm.layout import compute_layout
+from moe_wave.moe import WaveMoE
+from moe_wave.probe import comm_only as _comm_only
+from moe_wave.probe import pre_receive as _pre_receive
+from moe_wave.probe import routed_only
+from moe_wave.profiling import annotate
+from moe_wave.timing import align, as_graph, iteration_us, l2_flush_buffer, slowest
 
-from .config import WaveConfig
-from .moe import WaveMoE, make_backend
-from .pipeline import run_waves
-from .profiling import annotate
-
-__all__ = ["BenchConfig", "measure", "Timer", "init_random_", "reschedule", "random_inputs", "KINDS"]
+__all__ = ["BenchConfig", "measure", "init_random_", "random_inputs", "comm_only", "pre_receive", "compute_only",
+           "link_bytes", "derive", "KINDS"]
 
 KINDS = ("serial", "pipelined", "comm_only", "compute_only")
-_L2_FLUSH_BYTES = 256 << 20
 _POOL_BYTES = 2 << 30  # cap on the pool of inputs + pre-received rows per rank
 _TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (1e-2, 1e-2)}
 
@@ -106,19 +102,6 @@ def init_random_(moe: WaveMoE, seed: int = 0) -> WaveMoE:
     return moe
 
 
-def reschedule(moe: WaveMoE, wave: WaveConfig) -> WaveMoE:
-    """A view of ``moe`` (same parameters, no copy) that runs under another ``WaveConfig``: the
-    sweep changes the schedule without re-creating the expert weights (25 GB per rank for V4-Pro)."""
-    m = copy.copy(moe)
-    m.wave = wave
-    if wave.backend != moe.wave.backend:
-        m.backend = make_backend(wave.backend, moe.ep, moe.streams, moe.cfg, wave)
-    m.plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local,
-                           num_waves=wave.waves_for(moe.num_local), partition=wave.partition)
-    m.__dict__.pop("_auto_done", None)  # an "auto" schedule is resolved again at its first forward
-    return m
-
-
 def random_inputs(moe: WaveMoE, tokens: int, n: int, seed: int = 0) -> list[tuple]:
     """``n`` random (x_TD, ids_TK, w_TK): x ~ N(0, 1) in the parameter dtype, routed by the model."""
     dev, dtype = moe.gate.weight.device, moe.gate.weight.dtype
@@ -135,104 +118,22 @@ def random_inputs(moe: WaveMoE, tokens: int, n: int, seed: int = 0) -> list[tupl
     return out
 
 
-# ----------------------------------------------------------------------------- timing
+# ----------------------------------------------------------------------------- the kinds without the pipeline
 
-class Timer:
-    """Times ``fn(i)`` per iteration: barrier, (GPU) L2 flush, CUDA events or perf_counter."""
-
-    def __init__(self, ep, flush_l2: bool = True):
-        self.ep = ep
-        self.cuda = ep.device.type == "cuda"
-        self.flush = None
-        if self.cuda and flush_l2:
-            self.flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=ep.device)
-
-    def barrier(self) -> None:
-        if self.ep.pg is not None:
-            dist.barrier(group=self.ep.pg)
-        if self.cuda:
-            torch.cuda.synchronize()  # HOST SYNC: every rank starts the iteration from an idle device
-
-    def run(self, fn: Callable[[int], object], iters: int, warmup: int) -> list[float]:
-        """Per-iteration times in microseconds (this rank)."""
-        for i in range(warmup):
-            fn(i)
-        times, events = [], []
-        for i in range(iters):
-            if self.flush is not None:
-                self.flush.fill_(i & 0xFF)
-            self.barrier()
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn(warmup + i)
-                b.record()
-                events.append((a, b))
-            else:
-                t0 = time.perf_counter()
-                fn(warmup + i)
-                times.append((time.perf_counter() - t0) * 1e6)
-        if self.cuda:
-            torch.cuda.synchronize()  # HOST SYNC: read the events
-            times = [a.elapsed_time(b) * 1e3 for a, b in events]
-        return times
-
-    def max_over_ranks(self, values: list[float]) -> list[float]:
-        if self.ep.pg is None:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.ep.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep.pg)
-        return t.tolist()
+def comm_only(moe: WaveMoE, x_TD, ids_TK, w_TK) -> torch.Tensor:
+    """Layout, count exchange, every wave's dispatch and combine; no expert compute (``moe_wave.probe``)."""
+    return _comm_only(moe.backend, x_TD, ids_TK, w_TK, moe.plan)
 
 
-def as_graph(fn: Callable[[int], object], device: torch.device, warmup: int = 2):
-    """Capture ``fn(0)`` in a CUDA graph (after ``warmup`` eager runs on a side stream, as capture
-    requires); returns (replay function with fn's signature, the captured output)."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(0)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(0)
-    return (lambda i: graph.replay()), out
+def pre_receive(moe: WaveMoE, x_TD, ids_TK, w_TK) -> list[Received]:
+    """Every wave's received rows under ``moe.plan`` (copied out of the backend's buffers)."""
+    return _pre_receive(moe.backend, x_TD, ids_TK, w_TK, moe.plan)
 
 
-# ----------------------------------------------------------------------------- the four kinds
-
-def _identity(got: Received) -> torch.Tensor:
-    return got.x_RD
-
-
-def comm_only(moe: WaveMoE, x_TD, ids_TK, w_TK, plan: WavePlan | None = None) -> torch.Tensor:
-    """Layout, count exchange, every wave's dispatch and combine; no expert compute."""
-    with annotate("layout"):
-        layout = compute_layout(ids_TK, w_TK, plan or moe.plan)
-    with annotate("prepare"):
-        xplan = moe.backend.prepare(layout)
-    out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-    return run_waves(x_TD, xplan, moe.backend, _identity, out_TD, overlap=True)
-
-
-def pre_receive(moe: WaveMoE, x_TD, ids_TK, w_TK, plan: WavePlan | None = None) -> list[Received]:
-    """Every wave's received rows (copied: fixed-buffer backends reuse their receive buffers)."""
-    xplan = moe.backend.prepare(compute_layout(ids_TK, w_TK, plan or moe.plan))
-    got = []
-    for w in range(xplan.num_waves):
-        r = moe.backend.dispatch(x_TD, xplan, w).wait()
-        got.append(dataclasses.replace(r, x_RD=r.x_RD.clone(), expert_RK=r.expert_RK.clone(),
-                                       weight_RK=r.weight_RK.clone()))
-    return got
-
-
-def compute_only(moe: WaveMoE, x_TD, received: list[Received], shared: bool = True) -> None:
+def compute_only(moe: WaveMoE, x_TD, received: list[Received]) -> None:
     """The routed experts on every wave's received rows, then the shared expert; no comm."""
-    for w, got in enumerate(received):
-        with annotate(f"wave{w}.experts"):
-            moe.routed_rows(got)
-    if shared and moe.shared is not None:
+    routed_only(moe.routed_rows, received)
+    if moe.shared is not None:
         with annotate("shared.serial"):
             moe.shared(x_TD)
 
@@ -266,9 +167,10 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
     each of ``kinds`` (max over ranks of the per-rank medians), and when all four kinds are timed
     ``ideal_us``, ``exposed_us``, ``overlap_ratio``, ``link_bytes``, ``GBps``, ``speedup`` (serial /
     pipelined), plus always ``check`` ("ok" or "FAIL") and ``max_err`` (pipelined vs serial).
-    With a ``moe_wave.trace.Tracer``, one more iteration of each kind is recorded under ``label``."""
+    With a ``moe_wave.tools.trace.Tracer``, one more iteration of each kind is recorded under ``label``."""
     bench = bench or BenchConfig()
-    timer = Timer(moe.ep, bench.flush_l2)
+    ep, cuda = moe.ep, moe.ep.device.type == "cuda"
+    flush = l2_flush_buffer(ep.device) if bench.flush_l2 else None
     inputs = random_inputs(moe, tokens, _pool_size(moe, tokens, bench.pool), bench.seed)
     n = len(inputs)
 
@@ -276,7 +178,7 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
     y_pipe = moe.forward_routed(x0, ids0, w0, overlap=True)  # also resolves an "auto" wave count
     y_ser = moe.forward_routed(x0, ids0, w0, overlap=False)
     if bench.graph:
-        if timer.cuda is False:
+        if not cuda:
             raise ValueError("BenchConfig.graph=True: CUDA graphs need a CUDA device")
         inputs, n = inputs[:1], 1        # a graph replays its captured (static) input
         graphs = {k: as_graph(f, x0.device) for k, f in (
@@ -303,9 +205,9 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
     medians = []
     for kind in kinds:
         with annotate(f"bench.{kind}"):
-            medians.append(statistics.median(timer.run(fns[kind], bench.iters, bench.warmup)))
+            medians.append(statistics.median(iteration_us(fns[kind], bench.iters, bench.warmup, ep=ep, flush=flush)))
     if tracer is not None and tracer.enabled:
-        timer.barrier()
+        align(ep)
         with tracer.capture(label):
             if not moe.cfg.hash_routing:  # the router is outside the timed kinds; one call shows it on the timeline
                 moe.route(x0)
@@ -313,7 +215,7 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
                 with annotate(f"bench.{kind}"):
                     fns[kind](0)
     nbytes = link_bytes(moe, x0, ids0, w0) if "comm_only" in kinds else 0
-    agg = timer.max_over_ranks(medians + [err, 0.0 if ok else 1.0, float(nbytes)])
+    agg = slowest(ep, medians + [err, 0.0 if ok else 1.0, float(nbytes)])
     row = {f"{k}_us": round(v, 2) for k, v in zip(kinds, agg)}
     err, bad, nbytes = agg[len(kinds):]
     row.update(check="FAIL" if bad else "ok", max_err=float(f"{err:.3g}"))
@@ -325,7 +227,7 @@ def measure(moe: WaveMoE, tokens: int, bench: BenchConfig | None = None, kinds=K
 
 
 def derive(serial_us: float, pipelined_us: float, comm_us: float, compute_us: float) -> dict:
-    """ideal, exposed comm, overlap ratio and speedup from the four medians (DESIGN.md)."""
+    """ideal, exposed comm, overlap ratio and speedup from the four medians (see the module docstring)."""
     exposed = pipelined_us - compute_us
     return {"ideal_us": round(max(comm_us, compute_us), 2), "exposed_us": round(exposed, 2),
             "overlap_ratio": round(1.0 - exposed / comm_us, 4) if comm_us > 0 else 0.0,

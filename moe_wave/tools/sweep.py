@@ -4,11 +4,13 @@ Grid axes: model shape (presets, and/or one custom --hidden/--intermediate/--exp
 per rank, waves, partition, comm backend, shared-expert placement. (Attention overlap is not an axis:
 this sweep times the MoE block alone; ``launch/bench_attn.py`` covers the attention front-end.)
 
-Per point: the ``moe_wave.bench.measure`` numbers and the pipelined-vs-serial check, plus the
+Per point: the ``moe_wave.tools.bench.measure`` numbers and the pipelined-vs-serial check, plus the
 ``auto`` wave count of that (shape, tokens, partition, backend, placement) group and its pipelined
 time. Output: a CSV (one row per point, each with the command that reproduces it), a JSON sidecar
-in the benchmark-file format (``{"meta", "rows"}``: versions, git SHA, devices, env), a markdown
-summary, and the plots (``moe_wave.plots``). Points already in the CSV are skipped (resume).
+in the benchmark-file format (``{"meta", "rows"}``: versions, git SHA, devices, settings), a markdown
+summary, and the plots (``moe_wave.tools.plots``). Points already in the CSV are skipped (resume).
+Without ``--out`` the files go to ``$OUT/sweep.csv``, else ``results/sweep/<date>-sweep-<kind>.csv``
+(``results/`` is not committed; copy a run worth keeping into ``benchmarks/`` by hand).
 Without a launcher the ranks are spawned here (CPU: 2 gloo ranks; GPU host: one per GPU).
 """
 
@@ -22,22 +24,34 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .config import BACKENDS, PARTITIONS, PRESETS, SHARED_PLACEMENTS, MoEConfig
+from moe_wave.comm import detect_launcher, init_from_env, spawn
+from moe_wave.comm.bootstrap import spawn_plan
+from moe_wave.config import BACKENDS, PARTITIONS, PRESETS, SHARED_PLACEMENTS, MoEConfig, WaveConfig
+from moe_wave.env import EnvSettings, read_env
+from moe_wave.moe import WaveMoE
+from moe_wave.profiling import set_nvtx
 
-__all__ = ["register", "run", "run_rank", "build_spec", "COLUMNS", "KEY"]
+from . import plots
+from .bench import BenchConfig, init_random_, measure
+from .demo import format_table
+from .flags import HelpFormatter, add_symm_args, symm_options
+from .trace import Tracer
+
+__all__ = ["register", "run", "run_rank", "build_spec", "read_rows", "run_meta", "COLUMNS", "KEY"]
 
 KEY = ("shape", "hidden", "intermediate", "experts", "topk", "tokens_per_rank", "num_waves", "partition",
        "backend", "shared_placement", "dtype", "world_size")
 COLUMNS = KEY + ("effective_waves", "serial_us", "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us",
                  "exposed_us", "overlap_ratio", "speedup", "link_bytes", "GBps", "check", "max_err",
                  "auto_num_waves", "auto_us", "device", "command")
+# recorded in the sidecar as they were (moe-wave's own settings are recorded as resolved: ``settings``)
 _ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_ALGO", "NCCL_PROTO",
-        "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MOE_WAVE_OVERLAP", "MOE_WAVE_NVTX", "MOE_WAVE_CACHE")
+        "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 
 
 # ----------------------------------------------------------------------------- grid
@@ -97,8 +111,13 @@ def _shapes(args, world_size: int) -> list[dict]:
     return shapes
 
 
-def build_spec(args, world_size: int, launcher: str) -> dict:
-    """Validate the grid (ValueError naming the flag, the value and the rule) into a picklable spec."""
+def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = None,
+               out_root: str | None = None) -> dict:
+    """Validate the grid (ValueError naming the flag, the value and the rule) into a picklable spec.
+
+    ``env`` (``moe_wave.env.read_env()``; None: no environment) gives what the flags leave unset (flag >
+    environment > default); ``out_root`` is the folder of the default ``--out`` (the CLI passes ``$OUT``)."""
+    env = env or EnvSettings()
     if world_size < 1:
         raise ValueError(f"--ranks={world_size}: must be >= 1")
     for flag, v, lo in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--pool", args.pool, 1)):
@@ -116,7 +135,9 @@ def build_spec(args, world_size: int, launcher: str) -> dict:
         partitions=_choice_list("--partition", args.partition, PARTITIONS),
         backends=_choice_list("--backend", args.backend, BACKENDS),
         shared=_choice_list("--shared", args.shared, SHARED_PLACEMENTS))
-    out = Path(args.out) if args.out else default_out(world_size)
+    backends = grid["backends"]
+    symm = symm_options(args, env, backends)
+    out = Path(args.out) if args.out else default_out(world_size, out_root)
     if out.is_dir() or not out.suffix:  # a folder: the CSV goes inside it
         out = out / "sweep.csv"
     if out.suffix != ".csv":
@@ -126,7 +147,9 @@ def build_spec(args, world_size: int, launcher: str) -> dict:
     else:
         prefix = f"torchrun --nproc-per-node={world_size} -m moe_wave sweep"
     return dict(grid=grid, dtype=dtype, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots,
-                bench=dict(warmup=args.warmup, iters=args.iters, pool=args.pool, seed=args.seed),
+                bench=dict(warmup=args.warmup, iters=args.iters, pool=args.pool, seed=args.seed), symm=symm,
+                autowave_cache=env.pick("autowave_cache", args.autowave_cache, None), nvtx=env.pick("nvtx", None, False),
+                git_sha=env.pick("git_sha", None, None),
                 prefix=prefix, common=f"--dtype {dtype} --iters {args.iters} --warmup {args.warmup} --out {out}",
                 argv=command_line())
 
@@ -138,12 +161,14 @@ def command_line() -> str:
     return " ".join([head] + sys.argv[1:])
 
 
-def default_out(world_size: int) -> Path:
-    if os.environ.get("OUT"):
-        return Path(os.environ["OUT"]) / "sweep.csv"
+def default_out(world_size: int, out_root: str | None = None) -> Path:
+    """``<out_root>/sweep.csv``, else ``results/sweep/<date>-sweep-<kind>.csv``: never the committed
+    ``benchmarks/`` folder, which holds only runs someone chose to keep."""
+    if out_root:
+        return Path(out_root) / "sweep.csv"
     day = datetime.date.today().isoformat()
     kind = f"{world_size}gpu" if torch.cuda.is_available() else f"cpu{world_size}"
-    return Path("benchmarks") / f"{day}-sweep-{kind}.csv"
+    return Path("results") / "sweep" / f"{day}-sweep-{kind}.csv"
 
 
 @dataclass(frozen=True)
@@ -203,54 +228,42 @@ def _open_csv(path: Path):
 
 # ----------------------------------------------------------------------------- one rank
 
-def _broadcast(ep, obj):
-    if ep.pg is None:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=ep.pg)
-    return box[0]
-
-
 def run_rank(ep, spec: dict) -> list[tuple]:
     """The sweep on one rank (all ranks together). Rank 0 appends each row to the CSV as soon as it is
     measured. Returns the keys of the points measured in this call."""
-    from .bench import BenchConfig, init_random_, measure, reschedule
-    from .config import WaveConfig
-    from .moe import WaveMoE
-    from .trace import Tracer
-
+    set_nvtx(spec["nvtx"])   # a spawned rank is a fresh process
     out, dtype, P = Path(spec["out"]), spec["dtype"], ep.size
     todo = None
     if ep.rank == 0:
         done = {tuple(r[k] for k in KEY) for r in read_rows(out)}
         todo = [p for p in points(spec) if p.key(dtype, P) not in done]
         f, writer = _open_csv(out)
-    todo = _broadcast(ep, todo)
+    todo = ep.broadcast_object(todo)
     bar = _progress(len(todo), ep.rank == 0)
     bench = BenchConfig(**spec["bench"])
     tracer = Tracer(spec["trace"], ep.rank)
     device = str(torch.cuda.get_device_name(ep.device)) if ep.device.type == "cuda" else "cpu"
-    measured, moe, moe_shape, auto = [], None, None, {}
+    measured, m, moe_shape, auto = [], None, None, {}
     try:
         for pt in todo:
             s = pt.shape
             if moe_shape != s["shape"]:
-                moe = None  # free the previous shape's weights first
+                m = None  # free the previous shape's weights first
                 if ep.device.type == "cuda":
                     torch.cuda.empty_cache()
                 cfg = MoEConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                                 num_experts=s["experts"], top_k=s["topk"])
                 moe_shape = s["shape"]
-                moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=getattr(torch, dtype)),
-                                   seed=spec["bench"]["seed"])
-            sched = dict(partition=pt.partition, backend=pt.backend, shared_placement=pt.shared)
+                m = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=getattr(torch, dtype)),
+                                 seed=spec["bench"]["seed"])
+            # each point is a view of the last one: it keeps the comm backend while backend and symm options do
+            sched = dict(partition=pt.partition, backend=pt.backend, shared_placement=pt.shared, symm=spec["symm"],
+                         autowave_cache=spec["autowave_cache"])
             if spec["auto"] and pt.group() not in auto:
-                m = reschedule(moe, WaveConfig(num_waves="auto", **sched))
+                m = m.rescheduled(WaveConfig(num_waves="auto", **sched))
                 r = measure(m, pt.tokens, bench, kinds=("pipelined",))
                 auto[pt.group()] = (m.plan.num_waves, r["pipelined_us"])
-            m = reschedule(moe, WaveConfig(num_waves=pt.waves, **sched))
+            m = m.rescheduled(WaveConfig(num_waves=pt.waves, **sched))
             label = f"{s['shape']} T={pt.tokens} W={pt.waves} {pt.partition} {pt.backend} shared={pt.shared}"
             row = measure(m, pt.tokens, bench, tracer=tracer, label=label)
             key = pt.key(dtype, P)
@@ -290,11 +303,11 @@ def _progress(total: int, show: bool):
 
 # ----------------------------------------------------------------------------- sidecar + summary
 
-def git_sha() -> str:
-    """$MOE_WAVE_GIT_SHA when set (a copied tree, whose .git may be missing or stale), else HEAD of
-    the checkout, else "unknown"."""
-    if os.environ.get("MOE_WAVE_GIT_SHA"):
-        return os.environ["MOE_WAVE_GIT_SHA"]
+def git_sha(given: str | None = None) -> str:
+    """``given`` when set (``MOE_WAVE_GIT_SHA`` through read_env: a copied tree, whose .git may be missing or
+    stale), else HEAD of the checkout, else "unknown"."""
+    if given:
+        return given
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
                                        cwd=Path(__file__).resolve().parent).strip()
@@ -302,8 +315,8 @@ def git_sha() -> str:
         return "unknown"
 
 
-def run_meta(world_size: int, command: str) -> dict:
-    """The ``meta`` block of a benchmark result file (DESIGN.md)."""
+def run_meta(world_size: int, command: str, sha: str | None = None, settings: dict | None = None) -> dict:
+    """The ``meta`` block of a benchmark result file (``{"meta", "rows"}``, as in benchmarks/)."""
     nccl = "n/a"
     if torch.cuda.is_available():
         try:
@@ -315,16 +328,17 @@ def run_meta(world_size: int, command: str) -> dict:
         gpus = f"{world_size} x {names[0]}" if names else "none"
     else:
         names, gpus = [f"cpu ({os.cpu_count()} cores)"], f"none (cpu, {world_size} gloo ranks)"
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command, "git_sha": git_sha(),
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command, "git_sha": git_sha(sha),
             "gpus": gpus, "torch": torch.__version__, "nccl": nccl, "world_size": world_size,
             "devices": names, "python": platform.python_version(), "host": platform.node(),
-            "env": {k: os.environ[k] for k in _ENV if k in os.environ}}
+            "env": {k: os.environ[k] for k in _ENV if k in os.environ}, "settings": settings or {}}
 
 
 def write_sidecar(spec: dict, ep) -> Path:
     out = Path(spec["out"])
     rows = read_rows(out)
-    meta = run_meta(ep.size, spec["argv"])
+    settings = {"symm": asdict(spec["symm"]), "autowave_cache": spec["autowave_cache"], "nvtx": spec["nvtx"]}
+    meta = run_meta(ep.size, spec["argv"], spec["git_sha"], settings)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(summary_md(rows, meta))
     return out.with_suffix(".json")
@@ -362,8 +376,6 @@ def summary_md(rows: list[dict], meta: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    from .demo import format_table
-
     head = ["shape", "T", "W", "part", "shared", "serial", "pipelined", "comm", "compute", "speedup", "overlap",
             "check", "autoW"]
     keys = ["shape", "tokens_per_rank", "num_waves", "partition", "shared_placement", "serial_us", "pipelined_us",
@@ -373,30 +385,27 @@ def print_table(rows: list[dict]) -> None:
 
 # ----------------------------------------------------------------------------- entry points
 
-def run(args) -> int:
-    """``sweep``: validate, then run on the launcher's ranks or on self-spawned ones."""
-    from moe_wave.comm import detect_launcher, init_from_env, spawn
-    from moe_wave.comm.bootstrap import spawn_plan
-
+def run(args, env: EnvSettings | None = None, out_root: str | None = None) -> int:
+    """``sweep``: validate, then run on the launcher's ranks or on self-spawned ones (``env``, ``out_root``: see
+    ``build_spec``)."""
+    env = env or EnvSettings()
     launch = detect_launcher()
     if launch.kind == "none":
         nprocs, _ = spawn_plan(args.ranks, None)
-        spec = build_spec(args, nprocs, "none")
+        spec = build_spec(args, nprocs, "none", env, out_root)
         spawn(run_rank, nprocs, args=(spec,), timeout_s=args.timeout, deadline_s=args.deadline)
     else:
-        spec = build_spec(args, launch.world_size, launch.kind)
+        spec = build_spec(args, launch.world_size, launch.kind, env, out_root)
         import torch.distributed as dist
 
-        ep = init_from_env(timeout_s=args.timeout)
+        ep = init_from_env(timeout_s=args.timeout, high_priority=env.pick("nccl_high_priority", None, True))
         run_rank(ep, spec)
         dist.destroy_process_group()
         if ep.rank != 0:
             return 0
     rows = read_rows(spec["out"])
     if spec["plots"]:
-        from .plots import draw
-
-        for p in draw(spec["out"]):
+        for p in plots.draw(rows, Path(spec["out"]).with_suffix("")):
             print(f"plot: {p}")
     traces = f", traces in {spec['trace']}" if spec["trace"] else ""
     print(f"csv: {spec['out']}  (+ .json sidecar, .md summary{traces})")
@@ -429,25 +438,30 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="write DIR/trace_rank{r}.json.gz (torch.profiler, Perfetto) with one iteration per kind "
                         "and point; MOE_WAVE_NVTX=1 adds NVTX ranges for Nsight")
     p.add_argument("--out", default=None,
-                   help="CSV path or folder (default $OUT/sweep.csv, else benchmarks/<date>-sweep-<gpus>.csv); "
-                        "resumed if present")
+                   help="CSV path or folder (default $OUT/sweep.csv, else results/sweep/<date>-sweep-<kind>.csv; "
+                        "never benchmarks/); resumed if present")
+    p.add_argument("--autowave-cache", default=None, metavar="PATH",
+                   help="where --auto's wave choices persist: a .json file or a folder (env MOE_WAVE_CACHE; default: "
+                        "this run only)")
     p.add_argument("--ranks", type=int, default=None,
                    help="ranks to spawn without a launcher (default: every GPU, or 2)")
     p.add_argument("--timeout", type=float, default=120, help="collective timeout in seconds")
     p.add_argument("--deadline", type=float, default=6 * 3600, help="bound on a self-spawned sweep, in seconds")
+    add_symm_args(p)
 
 
 def _plot_cmd(args) -> int:
-    from .plots import draw
-
-    for p in draw(args.csv):
+    for p in plots.draw(read_rows(args.csv), Path(args.csv).with_suffix("")):
         print(f"plot: {p}")
     return 0
 
 
 def _sweep_cmd(args) -> int:
     try:
-        return run(args)
+        env = read_env()
+        set_nvtx(env.pick("nvtx", None, False))
+        # $OUT: the folder the GPU scripts hand every tool for its results
+        return run(args, env, os.environ.get("OUT") or None)
     except ValueError as e:
         print(f"moe-wave sweep: error: {e}", file=sys.stderr)
         return 2
@@ -456,7 +470,7 @@ def _sweep_cmd(args) -> int:
 def register(subparsers) -> None:
     """Add ``sweep`` and ``plot`` to the CLI's subparsers."""
     s = subparsers.add_parser("sweep", help="benchmark grid: serial/pipelined/comm/compute per point, CSV + plots",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     add_sweep_args(s)
     s.set_defaults(func=_sweep_cmd)
     p = subparsers.add_parser("plot", help="redraw the sweep plots from a sweep CSV")

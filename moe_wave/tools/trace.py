@@ -10,7 +10,8 @@ events share one clock and are merged into a single file, so a whole sweep gives
 rank without profiling the timed iterations. The named ranges are the ones the code already
 emits through ``moe_wave.profiling.annotate``: ``router``, ``layout``, ``prepare``,
 ``wave{w}.dispatch`` / ``.experts`` / ``.combine``, ``shared.*``, ``bench.<kind>`` and the
-attention branches. For Nsight Systems set ``MOE_WAVE_NVTX=1``: the same names become NVTX ranges.
+attention branches. For Nsight Systems, ``moe_wave.profiling.set_nvtx(True)`` (the CLI: ``MOE_WAVE_NVTX=1``)
+turns the same names into NVTX ranges.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Legend: B batch (1), S tokens per rank, N hc streams, D hidden, L layers, W waves, P ranks.
 
-Each rank builds the same random-weight stack (``moe_wave.model``; it keeps only its experts) and runs
+Each rank builds the same random-weight stack (``moe_wave.tools.stack``; it keeps only its experts) and runs
 its own S tokens through it in two modes, interleaved iteration by iteration:
 
   serial      attention branches on one stream, MoE dispatch -> experts -> combine one after another
@@ -18,15 +18,21 @@ presets have no single-process reference (one process cannot hold every expert).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from .attention import ScheduleConfig
-from .config import WaveConfig
-from .model import STACK_PRESETS, build_layer_stack, layer_kind, run_stack, stack_inputs
+from moe_wave.attention import ScheduleConfig
+from moe_wave.comm import EPGroup
+from moe_wave.comm.layout import compute_layout
+from moe_wave.config import WaveConfig
+from moe_wave.env import EnvSettings
+from moe_wave.profiling import set_nvtx
+from moe_wave.timing import Clock, align
 
-__all__ = ["run_demo_rank", "print_demo", "resolve_defaults", "TOL"]
+from .flags import symm_options
+from .stack import STACK_PRESETS, build_layer_stack, layer_kind, run_stack, stack_inputs
+
+__all__ = ["run_demo_rank", "demo_configs", "print_demo", "resolve_defaults", "format_table", "TOL"]
 
 # Relative error ||a - b|| / ||b|| allowed between two runs of the stack, per dtype.
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
@@ -38,8 +44,11 @@ _DEFAULTS = {  # preset: (layers, tokens per rank, dtype, timed iterations, warm
 }
 
 
-def resolve_defaults(args) -> None:
-    """Fill the preset-dependent flags left at None (tiny on CPU, v4-flash on a GPU host)."""
+def resolve_defaults(args, env: EnvSettings | None = None) -> None:
+    """Fill the flags left at None: the preset-dependent ones (tiny on CPU, v4-flash on a GPU host), and the
+    settings ``env`` (``moe_wave.env.read_env()``; None: no environment) may give, each under the rule flag >
+    environment > default. Adds ``args.symm`` (SymmOptions) and ``args.nvtx``. ValueError for a bad value."""
+    env = env or EnvSettings()
     if args.preset is None:
         args.preset = "v4-flash" if torch.cuda.is_available() else "tiny"
     layers, tokens, dtype, iters, warmup = _DEFAULTS[args.preset]
@@ -54,26 +63,12 @@ def resolve_defaults(args) -> None:
                          "on each rank's own sequence)")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters={args.iters}, --warmup={args.warmup}: need iters >= 1 and warmup >= 0")
-
-
-class _Clock:
-    """Marks on the current stream: CUDA events on GPU, perf_counter on CPU (ops there are synchronous)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def spans_ms(self, marks) -> list[float]:
-        if not self.cuda:
-            return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-        marks[-1].synchronize()  # host waits for the last mark: the timing needs it
-        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    args.symm = symm_options(args, env, (args.backend,))
+    args.overlap = env.pick("overlap", args.overlap, True)
+    args.attn_overlap = env.pick("attn_overlap", args.attn_overlap, True)
+    args.attn_kernels = env.pick("attn_kernels", args.attn_kernels, "auto")
+    args.autowave_cache = env.pick("autowave_cache", args.autowave_cache, None)
+    args.nvtx = env.pick("nvtx", None, False)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,8 +97,6 @@ def _layerwise(layers, inputs, serial_outs, overlap) -> list[torch.Tensor]:
 
 def _bytes_hooks(layers, counter: list):
     """Pre-hooks on every MoE: rows that leave this rank, once per (token, peer, wave), there and back."""
-    from moe_wave.comm.layout import compute_layout
-
     def hook(moe, args, kwargs):
         x_TD = args[0]
         sent_WP = compute_layout(*moe.route(x_TD, kwargs.get("input_ids")), moe.plan).send_counts_WP
@@ -115,16 +108,11 @@ def _bytes_hooks(layers, counter: list):
 
 def _time_modes(layers, inputs, ep, iters: int, warmup: int) -> dict:
     """Median per-layer and whole-stack ms for serial (overlap=False) and overlapped (configured)."""
-    import torch.distributed as dist
-
-    clock = _Clock(ep.device)
+    clock = Clock(ep.device)
     spans = {False: [], None: []}
     for it in range(warmup + iters):
         for mode in (False, None):  # interleaved: both modes see the same machine state
-            if ep.device.type == "cuda":
-                torch.cuda.synchronize()  # a clean start for the marks
-            if ep.pg is not None:
-                dist.barrier(group=ep.pg)
+            align(ep)
             marks = [clock.mark()]
             run_stack(layers, *inputs, overlap=mode, validate=False,
                       after_layer=lambda i, X: marks.append(clock.mark()))
@@ -137,18 +125,21 @@ def _time_modes(layers, inputs, ep, iters: int, warmup: int) -> dict:
     return {"serial": med[False], "overlapped": med[None]}
 
 
+def demo_configs(args) -> tuple[WaveConfig, ScheduleConfig]:
+    """The MoE schedule and the attention schedule of the overlapped run, from resolved ``args``."""
+    wave = WaveConfig(num_waves=args.waves, partition=args.partition, backend=args.backend, overlap=args.overlap,
+                      symm=args.symm, autowave_cache=args.autowave_cache)
+    return wave, ScheduleConfig(overlap=args.attn_overlap, kernels=args.attn_kernels)
+
+
 def run_demo_rank(ep, args) -> dict:
     """One rank of the demo: build the stack, check it, time serial vs overlapped.
 
     Returns the aggregated result (same on every rank): per-layer rows and the stack summary.
     """
-    import torch.distributed as dist
-
-    from moe_wave.comm import EPGroup
-
+    set_nvtx(args.nvtx)   # a spawned rank is a fresh process
     dtype = getattr(torch, args.dtype)
-    wave = WaveConfig(num_waves=args.waves, partition=args.partition, backend=args.backend, overlap=args.overlap)
-    schedule = ScheduleConfig() if args.attn_overlap is None else ScheduleConfig(overlap=args.attn_overlap)
+    wave, schedule = demo_configs(args)
     layers = build_layer_stack(args.preset, args.layers, ep=ep, wave=wave, schedule=schedule, device=ep.device,
                                  dtype=dtype, seed=args.seed)
     E = layers[0].moe.cfg.num_experts
@@ -163,7 +154,8 @@ def run_demo_rank(ep, args) -> dict:
     ref = None
     if STACK_PRESETS[args.preset].single_reference:
         single = build_layer_stack(args.preset, args.layers, ep=EPGroup.single(ep.device),
-                                     wave=WaveConfig(num_waves=args.waves, partition=args.partition),
+                                     wave=WaveConfig(num_waves=args.waves, partition=args.partition,
+                                                     autowave_cache=args.autowave_cache),
                                      schedule=schedule, device=ep.device, dtype=dtype, seed=args.seed, num_experts=E)
         ref = _outputs(single, inputs, None)
         del single
@@ -173,10 +165,7 @@ def run_demo_rank(ep, args) -> dict:
     mine = {"rank": ep.rank, "bytes": moved[0], "times": times,
             "onoff": [(_max_err(a, b), _rel(a, b)) for a, b in zip(on, off)],
             "single": None if ref is None else [(_max_err(a, b), _rel(a, b)) for a, b in zip(on, ref)]}
-    rows = [mine]
-    if ep.pg is not None:
-        rows = [None] * ep.size
-        dist.all_gather_object(rows, mine, group=ep.pg)
+    rows = ep.gather_objects(mine)
 
     def worst(key, i):  # (max abs err, rel err) over ranks for layer i
         if rows[0][key] is None:
@@ -225,8 +214,7 @@ def print_demo(res: dict, args) -> bool:
     tol = TOL[args.dtype]
     st, layers = res["stack"], res["layers"]
     has_ref = st["single"] is not None
-    attn_on = ScheduleConfig().overlap if args.attn_overlap is None else args.attn_overlap  # env default
-    moe_on = WaveConfig(overlap=args.overlap).overlap  # MOE_WAVE_OVERLAP overrides the flag
+    attn_on, moe_on = args.attn_overlap, args.overlap   # resolved by resolve_defaults
     print(f"moe-wave demo: preset {args.preset}, {len(layers)} layers, {res['experts']} experts, "
           f"{res['backend_pg']} on {res['device']}, waves {args.waves} ({args.partition}), backend {args.backend}, "
           f"overlapped run: attention overlap {'on' if attn_on else 'off'}, MoE overlap {'on' if moe_on else 'off'}; "

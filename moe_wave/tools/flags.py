@@ -1,0 +1,84 @@
+"""Command-line flags shared by ``demo`` and ``sweep``: the symm backend's options, merged with the environment.
+
+Every ``SymmOptions`` field has a flag. ``symm_options`` merges them under the one rule of ``moe_wave.env``:
+a flag given wins over its ``MOE_WAVE_*`` variable, which wins over the default. The result travels to the
+ranks inside the ``WaveConfig`` their function builds, never through the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
+from moe_wave.env import EnvSettings
+
+__all__ = ["add_symm_args", "symm_options", "SYMM_FLAGS", "HelpFormatter"]
+
+_DENSE = {"auto": None, "on": True, "off": False}
+
+# (flag, SymmOptions field or copy_<CopyTuning field>, argparse keywords, help)
+SYMM_FLAGS = (
+    ("--symm-capacity", "capacity", dict(type=int, metavar="N"),
+     "rows of each (wave, peer) block: the most tokens a rank brings to one call (env MOE_WAVE_SYMM_CAPACITY; "
+     "default 4096)"),
+    ("--symm-mode", "mode", dict(choices=MODES),
+     "SM copies (kernel), copy engines (copy), or auto: dense copy mode where its blocks fill and the capacity is "
+     ">= 1024 tokens, kernel mode below (env MOE_WAVE_SYMM_MODE; default auto)"),
+    ("--symm-dense", "dense", dict(choices=tuple(_DENSE)),
+     "copy mode: send each wave's tokens whole, with no pack kernel; auto where a block is expected to be >= 80%% "
+     "useful (env MOE_WAVE_SYMM_DENSE; default auto)"),
+    ("--symm-signal", "signal", dict(choices=SIGNALS),
+     "what closes an exchange: the barrier kernel, copy-engine completion flags, or stream memory operations (no "
+     "SM; a watchdog bounds the wait) (env MOE_WAVE_SYMM_SIGNAL; default barrier)"),
+    ("--symm-timeout-ms", "timeout_ms", dict(type=int, metavar="MS"),
+     "a peer that does not arrive within it is an error naming it (env MOE_WAVE_SYMM_TIMEOUT_MS; default 120000)"),
+    ("--symm-grace-s", "grace_s", dict(type=float, metavar="S"),
+     "memops: how long the caller has to raise the watchdog's error before the process exits (env "
+     "MOE_WAVE_SYMM_GRACE_S; default 10)"),
+    ("--symm-kernels", "kernels", dict(choices=KERNELS),
+     "Triton on a GPU and torch ops on CPU (auto), Triton also on CPU under TRITON_INTERPRET=1 (triton), or never "
+     "Triton (torch) (env MOE_WAVE_SYMM_KERNELS; default auto)"),
+    ("--copy-rows-block", "copy_rows_block", dict(type=int, metavar="N"),
+     "row-copy kernels: elements a program moves per step, a power of two >= 16 (env MOE_WAVE_COPY_ROWS_BLOCK; "
+     "default 2048)"),
+    ("--copy-warps", "copy_warps", dict(type=int, metavar="N"),
+     "row-copy kernels: warps per program, 0 by tile size (env MOE_WAVE_COPY_ROWS_WARPS; default 0)"),
+    ("--copy-rows", "copy_rows", dict(type=int, metavar="N"),
+     "row-copy kernels: rows a program keeps in flight, a power of two (env MOE_WAVE_COPY_ROWS; default 1)"),
+    ("--copy-grid", "copy_grid", dict(type=int, metavar="N"),
+     "row-copy kernels: a cap on the programs, to leave SMs to a GEMM; 0 none (env MOE_WAVE_COPY_GRID; default 0)"),
+)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the None of flags whose default is decided later (their help says by what)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_symm_args(p: argparse.ArgumentParser) -> None:
+    """Add a flag per SymmOptions field (default None: not given, the environment or the default decides)."""
+    g = p.add_argument_group("symm backend options (only with the symm backend; a flag wins over its variable)")
+    for flag, _, kw, help_ in SYMM_FLAGS:
+        g.add_argument(flag, default=None, help=help_, **kw)
+
+
+def symm_options(args, env: EnvSettings, backends) -> SymmOptions:
+    """The SymmOptions of ``args``' flags over ``env`` over the defaults. A flag given without the symm backend
+    among ``backends`` is a ValueError naming it; so is a combination SymmOptions rejects."""
+    given = {field: getattr(args, _dest(flag), None) for flag, field, _, _ in SYMM_FLAGS}
+    named = [flag for flag, field, _, _ in SYMM_FLAGS if given[field] is not None]
+    if named and "symm" not in backends:
+        raise ValueError(f"{', '.join(named)}: only with the symm backend (--backend is {','.join(backends)!r})")
+    dense = given.pop("dense")
+    try:
+        opts = env.symm_options(**given)
+        # "auto" is a value of its own (None), which symm_options would read as "not given"
+        return opts if dense is None else opts.replace(dense=_DENSE[dense])
+    except ValueError as e:
+        raise ValueError(f"{', '.join(named) or 'the symm options'}: {e}") from None
