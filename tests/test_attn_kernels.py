@@ -79,7 +79,8 @@ def test_rope_forward_then_inverse_is_identity():
 
 
 @needs_kernels
-@pytest.mark.parametrize("B, S, Hh, E, N, ratio", [(2, 70, 4, 16, 80, 4), (1, 130, 3, 32, 40, 4), (1, 9, 2, 16, 3, 128)])
+@pytest.mark.parametrize("B, S, Hh, E, N, ratio",
+                         [(2, 70, 4, 16, 80, 4), (1, 130, 3, 32, 40, 4), (1, 9, 2, 16, 3, 128)])
 def test_index_scores_matches_torch(B, S, Hh, E, N, ratio):
     """Masked causal scores: tiles partly and fully invisible, rows at different offsets, a strided key view."""
     g = _gen(B, S, Hh, E, N, ratio)

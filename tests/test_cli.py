@@ -92,6 +92,12 @@ def test_sweep_takes_the_symm_flags_and_the_environment(tmp_path):
     argv = ["sweep", "--backend", "torch,symm", "--symm-signal", "flags", "--out", str(tmp_path / "s.csv")]
     spec = sweep.build_spec(p.parse_args(argv), 2, "none", env=None)
     assert spec["symm"] == SymmOptions(signal="flags") and spec["autowave_cache"] is None
+    assert spec["common"].endswith("--symm-signal flags"), "each row's command reproduces the options"
+    again = sweep.build_spec(p.parse_args(["sweep", "--backend", "symm", *spec["common"].split()]), 2, "none")
+    assert again["symm"] == spec["symm"]
+    full = sweep.build_spec(p.parse_args(["sweep", *SYMM_ARGV]), 2, "none")
+    assert sweep.build_spec(p.parse_args(["sweep", "--backend", "symm", *full["common"].split()]), 2,
+                            "none")["symm"] == SYMM_WANT
     with pytest.raises(ValueError, match=r"--symm-signal: only with the symm backend \(--backend is 'torch'\)"):
         sweep.build_spec(p.parse_args(["sweep", "--symm-signal", "flags"]), 2, "none")
 

@@ -1,4 +1,4 @@
-"""WaveMoE against transformers 5.23's DeepseekV4SparseMoeBlock (issue 3).
+"""WaveMoE against transformers 5.23's DeepseekV4SparseMoeBlock.
 
 Tiny config, fp32, the zero-initialised parameters randomised. Every rank builds the same HF
 model from the same seed, runs the oracle on its own tokens, and compares WaveMoE built with

@@ -12,7 +12,7 @@ import argparse
 from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
 from moe_wave.env import EnvSettings
 
-__all__ = ["add_symm_args", "symm_options", "SYMM_FLAGS", "HelpFormatter"]
+__all__ = ["add_symm_args", "symm_options", "symm_argv", "SYMM_FLAGS", "HelpFormatter"]
 
 _DENSE = {"auto": None, "on": True, "off": False}
 
@@ -82,3 +82,15 @@ def symm_options(args, env: EnvSettings, backends) -> SymmOptions:
         return opts if dense is None else opts.replace(dense=_DENSE[dense])
     except ValueError as e:
         raise ValueError(f"{', '.join(named) or 'the symm options'}: {e}") from None
+
+
+def symm_argv(opts: SymmOptions) -> list[str]:
+    """The flags that reproduce ``opts`` (those of the fields that differ from the defaults)."""
+    base, out = SymmOptions(), []
+    for flag, field, _, _ in SYMM_FLAGS:
+        get = (lambda o, f=field: getattr(o.copy, f[5:])) if field.startswith("copy_") else (
+            lambda o, f=field: getattr(o, f))
+        value = get(opts)
+        if value != get(base):
+            out += [flag, {None: "auto", True: "on", False: "off"}[value] if field == "dense" else str(value)]
+    return out

@@ -39,7 +39,7 @@ from moe_wave.profiling import set_nvtx
 from . import plots
 from .bench import BenchConfig, init_random_, measure
 from .demo import format_table
-from .flags import HelpFormatter, add_symm_args, symm_options
+from .flags import HelpFormatter, add_symm_args, symm_argv, symm_options
 from .trace import Tracer
 
 __all__ = ["register", "run", "run_rank", "build_spec", "read_rows", "run_meta", "COLUMNS", "KEY"]
@@ -148,9 +148,11 @@ def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = N
         prefix = f"torchrun --nproc-per-node={world_size} -m moe_wave sweep"
     return dict(grid=grid, dtype=dtype, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots,
                 bench=dict(warmup=args.warmup, iters=args.iters, pool=args.pool, seed=args.seed), symm=symm,
-                autowave_cache=env.pick("autowave_cache", args.autowave_cache, None), nvtx=env.pick("nvtx", None, False),
+                autowave_cache=env.pick("autowave_cache", args.autowave_cache, None),
+                nvtx=env.pick("nvtx", None, False),
                 git_sha=env.pick("git_sha", None, None),
-                prefix=prefix, common=f"--dtype {dtype} --iters {args.iters} --warmup {args.warmup} --out {out}",
+                prefix=prefix, common=" ".join([f"--dtype {dtype} --iters {args.iters} --warmup {args.warmup}",
+                                                f"--out {out}", *symm_argv(symm)]),
                 argv=command_line())
 
 
