@@ -31,14 +31,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_common import git_sha, out_dir  # noqa: E402
 
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
-from moe_wave.bench import BenchConfig, init_random_, measure, random_inputs, reschedule  # noqa: E402
 from moe_wave.comm import detect_launcher, init_from_env, spawn  # noqa: E402
 from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
-from moe_wave.comm.options import MODES  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
-from moe_wave.sweep import run_meta  # noqa: E402
 from moe_wave.timing import slowest  # noqa: E402
-from moe_wave.trace import Tracer  # noqa: E402
+from moe_wave.tools.bench import BenchConfig, init_random_, measure, random_inputs  # noqa: E402
+from moe_wave.tools.demo import format_table  # noqa: E402
+from moe_wave.tools.flags import add_symm_args, symm_options  # noqa: E402
+from moe_wave.tools.sweep import run_meta  # noqa: E402
+from moe_wave.tools.trace import Tracer  # noqa: E402
 
 FULL = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 512, 2048, 8192), waves=(1, 2, 4, 8),
             placements=("bubbles", "serial"))
@@ -75,7 +76,7 @@ def rank_main(ep, args) -> dict:
     bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool, graph=args.graph)
     backends = args.backend.split(",")
     p2p = p2p_limit_GBps(ep)
-    env = read_env()
+    symm = symm_options(args, read_env(), backends)    # flag > MOE_WAVE_SYMM_* > default
     rows, t_start = [], time.perf_counter()
     with Tracer(args.trace, ep.rank) as tracer:
         for shape in shapes:
@@ -85,8 +86,9 @@ def rank_main(ep, args) -> dict:
             moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
             for T, placement, W, backend in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
                                                               backends):
-                symm = env.symm_options(capacity=capacity(args, moe, T, W), mode=args.symm_mode)
-                m = reschedule(moe, WaveConfig(num_waves=W, shared_placement=placement, backend=backend, symm=symm))
+                cap = args.symm_capacity or capacity(args, moe, T, W)
+                m = moe.rescheduled(WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
+                                               symm=symm.replace(capacity=cap)))
                 label = f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
                 r = measure(m, T, bench, tracer=tracer, label=label)
                 if hasattr(m.backend, "check"):
@@ -155,11 +157,9 @@ def main() -> int:
                     help="rows per (wave, peer) of fixed-capacity backends (symm): every token, or the fullest "
                          "cell of a routed sample times --capacity-margin")
     ap.add_argument("--capacity-margin", type=float, default=1.25)
-    ap.add_argument("--symm-mode", choices=MODES, default=None,
-                    help="the symm backend's data mode (default $MOE_WAVE_SYMM_MODE, else auto); the other "
-                         "MOE_WAVE_SYMM_* / MOE_WAVE_COPY_* variables apply too")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
+    add_symm_args(ap)
     args = ap.parse_args()
 
     launch = detect_launcher()
@@ -172,14 +172,12 @@ def main() -> int:
         if ep.rank != 0:
             return 0
     rows = res["rows"]
-    meta = {**run_meta(res["world_size"], " ".join(["launch/bench_moe.py"] + sys.argv[1:])),
-            "git_sha": git_sha(), "p2p_limit_GBps": res["p2p"]}
+    meta = {**run_meta(res["world_size"], " ".join(["launch/bench_moe.py"] + sys.argv[1:]), git_sha()),
+            "p2p_limit_GBps": res["p2p"]}
     out = Path(args.out) if args.out else default_out(res["world_size"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(markdown(meta, rows))
-    from moe_wave.cli import format_table
-
     print(f"\nwrote {out} and {out.with_suffix('.md')}")
     print(format_table(COLS, [[r.get(c, "") for c in COLS] for r in rows]))
     return 0 if all(r["check"] == "ok" for r in rows) else 1

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import launch_common  # noqa: E402,F401  (the repo on sys.path)
 
-from moe_wave.model import build_layer_stack, layer_kind, stack_inputs  # noqa: E402
+from moe_wave.tools.stack import build_layer_stack, layer_kind, stack_inputs  # noqa: E402
 
 MODES = {"serial": (False, False), "attn": (True, False), "moe": (False, True), "both": (True, True)}
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ if str(REPO) not in sys.path:     # a plain checkout runs without an install
 
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
+from moe_wave.tools.sweep import git_sha as _git_sha  # noqa: E402
 
 __all__ = ["init_ep", "git_sha", "out_dir", "out_path", "now"]
 
@@ -36,14 +36,7 @@ def init_ep() -> EPGroup:
 def git_sha() -> str:
     """MOE_WAVE_GIT_SHA when set (a copied tree, whose .git may be missing or stale), else HEAD of the
     checkout, else "unknown"."""
-    sha = read_env().git_sha
-    if sha:
-        return sha
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=REPO).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return _git_sha(read_env().git_sha)
 
 
 def out_dir() -> str | None:
