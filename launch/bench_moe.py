@@ -6,7 +6,7 @@
 Shapes (bf16 on GPU, random weights drawn on the device): V4-Flash (D 4096, I 2048, E 256, K 6), V4-Pro
 (D 7168, I 3072, E 384, K 6) and ``balanced`` (comm ~ compute); tokens per rank 128, 512, 2048, 8192;
 waves 1, 2, 4, 8 (experts partition, torch backend); shared expert in the bubbles or after the experts
-(serial). Every point is measured by ``moe_wave.bench.measure`` (see its docstring for the definitions):
+(serial). Every point is measured by ``moe_wave.tools.bench.measure`` (see its docstring for the definitions):
 medians of CUDA-event timings after warm-up, fresh random inputs, L2 flushed, barrier per iteration, max
 over ranks; pipelined is first checked against serial. ``p2p_limit_GBps`` (meta) is a 256 MB copy
 GPU0 -> GPU1 measured in the same run. Writes ``{"meta", "rows"}`` to --out (default $OUT/moe.json, else
