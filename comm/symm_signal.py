@@ -20,7 +20,9 @@ flag of the same call.
 A peer that never signals does not hang the stream: the waiter gives up after ``timeout_ms`` (by the GPU's
 global timer on CUDA; a bounded spin elsewhere and under the interpreter) and records the peer and the call in
 the backend's fault words (``[poison, peer, call]``, the first one sticks): the combine's sum then writes NaN,
-and the backend raises the error naming the peer (``SymmBackend.check`` or a later call).
+and the backend raises the error naming the peer (``SymmBackend.check`` or a later call). The clock starts when
+the waiter does, before the host has queued the copies: a slow host (the first call compiles the copy kernels)
+counts against it, so keep ``timeout_ms`` well above such delays (the default is 120 s).
 
 The waiter also runs under ``TRITON_INTERPRET=1`` on CPU (the CI tests the epochs and the timeout
 there); the torch twin ``wait_flags_torch`` is the same logic on the host.
