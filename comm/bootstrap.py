@@ -359,7 +359,8 @@ def stop(procs, stack_files: Mapping[int, str] | None = None, silent: dict | Non
 
 # ----------------------------------------------------------------------------- self-spawn
 
-def child_setup(rank: int, world_size: int, backend: str, store_path: str, timeout_s: float) -> EPGroup:
+def child_setup(rank: int, world_size: int, backend: str, store_path: str, timeout_s: float,
+                high_priority: bool = True) -> EPGroup:
     """In a self-spawned rank: loopback-only env, thread budget, then the group over a file store."""
     set_safe_env()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -371,7 +372,7 @@ def child_setup(rank: int, world_size: int, backend: str, store_path: str, timeo
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend))
+                            timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend, high_priority))
     return EPGroup.from_process_group(device=device)
 
 
@@ -421,11 +422,11 @@ class _StopOnSignals:
         return False
 
 
-def _spawn_main(fn, args, rank, world_size, backend, tmp, timeout_s, results_q, parent_pid):
+def _spawn_main(fn, args, rank, world_size, backend, tmp, timeout_s, results_q, parent_pid, high_priority):
     die_with_parent(parent_pid)
     install_stack_dump(os.path.join(tmp, f"stack.{rank}"))
     try:
-        ep = child_setup(rank, world_size, backend, os.path.join(tmp, "store"), timeout_s)
+        ep = child_setup(rank, world_size, backend, os.path.join(tmp, "store"), timeout_s, high_priority)
         results_q.put(("ok", rank, pickle.dumps(fn(ep, *args))))  # pickled here: errors stay this rank's
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         results_q.put(("err", rank_error(rank, e)))
@@ -452,7 +453,8 @@ def spawn_plan(nprocs: int | None, backend: str | None) -> tuple[int, str]:
 
 
 def spawn(fn: Callable, nprocs: int | None = None, args: tuple = (), backend: str | None = None,
-          timeout_s: float = 60, grace_s: float = 5.0, deadline_s: float | None = None) -> list:
+          timeout_s: float = 60, grace_s: float = 5.0, deadline_s: float | None = None,
+          high_priority: bool = True) -> list:
     """Run ``fn(ep, *args)`` in ``nprocs`` fresh local ranks and return their results in rank order.
 
     ``fn`` must be importable by name (module level) and its result picklable. Ranks rendezvous
@@ -462,6 +464,7 @@ def spawn(fn: Callable, nprocs: int | None = None, args: tuple = (), backend: st
         timeout_s: collective timeout inside the ranks.
         grace_s: after the first failure, how long the others may take to report before termination.
         deadline_s: bound on the whole job (default ``2 * timeout_s + 60``).
+        high_priority: NCCL communicators on high-priority streams (``pg_options``).
 
     Raises:
         RankFailure: a rank raised or died, or the deadline passed; the root cause comes first.
@@ -474,7 +477,7 @@ def spawn(fn: Callable, nprocs: int | None = None, args: tuple = (), backend: st
     with tempfile.TemporaryDirectory(prefix="moe_wave_spawn_") as tmp:
         results_q = ctx.Queue()
         procs = [ctx.Process(target=_spawn_main, args=(fn, args, r, nprocs, backend, tmp, timeout_s, results_q,
-                                                        os.getpid()),
+                                                        os.getpid(), high_priority),
                              daemon=True, name=f"moe_wave-rank{r}") for r in range(nprocs)]
         with _StopOnSignals():     # SIGTERM / SIGINT to this process stop the ranks first
             try:

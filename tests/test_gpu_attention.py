@@ -17,7 +17,7 @@ TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_comp
 B, S, MAXLEN = 3, 80, 96
 
 
-def make_attn(layer_type: str, seed: int = 0) -> V4Attention:
+def make_attn(layer_type: str, seed: int = 0, kernels: str = "auto") -> V4Attention:
     torch.manual_seed(seed)
     csa = layer_type == "compressed_sparse_attention"
     cfg = AttnConfig(layer_type=layer_type, hidden=256, heads=8, head_dim=64, q_lora_rank=96, o_groups=2,
@@ -25,7 +25,7 @@ def make_attn(layer_type: str, seed: int = 0) -> V4Attention:
                      rope=RopeConfig(dim=16, theta=10000.0 if layer_type == "sliding_attention" else 160000.0,
                                      yarn_orig=0 if layer_type == "sliding_attention" else 64, yarn_factor=4.0),
                      index_heads=8 if csa else 0, index_dim=32 if csa else 0, index_topk=5 if csa else 0)
-    attn = V4Attention(cfg, ScheduleConfig(overlap=True))
+    attn = V4Attention(cfg, ScheduleConfig(overlap=True, kernels=kernels))
     with torch.no_grad():
         for name, p in attn.named_parameters():
             if name.endswith(("sinks", "ape")):
@@ -102,25 +102,23 @@ def test_decode_cuda_graph_matches_eager(layer_type, overlap):
 
 
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_fused_kernels_match_torch_ops_bf16(layer_type, monkeypatch):
+def test_fused_kernels_match_torch_ops_bf16(layer_type):
     """The Triton kernels (moe_wave.attention.kernels) against the torch ops they replace, bf16 on the
-    GPU, prefill then decode steps through the cache (fp32 parity with the CPU is checked above)."""
-    attn = make_attn(layer_type).cuda().to(torch.bfloat16)
+    GPU, prefill then decode steps through the cache (fp32 parity with the CPU is checked above): the same
+    weights with ScheduleConfig(kernels="on") and kernels="off"."""
     dev = torch.device("cuda")
     x = torch.randn(B, S, 256, device=dev, dtype=torch.bfloat16)
     pos = torch.arange(S, device=dev).expand(B, -1).contiguous()
 
-    def run():
+    def run(kernels: str):
+        attn = make_attn(layer_type, kernels=kernels).cuda().to(torch.bfloat16)
         cache = attn.new_cache(B, MAXLEN)
         with torch.no_grad():
             outs = [attn(x[:, :64], positions=pos[:, :64], cache=cache)]
             outs += [attn(x[:, t:t + 1], positions=pos[:, t:t + 1], cache=cache) for t in range(64, S)]
         return torch.cat(outs, 1).float()
 
-    monkeypatch.setenv("MOE_WAVE_ATTN_KERNELS", "1")
-    on = run()
-    monkeypatch.setenv("MOE_WAVE_ATTN_KERNELS", "0")
-    off = run()
+    on, off = run("on"), run("off")
     assert torch.isfinite(on).all()
     rel = ((on - off).norm() / off.norm()).item()
     assert rel < 3e-2, rel
