@@ -112,14 +112,17 @@ class CombineOut:
     def __post_init__(self):
         check_sum_args(self.out_TD, self.add_TD, self.dst_TD)
 
-    def add_rows(self, token_N: torch.Tensor, rows_ND: torch.Tensor) -> None:
-        """The sum with torch ops, for backends that bring rows home unsummed: ``out_TD[token_N] += rows_ND``
-        (over zeros without ``accumulate``), then ``add_TD`` and ``dst_TD`` (the same fp32 operations, in the
-        same order, as a fused kernel's)."""
+    def add_rows(self, blocks) -> None:
+        """The sum with torch ops, for backends that bring rows home unsummed: for each ``(token_N, rows_ND)``
+        block in order, ``out_TD[token_N] += rows_ND`` (over zeros without ``accumulate``), then ``add_TD`` and
+        ``dst_TD``. Within a block a token appears at most once (one row per token per peer), so every
+        ``index_add_`` adds at most once to an element: the summation order is the blocks' order, fixed, the
+        same as a fused kernel's (atomics racing on one element would make the result vary from run to run)."""
         out_TD = self.out_TD
         if not self.accumulate:
             out_TD.zero_()
-        out_TD.index_add_(0, token_N, rows_ND.to(out_TD.dtype))
+        for token_N, rows_ND in blocks:
+            out_TD.index_add_(0, token_N, rows_ND.to(out_TD.dtype))
         self.finish_sum()
 
     def finish_sum(self) -> None:

@@ -276,7 +276,7 @@ class SymmBackend:
                 return
             N = plan.tok_WPN.shape[2]
             back_PND = torch.where((plan.send_dst_WPN[wave] >= 0)[..., None], bufs.comb[wave][:, :N].float(), 0.0)
-            out.add_rows(plan.tok_WPN[wave].reshape(-1), back_PND.reshape(-1, D))
+            out.add_rows(zip(plan.tok_WPN[wave], back_PND))     # peer by peer: gather_add's order
             poison_rows(out.result, poison)
 
         return total, works, dev

@@ -170,6 +170,7 @@ class TorchBackend:
 
         def total() -> None:
             st.keep_alive(back_SD, st.current_stream(dev))
-            out.add_rows(handle.send_token_S, back_SD)
+            # peer by peer (each token at most once per peer): a fixed summation order
+            out.add_rows(zip(handle.send_token_S.split(send_counts), back_SD.split(send_counts)))
 
         return pending_after(f"combine[{wave}]", works, self.comm_stream, dev, total)
