@@ -5,11 +5,11 @@ Legend: P ranks, me this rank, k the call number of one ``CopySignal`` (1, 2, ..
 After a rank's data copies into its peers' symmetric buffers, the same stream copies one int64, the
 call number k, into slot ``me`` of every peer's flag row and then of its own. A copy on a stream
 starts only when the one before it has finished, so a flag lands after the data it follows. A small
-waiter kernel, started on a side stream *before* the data copies (it spins beside them on one SM),
-returns once every slot of this rank's row holds at least k, and then advances k. The stream that
-issued the copies joins the waiter, so what follows sees every peer's data: the same guarantee as
-a barrier after the copies, without a kernel launch that waits for the copy engines to drain (about
-8 us per exchange on 2 x H200, benchmarks/README.md).
+waiter kernel, queued on the same stream after the flag copies (one program on one SM), returns once
+every slot of this rank's row holds at least k, and then advances k: what follows on that stream sees
+every peer's data, the same guarantee as a barrier after the copies. The waiter is queued after this
+rank's own copies, never beside them: a spinning kernel on another stream can share a hardware queue
+with the copies' stream and hold them back until it gives up.
 
 The call number lives on the device (``val = [k - 1, k]``), so the sequence replays unchanged from a
 CUDA graph. The waiter only advances it after it has seen its own slot, which the last of this
@@ -21,8 +21,7 @@ A peer that never signals does not hang the stream: the waiter gives up after ``
 global timer on CUDA; a bounded spin elsewhere and under the interpreter) and records the peer and the call in
 the backend's fault words (``[poison, peer, call]``, the first one sticks): the combine's sum then writes NaN,
 and the backend raises the error naming the peer (``SymmBackend.check`` or a later call). The clock starts when
-the waiter does, before the host has queued the copies: a slow host (the first call compiles the copy kernels)
-counts against it, so keep ``timeout_ms`` well above such delays (the default is 120 s).
+the waiter does, after this rank's copies: what it measures is the peers' lateness.
 
 The waiter also runs under ``TRITON_INTERPRET=1`` on CPU (the CI tests the epochs and the timeout
 there); the torch twin ``wait_flags_torch`` is the same logic on the host.
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from . import streams as st
 from .triton_gate import interpreting, tl, triton
 
 __all__ = ["CopySignal", "wait_flags", "wait_flags_torch", "SPINS_PER_MS"]
@@ -106,9 +104,9 @@ class CopySignal:
 
     Use, per call, on the stream that issues the data copies::
 
-        sig.begin()      # before the data copies: the waiter starts on the side stream
+        sig.begin()      # nothing to do before the copies (the common signal interface)
         ...copies...     # into the peers' symmetric buffers
-        sig.end()        # the flag copies; the current stream joins the waiter
+        sig.end()        # the flag copies, then the waiter, on the same stream
     """
 
     def __init__(self, ep, alloc, timeout_ms: int, fault: torch.Tensor):
@@ -120,17 +118,13 @@ class CopySignal:
         self._hdl = hdl
         self.mine = self.flags[me]
         self.val = torch.tensor([0, 1], dtype=torch.int64, device=dev)
-        self.side = st.accel_module(dev).Stream(device=dev, priority=-1)
-        # destinations in issue order: the peers, then this rank's own slot last (the waiter's cue)
+        # destinations in issue order: the peers, then this rank's own slot last
         self._dst = [self.flags[p][me:me + 1] for p in range(P) if p != me] + [self.mine[me:me + 1]]
 
     def begin(self) -> None:
-        cur = st.current_stream(self.ep.device)
-        st.wait_stream(self.side, cur)
-        with st.on(self.side):
-            wait_flags(self.mine, self.val, self.fault, self.timeout_ms)
+        """Nothing before the copies: the waiter follows them on their stream (see the module docstring)."""
 
     def end(self) -> None:
         for d in self._dst:
-            d.copy_(self.val[1:2], non_blocking=True)      # copy engine: lands after the data copies
-        st.wait_stream(st.current_stream(self.ep.device), self.side)
+            d.copy_(self.val[1:2], non_blocking=True)      # lands after the data copies queued before it
+        wait_flags(self.mine, self.val, self.fault, self.timeout_ms)

@@ -42,10 +42,7 @@ from moe_wave.comm.symm import SymmBackend
 ep = EPGroup.from_process_group()
 T, D, e, C = 20, 64, 4, 10
 mode = "copy" if signal == "flags" else "auto"
-# the flags waiter starts before the host has queued the copies (its clock runs while the first call compiles
-# the copy kernels): give it room; the memops watchdog counts from when the stream reaches the wait
-timeout_ms = 8000 if signal == "flags" else 1500
-be = SymmBackend(ep, SymmOptions(capacity=C, mode=mode, signal=signal, timeout_ms=timeout_ms, grace_s=10),
+be = SymmBackend(ep, SymmOptions(capacity=C, mode=mode, signal=signal, timeout_ms=1500, grace_s=10),
                  comm_stream=torch.cuda.Stream())
 plan = WavePlan.make(num_ranks=2, num_local_experts=e, num_waves=1)
 x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
