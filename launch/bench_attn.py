@@ -228,7 +228,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     policy = decode_policy(rows)
-    out = args.out or out_path("attn.json", os.path.join("benchmarks", f"{datetime.date.today()}-attn-1gpu.json"))
+    out = args.out or out_path("attn.json", os.path.join("results", f"{datetime.date.today()}-attn-1gpu.json"))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy}, "rows": rows}, f, indent=1)

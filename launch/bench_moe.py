@@ -10,7 +10,7 @@ waves 1, 2, 4, 8 (experts partition, torch backend); shared expert in the bubble
 medians of CUDA-event timings after warm-up, fresh random inputs, L2 flushed, barrier per iteration, max
 over ranks; pipelined is first checked against serial. ``p2p_limit_GBps`` (meta) is a 256 MB copy
 GPU0 -> GPU1 measured in the same run. Writes ``{"meta", "rows"}`` to --out (default $OUT/moe.json, else
-benchmarks/<date>-moe-<P>gpu.json) and a markdown summary beside it, then prints a short table.
+results/<date>-moe-<P>gpu.json; never the committed benchmarks/) and a markdown summary beside it, then prints a short table.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from launch_common import git_sha, out_dir  # noqa: E402
 
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import detect_launcher, init_from_env, spawn  # noqa: E402
+from moe_wave.comm.deepep import MAX_LOCAL_EXPERTS  # noqa: E402
 from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
 from moe_wave.timing import slowest  # noqa: E402
@@ -86,6 +87,12 @@ def rank_main(ep, args) -> dict:
             moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
             for T, placement, W, backend in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
                                                               backends):
+                if backend == "deepep" and cfg.num_experts // ep.size > MAX_LOCAL_EXPERTS:
+                    rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "backend": backend,
+                                 "skipped": f"DeepEP V1 supports at most {MAX_LOCAL_EXPERTS} experts per rank; "
+                                            f"{cfg.num_experts} experts on {ep.size} ranks is "
+                                            f"{cfg.num_experts // ep.size}"})
+                    continue
                 cap = args.symm_capacity or capacity(args, moe, T, W)
                 m = moe.rescheduled(WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
                                                symm=symm.replace(capacity=cap)))
@@ -124,11 +131,11 @@ def default_out(world_size: int) -> Path:
     if out_dir():
         return Path(out_dir()) / "moe.json"
     kind = f"{world_size}gpu" if torch.cuda.is_available() else f"cpu{world_size}"
-    return Path("benchmarks") / f"{datetime.date.today().isoformat()}-moe-{kind}.json"
+    return Path("results") / f"{datetime.date.today().isoformat()}-moe-{kind}.json"   # never the committed benchmarks/
 
 
 COLS = ["shape", "tokens_per_rank", "num_waves", "backend", "cuda_graph", "shared_placement", "serial_us", "pipelined_us", "comm_only_us",
-        "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps", "check"]
+        "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps", "check", "skipped"]
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -149,7 +156,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=15, help="timed iterations per kind")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pool", type=int, default=3, help="distinct random inputs rotated through")
-    ap.add_argument("--out", default=None, help="JSON path (default $OUT/moe.json, else benchmarks/...)")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/moe.json, else results/<date>-moe-<kind>.json)")
     ap.add_argument("--trace", default=None, metavar="DIR", help="per-rank chrome traces (one iteration per kind)")
     ap.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher")
     ap.add_argument("--backend", default="torch", help="comma list of comm backends (torch, symm, deepep)")
@@ -180,7 +187,7 @@ def main() -> int:
     out.with_suffix(".md").write_text(markdown(meta, rows))
     print(f"\nwrote {out} and {out.with_suffix('.md')}")
     print(format_table(COLS, [[r.get(c, "") for c in COLS] for r in rows]))
-    return 0 if all(r["check"] == "ok" for r in rows) else 1
+    return 0 if all(r.get("check") == "ok" for r in rows if "skipped" not in r) else 1
 
 
 if __name__ == "__main__":
