@@ -22,11 +22,12 @@ import torch
 
 import moe_wave
 from moe_wave.comm import detect_launcher, init_from_env, spawn
+from moe_wave.comm.bootstrap import spawn_plan
 from moe_wave.env import VARIABLES, EnvSettings, read_env
 from moe_wave.profiling import set_nvtx
 from moe_wave.tools import sweep
-from moe_wave.tools.demo import format_table, print_demo, resolve_defaults, run_demo_rank
-from moe_wave.tools.flags import HelpFormatter, add_symm_args
+from moe_wave.tools.demo import check_waves, format_table, print_demo, resolve_defaults, run_demo_rank
+from moe_wave.tools.flags import HelpFormatter, Parser, add_symm_args, at_least, seconds, waves
 
 __all__ = ["main", "build_parser", "run_demo_rank", "format_table"]
 
@@ -86,11 +87,17 @@ def info_lines(environ=None) -> list[tuple[str, str]]:
     return rows
 
 
+def _bad_input(cmd: str, e: ValueError) -> int:
+    """A value the user passed (flag or environment) is wrong: one line, exit 2 (as argparse's own errors)."""
+    print(f"moe-wave {cmd}: error: {e}", file=sys.stderr)
+    return 2
+
+
 def cmd_info(args) -> int:
     try:
         rows = info_lines()
     except ValueError as e:
-        raise SystemExit(f"moe-wave info: {e}") from None
+        return _bad_input("info", e)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -108,12 +115,14 @@ def demo_args(args, environ=None):
 
 
 def cmd_demo(args) -> int:
+    launch = detect_launcher()
     try:
         demo_args(args)
+        world_size = spawn_plan(args.ranks, None)[0] if launch.kind == "none" else launch.world_size
+        check_waves(args, world_size)
     except ValueError as e:
-        raise SystemExit(f"moe-wave demo: {e}") from None
+        return _bad_input("demo", e)
     set_nvtx(args.nvtx)
-    launch = detect_launcher()
     if launch.kind == "none":
         row = spawn(run_demo_rank, None if args.ranks is None else args.ranks, args=(args,),
                     timeout_s=args.timeout)[0]
@@ -134,28 +143,26 @@ def cmd_demo(args) -> int:
 
 # ----------------------------------------------------------------------------- parser
 
-def _waves(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-wave", description="Expert-parallel MoE engine for DeepSeek-V4.")
+    p = Parser(prog="moe-wave", description="Expert-parallel MoE engine for DeepSeek-V4.")
     p.add_argument("--version", action="version", version=f"moe-wave {moe_wave.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, devices, comm backends, launcher").set_defaults(func=cmd_info)
 
     d = sub.add_parser("demo", help="run a stack of V4 decoder layers over EP ranks, serial vs overlapped, "
                        "and check the results", formatter_class=HelpFormatter)
-    d.add_argument("--ranks", type=int, default=None,
+    d.add_argument("--ranks", type=at_least(1), default=None,
                    help="ranks to spawn without a launcher (default: every GPU, or 2 on CPU)")
     d.add_argument("--preset", choices=("tiny", "v4-flash", "v4-pro"), default=None,
                    help="layer sizes (default: tiny on CPU, v4-flash on a GPU host); tiny is also checked "
                         "against a single-process stack")
-    d.add_argument("--layers", type=int, default=None,
+    d.add_argument("--layers", type=at_least(1), default=None,
                    help="decoder layers, with the preset's layer types (tiny: sliding, csa, hca; v4-flash: "
                         "sliding, sliding, csa, hca, ...). Default: 3 (tiny), 4 (v4-flash), 2 (v4-pro)")
-    d.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: 32 tiny, else 2048)")
-    d.add_argument("--waves", type=_waves, default=2, help="number of waves W, or 'auto'")
+    d.add_argument("--tokens", type=at_least(1, "tokens per rank: attention runs on each rank's own sequence"),
+                   default=None, help="tokens per rank (default: 32 tiny, else 2048)")
+    d.add_argument("--waves", type=waves, default=2,
+                   help="number of waves W, or 'auto'; with --partition experts at most the local experts per rank")
     d.add_argument("--partition", choices=("experts", "tokens"), default="experts")
     d.add_argument("--backend", choices=("torch", "symm", "deepep"), default="torch", help="comm backend")
     d.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
@@ -173,9 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 (tiny), bfloat16 (v4-flash, v4-pro)")
-    d.add_argument("--iters", type=int, default=None, help="timed iterations per mode (default: 3 tiny, else 10)")
-    d.add_argument("--warmup", type=int, default=None, help="warm-up iterations per mode (default: 1 tiny, else 3)")
-    d.add_argument("--timeout", type=float, default=60, help="collective timeout in seconds")
+    d.add_argument("--iters", type=at_least(1), default=None,
+                   help="timed iterations per mode (default: 3 tiny, else 10)")
+    d.add_argument("--warmup", type=at_least(0), default=None,
+                   help="warm-up iterations per mode (default: 1 tiny, else 3)")
+    d.add_argument("--timeout", type=seconds, default=60, help="collective timeout in seconds (> 0)")
     add_symm_args(d)
     d.set_defaults(func=cmd_demo)
     sweep.register(sub)
@@ -184,8 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if (getattr(args, "tokens", 0) or 0) < 0:
-        raise SystemExit(f"--tokens={args.tokens}: must be >= 0")
     return args.func(args)
 
 

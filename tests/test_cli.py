@@ -107,9 +107,9 @@ def test_sweep_takes_the_symm_flags_and_the_environment(tmp_path):
                                         ("MOE_WAVE_SYMM_FLAGS", "1")])
 def test_bad_environment_is_a_one_line_error(var, value):
     proc = _cli("demo", env={var: value})
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"moe-wave demo: {var}={value!r}"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"moe-wave demo: error: {var}={value!r}"), proc.stderr
 
 
 @pytest.mark.timeout(60)

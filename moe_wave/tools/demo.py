@@ -24,7 +24,7 @@ import torch
 from moe_wave.attention import ScheduleConfig
 from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import compute_layout
-from moe_wave.config import WaveConfig
+from moe_wave.config import MoEConfig, WaveConfig
 from moe_wave.env import EnvSettings
 from moe_wave.profiling import set_nvtx
 from moe_wave.timing import Clock, align
@@ -32,7 +32,7 @@ from moe_wave.timing import Clock, align
 from .flags import symm_options
 from .stack import STACK_PRESETS, build_layer_stack, layer_kind, run_stack, stack_inputs
 
-__all__ = ["run_demo_rank", "demo_configs", "print_demo", "resolve_defaults", "format_table", "TOL"]
+__all__ = ["run_demo_rank", "demo_configs", "print_demo", "resolve_defaults", "check_waves", "format_table", "TOL"]
 
 # Relative error ||a - b|| / ||b|| allowed between two runs of the stack, per dtype.
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
@@ -69,6 +69,19 @@ def resolve_defaults(args, env: EnvSettings | None = None) -> None:
     args.attn_kernels = env.pick("attn_kernels", args.attn_kernels, "auto")
     args.autowave_cache = env.pick("autowave_cache", args.autowave_cache, None)
     args.nvtx = env.pick("nvtx", None, False)
+
+
+def check_waves(args, world_size: int) -> None:
+    """ValueError when ``--waves`` asks for more waves than the local experts per rank under ``--partition
+    experts`` (a wave is a block of local experts: the library would run fewer waves than asked)."""
+    if args.partition != "experts" or args.waves == "auto":
+        return
+    E = MoEConfig.preset(STACK_PRESETS[args.preset].moe).num_experts
+    e = -(-E // world_size)     # build_layer_stack rounds E up to a multiple of the ranks
+    if args.waves > e:
+        raise ValueError(f"--waves={args.waves}: must be <= {e}, the local experts per rank (preset {args.preset}: "
+                         f"{E} experts over {world_size} ranks), with --partition experts, where a wave is a "
+                         "block of local experts; or use --partition tokens")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
