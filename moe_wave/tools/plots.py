@@ -8,6 +8,9 @@ without the suffix):
 The rows are dicts of strings as ``csv.DictReader`` gives them (``sweep.read_rows``). Rows whose check
 failed are left out. When the rows hold several partitions, backends or shared placements, each
 (partition, backend, placement) combination gets its own line style / heat-map row.
+
+matplotlib comes with the ``[bench]`` extra: without it ``available()`` is False and ``draw`` raises an
+ImportError that says what to install.
 """
 
 from __future__ import annotations
@@ -16,7 +19,18 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["draw"]
+__all__ = ["draw", "available", "INSTALL_HINT"]
+
+INSTALL_HINT = "plots need matplotlib: pip install 'moe-wave[bench]'"
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _usable(rows: list[dict]) -> list[dict]:
@@ -68,7 +82,10 @@ def draw(rows: list[dict], stem: str | os.PathLike) -> list[Path]:
     rows = _usable(rows)
     if not rows:
         return []
-    import matplotlib   # the [bench] extra: only where there is something to draw
+    try:
+        import matplotlib   # the [bench] extra: only where there is something to draw
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

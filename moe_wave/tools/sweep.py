@@ -8,7 +8,9 @@ Per point: the ``moe_wave.tools.bench.measure`` numbers and the pipelined-vs-ser
 ``auto`` wave count of that (shape, tokens, partition, backend, placement) group and its pipelined
 time. Output: a CSV (one row per point, each with the command that reproduces it), a JSON sidecar
 in the benchmark-file format (``{"meta", "rows"}``: versions, git SHA, devices, settings), a markdown
-summary, and the plots (``moe_wave.tools.plots``). Points already in the CSV are skipped (resume).
+summary, and the plots (``moe_wave.tools.plots``; without matplotlib a note up front, and no plots). Points
+already in the CSV are skipped (resume); ``moe_wave.tools.sweep_csv`` writes each row durably and drops a torn or
+malformed row on resume, whose point is then measured again.
 Without ``--out`` the files go to ``$OUT/sweep.csv``, else ``results/sweep/<date>-sweep-<kind>.csv``
 (``results/`` is not committed; copy a run worth keeping into ``benchmarks/`` by hand).
 Without a launcher the ranks are spawned here (CPU: 2 gloo ranks; GPU host: one per GPU).
@@ -17,7 +19,6 @@ Without a launcher the ranks are spawned here (CPU: 2 gloo ranks; GPU host: one 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -36,19 +37,15 @@ from moe_wave.env import EnvSettings, read_env
 from moe_wave.moe import WaveMoE
 from moe_wave.profiling import set_nvtx
 
-from . import plots
+from . import plots, sweep_csv
 from .bench import BenchConfig, init_random_, measure
 from .demo import format_table
-from .flags import HelpFormatter, add_symm_args, symm_argv, symm_options
+from .flags import HelpFormatter, add_symm_args, at_least, seconds, symm_argv, symm_options
+from .sweep_csv import COLUMNS, KEY, read_rows
 from .trace import Tracer
 
 __all__ = ["register", "run", "run_rank", "build_spec", "read_rows", "run_meta", "COLUMNS", "KEY"]
 
-KEY = ("shape", "hidden", "intermediate", "experts", "topk", "tokens_per_rank", "num_waves", "partition",
-       "backend", "shared_placement", "dtype", "world_size")
-COLUMNS = KEY + ("effective_waves", "serial_us", "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us",
-                 "exposed_us", "overlap_ratio", "speedup", "link_bytes", "GBps", "check", "max_err",
-                 "auto_num_waves", "auto_us", "device", "command")
 # recorded in the sidecar as they were (moe-wave's own settings are recorded as resolved: ``settings``)
 _ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_ALGO", "NCCL_PROTO",
         "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
@@ -89,9 +86,6 @@ def _shapes(args, world_size: int) -> list[dict]:
         if missing:
             raise ValueError(f"custom shape: {', '.join(missing)} missing (give all of --hidden, --intermediate, "
                              "--experts and --topk)")
-        for n, v in zip(names, custom):
-            if v < 1:
-                raise ValueError(f"{n}={v}: must be >= 1")
         if args.topk > args.experts:
             raise ValueError(f"--topk={args.topk}: must be <= --experts={args.experts}")
         D, I, E, K = custom
@@ -120,9 +114,6 @@ def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = N
     env = env or EnvSettings()
     if world_size < 1:
         raise ValueError(f"--ranks={world_size}: must be >= 1")
-    for flag, v, lo in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--pool", args.pool, 1)):
-        if v < lo:
-            raise ValueError(f"{flag}={v}: must be >= {lo}")
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -202,44 +193,19 @@ def points(spec: dict) -> list[Point]:
             for b in g["backends"] for sh in g["shared"] for w in g["waves"]]
 
 
-# ----------------------------------------------------------------------------- CSV
-
-def read_rows(path: str | os.PathLike) -> list[dict]:
-    p = Path(path)
-    if not p.exists():
-        return []
-    with p.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _open_csv(path: Path):
-    if path.exists() and path.stat().st_size:
-        with path.open(newline="") as f:
-            header = next(csv.reader(f), [])
-        if tuple(header) != COLUMNS:
-            raise ValueError(f"--out={str(path)!r}: the file has other columns ({','.join(header[:4])},...): "
-                             "resume needs a CSV written by this sweep; pass a new --out")
-        f = path.open("a", newline="")
-        return f, csv.DictWriter(f, COLUMNS)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = path.open("w", newline="")
-    w = csv.DictWriter(f, COLUMNS)
-    w.writeheader()
-    return f, w
-
-
 # ----------------------------------------------------------------------------- one rank
 
 def run_rank(ep, spec: dict) -> list[tuple]:
     """The sweep on one rank (all ranks together). Rank 0 appends each row to the CSV as soon as it is
-    measured. Returns the keys of the points measured in this call."""
+    measured (``sweep_csv``: a crash loses at most that row). Returns the keys of the points measured in
+    this call."""
     set_nvtx(spec["nvtx"])   # a spawned rank is a fresh process
     out, dtype, P = Path(spec["out"]), spec["dtype"], ep.size
     todo = None
     if ep.rank == 0:
-        done = {tuple(r[k] for k in KEY) for r in read_rows(out)}
+        rows, writer = sweep_csv.resume(out)
+        done = {tuple(r[k] for k in KEY) for r in rows}
         todo = [p for p in points(spec) if p.key(dtype, P) not in done]
-        f, writer = _open_csv(out)
     todo = ep.broadcast_object(todo)
     bar = _progress(len(todo), ep.rank == 0)
     bench = BenchConfig(**spec["bench"])
@@ -271,17 +237,16 @@ def run_rank(ep, spec: dict) -> list[tuple]:
             key = pt.key(dtype, P)
             if ep.rank == 0:
                 a_w, a_us = auto.get(pt.group(), ("", ""))
-                writer.writerow({**dict(zip(KEY, key)), **{k: row.get(k, "") for k in COLUMNS if k in row},
-                                 "effective_waves": m.plan.num_waves, "auto_num_waves": a_w, "auto_us": a_us,
-                                 "device": device, "command": pt.command(spec)})
-                f.flush()
+                writer.write({**dict(zip(KEY, key)), **{k: row.get(k, "") for k in COLUMNS if k in row},
+                              "effective_waves": m.plan.num_waves, "auto_num_waves": a_w, "auto_us": a_us,
+                              "device": device, "command": pt.command(spec)})
             measured.append(key)
             bar.update(1)
     finally:
         bar.close()
         tracer.write()
         if ep.rank == 0:
-            f.close()
+            writer.close()
     if ep.rank == 0:
         write_sidecar(spec, ep)
     return measured
@@ -395,9 +360,11 @@ def run(args, env: EnvSettings | None = None, out_root: str | None = None) -> in
     if launch.kind == "none":
         nprocs, _ = spawn_plan(args.ranks, None)
         spec = build_spec(args, nprocs, "none", env, out_root)
+        _preflight(spec, show=True)
         spawn(run_rank, nprocs, args=(spec,), timeout_s=args.timeout, deadline_s=args.deadline)
     else:
         spec = build_spec(args, launch.world_size, launch.kind, env, out_root)
+        _preflight(spec, show=launch.rank == 0)
         import torch.distributed as dist
 
         ep = init_from_env(timeout_s=args.timeout, high_priority=env.pick("nccl_high_priority", None, True))
@@ -409,10 +376,23 @@ def run(args, env: EnvSettings | None = None, out_root: str | None = None) -> in
     if spec["plots"]:
         for p in plots.draw(rows, Path(spec["out"]).with_suffix("")):
             print(f"plot: {p}")
+    elif args.plots:
+        print(f"plots: none ({plots.INSTALL_HINT})")
     traces = f", traces in {spec['trace']}" if spec["trace"] else ""
     print(f"csv: {spec['out']}  (+ .json sidecar, .md summary{traces})")
     print_table(rows)
     return 0 if all(r.get("check") == "ok" for r in rows) else 1
+
+
+def _preflight(spec: dict, show: bool) -> None:
+    """What can be said before any point is measured: ValueError for an --out file of other columns; without
+    matplotlib, a note (``show``) and no plots (the CSV, sidecar and summary are written all the same)."""
+    sweep_csv.load(spec["out"])
+    if spec["plots"] and not plots.available():
+        spec["plots"] = False
+        if show:
+            print(f"moe-wave sweep: note: {plots.INSTALL_HINT}; this run writes the CSV, its .json sidecar and .md "
+                  "summary, and no plots (--no-plots: no note)", file=sys.stderr)
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
@@ -420,7 +400,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of MoEConfig presets ({', '.join(sorted(PRESETS))}); default: v4-flash,v4-pro,"
                         "balanced on a GPU host, tiny on CPU (none when a custom shape is given)")
     for flag, what in (("--hidden", "D"), ("--intermediate", "I"), ("--experts", "E"), ("--topk", "K")):
-        p.add_argument(flag, type=int, default=None, help=f"custom shape: {what} (give all four)")
+        p.add_argument(flag, type=at_least(1), default=None, help=f"custom shape: {what} (give all four)")
     p.add_argument("--tokens", dest="tokens_grid", metavar="LIST", default="128,512,2048,8192",
                    help="comma list of tokens per rank (>= 1)")
     p.add_argument("--waves", default="1,2,4,8", help="comma list of wave counts W (>= 1)")
@@ -429,9 +409,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared", default="bubbles,serial",
                    help=f"comma list of shared-expert placements: {', '.join(SHARED_PLACEMENTS)}")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per kind (median)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per kind")
-    p.add_argument("--pool", type=int, default=4, help="distinct random inputs rotated through")
+    p.add_argument("--iters", type=at_least(1), default=20, help="timed iterations per kind (median)")
+    p.add_argument("--warmup", type=at_least(0), default=3, help="untimed iterations per kind")
+    p.add_argument("--pool", type=at_least(1), default=4, help="distinct random inputs rotated through")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
                    help="also time num_waves='auto' per group (auto_num_waves, auto_us)")
@@ -445,15 +425,33 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autowave-cache", default=None, metavar="PATH",
                    help="where --auto's wave choices persist: a .json file or a folder (env MOE_WAVE_CACHE; default: "
                         "this run only)")
-    p.add_argument("--ranks", type=int, default=None,
+    p.add_argument("--ranks", type=at_least(1), default=None,
                    help="ranks to spawn without a launcher (default: every GPU, or 2)")
-    p.add_argument("--timeout", type=float, default=120, help="collective timeout in seconds")
-    p.add_argument("--deadline", type=float, default=6 * 3600, help="bound on a self-spawned sweep, in seconds")
+    p.add_argument("--timeout", type=seconds, default=120, help="collective timeout in seconds")
+    p.add_argument("--deadline", type=seconds, default=6 * 3600, help="bound on a self-spawned sweep, in seconds")
     add_symm_args(p)
 
 
 def _plot_cmd(args) -> int:
-    for p in plots.draw(read_rows(args.csv), Path(args.csv).with_suffix("")):
+    def say(msg: str) -> None:
+        print(f"moe-wave plot: {msg}", file=sys.stderr)
+
+    path = Path(args.csv)
+    if not path.is_file():
+        say(f"error: {args.csv}: no such file")
+        return 2
+    try:
+        drawn = plots.draw(read_rows(path, report=say), path.with_suffix(""))
+    except ValueError as e:   # not a sweep's CSV
+        say(f"error: {e}")
+        return 2
+    except ImportError as e:
+        say(f"error: {e}")
+        return 1
+    if not drawn:
+        say(f"{path}: no row with check ok: nothing to draw")
+        return 1
+    for p in drawn:
         print(f"plot: {p}")
     return 0
 
