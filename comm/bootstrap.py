@@ -194,6 +194,8 @@ def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = T
     backend, dev = _pick_backend(info.local_world_size, info.local_rank, device)
     if info.kind == "torchrun":
         init_method = "env://"
+        if info.local_world_size == info.world_size:     # one host: gloo's own sockets on loopback only
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     elif info.kind in ("openmpi", "mpich"):
         init_method = _mpi_rendezvous(info)
     else:
