@@ -31,7 +31,7 @@ copy.grid          MOE_WAVE_COPY_GRID       a cap on the row-copy programs, to l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 __all__ = ["SymmOptions", "CopyTuning", "MODES", "SIGNALS", "KERNELS", "DEFAULT_CAPACITY", "AUTO_COPY_MIN_TOKENS",
            "DENSE_FILL", "parse_variant"]
@@ -137,9 +137,6 @@ class SymmOptions:
         """Options from a variant name as the benchmarks and tests spell it (``parse_variant``)."""
         mode, dense, signal = parse_variant(name)
         return cls(mode=mode, dense=dense, signal=signal, **kw)
-
-
-FIELDS = tuple(f.name for f in fields(SymmOptions))
 
 
 def parse_variant(name: str) -> tuple[str, bool | None, str]:

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from .options import CopyTuning
-from .triton_gate import tl, triton, triton_ok
+from .triton_gate import tl, triton
 
-__all__ = ["RowTargets", "scatter_rows", "scatter_rows_torch", "gather_add", "gather_add_torch", "poison_rows",
-           "triton_ok"]
+__all__ = ["RowTargets", "scatter_rows", "scatter_rows_torch", "gather_add", "gather_add_torch", "poison_rows"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 _UNIT = 16   # block offsets are kept in units of 16 elements where they allow it (16-byte vector stores)
