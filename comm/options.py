@@ -14,7 +14,7 @@ mode               MOE_WAVE_SYMM_MODE       "kernel" (one Triton launch of SM ro
                                             ``capacity >= AUTO_COPY_MIN_TOKENS``, kernel mode below)
 dense              MOE_WAVE_SYMM_DENSE      copy mode: send each wave's token range whole (True), only the
                                             rows that carry pairs (False), or by the expected fill (None)
-signal             MOE_WAVE_SYMM_SIGNAL     what closes an exchange: "barrier" (torch's barrier kernel),
+signal             MOE_WAVE_SYMM_SIGNAL     what closes an exchange: "barrier" (our barrier kernel),
                                             "flags" (copy-engine completion flags), "memops" (stream memory
                                             operations, no SM, bounded by a watchdog thread)
 timeout_ms         MOE_WAVE_SYMM_TIMEOUT_MS a peer that does not arrive within it is an error naming it

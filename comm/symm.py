@@ -68,7 +68,8 @@ class SymmBackend:
             each prepare chooses (``symm_plan.choose``).
         comm_stream: the stream transfers are issued from (GPU); None on CPU.
 
-    Signals (``options.signal``): "barrier", torch's symmetric-memory barrier kernel with its timeout; "flags"
+    Signals (``options.signal``): "barrier", our barrier kernel over flag words in the data allocation (it names a
+    peer that does not arrive within ``timeout_ms`` and poisons the output; torch's barrier without Triton); "flags"
     (copy mode), completion flags written by the copy engines, awaited by a one-SM waiter; "memops", stream
     memory operations, no SM at all, each wait bounded by a watchdog thread that names the missing peer and
     stops the rank after ``timeout_ms`` (plus ``grace_s`` for the caller to raise it).

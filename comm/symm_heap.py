@@ -9,7 +9,9 @@ Every rank owns, in CUDA symmetric memory (``torch.distributed._symmetric_memory
     comb     [W, P(dst), C, D]   results that peer ``dst`` sent back for the rows we sent it
     recv_meta[W, P(src), C, M]   their (local expert, weight) slots, in an allocation of its own shared by every
                                  dtype and width of x, so that prepare can write this rank's own dense block
-    ctrl     [P(src), X]         the count exchange
+    ctrl     [P(src), X]         the count exchange, followed by its flag row [P] (the count barrier)
+    flags    [2W, P(src)]        after recv_x and comb: one flag row per exchange channel (dispatch wave w is
+                                 channel w, its combine W + w), for ``symm_signal.BarrierSignal``
 
 ``PeerHeap`` allocates them collectively (every rank, in the same order) and refuses to during CUDA-graph
 capture: the first prepare, dispatch and combine of a shape run eagerly. ``LocalHeap`` makes the same buffers
@@ -34,7 +36,8 @@ class Buffers:
     Attributes:
         recv_x, recv_meta, comb: see the module docstring.
         peers: [P] of (recv_x, recv_meta, comb) views of rank p's buffers (peer memory), else None.
-        hdl: the symmetric-memory handle of recv_x / comb (barriers), else None.
+        hdl: the symmetric-memory handle of recv_x / comb, else None.
+        flags: peer memory: [P] of rank p's flag rows [2W, P] int64 (see the module docstring), else None.
         targets: per wave, RowTargets of block (w, me) of every rank's (recv_x, recv_meta, comb) (peer memory,
             Triton), or of every block of the staging (x, meta, None) (emulated, Triton); else None.
         stage: emulated transport: (x [W, P, C, D], meta [W, P, C, M]) packed locally, then exchanged.
@@ -50,6 +53,7 @@ class Buffers:
     targets: list | None = None
     stage: tuple | None = None
     pack: list | None = None
+    flags: list | None = None
 
 
 def _capturing() -> bool:
@@ -79,14 +83,16 @@ class PeerHeap:
         return buf, hdl
 
     def ctrl(self, X: int):
-        """(local [P, X] int64, the peers' rows for me (a RowTargets with kernels, else [P] views), handle)."""
+        """(local [P, X] int64, the peers' rows for me (a RowTargets with kernels, else [P] views), handle,
+        [P] every rank's count-barrier flag row [P] int64)."""
         if X not in self._ctrl:
             P, me = self.ep.size, self.ep.rank
-            _, hdl = self.alloc(P * X * 8)
+            _, hdl = self.alloc(P * (X + 1) * 8)
             views = [hdl.get_buffer(p, [P, X], torch.int64, 0) for p in range(P)]
+            flags = [hdl.get_buffer(p, [P], torch.int64, P * X) for p in range(P)]
             hdl.barrier(channel=0, timeout_ms=self.timeout_ms)  # all zeroed before anyone writes
             dst = RowTargets.of(v[me:me + 1] for v in views) if self.kernels else views
-            self._ctrl[X] = (views[me], dst, hdl)
+            self._ctrl[X] = (views[me], dst, hdl, flags)
         return self._ctrl[X]
 
     def meta(self, W: int, K: int):
@@ -115,12 +121,14 @@ class PeerHeap:
         _, meta_peers, _ = self.meta(W, K)
         shape_x = [W, P, C, D]
         nx = W * P * C * D
-        _, hdl = self.alloc(2 * nx * torch.empty((), dtype=dtype).element_size())
+        data_words = -(-2 * nx * torch.empty((), dtype=dtype).element_size() // 8)    # the flags start 8-aligned
+        _, hdl = self.alloc((data_words + 2 * W * P) * 8)
         peers = [(hdl.get_buffer(p, shape_x, dtype, 0), meta_peers[p], hdl.get_buffer(p, shape_x, dtype, nx))
                  for p in range(P)]
+        flags = [hdl.get_buffer(p, [2 * W, P], torch.int64, data_words) for p in range(P)]
         hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
         mine = peers[me]
-        bufs = Buffers(mine[0], mine[1], mine[2], peers=peers, hdl=hdl)
+        bufs = Buffers(mine[0], mine[1], mine[2], peers=peers, hdl=hdl, flags=flags)
         if self.kernels:   # block (w, me) of every rank's buffers, as pointer tables (built here, not in a capture)
             bufs.targets = [tuple(RowTargets.of(pb[j][w, me] for pb in peers) for j in range(3)) for w in range(W)]
         self._data[key] = bufs

@@ -25,8 +25,8 @@ its stream after the comm stream (``backend.pending_after``).
   own rows are copied on a second stream, or not at all with ``local_view`` (a same-device copy runs on the SMs,
   which a GEMM beside it holds).
 
-An exchange is closed by the barrier kernel on the data allocation (channel w for dispatch wave w, W + w for its
-combine), by completion flags written by the copy engines (``CopySignal``), or by stream memory operations
+An exchange is closed by our barrier kernel (``BarrierSignal``) over the flag rows of the data allocation
+(channel w for dispatch wave w, W + w for its combine; the count exchange has its own row), by completion flags written by the copy engines (``CopySignal``), or by stream memory operations
 (``MemopSignal``, no SM; bounded by a watchdog). A waiter that gives up on a peer records it in the backend's
 status and sets its poison word (the combine's sum is then NaN). Ordering: peers write into a block only after a barrier that
 every rank reaches after it has finished reading that block, so wave w+1 travels while wave w is consumed, and
@@ -48,8 +48,9 @@ from .options import SymmOptions
 from .symm_heap import Buffers, LocalHeap, PeerHeap
 from .symm_kernels import scatter_rows
 from .symm_plan import SymmPlan, wave_rows
-from .symm_signal import CopySignal
+from .symm_signal import BarrierSignal, CopySignal
 from .symm_tables import POISON, count_rows, count_rows_torch
+from .triton_gate import triton_ok
 
 __all__ = ["PeerTransport", "EmulatedTransport", "pack_block"]
 
@@ -103,7 +104,9 @@ class PeerTransport:
         self._others = [p for p in range(ep.size) if p != ep.rank]
         # the same as a device index (made here, outside any capture: a list index copies from the host)
         self._others_dev = torch.tensor(self._others, dtype=torch.long, device=ep.device)
-        self._signals: dict = {}     # (buffers, channel) -> CopySignal / MemopSignal
+        self._signals: dict = {}     # (buffers, channel) -> BarrierSignal / CopySignal / MemopSignal
+        # our barrier kernel is Triton; without Triton on the device, torch's (bounded, but it does not name the peer)
+        self._own_barrier = triton_ok(ep.device)
 
     # ------------------------------------------------------------------ setup and signals
     def meta(self, W: int, K: int) -> torch.Tensor:
@@ -118,32 +121,32 @@ class PeerTransport:
         self.meta(W, K)[:, me].copy_(plan.meta_WPCM[:, me], non_blocking=True)
 
     def _signal(self, bufs: Buffers, channel: int, what: str):
-        """The signal that closes one exchange channel, or None for the barrier kernel. Allocated on first use,
-        collectively, so that first use must come before any capture."""
+        """The signal that closes one exchange channel. Made on first use (flags and memops: allocated,
+        collectively), so that first use must come before any capture."""
         kind = self.options.signal
-        if kind == "barrier":
-            return None
         key = (id(bufs), channel)
         if key not in self._signals:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"symm signal={kind!r}: run one dispatch and combine eagerly before capturing a "
-                                   f"CUDA graph (the signal words are allocated on first use, by every rank)")
+                                   f"CUDA graph (the signal words are set up on first use, by every rank)")
             o = self.options
-            self._signals[key] = (CopySignal(self.ep, self.heap.alloc, o.timeout_ms, self.fault) if kind == "flags"
-                                  else memops.MemopSignal(self.ep, self.heap.alloc, timeout_ms=o.timeout_ms,
-                                                          grace_s=o.grace_s, name=what, fault=self.fault))
+            if kind == "barrier":
+                sig = (BarrierSignal(self.ep, [f[channel] for f in bufs.flags], o.timeout_ms, self.fault)
+                       if self._own_barrier else _TorchBarrier(bufs.hdl, channel, o.timeout_ms))
+            elif kind == "flags":
+                sig = CopySignal(self.ep, self.heap.alloc, o.timeout_ms, self.fault)
+            else:
+                sig = memops.MemopSignal(self.ep, self.heap.alloc, timeout_ms=o.timeout_ms, grace_s=o.grace_s,
+                                         name=what, fault=self.fault)
+            self._signals[key] = sig
         return self._signals[key]
 
     def _exchange(self, bufs: Buffers, channel: int, what: str, push) -> None:
-        """Open the channel's signal, ``push()`` the data, close it (the signal's wait or the barrier kernel)."""
+        """Open the channel's signal, ``push()`` the data, close it (the signal's wait)."""
         sig = self._signal(bufs, channel, what)
-        if sig is not None:     # flags: a waiter started beside the copies; memops: the acknowledgements
-            sig.begin()
+        sig.begin()     # flags and barrier: nothing; memops: the acknowledgements
         push()
-        if sig is not None:
-            sig.end()
-        else:
-            bufs.hdl.barrier(channel=channel, timeout_ms=self.options.timeout_ms)
+        sig.end()
 
     def raise_watchdog(self) -> None:
         if self.options.signal == "memops" and self._signals:
@@ -162,15 +165,24 @@ class PeerTransport:
 
     # ------------------------------------------------------------------ counts
     def exchange_counts(self, counts, X: int) -> torch.Tensor:
-        """[P, X]: one kernel (or a copy per peer) writes my row into every peer's ctrl, then the barrier."""
-        mine, targets, hdl = self.heap.ctrl(X)
+        """[P, X]: one kernel (or a copy per peer) writes my row into every peer's ctrl, then the count barrier
+        (ours in every signal mode: a missing peer is named, and the layer's output poisoned)."""
+        mine, targets, hdl, flags = self.heap.ctrl(X)
+        key = ("counts", X)
+        if key not in self._signals:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("symm backend: run one prepare eagerly before capturing a CUDA graph (the count "
+                                   "exchange is set up on first use, by every rank)")
+            t = self.options.timeout_ms
+            self._signals[key] = (BarrierSignal(self.ep, flags, t, self.fault) if self._own_barrier
+                                  else _TorchBarrier(hdl, 0, t))
         if self.kernels:
             count_rows(targets, *counts)
         else:
             send_PX = count_rows_torch(*counts)
             for p in range(self.ep.size):
                 targets[p][self.ep.rank].copy_(send_PX[p])     # peer write over NVLink (copy engine)
-        hdl.barrier(channel=0, timeout_ms=self.options.timeout_ms)
+        self._signals[key].end()
         return mine.clone()
 
     # ------------------------------------------------------------------ dispatch
@@ -265,6 +277,20 @@ class PeerTransport:
 
         self._exchange(bufs, W + wave, f"combine wave {wave}", push)
         return ()
+
+
+class _TorchBarrier:
+    """torch's symmetric-memory barrier kernel on one channel of a handle's signal pad: where Triton does not run.
+    It traps after ``timeout_ms`` (a CUDA error that ends the rank) without naming the peer."""
+
+    def __init__(self, hdl, channel: int, timeout_ms: int):
+        self.hdl, self.channel, self.timeout_ms = hdl, channel, timeout_ms
+
+    def begin(self) -> None:
+        """Nothing before the data."""
+
+    def end(self) -> None:
+        self.hdl.barrier(channel=self.channel, timeout_ms=self.timeout_ms)
 
 
 class _Then:

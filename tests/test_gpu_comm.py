@@ -240,6 +240,30 @@ def test_copy_signal_missing_peer_is_recorded_after_the_timeout():
     assert 0.04 <= elapsed < 10, elapsed
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_barrier_kernel_missing_peer_is_recorded_after_the_timeout():
+    """Our barrier kernel (the default signal) over three flag rows on one GPU, as rank 0 of 3: rank 2's slot never
+    advances. The kernel gives up after its timeout by the global timer, records [1, 2, call], returns."""
+    from moe_wave.comm.symm_signal import barrier_wait
+
+    rows = [torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(3)]
+    rows_P = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64, device="cuda")
+    val = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
+    fault = torch.zeros(3, dtype=torch.int64, device="cuda")
+    rows[0][1:] = 1
+    barrier_wait(rows_P, 0, val, fault, timeout_ms=50)     # call 1: everyone is there (and the kernel compiles)
+    rows[0][1] = 2                                         # call 2: rank 1 arrives, rank 2 never does
+    torch.cuda.synchronize()   # HOST SYNC: time the second call alone
+    t0 = time.perf_counter()
+    barrier_wait(rows_P, 0, val, fault, timeout_ms=50)
+    torch.cuda.synchronize()   # HOST SYNC: the kernel must have given up and returned
+    elapsed = time.perf_counter() - t0
+    assert fault.tolist() == [1, 2, 2], fault.tolist()
+    assert [int(r[0]) for r in rows] == [2, 2, 2], "slot 0 of every row holds the call number"
+    assert val.tolist() == [2, 3]
+    assert 0.04 <= elapsed < 10, elapsed
+
+
 def memops_stall_rank(rank: int, path: str, how: str, timeout_ms: int, grace_s: float) -> None:
     """One rank of ``test_memops_missing_peer_is_named_and_the_rank_stops`` (a process of its own, started as
     ``python -m tests.test_gpu_comm``): two whole exchanges, then rank 1 stalls while rank 0 dispatches."""

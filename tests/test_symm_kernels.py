@@ -12,7 +12,7 @@ from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.options import CopyTuning
 from moe_wave.comm.symm_kernels import RowTargets, gather_add, gather_add_torch, scatter_rows, scatter_rows_torch
 from moe_wave.comm.symm_plan import wave_token_ranges
-from moe_wave.comm.symm_signal import wait_flags, wait_flags_torch
+from moe_wave.comm.symm_signal import barrier_torch, barrier_wait, wait_flags, wait_flags_torch
 from moe_wave.comm.symm_tables import (POISON, STATUS_LEN, build_tables, build_tables_torch, count_rows,
                                        count_rows_torch, densify, densify_torch)
 from moe_wave.comm.triton_gate import interpreting, triton
@@ -218,6 +218,39 @@ def test_copy_signal_waiter_matches_torch(dev, flags, val0, status0):
         assert got[2].tolist() == status0, "the first error sticks"
     else:
         assert got[2].tolist() == ([1, missing[0], val0 + 1] if missing else [0, 0, 0]), (flags, got[2])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("me,own,val0,fault0", [(0, [0, 1, 1], 0, [0, 0, 0]), (1, [4, 0, 4, 4, 4], 3, [0, 0, 0]),
+                                                 (2, [1, 0, 0], 0, [0, 0, 0]), (0, [0, 2, 1], 1, [0, 0, 0]),
+                                                 (1, [0, 0], 0, [1, 7, 9]), (0, [0], 5, [0, 0, 0]),
+                                                 (3, [9, 9, 9, 0, 9, 9, 9, 8, 9], 8, [0, 0, 0])])
+def test_barrier_kernel_matches_torch(dev, me, own, val0, fault0):
+    """Our barrier kernel over flag rows of one process: it stores the call number into slot ``me`` of every row,
+    waits for every slot of row ``me``; a slot still behind is a recorded fault [1, first such rank, call], the
+    first fault sticks, and the call number advances either way. The torch twin does the same."""
+    P = len(own)
+    rows = [torch.full((P,), 100 + p, dtype=torch.int64, device=dev) for p in range(P)]
+    rows[me] = torch.tensor(own, dtype=torch.int64, device=dev)
+    rows_P = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64, device=dev)
+    val, fault = torch.tensor([val0, val0 + 1], device=dev), torch.tensor(fault0, device=dev)
+    ref = ([r.clone().cpu() for r in rows], val.clone().cpu(), fault.clone().cpu())
+    barrier_wait(rows_P, me, val, fault, timeout_ms=0)     # a slot behind is given up on at once
+    barrier_torch(ref[0], me, ref[1], ref[2])
+    assert [r.tolist() for r in rows] == [r.tolist() for r in ref[0]], (rows, ref[0])
+    assert all(r[me] == val0 + 1 for r in rows), "every row's slot `me` holds the call number"
+    assert val.tolist() == ref[1].tolist() == [val0 + 1, val0 + 2], "the call number advances, timeout or not"
+    late = [p for p in range(P) if p != me and own[p] < val0 + 1]
+    want = fault0 if fault0[0] else ([1, late[0], val0 + 1] if late else [0, 0, 0])
+    assert fault.tolist() == ref[2].tolist() == want, (fault, ref[2], want)
+
+
+def test_barrier_wait_rejects_bad_words():
+    rows_P = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="me=2 in \\[0, 2\\)"):
+        barrier_wait(rows_P, 2, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="fault 3 contiguous words"):
+        barrier_wait(rows_P, 0, torch.zeros(2, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), 1)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
