@@ -13,8 +13,8 @@ import torch
 
 from moe_wave.attention.compressor import Compressor, CompressorConfig, CompressorState
 from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.kernels import (index_scores, index_scores_torch, norm_rope, norm_rope_torch,
-                                        sparse_attention_fused, use_kernels)
+from moe_wave.attention.core_kernel import sparse_attention_fused
+from moe_wave.attention.kernels import index_scores, index_scores_torch, norm_rope, norm_rope_torch, use_kernels
 from moe_wave.comm.triton_gate import triton, triton_ok
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

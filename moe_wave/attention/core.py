@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import sparse_attention_fused, use_kernels
+from .core_kernel import sparse_attention_fused
+from .kernels import use_kernels
 
 __all__ = ["sparse_attention", "gather_rows"]
 
@@ -37,8 +38,9 @@ def sparse_attention(q_BSHd: torch.Tensor, parts: list[tuple[torch.Tensor, torch
         kernels: ``ScheduleConfig.kernels``.
     Returns:
         o_BSHd in q's dtype. A query whose every pick is masked returns 0 (the sink takes all mass).
-    Where ``use_kernels(q, kernels)`` one fused kernel does it (``kernels.sparse_attention_fused``, online
-    softmax, no gather).
+    Where ``use_kernels(q, kernels)`` one Triton kernel does it (``core_kernel.sparse_attention_fused``:
+    tensor-core tiles of a token's heads against 64-key tiles, online softmax, no gather); these torch ops are
+    the CPU reference and the fallback.
     """
     if use_kernels(q_BSHd, kernels) and 1 <= len(parts) <= 2:
         return sparse_attention_fused(q_BSHd, parts, sinks_H, scale)

@@ -22,6 +22,7 @@ from torch import nn
 from .compressor import Compressor, CompressorConfig
 from .kernels import index_scores, use_kernels
 from .rope import rope_tail
+from .topk import topk_select
 
 __all__ = ["IndexerConfig", "Indexer"]
 
@@ -78,17 +79,17 @@ class Indexer(nn.Module):
         """int64 [B, S, K] entry ids (absolute, -1 = none), K = min(topk, num_slots).
 
         ``k_BNe`` may carry extra rows (the trash slot); only the first ``num_slots`` are scored.
-        ``kernels``: ``ScheduleConfig.kernels``.
+        ``kernels``: ``ScheduleConfig.kernels``. With the kernels: ``topk.topk_select`` (the same set as
+        ``torch.topk``, ties to the lowest ids, ids ascending); without: ``torch.topk`` (sorted by score).
         """
         k_BNe = k_BNe[:, :num_slots]
-        fused = use_kernels(qI_BShe, kernels)
-        if fused:   # fused: no [B, S, h, N] intermediate (kernels.index_scores)
+        k = min(self.cfg.topk, num_slots)
+        if use_kernels(qI_BShe, kernels):   # fused scores (no [B, S, h, N] intermediate), then the selection
             score_BSN = index_scores(qI_BShe, w_BSh, k_BNe, pos_BS, self.cfg.ratio)
-        else:
-            s_BShN = torch.einsum("bshe,bne->bshn", qI_BShe, k_BNe.to(qI_BShe.dtype)).float().relu()
-            score_BSN = (s_BShN * w_BSh[..., None]).sum(dim=2)
-            visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]
-            score_BSN = score_BSN.masked_fill(~visible_BSN, float("-inf"))
-        # the picks are a set (the core is order-free): unsorted top-k on the GPU path
-        val_BSK, idx_BSK = score_BSN.topk(min(self.cfg.topk, num_slots), dim=-1, sorted=not fused)
+            return topk_select(score_BSN, k)   # valid ids ascending, then -1; ties: lowest ids (topk.py)
+        s_BShN = torch.einsum("bshe,bne->bshn", qI_BShe, k_BNe.to(qI_BShe.dtype)).float().relu()
+        score_BSN = (s_BShN * w_BSh[..., None]).sum(dim=2)
+        visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]
+        score_BSN = score_BSN.masked_fill(~visible_BSN, float("-inf"))
+        val_BSK, idx_BSK = score_BSN.topk(k, dim=-1)
         return torch.where(val_BSK == float("-inf"), torch.full_like(idx_BSK, -1), idx_BSK)

@@ -9,13 +9,12 @@ h indexer heads, e indexer head dim, N compressed-entry slots.
 * ``pool_entries``: the compressor's gated pooling of every window a chunk touches, from the ring
   and the chunk, with its RMSNorm and RoPE, written into the entry cache: one launch instead of ~30
   torch ops (gathers of [n, R, C] fp32 tiles, softmax, norm, rope, scatter).
-* ``sparse_attention_fused``: the sparse core (MQA over the picked window and compressed rows, with
-  sinks) with an online softmax, one program per (query, head block): no [S, W + K, d] gather.
 * ``index_scores``: the lightning indexer's ``sum_h w[t,h] * ReLU(q[t,h] . k[j])`` with the causal
   visibility mask, one [BS, BN] tile per program looping over heads, without the [S, h, N]
   intermediate; tiles that no query of the block can see are skipped.
 
-Both run on CUDA/ROCm tensors (and on CPU under ``TRITON_INTERPRET=1``, which the tests use to check
+The sparse core is in ``core_kernel.py`` and the indexer's top-k in ``topk.py``.
+Each kernel runs on CUDA/ROCm tensors (and on CPU under ``TRITON_INTERPRET=1``, which the tests use to check
 them against the torch versions). Callers decide with ``use_kernels(t, mode)``, ``mode`` being
 ``ScheduleConfig.kernels``: "auto" (Triton on a GPU), "off" (torch ops everywhere), "on" (Triton wherever
 it can run). Called directly, a kernel function runs Triton wherever it can and its torch twin elsewhere.
@@ -30,7 +29,7 @@ import torch
 from moe_wave.comm.triton_gate import tl, triton, triton_ok
 
 __all__ = ["KERNEL_MODES", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "pool_entries",
-           "sparse_attention_fused", "use_kernels"]
+           "use_kernels"]
 
 KERNEL_MODES = ("auto", "on", "off")
 _WANT = {"auto": None, "on": True, "off": False}
@@ -359,103 +358,3 @@ def pool_entries(kv_BSC: torch.Tensor, score_BSC: torch.Tensor, ring_kv_BRC: tor
                          rkv.stride(0), rkv.stride(1), entries_BNd.stride(0), entries_BNd.stride(1),
                          DIM=d, CM=mult, PAIRS=pairs, BLOCK=triton.next_power_of_2(pairs), F=freq_F.numel(),
                          J=J, BJ=BJ, num_warps=8)
-
-
-# ----------------------------------------------------------------------------------- sparse core
-if triton is not None:
-
-    @triton.jit
-    def _sparse_part(q_ptr, kv_ptr, idx_ptr, b, s, h, hmask, J, S, s_q_b, s_q_s, s_q_h, s_kv_b, s_kv_m, s_i_b,
-                     s_i_s, scale, m_i, l_i, acc, D: tl.constexpr, BD: tl.constexpr, DC: tl.constexpr,
-                     BJ: tl.constexpr, IEEE: tl.constexpr):
-        dv = tl.arange(0, BD)
-        for j0 in range(0, J, BJ):
-            j = j0 + tl.arange(0, BJ)
-            jm = j < J
-            row = tl.load(idx_ptr + b * s_i_b + s * s_i_s + j, mask=jm, other=-1)
-            ok = row >= 0
-            rowc = tl.maximum(row, 0).to(tl.int64)
-            sc = tl.zeros((h.shape[0], BJ), tl.float32)
-            for d0 in tl.static_range(0, BD, DC):
-                dc = d0 + tl.arange(0, DC)
-                q = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dc[None, :],
-                            mask=hmask[:, None] & (dc[None, :] < D), other=0.0)
-                k = tl.load(kv_ptr + b * s_kv_b + rowc[:, None] * s_kv_m + dc[None, :],
-                            mask=ok[:, None] & (dc[None, :] < D), other=0.0)
-                if IEEE:
-                    sc += tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    sc += tl.dot(q, tl.trans(k))
-            sc = tl.where(ok[None, :], sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(kv_ptr + b * s_kv_b + rowc[:, None] * s_kv_m + dv[None, :],
-                        mask=ok[:, None] & (dv[None, :] < D), other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        return m_i, l_i, acc
-
-    @triton.jit
-    def _sparse_attn_kernel(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, J1, J2, scale,
-                            s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
-                            s_k2_b, s_k2_m, s_i2_b, s_i2_s,
-                            D: tl.constexpr, BD: tl.constexpr, DC: tl.constexpr, BH: tl.constexpr,
-                            BJ: tl.constexpr, TWO: tl.constexpr, IEEE: tl.constexpr):
-        # One program: one query (b, s) and BH heads (all heads share K = V: one head of D channels).
-        # Online softmax over the picked rows of each part; the sink is a logit with a zero value, so it
-        # starts the running max/sum (m = sink, l = 1) and only adds to the denominator.
-        bs = tl.program_id(0)
-        b = (bs // S).to(tl.int64)
-        s = (bs % S).to(tl.int64)
-        h = tl.program_id(1) * BH + tl.arange(0, BH)
-        hmask = h < H
-        m_i = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
-        l_i = tl.full((BH,), 1.0, tl.float32)
-        acc = tl.zeros((BH, BD), tl.float32)
-        m_i, l_i, acc = _sparse_part(q_ptr, kv1_ptr, idx1_ptr, b, s, h, hmask, J1, S, s_q_b, s_q_s, s_q_h,
-                                     s_k1_b, s_k1_m, s_i1_b, s_i1_s, scale, m_i, l_i, acc, D, BD, DC, BJ, IEEE)
-        if TWO:
-            m_i, l_i, acc = _sparse_part(q_ptr, kv2_ptr, idx2_ptr, b, s, h, hmask, J2, S, s_q_b, s_q_s, s_q_h,
-                                         s_k2_b, s_k2_m, s_i2_b, s_i2_s, scale, m_i, l_i, acc, D, BD, DC, BJ, IEEE)
-        o = acc / l_i[:, None]
-        dv = tl.arange(0, BD)
-        tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & (dv[None, :] < D))
-
-
-def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float) -> torch.Tensor:
-    """``core.sparse_attention`` as one Triton kernel (at most two parts): each program gathers its
-    query's picked rows block by block and keeps an online softmax, so nothing of size
-    [S, W + K, d] is ever materialised (see ``core.sparse_attention`` for the math)."""
-    if not 1 <= len(parts) <= 2:
-        raise ValueError(f"sparse_attention_fused: {len(parts)} parts, supports 1 or 2")
-    B, S, H, D = q_BSHd.shape
-    q = q_BSHd if q_BSHd.stride(-1) == 1 else q_BSHd.contiguous()
-    srcs = []
-    for kv, idx in parts:
-        kv = kv.to(q.dtype)
-        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-        srcs.append((kv, idx if idx.stride(-1) == 1 else idx.contiguous()))
-    two = len(srcs) == 2
-    (kv1, i1), (kv2, i2) = srcs[0], srcs[1] if two else srcs[0]
-    out = torch.empty_like(q)
-    if B * S * H == 0:
-        return out
-    BD = triton.next_power_of_2(D)
-    BH = min(32, max(16, triton.next_power_of_2(H)))
-    BJ = 32 if BD >= 256 else 64
-    DC = min(64, BD)
-    sinks = sinks_H.float().contiguous()
-    grid = (B * S, triton.cdiv(H, BH))
-    _sparse_attn_kernel[grid](
-        q, out, sinks, kv1, i1, kv2, i2, S, H, i1.shape[-1], i2.shape[-1] if two else 0, float(scale),
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
-        i2.stride(1), D=D, BD=BD, DC=DC, BH=BH, BJ=BJ, TWO=two, IEEE=q.dtype == torch.float32,
-        num_warps=8 if BD >= 256 else 4)
-    return out

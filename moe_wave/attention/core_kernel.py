@@ -1,0 +1,265 @@
+"""The sparse attention core as one Triton kernel, tiled for the tensor cores (the math is ``core.sparse_attention``).
+
+Legend: B batch, S queries, H query heads, d head_dim (K = V), M rows of a key source, J picks per query,
+BH heads per tile, BN keys per tile, BDK channels per QK step, BDV value channels per program.
+
+All H query heads of a token share one K = V head, so a token's heads form the M side of a GEMM: a program
+takes one query (b, s), BH of its heads and BDV of the d value channels, and walks its picked rows in BN-key
+tiles, the window part first, then the compressed part, in one online softmax (fp32, exp2 domain):
+
+    scores[BH, BN] = q[BH, d] . kv[BN, d]^T     (one dot over all d when BDK = d, else d/BDK dots)
+    acc[BH, BDV]  += p[BH, BN] . kv[BN, BDV]    (the same tile reused as V when BDV = BDK = d)
+
+With BH = 64 and BN = 64 (bf16) both products are 64 x 64 x 512 / 64 x 512 x 64 tensor-core GEMMs; V4-Pro's 128
+heads take two head blocks. A -1 pick is masked (its row is not loaded, its logit is -inf); a part's loop stops
+after its last valid pick, so the trailing -1s of a short window, a young HCA row or a top-k with fewer visible
+entries than k cost nothing. The sink is a logit with no value: it starts the running max and sum (m = sink,
+l = 1), so a query with every pick masked gets o = 0, as the torch reference does.
+
+Deterministic: every output element is written by one program, keys are visited in a fixed order, no atomics:
+the same inputs give the same bits on every run. ``CoreConfig`` picks the tiling; the default depends only on
+shapes and dtype (``default_config``); a config the GPU cannot hold (shared memory) falls back to the next one of
+``FALLBACKS`` at its first launch, which then sticks for that shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moe_wave.comm.triton_gate import interpreting, tl, triton
+
+__all__ = ["CoreConfig", "default_config", "FALLBACKS", "sparse_attention_fused", "core_flops"]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreConfig:
+    """Tiling of the sparse core kernel (powers of two, each >= 16).
+
+    block_h: query heads per program (the GEMM's M); block_n: picked keys per tile (N of QK, K of PV);
+    block_dk: channels per QK dot (d rounded up to a power of two = one dot); block_dv: value channels per
+    program (below d the QK is recomputed per value block: more programs for small grids);
+    num_warps / num_stages: Triton's launch options.
+    """
+
+    block_h: int = 64
+    block_n: int = 64
+    block_dk: int = 512
+    block_dv: int = 512
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_h", "block_n", "block_dk", "block_dv"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"CoreConfig.{name}={v}: must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"CoreConfig num_warps={self.num_warps}, num_stages={self.num_stages}: "
+                             "num_warps a power of two <= 16, num_stages >= 1")
+
+    def fit(self, H: int, D: int) -> "CoreConfig":
+        """This config clipped to the problem: blocks no larger than the (power-of-two) head count and d."""
+        bd = _pow2(D)
+        return replace(self, block_h=min(self.block_h, max(16, _pow2(H))), block_dk=min(self.block_dk, bd),
+                       block_dv=min(self.block_dv, bd))
+
+
+# Tried in order when a config does not fit the GPU (triton OutOfResources at its first launch).
+FALLBACKS = (
+    CoreConfig(),                                                              # 64 x 64 tiles, d in one dot
+    CoreConfig(num_stages=1),
+    CoreConfig(block_dk=128, block_dv=256),                                    # QK in 4 dots, half the values
+    CoreConfig(block_h=32, block_n=32, block_dk=64, block_dv=128, num_warps=4, num_stages=1),
+)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132                      # the interpreter: any fixed number keeps the choice shape-only
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
+
+
+def default_config(B: int, S: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> CoreConfig:
+    """The tiling for a problem: 64 heads x 64 keys with d in one dot for 16-bit inputs; value blocks halved
+    (down to 128 channels) while the grid has fewer programs than SMs (decode); small fp32 tiles (fp32 runs
+    the tests and the CPU parity checks, not the model)."""
+    if dtype == torch.float32:
+        cfg = CoreConfig(block_h=32, block_n=32, block_dk=64, block_dv=128, num_warps=4, num_stages=1)
+        return cfg.fit(H, D)
+    cfg = CoreConfig().fit(H, D)
+    programs = B * S * triton.cdiv(H, cfg.block_h)
+    dv = cfg.block_dv
+    while dv > 128 and programs * (_pow2(D) // dv) < _sm_count(device):
+        dv //= 2
+    return replace(cfg, block_dv=dv)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mm(a, b, IEEE: tl.constexpr):
+        # IEEE: exact fp32 products (fp32 inputs, and the interpreter, whose 16-bit dots are wrong: the
+        # operands are widened there, which keeps their bf16 rounding)
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _core_part(q_ptr, kv_ptr, idx_ptr, q_full, b, s, h, hmask, J, s_q_b, s_q_s, s_q_h, s_kv_b, s_kv_m,
+                   s_i_b, s_i_s, qk_scale, m_i, l_i, acc, dv, D: tl.constexpr, BD: tl.constexpr,
+                   BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, JP: tl.constexpr,
+                   IEEE: tl.constexpr):
+        # One key source: the online softmax over this query's picks idx[b, s, :J] in BN-key tiles.
+        idx_row = idx_ptr + b * s_i_b + s * s_i_s
+        jj = tl.arange(0, JP)
+        picks = tl.load(idx_row + jj, mask=jj < J, other=-1)
+        n_tiles = tl.cdiv(tl.max(tl.where(picks >= 0, jj + 1, 0), axis=0), BN)   # up to the last valid pick
+        kv_b = kv_ptr + b * s_kv_b
+        for t in range(0, n_tiles):
+            j = t * BN + tl.arange(0, BN)
+            row = tl.load(idx_row + j, mask=j < J, other=-1)
+            ok = row >= 0
+            rows = kv_b + tl.maximum(row, 0).to(tl.int64)[:, None] * s_kv_m
+            if BDK == BD:
+                dk = tl.arange(0, BD)
+                k = tl.load(rows + dk[None, :], mask=ok[:, None] & (dk[None, :] < D), other=0.0)
+                sc = _mm(q_full, tl.trans(k), IEEE)
+            else:
+                sc = tl.zeros((h.shape[0], BN), tl.float32)
+                for d0 in tl.static_range(0, BD, BDK):
+                    dk = d0 + tl.arange(0, BDK)
+                    qc = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dk[None, :],
+                                 mask=hmask[:, None] & (dk[None, :] < D), other=0.0)
+                    k = tl.load(rows + dk[None, :], mask=ok[:, None] & (dk[None, :] < D), other=0.0)
+                    sc += _mm(qc, tl.trans(k), IEEE)
+            if (BDK == BD) and (BDV == BD):
+                v = k                                                   # K = V: the tile is the values too
+            else:
+                v = tl.load(rows + dv[None, :], mask=ok[:, None] & (dv[None, :] < D), other=0.0)
+            sc = tl.where(ok[None, :], sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, IEEE)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _sparse_core_kernel(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, J1, J2, qk_scale,
+                            s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
+                            s_k2_b, s_k2_m, s_i2_b, s_i2_s,
+                            D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                            BDK: tl.constexpr, BDV: tl.constexpr, JP1: tl.constexpr, JP2: tl.constexpr,
+                            TWO: tl.constexpr, IEEE: tl.constexpr):
+        # Program (query b*S+s, head block, value block); see the module docstring.
+        bs = tl.program_id(0)
+        b = (bs // S).to(tl.int64)
+        s = (bs % S).to(tl.int64)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        hmask = h < H
+        dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
+        q_full = tl.zeros((BH, BD), q_ptr.dtype.element_ty)
+        if BDK == BD:                                                   # the whole q tile, loaded once
+            dq = tl.arange(0, BD)
+            q_full = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dq[None, :],
+                             mask=hmask[:, None] & (dq[None, :] < D), other=0.0)
+        m_i = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full((BH,), 1.0, tl.float32)
+        acc = tl.zeros((BH, BDV), tl.float32)
+        m_i, l_i, acc = _core_part(q_ptr, kv1_ptr, idx1_ptr, q_full, b, s, h, hmask, J1, s_q_b, s_q_s, s_q_h,
+                                   s_k1_b, s_k1_m, s_i1_b, s_i1_s, qk_scale, m_i, l_i, acc, dv,
+                                   D, BD, BN, BDK, BDV, JP1, IEEE)
+        if TWO:
+            m_i, l_i, acc = _core_part(q_ptr, kv2_ptr, idx2_ptr, q_full, b, s, h, hmask, J2, s_q_b, s_q_s, s_q_h,
+                                       s_k2_b, s_k2_m, s_i2_b, s_i2_s, qk_scale, m_i, l_i, acc, dv,
+                                       D, BD, BN, BDK, BDV, JP2, IEEE)
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=hmask[:, None] & (dv[None, :] < D))
+
+
+_CHOSEN: dict = {}   # (device, shape key, requested config) -> the config that launched
+
+
+def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two: bool) -> None:
+    B, S, H, D = q.shape
+    BD = _pow2(D)
+    J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
+    grid = (B * S, triton.cdiv(H, cfg.block_h), triton.cdiv(D, cfg.block_dv))
+    _sparse_core_kernel[grid](
+        q, out, sinks, kv1, i1, kv2, i2, S, H, J1, J2, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
+        i2.stride(1), D=D, BD=BD, BH=cfg.block_h, BN=cfg.block_n, BDK=cfg.block_dk, BDV=cfg.block_dv,
+        JP1=_pow2(max(J1, 1)), JP2=_pow2(max(J2, 1)), TWO=two, IEEE=q.dtype == torch.float32 or interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
+                           config: CoreConfig | None = None) -> torch.Tensor:
+    """``core.sparse_attention`` as one Triton kernel (one or two parts), see the module docstring.
+
+    Args:
+        q_BSHd: queries (bf16/fp16 for the tensor-core path; fp32 runs exact small tiles).
+        parts: ``(kv_BMd, idx_BSJ)`` pairs (the window, then the compressed entries); ids index dim 1 of
+            ``kv_BMd``, -1 is masked. kv is cast to q's dtype.
+        sinks_H: per-head sink logits; scale: softmax scale.
+        config: tiling (default ``default_config``); clipped to H and d.
+    Returns:
+        o_BSHd in q's dtype; 0 for a query whose every pick is masked.
+    """
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(f"sparse_attention_fused: {len(parts)} parts, supports 1 or 2")
+    B, S, H, D = q_BSHd.shape
+    q = q_BSHd if q_BSHd.stride(-1) == 1 else q_BSHd.contiguous()
+    srcs = []
+    for kv, idx in parts:
+        if kv.shape[0] != B or kv.shape[-1] != D or tuple(idx.shape[:2]) != (B, S):
+            raise ValueError(f"sparse_attention_fused: part kv {tuple(kv.shape)} / idx {tuple(idx.shape)} must be "
+                             f"[B={B}, M, d={D}] / [B={B}, S={S}, J]")
+        kv = kv.to(q.dtype)
+        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+        srcs.append((kv, idx if idx.stride(-1) == 1 else idx.contiguous()))
+    two = len(srcs) == 2
+    (kv1, i1), (kv2, i2) = srcs[0], srcs[1] if two else srcs[0]
+    out = torch.empty_like(q)
+    if B * S * H == 0:
+        return out
+    sinks = sinks_H.float().contiguous()
+    want = (config or default_config(B, S, H, D, q.dtype, q.device)).fit(H, D)
+    key = (q.device, q.dtype, H, D, two, want)
+    cfg = _CHOSEN.get(key, want)
+    ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if key not in _CHOSEN]
+    for i, c in enumerate(ladder):
+        try:
+            _launch(c, q, out, sinks, kv1, i1, kv2, i2, scale, two)
+        except triton.runtime.errors.OutOfResources:
+            if i == len(ladder) - 1:
+                raise
+            continue
+        _CHOSEN[key] = c
+        return out
+    raise AssertionError("unreachable: the ladder either launched or raised")
+
+
+def core_flops(H: int, D: int, idx_parts: list) -> tuple[float, float]:
+    """(useful, nominal) FLOPs of the core: 4*H*d per (query, pick) (QK and PV), counting the valid picks
+    (``idx >= 0``, a device reduction: a host sync) or every pick."""
+    valid = sum(int((idx >= 0).sum()) for idx in idx_parts)   # HOST SYNC: benchmarks only
+    nominal = sum(idx.numel() for idx in idx_parts)
+    return 4.0 * H * D * valid, 4.0 * H * D * nominal
