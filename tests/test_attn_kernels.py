@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
 
 from moe_wave.attention.compressor import Compressor, CompressorConfig, CompressorState
 from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.core_kernel import sparse_attention_fused
+from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, default_config, sparse_attention_fused
+from moe_wave.attention.topk import topk_select, topk_select_torch
 from moe_wave.attention.kernels import index_scores, index_scores_torch, norm_rope, norm_rope_torch, use_kernels
 from moe_wave.comm.triton_gate import triton, triton_ok
 
@@ -98,23 +100,142 @@ def test_index_scores_matches_torch(B, S, Hh, E, N, ratio):
         assert rel(got[fin], want[fin]) < 1e-5
 
 
-@needs_kernels
-@pytest.mark.parametrize("B, S, H, D, M1, J1, M2, J2", [(2, 5, 4, 32, 20, 8, 9, 6), (1, 3, 3, 24, 7, 5, 0, 0),
-                                                        (1, 4, 20, 64, 40, 40, 12, 12)])
-def test_sparse_attention_fused_matches_torch(B, S, H, D, M1, J1, M2, J2):
-    """One or two parts, masked picks, and a query that sees nothing (output 0)."""
-    g = _gen(B, S, H, D, M1, J1, M2, J2)
-    q = torch.randn(B, S, H, D, generator=g)
-    parts = [(torch.randn(B, M1, D, generator=g), torch.randint(-1, M1, (B, S, J1), generator=g))]
-    if J2:
-        parts.append((torch.randn(B, M2, D, generator=g), torch.randint(-1, M2, (B, S, J2), generator=g)))
+def _core_case(B, S, H, D, parts_spec, dtype, key):
+    """Random queries, sources and picks; ``parts_spec`` is [(M, J, how)], how: "random" (-1 scattered),
+    "tail" (valid picks then -1s, as the window, HCA and topk_select give them) or "none" (all -1)."""
+    g = _gen(*key)
+    q = torch.randn(B, S, H, D, generator=g).to(dtype)
+    parts = []
+    for M, J, how in parts_spec:
+        kv = torch.randn(B, M, D, generator=g).to(dtype)
+        idx = torch.randint(-1 if how == "random" else 0, M, (B, S, J), generator=g)
+        if how == "tail":
+            keep = torch.randint(0, J + 1, (B, S, 1), generator=g)
+            idx = torch.where(torch.arange(J) < keep, idx, torch.full_like(idx, -1))
+        elif how == "none":
+            idx.fill_(-1)
+        parts.append((kv, idx))
     for _, idx in parts:
-        idx[0, 0] = -1
+        idx[0, 0] = -1                                        # (0, 0) sees nothing: output 0
     sinks = torch.randn(H, generator=g)
-    want = sparse_attention(q, parts, sinks, D ** -0.5, kernels="off")
-    got = sparse_attention_fused(q.to(DEVICE), [tuple(_dev(*p)) for p in parts], sinks.to(DEVICE), D ** -0.5)
-    assert rel(got, want) < 1e-5
-    assert torch.equal(got[0, 0].cpu(), torch.zeros_like(want[0, 0]))
+    return q, parts, sinks
+
+
+def _core_check(q, parts, sinks, config=None, tol=None):
+    D = q.shape[-1]
+    want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, D ** -0.5, kernels="off")
+    got = sparse_attention_fused(q.to(DEVICE), [tuple(_dev(*p)) for p in parts], sinks.to(DEVICE), D ** -0.5,
+                                 config=config)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = tol if tol is not None else (1e-5 if q.dtype == torch.float32 else 1.5e-2)
+    assert rel(got, want) < tol
+    assert torch.equal(got[0, 0].cpu().float(), torch.zeros_like(want[0, 0]))
+    return got
+
+
+CORE_CASES = {   # name: B, S, H, D, parts, dtype
+    "fp32 two parts random picks": (2, 5, 4, 32, [(20, 8, "random"), (9, 6, "random")], torch.float32),
+    "fp32 one part, d not a power of two": (1, 3, 3, 24, [(7, 5, "random")], torch.float32),
+    "fp32 20 heads, 40 + 12 picks": (1, 4, 20, 64, [(40, 40, "random"), (12, 12, "random")], torch.float32),
+    "bf16 batch 3, S=7, trailing -1": (3, 7, 16, 64, [(90, 70, "tail"), (33, 20, "tail")], torch.bfloat16),
+    "bf16 a part with no valid pick": (2, 3, 8, 32, [(40, 16, "random"), (5, 9, "none")], torch.bfloat16),
+    "V4-Flash heads, window + top-k": (2, 3, 64, 512, [(160, 128, "tail"), (300, 100, "random")], torch.bfloat16),
+    "V4-Pro heads, window + HCA": (1, 3, 128, 512, [(140, 128, "tail"), (40, 37, "tail")], torch.bfloat16),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(CORE_CASES))
+def test_sparse_core_matches_torch(name):
+    """The tensor-core kernel against the torch reference (fp32 on the same inputs): random and -1 picks, a
+    query with every pick masked (output 0), pick counts not a multiple of the 64-key tile, heads not a multiple
+    of the head block, batch > 1, the V4-Flash (64) and V4-Pro (128) head counts at d = 512."""
+    B, S, H, D, spec, dtype = CORE_CASES[name]
+    _core_check(*_core_case(B, S, H, D, spec, dtype, ("core", name)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", range(len(FALLBACKS)))
+@pytest.mark.parametrize("H", [64, 128])
+def test_sparse_core_every_config(config, H):
+    """Every tiling of the fallback ladder (d in one dot with the tile reused as V, QK in chunks with the values
+    split across programs, small tiles) gives the reference's answer at d = 512, bf16."""
+    q, parts, sinks = _core_case(2, 2, H, 512, [(150, 128, "tail"), (90, 70, "random")], torch.bfloat16,
+                                 ("config", config, H))
+    _core_check(q, parts, sinks, config=FALLBACKS[config])
+
+
+@needs_kernels
+def test_sparse_core_is_deterministic():
+    """Bit-stable from run to run, and the value blocks (one program per 128 / 512 channels) agree."""
+    q, parts, sinks = _core_case(2, 3, 64, 512, [(150, 128, "tail"), (90, 64, "random")], torch.bfloat16,
+                                 ("determinism",))
+    a = _core_check(q, parts, sinks, config=FALLBACKS[0])
+    b = _core_check(q, parts, sinks, config=FALLBACKS[0])
+    assert torch.equal(a, b)
+    c = _core_check(q, parts, sinks, config=replace(FALLBACKS[0], block_dv=128))
+    assert rel(c, a) < 1e-2
+
+
+def test_default_config_follows_the_shape():
+    """64 heads x 64 keys with d in one dot for a big grid; value blocks split for a small one (decode); small
+    exact tiles for fp32; blocks clipped to the heads and d of small problems."""
+    cpu = torch.device("cpu")
+    big = default_config(1, 4096, 64, 512, torch.bfloat16, cpu)
+    assert (big.block_h, big.block_n, big.block_dk, big.block_dv) == (64, 64, 512, 512)
+    small = default_config(8, 1, 128, 512, torch.bfloat16, cpu)
+    assert (small.block_h, small.block_dv) == (64, 128)
+    assert default_config(1, 4096, 64, 512, torch.float32, cpu).block_dk == 64
+    tiny = default_config(1, 4096, 4, 24, torch.bfloat16, cpu)
+    assert (tiny.block_h, tiny.block_dk, tiny.block_dv) == (16, 32, 32)
+    with pytest.raises(ValueError, match="CoreConfig.block_n=48: must be a power of two >= 16"):
+        CoreConfig(block_n=48)
+
+
+def _topk_rows(kind: str, R: int, N: int, g: torch.Generator) -> torch.Tensor:
+    s = torch.randn(R, N, generator=g)
+    if kind == "ties":                                        # few distinct values: ties at the k-th score
+        s = (s * 2).round() / 2
+        s[:, ::5] = 0.0
+        s[:, 1::7] = -0.0
+    elif kind == "masked":                                    # causal rows: a growing visible prefix
+        vis = torch.randint(0, N + 1, (R, 1), generator=g)
+        s = s.masked_fill(torch.arange(N) >= vis, float("-inf"))
+        s[0] = float("-inf")
+    return s
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["random", "ties", "masked"])
+@pytest.mark.parametrize("R, N, k", [(6, 37, 8), (5, 100, 100), (4, 1024, 512), (3, 300, 1)])
+def test_topk_select_matches_torch_topk(kind, R, N, k):
+    """The selection kernel equals its reference exactly (same ids, same order, same -1 padding) and picks the
+    same values as torch.topk; without ties, the same set of ids."""
+    g = _gen("topk", kind, R, N, k)
+    s = _topk_rows(kind, R, N, g)
+    got = topk_select(s.to(DEVICE)[None], k)[0].cpu()
+    assert got.shape == (R, k) and got.dtype == torch.int64
+    assert torch.equal(got, topk_select_torch(s, k))
+    tv, ti = s.topk(k, dim=-1)
+    for r in range(R):
+        ids = got[r][got[r] >= 0]
+        fin = tv[r] > float("-inf")
+        assert (got[r][len(ids):] == -1).all() and (ids.diff() > 0).all()        # ascending, then the -1s
+        assert torch.equal(s[r, ids].sort().values, tv[r][fin].sort().values)     # the same scores
+        if kind != "ties":
+            assert set(ids.tolist()) == set(ti[r][fin].tolist())
+
+
+def test_topk_select_tie_rule():
+    """Ties at the k-th score go to the lowest ids; -0.0 ties with 0.0; -inf is never picked."""
+    s = torch.tensor([[1.0, 0.5, 0.5, 2.0, 0.5, float("-inf")],
+                      [0.0, -0.0, 0.0, -1.0, float("-inf"), -0.0],
+                      [float("-inf")] * 6])
+    want = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 5], [-1, -1, -1, -1]])
+    assert torch.equal(topk_select_torch(s, 4), want)
+    if triton_ok(DEVICE, want=True):
+        assert torch.equal(topk_select(s.to(DEVICE), 4).cpu(), want)
+    assert topk_select(s, 0).shape == (3, 0)
 
 
 @needs_kernels
