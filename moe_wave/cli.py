@@ -1,9 +1,9 @@
-"""Command line: ``python -m moe_wave info | demo | sweep | plot``.
+"""Command line: ``python -m moe_wave info | demo | sweep | plot | plan``.
 
 ``demo`` runs a stack of V4 decoder layers (attention + mHC + expert-parallel MoE) serial vs
 overlapped and checks the results (``moe_wave.tools.demo``). Without a launcher it spawns its own ranks
 (CPU: gloo, ``--ranks``; GPU host: every local GPU with NCCL); under torchrun or mpirun it joins the
-launcher's ranks. ``sweep`` and ``plot``: ``moe_wave.tools.sweep``.
+launcher's ranks. ``sweep`` and ``plot``: ``moe_wave.tools.sweep``. ``plan``: ``moe_wave.tools.plan``.
 
 The environment is read here, once per command (``moe_wave.env.read_env``), and merged with the flags under
 one rule: a flag given > its ``MOE_WAVE_*`` variable > the default. The ranks get the result as arguments
@@ -25,7 +25,7 @@ from moe_wave.comm import detect_launcher, init_from_env, spawn
 from moe_wave.comm.bootstrap import spawn_plan
 from moe_wave.env import VARIABLES, EnvSettings, read_env
 from moe_wave.profiling import set_nvtx
-from moe_wave.tools import sweep
+from moe_wave.tools import plan, sweep
 from moe_wave.tools.demo import check_waves, format_table, print_demo, resolve_defaults, run_demo_rank
 from moe_wave.tools.flags import HelpFormatter, Parser, add_symm_args, at_least, seconds, waves
 
@@ -188,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_symm_args(d)
     d.set_defaults(func=cmd_demo)
     sweep.register(sub)
+    plan.register(sub)
     return p
 
 
