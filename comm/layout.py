@@ -114,8 +114,12 @@ def check_topk(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_tokens: i
         raise ValueError(f"topk_weights.dtype={topk_w_TK.dtype}: must be a floating dtype")
 
 
-def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: WavePlan) -> DispatchLayout:
-    """Compute the send side of the layout from the router output (device-side, no host sync)."""
+def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: WavePlan,
+                   num_valid: torch.Tensor | None = None) -> DispatchLayout:
+    """Compute the send side of the layout from the router output (device-side, no host sync).
+
+    ``num_valid``: a 0-dim int64 tensor n on the device (CUDA graphs padded to a token bucket): tokens t >= n
+    are padding, sent nowhere (no row, no pair; their routed output is 0)."""
     check_topk(topk_ids_TK, topk_w_TK)
     dev = topk_ids_TK.device
     T, K = topk_ids_TK.shape
@@ -134,7 +138,12 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
     cell_TK = wave_TK * P + peer_TK
 
     hit_TC = torch.zeros(T, C, dtype=torch.bool, device=dev)
-    hit_TC.scatter_(1, cell_TK, True)
+    keep_TK = None
+    if num_valid is None:
+        hit_TC.scatter_(1, cell_TK, True)
+    else:
+        keep_TK = (torch.arange(T, device=dev) < num_valid)[:, None].expand(T, K)
+        hit_TC.scatter_(1, cell_TK, keep_TK)            # a token's K sources agree: the same value per cell
     hit_F = hit_TC.t().reshape(-1)                      # flat index f = cell*T + token, sorted order
     send_counts_WP = hit_TC.sum(0).view(W, P)
     # Stable compaction without nonzero() (which syncs): a stable sort puts the hits first, in flat
@@ -151,8 +160,8 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
 
     # scatter_add, not bincount: CUDA bincount reads max() on the host (a sync that breaks graph capture).
     key_F = (cell_TK * e + local_TK).reshape(-1)      # (wave, peer, local expert)
-    pair_counts_WPe = torch.zeros(C * e, dtype=torch.long, device=dev).scatter_add_(
-        0, key_F, torch.ones_like(key_F)).view(W, P, e)
+    ones_F = torch.ones_like(key_F) if keep_TK is None else keep_TK.reshape(-1).long()
+    pair_counts_WPe = torch.zeros(C * e, dtype=torch.long, device=dev).scatter_add_(0, key_F, ones_F).view(W, P, e)
     if T == 0:
         ids_min = torch.zeros((), dtype=torch.long, device=dev)
         ids_max = ids_min

@@ -167,7 +167,7 @@ def shape_key(moe, tokens: int) -> str:
     cfg, wave = moe.cfg, moe.wave
     bucket = 1 << max(0, int(tokens) - 1).bit_length()
     return (f"{name}|P{moe.ep.size}|D{cfg.hidden_size}|I{cfg.intermediate_size}|E{cfg.num_experts}|K{cfg.top_k}|"
-            f"{str(moe.gate.weight.dtype).removeprefix('torch.')}|{wave.backend}|{wave.partition}|T{bucket}")
+            f"{str(moe.gate.weight.dtype).removeprefix('torch.')}|{moe.backend.name}|{wave.partition}|T{bucket}")
 
 
 def _lookup(path: Path | None, key: str, max_waves: int) -> tuple[dict | None, str]:

@@ -22,7 +22,7 @@ def require_hf(what: str) -> None:
         raise ImportError(f"{what} copies a transformers DeepseekV4 module, and transformers is not installed: "
                           f"pip install 'moe-wave[hf]' (transformers==5.23.0)") from e
 
-BACKENDS = ("torch", "symm", "deepep")
+BACKENDS = ("auto", "torch", "symm", "deepep")
 SHARED_PLACEMENTS = ("bubbles", "alt", "serial")
 
 
@@ -111,7 +111,10 @@ class WaveConfig:
             With partition "experts" W is clamped to the local expert count.
         experts_per_wave: alternative to num_waves: local experts per wave (partition "experts").
         partition: "experts" (V4: a wave is a block of local experts) or "tokens" (Tutel style).
-        backend: "torch" (NCCL/RCCL/gloo), "symm" (symmetric memory), "deepep" (if installed).
+        backend: "auto" (the default: "symm" on a CUDA group whose ranks share one host, "torch" elsewhere),
+            "torch" (NCCL/RCCL/gloo), "symm" (symmetric memory), "deepep" (if installed). Every WaveMoE of a
+            process that resolves to the same backend, group and options shares one backend instance, and so one
+            set of symmetric buffers (layers run one after another), like DeepEP's single ``Buffer``.
         overlap: the pipelined schedule; False runs the same operations one after another (the
             ``serial`` baseline).
         shared_placement: "bubbles" (alt stream; gate_up, activation and most of down_proj while
@@ -129,7 +132,7 @@ class WaveConfig:
     num_waves: int | str = 2
     experts_per_wave: int | None = None
     partition: str = "experts"
-    backend: str = "torch"
+    backend: str = "auto"
     overlap: bool = True
     shared_placement: str = "bubbles"
     shared_chunks: int = 4

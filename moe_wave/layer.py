@@ -17,6 +17,7 @@ from torch import nn
 from .attention import AttnCache, ScheduleConfig, V4Attention
 from .attention.compressor import rms_norm
 from .config import require_hf
+from .graphs import BucketGraphs, graph_capable
 from .mhc import HyperConnection, hc_post
 
 __all__ = ["V4DecoderLayer"]
@@ -37,6 +38,7 @@ class V4DecoderLayer(nn.Module):
         self.attn_norm = nn.Parameter(attn_norm.detach().float().clone())
         self.ffn_norm = nn.Parameter(ffn_norm.detach().float().clone())
         self.eps = eps
+        self.graphs: BucketGraphs | None = None     # capture_graphs() fills it
 
     @classmethod
     def from_hf(cls, hf_layer, hf_config, layer_idx: int, *, ep=None, wave=None,
@@ -57,11 +59,55 @@ class V4DecoderLayer(nn.Module):
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> AttnCache:
         return self.attn.new_cache(batch, max_len, device, dtype)
 
+    @torch.no_grad()
+    def capture_graphs(self, buckets, modes=((None, None),)) -> "V4DecoderLayer":
+        """Capture the whole layer (attention front-end and core, mHC, MoE) in CUDA graphs, one per (token bucket,
+        mode), for prefill of one sequence per rank without a cache: X [1, S, N, D]. A call with S tokens then
+        replays the smallest bucket >= S (the pad sits at the end: attention is causal, and the MoE sends it
+        nowhere); a larger S, a batch > 1 or a cache runs eagerly. ``modes``: (overlap, moe_overlap) pairs as
+        ``forward`` takes them. Collective: every rank captures the same buckets together (``moe_wave.graphs``).
+        ValueError where the MoE's backend or the device cannot capture."""
+        why = graph_capable(getattr(self.moe, "backend", None), self.attn_norm.device)
+        if why is not None:
+            raise ValueError(f"V4DecoderLayer.capture_graphs: {why}")
+        ep = getattr(self.moe, "ep", None)
+        if ep is not None:
+            ep.check_same("V4DecoderLayer.capture_graphs (buckets, modes)", (tuple(buckets), tuple(modes)))
+        graphs = BucketGraphs(buckets, self.attn_norm.device)
+        N, D = self.attn_hc.cfg.mult, self.attn_hc.cfg.hidden
+        dev, dt = self.attn_norm.device, self.attn.q_a_proj.weight.dtype
+        for b in graphs.buckets:
+            static = {"X": torch.zeros(1, b, N, D, device=dev, dtype=dt),
+                      "positions": torch.arange(b, device=dev)[None],
+                      "input_ids": torch.zeros(1, b, dtype=torch.long, device=dev)}
+            for mode in modes:
+                ov, mov = mode
+                graphs.capture(b, tuple(mode), dict(static), lambda n, **kw: self._forward_eager(
+                    kw["X"], kw["positions"], kw["input_ids"], None, validate=False, overlap=ov, moe_overlap=mov,
+                    num_valid=n))
+        self.graphs = graphs
+        return self
+
     def forward(self, X: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor | None = None,
                 cache: AttnCache | None = None, *, validate: bool = True, overlap: bool | None = None,
                 moe_overlap: bool | None = None) -> torch.Tensor:
         """``overlap`` overrides the attention's stream schedule, ``moe_overlap`` the MoE's wave pipeline
-        (None: their configured ``ScheduleConfig`` / ``WaveConfig``)."""
+        (None: their configured ``ScheduleConfig`` / ``WaveConfig``). After ``capture_graphs`` a call that fits
+        a captured bucket and mode replays it."""
+        g = self.graphs
+        if (g is not None and cache is None and X.shape[0] == 1 and not torch.cuda.is_current_stream_capturing()):
+            S = X.shape[1]
+            b = g.bucket_for(S)
+            if b is not None and g.has(b, (overlap, moe_overlap)):
+                inputs = {"X": X, "positions": positions}
+                if input_ids is not None:
+                    inputs["input_ids"] = input_ids
+                return g.replay(b, (overlap, moe_overlap), inputs, S, token_dim=1)
+        return self._forward_eager(X, positions, input_ids, cache, validate=validate, overlap=overlap,
+                                   moe_overlap=moe_overlap)
+
+    def _forward_eager(self, X, positions, input_ids, cache, *, validate: bool, overlap, moe_overlap,
+                       num_valid: torch.Tensor | None = None) -> torch.Tensor:
         k = self.attn.schedule.kernels
         h, post, comb = self.attn_hc.hc_pre(X)
         o = self.attn(rms_norm(h, self.attn_norm, self.eps, k), positions=positions, cache=cache,
@@ -70,5 +116,7 @@ class V4DecoderLayer(nn.Module):
         h, post, comb = self.ffn_hc.hc_pre(X)
         B, S, D = h.shape
         ids = None if input_ids is None else input_ids.reshape(-1)
-        y = self.moe(rms_norm(h, self.ffn_norm, self.eps, k).reshape(B * S, D), input_ids=ids, overlap=moe_overlap)
+        x = rms_norm(h, self.ffn_norm, self.eps, k).reshape(B * S, D)
+        y = (self.moe(x, input_ids=ids, overlap=moe_overlap) if num_valid is None else
+             self.moe(x, input_ids=ids, overlap=moe_overlap, num_valid=num_valid))
         return hc_post(y.view(B, S, D), X, post, comb)

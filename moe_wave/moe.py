@@ -12,6 +12,8 @@ W waves, R received rows, C shared down_proj chunks.
 from __future__ import annotations
 
 import copy
+import socket
+import weakref
 
 import torch
 import torch.nn as nn
@@ -24,14 +26,67 @@ from moe_wave.comm.torch_backend import TorchBackend
 from . import autowave
 from .config import MoEConfig, WaveConfig, require_hf
 from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
+from .graphs import BucketGraphs, graph_capable
 from .pipeline import run_waves
 from .profiling import annotate
 
-__all__ = ["WaveMoE", "make_backend"]
+__all__ = ["WaveMoE", "make_backend", "resolve_backend", "shared_backend"]
+
+# (group, rank, backend name, options) -> the backend every WaveMoE of this process shares (see ``shared_backend``)
+_SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_ONE_HOST: dict = {}      # id(process group) -> whether its ranks share one host (asked once per group)
+
+
+def _one_host(ep: EPGroup) -> bool:
+    """Whether every rank of ``ep`` runs on this host (collective the first time for a group)."""
+    if ep.size == 1:
+        return True
+    key = id(ep.pg)
+    if key not in _ONE_HOST:
+        _ONE_HOST[key] = len(set(ep.gather_objects(socket.gethostname()))) == 1
+    return _ONE_HOST[key]
+
+
+def resolve_backend(name: str, ep: EPGroup) -> str:
+    """``WaveConfig.backend`` as run: "auto" is "symm" on a CUDA group whose ranks share one host (no host sync,
+    CUDA-graph capturable), "torch" elsewhere (CPU and gloo, ROCm, groups across hosts). Collective for "auto"
+    the first time a group is seen (every rank of ``ep`` calls it together, as WaveMoE's constructor does)."""
+    if name != "auto":
+        return name
+    if ep.device.type == "cuda" and torch.version.cuda is not None and _one_host(ep):
+        return "symm"
+    return "torch"
+
+
+def shared_backend(name: str, ep: EPGroup, cfg: MoEConfig, wave: WaveConfig):
+    """The backend for (``ep``, ``name``, options) that every WaveMoE of this process shares: one set of
+    symmetric buffers for a whole stack (layers run one after another, and the backend orders each call's
+    writes behind the previous call's reads). It lives while some WaveMoE holds it."""
+    name = resolve_backend(name, ep)
+    key = (id(ep.pg) if ep.pg is not None else str(ep.device), ep.rank, name,
+           wave.symm if name == "symm" else None, cfg.hidden_size if name == "deepep" else None)
+    backend = _SHARED.get(key)
+    if backend is None:
+        streams = _shared_streams(ep.device)
+        backend = make_backend(name, ep, streams, cfg, wave)
+        _SHARED[key] = backend
+    return backend
+
+
+_STREAMS: dict = {}
+
+
+def _shared_streams(device) -> st.Streams:
+    """One set of side streams per device for every WaveMoE of the process (layers run one after another)."""
+    key = str(device)
+    if key not in _STREAMS:
+        _STREAMS[key] = st.Streams.for_device(device)
+    return _STREAMS[key]
 
 
 def make_backend(name: str, ep: EPGroup, streams: st.Streams, cfg: MoEConfig, wave: WaveConfig):
-    """Instantiate a comm backend by name (``torch``, ``symm``, ``deepep``)."""
+    """Instantiate a new comm backend by name (``auto``, ``torch``, ``symm``, ``deepep``)."""
+    name = resolve_backend(name, ep)
     if name == "torch":
         return TorchBackend(ep, comm_stream=streams.comm)
     if name == "symm":
@@ -40,7 +95,7 @@ def make_backend(name: str, ep: EPGroup, streams: st.Streams, cfg: MoEConfig, wa
     if name == "deepep":
         from moe_wave.comm.deepep import DeepEPBackend
         return DeepEPBackend(ep, hidden_size=cfg.hidden_size, comm_stream=streams.comm)
-    raise ValueError(f"backend={name!r}: must be one of ('torch', 'symm', 'deepep')")
+    raise ValueError(f"backend={name!r}: must be one of ('auto', 'torch', 'symm', 'deepep')")
 
 
 def _check_agree(ep: EPGroup, cfg: MoEConfig, wave: WaveConfig, dtype: torch.dtype) -> None:
@@ -135,8 +190,8 @@ class WaveMoE(nn.Module):
         self.gate = V4Router(cfg, device=device, dtype=dtype)
         self.experts = RoutedExperts(cfg, self.num_local, wave.grouped_mm, device=device, dtype=dtype)
         self.shared = SharedExpert(cfg, device=device, dtype=dtype) if cfg.num_shared_experts else None
-        self.streams = st.Streams.for_device(device)
-        self._schedule(wave, make_backend(wave.backend, ep, self.streams, cfg, wave))
+        self.streams = _shared_streams(device)
+        self._schedule(wave, shared_backend(wave.backend, ep, cfg, wave))
 
     def _schedule(self, wave: WaveConfig, backend) -> None:
         """Take ``wave`` as the schedule, over ``backend``."""
@@ -147,6 +202,7 @@ class WaveMoE(nn.Module):
         self._auto_pending = wave.num_waves == "auto" and wave.experts_per_wave is None
         self.auto_source: str | None = None
         self.auto_model: autowave.CostModel | None = None
+        self.graphs: BucketGraphs | None = None     # capture_graphs() fills it
 
     def rescheduled(self, wave: WaveConfig) -> "WaveMoE":
         """A WaveMoE that shares this one's parameters (no copy) and runs under ``wave``: a benchmark changes
@@ -157,9 +213,8 @@ class WaveMoE(nn.Module):
             raise ValueError(f"WaveConfig.grouped_mm={wave.grouped_mm!r}: rescheduled() keeps the experts' "
                              f"{self.wave.grouped_mm!r}; build a new WaveMoE to change it")
         _check_agree(self.ep, self.cfg, wave, self.gate.weight.dtype)
-        same = (wave.backend, wave.symm) == (self.wave.backend, self.wave.symm)
         m = copy.copy(self)
-        m._schedule(wave, self.backend if same else make_backend(wave.backend, self.ep, self.streams, self.cfg, wave))
+        m._schedule(wave, shared_backend(wave.backend, self.ep, self.cfg, wave))
         return m
 
     # ------------------------------------------------------------------ loading
@@ -236,23 +291,59 @@ class WaveMoE(nn.Module):
                            got.local)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, *, overlap: bool | None = None):
+    def capture_graphs(self, buckets, overlaps=(True,)) -> "WaveMoE":
+        """Capture ``forward`` in CUDA graphs, one per (token bucket, overlap); from then on a call with T tokens
+        replays the smallest bucket >= T (padded; the pad is sent nowhere) and a T above the largest runs
+        eagerly. Collective: every rank captures the same buckets together, before serving (``moe_wave.graphs``).
+        ValueError where the backend or device cannot capture."""
+        why = graph_capable(self.backend, self.gate.weight.device)
+        if why is not None:
+            raise ValueError(f"WaveMoE.capture_graphs: {why}")
+        self.ep.check_same("WaveMoE.capture_graphs (buckets, overlaps)", (tuple(buckets), tuple(overlaps)))
+        graphs = BucketGraphs(buckets, self.gate.weight.device)
+        D, dev, dt = self.cfg.hidden_size, self.gate.weight.device, self.gate.weight.dtype
+        for b in graphs.buckets:
+            static = {"x": torch.zeros(b, D, device=dev, dtype=dt)}
+            if self.cfg.hash_routing:
+                static["input_ids"] = torch.zeros(b, dtype=torch.long, device=dev)
+            for ov in overlaps:
+                graphs.capture(b, bool(ov), dict(static), lambda n, **kw: self._forward_eager(
+                    kw["x"], kw.get("input_ids"), overlap=bool(ov), num_valid=n))
+        self.graphs = graphs
+        return self
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, *, overlap: bool | None = None,
+                num_valid: torch.Tensor | None = None):
+        """``num_valid``: see ``forward_routed`` (a caller that pads, e.g. a decoder layer's own graph); with it the
+        call runs eagerly (or inside the caller's capture)."""
         x_TD = self._check_input(x)
         overlap = self.wave.overlap if overlap is None else overlap
+        g = self.graphs
+        if g is not None and num_valid is None and not torch.cuda.is_current_stream_capturing():
+            b = g.bucket_for(x_TD.shape[0])
+            if b is not None and g.has(b, overlap):
+                inputs = {"x": x_TD} if input_ids is None else {"x": x_TD, "input_ids": input_ids.reshape(-1)}
+                return g.replay(b, overlap, inputs, x_TD.shape[0]).view(x.shape)
+        return self._forward_eager(x_TD, input_ids, overlap=overlap, num_valid=num_valid).view(x.shape)
+
+    def _forward_eager(self, x_TD, input_ids, *, overlap: bool, num_valid: torch.Tensor | None = None):
         ids_TK, w_TK = self.route(x_TD, input_ids)
-        return self.forward_routed(x_TD, ids_TK, w_TK, overlap=overlap).view(x.shape)
+        return self.forward_routed(x_TD, ids_TK, w_TK, overlap=overlap, num_valid=num_valid)
 
     @torch.no_grad()
     def forward_routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *,
-                       overlap: bool = True) -> torch.Tensor:
-        """The MoE after routing: dispatch -> experts -> combine (+ shared); [T, D] in x's dtype."""
+                       overlap: bool = True, num_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE after routing: dispatch -> experts -> combine (+ shared); [T, D] in x's dtype. ``num_valid``
+        (a 0-dim device tensor n): the tokens past n are padding, sent nowhere (their rows hold only the shared
+        expert's output)."""
         if self._auto_pending:   # every rank together: measures once per shape (cached)
             choice = autowave.resolve(self, x_TD, ids_TK, w_TK)
             self.plan, self.auto_source, self.auto_model = choice.plan, choice.source, choice.model
             self._auto_pending = False
         shared = _SharedSchedule(self.shared, self.wave, self.streams, overlap) if self.shared is not None else None
         with annotate("layout"):
-            layout = compute_layout(ids_TK, w_TK, self.plan)
+            layout = compute_layout(ids_TK, w_TK, self.plan, num_valid)
         if shared is not None:
             shared.start(x_TD)
         with annotate("prepare"):

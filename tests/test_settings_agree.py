@@ -30,7 +30,7 @@ def _build(ep, which: str) -> str:
 
 
 @pytest.mark.parametrize("which, names", [
-    ("overlap", "rank 0 (2, None, 'experts', 'torch', True, 'bubbles'), rank 1 (2, None, 'experts', 'torch', False"),
+    ("overlap", "rank 0 (2, None, 'experts', 'auto', True, 'bubbles'), rank 1 (2, None, 'experts', 'auto', False"),
     ("capacity", "capacity=16"), ("signal", "signal='memops'"), ("waves", "rank 0 (1, None"),
     ("dtype", "dtype: rank 0 'torch.float32', rank 1 'torch.bfloat16'"), ("hidden", "rank 0 (64, 32, 4, 2)")])
 def test_mismatched_settings_raise_the_same_error_on_every_rank(ranks, which, names):
