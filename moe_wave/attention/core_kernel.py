@@ -111,23 +111,25 @@ def default_config(B: int, S: int, H: int, D: int, dtype: torch.dtype, device: t
 if triton is not None:
 
     @triton.jit
-    def _mm(a, b, IEEE: tl.constexpr):
-        # IEEE: exact fp32 products (fp32 inputs, and the interpreter, whose 16-bit dots are wrong: the
-        # operands are widened there, which keeps their bf16 rounding)
+    def _mm(a, b, acc, IEEE: tl.constexpr):
+        # acc + a @ b, accumulated in place (wgmma). IEEE: exact fp32 products (fp32 inputs, and the
+        # interpreter, whose 16-bit dots are wrong: the operands are widened there, keeping their rounding)
         if IEEE:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, b)
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
 
     @triton.jit
     def _core_part(q_ptr, kv_ptr, idx_ptr, q_full, b, s, h, hmask, J, s_q_b, s_q_s, s_q_h, s_kv_b, s_kv_m,
                    s_i_b, s_i_s, qk_scale, m_i, l_i, acc, dv, D: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, JP: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, IEEE: tl.constexpr):
         # One key source: the online softmax over this query's picks idx[b, s, :J] in BN-key tiles.
         idx_row = idx_ptr + b * s_i_b + s * s_i_s
-        jj = tl.arange(0, JP)
-        picks = tl.load(idx_row + jj, mask=jj < J, other=-1)
-        n_tiles = tl.cdiv(tl.max(tl.where(picks >= 0, jj + 1, 0), axis=0), BN)   # up to the last valid pick
+        last = tl.full((), 0, tl.int32)                                 # 1 + the last valid pick
+        for t0 in range(0, J, BN):
+            jj = t0 + tl.arange(0, BN)
+            picks = tl.load(idx_row + jj, mask=jj < J, other=-1)
+            last = tl.maximum(last, tl.max(tl.where(picks >= 0, jj + 1, 0), axis=0))
+        n_tiles = tl.cdiv(last, BN)
         kv_b = kv_ptr + b * s_kv_b
         for t in range(0, n_tiles):
             j = t * BN + tl.arange(0, BN)
@@ -137,7 +139,7 @@ if triton is not None:
             if BDK == BD:
                 dk = tl.arange(0, BD)
                 k = tl.load(rows + dk[None, :], mask=ok[:, None] & (dk[None, :] < D), other=0.0)
-                sc = _mm(q_full, tl.trans(k), IEEE)
+                sc = _mm(q_full, tl.trans(k), tl.zeros((h.shape[0], BN), tl.float32), IEEE)
             else:
                 sc = tl.zeros((h.shape[0], BN), tl.float32)
                 for d0 in tl.static_range(0, BD, BDK):
@@ -145,7 +147,7 @@ if triton is not None:
                     qc = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dk[None, :],
                                  mask=hmask[:, None] & (dk[None, :] < D), other=0.0)
                     k = tl.load(rows + dk[None, :], mask=ok[:, None] & (dk[None, :] < D), other=0.0)
-                    sc += _mm(qc, tl.trans(k), IEEE)
+                    sc = _mm(qc, tl.trans(k), sc, IEEE)
             if (BDK == BD) and (BDV == BD):
                 v = k                                                   # K = V: the tile is the values too
             else:
@@ -155,17 +157,16 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, IEEE)
+            acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
             m_i = m_new
         return m_i, l_i, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "H", "J1", "J2"])   # one compile for every length
     def _sparse_core_kernel(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, J1, J2, qk_scale,
                             s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
                             s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                             D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                            BDK: tl.constexpr, BDV: tl.constexpr, JP1: tl.constexpr, JP2: tl.constexpr,
-                            TWO: tl.constexpr, IEEE: tl.constexpr):
+                            BDK: tl.constexpr, BDV: tl.constexpr, TWO: tl.constexpr, IEEE: tl.constexpr):
         # Program (query b*S+s, head block, value block); see the module docstring.
         bs = tl.program_id(0)
         b = (bs // S).to(tl.int64)
@@ -183,11 +184,11 @@ if triton is not None:
         acc = tl.zeros((BH, BDV), tl.float32)
         m_i, l_i, acc = _core_part(q_ptr, kv1_ptr, idx1_ptr, q_full, b, s, h, hmask, J1, s_q_b, s_q_s, s_q_h,
                                    s_k1_b, s_k1_m, s_i1_b, s_i1_s, qk_scale, m_i, l_i, acc, dv,
-                                   D, BD, BN, BDK, BDV, JP1, IEEE)
+                                   D, BD, BN, BDK, BDV, IEEE)
         if TWO:
             m_i, l_i, acc = _core_part(q_ptr, kv2_ptr, idx2_ptr, q_full, b, s, h, hmask, J2, s_q_b, s_q_s, s_q_h,
                                        s_k2_b, s_k2_m, s_i2_b, s_i2_s, qk_scale, m_i, l_i, acc, dv,
-                                       D, BD, BN, BDK, BDV, JP2, IEEE)
+                                       D, BD, BN, BDK, BDV, IEEE)
         o = acc / l_i[:, None]
         tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=hmask[:, None] & (dv[None, :] < D))
@@ -206,7 +207,7 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=BD, BH=cfg.block_h, BN=cfg.block_n, BDK=cfg.block_dk, BDV=cfg.block_dv,
-        JP1=_pow2(max(J1, 1)), JP2=_pow2(max(J2, 1)), TWO=two, IEEE=q.dtype == torch.float32 or interpreting(),
+        TWO=two, IEEE=q.dtype == torch.float32 or interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
