@@ -111,6 +111,10 @@ class SymmBackend:
     def capacity(self) -> int:
         return self.options.capacity
 
+    def memory_bytes(self) -> int:
+        """Symmetric memory this rank holds for the backend (every buffer set allocated so far)."""
+        return self.transport.heap.nbytes
+
     # ---------------------------------------------------------------- faults
     # A fault the device detects (a capacity overflow, an expert id out of range, a peer that never arrived)
     # sets the status's poison word, and from then on every combine's sum is NaN: no call returns a plausible

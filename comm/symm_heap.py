@@ -66,6 +66,7 @@ class PeerHeap:
 
     def __init__(self, ep, capacity: int, timeout_ms: int, kernels: bool):
         self.ep, self.capacity, self.timeout_ms, self.kernels = ep, capacity, timeout_ms, kernels
+        self.nbytes = 0           # symmetric memory allocated so far (this rank)
         self._ctrl: dict = {}
         self._meta: dict = {}
         self._data: dict = {}
@@ -80,6 +81,7 @@ class PeerHeap:
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.ep.device)
         hdl = symm_mem.rendezvous(buf, self.ep.pg.group_name)
         buf.zero_()
+        self.nbytes += nbytes
         return buf, hdl
 
     def ctrl(self, X: int):
@@ -159,6 +161,12 @@ class LocalHeap:
         self.ep, self.capacity, self.kernels = ep, capacity, kernels
         self._meta: dict = {}
         self._data: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        """What the same buffers take (the receive, combine and metadata blocks; staging not counted)."""
+        data = sum(b.recv_x.nbytes + b.comb.nbytes for b in self._data.values())
+        return data + sum(m[0].nbytes for m in self._meta.values())
 
     def meta(self, W: int, K: int):
         key = (W, K)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
-#   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn sweep (default: all),
+#   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   or commtests (the multi-GPU tests only)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
 #   stream memory operations); T_<STAGE>=seconds sets a stage's time limit.
@@ -24,7 +24,7 @@ for a in "$@"; do
         *) STAGES+=("$a") ;;
     esac
 done
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests moe graph comm attn sweep)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests moe graph comm attn demo sweep)
 if [ -z "${RES:-}" ]; then
     if [ -n "${OUT:-}" ]; then RES="$(mktemp -d "${TMPDIR:-/tmp}/moe_wave_results.XXXXXX")"
     else RES="results/$(date +%Y-%m-%d-%H%M%S)"; fi
@@ -87,10 +87,12 @@ for s in "${STAGES[@]}"; do
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json"
                stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa ;;
+        demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
+               stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
                    --waves 1,2,4,8 --shared bubbles --iters ${SWEEP_ITERS:-10} --out "$RES/sweep" --trace "$RES/sweep/trace"
                true ;;
-        *) echo "unknown stage $s (tests commtests moe graph comm attn sweep)" ;;
+        *) echo "unknown stage $s (tests commtests moe graph comm attn demo sweep)" ;;
     esac
 done
 

@@ -164,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--waves", type=waves, default=2,
                    help="number of waves W, or 'auto'; with --partition experts at most the local experts per rank")
     d.add_argument("--partition", choices=("experts", "tokens"), default="experts")
-    d.add_argument("--backend", choices=("torch", "symm", "deepep"), default="torch", help="comm backend")
+    d.add_argument("--backend", choices=("auto", "torch", "symm", "deepep"), default="auto",
+                   help="comm backend; auto: symm on the GPUs of one host, torch elsewhere")
+    d.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay every layer from CUDA graphs (captured per mode at --tokens). Default: env "
+                        "MOE_WAVE_GRAPH, else on wherever capture is possible (a GPU and the symm backend)")
     d.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="MoE wave pipeline with overlap in the overlapped run (--no-overlap: the serial "
                         "schedule there too). Default: env MOE_WAVE_OVERLAP, else on")

@@ -82,7 +82,8 @@ def test_flag_beats_environment_beats_default():
 def test_symm_flags_need_the_symm_backend():
     with pytest.raises(ValueError, match=r"--symm-dense, --copy-grid: only with the symm backend \(--backend is "
                                          r"'torch'\)"):
-        _demo(["--symm-dense", "on", "--copy-grid", "4"])
+        _demo(["--backend", "torch", "--symm-dense", "on", "--copy-grid", "4"])
+    _demo(["--symm-dense", "on"])      # the default backend, auto, is symm on a GPU host: its flags are taken
     with pytest.raises(ValueError, match=r"--symm-mode: SymmOptions.mode='kernel' with kernels='torch'"):
         _demo(["--backend", "symm", "--symm-mode", "kernel"], {"MOE_WAVE_SYMM_KERNELS": "torch"})
 

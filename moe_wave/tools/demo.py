@@ -8,6 +8,12 @@ its own S tokens through it in two modes, interleaved iteration by iteration:
   serial      attention branches on one stream, MoE dispatch -> experts -> combine one after another
   overlapped  attention branches on side streams (``--attn-overlap``), MoE wave pipeline (``--overlap``)
 
+On a GPU with the symm backend (``--backend auto`` picks it on one host) every layer is captured in CUDA graphs,
+one per mode at S tokens (``V4DecoderLayer.capture_graphs``; ``--no-graph`` or ``MOE_WAVE_GRAPH=0`` runs eagerly),
+and each layer's parts are timed alone under graphs as well: its attention sublayer, its MoE block, and the MoE's
+exchanges alone (comm-only) and expert compute alone (compute-only). The table's ``ideal`` is attention +
+max(comm-only, compute-only): what a layer would take with every exchange hidden.
+
 Checks: each layer under the overlapped schedule, fed the serial stack's input to that layer, must
 agree with its serial output (layer by layer, so that a rounding difference is not amplified by
 the discrete top-k choices of later layers); with the ``tiny`` preset the EP stack must also equal a
@@ -26,8 +32,9 @@ from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import compute_layout
 from moe_wave.config import MoEConfig, WaveConfig
 from moe_wave.env import EnvSettings
+from moe_wave.graphs import graph_capable
 from moe_wave.profiling import set_nvtx
-from moe_wave.timing import Clock, align
+from moe_wave.timing import Clock, align, as_graph, iteration_us, l2_flush_buffer
 
 from .flags import symm_options
 from .stack import STACK_PRESETS, build_layer_stack, layer_kind, run_stack, stack_inputs
@@ -67,6 +74,9 @@ def resolve_defaults(args, env: EnvSettings | None = None) -> None:
     args.overlap = env.pick("overlap", args.overlap, True)
     args.attn_overlap = env.pick("attn_overlap", args.attn_overlap, True)
     args.attn_kernels = env.pick("attn_kernels", args.attn_kernels, "auto")
+    args.graph = env.pick("graph", getattr(args, "graph", None), None)      # None: where capture is possible
+    if args.graph and not torch.cuda.is_available():
+        raise ValueError("--graph (or MOE_WAVE_GRAPH=1): CUDA graphs need a GPU, and none is visible")
     args.autowave_cache = env.pick("autowave_cache", args.autowave_cache, None)
     args.nvtx = env.pick("nvtx", None, False)
 
@@ -138,6 +148,65 @@ def _time_modes(layers, inputs, ep, iters: int, warmup: int) -> dict:
     return {"serial": med[False], "overlapped": med[None]}
 
 
+MODES = ((False, False), (None, None))     # (attention overlap, MoE overlap): serial, overlapped as configured
+
+
+@torch.no_grad()
+def _capture(layers, inputs) -> None:
+    """Every layer in CUDA graphs, both modes, at this run's S (collective)."""
+    S = inputs[0].shape[1]
+    for layer in layers:
+        layer.capture_graphs([S], modes=MODES)
+
+
+@torch.no_grad()
+def _part_times(layers, inputs, ep, iters: int, warmup: int) -> list[dict]:
+    """Per layer, under CUDA graphs, each timed alone (median, slowest rank): the attention sublayer on its
+    input, the MoE block (overlapped schedule), its exchanges alone and its expert compute alone (``tools.bench``
+    kinds). Inputs are the serial stack's, grabbed by hooks."""
+    from .bench import comm_only, compute_only, pre_receive
+
+    grabbed: dict = {}
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.attn.register_forward_pre_hook(
+            lambda m, a, kw, i=i: grabbed.__setitem__(("attn", i), (a[0].clone(), kw["positions"])), with_kwargs=True))
+        hooks.append(layer.moe.register_forward_pre_hook(
+            lambda m, a, kw, i=i: grabbed.__setitem__(("moe", i), (a[0].clone(), kw.get("input_ids"))),
+            with_kwargs=True))
+    graphs = [layer.graphs for layer in layers]
+    for layer in layers:
+        layer.graphs = None                        # the hooks must see the eager modules' calls
+    try:
+        run_stack(layers, *inputs, overlap=False, validate=False)
+    finally:
+        for h, layer, g in zip(hooks, layers, graphs):
+            layer.graphs = g
+        for h in hooks:
+            h.remove()
+    dev = ep.device
+    flush = l2_flush_buffer(dev)
+    out = []
+    for i, layer in enumerate(layers):
+        a_in, pos = grabbed[("attn", i)]
+        m_in, ids = grabbed[("moe", i)]
+        moe = layer.moe
+        ids_TK, w_TK = moe.route(m_in, ids)
+        received = pre_receive(moe, m_in, ids_TK, w_TK)
+        fns = {"attn": lambda k: layer.attn(a_in, positions=pos, validate=False),
+               "moe": lambda k: moe(m_in, input_ids=ids),
+               "comm": lambda k: comm_only(moe, m_in, ids_TK, w_TK),
+               "compute": lambda k: compute_only(moe, m_in, received)}
+        row = {}
+        for name, fn in fns.items():
+            replay = as_graph(fn, dev)[0]
+            row[name] = statistics.median(iteration_us(replay, iters, warmup, ep=ep, flush=flush)) / 1e3
+        out.append(row)
+    names = ("attn", "moe", "comm", "compute")
+    worst = ep.max_over([r[n] for r in out for n in names])
+    return [dict(zip(names, worst[4 * i:4 * i + 4])) for i in range(len(layers))]
+
+
 def demo_configs(args) -> tuple[WaveConfig, ScheduleConfig]:
     """The MoE schedule and the attention schedule of the overlapped run, from resolved ``args``."""
     wave = WaveConfig(num_waves=args.waves, partition=args.partition, backend=args.backend, overlap=args.overlap,
@@ -172,11 +241,22 @@ def run_demo_rank(ep, args) -> dict:
                                      schedule=schedule, device=ep.device, dtype=dtype, seed=args.seed, num_experts=E)
         ref = _outputs(single, inputs, None)
         del single
+    why = graph_capable(layers[0].moe.backend, ep.device)
+    if args.graph and why is not None:
+        raise ValueError(f"--graph: {why}")
+    graphed = args.graph if args.graph is not None else why is None
+    replayed = parts = None
+    if graphed:
+        _capture(layers, inputs)
+        replayed = _outputs(layers, inputs, False)           # each layer replayed on the serial stack's input
     times = _time_modes(layers, inputs, ep, args.iters, args.warmup)
+    if graphed:
+        parts = _part_times(layers, inputs, ep, args.iters, args.warmup)
 
     last = len(layers) - 1
     mine = {"rank": ep.rank, "bytes": moved[0], "times": times,
             "onoff": [(_max_err(a, b), _rel(a, b)) for a, b in zip(on, off)],
+            "graph": None if replayed is None else [(_max_err(a, b), _rel(a, b)) for a, b in zip(replayed, off)],
             "single": None if ref is None else [(_max_err(a, b), _rel(a, b)) for a, b in zip(on, ref)]}
     rows = ep.gather_objects(mine)
 
@@ -190,10 +270,12 @@ def run_demo_rank(ep, args) -> dict:
 
     per_layer = [{"layer": i, "kind": layer_kind(layers[i]), "serial_ms": slowest("serial", i),
                   "overlapped_ms": slowest("overlapped", i), "onoff": worst("onoff", i),
-                  "single": worst("single", i)} for i in range(len(layers))]
+                  "single": worst("single", i), "graph": worst("graph", i),
+                  "parts": None if parts is None else parts[i]} for i in range(len(layers))]
     stack = {"serial_ms": slowest("serial", len(layers)), "overlapped_ms": slowest("overlapped", len(layers)),
-             "onoff": worst("onoff", last), "single": worst("single", last)}
-    return {"ranks": ep.size, "experts": E, "backend_pg": ep.backend, "device": str(ep.device),
+             "onoff": worst("onoff", last), "single": worst("single", last), "graph": worst("graph", last)}
+    return {"ranks": ep.size, "experts": E, "backend_pg": ep.backend, "device": str(ep.device), "graphed": graphed,
+            "backend": layers[0].moe.backend.name, "symm_bytes": _symm_bytes(layers),
             "tokens": args.tokens, "bytes": sum(r["bytes"] for r in rows), "layers": per_layer, "stack": stack}
 
 
@@ -219,7 +301,13 @@ def _err(e) -> str:
 
 
 def _ok(row, tol) -> bool:
-    return all(e is None or e[1] <= tol for e in (row["onoff"], row["single"]))
+    return all(e is None or e[1] <= tol for e in (row["onoff"], row["single"], row.get("graph")))
+
+
+def _symm_bytes(layers) -> int:
+    """Symmetric-memory bytes per rank held by the stack's backends (one shared set: see ``WaveMoE``)."""
+    backends = {id(layer.moe.backend): layer.moe.backend for layer in layers}
+    return sum(getattr(b, "memory_bytes", lambda: 0)() for b in backends.values())
 
 
 def print_demo(res: dict, args) -> bool:
@@ -241,18 +329,42 @@ def print_demo(res: dict, args) -> bool:
           "overlapped stack; max err: " + ("EP stack vs the single-process stack (all experts, same weights)"
                                           if has_ref else "overlapped vs serial (no single-process reference "
                                           f"for {args.preset}: one process cannot hold every expert)"))
+    graphed = res.get("graphed")
+    print(f"comm backend {res.get('backend')}; layers {'replayed from CUDA graphs' if graphed else 'run eagerly'}"
+          + (f"; symmetric buffers {_fmt_bytes(res['symm_bytes'])} per rank, one set shared by all "
+             f"{len(layers)} layers (a 43-layer stack of the same shapes shares the same set)"
+             if res.get("symm_bytes") else ""))
     print()
+
+    def part_cols(r):
+        p = r.get("parts")
+        if p is None:
+            return ["n/a"] * 5
+        parts, ideal = p["attn"] + p["moe"], p["attn"] + max(p["comm"], p["compute"])
+        return [f"{p['attn']:.2f}", f"{p['moe']:.2f}", f"{ideal:.2f}", f"{r['overlapped_ms'] / ideal:.2f}",
+                f"{r['overlapped_ms'] / parts:.2f}"]
+
     rows = [[r["layer"], r["kind"], res["tokens"], f"{r['serial_ms']:.2f}", f"{r['overlapped_ms']:.2f}",
-             f"{r['serial_ms'] / max(r['overlapped_ms'], 1e-9):.2f}x", _err(r["onoff"]), _err(r["single"]),
-             "ok" if _ok(r, tol) else "FAIL"] for r in layers]
+             f"{r['serial_ms'] / max(r['overlapped_ms'], 1e-9):.2f}x"] + part_cols(r)
+            + [_err(r["onoff"]), _err(r.get("graph")), _err(r["single"]), "ok" if _ok(r, tol) else "FAIL"]
+            for r in layers]
+    sums = {k: sum(r["parts"][k] for r in layers) for k in ("attn", "moe")} if graphed and layers[0].get("parts") else None
+    ideal_sum = sum(r["parts"]["attn"] + max(r["parts"]["comm"], r["parts"]["compute"]) for r in layers) if sums else None
     rows.append(["stack", f"{len(layers)} layers", res["tokens"], f"{st['serial_ms']:.2f}",
-                 f"{st['overlapped_ms']:.2f}", f"{st['serial_ms'] / max(st['overlapped_ms'], 1e-9):.2f}x",
-                 _err(st["onoff"]), _err(st["single"]), "ok" if ok else "FAIL"])
-    print(format_table(["layer", "type", "tokens/rank", "serial ms", "overlapped ms", "speedup", "on vs off",
-                        "vs single", "check"], rows))
+                 f"{st['overlapped_ms']:.2f}", f"{st['serial_ms'] / max(st['overlapped_ms'], 1e-9):.2f}x"]
+                + ([f"{sums['attn']:.2f}", f"{sums['moe']:.2f}", f"{ideal_sum:.2f}",
+                    f"{st['overlapped_ms'] / ideal_sum:.2f}", f"{st['overlapped_ms'] / (sums['attn'] + sums['moe']):.2f}"]
+                   if sums else ["n/a"] * 5)
+                + [_err(st["onoff"]), _err(st.get("graph")), _err(st["single"]), "ok" if ok else "FAIL"])
+    print(format_table(["layer", "type", "tokens/rank", "serial ms", "overlapped ms", "speedup", "attn ms", "moe ms",
+                        "ideal ms", "ovl/ideal", "ovl/parts", "on vs off", "graph vs eager", "vs single", "check"],
+                       rows))
     print(f"serial: attention branches on one stream + MoE serial schedule; overlapped: attention side streams + "
-          f"wave pipeline; on vs off: each layer's overlapped output vs its serial output on the same input. "
-          f"Median of {args.iters} after {args.warmup} warm-up, slowest rank"
+          f"wave pipeline. attn ms / moe ms: the layer's attention sublayer and its MoE block, each timed alone"
+          f" under CUDA graphs; ideal: attn + max(MoE exchanges alone, MoE compute alone); ovl/parts: overlapped"
+          f" / (attn + moe), below 1 when overlap makes the layer cheaper than its parts. on vs off: each layer's"
+          f" overlapped output vs its serial output on the same input; graph vs eager: the replayed serial layer vs"
+          f" the eager one. Median of {args.iters} after {args.warmup} warm-up, slowest rank"
           + ("; on CPU the attention's stream ops are no-ops (same code both ways)." if res["device"] == "cpu"
-             else "."))
+             else ".") + ("" if graphed else " Parts are timed under CUDA graphs only (GPU, symm backend)."))
     return ok

@@ -121,7 +121,7 @@ def symm_options(args, env: EnvSettings, backends) -> SymmOptions:
     among ``backends`` is a ValueError naming it; so is a combination SymmOptions rejects."""
     given = {field: getattr(args, _dest(flag), None) for flag, field, _, _ in SYMM_FLAGS}
     named = [flag for flag, field, _, _ in SYMM_FLAGS if given[field] is not None]
-    if named and "symm" not in backends:
+    if named and not {"symm", "auto"} & set(backends):
         raise ValueError(f"{', '.join(named)}: only with the symm backend (--backend is {','.join(backends)!r})")
     dense = given.pop("dense")
     try:
