@@ -6,8 +6,9 @@ peer that never signals, and DeepEP when it is installed. (The Triton kernels ag
 CPU and GPU: ``tests/test_symm_kernels.py``.)
 
 Run on a GPU host with plain pytest (the 2-rank tests spawn their ranks over a file store) or under
-``torchrun --nproc-per-node 2 -m pytest tests/test_gpu_comm.py`` (then the ranks are the torchrun
-processes). NVLink multicast stays off: importing ``moe_wave.comm`` sets it.
+``torchrun --nproc-per-node N -m pytest tests/test_gpu_comm.py`` with any N >= 2 (then the ranks are the
+torchrun processes; ``launch/gpu_ep.sh`` runs them on every GPU of the host). NVLink multicast stays off:
+importing ``moe_wave.comm`` sets it.
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def _overflow(ep: EPGroup) -> None:
     got = backend.dispatch(x, xplan, 0).wait()
     assert got.x_RD.shape[0] == ep.size * 8          # static capacity: never more rows than C per peer
     backend.combine(got.x_RD.clone(), got.handle, CombineOut(torch.zeros(T, 64, device=ep.device))).wait()
-    with pytest.raises(RuntimeError, match=r"capacity overflow in wave 0: rank \d sent 20 rows to rank 1, "
+    last = ep.size - 1                                 # every rank sends its 20 rows to the last rank
+    with pytest.raises(RuntimeError, match=rf"capacity overflow in wave 0: rank \d+ sent 20 rows to rank {last}, "
                                            r"capacity is 8 .*SymmOptions.capacity >= 20"):
         backend.check()
     backend.check()                                    # reported once, then cleared

@@ -221,6 +221,9 @@ def run(args) -> int:
     loo = leave_one_out(comm, moe)
     measured_eps = sorted({s.ranks for s in comm} | {s.ranks for s in moe})
     hold = args.holdout_ep or (measured_eps[-1] if len(measured_eps) > 1 else None)
+    if hold and not [s for s in comm + moe if s.ranks != hold]:
+        print(f"  note: no point at an EP size other than {hold} to fit on: nothing held out")
+        hold = None
     held = held_out(comm, moe, hold) if hold else []
     err_rows = _err_rows("leave-one-out", [e for e in loo if e.what != "comm_only"])
     err_rows += _err_rows("other benchmark", [e for e in loo if e.what == "comm_only"])
