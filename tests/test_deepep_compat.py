@@ -202,3 +202,116 @@ def test_normal_mode_triton_kernels(ranks):
     pytest.importorskip("triton")
     out = ranks(2).run(_normal_contract, [9, 6], "triton")
     assert len(out[0]) == 12
+
+
+def _raises(fn, exc, *words) -> str:
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        assert all(w in msg for w in words), (msg, words)
+        return msg
+    raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+
+def _errors_and_lifetime(ep: EPGroup) -> int:
+    from moe_wave.deepep_compat import Buffer, Config, EventOverlap
+
+    buf = Buffer(ep.pg, 0, 0)
+    assert (buf.rank, buf.group_size, buf.group, buf.num_nvl_bytes) == (ep.rank, ep.size, ep.pg, 0)
+    ref = weakref.ref(buf)
+    ids = torch.tensor([[0, 5, -1], [7, -1, -1]])
+    x = torch.ones(2, H, dtype=torch.bfloat16)
+    n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(ids, E)
+    lay = dict(num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp)
+    n = 0
+    for fn, exc, words in [
+        (lambda: buf.get_dispatch_layout(ids, 7), ValueError, ("num_experts=7", "multiple")),
+        (lambda: buf.get_dispatch_layout(ids.float(), E), ValueError, ("topk_idx",)),
+        (lambda: buf.get_dispatch_layout(ids, E, async_finish=True, allocate_on_comm_stream=True), ValueError,
+         ("allocate_on_comm_stream",)),
+        (lambda: buf.dispatch(x), ValueError, ("num_tokens_per_rank", "missing")),
+        (lambda: buf.dispatch(x.float().to(torch.int32), **lay), ValueError, ("x is",)),
+        (lambda: buf.dispatch((x, torch.ones(2, 2)), **lay), ValueError, ("x[0]",)),
+        (lambda: buf.dispatch(x[:1], **lay), ValueError, ("is_token_in_rank",)),
+        (lambda: buf.dispatch(x, topk_idx=ids, **lay), ValueError, ("topk_idx and topk_weights together",)),
+        (lambda: buf.dispatch(x, expert_alignment=0, **lay), ValueError, ("expert_alignment=0",)),
+        (lambda: buf.dispatch(x, num_worst_tokens=-1, **lay), ValueError, ("num_worst_tokens=-1",)),
+        (lambda: buf.dispatch(x, config="fast", **lay), ValueError, ("config=",)),
+        (lambda: buf.dispatch(x, handle=(1, 2), **lay), ValueError, ("handle",)),
+        (lambda: buf.dispatch(x, num_tokens_per_rdma_rank=n_rank, **lay), NotImplementedError, ("None",)),
+        (lambda: buf.combine(x, (1, 2)), ValueError, ("handle",)),
+        (lambda: buf.internode_dispatch(x), NotImplementedError, ("internode_dispatch", "DeepEP")),
+        (lambda: buf.internode_combine(x), NotImplementedError, ("internode_combine",)),
+        (lambda: buf.get_local_buffer_tensor(torch.int8), NotImplementedError, ("get_local_buffer_tensor",)),
+        (lambda: Buffer.set_num_sms(23), ValueError, ("even",)),
+        (lambda: Buffer.get_dispatch_config(3), ValueError, ("num_ranks=3",)),
+        (lambda: Config(24, 256, 256), ValueError, ("num_max_nvl_chunked_send_tokens=256",)),
+        (lambda: Config(24, 8, 256, 100, 100), ValueError, ("num_max_rdma_chunked_send_tokens=100",)),
+        (lambda: Config(24, 8, 256).get_rdma_buffer_size_hint(1024, 16), NotImplementedError, ("one node",)),
+        (lambda: Buffer(None), ValueError, ("group=None",)),
+        (lambda: Buffer(None, comm=object()), NotImplementedError, ("comm=",)),
+        (lambda: Buffer(ep.pg, -1), ValueError, ("num_nvl_bytes=-1",)),
+        (lambda: EventOverlap().current_stream_wait(), RuntimeError, ("no event",)),
+        (buf.destroy, RuntimeError, ("explicitly_destroy=False",)),
+    ]:
+        try:
+            _raises(fn, exc, *words)
+        except AssertionError as e:
+            raise AssertionError(f"case {n} ({words}): {e}") from None
+        n += 1
+    # a combine with the wrong row count, after a real dispatch
+    got = buf.dispatch(x, **lay)
+    _raises(lambda: buf.combine(x[:0] if got[0].shape[0] else x, got[4]), ValueError, "rows")
+    _raises(lambda: buf.combine(got[0], got[4], bias=(x, x, x)), ValueError, "bias")
+    # the configs, positional and keyword alike; every keyword of DeepEP's constructor
+    assert Config(24, 8, 256) == Config(num_sms=24, num_max_nvl_chunked_send_tokens=8,
+                                        num_max_nvl_chunked_recv_tokens=256)
+    Buffer.set_num_sms(24)
+    assert Buffer.get_dispatch_config(2) == Config(24, 24, 256, 6, 128) and Buffer.num_sms == 24
+    Buffer.set_num_sms(20)
+    other = Buffer(group=ep.pg, num_nvl_bytes=1, num_rdma_bytes=2, low_latency_mode=True, num_qps_per_rank=4,
+                   allow_nvlink_for_low_latency_mode=False, allow_mnnvl=True, use_fabric=True, explicitly_destroy=True,
+                   enable_shrink=True, comm=None)
+    other.destroy()
+    _raises(lambda: other.get_dispatch_layout(ids, E), RuntimeError, "destroyed")
+    del buf, got, fn
+    gc.collect()
+    assert ref() is None, "a Buffer must be garbage-collected once unreferenced (vLLM keeps a WeakValueDictionary)"
+    return n + 4
+
+
+def test_errors_and_lifetime(ranks):
+    assert ranks(2).run(_errors_and_lifetime) == [31, 31]
+
+
+def test_switch_and_shim(tmp_path, monkeypatch):
+    """``install()`` makes ``import deep_ep`` give the shim, refuses to hide a real DeepEP unless forced, and the shim
+    exports what the stacks import."""
+    import moe_wave.deepep_compat as dc
+
+    saved = {k: v for k, v in sys.modules.items() if k == "deep_ep" or k.startswith("deep_ep.")}
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        for k in saved:
+            del sys.modules[k]
+        fake = tmp_path / "deep_ep"
+        fake.mkdir()
+        (fake / "__init__.py").write_text("REAL = True\n")
+        sys.path.insert(0, str(tmp_path))
+        assert dc.real_deep_ep() == str(fake / "__init__.py")
+        _raises(dc.install, RuntimeError, "real DeepEP", "force=True")
+        dc.install(force=True)
+        import deep_ep
+        from deep_ep import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401
+        from deep_ep.utils import EventHandle, EventOverlap as EO  # noqa: F401
+
+        assert deep_ep.MOE_WAVE and Buffer is dc.Buffer and topk_idx_t is torch.int64 and EO is dc.EventOverlap
+        assert not hasattr(deep_ep, "ElasticBuffer"), "vLLM picks its V2 path when ElasticBuffer exists"
+        sys.path.remove(str(tmp_path))
+        assert dc.real_deep_ep() is None
+        dc.install()                       # again, with nothing to hide: fine
+    finally:
+        for k in [m for m in sys.modules if m == "deep_ep" or m.startswith("deep_ep.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
