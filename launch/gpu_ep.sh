@@ -24,7 +24,8 @@
 #
 # DeepEP's kit: copy ../shared/deps/deepep to .deps/deepep (git-ignored) and carry that folder to the GPU host.
 set -uo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh"      # NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1, REPO_ROOT
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO_ROOT"
 export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export MOE_WAVE_GIT_SHA="${MOE_WAVE_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -67,8 +68,10 @@ SRC="$REPO_ROOT/.deps/deepep-src"
     echo "EP$N: $N GPUs, stages: ${STAGES[*]}${QUICK:+ (quick)}, budget ${BUDGET} s, results in $RES"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     nvidia-smi topo -m 2>/dev/null | head -$((N + 1))
-    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())))'
-    echo "git $MOE_WAVE_GIT_SHA; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS"
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+                                  "nccl", ".".join(map(str, torch.cuda.nccl.version())))'
+    echo "git $MOE_WAVE_GIT_SHA; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
+         "TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS"
 } 2>&1 | tee -a "$LOG"
 
 declare -A STATUS
@@ -123,7 +126,8 @@ for s in "${STAGES[@]}"; do
                 tests/test_gpu_moe.py tests/test_gpu_comm.py ;;
         comm)
             use_deepep
-            if [ -n "$QUICK" ]; then args=(--quick --sections tokens,graph); else args=(--sections bytes,tokens,graph --iters 8); fi
+            args=(--sections bytes,tokens,graph --iters 8)
+            [ -n "$QUICK" ] && args=(--quick --sections tokens,graph)
             stage comm ${T_COMM:-200} "${TR[@]}" launch/bench_comm.py "${args[@]}" --carveout 0 \
                 --hang-s 400 --out "$RES/comm.json" ;;
         deepep_tests)
@@ -147,8 +151,8 @@ for s in "${STAGES[@]}"; do
         plan)
             data=()
             for f in comm.json moe_graph.json; do f="$(newest "$f")"; [ -n "$f" ] && data+=(--data "$f"); done
-            for f in benchmarks/2026-11-30-comm-2xh200-session7.json benchmarks/2026-11-30-moe-graph-copy-2xh200-session6.json; do
-                data+=(--data "$f")
+            for f in comm-2xh200-session7 moe-graph-copy-2xh200-session6; do     # the committed EP2 points
+                data+=(--data "benchmarks/2026-11-30-$f.json")
             done
             stage plan ${T_PLAN:-60} "$PY" -m moe_wave plan --ep "$N,16,32,64" --tokens 128,4096 "${data[@]}" \
                 --holdout-ep "$N" --json "$RES/plan.json" ;;
@@ -162,11 +166,15 @@ done
         [ -f "$f" ] && { echo; echo "DeepEP test_$t.py (N=$N), best configurations and bandwidths:"
                          grep -E "Best|best|GB/s|avg_t" "$f" | grep -vE "^\s*$" | tail -n 12; }
     done
-    [ -f "$RES/plan.log" ] && { echo; echo "cost model: error on the EP$N points it was not fitted on"; grep -E "held out" "$RES/plan.log"; }
+    [ -f "$RES/plan.log" ] && { echo; echo "cost model: error on the EP$N points it was not fitted on"
+                                grep -E "held out|nothing held out" "$RES/plan.log"; }
     echo
     echo "to commit (the names moe_wave plan reads by default): comm.json -> benchmarks/$DAY-comm-${N}x${GPU}.json,"
     echo "  moe_graph.json (and .md) -> benchmarks/$DAY-moe-graph-${N}x${GPU}.json (.md)"
-    [ ${#LATER[@]} -gt 0 ] && echo "not started for lack of time: bash launch/gpu_ep.sh ${QUICK:+--quick }$(printf '%s\n' "${LATER[@]}" | awk '!seen[$0]++' | tr '\n' ' ')"
+    if [ ${#LATER[@]} -gt 0 ]; then
+        echo "not started for lack of time, for a second call: bash launch/gpu_ep.sh ${QUICK:+--quick }$(
+            printf '%s\n' "${LATER[@]}" | awk '!seen[$0]++' | tr '\n' ' ')"
+    fi
     echo "stages (EP$N, git $MOE_WAVE_GIT_SHA, $((SECONDS - T0)) s):"
     for k in "${ORDER[@]}"; do printf '  %-20s %s\n' "$k" "${STATUS[$k]}"; done
 } 2>&1 | tee "$RES/summary.txt"
