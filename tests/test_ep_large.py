@@ -8,6 +8,7 @@ ranks that send nothing, ranks that receive nothing, and a rank that holds every
 
 from __future__ import annotations
 
+import re
 from unittest import mock
 
 import pytest
@@ -100,6 +101,28 @@ def test_symm_dispatch_combine_matches_reference(ranks, P):
     modes = ("copy+sparse", "copy+dense", "copy+dense+local")
     waves = (1, 2, 4) if P == 4 else (1, 3)
     _assert_small(ranks(P).run(_errors, "symm", waves, modes), len(CASES) * len(waves) * 2 * 2 * len(modes))
+
+
+def _overflow(ep: EPGroup, capacity: int, mode: str) -> str:
+    """Every token's first expert is the last one: rank P-1 receives rows from every rank (dense blocks: every
+    rank's whole token range goes to every peer, so any cell may be the first to overflow)."""
+    x, ids, w = _case("one_expert", ep.size)[ep.rank]
+    try:
+        _symm_path(ep, x, ids, w, 1, "experts", True, mode, capacity=capacity)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("P", SIZES)
+def test_symm_capacity_overflow_raises_on_every_rank(ranks, P):
+    msgs = ranks(P).run(_overflow, 4, "copy+dense")
+    assert len(set(msgs)) == 1, msgs         # the same error on every rank: none is left waiting
+    found = re.search(r"capacity overflow in wave 0: rank (\d+) sent (\d+) rows to rank (\d+), capacity is 4 rows",
+                      msgs[0])
+    assert found and int(found.group(3)) < P and int(found.group(2)) > 4, msgs[0]
+    assert f"SymmOptions.capacity >= {found.group(2)}" in msgs[0], msgs[0]
+    assert ranks(P).run(_overflow, 13, "copy+dense") == ["no error"] * P     # the largest T fits
 
 
 def _moe_symm_vs_torch(ep: EPGroup, T_per_rank: list) -> float:
