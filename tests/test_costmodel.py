@@ -15,7 +15,7 @@ from moe_wave.cli import main
 from moe_wave.config import MoEConfig
 from moe_wave.costmodel import (CommSample, CostModel, LinearFit, MoESample, Topology, fit, fit_linear, held_out,
                                 leave_one_out, rows_per_token, schedule_us, summarize, traffic_MB)
-from moe_wave.tools.plan import load_points
+from moe_wave.tools.plan import default_data, load_points
 
 FLASH, PRO = MoEConfig.preset("v4-flash"), MoEConfig.preset("v4-pro")
 
@@ -92,8 +92,9 @@ def test_fit_linear_keeps_the_prior_where_the_points_cannot_tell_and_clamps_nega
 TRUE = CostModel(dispatch=LinearFit(("us_per_MB", "latency_us", "per_peer_us"), (2.8, 12.0, 1.5), ("fitted",) * 3, 0),
                  combine=LinearFit(("us_per_MB", "latency_us", "per_peer_us"), (3.8, 11.0, 2.0), ("fitted",) * 3, 0),
                  prepare=LinearFit(("latency_us", "per_peer_us"), (30.0, 3.0), ("fitted",) * 2, 0),
-                 compute=LinearFit(("us_per_TFLOP", "us_per_GB", "per_wave_us", "fixed_us"), (1400.0, 300.0, 60.0, 25.0),
-                                   ("fitted",) * 4, 0), overlap=1.3, overlap_status="fitted")
+                 compute=LinearFit(("us_per_TFLOP", "us_per_GB", "per_wave_us", "fixed_us"),
+                                   (1400.0, 300.0, 60.0, 25.0), ("fitted",) * 4, 0),
+                 overlap=1.3, overlap_status="fitted")
 
 
 def _synthetic(model: CostModel, ranks=(2, 4, 8), noise=0.0, seed=0):
@@ -165,7 +166,8 @@ def test_projection_monotone_and_limits():
     fast, slow = (m.project(FLASH, Topology(ranks=64, rdma_GBps=g), 4096, 2) for g in (100.0, 25.0))
     assert slow.dispatch_us > fast.dispatch_us and slow.compute_us == fast.compute_us
     # within a host the remote share grows with P: (P-1)/P of the rows leave the GPU
-    assert m.project(FLASH, Topology(ranks=8), 4096, 1).nvlink_MB > m.project(FLASH, Topology(ranks=2), 4096, 1).nvlink_MB
+    ep8, ep2 = (m.project(FLASH, Topology(ranks=P), 4096, 1) for P in (8, 2))
+    assert ep8.nvlink_MB > ep2.nvlink_MB
     # NVLink set by hand: infinite bandwidth leaves only the latency terms
     lat = m.exchange_us("dispatch", FLASH, Topology(ranks=8, nvlink_GBps=1e12), 4096, 1)
     assert lat == pytest.approx(12.0 + 1.5 * 7, rel=1e-6)
@@ -243,3 +245,15 @@ def test_plan_data_errors(tmp_path, capsys):
     bad.write_text(json.dumps({"rows": []}))
     assert main(["plan", "--data", str(bad)]) == 2
     assert "must be a benchmark result" in capsys.readouterr().err
+
+
+def test_default_data_takes_the_ep2_points_and_later_ep4_ep8_results(tmp_path):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    names = ["2026-11-30-comm-2xh200-session7.json", "2026-11-30-moe-graph-copy-2xh200-session6.json",
+             "2026-12-01-comm-8xh200.json", "2026-12-01-moe-graph-4xh200.json", "2026-12-01-moe-8xh200.json",
+             "2026-11-30-comm-2xh200-session6.json", "2026-11-30-attn-1xh200.json"]
+    for n in names:
+        (bench / n).write_text("{}")
+    got = [p.split("/")[-1] for p in default_data(tmp_path)]
+    assert got == sorted(names[:5]), got       # older EP2 sessions and other kinds stay out

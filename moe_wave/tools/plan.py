@@ -141,12 +141,12 @@ def non_negative(text: str) -> float:
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ep", type=int_list(1), default=[2, 4, 8, 16, 32, 64],
+    p.add_argument("--ep", type=int_list(1), default="2,4,8,16,32,64",
                    help="EP sizes to project, a comma list; beyond --gpus-per-host whole hosts")
     p.add_argument("--preset", choices=tuple(k for k in PRESETS if k != "tiny"), default="v4-flash",
                    help="the MoE layer's shape")
-    p.add_argument("--tokens", type=int_list(1), default=[128, 4096], help="tokens per rank, a comma list")
-    p.add_argument("--waves", type=int_list(1), default=[1, 2, 4, 8],
+    p.add_argument("--tokens", type=int_list(1), default="128,4096", help="tokens per rank, a comma list")
+    p.add_argument("--waves", type=int_list(1), default="1,2,4,8",
                    help="wave counts to try; each point shows the best (clamped to the local experts)")
     p.add_argument("--backend", choices=tuple(BACKENDS), default="symm", help=BACKEND_HELP)
     p.add_argument("--gpus-per-host", type=at_least(1), default=8, help="GPUs per NVLink domain (host)")
