@@ -1,6 +1,7 @@
 """Benchmark of the V4 attention front-end: serial vs overlapped streams, critical path, whole layer.
 
     python launch/bench_attn.py [--quick] [--out PATH]        # one GPU; torchrun also works (rank 0 runs)
+    python launch/bench_attn.py --core [--out PATH]           # the sparse core and the top-k alone (fast)
 
 Shapes: V4-Flash and V4-Pro attention (bf16, random weights of the real shapes, no HF). Per layer type
 (sliding, csa c4 + indexer, hca c128): prefill of 4096 tokens (eager) and decode at batch 1, 8, 64,
@@ -12,6 +13,12 @@ iterations, CUDA events, after warm-up, fresh random inputs each iteration):
   overlapped_us      the same with the branches on side streams
   critical_path_us   the longest branch timed alone (q chain, window kv, compressor, indexer incl. q_lora)
   layer_serial_us / layer_us   the whole attention layer (front-end + core + output projection)
+  core_us / output_us          the sparse core alone / the output projection alone (on the front-end's result)
+  core_tflops        the core's useful FLOPs (4 * H * d per valid pick: QK and PV) per second, against
+                     gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio)
+``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes, each tiling of
+``core_kernel.FALLBACKS`` on the CSA prefill) and the indexer's top-k (``topk.topk_select`` against
+``torch.topk``), and prints one short table.
 Writes JSON {"meta", "rows"} to --out (default $OUT/attn.json, else benchmarks/<date>-attn-1gpu.json),
 prints a table last and the recommended ``ScheduleConfig.decode_overlap_min_batch``.
 """
@@ -31,6 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
+from moe_wave.attention.core import sparse_attention  # noqa: E402
+from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, default_config  # noqa: E402
+from moe_wave.attention.kernels import index_scores  # noqa: E402
+from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us  # noqa: E402
@@ -87,6 +98,36 @@ def time_graph(fn, static_inputs, pool, iters: int, warmup: int) -> float:
     times = iteration_us(replay, iters, warmup, device="cuda", before=before)
     del replay
     return statistics.median(times)
+
+
+def time_alone(fn, iters: int, warmup: int = 3) -> float:
+    """Median us of ``fn()`` replayed from a CUDA graph (inputs fixed: the core does not care about values)."""
+    dummy = torch.zeros(1, device="cuda")
+    return time_graph(lambda *_: fn(), [dummy], [dummy], iters, warmup)
+
+
+def gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
+    """Dense bf16 [n, n] x [n, n] GEMM rate (TFLOP/s), median of ``iters`` replays: the yardstick of the core."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
+    us = time_alone(lambda: torch.mm(a, b, out=c), iters)
+    return 2 * n ** 3 / us / 1e6
+
+
+def core_parts(attn: V4Attention, x, pos, cache):
+    """The front-end's result for ``x`` (serial): (q_BSHd, parts), what the core and the output consume."""
+    fe = run_frontend(attn, x, pos, cache, False)
+    cache.join()
+    return fe.q_BSHd, fe.parts
+
+
+def core_fn(attn: V4Attention, q, parts, config: CoreConfig | None = None):
+    scale = attn.cfg.head_dim ** -0.5
+    if config is None:
+        return lambda: sparse_attention(q, parts, attn.sinks, scale, attn.schedule.kernels)
+    from moe_wave.attention.core_kernel import sparse_attention_fused
+    return lambda: sparse_attention_fused(q, parts, attn.sinks, scale, config=config)
 
 
 def branches(attn: V4Attention):
@@ -149,8 +190,12 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
             c.join()  # eager warm-up leaves deferred writes; a capture may not wait on them
         return fn
 
+    q, parts = core_parts(attn, pool[0], pos, cache)
+    core = core_fn(attn, q, parts)
+    o = core().clone()
+    useful, _ = core_flops(attn.cfg.heads, attn.cfg.head_dim, [idx for _, idx in parts])   # HOST SYNC (setup)
     fns = {"serial": frontend(False), "overlapped": frontend(True), "layer_serial": layer(False),
-           "layer": layer(True)}
+           "layer": layer(True), "core": lambda x, p, c: core(), "output": lambda x, p, c: attn.output(o, p)}
     fns.update({f"branch_{k}": v for k, v in branches(attn).items()})
     res = {}
     if graph:
@@ -166,11 +211,101 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
     row = dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S, context=CTX,
                cuda_graph=graph, serial_us=round(res["serial"], 2),
                overlapped_us=round(res["overlapped"], 2), critical_path_us=round(crit, 2),
-               layer_serial_us=round(res["layer_serial"], 2), layer_us=round(res["layer"], 2))
+               layer_serial_us=round(res["layer_serial"], 2), layer_us=round(res["layer"], 2),
+               core_us=round(res["core"], 2), output_us=round(res["output"], 2), core_gflop=round(useful / 1e9, 2),
+               core_tflops=round(useful / res["core"] / 1e6, 1))
     row.update({f"{k}_us": round(v, 2) for k, v in res.items() if k.startswith("branch_")})
-    del attn, cache, pool
+    del attn, cache, pool, q, parts, o
     torch.cuda.empty_cache()
     return row
+
+
+def topk_rows(dev, rows: int, n: int, causal: bool) -> torch.Tensor:
+    """fp32 [1, rows, n] scores as the indexer leaves them: random, -inf past each row's visible prefix
+    (prefill: row t sees (t + 1) // 4 entries) or all visible (decode)."""
+    s = torch.randn(1, rows, n, device=dev)
+    if causal:
+        vis = (torch.arange(rows, device=dev) + 1) // 4
+        s = s.masked_fill(torch.arange(n, device=dev) >= vis[:, None], float("-inf"))
+    return s
+
+
+def topk_point(dev, rows: int, n: int, k: int, causal: bool, iters: int) -> dict:
+    """topk_select against torch.topk (unsorted, then -inf picks to -1, as the indexer needs) on one score
+    tensor; ``same_set``: both pick the same ids on every row (random scores: no ties)."""
+    s = topk_rows(dev, rows, n, causal)
+    k = min(k, n)
+
+    def torch_topk():
+        v, i = s.topk(k, dim=-1, sorted=False)
+        return torch.where(v == float("-inf"), torch.full_like(i, -1), i)
+
+    ours, ref = topk_select(s, k), torch_topk()
+    same = bool(torch.equal(ours.sort(-1).values, ref.sort(-1).values))   # HOST SYNC (check)
+    return dict(rows=rows, n=n, k=k, causal=causal, topk_select_us=round(time_alone(lambda: topk_select(s, k), iters), 2),
+                torch_topk_us=round(time_alone(torch_topk, iters), 2), same_set=same)
+
+
+def tiling(c: CoreConfig) -> str:
+    return f"h{c.block_h} n{c.block_n} dk{c.block_dk} dv{c.block_dv} w{c.num_warps} s{c.num_stages}"
+
+
+@torch.no_grad()
+def core_bench(dev, iters: int, gemm: float) -> dict:
+    """The sparse core alone per shape / layer type: prefill 4096 (B=1) and decode batch 64 on a 4096-token
+    cache; on the CSA prefill also every tiling of the fallback ladder. Then the top-k."""
+    rows, tilings = [], []
+    for shape in SHAPES:
+        for kind in TYPES:
+            attn = make_attn(shape, kind, dev)
+            for mode, batch in (("prefill", 1), ("decode", 64)):
+                S, start = (CTX, 0) if mode == "prefill" else (1, CTX)
+                cache = attn.new_cache(batch, CTX + 8)
+                if mode == "decode":
+                    fill_cache(cache, CTX)
+                pos = (start + torch.arange(S, device=dev)).expand(batch, -1).contiguous()
+                x = torch.randn(batch, S, attn.cfg.hidden, device=dev, dtype=torch.bfloat16)
+                q, parts = core_parts(attn, x, pos, cache)
+                H, d = attn.cfg.heads, attn.cfg.head_dim
+                useful, nominal = core_flops(H, d, [idx for _, idx in parts])   # HOST SYNC (setup)
+                us = time_alone(core_fn(attn, q, parts), iters)
+                o = core_fn(attn, q, parts)().clone()
+                out_us = time_alone(lambda: attn.output(o, pos), iters)
+                cfg = default_config(batch, S, H, d, q.dtype, q.device)
+                rows.append(dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S,
+                                 core_us=round(us, 2), output_us=round(out_us, 2), gflop=round(useful / 1e9, 2),
+                                 gflop_nominal=round(nominal / 1e9, 2), tflops=round(useful / us / 1e6, 1),
+                                 vs_gemm=round(useful / us / 1e6 / gemm, 3),
+                                 config=tiling(cfg)))
+                print(json.dumps(rows[-1]), flush=True)
+                if kind == "csa" and mode == "prefill":
+                    for c in FALLBACKS:
+                        t = time_alone(core_fn(attn, q, parts, c), iters)
+                        tilings.append(dict(shape=shape, config=tiling(c.fit(H, d)), core_us=round(t, 2),
+                                            tflops=round(useful / t / 1e6, 1)))
+                        print(json.dumps(tilings[-1]), flush=True)
+                del cache, q, parts, o, x
+            del attn
+            torch.cuda.empty_cache()
+    topk = [topk_point(dev, CTX, CTX // 4, k, True, iters) for k in (512, 1024)]
+    topk.append(topk_point(dev, 64, CTX // 4, 512, False, iters))
+    for t in topk:
+        print(json.dumps(t), flush=True)
+    return dict(core=rows, tilings=tilings, topk=topk)
+
+
+def print_core(res: dict, gemm: float) -> None:
+    print(f"\nsparse core (CUDA graphs) vs a dense bf16 GEMM of this run: {gemm:.0f} TFLOP/s")
+    print(f"{'shape':9} {'type':7} {'mode':7} {'tok':>5} {'core_us':>9} {'GFLOP':>7} {'TFLOP/s':>8} {'%gemm':>6} "
+          f"{'output_us':>9}  tiling")
+    for r in res["core"]:
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {r['tokens']:>5} {r['core_us']:>9.1f} {r['gflop']:>7.1f} "
+              f"{r['tflops']:>8.1f} {100 * r['vs_gemm']:>5.0f}% {r['output_us']:>9.1f}  {r['config']}")
+    for t in res["tilings"]:
+        print(f"  {t['shape']} csa prefill, {t['config']}: {t['core_us']:.1f} us, {t['tflops']:.1f} TFLOP/s")
+    for t in res["topk"]:
+        print(f"top-k {t['k']} of {t['n']}, {t['rows']} rows{' (causal)' if t['causal'] else ''}: topk_select "
+              f"{t['topk_select_us']:.1f} us, torch.topk {t['torch_topk_us']:.1f} us, same set: {t['same_set']}")
 
 
 def decode_policy(rows) -> dict:
@@ -206,6 +341,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/attn.json or benchmarks/)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per point")
     ap.add_argument("--debug", action="store_true", help="print each capture before it starts")
+    ap.add_argument("--core", action="store_true", help="only the sparse core and the top-k (see above)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attn: needs a CUDA/ROCm GPU")
@@ -214,6 +350,17 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    gemm = gemm_tflops(dev)
+    print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s", flush=True)
+    if args.core:
+        res = core_bench(dev, args.iters or 20, gemm)
+        out = args.out or out_path("attn_core.json", os.path.join("results", f"{datetime.date.today()}-attn-core-1gpu.json"))
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"meta": {**meta(args), "gemm_tflops": round(gemm, 1)}, **res}, f, indent=1)
+        print(f"wrote {out}")
+        print_core(res, gemm)
+        return
     shapes = ["v4-flash"] if args.quick else list(SHAPES)
     batches = [1, 64] if args.quick else [1, 8, 64, 128]
     iters = args.iters or (10 if args.quick else 30)
@@ -225,18 +372,23 @@ def main() -> None:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph,
                               debug=args.debug)
+                row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     policy = decode_policy(rows)
     out = args.out or out_path("attn.json", os.path.join("results", f"{datetime.date.today()}-attn-1gpu.json"))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy}, "rows": rows}, f, indent=1)
-    hdr = f"{'shape':9} {'type':7} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9}"
-    print(f"\nwrote {out}\n{hdr}")
+        json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1)},
+                   "rows": rows}, f, indent=1)
+    hdr = (f"{'shape':9} {'type':7} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} "
+           f"{'layer_ser':>10} {'layer':>9} {'core':>9} {'output':>8} {'TFLOP/s':>8} {'%gemm':>6}")
+    print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} {r['serial_us']:>9.1f} "
-              f"{r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} {r['layer_us']:>9.1f}")
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
+              f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
+              f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['output_us']:>8.1f} {r['core_tflops']:>8.1f} "
+              f"{100 * r['core_vs_gemm']:>5.0f}%")
     print(f"recommended ScheduleConfig.decode_overlap_min_batch: {policy}")
 
 
