@@ -94,7 +94,8 @@ TRUE = CostModel(dispatch=LinearFit(("us_per_MB", "latency_us", "per_peer_us"), 
                  prepare=LinearFit(("latency_us", "per_peer_us"), (30.0, 3.0), ("fitted",) * 2, 0),
                  compute=LinearFit(("us_per_TFLOP", "us_per_GB", "per_wave_us", "fixed_us"),
                                    (1400.0, 300.0, 60.0, 25.0), ("fitted",) * 4, 0),
-                 overlap=1.3, overlap_status="fitted")
+                 layer_comm=LinearFit(("scale", "extra_us", "per_wave_us"), (1.4, 50.0, 20.0), ("fitted",) * 3, 0),
+                 unhidden=0.4, unhidden_status="fitted")
 
 
 def _synthetic(model: CostModel, ranks=(2, 4, 8), noise=0.0, seed=0):
@@ -118,10 +119,10 @@ def _synthetic(model: CostModel, ranks=(2, 4, 8), noise=0.0, seed=0):
 def test_fit_recovers_the_model_that_made_the_points():
     got = fit(*_synthetic(TRUE))
     for f_got, f_true in ((got.dispatch, TRUE.dispatch), (got.combine, TRUE.combine), (got.prepare, TRUE.prepare),
-                          (got.compute, TRUE.compute)):
+                          (got.compute, TRUE.compute), (got.layer_comm, TRUE.layer_comm)):
         assert set(f_got.status) == {"fitted"}, f_got
         assert np.allclose(f_got.values, f_true.values, rtol=1e-6), (f_got, f_true)
-    assert got.overlap == pytest.approx(TRUE.overlap, rel=1e-6)
+    assert got.unhidden == pytest.approx(TRUE.unhidden, rel=1e-6)
     # from EP2 points alone the per-peer cost cannot be told from the latency: it keeps its prior
     ep2 = fit(*_synthetic(TRUE, ranks=(2,)))
     assert ep2.dispatch.status == ("fitted", "fitted", "prior") and ep2.notes
@@ -158,7 +159,9 @@ def test_projection_monotone_and_limits():
         for a, b in zip(times, times[1:]):
             assert a.dispatch_us < b.dispatch_us and a.combine_us < b.combine_us and a.compute_us < b.compute_us
             assert a.serial_us < b.serial_us
-        assert all(t.pipelined_us <= t.serial_us * m.overlap for t in times)
+        assert all(t.pipelined_us <= t.serial_us for t in times)
+        one_wave = m.project(FLASH, topo, 4096, 1)
+        assert one_wave.pipelined_us == pytest.approx(one_wave.serial_us)      # one wave hides nothing
         assert (times[0].rdma_MB > 0) == (P > 8)
     # fewer weights per rank as EP grows: compute falls; a slower RDMA link only slows the exchanges
     comp = [m.project(FLASH, Topology(ranks=P), 128, 1).compute_us for P in (2, 4, 8, 16, 32, 64)]

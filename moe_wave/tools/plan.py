@@ -182,7 +182,7 @@ def check_args(args) -> str | None:
 def _fit_rows(model: CostModel) -> list[list]:
     rows = []
     for what, f in (("dispatch", model.dispatch), ("combine", model.combine), ("prepare", model.prepare),
-                    ("compute", model.compute)):
+                    ("layer comm", model.layer_comm), ("compute", model.compute)):
         for name, v, st in zip(f.names, f.values, f.status):
             shown = f"{v:.4g}"
             if name == "us_per_MB" and v > 0:
@@ -192,7 +192,7 @@ def _fit_rows(model: CostModel) -> list[list]:
             elif name == "us_per_GB" and v > 0:
                 shown += f" ({1e6 / v:.0f} GB/s)"
             rows.append([what, name, shown, st, f.points])
-    rows.append(["layer", "overlap", f"{model.overlap:.3g}", model.overlap_status, ""])
+    rows.append(["layer", "unhidden", f"{model.unhidden:.3g}", model.unhidden_status, ""])
     return rows
 
 
@@ -225,12 +225,11 @@ def run(args) -> int:
         print(f"  note: no point at an EP size other than {hold} to fit on: nothing held out")
         hold = None
     held = held_out(comm, moe, hold) if hold else []
-    err_rows = _err_rows("leave-one-out", [e for e in loo if e.what != "comm_only"])
-    err_rows += _err_rows("other benchmark", [e for e in loo if e.what == "comm_only"])
+    err_rows = _err_rows("leave-one-out", loo)
     if hold:
         err_rows += _err_rows(f"EP{hold} held out", held)
-    print("\nerror on points the fit did not see (|predicted / measured - 1|; comm_only: the MoE benchmark's "
-          "exchanges, predicted from the comm benchmark's)")
+    print("\nerror on points the fit did not see, |predicted / measured - 1| (comm_only: layout, count exchange "
+          "and every wave's exchanges in the MoE benchmark)")
     print(format_table(["how", "quantity", "points", "median", "max"], err_rows) if err_rows else "  (too few points)")
 
     proj = []
@@ -239,12 +238,14 @@ def run(args) -> int:
                         rdma_latency_us=args.rdma_latency_us, nvlink_GBps=args.nvlink_GBps)
         for T in args.tokens:
             proj.append(model.best(cfg, topo, T, args.waves))
-    cols = ["EP", "hosts", "tokens", "W", "NVLink MB", "RDMA MB", "prepare", "dispatch", "combine", "compute",
-            "serial", "pipelined", "comm share"]
+    cols = ["EP", "hosts", "tokens", "W", "NVLink MB", "RDMA MB", "prepare", "dispatch", "combine", "layer comm",
+            "compute", "serial", "pipelined", "comm share"]
     rows = [[p.ranks, p.hosts, p.tokens, p.waves, f"{p.nvlink_MB:.1f}", f"{p.rdma_MB:.1f}", f"{p.prepare_us:.0f}",
-             f"{p.dispatch_us:.0f}", f"{p.combine_us:.0f}", f"{p.compute_us:.0f}", f"{p.serial_us:.0f}",
+             f"{p.dispatch_us:.0f}", f"{p.combine_us:.0f}", f"{p.comm_us:.0f}", f"{p.compute_us:.0f}",
+             f"{p.serial_us:.0f}",
              f"{p.pipelined_us:.0f}", f"{p.comm_us / p.serial_us:.0%}" if p.serial_us else "-"] for p in proj]
-    print(f"\nprojection, us per layer and rank (bytes each rank sends per layer; best W of {args.waves}; "
+    print(f"\nprojection, us per layer and rank (MB each rank sends per layer; prepare, dispatch, combine as the comm "
+          f"benchmark times them, layer comm all of them inside the layer; best W of {args.waves}; "
           f"{args.gpus_per_host} GPUs per host, RDMA {args.rdma_GBps:g} GB/s + {args.rdma_latency_us:g} us)")
     print(format_table(cols, rows))
     if args.json:
