@@ -1,11 +1,13 @@
-"""Where the attention front-end's time goes: a kernel table per branch (torch.profiler, one GPU).
+"""Where the attention layer's time goes: a kernel table per part (torch.profiler, one GPU).
 
     python launch/profile_attn.py [--shape v4-flash] [--types csa,hca,sliding] [--tokens 4096] [--rows 12]
 
 For each layer type it runs each front-end branch alone (the chains ``bench_attn.py`` times:
-q, window kv, compressor, indexer incl. q_lora) under torch.profiler after warm-up, and prints the
-kernels sorted by total device time, with the branch's total and the count of kernels. The same
-tables go to $OUT/profile_attn.txt when OUT is set.
+q, window kv, compressor, indexer incl. q_lora), then the sparse core and the output projection alone on the
+front-end's result, each under torch.profiler after warm-up, and prints the kernels sorted by total device
+time, with the part's total and the count of kernels. Last, each Triton kernel alone on the V4-Flash prefill
+shapes (the core with the achieved TFLOP/s, the top-k against torch.topk). The same tables go to
+$OUT/profile_attn.txt when OUT is set.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attn import CTX, branches, make_attn, time_eager  # noqa: E402
+from bench_attn import CTX, branches, core_fn, core_parts, make_attn, time_eager  # noqa: E402
 from launch_common import out_path  # noqa: E402
 
 
@@ -33,9 +35,22 @@ def kernel_table(prof, rows: int) -> tuple[str, float, int]:
     return "\n".join(lines), total, count
 
 
+def profiled(fn, rows: int) -> tuple[str, float, int]:
+    """``fn()`` under torch.profiler after three warm-up calls: the kernel table (see ``kernel_table``)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()   # HOST SYNC: the warm-up stays out of the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()   # HOST SYNC: the profile ends with the kernels it launched
+    return kernel_table(prof, rows)
+
+
 def micro(dev) -> str:
     """Each fused kernel alone on the V4-Flash prefill shapes (CUDA events, median of 20)."""
+    from moe_wave.attention.core_kernel import sparse_attention_fused
     from moe_wave.attention.kernels import index_scores, norm_rope
+    from moe_wave.attention.topk import topk_select
 
     def t(fn):
         return time_eager(fn, lambda i: (), 20, 3)
@@ -48,17 +63,29 @@ def micro(dev) -> str:
     ql = torch.randn(1, S, 1024, device=dev, dtype=torch.bfloat16)
     w = torch.rand(1, S, 64, device=dev)
     k = torch.randn(1, S // 4, 128, device=dev, dtype=torch.bfloat16)
-    rows = [("q heads norm+rope in place [4096,64,512]", lambda: norm_rope(q, pos, freq, out=q), 2 * q.nbytes),
-            ("indexer q rope, new tensor [4096,64,128]", lambda: norm_rope(qi, pos, freq, norm=False), 2 * qi.nbytes),
-            ("indexer q rope in place", lambda: norm_rope(qi, pos, freq, norm=False, out=qi), qi.nbytes // 2),
-            ("q_lora rms_norm [4096,1024]", lambda: norm_rope(ql, weight=torch.ones(1024, device=dev)), 2 * ql.nbytes),
-            ("index_scores [4096 x 1024 x 64h x 128]", lambda: index_scores(qi, w, k, pos, 4), 0),
-            ("topk 512 of 1024 (unsorted)", lambda: torch.randn(1, S, 1024, device=dev).topk(512, dim=-1, sorted=False),
-             0)]
+    sc = torch.randn(1, S, S // 4, device=dev)
+    kv = torch.randn(1, S + 128, 512, device=dev, dtype=torch.bfloat16)
+    comp = torch.randn(1, S // 4 + 1, 512, device=dev, dtype=torch.bfloat16)
+    win = (torch.arange(S, device=dev)[:, None] + 128 - torch.arange(128, device=dev))[None]   # 128 rows each
+    top = torch.stack([torch.randperm(S // 4, device=dev)[:512] for _ in range(64)]).repeat(S // 64, 1)[None]
+    sinks = torch.zeros(64, device=dev)
+    core_flop = 4 * 64 * 512 * S * (128 + 512)
+    rows = [("q heads norm+rope in place [4096,64,512]", lambda: norm_rope(q, pos, freq, out=q), 2 * q.nbytes, 0),
+            ("indexer q rope, new tensor [4096,64,128]", lambda: norm_rope(qi, pos, freq, norm=False), 2 * qi.nbytes,
+             0),
+            ("indexer q rope in place", lambda: norm_rope(qi, pos, freq, norm=False, out=qi), qi.nbytes // 2, 0),
+            ("q_lora rms_norm [4096,1024]", lambda: norm_rope(ql, weight=torch.ones(1024, device=dev)), 2 * ql.nbytes,
+             0),
+            ("index_scores [4096 x 1024 x 64h x 128]", lambda: index_scores(qi, w, k, pos, 4), 0, 0),
+            ("torch.topk 512 of 1024 (unsorted) [4096 rows]", lambda: sc.topk(512, dim=-1, sorted=False), 0, 0),
+            ("topk_select 512 of 1024 [4096 rows]", lambda: topk_select(sc, 512), 0, 0),
+            ("sparse core [4096 x 64h x (128 + 512) x 512]",
+             lambda: sparse_attention_fused(q, [(kv, win), (comp, top)], sinks, 512 ** -0.5), 0, core_flop)]
     lines = ["== kernels alone (V4-Flash prefill 4096)"]
-    for name, fn, nbytes in rows:
+    for name, fn, nbytes, flop in rows:
         us = t(fn)
-        lines.append(f"    {us:8.1f} us  {name}" + (f"  ({nbytes / us / 1e3:.0f} GB/s)" if nbytes else ""))
+        rate = f"  ({nbytes / us / 1e3:.0f} GB/s)" if nbytes else (f"  ({flop / us / 1e6:.0f} TFLOP/s)" if flop else "")
+        lines.append(f"    {us:8.1f} us  {name}{rate}")
     return "\n".join(lines)
 
 
@@ -78,19 +105,18 @@ def main() -> None:
         S = args.tokens
         x = torch.randn(1, S, attn.cfg.hidden, device=dev, dtype=torch.bfloat16)
         pos = torch.arange(S, device=dev)[None]
-        for name, fn in branches(attn).items():
-            cache = attn.new_cache(1, S + 8)
-            for _ in range(3):
-                fn(x, pos, cache)
-            torch.cuda.synchronize()   # HOST SYNC: the warm-up stays out of the profile
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn(x, pos, cache)
-                torch.cuda.synchronize()   # HOST SYNC: the profile ends with the kernels it launched
-            table, total, count = kernel_table(prof, args.rows)
-            out.append(f"== {args.shape} {kind} prefill {S}: branch {name}: {total:.0f} us of kernels, "
-                       f"{count} launches\n{table}")
+        parts_run = {f"branch {name}": (lambda fn=fn, c=attn.new_cache(1, S + 8): fn(x, pos, c))
+                     for name, fn in branches(attn).items()}
+        cache = attn.new_cache(1, S + 8)
+        q, parts = core_parts(attn, x, pos, cache)
+        core = core_fn(attn, q, parts)
+        o = core().clone()
+        parts_run.update({"core": core, "output": lambda: attn.output(o, pos)})
+        for name, fn in parts_run.items():
+            table, total, count = profiled(fn, args.rows)
+            out.append(f"== {args.shape} {kind} prefill {S}: {name}: {total:.0f} us of kernels, {count} launches\n{table}")
             print(out[-1], flush=True)
-        del attn
+        del attn, cache, q, parts, o, parts_run
         torch.cuda.empty_cache()
     out.append(micro(dev))
     print(out[-1], flush=True)
