@@ -19,9 +19,10 @@ its inverse, one scatter into the blocks, before the combine.
               a combine returns each token's rows summed over the ranks that received it, in fp32.
 
 Ordering of buffer reuse: a peer may write a block only after this rank has read what the last exchange left
-there. Every exchange ends with a barrier and the reads follow it, so a second exchange through the same buffers
-with no barrier in between (a cached dispatch, or two combines in a row) first passes an entry barrier
-(``fence``). On the emulated transport (CPU) the collectives already order it.
+there. Every exchange ends with a barrier and the reads follow it, so an exchange into buffers read since the last
+barrier was queued (a cached dispatch, two combines in a row) first passes an entry barrier (``fence``). Every
+call queues its work behind the caller's stream, so a barrier queued later also follows the reads queued before
+it. On the emulated transport (CPU) the collectives already order it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from .options import SymmOptions
 from .symm import SymmBackend, SymmHandle
 from .symm_plan import SymmPlan
 
-__all__ = ["CompactExchange", "CompactPlan", "routing_layout", "compact_rows", "capacity_for", "ENTRY_CHANNEL"]
+__all__ = ["CompactExchange", "CompactPlan", "routing_counts", "routing_layout", "compact_rows", "capacity_for",
+           "ENTRY_CHANNEL"]
 
 # the barrier channel of the entry fence: the backend's one-wave exchanges use channels 0 (dispatch) and 1 (combine)
 ENTRY_CHANNEL = 2
@@ -52,6 +54,19 @@ def capacity_for(rows: int) -> int:
     while c < rows:
         c *= 2
     return c
+
+
+def routing_counts(topk_idx_TK: torch.Tensor, num_experts: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(is_token_in_rank [T, P] bool, tokens per expert [E] int32) from top-k ids (-1: none), on the device."""
+    ids = topk_idx_TK.long()
+    valid = ids >= 0
+    e = num_experts // P
+    dump_E = torch.where(valid, ids, num_experts).reshape(-1)
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    per_expert.scatter_add_(0, dump_E, torch.ones_like(dump_E, dtype=torch.int32))
+    in_rank = torch.zeros(ids.shape[0], P + 1, dtype=torch.bool, device=ids.device)
+    in_rank.scatter_(1, torch.where(valid, ids // e, P), True)
+    return in_rank[:, :P].contiguous(), per_expert[:num_experts]
 
 
 def routing_layout(in_rank_TP: torch.Tensor, topk_idx_TK: torch.Tensor | None, topk_w_TK: torch.Tensor | None,
@@ -144,7 +159,7 @@ class CompactExchange:
         self.ep, self.comm_stream = ep, comm_stream
         self.options = replace(options or SymmOptions(), dense=False)
         self._backends: dict[int, SymmBackend] = {}
-        self._unfenced: set = set()     # (id(buffers), kind) read since the last barrier
+        self._unfenced: set = set()     # (id(buffers), kind) read since the last barrier was queued
 
     def backend(self, capacity: int) -> SymmBackend:
         """The backend of block capacity ``capacity`` (collective on first use: every rank asks for the same)."""
@@ -173,36 +188,63 @@ class CompactExchange:
     def make_plan(self, layout: DispatchLayout, counts_PP: torch.Tensor, capacity: int, rows: int,
                   num_recv: int | None) -> CompactPlan:
         """Prepare the exchange (count exchange and index tables on the device) and the compact row map."""
-        backend = self.backend(capacity)
-        plan = backend.prepare(layout)
-        self._unfenced.clear()          # prepare ends with a barrier on every rank
+        plan = self.prepare(layout, capacity)
         row_X, valid_X = compact_rows(counts_PP, self.ep.rank, capacity, rows)
-        return CompactPlan(plan=plan, backend=backend, counts_PP=counts_PP, row_X=row_X, valid_X=valid_X,
-                           num_recv=num_recv, meta_slots=layout.send_expert_SK.shape[1])
+        return CompactPlan(plan=plan, backend=self.backend(capacity), counts_PP=counts_PP, row_X=row_X,
+                           valid_X=valid_X, num_recv=num_recv, meta_slots=layout.send_expert_SK.shape[1])
 
-    def fence(self, bufs, kind: str) -> None:
-        """The entry barrier where this rank read ``bufs``' ``kind`` block since the last barrier (peer memory)."""
-        if (id(bufs), kind) in self._unfenced and bufs.hdl is not None:
+    # ------------------------------------------------------------------ the exchanges, fenced
+    def prepare(self, layout: DispatchLayout, capacity: int) -> SymmPlan:
+        """The backend's prepare (its count exchange ends with a barrier that fences every earlier read)."""
+        plan = self.backend(capacity).prepare(layout)
+        self._unfenced.clear()
+        return plan
+
+    @staticmethod
+    def _key(backend: SymmBackend, bufs, kind: str) -> tuple:
+        # every dtype and width shares one backend's metadata blocks: a dispatch writes them whatever its rows
+        return (id(backend), kind) if kind == "recv" else (id(bufs), kind)
+
+    def fence(self, backend: SymmBackend, bufs, kind: str) -> None:
+        """The entry barrier, where this rank read the ``kind`` block ("recv": rows and metadata; "comb") that the
+        next exchange writes since the last barrier (peer memory only)."""
+        if self._key(backend, bufs, kind) in self._unfenced and bufs.hdl is not None:
             bufs.hdl.barrier(channel=ENTRY_CHANNEL, timeout_ms=self.options.timeout_ms)
+        self._unfenced.clear()
 
-    def _read_after_barrier(self, bufs, kind: str) -> None:
-        """An exchange's closing barrier fenced every earlier read; what follows reads ``bufs``' ``kind`` block."""
-        self._unfenced = {(id(bufs), kind)}
+    def read(self, plan: SymmPlan, bufs, kind: str) -> None:
+        """Record that this rank has queued reads of ``bufs``' ``kind`` block (the next exchange into it fences)."""
+        self._unfenced.add(self._key(self.backend(plan.capacity), bufs, kind))
+
+    def send(self, x_TH: torch.Tensor, plan: SymmPlan):
+        """Start the rows of ``x_TH`` along ``plan``: (the backend's Pending[Received], the receive buffers). Call
+        ``read(plan, bufs, "recv")`` once the received rows' readers are queued."""
+        backend = self.backend(plan.capacity)
+        bufs = backend.transport.buffers(x_TH.dtype, x_TH.shape[1], 1, plan.layout.send_expert_SK.shape[1])
+        self.fence(backend, bufs, "recv")
+        return backend.dispatch(x_TH, plan, 0), bufs
+
+    def send_back(self, y_RH: torch.Tensor, plan: SymmPlan, out: CombineOut, deferred: bool = False):
+        """Start a combine of block rows ``y_RH`` [P * C, H] along ``plan``: (the backend's Pending, the buffers);
+        ``deferred``: the Pending returns the sum as a function (``SymmBackend.combine_deferred``)."""
+        backend = self.backend(plan.capacity)
+        bufs = backend.transport.buffers(y_RH.dtype, y_RH.shape[1], 1, plan.layout.send_expert_SK.shape[1])
+        self.fence(backend, bufs, "comb")
+        start = backend.combine_deferred if deferred else backend.combine
+        return start(y_RH, SymmHandle(0, plan, bufs), out), bufs
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x_TH: torch.Tensor, cp: CompactPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows of ``x_TH`` to the ranks of the plan. Returns (rows [X, H] in compact order, zero past the received
         count; meta [X, M] int32 and weights [X, M] float32 of the same rows, slot -1 / weight 0 past it)."""
-        backend, K = cp.backend, cp.meta_slots
-        bufs = backend.transport.buffers(x_TH.dtype, x_TH.shape[1], 1, K)
-        self.fence(bufs, "recv")
-        got = backend.dispatch(x_TH, cp.plan, 0).wait()
-        self._read_after_barrier(bufs, "recv")
+        pending, bufs = self.send(x_TH, cp.plan)
+        got = pending.wait()
         src = cp.row_X.clamp(max=got.x_RD.shape[0] - 1)
         inval = cp.valid_X.logical_not()[:, None]
         rows = got.x_RD.index_select(0, src).masked_fill_(inval, 0)
         meta = got.expert_RK.index_select(0, src).masked_fill_(inval, -1)
         weight = got.weight_RK.index_select(0, src).masked_fill_(inval, 0.0)
+        self.read(cp.plan, bufs, "recv")
         return rows, meta, weight
 
     # ------------------------------------------------------------------ combine
@@ -211,17 +253,16 @@ class CompactExchange:
         """Each token's rows summed (fp32) over the ranks that received it, plus ``add_TH``; stored in ``out_TH``
         (any float dtype; a fresh fp32 tensor when None), which is returned. ``y_XH`` is in compact order (rows
         past the received count are ignored)."""
-        backend, plan = cp.backend, cp.plan
+        plan = cp.plan
         P, C, H = self.ep.size, plan.capacity, y_XH.shape[1]
         T = plan.layout.num_tokens
         if y_XH.shape[0] != cp.rows:
             raise ValueError(f"combine: x has {y_XH.shape[0]} rows: must have the dispatch's {cp.rows} received rows")
         blocks = torch.empty(P * C + 1, H, dtype=y_XH.dtype, device=y_XH.device)
         blocks.index_copy_(0, cp.row_X, y_XH)           # rows past the count land in the last (dump) row
-        bufs = backend.transport.buffers(y_XH.dtype, H, 1, cp.meta_slots)
-        self.fence(bufs, "comb")
         acc = torch.empty(T, H, dtype=torch.float32, device=y_XH.device)
         out = CombineOut(acc, accumulate=False, add_TD=add_TH, dst_TD=out_TH)
-        backend.combine(blocks[:P * C], SymmHandle(0, plan, bufs), out).wait()
-        self._read_after_barrier(bufs, "comb")
+        pending, bufs = self.send_back(blocks[:P * C], plan, out)
+        pending.wait()
+        self.read(plan, bufs, "comb")
         return out.result

@@ -315,3 +315,112 @@ def test_switch_and_shim(tmp_path, monkeypatch):
         for k in [m for m in sys.modules if m == "deep_ep" or m.startswith("deep_ep.")]:
             del sys.modules[k]
         sys.modules.update(saved)
+
+
+# ------------------------------------------------------------------------------------------- low-latency mode
+LL_H, LL_E, LL_K, LL_T = 512, 8, 3, 12
+
+
+def _ll_inputs(rank: int, N: int):
+    """DeepEP's test_low_latency inputs, small: rows of (rank - 128) with the token index in the last 128 columns,
+    random top-k with some -1, positive weights."""
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.full((N, LL_H), float(rank - 128)).to(torch.bfloat16)
+    x[:, -128:] = torch.arange(N, dtype=torch.float32)[:, None].to(torch.bfloat16)
+    ids = torch.rand(N, LL_E, generator=g).topk(LL_K, dim=1).indices
+    ids[torch.rand(N, LL_K, generator=g) < 0.15] = -1
+    return x, ids, torch.rand(N, LL_K, generator=g) + 0.1
+
+
+def _ll_contract(ep: EPGroup, N_list, kernels: str, hooks=(False, True)) -> int:
+    from moe_wave.deepep_compat import Buffer
+    from moe_wave.deepep_compat.ll_kernels import pack_fp8_torch
+
+    P, me = ep.size, ep.rank
+    e = LL_E // P
+    x, ids, w = _ll_inputs(me, N_list[me])
+    every = [_ll_inputs(r, N_list[r]) for r in range(P)]
+    hint = Buffer.get_low_latency_rdma_size_hint(LL_T, LL_H, P, LL_E)
+    buf = Buffer(ep.pg, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=e,
+                 allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True, allow_mnnvl=False,
+                 enable_shrink=False, options=SymmOptions(kernels=kernels))
+    checked = 0
+    for hook in hooks:
+        for fp8, rnd, ue in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+            stats = torch.zeros(e, dtype=torch.int32)
+            for _ in range(2):      # twice: both buffer sets
+                stats.zero_()
+                recv_x, count, handle, event, hook_fn = buf.low_latency_dispatch(
+                    x, ids, LL_T, LL_E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=rnd,
+                    use_ue8m0=ue, async_finish=not hook, return_recv_hook=hook)
+                hook_fn() if hook else event.current_stream_wait()
+            src_info, layout_range = handle[0], handle[1]
+            assert handle[2:] == (LL_T, LL_H, LL_E)
+            for i in range(e):
+                expert = me * e + i
+                # sources in rank order, each source's tokens in order
+                ref = [(s, t) for s in range(P) for t in range(N_list[s]) if bool((every[s][1][t] == expert).any())]
+                n = int(count[i])
+                assert n == len(ref) == int(stats[i]) == int((layout_range[i] & 0xFFFFFFFF).sum())
+                begins = (layout_range[i] >> 32).tolist()
+                for s in range(P):
+                    c = int(layout_range[i, s] & 0xFFFFFFFF)
+                    assert [(s, t) for t in src_info[i, begins[s]:begins[s] + c].tolist()] == \
+                        [r for r in ref if r[0] == s]
+                for j, (s, t) in enumerate(ref):
+                    sx = every[s][0][t:t + 1]
+                    if not fp8:
+                        assert torch.equal(recv_x[i, j], sx[0])
+                        continue
+                    row = torch.empty(1, LL_H + 4 * (LL_H // 128), dtype=torch.uint8)
+                    pack_fp8_torch(sx, row, rnd)
+                    assert torch.equal(recv_x[0][i, j].view(torch.uint8), row[0, :LL_H]), (i, j)
+                    sc = row[0, LL_H:].view(torch.float32)
+                    if ue:
+                        assert recv_x[1].dtype == torch.int32 and recv_x[1].shape == (e, P * LL_T, LL_H // 512)
+                        assert torch.equal(torch.tensor(recv_x[1][i, j].tolist(), dtype=torch.int32).view(torch.uint8),
+                                           (sc.view(torch.int32) >> 23).to(torch.uint8))
+                    else:
+                        assert recv_x[1].stride(1) == 1 and torch.equal(recv_x[1][i, j], sc)
+                checked += 1
+            # combine: the experts' outputs are the received rows themselves (cast back), weighted by the source
+            if fp8 and not ue:
+                y = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)).to(torch.bfloat16)
+            elif fp8:
+                y = recv_x[0].float().to(torch.bfloat16)
+            else:
+                y = recv_x.clone()
+            own = y_rows = None
+            for zero_copy in (False, True):
+                if zero_copy:
+                    buf.get_next_low_latency_combine_buffer(handle)[:] = y
+                out = torch.empty(x.shape[0], LL_H, dtype=torch.bfloat16)
+                combined, cev, chook = buf.low_latency_combine(
+                    y if not zero_copy else torch.zeros_like(y), ids, w, handle, zero_copy=zero_copy,
+                    async_finish=not hook, return_recv_hook=hook, out=out)
+                chook() if hook else cev.current_stream_wait()
+                assert combined is out and not bool(combined.isnan().any())
+                # each token's rows: its own x (as the expert saw it), times the sum of its valid weights
+                seen = {}
+                for i in range(e):
+                    for j in range(int(count[i])):
+                        seen.setdefault((int(src_info[i, j])), y[i, j].float())
+                wsum = torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
+                if not fp8:
+                    ref = (x.float() * wsum).to(torch.bfloat16).float()
+                    assert torch.allclose(combined.float(), ref, rtol=2e-2, atol=1e-2), (hook, zero_copy)
+                elif not ue:
+                    assert torch.allclose(combined.float(), x.float() * wsum, rtol=0.08, atol=0.2)
+                checked += 1
+    buf.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("kernels,N_list", [("torch", [12, 7]), ("torch", [0, 12]), ("triton", [5, 9])],
+                         ids=["torch-uneven", "torch-empty-rank", "triton"])
+def test_low_latency_contract(ranks, kernels, N_list):
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    # the interpreter is slow: the Triton kernels once, with the receive hook
+    out = ranks(2).run(_ll_contract, N_list, kernels, (True,) if kernels == "triton" else (False, True))
+    assert out[0] == out[1] > 0

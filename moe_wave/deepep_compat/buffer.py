@@ -28,7 +28,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_for, routing_layout
+from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_for, routing_counts, routing_layout
 from moe_wave.comm.group import EPGroup
 from moe_wave.comm.options import SymmOptions
 
@@ -248,19 +248,9 @@ class Buffer:
         P = self.group_size
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0 or num_experts % P:
             raise ValueError(f"{what}: num_experts={num_experts!r} must be a positive multiple of the {P} ranks")
-        e = num_experts // P
         with self._comm(what, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,)) as s:
-            ids = topk_idx.long()
-            valid = ids >= 0
-            T = ids.shape[0]
-            dump_E = torch.where(valid, ids, num_experts).reshape(-1)
-            per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-            per_expert.scatter_add_(0, dump_E, torch.ones_like(dump_E, dtype=torch.int32))
-            in_rank = torch.zeros(T, P + 1, dtype=torch.bool, device=ids.device)
-            in_rank.scatter_(1, torch.where(valid, ids // e, P), True)
-            in_rank = in_rank[:, :P].contiguous()
+            in_rank, per_expert = routing_counts(topk_idx, num_experts, P)
             per_rank = in_rank.sum(0, dtype=torch.int32)
-            per_expert = per_expert[:num_experts]
             s.out(per_rank, per_expert, in_rank)
         return per_rank, None, per_expert, in_rank, s.event
 
