@@ -70,7 +70,7 @@ for s in "${STAGES[@]}"; do
             stage tests_faults ${T_FAULTS:-240} "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
                 "${OWN_RANK_TESTS[@]}"
             stage tests_single ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
-                tests/test_gpu_attention.py tests/test_symm_kernels.py
+                tests/test_gpu_attention.py tests/test_symm_kernels.py tests/test_mhc_kernels.py
             # every schedule bit-identical to the serial one, layer by layer (V4-Flash layers, one GPU)
             stage check_stack ${T_CHECK:-120} "$PY" launch/check_stack.py --repeats 2 ;;
         commtests)  # the multi-GPU tests only (comm backends, their failure paths, WaveMoE)
@@ -85,7 +85,13 @@ for s in "${STAGES[@]}"; do
                        --backend symm --symm-mode $mode --graph --capacity measured --out "$RES/moe_graph_$mode.json"
                done ;;
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
-        attn)  stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json"
+        attn)  # the attention kernels on CUDA (each against its torch twin; the core and top-k at the V4 shapes),
+               # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
+               stage attn_tests ${T_ATTNTEST:-240} "$PY" -m pytest -q -p no:cacheprovider tests/test_attn_kernels.py \
+                   tests/test_gpu_attention.py
+               stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
+               sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
+               stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json"
                stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa ;;
         demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
                stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;

@@ -1,5 +1,7 @@
-"""GPU checks of the attention front-end: real side streams (overlap on == off == CPU), and the decode
-step captured in a CUDA graph and replayed against eager decode. Random weights, no HF needed."""
+"""GPU checks of the attention layer: real side streams (overlap on == off == CPU), the decode step captured
+in a CUDA graph and replayed against eager decode, the Triton kernels against the torch ops, and the sparse core
+and the top-k selection at the V4 shapes. Random weights, no HF needed. (tests/test_attn_kernels.py checks each
+kernel on small shapes, on CUDA here too.)"""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import pytest
 import torch
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention
+from moe_wave.attention.core import sparse_attention
+from moe_wave.attention.core_kernel import FALLBACKS, sparse_attention_fused
 from moe_wave.attention.rope import RopeConfig
+from moe_wave.attention.topk import topk_select, topk_select_torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
@@ -122,3 +127,60 @@ def test_fused_kernels_match_torch_ops_bf16(layer_type):
     assert torch.isfinite(on).all()
     rel = ((on - off).norm() / off.norm()).item()
     assert rel < 3e-2, rel
+
+
+def _real_core_inputs(H: int, B: int = 2, S: int = 100, W: int = 128, N: int = 300, k: int = 192):
+    """bf16 core inputs at the real head_dim, as the layer builds them: a window part over [ring | chunk]
+    (trailing -1 for the first tokens) and a top-k part from topk_select on causal random scores (valid ids
+    ascending, then -1); query (1, 0) sees nothing."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(H)
+    q = torch.randn(B, S, H, 512, device=dev, generator=g).bfloat16()
+    win_src = torch.randn(B, W + S, 512, device=dev, generator=g).bfloat16()
+    t = torch.arange(S, device=dev)[:, None] - torch.arange(W, device=dev)   # key positions t, t-1, ..
+    win = torch.where(t >= 0, W + t, -1).expand(B, -1, -1).contiguous()
+    comp = torch.randn(B, N + 1, 512, device=dev, generator=g).bfloat16()
+    score = torch.randn(B, S, N, device=dev, generator=g)
+    vis = (torch.arange(S, device=dev) * 3 + 1)[:, None]                       # a visible prefix per query
+    score = score.masked_fill(torch.arange(N, device=dev) >= vis, float("-inf"))
+    top = topk_select(score, k)
+    win[1, 0] = -1
+    top[1, 0] = -1
+    sinks = torch.randn(H, device=dev, generator=g)
+    return q, [(win_src, win), (comp, top)], sinks
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_core_kernel_at_v4_shapes(H):
+    """The tensor-core sparse core at the V4-Flash (64) and V4-Pro (128) head counts, d = 512, bf16, batch 2,
+    100 queries (not a multiple of the tile), window + top-k parts with -1 picks and an all-masked query,
+    against the torch reference in fp32 on the same inputs; bit-stable from run to run."""
+    q, parts, sinks = _real_core_inputs(H)
+    want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, 512 ** -0.5, kernels="off")
+    got = sparse_attention_fused(q, parts, sinks, 512 ** -0.5)
+    again = sparse_attention_fused(q, parts, sinks, 512 ** -0.5)
+    torch.cuda.synchronize()
+    assert torch.equal(got, again)
+    assert torch.equal(got[1, 0], torch.zeros_like(got[1, 0]))
+    rel = ((got.float() - want).norm() / want.norm()).item()
+    assert rel < 1.5e-2, rel
+    for cfg in FALLBACKS:                                   # every tiling of the ladder, on this GPU
+        other = sparse_attention_fused(q, parts, sinks, 512 ** -0.5, config=cfg)
+        assert ((other.float() - want).norm() / want.norm()).item() < 1.5e-2, cfg
+
+
+@pytest.mark.parametrize("rows, k, causal", [(4096, 512, True), (64, 512, False), (300, 1024, True)])
+def test_topk_select_at_v4_shapes(rows, k, causal):
+    """topk_select on 1024 entries per row (the indexer at a 4096-token context): the reference's ids exactly,
+    and torch.topk's set (random scores: no ties)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(rows + k)
+    s = torch.randn(1, rows, 1024, device=dev, generator=g)
+    if causal:
+        s = s.masked_fill(torch.arange(1024, device=dev) >= ((torch.arange(rows, device=dev) + 1) // 4)[:, None],
+                          float("-inf"))
+    got = topk_select(s, k)
+    assert torch.equal(got, topk_select_torch(s, k))
+    v, i = s.topk(k, dim=-1)
+    ref = torch.where(v == float("-inf"), torch.full_like(i, -1), i)
+    assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
