@@ -109,14 +109,14 @@ class V4DecoderLayer(nn.Module):
     def _forward_eager(self, X, positions, input_ids, cache, *, validate: bool, overlap, moe_overlap,
                        num_valid: torch.Tensor | None = None) -> torch.Tensor:
         k = self.attn.schedule.kernels
-        h, post, comb = self.attn_hc.hc_pre(X)
+        h, post, comb = self.attn_hc.hc_pre(X, k)
         o = self.attn(rms_norm(h, self.attn_norm, self.eps, k), positions=positions, cache=cache,
                       validate=validate, overlap=overlap)
-        X = hc_post(o, X, post, comb)
-        h, post, comb = self.ffn_hc.hc_pre(X)
+        X = hc_post(o, X, post, comb, k)
+        h, post, comb = self.ffn_hc.hc_pre(X, k)
         B, S, D = h.shape
         ids = None if input_ids is None else input_ids.reshape(-1)
         x = rms_norm(h, self.ffn_norm, self.eps, k).reshape(B * S, D)
         y = (self.moe(x, input_ids=ids, overlap=moe_overlap) if num_valid is None else
              self.moe(x, input_ids=ids, overlap=moe_overlap, num_valid=num_valid))
-        return hc_post(y.view(B, S, D), X, post, comb)
+        return hc_post(y.view(B, S, D), X, post, comb, k)

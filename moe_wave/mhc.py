@@ -7,6 +7,10 @@ The residual is N streams X [B, S, N, D]. Each site (attention, MoE) computes fr
 mixing matrix made doubly stochastic by Sinkhorn-Knopp). ``hc_pre`` collapses X to the sub-layer's
 input h = sum_j pre_j X_j; ``hc_post`` expands the sub-layer's output back:
 ``X'[k] = post_k * out + sum_j comb[j, k] * X[j]``.
+
+On a GPU with Triton (``kernels`` as ``ScheduleConfig.kernels``: "auto", "on", "off") each site runs the fused
+kernels of ``moe_wave.mhc_kernels``: three launches instead of about ninety small ops (the Sinkhorn loop alone
+is 4 per iteration); the torch ops here are their reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -76,18 +80,43 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
         return pre, post, comb
 
-    def hc_pre(self, X_BSND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def hc_pre(self, X_BSND: torch.Tensor, kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Collapse: (h [B, S, D] in X's dtype, post, comb)."""
-        if X_BSND.dim() != 4 or X_BSND.shape[-2:] != (self.cfg.mult, self.cfg.hidden):
-            raise ValueError(f"X.shape={tuple(X_BSND.shape)}: must be [B, S, hc_mult={self.cfg.mult}, "
-                             f"hidden={self.cfg.hidden}]")
+        cfg = self.cfg
+        if X_BSND.dim() != 4 or X_BSND.shape[-2:] != (cfg.mult, cfg.hidden):
+            raise ValueError(f"X.shape={tuple(X_BSND.shape)}: must be [B, S, hc_mult={cfg.mult}, "
+                             f"hidden={cfg.hidden}]")
+        if _fused(X_BSND, kernels):
+            from .mhc_kernels import hc_collapse, hc_mix
+
+            B, S, N, D = X_BSND.shape
+            X = X_BSND.contiguous()
+            mix = hc_mix(X.view(B * S, N * D), self.fn, cfg.norm_eps)
+            h, post, comb = hc_collapse(X.view(B * S, N, D), mix, self.base, self.scale, cfg.hc_eps,
+                                        cfg.sinkhorn_iters)
+            return h.view(B, S, D), post.view(B, S, N), comb.view(B, S, N, N)
         pre, post, comb = self.weights(X_BSND)
         h_BSD = (pre[..., None] * X_BSND).sum(dim=-2).to(X_BSND.dtype)
         return h_BSD, post, comb
 
 
-def hc_post(out_BSD: torch.Tensor, X_BSND: torch.Tensor, post_BSN: torch.Tensor, comb_BSNN: torch.Tensor) -> torch.Tensor:
+def _fused(X: torch.Tensor, kernels: str) -> bool:
+    from .attention.kernels import use_kernels
+    from .mhc_kernels import fits
+
+    return use_kernels(X, kernels) and fits(X.shape[-2])
+
+
+def hc_post(out_BSD: torch.Tensor, X_BSND: torch.Tensor, post_BSN: torch.Tensor, comb_BSNN: torch.Tensor,
+            kernels: str = "auto") -> torch.Tensor:
     """Expand and mix: ``X'[k] = post_k * out + sum_j comb[j, k] X[j]`` -> [B, S, N, D] in X's dtype."""
+    if _fused(X_BSND, kernels):
+        from .mhc_kernels import hc_expand
+
+        B, S, N, D = X_BSND.shape
+        y = hc_expand(out_BSD.to(X_BSND.dtype).contiguous().view(B * S, D), X_BSND.contiguous().view(B * S, N, D),
+                      post_BSN.reshape(B * S, N), comb_BSNN.reshape(B * S, N, N))
+        return y.view(B, S, N, D)
     dt = X_BSND.dtype
     return post_BSN.to(dt)[..., None] * out_BSD[..., None, :].to(dt) + torch.matmul(comb_BSNN.to(dt).transpose(-1, -2),
                                                                                     X_BSND)
