@@ -164,8 +164,11 @@ class CompactExchange:
     def backend(self, capacity: int) -> SymmBackend:
         """The backend of block capacity ``capacity`` (collective on first use: every rank asks for the same)."""
         if capacity not in self._backends:
-            self._backends[capacity] = SymmBackend(self.ep, replace(self.options, capacity=capacity),
-                                                   comm_stream=self.comm_stream)
+            # host tensors made without a device (the backend's pinned status words) stay on the host even where
+            # the caller made CUDA the default device (DeepEP's tests call torch.set_default_device("cuda"))
+            with torch.device("cpu"):
+                self._backends[capacity] = SymmBackend(self.ep, replace(self.options, capacity=capacity),
+                                                       comm_stream=self.comm_stream)
         return self._backends[capacity]
 
     def close(self) -> None:

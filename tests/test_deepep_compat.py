@@ -27,13 +27,13 @@ def _inputs(rank: int, P: int, T_of):
     """Rank ``rank``'s tokens: x rows that say (rank, token), top-k with some -1, weights."""
     T = T_of(rank)
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x = torch.randn(T, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
     x[:, 0] = rank
     x[:, 1] = torch.arange(T, dtype=torch.float32).to(torch.bfloat16)   # exact up to 256
-    scores = torch.rand(T, E, generator=g)
+    scores = torch.rand(T, E, generator=g, dtype=torch.float32)
     ids = scores.topk(K, dim=1).indices
-    ids[torch.rand(T, K, generator=g) < 0.2] = -1
-    w = torch.rand(T, K, generator=g)
+    ids[torch.rand(T, K, generator=g, dtype=torch.float32) < 0.2] = -1
+    w = torch.rand(T, K, generator=g, dtype=torch.float32)
     return x, ids, w
 
 
@@ -154,7 +154,7 @@ def _normal_contract(ep: EPGroup, T_list, kernels: str) -> dict:
                     assert torch.equal(crows.view(torch.uint8), rows.view(torch.uint8))
                 # combine: rank r returns its rows times (r + 1); token t gets x[t] * sum over the ranks it went to
                 y = (rows_bf16(recv_x, name).float() * (me + 1)).to(torch.bfloat16)
-                bias = (torch.full((x.shape[0], H), 0.5, dtype=torch.bfloat16), torch.ones(x.shape[0], H))
+                bias = (torch.full((x.shape[0], H), 0.5, dtype=torch.bfloat16), torch.ones(x.shape[0], H, dtype=torch.float32))
                 cargs = dict(x=y, handle=handle, config=config, bias=bias, async_finish=async_)
                 if with_topk:
                     cargs["topk_weights"] = r_w
@@ -163,7 +163,7 @@ def _normal_contract(ep: EPGroup, T_list, kernels: str) -> dict:
                 combined, cw, cev = buf.combine(**cargs)
                 if async_:
                     cev.current_stream_wait()
-                mult = (in_rank.float() * torch.arange(1, P + 1).float()).sum(1, keepdim=True)
+                mult = (in_rank.float() * torch.arange(1, P + 1, dtype=torch.float32)).sum(1, keepdim=True)
                 own = rows_bf16((x if name == "bf16" else _fp8(x, name == "fp8-int")), name).float()
                 ref = (own * mult + 1.5).to(torch.bfloat16)
                 assert combined.dtype == torch.bfloat16 and combined.shape == x.shape
@@ -191,9 +191,20 @@ def rows_bf16(recv_x, name: str) -> torch.Tensor:
     return (x8.float().view(n, H // 128, 128) * sc.view(n, H // 128, 1)).view(n, H).to(torch.bfloat16)
 
 
+def _with_default_dtype(ep: EPGroup, dtype, fn, *args):
+    """``fn`` with torch's default dtype set as DeepEP's tests set it (bf16), restored after."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return fn(ep, *args)
+    finally:
+        torch.set_default_dtype(old)
+
+
 @pytest.mark.parametrize("T_list", [[20, 13], [0, 17]], ids=["uneven", "empty-rank"])
 def test_normal_mode_contract(ranks, T_list):
-    out = ranks(2).run(_normal_contract, T_list, "torch")
+    """With bf16 as the default dtype, as DeepEP's tests run (nothing may depend on the default)."""
+    out = ranks(2).run(_with_default_dtype, torch.bfloat16, _normal_contract, T_list, "torch")
     assert len(out[0]) == 12 and len(out[1]) == 12
 
 
@@ -325,11 +336,11 @@ def _ll_inputs(rank: int, N: int):
     """DeepEP's test_low_latency inputs, small: rows of (rank - 128) with the token index in the last 128 columns,
     random top-k with some -1, positive weights."""
     g = torch.Generator().manual_seed(7 + rank)
-    x = torch.full((N, LL_H), float(rank - 128)).to(torch.bfloat16)
+    x = torch.full((N, LL_H), float(rank - 128), dtype=torch.float32).to(torch.bfloat16)
     x[:, -128:] = torch.arange(N, dtype=torch.float32)[:, None].to(torch.bfloat16)
-    ids = torch.rand(N, LL_E, generator=g).topk(LL_K, dim=1).indices
-    ids[torch.rand(N, LL_K, generator=g) < 0.15] = -1
-    return x, ids, torch.rand(N, LL_K, generator=g) + 0.1
+    ids = torch.rand(N, LL_E, generator=g, dtype=torch.float32).topk(LL_K, dim=1).indices
+    ids[torch.rand(N, LL_K, generator=g, dtype=torch.float32) < 0.15] = -1
+    return x, ids, torch.rand(N, LL_K, generator=g, dtype=torch.float32) + 0.1
 
 
 def _ll_contract(ep: EPGroup, N_list, kernels: str, hooks=(False, True)) -> int:
@@ -422,5 +433,6 @@ def test_low_latency_contract(ranks, kernels, N_list):
     if kernels == "triton":
         pytest.importorskip("triton")
     # the interpreter is slow: the Triton kernels once, with the receive hook
-    out = ranks(2).run(_ll_contract, N_list, kernels, (True,) if kernels == "triton" else (False, True))
+    out = ranks(2).run(_with_default_dtype, torch.bfloat16, _ll_contract, N_list, kernels,
+                       (True,) if kernels == "triton" else (False, True))
     assert out[0] == out[1] > 0
