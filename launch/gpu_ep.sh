@@ -9,7 +9,8 @@
 #            bit, empty ranks, graph replay; our deepep backend against torch when DeepEP is built)
 #   comm     launch/bench_comm.py: V4-Flash and V4-Pro dispatch/combine at 128..8192 tokens/rank for torch, symm
 #            and DeepEP, eager and from CUDA graphs, each alone and beside the GEMM; the bytes all-to-all
-#   deepep_tests   DeepEP's own tests/test_intranode.py and tests/test_low_latency.py at N processes
+#   deepep_tests   DeepEP's own tests/test_intranode.py and tests/test_low_latency.py at N processes, with their
+#            defaults and at the V4-Flash layout
 #   moe      launch/bench_moe.py --backend symm --graph: the MoE layer replayed from graphs, W = 1, 2, 4, 8
 #   demo     python -m moe_wave demo (V4-Flash layers, every GPU)
 #   plan     python -m moe_wave plan fitted on the committed EP2 points and this run's: the EP{N} points held out
@@ -136,11 +137,18 @@ for s in "${STAGES[@]}"; do
                 continue
             fi
             if [ ! -d "$SRC/DeepEP/tests" ]; then mkdir -p "$SRC" && tar -xzf "$KIT"/DeepEP-*.tar.gz -C "$SRC"; fi
-            for t in intranode low_latency; do      # DeepEP's launcher reads RANK/WORLD_SIZE as the node's
-                stage "deepep_$t" ${T_DEEPEP_TEST:-90} env -C "$SRC/DeepEP" -u RANK -u WORLD_SIZE -u LOCAL_RANK \
-                    PYTHONPATH="$SITE:${PYTHONPATH#"$SITE:"}" MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" \
-                    "$PY" "tests/test_$t.py" --num-processes "$N"
-            done ;;
+            # DeepEP's defaults (hidden 7168, top-8), then the V4-Flash layout (hidden 4096, top-6 of 256) at
+            # 4096 tokens (normal mode) and 128 (low-latency mode), the points the issue's goals compare
+            runs=("intranode" "low_latency")
+            [ -z "$QUICK" ] && runs+=("intranode:flash:--num-tokens 4096 --hidden 4096 --num-topk 6 --num-experts 256"
+                                     "low_latency:flash:--num-tokens 128 --hidden 4096 --num-topk 6 --num-experts 256")
+            for run in "${runs[@]}"; do
+                IFS=: read -r t tag extra <<<"$run"
+                # shellcheck disable=SC2086 # $extra is a list of flags
+                stage "deepep_$t${tag:+_$tag}" ${T_DEEPEP_TEST:-90} env -C "$SRC/DeepEP" -u RANK -u WORLD_SIZE \
+                    -u LOCAL_RANK PYTHONPATH="$SITE:${PYTHONPATH#"$SITE:"}" MASTER_ADDR=127.0.0.1 \
+                    MASTER_PORT="$(free_port)" "$PY" "tests/test_$t.py" --num-processes "$N" $extra
+            done ;;       # (DeepEP's launcher reads RANK and WORLD_SIZE as the node's: unset)
         moe)
             shapes="v4-flash,v4-pro"; [ -n "$QUICK" ] && shapes="v4-flash"
             stage moe ${T_MOE:-200} "${TR[@]}" launch/bench_moe.py --quick --shapes "$shapes" --backend symm --graph \
@@ -161,9 +169,8 @@ done
 
 {
     "$PY" launch/summarize.py "$RES" 2>&1
-    for t in intranode low_latency; do
-        f="$RES/deepep_$t.log"
-        [ -f "$f" ] && { echo; echo "DeepEP test_$t.py (N=$N), best configurations and bandwidths:"
+    for f in "$RES"/deepep_intranode*.log "$RES"/deepep_low_latency*.log; do
+        [ -f "$f" ] && { echo; echo "DeepEP $(basename "$f" .log) (N=$N), best configurations and bandwidths:"
                          grep -E "Best|best|GB/s|avg_t" "$f" | grep -vE "^\s*$" | tail -n 12; }
     done
     [ -f "$RES/plan.log" ] && { echo; echo "cost model: error on the EP$N points it was not fitted on"
@@ -176,7 +183,7 @@ done
             printf '%s\n' "${LATER[@]}" | awk '!seen[$0]++' | tr '\n' ' ')"
     fi
     echo "stages (EP$N, git $MOE_WAVE_GIT_SHA, $((SECONDS - T0)) s):"
-    for k in "${ORDER[@]}"; do printf '  %-20s %s\n' "$k" "${STATUS[$k]}"; done
+    for k in "${ORDER[@]}"; do printf '  %-26s %s\n' "$k" "${STATUS[$k]}"; done
 } 2>&1 | tee "$RES/summary.txt"
 if [ -n "${OUT:-}" ]; then
     cp "$RES/summary.txt" "$LOG" "$OUT/" 2>/dev/null
