@@ -1,7 +1,7 @@
 """EP at 4 and 8 gloo ranks: the multi-rank checks of test_dispatch, test_symm, test_moe and test_bootstrap at the
 world sizes V4 is served at (issue 19).
 
-Marked ``large`` and deselected by default (pyproject's ``addopts``): 8 ranks on a small CPU take minutes. Run them
+Marked ``large`` and deselected by default (pyproject's ``addopts``): about a minute on 2 shared cores. Run them
 with ``bash launch/test.sh -m large``. Shapes are tiny; what grows is the number of peers: 7 of 8 peers remote,
 ranks that send nothing, ranks that receive nothing, and a rank that holds every token's experts.
 """
