@@ -2,7 +2,8 @@
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
-#   or commtests (the multi-GPU tests only)
+#   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
+#   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
 #   stream memory operations); T_<STAGE>=seconds sets a stage's time limit.
 #
@@ -98,7 +99,9 @@ for s in "${STAGES[@]}"; do
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
                    --waves 1,2,4,8 --shared bubbles --iters ${SWEEP_ITERS:-10} --out "$RES/sweep" --trace "$RES/sweep/trace"
                true ;;
-        *) echo "unknown stage $s (tests commtests moe graph comm attn demo sweep)" ;;
+        deepep_api)   # DeepEP's tests on moe-wave's deep_ep and on DeepEP (built from .deps/deepep), side by side
+               stage deepep_api ${T_DEEPEP_API:-330} env RES="$RES/deepep_api" bash launch/deepep_api.sh ;;
+        *) echo "unknown stage $s (tests commtests moe graph comm attn demo sweep deepep_api)" ;;
     esac
 done
 
