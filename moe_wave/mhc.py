@@ -91,8 +91,8 @@ class HyperConnection(nn.Module):
 
             B, S, N, D = X_BSND.shape
             X = X_BSND.contiguous()
-            mix = hc_mix(X.view(B * S, N * D), self.fn, cfg.norm_eps)
-            h, post, comb = hc_collapse(X.view(B * S, N, D), mix, self.base, self.scale, cfg.hc_eps,
+            mix = hc_mix(X.view(B * S, N * D), self.fn)
+            h, post, comb = hc_collapse(X.view(B * S, N, D), mix, self.base, self.scale, cfg.norm_eps, cfg.hc_eps,
                                         cfg.sinkhorn_iters)
             return h.view(B, S, D), post.view(B, S, N), comb.view(B, S, N, N)
         pre, post, comb = self.weights(X_BSND)
