@@ -16,8 +16,8 @@ iterations, CUDA events, after warm-up, fresh random inputs each iteration):
   core_us / output_us          the sparse core alone / the output projection alone (on the front-end's result)
   core_tflops        the core's useful FLOPs (4 * H * d per valid pick: QK and PV) per second, against
                      gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio)
-``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes, each tiling of
-``core_kernel.FALLBACKS`` on the CSA prefill) and the indexer's top-k (``topk.topk_select`` against
+``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes; on CSA each
+tiling of ``core_kernel.FALLBACKS`` in prefill and 1 / 2 / 4 value blocks in decode) and the indexer's top-k (``topk.topk_select`` against
 ``torch.topk``), and prints one short table.
 Writes JSON {"meta", "rows"} to --out (default $OUT/attn.json, else benchmarks/<date>-attn-1gpu.json),
 prints a table last and the recommended ``ScheduleConfig.decode_overlap_min_batch``.
@@ -31,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -253,7 +254,8 @@ def tiling(c: CoreConfig) -> str:
 @torch.no_grad()
 def core_bench(dev, iters: int, gemm: float) -> dict:
     """The sparse core alone per shape / layer type: prefill 4096 (B=1) and decode batch 64 on a 4096-token
-    cache; on the CSA prefill also every tiling of the fallback ladder. Then the top-k."""
+    cache; on CSA also other tilings (prefill: the fallback ladder; decode: 1, 2 or 4 value blocks). Then the
+    top-k."""
     rows, tilings = [], []
     for shape in SHAPES:
         for kind in TYPES:
@@ -278,10 +280,11 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                                  vs_gemm=round(useful / us / 1e6 / gemm, 3),
                                  config=tiling(cfg)))
                 print(json.dumps(rows[-1]), flush=True)
-                if kind == "csa" and mode == "prefill":
-                    for c in FALLBACKS:
+                if kind == "csa":   # the ladder in prefill; the value split (1, 2 or 4 programs) in decode
+                    cands = FALLBACKS if mode == "prefill" else [replace(cfg, block_dv=v) for v in (512, 256, 128)]
+                    for c in cands:
                         t = time_alone(core_fn(attn, q, parts, c), iters)
-                        tilings.append(dict(shape=shape, config=tiling(c.fit(H, d)), core_us=round(t, 2),
+                        tilings.append(dict(shape=shape, mode=mode, config=tiling(c.fit(H, d)), core_us=round(t, 2),
                                             tflops=round(useful / t / 1e6, 1)))
                         print(json.dumps(tilings[-1]), flush=True)
                 del cache, q, parts, o, x
@@ -302,7 +305,7 @@ def print_core(res: dict, gemm: float) -> None:
         print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {r['tokens']:>5} {r['core_us']:>9.1f} {r['gflop']:>7.1f} "
               f"{r['tflops']:>8.1f} {100 * r['vs_gemm']:>5.0f}% {r['output_us']:>9.1f}  {r['config']}")
     for t in res["tilings"]:
-        print(f"  {t['shape']} csa prefill, {t['config']}: {t['core_us']:.1f} us, {t['tflops']:.1f} TFLOP/s")
+        print(f"  {t['shape']} csa {t['mode']}, {t['config']}: {t['core_us']:.1f} us, {t['tflops']:.1f} TFLOP/s")
     for t in res["topk"]:
         print(f"top-k {t['k']} of {t['n']}, {t['rows']} rows{' (causal)' if t['causal'] else ''}: topk_select "
               f"{t['topk_select_us']:.1f} us, torch.topk {t['torch_topk_us']:.1f} us, same set: {t['same_set']}")

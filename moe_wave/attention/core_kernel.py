@@ -25,6 +25,7 @@ shapes and dtype (``default_config``); a config the GPU cannot hold (shared memo
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
@@ -63,9 +64,7 @@ class CoreConfig:
 
     def fit(self, H: int, D: int) -> "CoreConfig":
         """This config clipped to the problem: blocks no larger than the (power-of-two) head count and d."""
-        bd = _pow2(D)
-        return replace(self, block_h=min(self.block_h, max(16, _pow2(H))), block_dk=min(self.block_dk, bd),
-                       block_dv=min(self.block_dv, bd))
+        return _fit(self, H, D)
 
 
 # Tried in order when a config does not fit the GPU (triton OutOfResources at its first launch).
@@ -75,6 +74,13 @@ FALLBACKS = (
     CoreConfig(block_dk=128, block_dv=256),                                    # QK in 4 dots, half the values
     CoreConfig(block_h=32, block_n=32, block_dk=64, block_dv=128, num_warps=4, num_stages=1),
 )
+
+
+@lru_cache(maxsize=256)
+def _fit(cfg: CoreConfig, H: int, D: int) -> CoreConfig:
+    bd = _pow2(D)
+    return replace(cfg, block_h=min(cfg.block_h, max(16, _pow2(H))), block_dk=min(cfg.block_dk, bd),
+                   block_dv=min(cfg.block_dv, bd))
 
 
 def _pow2(n: int) -> int:
@@ -93,6 +99,7 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[key]
 
 
+@lru_cache(maxsize=256)
 def default_config(B: int, S: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> CoreConfig:
     """The tiling for a problem: 64 heads x 64 keys with d in one dot for 16-bit inputs; value blocks halved
     (down to 128 channels) while the grid has fewer programs than SMs (decode); small fp32 tiles (fp32 runs
