@@ -6,7 +6,9 @@
 #
 # Needs DeepEP's kit in .deps/deepep (git-ignored: cp -r ../shared/deps/deepep .deps/ and carry it along). The
 # tests run from a fresh copy of the kit's tarball. Real DeepEP is built once into DEEPEP_SITE (default
-# .deps/deepep-site, ~85 s) and reused while it imports. Each test has a time limit (T_TEST seconds, default 150).
+# .deps/deepep-site, ~85 s) and reused while it imports. Each test has a time limit (T_TEST seconds, default 120)
+# and the whole script a budget (BUDGET_S, default 540: under the device tool's 10 minutes a command); a step that
+# no longer fits is reported as not run.
 # Full logs go to $OUT when the device tool sets it, else to results/deepep-api-<time> (or RES=<folder>).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"      # NVLink multicast off (NCCL, torch symm mem, NVSHMEM), REPO_ROOT
@@ -24,7 +26,13 @@ RES="${RES:-${OUT:-results/deepep-api-$(date -u +%Y%m%d-%H%M%S)}}"
 mkdir -p "$RES"
 KIT="$REPO_ROOT/.deps/deepep"
 SITE="${DEEPEP_SITE:-$REPO_ROOT/.deps/deepep-site}"
-LIMIT="${T_TEST:-150}"
+LIMIT="${T_TEST:-120}"
+BUDGET="${BUDGET_S:-540}"
+T0=$SECONDS
+limit_for() {  # limit_for SECONDS: the smaller of SECONDS and the budget left (0: does not fit)
+    local left=$((BUDGET - (SECONDS - T0) - 15))
+    if [ "$left" -lt 30 ]; then echo 0; elif [ "$1" -gt "$left" ]; then echo "$left"; else echo "$1"; fi
+}
 if [ ! -f "$KIT/build.sh" ] || ! ls "$KIT"/DeepEP-*.tar.gz >/dev/null 2>&1; then
     echo "deepep_api.sh: no DeepEP kit in $KIT: cp -r ../shared/deps/deepep .deps/ and carry .deps/deepep" >&2
     exit 2
@@ -46,12 +54,16 @@ SHIM="$(PYTHONPATH="$BASE_PP" "$PY" -m moe_wave.deepep_compat)" || { echo "moe_w
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 declare -A RC
 run_test() {  # run_test IMPL PYTHONPATH TEST: DeepEP's tests/test_TEST.py --num-processes 2 with that deep_ep
-    local impl="$1" pp="$2" t="$3" log="$RES/$1_$3.log"
-    echo "=== $impl $t ($LIMIT s)" | tee -a "$RES/deepep_api.log"
+    local impl="$1" pp="$2" t="$3" log="$RES/$1_$3.log" lim
+    lim=$(limit_for "$LIMIT")
+    if [ "$lim" -eq 0 ]; then
+        RC[$impl/$t]="not-run"; echo "=== $impl $t: not run (budget spent)" | tee -a "$RES/deepep_api.log"; return
+    fi
+    echo "=== $impl $t ($lim s)" | tee -a "$RES/deepep_api.log"
     # DeepEP's launcher reads RANK / WORLD_SIZE as the node's and spawns its own ranks: unset torchrun's
     env -C "$SRC/DeepEP" -u RANK -u WORLD_SIZE -u LOCAL_RANK CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1}" \
         PYTHONPATH="$pp" MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" \
-        timeout --kill-after=10 "$LIMIT" "$PY" "tests/test_$t.py" --num-processes 2 >"$log" 2>&1
+        timeout --kill-after=10 "$lim" "$PY" "tests/test_$t.py" --num-processes 2 >"$log" 2>&1
     RC[$impl/$t]=$?
     PYTHONPATH="$pp" "$PY" -c "import deep_ep, sys; print('deep_ep from', deep_ep.__file__)" >>"$log" 2>&1
     echo "=== $impl $t: rc=${RC[$impl/$t]} ($(grep -c ' passed' "$log") 'passed' lines)" | tee -a "$RES/deepep_api.log"
@@ -59,13 +71,26 @@ run_test() {  # run_test IMPL PYTHONPATH TEST: DeepEP's tests/test_TEST.py --num
 }
 
 for t in intranode low_latency; do run_test moe_wave "$SHIM:$BASE_PP" "$t"; done
-
 if [ -z "$OURS_ONLY" ]; then
     if ! PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import deep_ep" >/dev/null 2>&1; then
         echo "=== building DeepEP into $SITE" | tee -a "$RES/deepep_api.log"
-        timeout --kill-after=10 300 bash "$KIT/build.sh" "$SITE" 2>&1 | tail -n 20 | tee -a "$RES/deepep_api.log"
+        lim=$(limit_for 200)
+        [ "$lim" -gt 0 ] && timeout --kill-after=10 "$lim" bash "$KIT/build.sh" "$SITE" 2>&1 | tail -n 20 |
+            tee -a "$RES/deepep_api.log"
     fi
     for t in intranode low_latency; do run_test deepep "$SITE${PYTHONPATH:+:$PYTHONPATH}" "$t"; done
+fi
+
+# moe-wave's own GPU checks of the module: CUDA-graph capture and replay of both modes, a gloo group
+lim=$(limit_for 120)
+if [ "$lim" -gt 0 ]; then
+    echo "=== moe_wave gpu tests ($lim s)" | tee -a "$RES/deepep_api.log"
+    PYTHONPATH="$BASE_PP" timeout --kill-after=10 "$lim" "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+        tests/test_gpu_deepep_compat.py >"$RES/moe_wave_gpu_tests.log" 2>&1
+    RC[moe_wave/gpu_tests]=$?
+    tail -n 15 "$RES/moe_wave_gpu_tests.log" | sed 's/^/    /' | tee -a "$RES/deepep_api.log"
+else
+    RC[moe_wave/gpu_tests]="not-run"; echo "=== moe_wave gpu tests: not run (budget spent)" | tee -a "$RES/deepep_api.log"
 fi
 
 # side by side: the tests' own timing and bandwidth lines (rank 0's), ours first
@@ -109,5 +134,5 @@ print("\nnote: the low-latency test's kineto figures (Dispatch/Combine bandwidth
 PYEOF
 echo "exit codes: $(for k in "${!RC[@]}"; do printf '%s=%s ' "$k" "${RC[$k]}"; done)" | tee -a "$RES/deepep_api.log"
 rm -rf "$SRC"
-bad=0; for k in "${!RC[@]}"; do [ "${RC[$k]}" -ne 0 ] && bad=1; done
+bad=0; for k in "${!RC[@]}"; do [ "${RC[$k]}" != 0 ] && bad=1; done
 exit $bad
