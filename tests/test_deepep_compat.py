@@ -436,3 +436,54 @@ def test_low_latency_contract(ranks, kernels, N_list):
     out = ranks(2).run(_with_default_dtype, torch.bfloat16, _ll_contract, N_list, kernels,
                        (True,) if kernels == "triton" else (False, True))
     assert out[0] == out[1] > 0
+
+
+def _ll_errors(ep: EPGroup) -> int:
+    from moe_wave.deepep_compat import Buffer
+
+    P, e = ep.size, LL_E // ep.size
+    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True)
+    x, ids, w = _ll_inputs(ep.rank, 5)
+    n = 0
+    for fn, exc, words in [
+        (lambda: buf.low_latency_dispatch(x.float(), ids, LL_T, LL_E), ValueError, ("bf16",)),
+        (lambda: buf.low_latency_dispatch(x, ids, 4, LL_E), ValueError, ("num_max_dispatch_tokens_per_rank=4",)),
+        (lambda: buf.low_latency_dispatch(x, ids, LL_T, 7), ValueError, ("num_experts=7",)),
+        (lambda: buf.low_latency_dispatch(x[:, :100], ids, LL_T, LL_E), ValueError, ("hidden=100",)),
+        (lambda: buf.low_latency_dispatch(x, ids, LL_T, LL_E, use_ue8m0=True), ValueError, ("round_scale",)),
+        (lambda: buf.low_latency_dispatch(x, ids, LL_T, LL_E, async_finish=True, return_recv_hook=True), ValueError,
+         ("async_finish",)),
+        (lambda: buf.low_latency_dispatch(x, ids[:2], LL_T, LL_E), ValueError, ("topk_idx",)),
+        (lambda: buf.low_latency_dispatch(x, ids, LL_T, LL_E, cumulative_local_expert_recv_stats=torch.zeros(3)),
+         ValueError, ("cumulative_local_expert_recv_stats",)),
+        (lambda: buf.low_latency_combine(x, ids, w, (1, 2)), ValueError, ("handle",)),
+        (lambda: buf.low_latency_update_mask_buffer(0, True), NotImplementedError, ("mask=True",)),
+        (lambda: buf.low_latency_update_mask_buffer(P, False), ValueError, ("rank_to_mask",)),
+        (lambda: buf.clean_low_latency_buffer(0, LL_H, LL_E), ValueError, ("num_max_dispatch_tokens_per_rank=0",)),
+    ]:
+        try:
+            _raises(fn, exc, *words)
+        except AssertionError as err:
+            raise AssertionError(f"case {n} ({words}): {err}") from None
+        n += 1
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, ids, LL_T, LL_E, use_fp8=False)
+    y = recv.clone()
+    _raises(lambda: buf.low_latency_combine(y, ids, w, handle, use_logfmt=True), NotImplementedError, "use_logfmt")
+    _raises(lambda: buf.low_latency_combine(y, ids, w, handle, overlap=True), NotImplementedError, "overlap=True")
+    _raises(lambda: buf.low_latency_combine(y, ids, w, handle, colour=1), TypeError, "colour")
+    _raises(lambda: buf.low_latency_combine(y[:, :3], ids, w, handle), ValueError, "x is")
+    plain = buf.low_latency_combine(y, ids, w, handle)[0]
+    # SGLang's single-batch-overlap keywords while the feature is off: the same result
+    sbo = buf.low_latency_combine(y, ids, w, handle, overlap=False, packed_recv_count=count, comp_signal=None,
+                                  block_m=64, threshold=0, num_sms=3)[0]
+    assert torch.equal(plain, sbo)
+    mask = torch.ones(P, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(mask)
+    buf.low_latency_clean_mask_buffer()
+    buf.low_latency_update_mask_buffer(0, False)
+    assert mask.tolist() == [0] * P
+    return n + 5
+
+
+def test_low_latency_errors(ranks):
+    assert ranks(2).run(_ll_errors) == [17, 17]
