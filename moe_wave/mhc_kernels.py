@@ -3,7 +3,8 @@
 Legend: T tokens (B*S), N hc streams, D hidden, K = N*D, F = (2+N)*N mixing coefficients.
 
     hc_mix(X_TK, fn_FK)                    the partial sums of X @ fn^T and of X^2 over KS slices of K (split-K:
-                                           enough programs to fill the GPU at any T; IEEE fp32 dots, no TF32)
+                                           enough programs to fill the GPU at any T; fp32 dots as three TF32 passes,
+                                           "tf32x3": the error of an fp32 GEMM at tensor-core speed)
     hc_collapse(X_TND, mix, base, scale, eps, hc_eps, iters)
                                            per token: the slices summed in order, mix = rsqrt(mean(X^2) + eps) *
                                            (X @ fn^T) (the RMS norm folded in as a per-row scale), pre, post and
@@ -51,7 +52,7 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             sq += tl.sum(x * x, 1)
             w = tl.load(fn_ptr + fcols[None, :] * K + ks[:, None], mask=fmask[None, :] & kmask[:, None], other=0.0)
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+            acc = tl.dot(x, w, acc, input_precision="tf32x3")   # three TF32 passes: fp32-level error
         tl.store(mix_ptr + (sl * T + rows[:, None]) * F_PAD + fcols[None, :], acc, mask=rmask[:, None])
         tl.store(sq_ptr + sl * T + rows, sq, mask=rmask)
 
