@@ -13,9 +13,13 @@ e = E / P local experts, PT = P * T receive slots per local expert, R = P * T re
                through the engine's combine, which adds the ranks' sums per token in fp32. (receive) the sum is
                stored into ``out`` (``store_out``).
 
-A receive hook (``return_recv_hook``) returns after the send: the exchange runs on the communication stream while
-the caller's stream computes; ``hook()`` orders the caller's stream after it and runs the receive side there.
-Without the hook the receive side runs on the communication stream too, and ``async_finish`` returns its event.
+Streams: what reads the caller's ``x`` and ``topk_idx`` (the FP8 cast or a copy of the rows, the routing) runs on
+the caller's stream, so they may be reused at once, as after DeepEP's send phase; the exchange runs on the
+communication stream behind it. A receive hook (``return_recv_hook``) returns after the send, while the caller's
+stream computes; ``hook()`` orders the caller's stream after the exchange and runs the receive side there. Without
+the hook the receive side runs on the communication stream too, and ``async_finish`` returns its event. The
+combine reads the experts' outputs ``x`` on the communication stream (after the weights have travelled): keep
+them until the hook has run or the event has completed.
 
 Two buffer sets, used in turn by successive dispatches (a combine uses its dispatch's set), so two low-latency
 operations can be in flight, as in DeepEP. The returned tensors are fresh (they stay valid), except the zero-copy
@@ -152,36 +156,38 @@ class LowLatency:
         self._next = 0
 
     # ------------------------------------------------------------------ streams
-    def _run(self, send, receive, inputs, outputs, async_finish: bool, hook: bool):
-        """``send()`` on the communication stream, then ``receive(*sent)`` there or in the hook (module docstring).
-        Returns (event, hook or None)."""
+    def _run(self, prep, send, receive, inputs, outputs, async_finish: bool, hook: bool):
+        """``prep()`` on the caller's stream (it reads what the caller may overwrite next), ``send(*prepped)`` on the
+        communication stream, then ``receive(*sent)`` there or in the hook (module docstring). Returns (what
+        ``send`` returned, the event, the hook or None)."""
+        prepped = prep()
         comm = self.comm_stream
         if comm is None:
-            sent = send()
+            sent = send(*prepped)
             if hook:
-                return EventOverlap(None), lambda: receive(*sent)
+                return sent, EventOverlap(None), lambda: receive(*sent)
             receive(*sent)
-            return EventOverlap(EventHandle() if async_finish else None), None
+            return sent, EventOverlap(EventHandle() if async_finish else None), None
         caller = torch.cuda.current_stream(self.ep.device)
         capturing = torch.cuda.is_current_stream_capturing()
         comm.wait_stream(caller)
         with torch.cuda.stream(comm):
-            sent = send()
+            sent = send(*prepped)
         if not capturing:
-            for t in inputs:
-                if isinstance(t, torch.Tensor):
+            for t in (*inputs, *prepped):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(comm)
         if hook:
-            return EventOverlap(None), lambda: receive(*sent)    # the engine's wait orders it after comm
+            return sent, EventOverlap(None), lambda: receive(*sent)    # the engine's wait orders it after comm
         with torch.cuda.stream(comm):
             receive(*sent)
         if not capturing:
             for t in outputs:
                 t.record_stream(comm)
         if async_finish:
-            return EventOverlap(EventHandle(comm), tuple(t for t in (*inputs, *outputs) if t is not None)), None
+            return sent, EventOverlap(EventHandle(comm), tuple(t for t in (*inputs, *outputs) if t is not None)), None
         caller.wait_stream(comm)
-        return EventOverlap(None), None
+        return sent, EventOverlap(None), None
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx, T, E, stats, wait_stats, use_fp8, round_scale, use_ue8m0, async_finish, hook):
@@ -244,13 +250,20 @@ class LowLatency:
         layout_range = torch.empty(e, P, dtype=torch.int64, device=dev)
         dest = torch.empty(P * T, K, dtype=torch.int64, device=dev)
 
-        def send():
+        def prep():
+            # on the caller's stream: the rows and the routing, so that x and topk_idx may be reused at once, as
+            # after DeepEP's send phase
             in_rank, per_expert = routing_counts(topk_idx, E, P)
-            rows = x.contiguous()
+            layout = routing_layout(in_rank, topk_idx, None, per_expert)
             if fp8:
                 rows = torch.empty(N, H + 4 * (H // 128), dtype=torch.uint8, device=dev)
                 (kern.pack_fp8 if self.kernels else kern.pack_fp8_torch)(x.contiguous(), rows, bool(round_scale))
-            plan = ex.prepare(routing_layout(in_rank, topk_idx, None, per_expert), T)
+            else:
+                rows = x.clone(memory_format=torch.contiguous_format) if hook else x.contiguous()
+            return rows, layout
+
+        def send(rows, layout):
+            plan = ex.prepare(layout, T)
             pending, bufs = ex.send(rows, plan)
             return plan, pending, bufs
 
@@ -269,15 +282,8 @@ class LowLatency:
                 stats.add_(counts.to(stats.dtype))
 
         outputs = [t for t in (recv, phys, count, info, layout_range, dest) if t is not None]
-        sent_plan = []
-
-        def send_and_keep():
-            out = send()
-            sent_plan.append(out[0])
-            return out
-
-        event, hook_fn = self._run(send_and_keep, receive, (x, topk_idx, stats), outputs, async_finish, hook)
-        state = _State(set_index, sent_plan[0], dest, N, K)
+        sent, event, hook_fn = self._run(prep, send, receive, (x, topk_idx, stats), outputs, async_finish, hook)
+        state = _State(set_index, sent[0], dest, N, K)
         handle = LowLatencyHandle((info, layout_range, T, H, E), state)
         return (recv, scales) if fp8 else recv, count, handle, event, hook_fn
 
@@ -332,8 +338,10 @@ class LowLatency:
         result = out if out is not None else torch.empty(N, H, dtype=torch.bfloat16, device=x.device)
         ex, plan = self._sets[st.set_index], st.plan
 
-        def send():
-            w = torch.where(topk_idx >= 0, topk_weights, 0.0).contiguous()
+        def prep():     # on the caller's stream: the weights as the combine is called
+            return (torch.where(topk_idx >= 0, topk_weights, 0.0).contiguous(),)
+
+        def send(w):
             pending_w, bufs_w = ex.send(w, plan)
             got_w = pending_w.wait()          # on this stream: ordered after the weights' exchange
             blocks = torch.empty(P * T, H, dtype=torch.float32, device=y.device)
@@ -349,7 +357,8 @@ class LowLatency:
             ex.read(plan, bufs, "comb")
             kern.store_out(acc, result, self.kernels)
 
-        event, hook_fn = self._run(send, receive, (x, y, topk_idx, topk_weights), [result], async_finish, hook)
+        _, event, hook_fn = self._run(prep, send, receive, (x, y, topk_idx, topk_weights), [result], async_finish,
+                                      hook)
         return result, event, hook_fn
 
     # ------------------------------------------------------------------ rank masks
