@@ -154,7 +154,8 @@ def _normal_contract(ep: EPGroup, T_list, kernels: str) -> dict:
                     assert torch.equal(crows.view(torch.uint8), rows.view(torch.uint8))
                 # combine: rank r returns its rows times (r + 1); token t gets x[t] * sum over the ranks it went to
                 y = (rows_bf16(recv_x, name).float() * (me + 1)).to(torch.bfloat16)
-                bias = (torch.full((x.shape[0], H), 0.5, dtype=torch.bfloat16), torch.ones(x.shape[0], H, dtype=torch.float32))
+                bias = (torch.full((x.shape[0], H), 0.5, dtype=torch.bfloat16),
+                        torch.ones(x.shape[0], H, dtype=torch.float32))
                 cargs = dict(x=y, handle=handle, config=config, bias=bias, async_finish=async_)
                 if with_topk:
                     cargs["topk_weights"] = r_w

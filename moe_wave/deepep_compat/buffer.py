@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_for, routing_counts, routing_layout
+from moe_wave.comm.deepep_normal import (CompactExchange, CompactPlan, capacity_for, routing_counts,
+                                         routing_layout)
 from moe_wave.comm.group import EPGroup
 from moe_wave.comm.options import SymmOptions
 
@@ -77,7 +78,8 @@ class _Scope:
 
 def _check_stream_args(what: str, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
     if previous_event is not None and not isinstance(previous_event, (EventOverlap, EventHandle)):
-        raise ValueError(f"{what}: previous_event={previous_event!r} must be an EventOverlap (Buffer.capture()) or None")
+        raise ValueError(f"{what}: previous_event={previous_event!r} must be an EventOverlap (Buffer.capture()) or "
+                         f"None")
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         raise ValueError(f"{what}: allocate_on_comm_stream=True needs previous_event and async_finish=True (DeepEP's "
                          f"rule)")
@@ -507,7 +509,8 @@ def _biases(what: str, bias, shape) -> tuple:
     for i, b in enumerate(items):
         _tensor(what, f"bias[{i}]", b, 2, _ROW_DTYPES)
         if tuple(b.shape) != tuple(shape):
-            raise ValueError(f"{what}: bias[{i}] is {tuple(b.shape)}: must be [{shape[0]}, {shape[1]}] (tokens, hidden)")
+            raise ValueError(f"{what}: bias[{i}] is {tuple(b.shape)}: must be [{shape[0]}, {shape[1]}] "
+                             f"(tokens, hidden)")
     return tuple(items)
 
 

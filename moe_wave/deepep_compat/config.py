@@ -45,8 +45,10 @@ class Config:
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256):
         self.num_sms = _int("num_sms", num_sms, 0)
-        self.num_max_nvl_chunked_send_tokens = _int("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
-        self.num_max_nvl_chunked_recv_tokens = _int("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
+        self.num_max_nvl_chunked_send_tokens = _int("num_max_nvl_chunked_send_tokens",
+                                                    num_max_nvl_chunked_send_tokens, 1)
+        self.num_max_nvl_chunked_recv_tokens = _int("num_max_nvl_chunked_recv_tokens",
+                                                    num_max_nvl_chunked_recv_tokens, 1)
         if num_max_nvl_chunked_send_tokens >= num_max_nvl_chunked_recv_tokens:
             raise ValueError(f"Config.num_max_nvl_chunked_send_tokens={num_max_nvl_chunked_send_tokens}: must be < "
                              f"num_max_nvl_chunked_recv_tokens={num_max_nvl_chunked_recv_tokens}")
