@@ -20,7 +20,7 @@ import torch
 from moe_wave.comm import EPGroup
 from moe_wave.comm.options import SymmOptions
 
-H, E, K = 256, 8, 3
+H, E, K = 256, 12, 3
 
 
 def _inputs(rank: int, P: int, T_of):
@@ -330,7 +330,7 @@ def test_switch_and_shim(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- low-latency mode
-LL_H, LL_E, LL_K, LL_T = 512, 8, 3, 12
+LL_H, LL_E, LL_K, LL_T = 512, 12, 3, 12
 
 
 def _ll_inputs(rank: int, N: int):
@@ -488,3 +488,12 @@ def _ll_errors(ep: EPGroup) -> int:
 
 def test_low_latency_errors(ranks):
     assert ranks(2).run(_ll_errors) == [17, 17]
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_one_and_three_ranks(ranks, P):
+    """Both modes on one rank (no peers) and on three (sources interleave in rank order; one rank empty)."""
+    T_list = [11] if P == 1 else [5, 0, 9]
+    normal = ranks(P).run(_normal_contract, T_list, "torch")
+    low = ranks(P).run(_ll_contract, T_list, "torch")
+    assert all(len(r) == 12 for r in normal) and len(set(low)) == 1 and low[0] > 0
