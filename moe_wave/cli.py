@@ -93,6 +93,13 @@ def _bad_input(cmd: str, e: ValueError) -> int:
     return 2
 
 
+def cmd_deep_ep_path(args) -> int:
+    """The folder whose ``deep_ep`` package is moe-wave's DeepEP V1 API: prepend it to PYTHONPATH."""
+    from moe_wave.deepep_compat.__main__ import main as deep_ep_path
+
+    return deep_ep_path()
+
+
 def cmd_info(args) -> int:
     try:
         rows = info_lines()
@@ -148,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"moe-wave {moe_wave.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, devices, comm backends, launcher").set_defaults(func=cmd_info)
+    sub.add_parser("deep-ep-path", help="print the folder to prepend to PYTHONPATH so that `import deep_ep` gives "
+                   "moe-wave's DeepEP V1 API (export PYTHONPATH=$(python -m moe_wave deep-ep-path):$PYTHONPATH)"
+                   ).set_defaults(func=cmd_deep_ep_path)
 
     d = sub.add_parser("demo", help="run a stack of V4 decoder layers over EP ranks, serial vs overlapped, "
                        "and check the results", formatter_class=HelpFormatter)

@@ -497,3 +497,12 @@ def test_one_and_three_ranks(ranks, P):
     normal = ranks(P).run(_normal_contract, T_list, "torch")
     low = ranks(P).run(_ll_contract, T_list, "torch")
     assert all(len(r) == 12 for r in normal) and len(set(low)) == 1 and low[0] > 0
+
+
+def test_cli_prints_the_shim_folder(capsys):
+    from moe_wave.cli import main
+    from moe_wave.deepep_compat import shim_path
+
+    assert main(["deep-ep-path"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == str(shim_path()) and (shim_path() / "deep_ep" / "__init__.py").is_file()
