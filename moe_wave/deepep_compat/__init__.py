@@ -13,7 +13,7 @@ and the path switch is an explicit choice on the command line (``deep-ep-path`` 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import sys
 from pathlib import Path
 
