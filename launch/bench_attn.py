@@ -17,7 +17,7 @@ iterations, CUDA events, after warm-up, fresh random inputs each iteration):
   core_tflops        the core's useful FLOPs (4 * H * d per valid pick: QK and PV) per second, against
                      gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio)
 ``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes; on CSA each
-tiling of ``core_kernel.FALLBACKS`` in prefill and 1 / 2 / 4 value blocks in decode) and the indexer's top-k (``topk.topk_select`` against
+tiling of ``core_kernel.FALLBACKS`` in prefill and key / value splits in decode) and the indexer's top-k (``topk.topk_select`` against
 ``torch.topk``), and prints one short table.
 Writes JSON {"meta", "rows"} to --out (default $OUT/attn.json, else benchmarks/<date>-attn-1gpu.json),
 prints a table last and the recommended ``ScheduleConfig.decode_overlap_min_batch``.
@@ -248,14 +248,15 @@ def topk_point(dev, rows: int, n: int, k: int, causal: bool, iters: int) -> dict
 
 
 def tiling(c: CoreConfig) -> str:
-    return f"h{c.block_h} n{c.block_n} dk{c.block_dk} dv{c.block_dv} w{c.num_warps} s{c.num_stages}"
+    split = f" k/{c.split_k}" if c.split_k else ""
+    return f"h{c.block_h} n{c.block_n} dk{c.block_dk} dv{c.block_dv} w{c.num_warps} s{c.num_stages}{split}"
 
 
 @torch.no_grad()
 def core_bench(dev, iters: int, gemm: float) -> dict:
     """The sparse core alone per shape / layer type: prefill 4096 (B=1) and decode batch 64 on a 4096-token
-    cache; on CSA also other tilings (prefill: the fallback ladder; decode: 1, 2 or 4 value blocks). Then the
-    top-k."""
+    cache; on CSA also other tilings (prefill: the fallback ladder; decode: the keys in 1, 2 or 4 splits, the
+    values in 2 blocks). Then the top-k."""
     rows, tilings = [], []
     for shape in SHAPES:
         for kind in TYPES:
@@ -273,15 +274,16 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                 us = time_alone(core_fn(attn, q, parts), iters)
                 o = core_fn(attn, q, parts)().clone()
                 out_us = time_alone(lambda: attn.output(o, pos), iters)
-                cfg = default_config(batch, S, H, d, q.dtype, q.device)
+                cfg = default_config(H, d, q.dtype)
                 rows.append(dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S,
                                  core_us=round(us, 2), output_us=round(out_us, 2), gflop=round(useful / 1e9, 2),
                                  gflop_nominal=round(nominal / 1e9, 2), tflops=round(useful / us / 1e6, 1),
                                  vs_gemm=round(useful / us / 1e6 / gemm, 3),
                                  config=tiling(cfg)))
                 print(json.dumps(rows[-1]), flush=True)
-                if kind == "csa":   # the ladder in prefill; the value split (1, 2 or 4 programs) in decode
-                    cands = FALLBACKS if mode == "prefill" else [replace(cfg, block_dv=v) for v in (512, 256, 128)]
+                if kind == "csa":   # the ladder in prefill; in decode no split, the keys or the values split
+                    cands = FALLBACKS if mode == "prefill" else [replace(cfg, split_k=n) for n in (1, 2, 4)] + [
+                        replace(cfg, split_k=1, block_dv=256)]
                     for c in cands:
                         t = time_alone(core_fn(attn, q, parts, c), iters)
                         tilings.append(dict(shape=shape, mode=mode, config=tiling(c.fit(H, d)), core_us=round(t, 2),

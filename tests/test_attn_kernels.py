@@ -14,7 +14,7 @@ import torch
 
 from moe_wave.attention.compressor import Compressor, CompressorConfig, CompressorState
 from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, default_config, sparse_attention_fused
+from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, _splits, default_config, sparse_attention_fused
 from moe_wave.attention.topk import topk_select, topk_select_torch
 from moe_wave.attention.kernels import index_scores, index_scores_torch, norm_rope, norm_rope_torch, use_kernels
 from moe_wave.comm.triton_gate import triton, triton_ok
@@ -154,42 +154,55 @@ def test_sparse_core_matches_torch(name):
     _core_check(*_core_case(B, S, H, D, spec, dtype, ("core", name)))
 
 
+CONFIGS = [*FALLBACKS, *(replace(c, split_k=1) for c in FALLBACKS), replace(FALLBACKS[0], split_k=3),
+           replace(FALLBACKS[2], split_k=2)]
+
+
 @needs_kernels
-@pytest.mark.parametrize("config", range(len(FALLBACKS)))
-@pytest.mark.parametrize("H", [64, 128])
-def test_sparse_core_every_config(config, H):
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+def test_sparse_core_every_config(config):
     """Every tiling of the fallback ladder (d in one dot with the tile reused as V, QK in chunks with the values
-    split across programs, small tiles) gives the reference's answer at d = 512, bf16."""
-    q, parts, sinks = _core_case(2, 2, H, 512, [(150, 128, "tail"), (90, 70, "random")], torch.bfloat16,
-                                 ("config", config, H))
-    _core_check(q, parts, sinks, config=FALLBACKS[config])
+    split across programs, small tiles), with the keys split across programs (auto, 2, 3) and not (1), gives
+    the reference's answer at d = 512, bf16, 80 heads (a full and a partial head block); a key split may cut
+    either part (window 3 tiles, then 2)."""
+    q, parts, sinks = _core_case(2, 1, 80, 512, [(150, 130, "tail"), (90, 70, "random")], torch.bfloat16,
+                                 ("config", config))
+    _core_check(q, parts, sinks, config=CONFIGS[config])
 
 
 @needs_kernels
 def test_sparse_core_is_deterministic():
-    """Bit-stable from run to run, and the value blocks (one program per 128 / 512 channels) agree."""
-    q, parts, sinks = _core_case(2, 3, 64, 512, [(150, 128, "tail"), (90, 64, "random")], torch.bfloat16,
+    """Bit-stable from run to run, split or not; the value blocks (128 / 512 channels per program) and the key
+    splits agree with each other."""
+    q, parts, sinks = _core_case(2, 2, 64, 512, [(150, 128, "tail"), (90, 64, "random")], torch.bfloat16,
                                  ("determinism",))
-    a = _core_check(q, parts, sinks, config=FALLBACKS[0])
-    b = _core_check(q, parts, sinks, config=FALLBACKS[0])
-    assert torch.equal(a, b)
-    c = _core_check(q, parts, sinks, config=replace(FALLBACKS[0], block_dv=128))
-    assert rel(c, a) < 1e-2
+    one = replace(FALLBACKS[0], split_k=1)
+    three = replace(FALLBACKS[0], split_k=3)
+    a = _core_check(q, parts, sinks, config=one)
+    assert torch.equal(a, _core_check(q, parts, sinks, config=one))
+    assert torch.equal(_core_check(q, parts, sinks, config=three), _core_check(q, parts, sinks, config=three))
+    for other in (replace(one, block_dv=128), three):
+        assert rel(_core_check(q, parts, sinks, config=other), a) < 1e-2
 
 
-def test_default_config_follows_the_shape():
-    """64 heads x 64 keys with d in one dot for a big grid; value blocks split for a small one (decode); small
-    exact tiles for fp32; blocks clipped to the heads and d of small problems."""
-    cpu = torch.device("cpu")
-    big = default_config(1, 4096, 64, 512, torch.bfloat16, cpu)
-    assert (big.block_h, big.block_n, big.block_dk, big.block_dv) == (64, 64, 512, 512)
-    small = default_config(8, 1, 128, 512, torch.bfloat16, cpu)
-    assert (small.block_h, small.block_dv) == (64, 128)
-    assert default_config(1, 4096, 64, 512, torch.float32, cpu).block_dk == 64
-    tiny = default_config(1, 4096, 4, 24, torch.bfloat16, cpu)
+def test_default_config_and_splits_follow_the_shape():
+    """64 heads x 64 keys with d in one dot for bf16, small exact tiles for fp32, blocks clipped to the heads
+    and d of small problems; the keys split only where the grid leaves SMs idle, at most one split per tile."""
+    big = default_config(64, 512, torch.bfloat16)
+    assert (big.block_h, big.block_n, big.block_dk, big.block_dv, big.split_k) == (64, 64, 512, 512, 0)
+    assert default_config(64, 512, torch.float32).block_dk == 64
+    tiny = default_config(4, 24, torch.bfloat16)
     assert (tiny.block_h, tiny.block_dk, tiny.block_dv) == (16, 32, 32)
+    cpu = torch.device("cpu")                                  # 132 SMs assumed off the GPU
+    assert _splits(big, 1, 4096, 64, 640, cpu) == 1            # prefill: no split
+    assert _splits(big, 64, 1, 64, 640, cpu) == 3              # decode batch 64: 64 programs -> 3 splits
+    assert _splits(big, 1, 1, 64, 640, cpu) == 10              # batch 1: one split per key tile
+    assert _splits(big, 128, 1, 128, 640, cpu) == 1            # 256 programs fill the GPU
+    assert _splits(replace(big, split_k=2), 1, 4096, 64, 640, cpu) == 2
     with pytest.raises(ValueError, match="CoreConfig.block_n=48: must be a power of two >= 16"):
         CoreConfig(block_n=48)
+    with pytest.raises(ValueError, match="CoreConfig.split_k=-1: must be >= 0"):
+        CoreConfig(split_k=-1)
 
 
 def _topk_rows(kind: str, R: int, N: int, g: torch.Generator) -> torch.Tensor:

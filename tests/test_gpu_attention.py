@@ -6,6 +6,7 @@ kernel on small shapes, on CUDA here too.)"""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -154,7 +155,8 @@ def _real_core_inputs(H: int, B: int = 2, S: int = 100, W: int = 128, N: int = 3
 def test_core_kernel_at_v4_shapes(H):
     """The tensor-core sparse core at the V4-Flash (64) and V4-Pro (128) head counts, d = 512, bf16, batch 2,
     100 queries (not a multiple of the tile), window + top-k parts with -1 picks and an all-masked query,
-    against the torch reference in fp32 on the same inputs; bit-stable from run to run."""
+    against the torch reference in fp32 on the same inputs; bit-stable from run to run; every tiling, the keys
+    split across programs (forced, and automatic for a single query)."""
     q, parts, sinks = _real_core_inputs(H)
     want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, 512 ** -0.5, kernels="off")
     got = sparse_attention_fused(q, parts, sinks, 512 ** -0.5)
@@ -164,9 +166,11 @@ def test_core_kernel_at_v4_shapes(H):
     assert torch.equal(got[1, 0], torch.zeros_like(got[1, 0]))
     rel = ((got.float() - want).norm() / want.norm()).item()
     assert rel < 1.5e-2, rel
-    for cfg in FALLBACKS:                                   # every tiling of the ladder, on this GPU
+    for cfg in (*FALLBACKS, replace(FALLBACKS[0], split_k=3)):   # every tiling of the ladder; keys split
         other = sparse_attention_fused(q, parts, sinks, 512 ** -0.5, config=cfg)
         assert ((other.float() - want).norm() / want.norm()).item() < 1.5e-2, cfg
+    one = sparse_attention_fused(q[:1, :1], [(kv[:1], idx[:1, :1]) for kv, idx in parts], sinks, 512 ** -0.5)
+    assert ((one.float() - want[:1, :1]).norm() / want[:1, :1].norm()).item() < 1.5e-2   # decode: auto split
 
 
 @pytest.mark.parametrize("rows, k, causal", [(4096, 512, True), (64, 512, False), (300, 1024, True)])

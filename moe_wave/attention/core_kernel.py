@@ -42,8 +42,9 @@ class CoreConfig:
 
     block_h: query heads per program (the GEMM's M); block_n: picked keys per tile (N of QK, K of PV);
     block_dk: channels per QK dot (d rounded up to a power of two = one dot); block_dv: value channels per
-    program (below d the QK is recomputed per value block: more programs for small grids);
-    num_warps / num_stages: Triton's launch options.
+    program (below d the QK is recomputed per value block); split_k: programs per query and head block, each
+    over a run of its key tiles, merged by a second kernel in a fixed order (0: auto, more than one only when
+    the grid would leave SMs idle, as in decode; 1: never); num_warps / num_stages: Triton's launch options.
     """
 
     block_h: int = 64
@@ -52,12 +53,15 @@ class CoreConfig:
     block_dv: int = 512
     num_warps: int = 8
     num_stages: int = 2
+    split_k: int = 0
 
     def __post_init__(self):
         for name in ("block_h", "block_n", "block_dk", "block_dv"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"CoreConfig.{name}={v}: must be a power of two >= 16")
+        if self.split_k < 0:
+            raise ValueError(f"CoreConfig.split_k={self.split_k}: must be >= 0 (0: auto)")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"CoreConfig num_warps={self.num_warps}, num_stages={self.num_stages}: "
                              "num_warps a power of two <= 16, num_stages >= 1")
@@ -100,19 +104,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 @lru_cache(maxsize=256)
-def default_config(B: int, S: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> CoreConfig:
-    """The tiling for a problem: 64 heads x 64 keys with d in one dot for 16-bit inputs; value blocks halved
-    (down to 128 channels) while the grid has fewer programs than SMs (decode); small fp32 tiles (fp32 runs
-    the tests and the CPU parity checks, not the model)."""
+def default_config(H: int, D: int, dtype: torch.dtype) -> CoreConfig:
+    """The tiling for a problem: 64 heads x 64 keys with d in one dot for 16-bit inputs, the keys split
+    across programs when the grid is small (``CoreConfig.split_k`` = 0); small exact tiles for fp32 (fp32 runs
+    the tests and the CPU parity checks, not the model). Shapes and dtype only: the same call, the same bits."""
     if dtype == torch.float32:
         cfg = CoreConfig(block_h=32, block_n=32, block_dk=64, block_dv=128, num_warps=4, num_stages=1)
         return cfg.fit(H, D)
-    cfg = CoreConfig().fit(H, D)
-    programs = B * S * triton.cdiv(H, cfg.block_h)
-    dv = cfg.block_dv
-    while dv > 128 and programs * (_pow2(D) // dv) < _sm_count(device):
-        dv //= 2
-    return replace(cfg, block_dv=dv)
+    return CoreConfig().fit(H, D)
 
 
 if triton is not None:
@@ -126,19 +125,21 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _core_part(q_ptr, kv_ptr, idx_ptr, q_full, b, s, h, hmask, J, s_q_b, s_q_s, s_q_h, s_kv_b, s_kv_m,
-                   s_i_b, s_i_s, qk_scale, m_i, l_i, acc, dv, D: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, IEEE: tl.constexpr):
-        # One key source: the online softmax over this query's picks idx[b, s, :J] in BN-key tiles.
-        idx_row = idx_ptr + b * s_i_b + s * s_i_s
-        last = tl.full((), 0, tl.int32)                                 # 1 + the last valid pick
+    def _n_tiles(idx_row, J, BN: tl.constexpr):
+        # BN-key tiles up to this query's last valid pick (trailing -1s cost nothing)
+        last = tl.full((), 0, tl.int32)
         for t0 in range(0, J, BN):
             jj = t0 + tl.arange(0, BN)
             picks = tl.load(idx_row + jj, mask=jj < J, other=-1)
             last = tl.maximum(last, tl.max(tl.where(picks >= 0, jj + 1, 0), axis=0))
-        n_tiles = tl.cdiv(last, BN)
-        kv_b = kv_ptr + b * s_kv_b
-        for t in range(0, n_tiles):
+        return tl.cdiv(last, BN)
+
+    @triton.jit
+    def _core_part(q_ptr, kv_b, idx_row, q_full, b, s, h, hmask, J, t_lo, t_hi, s_q_b, s_q_s, s_q_h, s_kv_m,
+                   qk_scale, m_i, l_i, acc, dv, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+                   BDK: tl.constexpr, BDV: tl.constexpr, IEEE: tl.constexpr):
+        # One key source: the online softmax over tiles t_lo..t_hi of this query's picks idx_row[:J].
+        for t in range(t_lo, t_hi):
             j = t * BN + tl.arange(0, BN)
             row = tl.load(idx_row + j, mask=j < J, other=-1)
             ok = row >= 0
@@ -168,54 +169,127 @@ if triton is not None:
             m_i = m_new
         return m_i, l_i, acc
 
-    @triton.jit(do_not_specialize=["S", "H", "J1", "J2"])   # one compile for every length
-    def _sparse_core_kernel(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, J1, J2, qk_scale,
-                            s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
-                            s_k2_b, s_k2_m, s_i2_b, s_i2_s,
+    @triton.jit(do_not_specialize=["S", "H", "J1", "J2", "NDV", "NSPLIT"])   # one compile for every length
+    def _sparse_core_kernel(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, ws_ml_ptr, ws_acc_ptr,
+                            S, H, J1, J2, NDV, NSPLIT, qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h,
+                            s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                             D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                            BDK: tl.constexpr, BDV: tl.constexpr, TWO: tl.constexpr, IEEE: tl.constexpr):
-        # Program (query b*S+s, head block, value block); see the module docstring.
+                            BDK: tl.constexpr, BDV: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
+                            IEEE: tl.constexpr):
+        # Program (query b*S+s, head block, split * NDV + value block); see the module docstring. With SPLIT,
+        # split i of NSPLIT takes the i-th run of the query's tiles (window tiles, then compressed tiles) and
+        # writes its running max, sum and unnormalised acc for _combine_kernel; only split 0 counts the sink.
+        bs = tl.program_id(0)
+        b = (bs // S).to(tl.int64)
+        s = (bs % S).to(tl.int64)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        hmask = h < H
+        split = tl.program_id(2) // NDV
+        dv = (tl.program_id(2) % NDV) * BDV + tl.arange(0, BDV)
+        q_full = tl.zeros((BH, BD), q_ptr.dtype.element_ty)
+        if BDK == BD:                                                   # the whole q tile, loaded once
+            dq = tl.arange(0, BD)
+            q_full = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dq[None, :],
+                             mask=hmask[:, None] & (dq[None, :] < D), other=0.0)
+        idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
+        idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
+        n1 = _n_tiles(idx1, J1, BN)
+        n2 = 0
+        if TWO:
+            n2 = _n_tiles(idx2, J2, BN)
+        lo = n1 * 0
+        hi = n1 + n2
+        if SPLIT:
+            per = tl.cdiv(n1 + n2, NSPLIT)
+            lo = tl.minimum(split * per, n1 + n2)
+            hi = tl.minimum(lo + per, n1 + n2)
+        m_i = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full((BH,), 1.0, tl.float32) * (split == 0).to(tl.float32)
+        acc = tl.zeros((BH, BDV), tl.float32)
+        m_i, l_i, acc = _core_part(q_ptr, kv1_ptr + b * s_k1_b, idx1, q_full, b, s, h, hmask, J1,
+                                   tl.minimum(lo, n1), tl.minimum(hi, n1), s_q_b, s_q_s, s_q_h, s_k1_m,
+                                   qk_scale, m_i, l_i, acc, dv, D, BD, BN, BDK, BDV, IEEE)
+        if TWO:
+            m_i, l_i, acc = _core_part(q_ptr, kv2_ptr + b * s_k2_b, idx2, q_full, b, s, h, hmask, J2,
+                                       tl.maximum(lo, n1) - n1, tl.maximum(hi, n1) - n1, s_q_b, s_q_s, s_q_h,
+                                       s_k2_m, qk_scale, m_i, l_i, acc, dv, D, BD, BN, BDK, BDV, IEEE)
+        if SPLIT:                                                       # partials: [B*S, NSPLIT, 2, H], [.., H, D]
+            r = bs.to(tl.int64) * NSPLIT + split
+            mine = hmask & ((h * 0 + tl.program_id(2) % NDV) == 0)      # one value block writes m and l
+            tl.store(ws_ml_ptr + (r * 2) * H + h, m_i, mask=mine)
+            tl.store(ws_ml_ptr + (r * 2 + 1) * H + h, l_i, mask=mine)
+            tl.store(ws_acc_ptr + (r * H + h[:, None]) * D + dv[None, :], acc,
+                     mask=hmask[:, None] & (dv[None, :] < D))
+        else:
+            o = acc / l_i[:, None]
+            tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < D))
+
+    @triton.jit(do_not_specialize=["S", "H", "NSPLIT"])
+    def _combine_kernel(ws_ml_ptr, ws_acc_ptr, o_ptr, S, H, NSPLIT, s_o_b, s_o_s, s_o_h,
+                        D: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
+        # The splits of one query merged in split order (deterministic): o = sum_i w_i acc_i / sum_i w_i l_i,
+        # w_i = 2^(m_i - max_i m_i).
         bs = tl.program_id(0)
         b = (bs // S).to(tl.int64)
         s = (bs % S).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         hmask = h < H
         dv = tl.program_id(2) * BDV + tl.arange(0, BDV)
-        q_full = tl.zeros((BH, BD), q_ptr.dtype.element_ty)
-        if BDK == BD:                                                   # the whole q tile, loaded once
-            dq = tl.arange(0, BD)
-            q_full = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dq[None, :],
-                             mask=hmask[:, None] & (dq[None, :] < D), other=0.0)
-        m_i = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
-        l_i = tl.full((BH,), 1.0, tl.float32)
+        r0 = bs.to(tl.int64) * NSPLIT
+        m = tl.full((BH,), float("-inf"), tl.float32)
+        for i in range(0, NSPLIT):
+            m = tl.maximum(m, tl.load(ws_ml_ptr + ((r0 + i) * 2) * H + h, mask=hmask, other=0.0))
+        den = tl.zeros((BH,), tl.float32)
         acc = tl.zeros((BH, BDV), tl.float32)
-        m_i, l_i, acc = _core_part(q_ptr, kv1_ptr, idx1_ptr, q_full, b, s, h, hmask, J1, s_q_b, s_q_s, s_q_h,
-                                   s_k1_b, s_k1_m, s_i1_b, s_i1_s, qk_scale, m_i, l_i, acc, dv,
-                                   D, BD, BN, BDK, BDV, IEEE)
-        if TWO:
-            m_i, l_i, acc = _core_part(q_ptr, kv2_ptr, idx2_ptr, q_full, b, s, h, hmask, J2, s_q_b, s_q_s, s_q_h,
-                                       s_k2_b, s_k2_m, s_i2_b, s_i2_s, qk_scale, m_i, l_i, acc, dv,
-                                       D, BD, BN, BDK, BDV, IEEE)
-        o = acc / l_i[:, None]
-        tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & (dv[None, :] < D))
+        for i in range(0, NSPLIT):
+            w = tl.exp2(tl.load(ws_ml_ptr + ((r0 + i) * 2) * H + h, mask=hmask, other=0.0) - m)
+            den += w * tl.load(ws_ml_ptr + ((r0 + i) * 2 + 1) * H + h, mask=hmask, other=1.0)
+            part = tl.load(ws_acc_ptr + ((r0 + i) * H + h[:, None]) * D + dv[None, :],
+                           mask=hmask[:, None] & (dv[None, :] < D), other=0.0)
+            acc += w[:, None] * part
+        tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
+                 (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < D))
 
 
 _CHOSEN: dict = {}   # (device, shape key, requested config) -> the config that launched
+
+
+def _splits(cfg: CoreConfig, B: int, S: int, H: int, J: int, device: torch.device) -> int:
+    """Key splits per query: ``cfg.split_k``, or (0 = auto) enough to fill the GPU when one program per query
+    and head block would leave SMs idle (decode), at most one per key tile."""
+    if cfg.split_k:
+        return cfg.split_k
+    programs = B * S * triton.cdiv(H, cfg.block_h)
+    if 2 * programs > _sm_count(device):
+        return 1
+    return max(1, min(triton.cdiv(_sm_count(device), programs), triton.cdiv(max(J, 1), cfg.block_n)))
 
 
 def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two: bool) -> None:
     B, S, H, D = q.shape
     BD = _pow2(D)
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
-    grid = (B * S, triton.cdiv(H, cfg.block_h), triton.cdiv(D, cfg.block_dv))
+    ndv = triton.cdiv(D, cfg.block_dv)
+    nsplit = _splits(cfg, B, S, H, J1 + J2, q.device)
+    if nsplit > 1:
+        ws_ml = torch.empty(B * S * nsplit * 2 * H, dtype=torch.float32, device=q.device)
+        ws_acc = torch.empty(B * S * nsplit * H * D, dtype=torch.float32, device=q.device)
+    else:
+        ws_ml = ws_acc = sinks                                          # unused
+    grid = (B * S, triton.cdiv(H, cfg.block_h), ndv * nsplit)
     _sparse_core_kernel[grid](
-        q, out, sinks, kv1, i1, kv2, i2, S, H, J1, J2, float(scale) * _LOG2E,
+        q, out, sinks, kv1, i1, kv2, i2, ws_ml, ws_acc, S, H, J1, J2, ndv, nsplit, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=BD, BH=cfg.block_h, BN=cfg.block_n, BDK=cfg.block_dk, BDV=cfg.block_dv,
-        TWO=two, IEEE=q.dtype == torch.float32 or interpreting(),
+        TWO=two, SPLIT=nsplit > 1, IEEE=q.dtype == torch.float32 or interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if nsplit > 1:
+        bdv = min(128, BD)
+        _combine_kernel[(B * S, triton.cdiv(H, cfg.block_h), triton.cdiv(D, bdv))](
+            ws_ml, ws_acc, out, S, H, nsplit, out.stride(0), out.stride(1), out.stride(2), D=D, BH=cfg.block_h,
+            BDV=bdv, num_warps=4)
 
 
 def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
@@ -249,7 +323,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if B * S * H == 0:
         return out
     sinks = sinks_H.float().contiguous()
-    want = (config or default_config(B, S, H, D, q.dtype, q.device)).fit(H, D)
+    want = (config or default_config(H, D, q.dtype)).fit(H, D)
     key = (q.device, q.dtype, H, D, two, want)
     cfg = _CHOSEN.get(key, want)
     ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if key not in _CHOSEN]
