@@ -16,10 +16,15 @@ after its last valid pick, so the trailing -1s of a short window, a young HCA ro
 entries than k cost nothing. The sink is a logit with no value: it starts the running max and sum (m = sink,
 l = 1), so a query with every pick masked gets o = 0, as the torch reference does.
 
-Deterministic: every output element is written by one program, keys are visited in a fixed order, no atomics:
-the same inputs give the same bits on every run. ``CoreConfig`` picks the tiling; the default depends only on
-shapes and dtype (``default_config``); a config the GPU cannot hold (shared memory) falls back to the next one of
-``FALLBACKS`` at its first launch, which then sticks for that shape.
+When one program per (query, head block) would leave SMs idle (decode: batch x head blocks below half the
+SMs), the query's tiles are split into runs, one program each (``CoreConfig.split_k``); each writes its running
+max, sum and unnormalised acc (fp32) and ``_combine_kernel`` merges the runs in split order.
+
+Deterministic: every output element is written by one program, keys and splits are visited in a fixed order, no
+atomics: the same inputs give the same bits on every run. ``CoreConfig`` picks the tiling; the default and the
+split count depend only on shapes and dtype (``default_config``, ``_splits``); a config the GPU cannot hold
+(shared memory) falls back to the next one of ``FALLBACKS`` at its first launch, which then sticks for that
+shape.
 """
 
 from __future__ import annotations
