@@ -65,6 +65,20 @@ def main() -> int:
     for name, fn in parts.items():
         replay = as_graph(fn, dev)[0]
         rows.append((name, statistics.median(iteration_us(replay, args.iters, 3, device=dev, flush=flush))))
+    # the mHC kernels alone (the attention site's input), the mix at several tiles
+    from moe_wave.mhc_kernels import hc_collapse, hc_expand, hc_mix
+
+    hc, B, S, N, D = layer.attn_hc, *X.shape
+    Xc = X.contiguous()
+    mix = hc_mix(Xc.view(B * S, N * D), hc.fn)
+    micro = {f"hc_mix tile {bt}x{bk}": (lambda i, bt=bt, bk=bk: hc_mix(Xc.view(B * S, N * D), hc.fn, bt, bk))
+             for bt, bk in ((16, 128), (32, 64), (64, 64), (128, 32))}
+    micro["hc_collapse"] = lambda i: hc_collapse(Xc.view(B * S, N, D), mix, hc.base, hc.scale, hc.cfg.norm_eps,
+                                                 hc.cfg.hc_eps, hc.cfg.sinkhorn_iters)
+    micro["hc_expand"] = lambda i: hc_expand(o.contiguous().view(B * S, D), Xc.view(B * S, N, D),
+                                             post.reshape(B * S, N), comb.reshape(B * S, N, N))
+    micro_rows = [(name, statistics.median(iteration_us(as_graph(fn, dev)[0], args.iters, 3, device=dev,
+                                                        flush=flush))) for name, fn in micro.items()]
     whole = rows[-1][1]
     summed = sum(t for _, t in rows[:-1]) - rows[1][1] + 2 * rows[1][1]     # rms_norm runs at both sites
     lines = [f"profile_layer: {args.preset} layer {args.layer} ({layer_kind(layer)}), {args.tokens} tokens, one GPU,"
@@ -72,6 +86,8 @@ def main() -> int:
              f"{'part':<28} {'us':>9} {'of whole':>9}"]
     lines += [f"{name:<28} {t:9.1f} {t / whole:9.2%}" for name, t in rows]
     lines.append(f"{'sum of parts (2 norms)':<28} {summed:9.1f} {summed / whole:9.2%}")
+    lines.append("mHC kernels alone (attention site):")
+    lines += [f"  {name:<26} {t:9.1f}" for name, t in micro_rows]
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):

@@ -124,25 +124,27 @@ if triton is not None:
         tl.store(y_ptr + base, y.to(dt), mask=m3)
 
 
-_MIX_BLOCK_T, _MIX_BLOCK_K = 16, 128
+_MIX_BLOCK_T, _MIX_BLOCK_K = 64, 64     # 64 rows a program: fn (F x K fp32) read once per 64 rows
 _PROGRAMS = 1024      # split-K target: enough programs to fill any GPU of today several times over
 
 
-def hc_mix(X_TK: torch.Tensor, fn_FK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mix slices [KS, T, F_PAD] fp32, sum-of-squares slices [KS, T] fp32) of X @ fn^T (X contiguous)."""
+def hc_mix(X_TK: torch.Tensor, fn_FK: torch.Tensor, block_t: int = _MIX_BLOCK_T,
+           block_k: int = _MIX_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mix slices [KS, T, F_PAD] fp32, sum-of-squares slices [KS, T] fp32) of X @ fn^T (X contiguous).
+    ``block_t`` / ``block_k``: the tile (powers of two >= 16; launch/profile_layer.py times the choices)."""
     T, K = X_TK.shape
     F = fn_FK.shape[0]
     F_PAD = max(16, triton.next_power_of_2(F))
-    tiles = max(1, triton.cdiv(T, _MIX_BLOCK_T))
-    chunks = triton.cdiv(K, _MIX_BLOCK_K)
+    tiles = max(1, triton.cdiv(T, block_t))
+    chunks = triton.cdiv(K, block_k)
     KS = max(1, min(chunks, triton.cdiv(_PROGRAMS, tiles)))
-    k_slice = triton.cdiv(chunks, KS) * _MIX_BLOCK_K
+    k_slice = triton.cdiv(chunks, KS) * block_k
     KS = triton.cdiv(K, k_slice)
     mix = torch.empty(KS, T, F_PAD, dtype=torch.float32, device=X_TK.device)
     sq = torch.empty(KS, T, dtype=torch.float32, device=X_TK.device)
     if T:
         _mix_kernel[(tiles, KS)](X_TK, fn_FK.float().contiguous(), mix, sq, T, K, F, k_slice, F_PAD=F_PAD,
-                                 BLOCK_T=_MIX_BLOCK_T, BLOCK_K=_MIX_BLOCK_K, num_warps=4)
+                                 BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)
     return mix, sq
 
 
