@@ -77,7 +77,7 @@ def _normal_contract(ep: EPGroup, T_list, kernels: str) -> dict:
     ids = ids.to(topk_idx_t)
     order, per_expert_ref, counts = _reference(P, me, T_of)
     buf = Buffer(ep.pg, int(1e8), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True,
-                 allow_mnnvl=False, use_fabric=False, options=SymmOptions(kernels=kernels))
+                 allow_mnnvl=False, use_fabric=False, options=SymmOptions(kernels=kernels), device="cpu")
     res = {}
     # layout
     n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(ids, E)
@@ -229,7 +229,7 @@ def _raises(fn, exc, *words) -> str:
 def _errors_and_lifetime(ep: EPGroup) -> int:
     from moe_wave.deepep_compat import Buffer, Config, EventOverlap
 
-    buf = Buffer(ep.pg, 0, 0)
+    buf = Buffer(ep.pg, 0, 0, device="cpu")
     assert (buf.rank, buf.group_size, buf.group, buf.num_nvl_bytes) == (ep.rank, ep.size, ep.pg, 0)
     ref = weakref.ref(buf)
     ids = torch.tensor([[0, 5, -1], [7, -1, -1]])
@@ -264,6 +264,7 @@ def _errors_and_lifetime(ep: EPGroup) -> int:
         (lambda: Buffer(None), ValueError, ("group=None",)),
         (lambda: Buffer(None, comm=object()), NotImplementedError, ("comm=",)),
         (lambda: Buffer(ep.pg, -1), ValueError, ("num_nvl_bytes=-1",)),
+        (lambda: Buffer(ep.pg, 0, device="meta"), ValueError, ("device=",)),
         (lambda: EventOverlap().current_stream_wait(), RuntimeError, ("no event",)),
         (buf.destroy, RuntimeError, ("explicitly_destroy=False",)),
     ]:
@@ -284,7 +285,7 @@ def _errors_and_lifetime(ep: EPGroup) -> int:
     Buffer.set_num_sms(20)
     other = Buffer(group=ep.pg, num_nvl_bytes=1, num_rdma_bytes=2, low_latency_mode=True, num_qps_per_rank=4,
                    allow_nvlink_for_low_latency_mode=False, allow_mnnvl=True, use_fabric=True, explicitly_destroy=True,
-                   enable_shrink=True, comm=None)
+                   enable_shrink=True, comm=None, device="cpu")
     other.destroy()
     _raises(lambda: other.get_dispatch_layout(ids, E), RuntimeError, "destroyed")
     del buf, got, fn
@@ -294,7 +295,7 @@ def _errors_and_lifetime(ep: EPGroup) -> int:
 
 
 def test_errors_and_lifetime(ranks):
-    assert ranks(2).run(_errors_and_lifetime) == [31, 31]
+    assert ranks(2).run(_errors_and_lifetime) == [32, 32]
 
 
 def test_switch_and_shim(tmp_path, monkeypatch):
@@ -355,7 +356,7 @@ def _ll_contract(ep: EPGroup, N_list, kernels: str, hooks=(False, True)) -> int:
     hint = Buffer.get_low_latency_rdma_size_hint(LL_T, LL_H, P, LL_E)
     buf = Buffer(ep.pg, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=e,
                  allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True, allow_mnnvl=False,
-                 enable_shrink=False, options=SymmOptions(kernels=kernels))
+                 enable_shrink=False, options=SymmOptions(kernels=kernels), device="cpu")
     checked = 0
     for hook in hooks:
         for fp8, rnd, ue in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
@@ -443,7 +444,7 @@ def _ll_errors(ep: EPGroup) -> int:
     from moe_wave.deepep_compat import Buffer
 
     P, e = ep.size, LL_E // ep.size
-    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True)
+    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True, device="cpu")
     x, ids, w = _ll_inputs(ep.rank, 5)
     n = 0
     for fn, exc, words in [

@@ -101,7 +101,9 @@ class Buffer:
     ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``enable_shrink`` do not apply
     within a node with no NVSHMEM and are ignored; both modes are always available. ``group`` may be NCCL or gloo
     (on a GPU a gloo group gets an NCCL twin over the same ranks for the symmetric memory). ``options`` (moe-wave's
-    own, keyword only) tunes the engine underneath (``SymmOptions``: kernels, timeouts, copy tuning).
+    own, keyword only) tunes the engine underneath (``SymmOptions``: kernels, timeouts, copy tuning); ``device``
+    (also moe-wave's) defaults to the current CUDA device where there is one, as in DeepEP, and "cpu" runs the CPU
+    emulation over a gloo group (the tests).
 
     Attributes:
         rank, group_size, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy: as DeepEP.
@@ -114,7 +116,7 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
-                 options: SymmOptions | None = None) -> None:
+                 options: SymmOptions | None = None, device: torch.device | str | None = None) -> None:
         if group is None:
             if comm is not None:
                 raise _unsupported("__init__(comm=<mpi4py communicator>)", "pass group=<a torch.distributed "
@@ -136,8 +138,17 @@ class Buffer:
             raise _unsupported(f"__init__ over hosts {sorted(set(hosts))}", "every rank must share one node; for "
                                "internode EP use DeepEP itself")
         backend = str(dist.get_backend(group)).lower()
-        cuda = "nccl" in backend or torch.cuda.is_available()
-        self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if device is None:      # DeepEP's: the current CUDA device, whatever the group's backend
+            cuda = "nccl" in backend or torch.cuda.is_available()
+        else:
+            cuda = torch.device(device).type == "cuda"
+            if not cuda and torch.device(device).type != "cpu":
+                raise ValueError(f"Buffer(device={device!r}): must be a CUDA device or 'cpu'")
+            if not cuda and "nccl" in backend:
+                raise ValueError(f"Buffer(device={device!r}): an NCCL group needs a CUDA device")
+        index = torch.device(device).index if device is not None and cuda else None
+        self._device = (torch.device("cuda", torch.cuda.current_device() if index is None else index) if cuda
+                        else torch.device("cpu"))
         pg = group
         if cuda and "nccl" not in backend and self.group_size > 1:
             # vLLM hands over its CPU (gloo) group; symmetric memory rendezvous over an NCCL group of the same ranks
