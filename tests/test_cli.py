@@ -100,7 +100,9 @@ def test_sweep_takes_the_symm_flags_and_the_environment(tmp_path):
     assert sweep.build_spec(p.parse_args(["sweep", "--backend", "symm", *full["common"].split()]), 2,
                             "none")["symm"] == SYMM_WANT
     with pytest.raises(ValueError, match=r"--symm-signal: only with the symm backend \(--backend is 'torch'\)"):
-        sweep.build_spec(p.parse_args(["sweep", "--symm-signal", "flags"]), 2, "none")
+        sweep.build_spec(p.parse_args(["sweep", "--backend", "torch", "--symm-signal", "flags"]), 2, "none")
+    graphed = sweep.build_spec(p.parse_args(["sweep", "--no-graph", "--out", str(tmp_path / "g.csv")]), 2, "none")
+    assert graphed["graph"] is False and "--no-graph" in graphed["common"], "the row's command keeps the switch"
 
 
 @pytest.mark.timeout(60)

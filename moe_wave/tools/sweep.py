@@ -19,6 +19,7 @@ Without a launcher the ranks are spawned here (CPU: 2 gloo ranks; GPU host: one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -34,6 +35,7 @@ from moe_wave.comm import detect_launcher, init_from_env, spawn
 from moe_wave.comm.bootstrap import spawn_plan
 from moe_wave.config import BACKENDS, PARTITIONS, PRESETS, SHARED_PLACEMENTS, MoEConfig, WaveConfig
 from moe_wave.env import EnvSettings, read_env
+from moe_wave.graphs import graph_capable
 from moe_wave.moe import WaveMoE
 from moe_wave.profiling import set_nvtx
 
@@ -128,6 +130,9 @@ def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = N
         shared=_choice_list("--shared", args.shared, SHARED_PLACEMENTS))
     backends = grid["backends"]
     symm = symm_options(args, env, backends)
+    graph = env.pick("graph", getattr(args, "graph", None), None)
+    if graph and not torch.cuda.is_available():
+        raise ValueError("--graph (or MOE_WAVE_GRAPH=1): CUDA graphs need a GPU, and none is visible")
     out = Path(args.out) if args.out else default_out(world_size, out_root)
     if out.is_dir() or not out.suffix:  # a folder: the CSV goes inside it
         out = out / "sweep.csv"
@@ -137,13 +142,14 @@ def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = N
         prefix = f"python -m moe_wave sweep --ranks {world_size}"
     else:
         prefix = f"torchrun --nproc-per-node={world_size} -m moe_wave sweep"
-    return dict(grid=grid, dtype=dtype, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots,
+    graph_flag = [] if graph is None else ["--graph" if graph else "--no-graph"]
+    return dict(grid=grid, dtype=dtype, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots, graph=graph,
                 bench=dict(warmup=args.warmup, iters=args.iters, pool=args.pool, seed=args.seed), symm=symm,
                 autowave_cache=env.pick("autowave_cache", args.autowave_cache, None),
                 nvtx=env.pick("nvtx", None, False),
                 git_sha=env.pick("git_sha", None, None),
                 prefix=prefix, common=" ".join([f"--dtype {dtype} --iters {args.iters} --warmup {args.warmup}",
-                                                f"--out {out}", *symm_argv(symm)]),
+                                                f"--out {out}", *graph_flag, *symm_argv(symm)]),
                 argv=command_line())
 
 
@@ -233,7 +239,7 @@ def run_rank(ep, spec: dict) -> list[tuple]:
                 auto[pt.group()] = (m.plan.num_waves, r["pipelined_us"])
             m = m.rescheduled(WaveConfig(num_waves=pt.waves, **sched))
             label = f"{s['shape']} T={pt.tokens} W={pt.waves} {pt.partition} {pt.backend} shared={pt.shared}"
-            row = measure(m, pt.tokens, bench, tracer=tracer, label=label)
+            row = measure(m, pt.tokens, _graphed(bench, spec.get("graph"), m, label), tracer=tracer, label=label)
             key = pt.key(dtype, P)
             if ep.rank == 0:
                 a_w, a_us = auto.get(pt.group(), ("", ""))
@@ -250,6 +256,14 @@ def run_rank(ep, spec: dict) -> list[tuple]:
     if ep.rank == 0:
         write_sidecar(spec, ep)
     return measured
+
+
+def _graphed(bench: BenchConfig, graph, moe, label: str) -> BenchConfig:
+    """``bench`` with CUDA graphs on where ``graph`` asks (None: wherever the point's backend can be captured)."""
+    why = graph_capable(moe.backend, moe.gate.weight.device)
+    if graph and why is not None:
+        raise ValueError(f"--graph: {why} ({label})")
+    return dataclasses.replace(bench, graph=why is None if graph is None else graph)
 
 
 def _progress(total: int, show: bool):
@@ -304,7 +318,8 @@ def run_meta(world_size: int, command: str, sha: str | None = None, settings: di
 def write_sidecar(spec: dict, ep) -> Path:
     out = Path(spec["out"])
     rows = read_rows(out)
-    settings = {"symm": asdict(spec["symm"]), "autowave_cache": spec["autowave_cache"], "nvtx": spec["nvtx"]}
+    settings = {"symm": asdict(spec["symm"]), "autowave_cache": spec["autowave_cache"], "nvtx": spec["nvtx"],
+                "graph": spec.get("graph")}
     meta = run_meta(ep.size, spec["argv"], spec["git_sha"], settings)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(summary_md(rows, meta))
@@ -405,7 +420,11 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="comma list of tokens per rank (>= 1)")
     p.add_argument("--waves", default="1,2,4,8", help="comma list of wave counts W (>= 1)")
     p.add_argument("--partition", default="experts", help=f"comma list of {', '.join(PARTITIONS)}")
-    p.add_argument("--backend", default="torch", help=f"comma list of comm backends: {', '.join(BACKENDS)}")
+    p.add_argument("--backend", default="auto", help=f"comma list of comm backends: {', '.join(BACKENDS)} (auto: "
+                   "symm on the GPUs of one host, torch elsewhere)")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="time every kind replayed from a CUDA graph. Default: env MOE_WAVE_GRAPH, else on for the "
+                        "points whose backend can be captured (symm on a GPU)")
     p.add_argument("--shared", default="bubbles,serial",
                    help=f"comma list of shared-expert placements: {', '.join(SHARED_PLACEMENTS)}")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
