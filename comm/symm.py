@@ -99,7 +99,8 @@ class SymmBackend:
         # the device-side fault status (``symm_tables``): overflow, bad ids, and the poison word that the exchanges'
         # waiters also set (with the peer they gave up on); its host copy is read without a sync
         self._status_dev = torch.zeros(STATUS_LEN, dtype=torch.long, device=ep.device)
-        self._status_host = torch.zeros(STATUS_LEN, dtype=torch.long, pin_memory=st.is_accelerator(ep.device))
+        self._status_host = torch.zeros(STATUS_LEN, dtype=torch.long, device="cpu",
+                                        pin_memory=st.is_accelerator(ep.device))
         peer = st.is_accelerator(ep.device) and ep.size > 1
         self.transport = (PeerTransport if peer else EmulatedTransport)(ep, options, comm_stream, self.kernels,
                                                                         self._status_dev)
