@@ -17,7 +17,8 @@ iterations, CUDA events, after warm-up, fresh random inputs each iteration):
   core_tflops        the core's useful FLOPs (4 * H * d per valid pick: QK and PV) per second, against
                      gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio)
 ``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes; on CSA each
-tiling of ``core_kernel.FALLBACKS`` in prefill and key / value splits in decode) and the indexer's top-k (``topk.topk_select`` against
+tiling of ``core_kernel.FALLBACKS`` and ``EXTRA_TILINGS`` in prefill and key / value splits in decode) and the
+indexer's top-k (``topk.topk_select`` against
 ``torch.topk``), and prints one short table.
 Writes JSON {"meta", "rows"} to --out (default $OUT/attn.json, else benchmarks/<date>-attn-1gpu.json),
 prints a table last and the recommended ``ScheduleConfig.decode_overlap_min_batch``.
@@ -34,6 +35,7 @@ import sys
 from dataclasses import replace
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_common import git_sha, out_path  # noqa: E402
@@ -54,6 +56,9 @@ SHAPES = {  # hidden, heads, q_lora, o_groups, index_topk (spec 1.1)
 TYPES = {"sliding": ("sliding_attention", 0), "csa": ("compressed_sparse_attention", 4),
          "hca": ("heavily_compressed_attention", 128)}
 CTX = 4096
+# more tilings timed on the CSA prefill besides the fallback ladder (tuning data, not used by the layer)
+EXTRA_TILINGS = (CoreConfig(num_stages=3), CoreConfig(block_n=32, num_stages=3), CoreConfig(block_n=32),
+                 CoreConfig(block_dv=256, num_warps=4))
 
 
 def make_attn(shape: str, kind: str, dev) -> V4Attention:
@@ -128,7 +133,7 @@ def core_fn(attn: V4Attention, q, parts, config: CoreConfig | None = None):
     if config is None:
         return lambda: sparse_attention(q, parts, attn.sinks, scale, attn.schedule.kernels)
     from moe_wave.attention.core_kernel import sparse_attention_fused
-    return lambda: sparse_attention_fused(q, parts, attn.sinks, scale, config=config)
+    return lambda: sparse_attention_fused(q, parts, attn.sinks, scale, config=config, fallback=False)
 
 
 def branches(attn: V4Attention):
@@ -255,8 +260,8 @@ def tiling(c: CoreConfig) -> str:
 @torch.no_grad()
 def core_bench(dev, iters: int, gemm: float) -> dict:
     """The sparse core alone per shape / layer type: prefill 4096 (B=1) and decode batch 64 on a 4096-token
-    cache; on CSA also other tilings (prefill: the fallback ladder; decode: the keys in 1, 2 or 4 splits, the
-    values in 2 blocks). Then the top-k."""
+    cache; on CSA also other tilings (prefill: the fallback ladder and EXTRA_TILINGS; decode: the keys in 1, 2
+    or 4 splits, the values in 2 blocks). Then the top-k."""
     rows, tilings = [], []
     for shape in SHAPES:
         for kind in TYPES:
@@ -282,10 +287,14 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                                  config=tiling(cfg)))
                 print(json.dumps(rows[-1]), flush=True)
                 if kind == "csa":   # the ladder in prefill; in decode no split, the keys or the values split
-                    cands = FALLBACKS if mode == "prefill" else [replace(cfg, split_k=n) for n in (1, 2, 4)] + [
-                        replace(cfg, split_k=1, block_dv=256)]
+                    cands = [*FALLBACKS, *EXTRA_TILINGS] if mode == "prefill" else [
+                        replace(cfg, split_k=n) for n in (1, 2, 4)] + [replace(cfg, split_k=1, block_dv=256)]
                     for c in cands:
-                        t = time_alone(core_fn(attn, q, parts, c), iters)
+                        try:
+                            t = time_alone(core_fn(attn, q, parts, c), iters)
+                        except OutOfResources as e:   # this tiling does not fit this GPU
+                            t = float("nan")
+                            print(f"{tiling(c)}: {e}", flush=True)
                         tilings.append(dict(shape=shape, mode=mode, config=tiling(c.fit(H, d)), core_us=round(t, 2),
                                             tflops=round(useful / t / 1e6, 1)))
                         print(json.dumps(tilings[-1]), flush=True)

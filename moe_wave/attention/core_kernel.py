@@ -298,7 +298,7 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
 
 
 def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
-                           config: CoreConfig | None = None) -> torch.Tensor:
+                           config: CoreConfig | None = None, fallback: bool = True) -> torch.Tensor:
     """``core.sparse_attention`` as one Triton kernel (one or two parts), see the module docstring.
 
     Args:
@@ -307,6 +307,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
             ``kv_BMd``, -1 is masked. kv is cast to q's dtype.
         sinks_H: per-head sink logits; scale: softmax scale.
         config: tiling (default ``default_config``); clipped to H and d.
+        fallback: on a GPU that cannot hold ``config``, run the next of ``FALLBACKS`` (False: raise triton's
+            OutOfResources, as a benchmark of that very tiling wants).
     Returns:
         o_BSHd in q's dtype; 0 for a query whose every pick is masked.
     """
@@ -331,7 +333,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     want = (config or default_config(H, D, q.dtype)).fit(H, D)
     key = (q.device, q.dtype, H, D, two, want)
     cfg = _CHOSEN.get(key, want)
-    ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if key not in _CHOSEN]
+    ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if fallback and key not in _CHOSEN]
     for i, c in enumerate(ladder):
         try:
             _launch(c, q, out, sinks, kv1, i1, kv2, i2, scale, two)
