@@ -60,8 +60,8 @@ if triton is not None:
         kv = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), K)           # picks that exist
         one = tl.full((), 1, tl.int64)
         thr = tl.full((), 0, tl.int64)
-        for bit in tl.static_range(31, -1, -1):                           # largest thr with #(ukey >= thr) >= kv
-            cand = thr | (one << bit)
+        for i in tl.static_range(32):                                     # largest thr with #(ukey >= thr) >= kv
+            cand = thr | (one << (31 - i))
             cnt = tl.sum((ukey >= cand).to(tl.int32), axis=0)
             thr = tl.where(cnt >= kv, cand, thr)
         gt = ukey > thr
