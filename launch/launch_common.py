@@ -22,7 +22,7 @@ from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
 from moe_wave.tools.sweep import git_sha as _git_sha  # noqa: E402
 
-__all__ = ["init_ep", "git_sha", "out_dir", "out_path", "now"]
+__all__ = ["init_ep", "git_sha", "out_dir", "out_path", "report", "now"]
 
 
 def init_ep() -> EPGroup:
@@ -47,6 +47,15 @@ def out_dir() -> str | None:
 def out_path(name: str, fallback: str | None = None) -> str | None:
     """``$OUT/<name>`` when OUT is set, else ``fallback`` (an argparse default)."""
     return os.path.join(out_dir(), name) if out_dir() else fallback
+
+
+def report(text: str, name: str) -> None:
+    """Print ``text`` and, when OUT is set, write it to ``$OUT/<name>`` as well (the profile scripts' tables)."""
+    print(text)
+    path = out_path(name)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 def now() -> str:

@@ -21,6 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_common import report  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm.options import SymmOptions  # noqa: E402
@@ -87,11 +89,7 @@ def main() -> int:
             lines.append(f"  {ua:10.1f} {ca:6d} {ub:10.1f} {cb:6d} {ub - ua:9.1f}  {k[:90]}")
         lines.append(f"  {sum(v[0] for v in a.values()):10.1f} {sum(v[1] for v in a.values()):6d} "
                      f"{sum(v[0] for v in b.values()):10.1f} {sum(v[1] for v in b.values()):6d}  (all kernels)")
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile_experts.txt"), "w") as f:
-            f.write(text + "\n")
+    report("\n".join(lines), "profile_experts.txt")
     return 0
 
 

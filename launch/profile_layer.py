@@ -19,6 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_common import report  # noqa: E402
 from moe_wave.attention.compressor import rms_norm  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.mhc import hc_post  # noqa: E402
@@ -88,11 +90,7 @@ def main() -> int:
     lines.append(f"{'sum of parts (2 norms)':<28} {summed:9.1f} {summed / whole:9.2%}")
     lines.append("mHC kernels alone (attention site):")
     lines += [f"  {name:<26} {t:9.1f}" for name, t in micro_rows]
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile_layer.txt"), "w") as f:
-            f.write(text + "\n")
+    report("\n".join(lines), "profile_layer.txt")
     return 0
 
 

@@ -39,15 +39,21 @@ def at_least(lo: int, why: str = ""):
     return parse
 
 
-def seconds(text: str) -> float:
-    """``type=`` for a duration flag: seconds > 0 (0 would mean "no time at all", not "forever")."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds > 0")
-    return v
+def number(rule: str, zero: bool = False):
+    """``type=`` for a finite float flag: > 0 (``zero``: >= 0); the error names ``rule``."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not ((0 <= v) if zero else (0 < v)) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {rule}")
+        return v
+    return parse
+
+
+# ``type=`` for a duration flag: seconds > 0 (0 would mean "no time at all", not "forever")
+seconds = number("a number of seconds > 0")
 
 
 def waves(text: str) -> int | str:

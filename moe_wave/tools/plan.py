@@ -25,7 +25,7 @@ from moe_wave.config import PRESETS, MoEConfig
 from moe_wave.costmodel import (CommSample, CostModel, MoESample, Topology, fit, held_out, leave_one_out,
                                 summarize)
 from moe_wave.tools.demo import format_table
-from moe_wave.tools.flags import HelpFormatter, at_least
+from moe_wave.tools.flags import HelpFormatter, at_least, number
 
 __all__ = ["register", "load_points", "BACKENDS", "default_data", "int_list", "positive", "non_negative"]
 
@@ -120,24 +120,8 @@ def int_list(lo: int):
     return parse
 
 
-def positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number > 0")
-    return v
-
-
-def non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number >= 0")
-    return v
+positive = number("a number > 0")
+non_negative = number("a number >= 0", zero=True)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
