@@ -76,6 +76,7 @@ def rank_main(ep, args) -> dict:
     shapes = args.shapes.split(",") if args.shapes else grid["shapes"]
     bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool, graph=args.graph)
     backends = args.backend.split(",")
+    streams = [int(n) for n in args.expert_streams.split(",")]
     p2p = p2p_limit_GBps(ep)
     symm = symm_options(args, read_env(), backends)    # flag > MOE_WAVE_SYMM_* > default
     rows, t_start = [], time.perf_counter()
@@ -85,8 +86,8 @@ def rank_main(ep, args) -> dict:
             if cfg.num_experts % ep.size:
                 raise ValueError(f"shape {shape}: num_experts={cfg.num_experts} must be divisible by {ep.size} ranks")
             moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
-            for T, placement, W, backend in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
-                                                              backends):
+            for T, placement, W, backend, ns in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
+                                                                  backends, streams):
                 if backend == "deepep" and cfg.num_experts // ep.size > MAX_LOCAL_EXPERTS:
                     rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "backend": backend,
                                  "skipped": f"DeepEP V1 supports at most {MAX_LOCAL_EXPERTS} experts per rank; "
@@ -95,14 +96,16 @@ def rank_main(ep, args) -> dict:
                     continue
                 cap = args.symm_capacity or capacity(args, moe, T, W)
                 m = moe.rescheduled(WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
-                                               symm=symm.replace(capacity=cap)))
-                label = f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
+                                               symm=symm.replace(capacity=cap), expert_streams=ns))
+                label = (f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
+                         f" streams={ns}")
                 r = measure(m, T, bench, tracer=tracer, label=label)
                 if hasattr(m.backend, "check"):
                     m.backend.check()   # a fixed-capacity backend: raise if any row did not fit
                 rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "cuda_graph": args.graph,
                              "effective_waves": m.plan.num_waves, "partition": "experts", "backend": backend,
-                             "shared_placement": placement, "dtype": str(dtype).removeprefix("torch."), **r,
+                             "shared_placement": placement, "expert_streams": ns,
+                             "dtype": str(dtype).removeprefix("torch."), **r,
                              "link_util": round(r["GBps"] / p2p, 3) if p2p else None})
                 if ep.rank == 0:
                     print(f"[{time.perf_counter() - t_start:6.1f}s] {label}: serial {r['serial_us']:.0f} "
@@ -164,6 +167,7 @@ def main() -> int:
                     help="rows per (wave, peer) of fixed-capacity backends (symm): every token, or the fullest "
                          "cell of a routed sample times --capacity-margin")
     ap.add_argument("--capacity-margin", type=float, default=1.25)
+    ap.add_argument("--expert-streams", default="2", help="comma list of WaveConfig.expert_streams (1-4)")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
     add_symm_args(ap)

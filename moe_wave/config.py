@@ -123,6 +123,9 @@ class WaveConfig:
         shared_chunks: row chunks the shared down_proj is cut into.
         shared_tail_chunks: how many of them run during the last combine (bubbles only).
         grouped_mm: "auto" (torch._grouped_mm on CUDA bf16, a loop elsewhere), "on" or "off".
+        expert_streams: how many streams the pipelined schedule's expert stages take turns on (1: the caller's
+            stream only; 2: every other wave on a second stream, so one wave's kernels fill the tail of the
+            last one's grouped GEMM). The result is the same bit for bit.
         symm: the symm backend's options (``moe_wave.comm.options.SymmOptions``: capacity, data mode, dense
             blocks, signal, timeouts, kernel tuning).
         autowave_cache: num_waves="auto": where the calibrated choices persist, a ``.json`` file or a folder
@@ -138,6 +141,7 @@ class WaveConfig:
     shared_chunks: int = 4
     shared_tail_chunks: int = 1
     grouped_mm: str = "auto"
+    expert_streams: int = 2
     symm: SymmOptions = field(default_factory=SymmOptions)
     autowave_cache: str | None = None
 
@@ -161,6 +165,9 @@ class WaveConfig:
                              f"must be in [0, shared_chunks={self.shared_chunks}]")
         if self.grouped_mm not in ("auto", "on", "off"):
             raise ValueError(f"WaveConfig.grouped_mm={self.grouped_mm!r}: must be 'auto', 'on' or 'off'")
+        if isinstance(self.expert_streams, bool) or not isinstance(self.expert_streams, int) \
+                or not 1 <= self.expert_streams <= 4:
+            raise ValueError(f"WaveConfig.expert_streams={self.expert_streams!r}: must be an int in [1, 4]")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"WaveConfig.overlap={self.overlap!r}: must be True or False")
         if not isinstance(self.symm, SymmOptions):

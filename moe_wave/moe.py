@@ -80,7 +80,7 @@ def _shared_streams(device) -> st.Streams:
     """One set of side streams per device for every WaveMoE of the process (layers run one after another)."""
     key = str(device)
     if key not in _STREAMS:
-        _STREAMS[key] = st.Streams.for_device(device)
+        _STREAMS[key] = st.Streams.for_device(device, num_extra=3)   # up to 4 expert streams (WaveConfig)
     return _STREAMS[key]
 
 
@@ -106,6 +106,7 @@ def _check_agree(ep: EPGroup, cfg: MoEConfig, wave: WaveConfig, dtype: torch.dty
         "WaveConfig (num_waves, experts_per_wave, partition, backend, overlap, shared_placement)":
             (wave.num_waves, wave.experts_per_wave, wave.partition, wave.backend, wave.overlap,
              wave.shared_placement),
+        "WaveConfig.expert_streams": wave.expert_streams,
         "SymmOptions": wave.symm, "dtype": str(dtype)})
 
 
@@ -354,4 +355,5 @@ class WaveMoE(nn.Module):
         out_TD = torch.empty_like(x_TD)
         return run_waves(x_TD, xplan, self.backend, self.routed_rows, acc_TD, overlap=overlap, hooks=shared,
                          fresh=True, add_TD=shared.out if shared is not None else None, dst_TD=out_TD,
-                         local_view=True)    # routed_rows reads this rank's own rows where they are
+                         local_view=True,    # routed_rows reads this rank's own rows where they are
+                         expert_streams=self.streams.extra[:self.wave.expert_streams - 1])

@@ -10,6 +10,10 @@ Issue order (one host thread; GPU work lands on three streams):
 
 dispatch(w+1) is always issued before combine(w), so the next wave's tokens travel while this
 wave computes, and the finished wave's results travel while the next one computes. With
+``expert_streams`` the expert stages take turns on the current stream and those (wave w on stream w mod n):
+experts(w+1) depends only on dispatch(w+1), so its small kernels and the head of its grouped GEMM fill the
+tail of experts(w) instead of waiting behind it. The combines keep their order on the comm stream, so the
+sums are the same bit for bit. With
 ``overlap=False`` the very same operations run strictly one after another: the ``serial``
 baseline of every benchmark. Compute stages never communicate.
 """
@@ -20,6 +24,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from moe_wave.comm import streams as st
 from moe_wave.comm.backend import CombineOut, CommBackend, ExchangePlan, Received
 
 from .profiling import annotate
@@ -37,14 +42,15 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
               expert_fn: Callable[[Received], torch.Tensor], out_TD: torch.Tensor, *,
               overlap: bool = True, hooks: PipelineHooks | None = None, fresh: bool = False,
               add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None,
-              local_view: bool = False) -> torch.Tensor:
+              local_view: bool = False, expert_streams: tuple = ()) -> torch.Tensor:
     """Run every wave; ``out_TD`` (fp32) receives sum_k w_k * expert_k(x) per token: added to what it
     holds, or, with ``fresh``, written over it (wave 0 combines with accumulate=False, so out_TD may
     come from ``torch.empty``). The last wave's sum adds ``add_TD`` and goes to ``dst_TD`` (see
     ``comm.backend``: the layer's output in one pass); returns ``dst_TD`` if given, else ``out_TD``.
     ``hooks.before_last_wait()`` runs just before the last combine's wait (``add_TD`` is read then).
     ``local_view``: the dispatches may leave this rank's own rows in x (``Received.local``; ``expert_fn``
-    must read rows with ``comm.backend.rows_of`` or honour ``local`` itself)."""
+    must read rows with ``comm.backend.rows_of`` or honour ``local`` itself). ``expert_streams``: more
+    streams the expert stages take turns on (pipelined schedule only; see the module docstring)."""
     W = plan.num_waves
 
     def combine(w: int, y_RD, handle):
@@ -75,18 +81,25 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
     if W > 1:
         with annotate("wave1.dispatch"):
             dispatches[1] = backend.dispatch(x_TD, plan, 1, local_view=local_view)
+    main = st.current_stream(x_TD.device)
+    turns = (None,) + tuple(s for s in expert_streams if s is not None) if W > 1 and main is not None else (None,)
+    for s in turns[1:]:
+        st.wait_stream(s, main)               # what the caller queued before the layer
     combines = []
     for w in range(W):
-        got = dispatches.pop(w).wait()
-        with annotate(f"wave{w}.experts"):
-            y_RD = expert_fn(got)
-        if w == W - 1 and hooks is not None:
-            hooks.before_last_combine()
-        with annotate(f"wave{w}.combine"):
-            combines.append(combine(w, y_RD, got.handle))
-        if w + 2 < W:
-            with annotate(f"wave{w + 2}.dispatch"):
-                dispatches[w + 2] = backend.dispatch(x_TD, plan, w + 2, local_view=local_view)
+        with st.on(turns[w % len(turns)]):    # None: the caller's stream
+            got = dispatches.pop(w).wait()
+            with annotate(f"wave{w}.experts"):
+                y_RD = expert_fn(got)
+            if w == W - 1 and hooks is not None:
+                hooks.before_last_combine()
+            with annotate(f"wave{w}.combine"):
+                combines.append(combine(w, y_RD, got.handle))
+            if w + 2 < W:
+                with annotate(f"wave{w + 2}.dispatch"):
+                    dispatches[w + 2] = backend.dispatch(x_TD, plan, w + 2, local_view=local_view)
+    for s in turns[1:]:
+        st.wait_stream(main, s)               # joined (a CUDA-graph capture needs every stream it forked back)
     for w, c in enumerate(combines):
         wait(w, c)
     return out_TD if dst_TD is None else dst_TD

@@ -144,6 +144,8 @@ def test_num_waves_below_one():
         WaveConfig(num_waves=0)
     with pytest.raises(ValueError, match=r"WaveConfig.partition='rows'"):
         WaveConfig(partition="rows")
+    with pytest.raises(ValueError, match=r"WaveConfig.expert_streams=0: must be an int in \[1, 4\]"):
+        WaveConfig(expert_streams=0)
 
 
 def _nan_rows(ep: EPGroup):
