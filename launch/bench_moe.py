@@ -167,7 +167,7 @@ def main() -> int:
                     help="rows per (wave, peer) of fixed-capacity backends (symm): every token, or the fullest "
                          "cell of a routed sample times --capacity-margin")
     ap.add_argument("--capacity-margin", type=float, default=1.25)
-    ap.add_argument("--expert-streams", default="2", help="comma list of WaveConfig.expert_streams (1-4)")
+    ap.add_argument("--expert-streams", default="1", help="comma list of WaveConfig.expert_streams (1-4)")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
     add_symm_args(ap)

@@ -123,9 +123,10 @@ class WaveConfig:
         shared_chunks: row chunks the shared down_proj is cut into.
         shared_tail_chunks: how many of them run during the last combine (bubbles only).
         grouped_mm: "auto" (torch._grouped_mm on CUDA bf16, a loop elsewhere), "on" or "off".
-        expert_streams: how many streams the pipelined schedule's expert stages take turns on (1: the caller's
-            stream only; 2: every other wave on a second stream, so one wave's kernels fill the tail of the
-            last one's grouped GEMM). The result is the same bit for bit.
+        expert_streams: how many streams the pipelined schedule's expert stages take turns on (1, the default: the
+            caller's stream only; 2: every other wave on a second stream, so that one wave's kernels may fill
+            the tail of the last one's grouped GEMM). The result is the same bit for bit. On 2 x H200 (V4-Flash,
+            EP2, graphs) 2 streams changed nothing beyond noise (benchmarks/2026-11-30-moe-graph-streams-*).
         symm: the symm backend's options (``moe_wave.comm.options.SymmOptions``: capacity, data mode, dense
             blocks, signal, timeouts, kernel tuning).
         autowave_cache: num_waves="auto": where the calibrated choices persist, a ``.json`` file or a folder
@@ -141,7 +142,7 @@ class WaveConfig:
     shared_chunks: int = 4
     shared_tail_chunks: int = 1
     grouped_mm: str = "auto"
-    expert_streams: int = 2
+    expert_streams: int = 1
     symm: SymmOptions = field(default_factory=SymmOptions)
     autowave_cache: str | None = None
 
