@@ -2,7 +2,10 @@
 # DeepEP's own tests, unmodified, against moe-wave's deep_ep (moe_wave.deepep_compat) and against real DeepEP V1,
 # on this host's first two GPUs; their timing and bandwidth lines printed side by side.
 #
-#   bash launch/deepep_api.sh [--ours-only]
+#   bash launch/deepep_api.sh [--ours-only] [--tests intranode,low_latency] [--no-bench]
+#
+# After the tests, launch/bench_ll.py times the low-latency calls of both implementations side by side (whole calls
+# and CUDA-graph replays, against the bytes' time at the P2P copy limit); --no-bench skips it.
 #
 # Needs DeepEP's kit in .deps/deepep (git-ignored: cp -r ../shared/deps/deepep .deps/ and carry it along). The
 # tests run from a fresh copy of the kit's tarball. Real DeepEP is built once into DEEPEP_SITE (default
@@ -16,11 +19,16 @@ cd "$REPO_ROOT"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 OURS_ONLY=""
-for a in "$@"; do
-    case "$a" in
+TESTS="intranode low_latency"
+BENCH=1
+while [ $# -gt 0 ]; do
+    case "$1" in
         --ours-only) OURS_ONLY=1 ;;
-        *) echo "deepep_api.sh: unknown argument '$a' (--ours-only)" >&2; exit 2 ;;
+        --no-bench) BENCH="" ;;
+        --tests) shift; TESTS="${1//,/ }" ;;
+        *) echo "deepep_api.sh: unknown argument '$1' (--ours-only, --tests LIST, --no-bench)" >&2; exit 2 ;;
     esac
+    shift
 done
 RES="${RES:-${OUT:-results/deepep-api-$(date -u +%Y%m%d-%H%M%S)}}"
 mkdir -p "$RES"
@@ -70,7 +78,7 @@ run_test() {  # run_test IMPL PYTHONPATH TEST: DeepEP's tests/test_TEST.py --num
     tail -n 5 "$log" | sed 's/^/    /' | tee -a "$RES/deepep_api.log"
 }
 
-for t in intranode low_latency; do run_test moe_wave "$SHIM:$BASE_PP" "$t"; done
+for t in $TESTS; do run_test moe_wave "$SHIM:$BASE_PP" "$t"; done
 if [ -z "$OURS_ONLY" ]; then
     if ! PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import deep_ep" >/dev/null 2>&1; then
         echo "=== building DeepEP into $SITE" | tee -a "$RES/deepep_api.log"
@@ -78,7 +86,22 @@ if [ -z "$OURS_ONLY" ]; then
         [ "$lim" -gt 0 ] && timeout --kill-after=10 "$lim" bash "$KIT/build.sh" "$SITE" 2>&1 | tail -n 20 |
             tee -a "$RES/deepep_api.log"
     fi
-    for t in intranode low_latency; do run_test deepep "$SITE${PYTHONPATH:+:$PYTHONPATH}" "$t"; done
+    for t in $TESTS; do run_test deepep "$SITE${PYTHONPATH:+:$PYTHONPATH}" "$t"; done
+fi
+
+# the low-latency calls side by side (real DeepEP from the build when it imports)
+if [ -n "$BENCH" ]; then
+    lim=$(limit_for 150)
+    if [ "$lim" -gt 0 ]; then
+        echo "=== bench_ll ($lim s)" | tee -a "$RES/deepep_api.log"
+        env -u RANK -u WORLD_SIZE -u LOCAL_RANK PYTHONPATH="$SITE:$BASE_PP" OUT="$RES" \
+            timeout --kill-after=10 "$lim" "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 \
+            launch/bench_ll.py >"$RES/bench_ll.log" 2>&1
+        RC[bench_ll]=$?
+        grep -v "^W1\|^\s*$" "$RES/bench_ll.log" | tail -n 16 | tee -a "$RES/deepep_api.log"
+    else
+        RC[bench_ll]="not-run"; echo "=== bench_ll: not run (budget spent)" | tee -a "$RES/deepep_api.log"
+    fi
 fi
 
 # moe-wave's own GPU checks of the module: CUDA-graph capture and replay of both modes, a gloo group
@@ -86,7 +109,8 @@ lim=$(limit_for 120)
 if [ "$lim" -gt 0 ]; then
     echo "=== moe_wave gpu tests ($lim s)" | tee -a "$RES/deepep_api.log"
     PYTHONPATH="$BASE_PP" timeout --kill-after=10 "$lim" "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
-        tests/test_gpu_deepep_compat.py >"$RES/moe_wave_gpu_tests.log" 2>&1
+        tests/test_gpu_deepep_compat.py tests/test_gpu_ll_direct.py $(ls tests/test_gpu_normal_kernels.py 2>/dev/null) \
+        >"$RES/moe_wave_gpu_tests.log" 2>&1
     RC[moe_wave/gpu_tests]=$?
     tail -n 15 "$RES/moe_wave_gpu_tests.log" | sed 's/^/    /' | tee -a "$RES/deepep_api.log"
 else

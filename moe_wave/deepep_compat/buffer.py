@@ -158,7 +158,7 @@ class Buffer:
                            pg if self.group_size > 1 else None)
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
         self._normal = CompactExchange(self._ep, options, comm_stream=self._comm_stream)
-        self._ll = ll.LowLatency(self._ep, self._comm_stream, options)
+        self._ll = ll.LowLatency(self._ep, self._comm_stream, options, shrink=self.enable_shrink)
         self._destroyed = False
 
     # ------------------------------------------------------------------ lifetime and static helpers

@@ -1,4 +1,8 @@
-"""DeepEP's low-latency mode on moe-wave's engine, with no NVSHMEM: expert-major receive buffers, no host sync.
+"""DeepEP's low-latency mode with no NVSHMEM: expert-major receive buffers, no host sync.
+
+Two paths. On CUDA ranks of an NCCL group with Triton, the direct kernels of ``ll_direct`` run: one launch per call
+(two with a receive hook) straight through peer memory, with rank masks. Elsewhere (gloo ranks on CPU: the tests;
+or with ``MOE_WAVE_LL_PATH=engine``, for comparisons) the calls run on the exchange engine, as described below.
 
 Legend: N local tokens (<= T, the most any rank dispatches), H hidden, S = H / 128, K top-k, P ranks, E experts,
 e = E / P local experts, PT = P * T receive slots per local expert, R = P * T received block rows.
@@ -26,11 +30,12 @@ operations can be in flight, as in DeepEP. The returned tensors are fresh (they 
 combine buffer (``next_combine_buffer``), one per set.
 
 Everything has static shapes and no host read: with the engine's buffers made by an eager call first, a dispatch
-and a combine can be captured in a CUDA graph. Ranks cannot be masked: the engine's barrier waits for every rank.
+and a combine can be captured in a CUDA graph. On the engine ranks cannot be masked: its barrier waits for every rank.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -42,11 +47,15 @@ from moe_wave.comm.symm_plan import SymmPlan
 from moe_wave.comm.triton_gate import triton_ok
 
 from . import ll_kernels as kern
+from .ll_direct import DirectLL, combine_launch, dispatch_launch
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["LowLatency", "LowLatencyHandle", "rdma_size_hint", "check_overlap_kwargs", "slots"]
 
 _WANT = {"auto": None, "triton": True, "torch": False}
+# which path the GPU takes: "auto" (the direct kernels where they run), "direct", or "engine" (the exchange engine,
+# for comparisons)
+PATH_ENV = "MOE_WAVE_LL_PATH"
 # SGLang's single-batch-overlap keywords (DeepEP forks): accepted while their feature is off
 OVERLAP_KWARGS = frozenset({"overlap", "packed_recv_count", "comp_signal", "block_m", "threshold", "num_sms",
                             "src_signals", "src_signal_expect_value"})
@@ -98,6 +107,16 @@ class _State:
     top_k: int = 0
 
 
+@dataclass(frozen=True)
+class _DirectState:
+    """What the direct path's combine needs: the buffer set and the region (its ``posmap`` holds the slots)."""
+
+    set_index: int
+    region: object = field(repr=False)
+    num_tokens: int = 0
+    top_k: int = 0
+
+
 def slots(expert_RK: torch.Tensor, P: int, T: int, e: int):
     """(dest_RK int64: ``expert * PT + slot`` of each received (row, slot) of a local expert, else -1; counts [P, e]).
     Received rows are P blocks of T rows in rank order, each in its source's token order, so slots follow that
@@ -135,18 +154,29 @@ class LowLatency:
         ep: the group; comm_stream: the buffer's communication stream (None on CPU); options: the engine's options.
     """
 
-    def __init__(self, ep, comm_stream, options: SymmOptions | None = None):
+    def __init__(self, ep, comm_stream, options: SymmOptions | None = None, shrink: bool = False):
         options = options or SymmOptions()
         self.ep, self.comm_stream = ep, comm_stream
         self.kernels = triton_ok(ep.device, _WANT[options.kernels])
         self._sets = [CompactExchange(ep, options, comm_stream) for _ in range(2)]
         self._next = 0
         self._combine_bufs: dict = {}
+        path = os.environ.get(PATH_ENV, "auto")
+        if path not in ("auto", "direct", "engine"):
+            raise ValueError(f"{PATH_ENV}={path!r}: must be auto, direct or engine")
+        peer = ep.device.type == "cuda" and ep.size > 1 and "nccl" in ep.backend and self.kernels
+        if path == "direct" and not peer:
+            raise ValueError(f"{PATH_ENV}=direct needs CUDA ranks of an NCCL group with Triton; here: "
+                             f"{ep.device.type}, {ep.size} rank(s), {ep.backend}, Triton {self.kernels}")
+        # the direct kernels (``ll_direct``): peer memory, one launch per call and phase
+        self.direct = DirectLL(ep, options.timeout_ms, shrink) if peer and path != "engine" else None
 
     def close(self) -> None:
         for s in self._sets:
             s.close()
         self._combine_bufs.clear()
+        if self.direct is not None:
+            self.direct.close()
 
     def clean(self, T: int, H: int, E: int) -> None:
         """Back to the first buffer set (every rank calls it, as in DeepEP). Nothing else is left dirty: slot
@@ -236,6 +266,9 @@ class LowLatency:
                                        or wait_stats.shape[0] != P):
             raise ValueError(f"{what}: dispatch_wait_recv_cost_stats must be int64 with {P} rows")
         fp8 = bool(use_fp8)
+        if self.direct is not None:
+            return self._dispatch_direct(x, topk_idx, T, E, K, stats, fp8, bool(round_scale), bool(use_ue8m0),
+                                         async_finish, hook)
         set_index, self._next = self._next, self._next ^ 1
         ex = self._sets[set_index]
         dev, PT = x.device, P * T
@@ -287,6 +320,77 @@ class LowLatency:
         handle = LowLatencyHandle((info, layout_range, T, H, E), state)
         return (recv, scales) if fp8 else recv, count, handle, event, hook_fn
 
+    # ------------------------------------------------------------------ the direct path
+    def _launch(self, fn, async_finish: bool, hook: bool, inputs, outputs, send, receive):
+        """Stream rules of the direct path: ``send()`` on the caller's stream (then the hook runs ``receive()`` on
+        the stream current when it is called), or both in one launch: on the caller's stream, or with
+        ``async_finish`` on the communication stream (inputs and outputs marked used there, an event returned)."""
+        if hook:
+            send()
+            return EventOverlap(None), receive
+        if not async_finish or self.comm_stream is None:
+            fn()
+            return EventOverlap(EventHandle() if async_finish else None), None
+        caller = torch.cuda.current_stream(self.ep.device)
+        comm = self.comm_stream
+        comm.wait_stream(caller)
+        with torch.cuda.stream(comm):
+            fn()
+        if not torch.cuda.is_current_stream_capturing():
+            for t in (*inputs, *outputs):
+                if t is not None:
+                    t.record_stream(comm)
+        return EventOverlap(EventHandle(comm), tuple(t for t in (*inputs, *outputs) if t is not None)), None
+
+    def _dispatch_direct(self, x, topk_idx, T, E, K, stats, fp8, round_scale, ue8m0, async_finish, hook):
+        d = self.direct
+        d.check()
+        P, me = self.ep.size, self.ep.rank
+        N, H = x.shape
+        e, PT = E // P, P * T
+        rg = d.region(T, H, K, E)
+        set_index, self._next = self._next, self._next ^ 1
+        dev = x.device
+        recv = torch.empty(e, PT, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
+        phys = scales = None
+        if fp8:
+            phys = torch.empty(e, H // 512, PT, dtype=torch.int32, device=dev) if ue8m0 else \
+                torch.empty(e, H // 128, PT, dtype=torch.float32, device=dev)
+            scales = phys.transpose(1, 2)
+        count = torch.empty(e, dtype=torch.int32, device=dev)
+        info = torch.empty(e, PT, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(e, P, dtype=torch.int64, device=dev)
+        xc = x if x.stride(1) == 1 else x.contiguous()
+        ids = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
+        out = recv.view(torch.uint8) if fp8 else recv
+
+        def go(send: bool, receive: bool):
+            dispatch_launch(rg, set_index, me, xc, ids, d.mask, d.fault_addr, d.timeout_ms, out, phys, info, count,
+                            layout_range, stats, send=send, recv=receive, fp8=fp8, round_scale=round_scale,
+                            ue8m0=ue8m0)
+
+        event, hook_fn = self._launch(lambda: go(True, True), async_finish, hook, (xc, ids, stats),
+                                      (recv, phys, count, info, layout_range), lambda: go(True, False),
+                                      lambda: go(False, True))
+        handle = LowLatencyHandle((info, layout_range, T, H, E), _DirectState(set_index, rg, N, K))
+        return (recv, scales) if fp8 else recv, count, handle, event, hook_fn
+
+    def _combine_direct(self, st: _DirectState, y, topk_idx, topk_weights, result, async_finish, hook):
+        d = self.direct
+        d.check()
+        me, H = self.ep.rank, y.shape[-1]
+        y2 = y.view(-1, H)
+        ids = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
+        w = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
+
+        def go(weights: bool, partials: bool, receive: bool):
+            combine_launch(st.region, st.set_index, me, y2, ids, w, d.mask, d.fault_addr, d.timeout_ms, result,
+                           weights=weights, partials=partials, recv=receive)
+
+        event, hook_fn = self._launch(lambda: go(True, True, True), async_finish, hook, (y, ids, w), (result,),
+                                      lambda: go(True, True, False), lambda: go(False, False, True))
+        return result, event, hook_fn
+
     # ------------------------------------------------------------------ combine
     def next_combine_buffer(self, handle) -> torch.Tensor:
         """The zero-copy combine buffer of the handle's buffer set: bf16 [e, PT, H], to be filled by the caller."""
@@ -336,6 +440,8 @@ class LowLatency:
             raise ValueError(f"{what}: combine_wait_recv_cost_stats must be an int64 tensor")
         y = self.next_combine_buffer(handle) if zero_copy else x.contiguous()
         result = out if out is not None else torch.empty(N, H, dtype=torch.bfloat16, device=x.device)
+        if isinstance(st, _DirectState):
+            return self._combine_direct(st, y, topk_idx, topk_weights, result, async_finish, hook)
         ex, plan = self._sets[st.set_index], st.plan
 
         def prep():     # on the caller's stream: the weights as the combine is called
@@ -365,6 +471,9 @@ class LowLatency:
     def update_mask(self, rank: int, mask: bool) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.ep.size:
             raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask={rank!r} must be in [0, {self.ep.size})")
+        if self.direct is not None:     # on the current stream, ordered with the calls around it
+            self.direct.mask[rank:rank + 1].fill_(1 if mask else 0)
+            return
         if mask:
             raise NotImplementedError("deep_ep.Buffer.low_latency_update_mask_buffer(mask=True): moe-wave's exchange "
                                       "waits for every rank, so a rank cannot be masked out; rebuild the Buffer over "
@@ -373,7 +482,12 @@ class LowLatency:
     def query_mask(self, mask_status: torch.Tensor) -> None:
         """No rank is ever masked: ``mask_status`` (int32 [P]) is zeroed."""
         _check("low_latency_query_mask_buffer", "mask_status", mask_status, (self.ep.size,), (torch.int32,))
+        if self.direct is not None:
+            mask_status.copy_(self.direct.mask)
+            return
         mask_status.zero_()
 
     def clean_mask(self) -> None:
-        """Nothing is masked, so nothing to clean."""
+        """Unmask every rank (the direct path); elsewhere nothing is ever masked."""
+        if self.direct is not None:
+            self.direct.mask.zero_()

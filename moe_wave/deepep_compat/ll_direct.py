@@ -1,0 +1,532 @@
+"""DeepEP's low-latency mode in two kernels, straight through peer memory: one launch per call and phase.
+
+Legend: N local tokens (<= T, the most any rank dispatches), H hidden, S = H / 128 scale groups, K top-k, P ranks,
+e = E / P local experts, PT = P * T receive slots per local expert, c a call number (per buffer set and exchange).
+
+Every rank owns, per buffer set, a region of symmetric memory (``Region``) that the peers write and it reads:
+
+    rows [P(src), T, 2H bytes]   token t of rank src, if it has an expert here: bf16, or fp8 [H] + float32 scales [S]
+    ids  [P(src), T, K] int32    every token's top-k ids (global), for every rank: the receiver routes from them
+    w    [P(src), T, K] float32  the combine's weights (0 where the id is -1), for every rank
+    part [P(dst), T, H] float32  rank dst's weighted sum over its experts of token t (the combine's partial)
+    ntok / dflag / wflag / pflag [P] int64: tokens src dispatched, and the three exchanges' flags (call numbers)
+
+Dispatch (``_ZN8moe_wave8dispatchEv``; the profilers demangle it to ``moe_wave::dispatch()``):
+
+- send: program-strided over the tokens, each token's row (FP8-cast where asked: DeepEP's per-128-channel
+  ``amax / 448`` scales, or powers of two with ``round_scale``) goes once to every rank that holds one of its
+  experts, and its top-k ids to every rank. The last program to finish (an arrival counter) stores N and then the
+  call number into each rank's flag for this rank, with release semantics at system scope.
+- receive: every program waits (acquire, bounded) for every live rank's flag, then takes received tokens (s, t):
+  the slot of token t in local expert i is the number of tokens before it (sources in rank order, each source's
+  tokens in order) with that expert, counted from the ids, so the layout is deterministic and needs no atomics.
+  The row, its scales (column-major float32 [e, S, PT], or UE8M0 bytes in int32 [e, S / 4, PT]) and t go to every
+  slot; programs strided over the local experts write the counts, DeepEP's ``layout_range`` and the statistics.
+  Each (s, t, k) slot is kept (``posmap``) for the combine.
+
+Combine (``_ZN8moe_wave7combineEv``), three steps:
+
+- weights: each token's top-k weights to every rank (flag ``wflag``);
+- partials: on the expert side, each received token's weighted sum over its slots here, in fp32 in top-k order,
+  goes to its source rank's ``part`` (flag ``pflag``); the weights travel (K floats a token), the expert rows
+  do not (one fp32 row per (token, rank) instead of one bf16 row per (token, expert));
+- receive: each token's partials summed in rank order (fp32), stored in the output's dtype.
+
+Phases: without a receive hook a call is one launch (send, then receive); with one, the call launches the send
+(dispatch) or the weights and partials (combine) and the hook the receive. ``_ZN8moe_wave8dispatchEv`` and
+``_ZN8moe_wave7combineEv`` are the only kernels a call launches.
+
+Flags never need resetting: a call number c per (set, exchange) lives on the device (``state``); a sender stores c,
+a receiver waits until the flag holds at least c. Ranks call in the same order, so their numbers agree; graph
+replays advance them. A region is rewritten only two calls later (two sets, in turn), after every rank has read it:
+a rank reaches its next use of a set only through exchanges that need every peer's progress past the last one.
+
+A peer that does not arrive within ``timeout_ms`` (the GPU's global timer; bounded spins in the interpreter) is
+marked in the rank mask and recorded in the fault words ``[1, peer, call, site]`` (pinned host memory the kernel
+writes, read without a sync): the call completes without that rank, and the next call raises, unless the buffer
+was made with ``enable_shrink`` (DeepEP's: the rank stays masked). A masked rank is skipped: nothing is sent to
+it and nothing is awaited from it.
+
+Programs: at most one per SM (``num_programs``), every one resident, so a program that waits never keeps a sender
+of the same launch from running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_wave.comm.symm_signal import SPINS_PER_MS, globaltimer
+from moe_wave.comm.triton_gate import interpreting, tl, triton
+
+__all__ = ["Region", "DirectLL", "region_layout", "dispatch_launch", "combine_launch", "num_programs", "ST"]
+
+# state words (int64) per buffer set
+ST_DCALL, ST_CCALL, ST_DARR, ST_WARR, ST_PARR = 0, 1, 2, 3, 4
+ST = 8
+# fault words: poison, the peer, the call, the site (1 dispatch, 2 combine weights, 3 combine partials)
+FAULT_WORDS = 4
+_ALIGN = 256
+
+
+def region_layout(P: int, T: int, H: int, K: int) -> dict:
+    """Byte offsets of one buffer set's region (see the module docstring), and its size ``"bytes"``."""
+    off, lay = 0, {}
+    for name, nbytes in (("rows", P * T * 2 * H), ("ids", P * T * K * 4), ("w", P * T * K * 4),
+                         ("part", P * T * H * 4), ("ntok", P * 8), ("dflag", P * 8), ("wflag", P * 8),
+                         ("pflag", P * 8)):
+        lay[name] = off
+        off += -(-nbytes // _ALIGN) * _ALIGN
+    lay["bytes"] = off
+    return lay
+
+
+if triton is not None:
+
+    @triton.jit
+    def _wait(flag_ptr, target, limit, CLOCK: tl.constexpr):
+        """Wait (acquire, system scope) until ``*flag_ptr >= target``; False after ``limit`` (ns or spins)."""
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        n = target * 0
+        if CLOCK:
+            t0 = globaltimer()
+        while (seen < target) & (n < limit):
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            if CLOCK:
+                n = globaltimer() - t0
+            else:
+                n += 1
+        return seen >= target
+
+    @triton.jit
+    def _wait_all(tab_ptr, set_off, flag_off, me, c, mask_ptr, fault_addr, limit, site: tl.constexpr,
+                  P: tl.constexpr, CLOCK: tl.constexpr):
+        """Wait for every live rank's flag (slot p of this rank's ``flag_off`` row) to reach c; a rank that does not
+        arrive is masked and recorded in the fault words."""
+        mine = tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off + flag_off
+        flags = mine.to(tl.pointer_type(tl.int64))
+        for p in range(P):
+            if tl.load(mask_ptr + p, volatile=True) == 0:
+                arrived = _wait(flags + p, c, limit, CLOCK)
+                if arrived.to(tl.int32) == 0:
+                    tl.atomic_xchg(mask_ptr + p, 1)
+                    fault = fault_addr.to(tl.pointer_type(tl.int64))
+                    if tl.load(fault, volatile=True) == 0:
+                        tl.store(fault + 1, p * tl.full([], 1, tl.int64))
+                        tl.store(fault + 2, c)
+                        tl.store(fault + 3, tl.full([], site, tl.int64))
+                        tl.store(fault, 1)
+
+    @triton.jit
+    def _arrive_and_signal(state_ptr, arr_word: tl.constexpr, call_word: tl.constexpr, store_call: tl.constexpr,
+                           tab_ptr, set_off, flag_off: tl.constexpr, ntok_off: tl.constexpr, n, me, c, mask_ptr,
+                           P: tl.constexpr, P_PAD: tl.constexpr):
+        """Count this program in; the last one stores (``ntok_off`` >= 0: n, then) c into slot ``me`` of every live
+        rank's ``flag_off`` row (release, system scope), and (``store_call``) c as the set's call number."""
+        tl.debug_barrier()
+        old = tl.atomic_add(state_ptr + arr_word, 1, sem="acq_rel", scope="sys")
+        if old == tl.num_programs(0) - 1:
+            tl.store(state_ptr + arr_word, 0)
+            pp = tl.arange(0, P_PAD)
+            live = (pp < P) & (tl.load(mask_ptr + pp, mask=pp < P, other=1) == 0)
+            base = tl.load(tab_ptr + pp, mask=pp < P, other=0).to(tl.pointer_type(tl.uint8)) + set_off
+            if ntok_off >= 0:
+                tl.store((base + ntok_off).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + n,
+                         mask=live)
+            tl.atomic_xchg((base + flag_off).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + c,
+                           mask=live, sem="release", scope="sys")
+            if store_call:
+                tl.store(state_ptr + call_word, c)
+
+    @triton.jit
+    def _ZN8moe_wave8dispatchEv(
+            x_ptr, sx, ids_ptr, sid, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
+            out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr,
+            P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
+            O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_NTOK: tl.constexpr, O_FLAG: tl.constexpr,
+            SEND: tl.constexpr, RECV: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
+            UE8M0: tl.constexpr, STATS: tl.constexpr, CLOCK: tl.constexpr,
+            P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
+            SP: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
+        c = tl.load(state_ptr + 0)                    # state word 0: the set's dispatch call number
+        if SEND:
+            c = c + 1
+        RB: tl.constexpr = 2 * H                      # row bytes in the region
+        S: tl.constexpr = H // 128
+        PT: tl.constexpr = P * T
+        kk = tl.arange(0, K_PAD)
+        km = kk < K
+        pp = tl.arange(0, P_PAD)
+        pm = pp < P
+        if SEND:
+            # every rank's region of this set, and whether it is live (not masked)
+            bases = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
+            live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
+            for t in range(pid, N, nprog):
+                ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
+                dst = tl.where(ids >= 0, ids // E_LOC, -1)
+                hit = (tl.sum((dst[None, :] == pp[:, None]).to(tl.int32), 1) > 0) & live     # [P_PAD]
+                slot = (me * T + t) * one
+                idp = (bases + O_IDS).to(tl.pointer_type(tl.int32)) + slot * K
+                tl.store(idp[:, None] + kk[None, :], tl.zeros([P_PAD, K_PAD], tl.int32) + ids[None, :],
+                         mask=live[:, None] & km[None, :])
+                rowp = bases + O_ROWS + slot * RB                                               # [P_PAD] bytes
+                if FP8:
+                    gg = tl.arange(0, G)
+                    ch = tl.arange(0, 128)
+                    for s0 in range(0, S, G):
+                        gm = (s0 + gg) < S
+                        v = tl.load(x_ptr + t * sx + (s0 + gg)[:, None] * 128 + ch[None, :], mask=gm[:, None],
+                                    other=0.0).to(tl.float32)                                    # [G, 128]
+                        amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-4)
+                        if ROUND:   # the power of two at or above amax / 448 (DeepEP's fast_log2_ceil / fast_pow2)
+                            bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+                            ex = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+                            scale = ((127 - ex) << 23).to(tl.float32, bitcast=True)
+                            scale_inv = ((127 + ex) << 23).to(tl.float32, bitcast=True)
+                        else:
+                            scale = 448.0 / amax
+                            scale_inv = amax * (1.0 / 448.0)
+                        q = tl.reshape((v * scale[:, None]).to(tl.float8e4nv), [G * 128])
+                        qo = (s0 * 128 + tl.arange(0, G * 128))
+                        qm = qo < H
+                        rq = rowp.to(tl.pointer_type(tl.float8e4nv))
+                        tl.store(rq[:, None] + qo[None, :], tl.broadcast_to(q[None, :], [P_PAD, G * 128]),
+                                 mask=hit[:, None] & qm[None, :])
+                        scp = (rowp + H).to(tl.pointer_type(tl.float32))
+                        tl.store(scp[:, None] + (s0 + gg)[None, :],
+                                 tl.zeros([P_PAD, G], tl.float32) + scale_inv[None, :],
+                                 mask=hit[:, None] & gm[None, :])
+                else:
+                    rb = rowp.to(tl.pointer_type(tl.bfloat16))
+                    for h0 in range(0, H, BLOCK):
+                        offs = h0 + tl.arange(0, BLOCK)
+                        hm = offs < H
+                        v = tl.load(x_ptr + t * sx + offs, mask=hm, other=0.0)
+                        tl.store(rb[:, None] + offs[None, :], tl.zeros([P_PAD, BLOCK], tl.bfloat16) + v[None, :],
+                                 mask=hit[:, None] & hm[None, :])
+            _arrive_and_signal(state_ptr, 2, 0, True, tab_ptr, set_off, O_FLAG, O_NTOK, N, me, c,  # words 2, 0
+                               mask_ptr, P, P_PAD)
+        if RECV:
+            _wait_all(tab_ptr, set_off, O_FLAG, me, c, mask_ptr, fault_addr, limit, 1, P, CLOCK)
+            mine = tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off
+            ids_reg = (mine + O_IDS).to(tl.pointer_type(tl.int32))
+            ntok_reg = (mine + O_NTOK).to(tl.pointer_type(tl.int64))
+            tt = tl.arange(0, TB)
+            lo = me * E_LOC
+            # received tokens (s, t): their slots, rows, scales and source indices
+            for item in range(pid, PT, nprog):
+                s = item // T
+                t = item % T
+                n_s = tl.where(tl.load(mask_ptr + s, volatile=True) == 0, tl.load(ntok_reg + s), 0).to(tl.int32)
+                if t < n_s:
+                    g = tl.load(ids_reg + (s * T + t) * K + kk, mask=km, other=-1)
+                    loc = g - lo
+                    ok = km & (g >= 0) & (loc >= 0) & (loc < E_LOC)
+                    # tokens before (s, t) with the same expert: whole earlier sources, then s's tokens before t
+                    before = tl.zeros([K_PAD], tl.int32)
+                    for s2 in range(0, s + 1):
+                        n2 = tl.where(tl.load(mask_ptr + s2, volatile=True) == 0, tl.load(ntok_reg + s2),
+                                      0).to(tl.int32)
+                        lim = tl.where(s2 < s, n2, t)
+                        for t0 in range(0, lim, TB):
+                            tm = (t0 + tt) < lim
+                            blk = tl.load(ids_reg + (s2 * T + t0 + tt)[:, None] * K + kk[None, :],
+                                          mask=tm[:, None] & km[None, :], other=-1)             # [TB, K_PAD]
+                            eq = (blk[:, :, None] == g[None, None, :]).to(tl.int32)             # [TB, K_PAD, K_PAD]
+                            before += tl.sum(tl.sum(eq, 0), 0)
+                    dest = loc.to(tl.int64) * PT + before                                       # [K_PAD]
+                    tl.store(posmap_ptr + (s * T + t) * K + kk, tl.where(ok, dest, -1).to(tl.int32), mask=km)
+                    tl.store(info_ptr + dest, tl.zeros([K_PAD], tl.int32) + t, mask=ok)
+                    src = mine + O_ROWS + (s * T + t) * one * RB
+                    if FP8:
+                        for h0 in range(0, H, BLOCK):
+                            offs = h0 + tl.arange(0, BLOCK)
+                            hm = offs < H
+                            v = tl.load(src + offs, mask=hm)
+                            tl.store(out_ptr + dest[:, None] * H + offs[None, :],
+                                     tl.zeros([K_PAD, BLOCK], tl.uint8) + v[None, :], mask=ok[:, None] & hm[None, :])
+                        ss = tl.arange(0, SP)
+                        sm = ss < S
+                        sc = tl.load((src + H).to(tl.pointer_type(tl.float32)) + ss, mask=sm, other=1.0)
+                        slot = before.to(tl.int64)
+                        if UE8M0:   # exponent byte s of int32 group s // 4, column-major [e, S / 4, PT] int32
+                            byte = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+                            adr = loc.to(tl.int64)[:, None] * (S * PT) + (ss // 4)[None, :] * (PT * 4) + \
+                                slot[:, None] * 4 + (ss % 4)[None, :]
+                            tl.store(sc_ptr + adr, tl.zeros([K_PAD, SP], tl.uint8) + byte[None, :],
+                                     mask=ok[:, None] & sm[None, :])
+                        else:       # column-major [e, S, PT] float32
+                            adr = loc.to(tl.int64)[:, None] * (S * PT) + ss[None, :] * PT + slot[:, None]
+                            tl.store(sc_ptr + adr, tl.zeros([K_PAD, SP], tl.float32) + sc[None, :],
+                                     mask=ok[:, None] & sm[None, :])
+                    else:
+                        sb = src.to(tl.pointer_type(tl.bfloat16))
+                        for h0 in range(0, H, BLOCK):
+                            offs = h0 + tl.arange(0, BLOCK)
+                            hm = offs < H
+                            v = tl.load(sb + offs, mask=hm)
+                            tl.store(out_ptr + dest[:, None] * H + offs[None, :],
+                                     tl.zeros([K_PAD, BLOCK], tl.bfloat16) + v[None, :],
+                                     mask=ok[:, None] & hm[None, :])
+                else:
+                    tl.store(posmap_ptr + (s * T + t) * K + kk, tl.full([K_PAD], -1, tl.int32), mask=km)
+                if t == 0:
+                    tl.store(nrecv_ptr + s, n_s)
+            # per local expert: counts, DeepEP's layout_range (begin << 32 | count per source), statistics
+            for i in range(pid, E_LOC, nprog):
+                total = one * 0
+                for s2 in range(P):
+                    n2 = tl.where(tl.load(mask_ptr + s2, volatile=True) == 0, tl.load(ntok_reg + s2), 0).to(tl.int32)
+                    cnt = total * 0
+                    for t0 in range(0, n2, TB):
+                        tm = (t0 + tt) < n2
+                        blk = tl.load(ids_reg + (s2 * T + t0 + tt)[:, None] * K + kk[None, :],
+                                      mask=tm[:, None] & km[None, :], other=-1)
+                        cnt += tl.sum(tl.sum((blk == lo + i).to(tl.int64), 1), 0)
+                    tl.store(range_ptr + i * P + s2, (total << 32) | cnt)
+                    total += cnt
+                tl.store(count_ptr + i, total.to(tl.int32))
+                if STATS:
+                    tl.store(stats_ptr + i, tl.load(stats_ptr + i) + total.to(stats_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _ZN8moe_wave7combineEv(
+            y_ptr, sy, ids_ptr, sid, w_ptr, sw, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
+            out_ptr, so, posmap_ptr, nrecv_ptr,
+            P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
+            O_W: tl.constexpr, O_PART: tl.constexpr, O_WFLAG: tl.constexpr, O_PFLAG: tl.constexpr,
+            WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, CLOCK: tl.constexpr,
+            P_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
+        c = tl.load(state_ptr + 1)                    # state word 1: the set's combine call number
+        if WEIGHTS:
+            c = c + 1
+        kk = tl.arange(0, K_PAD)
+        km = kk < K
+        pp = tl.arange(0, P_PAD)
+        pm = pp < P
+        bases = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
+        mine = tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off
+        if WEIGHTS:     # each token's weights (0 where its id is -1) to every live rank
+            live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
+            for t in range(pid, N, nprog):
+                ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1)
+                w = tl.where(ids >= 0, tl.load(w_ptr + t * sw + kk, mask=km, other=0.0), 0.0)
+                wp = (bases + O_W).to(tl.pointer_type(tl.float32)) + (me * T + t) * K
+                tl.store(wp[:, None] + kk[None, :], tl.zeros([P_PAD, K_PAD], tl.float32) + w[None, :],
+                         mask=live[:, None] & km[None, :])
+            _arrive_and_signal(state_ptr, 3, 1, True, tab_ptr, set_off, O_WFLAG, -1, 0, me, c,  # words 3, 1
+                               mask_ptr, P, P_PAD)
+        if PARTIALS:    # expert side: each received token's weighted sum over its slots here, to its source
+            _wait_all(tab_ptr, set_off, O_WFLAG, me, c, mask_ptr, fault_addr, limit, 2, P, CLOCK)
+            wreg = (mine + O_W).to(tl.pointer_type(tl.float32))
+            for item in range(pid, P * T, nprog):
+                s = item // T
+                t = item % T
+                live_s = tl.load(mask_ptr + s, volatile=True) == 0
+                if live_s & (t < tl.load(nrecv_ptr + s)):
+                    dest = tl.load(posmap_ptr + (s * T + t) * K + kk, mask=km, other=-1)
+                    ok = dest >= 0
+                    if tl.sum(ok.to(tl.int32), 0) > 0:
+                        w = tl.load(wreg + (s * T + t) * K + kk, mask=ok, other=0.0)
+                        dst = (tl.load(tab_ptr + s).to(tl.pointer_type(tl.uint8)) + set_off + O_PART)
+                        dst = dst.to(tl.pointer_type(tl.float32)) + (me * T + t) * one * H
+                        d64 = tl.maximum(dest, 0).to(tl.int64)
+                        for h0 in range(0, H, BLOCK):
+                            offs = h0 + tl.arange(0, BLOCK)
+                            hm = offs < H
+                            v = tl.load(y_ptr + d64[:, None] * sy + offs[None, :], mask=ok[:, None] & hm[None, :],
+                                        other=0.0).to(tl.float32)                                 # [K_PAD, BLOCK]
+                            acc = tl.sum(v * w[:, None], 0)
+                            tl.store(dst + offs, acc, mask=hm)
+            _arrive_and_signal(state_ptr, 4, 1, False, tab_ptr, set_off, O_PFLAG, -1, 0, me, c,  # word 4
+                               mask_ptr, P, P_PAD)
+        if RECV:        # source side: each token's partials, summed in rank order
+            _wait_all(tab_ptr, set_off, O_PFLAG, me, c, mask_ptr, fault_addr, limit, 3, P, CLOCK)
+            part = (mine + O_PART).to(tl.pointer_type(tl.float32))
+            live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
+            for t in range(pid, N, nprog):
+                ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
+                dst = tl.where(ids >= 0, ids // E_LOC, -1)
+                has = (tl.sum((dst[None, :] == pp[:, None]).to(tl.int32), 1) > 0) & live           # [P_PAD]
+                for h0 in range(0, H, BLOCK):
+                    offs = h0 + tl.arange(0, BLOCK)
+                    hm = offs < H
+                    v = tl.load(part + (pp.to(tl.int64) * T + t)[:, None] * H + offs[None, :],
+                                mask=has[:, None] & hm[None, :], other=0.0)
+                    tl.store(out_ptr + t * so + offs, tl.sum(v, 0).to(out_ptr.dtype.element_ty), mask=hm)
+
+
+def num_programs(device: torch.device, work: int) -> int:
+    """Programs of one launch: enough for the work, at most one per SM (all resident), 4 in the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return max(1, min(work, 4))
+    return max(1, min(work, torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def _pad(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))
+
+
+def _clock_limit(device: torch.device, timeout_ms: int) -> tuple[bool, int]:
+    clock = globaltimer is not None and device.type == "cuda" and torch.version.cuda is not None \
+        and not interpreting()
+    return clock, (int(timeout_ms) * 1_000_000 if clock else max(1, int(timeout_ms) * SPINS_PER_MS))
+
+
+@dataclass
+class Region:
+    """One (T, H, K, E) configuration's buffers on one rank: both sets' symmetric regions and the local state.
+
+    Attributes:
+        P, T, H, K, E: the configuration; lay: ``region_layout``; set_bytes: one set's region.
+        tab: int64 [P] every rank's region address (device); keep: what holds the memory (buffer, handle).
+        state: int64 [2, ST] call numbers and arrival counters per set (device).
+        posmap: int32 [2, P, T, K] each received (source, token, top-k) slot: expert * PT + slot, or -1.
+        nrecv: int32 [2, P] tokens received from each source.
+    """
+
+    P: int
+    T: int
+    H: int
+    K: int
+    E: int
+    lay: dict
+    tab: torch.Tensor
+    state: torch.Tensor
+    posmap: torch.Tensor
+    nrecv: torch.Tensor
+    keep: tuple = field(default=(), repr=False)
+
+    @property
+    def set_bytes(self) -> int:
+        return self.lay["bytes"]
+
+
+def make_region(P: int, T: int, H: int, K: int, E: int, device, base_addrs: list[int], keep=()) -> Region:
+    """A ``Region`` over regions (two sets each) already allocated at ``base_addrs`` (one per rank)."""
+    dev = torch.device(device)
+    return Region(P, T, H, K, E, region_layout(P, T, H, K),
+                  torch.tensor(base_addrs, dtype=torch.int64, device=dev),
+                  torch.zeros(2, ST, dtype=torch.int64, device=dev),
+                  torch.full((2, P, T, K), -1, dtype=torch.int32, device=dev),
+                  torch.zeros(2, P, dtype=torch.int32, device=dev), keep)
+
+
+def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                    fault_addr: int, timeout_ms: int, out: torch.Tensor, scales, info: torch.Tensor,
+                    count: torch.Tensor, layout_range: torch.Tensor, stats, *, send: bool, recv: bool, fp8: bool,
+                    round_scale: bool, ue8m0: bool, programs: int | None = None) -> None:
+    """One dispatch launch (``send`` and/or ``recv``) on the current stream; see the module docstring.
+
+    ``out`` is the receive tensor [e, PT, H] (fp8 rows as uint8), ``scales`` the physical scale tensor (float32
+    [e, S, PT] or int32 [e, S / 4, PT]) or None, ``info`` int32 [e, PT], ``count`` int32 [e], ``layout_range``
+    int64 [e, P], ``stats`` None or [e]."""
+    P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
+    N = x.shape[0]
+    dev = x.device
+    clock, limit = _clock_limit(dev, timeout_ms)
+    work = max(N if send else 1, P * T if recv else 1, e if recv else 1)
+    nprog = programs or num_programs(dev, work)
+    lay = rg.lay
+    st = rg.state[set_index]
+    sc = scales if scales is not None else out
+    if fp8 and ue8m0:
+        sc = sc.view(torch.uint8)
+    G = 8
+    _ZN8moe_wave8dispatchEv[(nprog,)](
+        x, x.stride(0), ids, ids.stride(0), N, rg.tab, set_index * rg.set_bytes, me, mask, st, fault_addr, limit,
+        out, sc, info, count, layout_range, stats if stats is not None else count, rg.posmap[set_index],
+        rg.nrecv[set_index],
+        P=P, T=T, H=H, K=K, E_LOC=e, O_ROWS=lay["rows"], O_IDS=lay["ids"], O_NTOK=lay["ntok"], O_FLAG=lay["dflag"],
+        SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale, UE8M0=ue8m0, STATS=stats is not None, CLOCK=clock,
+        P_PAD=_pad(P), K_PAD=_pad(K), TB=32, BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K)))), G=G,
+        SP=_pad(H // 128))
+
+
+def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                   mask: torch.Tensor, fault_addr: int, timeout_ms: int, out: torch.Tensor, *, weights: bool,
+                   partials: bool, recv: bool, programs: int | None = None) -> None:
+    """One combine launch (any run of its three steps) on the current stream; ``y`` is [e * PT, H] bf16 rows."""
+    P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
+    N = ids.shape[0]
+    dev = ids.device
+    clock, limit = _clock_limit(dev, timeout_ms)
+    work = max(N, P * T if partials else 1)
+    nprog = programs or num_programs(dev, work)
+    lay = rg.lay
+    _ZN8moe_wave7combineEv[(nprog,)](
+        y, y.stride(0), ids, ids.stride(0), w, w.stride(0), N, rg.tab, set_index * rg.set_bytes, me, mask,
+        rg.state[set_index], fault_addr, limit, out, out.stride(0), rg.posmap[set_index], rg.nrecv[set_index],
+        P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"], O_PFLAG=lay["pflag"],
+        WEIGHTS=weights, PARTIALS=partials, RECV=recv, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K),
+        BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K)))))
+
+
+class DirectLL:
+    """The low-latency mode's GPU path on peer memory (see the module docstring): regions per configuration,
+    the rank mask and the fault words.
+
+    Args:
+        ep: the group (NCCL, ranks of one host); timeout_ms: how long a peer may be late; shrink: DeepEP's
+            ``enable_shrink`` (a late rank stays masked, and no error is raised).
+    """
+
+    def __init__(self, ep, timeout_ms: int, shrink: bool = False):
+        self.ep, self.timeout_ms, self.shrink = ep, int(timeout_ms), bool(shrink)
+        self.mask = torch.zeros(ep.size, dtype=torch.int32, device=ep.device)
+        pin = ep.device.type == "cuda"
+        self.fault = torch.zeros(FAULT_WORDS, dtype=torch.int64, pin_memory=pin)
+        self._fault_np = self.fault.numpy()
+        self._regions: dict = {}
+
+    @property
+    def fault_addr(self) -> int:
+        return self.fault.data_ptr()
+
+    def region(self, T: int, H: int, K: int, E: int) -> Region:
+        """The configuration's region (collective on first use: every rank asks for the same, outside capture)."""
+        key = (T, H, K, E)
+        rg = self._regions.get(key)
+        if rg is None:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("low-latency mode: run one dispatch and combine of this shape eagerly before "
+                                   "capturing a CUDA graph (its buffers are allocated on first use, by every rank)")
+            P = self.ep.size
+            nbytes = 2 * region_layout(P, T, H, K)["bytes"]
+            buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.ep.device)
+            hdl = symm_mem.rendezvous(buf, self.ep.pg.group_name)
+            buf.zero_()
+            addrs = [hdl.get_buffer(p, [nbytes], torch.uint8, 0).data_ptr() for p in range(P)]
+            hdl.barrier(channel=0, timeout_ms=self.timeout_ms)      # every region zeroed before anyone writes
+            rg = make_region(P, T, H, K, E, self.ep.device, addrs, keep=(buf, hdl))
+            self._regions[key] = rg
+        return rg
+
+    def memory_bytes(self) -> int:
+        return sum(2 * r.set_bytes for r in self._regions.values())
+
+    def check(self) -> None:
+        """Raise a recorded late peer (pinned words: no sync), unless shrinking; then clear the record."""
+        f = self._fault_np
+        if f[0]:
+            peer, call, site = int(f[1]), int(f[2]), int(f[3])
+            f[:] = 0
+            if not self.shrink:
+                what = {1: "dispatch", 2: "combine (weights)", 3: "combine (partial sums)"}.get(site, "exchange")
+                raise RuntimeError(
+                    f"low-latency {what}: rank {self.ep.rank} gave up waiting for rank {peer} (call {call}) after "
+                    f"SymmOptions.timeout_ms={self.timeout_ms}: that rank stopped or fell behind; it is masked "
+                    f"(low_latency_query_mask_buffer) and that call's outputs lack its tokens")
+
+    def close(self) -> None:
+        self._regions.clear()
