@@ -11,8 +11,8 @@ never taken for it). Each is timed three ways, FP8 dispatch (as DeepEP's test) a
 - graph: the same calls captured in CUDA graphs and replayed (GPU time only);
 - remote bytes over the P2P copy limit (a 256 MB copy GPU0 -> GPU1 in the same run): the least time the bytes that
   cross NVLink can take. Ours sends each token once per rank that holds one of its experts (FP8 row + scales, and
-  its top-k ids to every rank) and gets back one fp32 partial sum per (token, rank), after the top-k weights went
-  out; DeepEP sends a row per (token, expert) each way.
+  its top-k ids and slots to every rank) and gets back one partial sum per (token, rank) (bf16; fp32 in
+  "ours-fp32"), after the top-k weights went out; DeepEP sends a row per (token, expert) each way.
 
 The SMs a phase occupies: ours launches one program per SM at most (``ll_direct.num_programs``); DeepEP's
 low-latency kernels take every SM. Prints a markdown table; writes it and a JSON under $OUT when set.
@@ -61,13 +61,17 @@ def _buffer(impl, group, N, H, E):
         return deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=E // P,
                               allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True)
     from moe_wave.deepep_compat import Buffer
+    from moe_wave.deepep_compat import ll_direct
 
+    ll_direct.FAST_LAUNCH = impl != "ours-jit"
     os.environ["MOE_WAVE_LL_PATH"] = "engine" if impl == "ours-engine" else "auto"
+    os.environ["MOE_WAVE_LL_PARTIAL"] = "fp32" if impl == "ours-fp32" else "bf16"
     try:
         return Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(N, H, P, E), low_latency_mode=True,
                       explicitly_destroy=True)
     finally:
         os.environ.pop("MOE_WAVE_LL_PATH", None)
+        os.environ.pop("MOE_WAVE_LL_PARTIAL", None)
 
 
 def _time(fn_a, fn_b, iters):
@@ -107,6 +111,23 @@ def bench_impl(impl, ep, args):
     torch.cuda.synchronize()
     dist.barrier()
     whole = _time(disp, comb, args.iters)
+    if args.profile_host and impl == "ours":      # where a call's host time goes (rank 0 prints)
+        import cProfile
+        import io
+        import pstats
+
+        torch.cuda.synchronize()
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            disp(), comb()
+        prof.disable()
+        torch.cuda.synchronize()
+        if ep.rank == 0:
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+            print("host profile of 100 dispatch + combine pairs (ours):\n" + out.getvalue()[-4000:])
     # graphs: both sets made eagerly above; each call captured once
     buf.clean_low_latency_buffer(N, H, E)
     torch.cuda.synchronize()
@@ -143,9 +164,9 @@ def bench_impl(impl, ep, args):
         all_ids = [torch.empty_like(ids) for _ in range(P)]
         dist.all_gather(all_ids, ids)
         recv_remote = sum(int(((a // e) == ep.rank).any(1).sum()) for r, a in enumerate(all_ids) if r != ep.rank)
-        d_bytes = int(remote.sum()) * (H + 4 * S) + N * K * 4 * (P - 1)
-        c_bytes = N * K * 4 * (P - 1) + recv_remote * 4 * H
-    if impl == "ours":
+        d_bytes = int(remote.sum()) * (H + 4 * S) + N * K * 8 * (P - 1) + e * 4 * (P - 1)
+        c_bytes = N * K * 4 * (P - 1) + recv_remote * (4 if impl == "ours-fp32" else 2) * H
+    if impl.startswith("ours") and impl != "ours-engine":
         from moe_wave.deepep_compat.ll_direct import num_programs
         sms = num_programs(ep.device, max(N, P * N, e))
     elif impl == "deepep":
@@ -165,7 +186,10 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=288)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--impls", default="ours,ours-engine,deepep")
+    ap.add_argument("--impls", default="ours,ours-fp32,ours-jit,ours-engine,deepep",
+                    help="ours (direct kernels), ours-fp32 (fp32 partial sums), ours-jit (every launch through "
+                         "Triton's JIT), ours-engine (the exchange engine), deepep (real DeepEP, when importable)")
+    ap.add_argument("--profile-host", action="store_true", help="cProfile 100 eager calls of ours (rank 0 prints)")
     args = ap.parse_args()
     ep = init_ep()
     p2p = p2p_limit_GBps(ep)

@@ -96,9 +96,9 @@ if [ -n "$BENCH" ]; then
         echo "=== bench_ll ($lim s)" | tee -a "$RES/deepep_api.log"
         env -u RANK -u WORLD_SIZE -u LOCAL_RANK PYTHONPATH="$SITE:$BASE_PP" OUT="$RES" \
             timeout --kill-after=10 "$lim" "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 \
-            launch/bench_ll.py >"$RES/bench_ll.log" 2>&1
+            launch/bench_ll.py --profile-host >"$RES/bench_ll.log" 2>&1
         RC[bench_ll]=$?
-        grep -v "^W1\|^\s*$" "$RES/bench_ll.log" | tail -n 16 | tee -a "$RES/deepep_api.log"
+        grep -v "^W1\|^\s*$" "$RES/bench_ll.log" | tail -n 70 | tee -a "$RES/deepep_api.log"
     else
         RC[bench_ll]="not-run"; echo "=== bench_ll: not run (budget spent)" | tee -a "$RES/deepep_api.log"
     fi

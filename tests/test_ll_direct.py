@@ -46,7 +46,7 @@ class Ranks:
         from moe_wave.deepep_compat.ll_direct import make_region, region_layout
 
         self.P = P
-        nbytes = 2 * region_layout(P, T, H, K)["bytes"]
+        nbytes = 2 * region_layout(P, T, H, K, E)["bytes"]
         self.mem = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(P)]
         addrs = [m.data_ptr() for m in self.mem]
         self.rg = [make_region(P, T, H, K, E, "cpu", addrs, keep=(self.mem,)) for _ in range(P)]
@@ -82,7 +82,7 @@ class Ranks:
                             fp8=fp8, round_scale=rnd, ue8m0=ue, programs=3)
         return outs
 
-    def combine(self, set_index, inputs, ys):
+    def combine(self, set_index, inputs, ys, part_bf16=True):
         from moe_wave.deepep_compat.ll_direct import combine_launch
 
         P = self.P
@@ -92,7 +92,7 @@ class Ranks:
                 _, ids, w = inputs[r]
                 combine_launch(self.rg[r], set_index, r, ys[r].view(-1, H), ids, w, self.mask[r],
                                self.fault[r].data_ptr(), 1000, outs[r], weights=step == "weights",
-                               partials=step == "partials", recv=step == "recv", programs=3)
+                               partials=step == "partials", recv=step == "recv", part_bf16=part_bf16, programs=3)
         return outs
 
 
@@ -154,7 +154,7 @@ def test_dispatch_and_combine_match_the_reference(P, N_list):
         # the combine: expert i of rank r returns its rows times (i + 1); the source gets sum_k w_k (i_k + 1) x
         ys = [(outs[r]["recv"].float() * torch.arange(1, e + 1, dtype=torch.float32)[:, None, None]).to(
             torch.bfloat16) for r in range(P)]
-        got = rk.combine(set_index, inputs, ys)
+        got = rk.combine(set_index, inputs, ys, part_bf16=call > 0)         # fp32 partials, then bf16
         for r in range(P):
             x, ids, w = inputs[r]
             loc = (ids % e + 1).float()

@@ -6,30 +6,34 @@ e = E / P local experts, PT = P * T receive slots per local expert, c a call num
 Every rank owns, per buffer set, a region of symmetric memory (``Region``) that the peers write and it reads:
 
     rows [P(src), T, 2H bytes]   token t of rank src, if it has an expert here: bf16, or fp8 [H] + float32 scales [S]
-    ids  [P(src), T, K] int32    every token's top-k ids (global), for every rank: the receiver routes from them
+    ids  [P(src), T, 2, K] int32 every token's top-k ids (global) and its slot among src's tokens of each of those
+                                 experts, for every rank: the receiver routes from them
+    cnt  [P(src), e] int32       how many of src's tokens each local expert gets
     w    [P(src), T, K] float32  the combine's weights (0 where the id is -1), for every rank
-    part [P(dst), T, H] float32  rank dst's weighted sum over its experts of token t (the combine's partial)
+    part [P(dst), T, H]          rank dst's weighted sum over its experts of token t (the combine's partial; bf16
+                                 by default, fp32 with MOE_WAVE_LL_PARTIAL=fp32)
     ntok / dflag / wflag / pflag [P] int64: tokens src dispatched, and the three exchanges' flags (call numbers)
 
 Dispatch (``_ZN8moe_wave8dispatchEv``; the profilers demangle it to ``moe_wave::dispatch()``):
 
 - send: program-strided over the tokens, each token's row (FP8-cast where asked: DeepEP's per-128-channel
   ``amax / 448`` scales, or powers of two with ``round_scale``) goes once to every rank that holds one of its
-  experts, and its top-k ids to every rank. The last program to finish (an arrival counter) stores N and then the
-  call number into each rank's flag for this rank, with release semantics at system scope.
+  experts, and its top-k ids with its slots (the tokens before it with the same expert) to every rank. The last
+  program to finish (an arrival counter) writes each rank its per-expert counts (a histogram of the ids), N, and
+  then the call number into that rank's flag for this rank, with release semantics at system scope.
 - receive: every program waits (acquire, bounded) for every live rank's flag, then takes received tokens (s, t):
-  the slot of token t in local expert i is the number of tokens before it (sources in rank order, each source's
-  tokens in order) with that expert, counted from the ids, so the layout is deterministic and needs no atomics.
+  the slot of token t in local expert i is its slot among s's tokens plus the counts of the sources before s
+  (sources in rank order, each source's tokens in order), so the layout is deterministic and needs no atomics.
   The row, its scales (column-major float32 [e, S, PT], or UE8M0 bytes in int32 [e, S / 4, PT]) and t go to every
-  slot; programs strided over the local experts write the counts, DeepEP's ``layout_range`` and the statistics.
-  Each (s, t, k) slot is kept (``posmap``) for the combine.
+  slot; the last program writes the counts, DeepEP's ``layout_range`` and the statistics. Each (s, t, k) slot is
+  kept (``posmap``) for the combine.
 
 Combine (``_ZN8moe_wave7combineEv``), three steps:
 
 - weights: each token's top-k weights to every rank (flag ``wflag``);
-- partials: on the expert side, each received token's weighted sum over its slots here, in fp32 in top-k order,
-  goes to its source rank's ``part`` (flag ``pflag``); the weights travel (K floats a token), the expert rows
-  do not (one fp32 row per (token, rank) instead of one bf16 row per (token, expert));
+- partials: on the expert side, each received token's weighted sum over its slots here (fp32, top-k order) goes
+  to its source rank's ``part`` (flag ``pflag``); the weights travel (K floats a token), the expert rows do not
+  (one row per (token, rank) instead of one per (token, expert));
 - receive: each token's partials summed in rank order (fp32), stored in the output's dtype.
 
 Phases: without a receive hook a call is one launch (send, then receive); with one, the call launches the send
@@ -48,11 +52,14 @@ was made with ``enable_shrink`` (DeepEP's: the rank stays masked). A masked rank
 it and nothing is awaited from it.
 
 Programs: at most one per SM (``num_programs``), every one resident, so a program that waits never keeps a sender
-of the same launch from running.
+of the same launch from running. Launches after the first of a specialization skip Triton's JIT dispatch
+(``Launcher``): the host time of a call is what DeepEP's test measures.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -65,15 +72,19 @@ __all__ = ["Region", "DirectLL", "region_layout", "dispatch_launch", "combine_la
 # state words (int64) per buffer set
 ST_DCALL, ST_CCALL, ST_DARR, ST_WARR, ST_PARR = 0, 1, 2, 3, 4
 ST = 8
+# the partial sums' wire type: bf16 (the default: half the bytes, one rounding more than DeepEP's fp32 sum of bf16
+# rows) or fp32
+PARTIAL_ENV = "MOE_WAVE_LL_PARTIAL"
 # fault words: poison, the peer, the call, the site (1 dispatch, 2 combine weights, 3 combine partials)
 FAULT_WORDS = 4
 _ALIGN = 256
 
 
-def region_layout(P: int, T: int, H: int, K: int) -> dict:
+def region_layout(P: int, T: int, H: int, K: int, E: int) -> dict:
     """Byte offsets of one buffer set's region (see the module docstring), and its size ``"bytes"``."""
     off, lay = 0, {}
-    for name, nbytes in (("rows", P * T * 2 * H), ("ids", P * T * K * 4), ("w", P * T * K * 4),
+    for name, nbytes in (("rows", P * T * 2 * H), ("ids", P * T * 2 * K * 4), ("cnt", P * (E // P) * 4),
+                         ("w", P * T * K * 4),
                          ("part", P * T * H * 4), ("ntok", P * 8), ("dflag", P * 8), ("wflag", P * 8),
                          ("pflag", P * 8)):
         lay[name] = off
@@ -144,11 +155,11 @@ if triton is not None:
             x_ptr, sx, ids_ptr, sid, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
             out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr,
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
-            O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_NTOK: tl.constexpr, O_FLAG: tl.constexpr,
-            SEND: tl.constexpr, RECV: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
+            O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_CNT: tl.constexpr, O_NTOK: tl.constexpr,
+            O_FLAG: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
             UE8M0: tl.constexpr, STATS: tl.constexpr, CLOCK: tl.constexpr,
             P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
-            SP: tl.constexpr):
+            SP: tl.constexpr, NB: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
@@ -162,6 +173,7 @@ if triton is not None:
         km = kk < K
         pp = tl.arange(0, P_PAD)
         pm = pp < P
+        tt = tl.arange(0, TB)
         if SEND:
             # every rank's region of this set, and whether it is live (not masked)
             bases = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
@@ -170,9 +182,18 @@ if triton is not None:
                 ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
                 dst = tl.where(ids >= 0, ids // E_LOC, -1)
                 hit = (tl.sum((dst[None, :] == pp[:, None]).to(tl.int32), 1) > 0) & live     # [P_PAD]
+                # the token's slot among this rank's tokens of each of its experts: the tokens before it with it
+                before = tl.zeros([K_PAD], tl.int32)
+                for t0 in range(0, t, TB):
+                    tm = (t0 + tt) < t
+                    blk = tl.load(ids_ptr + (t0 + tt)[:, None] * sid + kk[None, :], mask=tm[:, None] & km[None, :],
+                                  other=-1).to(tl.int32)
+                    before += tl.sum(tl.sum((blk[:, :, None] == ids[None, None, :]).to(tl.int32), 0), 0)
                 slot = (me * T + t) * one
-                idp = (bases + O_IDS).to(tl.pointer_type(tl.int32)) + slot * K
-                tl.store(idp[:, None] + kk[None, :], tl.zeros([P_PAD, K_PAD], tl.int32) + ids[None, :],
+                idp = (bases + O_IDS).to(tl.pointer_type(tl.int32)) + slot * (2 * K)              # [ids | slots]
+                tl.store(idp[:, None] + kk[None, :], tl.broadcast_to(ids[None, :], [P_PAD, K_PAD]),
+                         mask=live[:, None] & km[None, :])
+                tl.store(idp[:, None] + K + kk[None, :], tl.broadcast_to(before[None, :], [P_PAD, K_PAD]),
                          mask=live[:, None] & km[None, :])
                 rowp = bases + O_ROWS + slot * RB                                               # [P_PAD] bytes
                 if FP8:
@@ -198,8 +219,7 @@ if triton is not None:
                         tl.store(rq[:, None] + qo[None, :], tl.broadcast_to(q[None, :], [P_PAD, G * 128]),
                                  mask=hit[:, None] & qm[None, :])
                         scp = (rowp + H).to(tl.pointer_type(tl.float32))
-                        tl.store(scp[:, None] + (s0 + gg)[None, :],
-                                 tl.zeros([P_PAD, G], tl.float32) + scale_inv[None, :],
+                        tl.store(scp[:, None] + (s0 + gg)[None, :], tl.broadcast_to(scale_inv[None, :], [P_PAD, G]),
                                  mask=hit[:, None] & gm[None, :])
                 else:
                     rb = rowp.to(tl.pointer_type(tl.bfloat16))
@@ -207,16 +227,38 @@ if triton is not None:
                         offs = h0 + tl.arange(0, BLOCK)
                         hm = offs < H
                         v = tl.load(x_ptr + t * sx + offs, mask=hm, other=0.0)
-                        tl.store(rb[:, None] + offs[None, :], tl.zeros([P_PAD, BLOCK], tl.bfloat16) + v[None, :],
+                        tl.store(rb[:, None] + offs[None, :], tl.broadcast_to(v[None, :], [P_PAD, BLOCK]),
                                  mask=hit[:, None] & hm[None, :])
-            _arrive_and_signal(state_ptr, 2, 0, True, tab_ptr, set_off, O_FLAG, O_NTOK, N, me, c,  # words 2, 0
-                               mask_ptr, P, P_PAD)
+            # the last program: this rank's count of each rank's local experts, then N and the flag
+            tl.debug_barrier()
+            old = tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="sys")     # state word 2: arrivals
+            if old == nprog - 1:
+                tl.store(state_ptr + 2, 0)
+                bb = tl.arange(0, NB)
+                ff = tl.arange(0, TB * K_PAD)
+                for p in range(P):
+                    if tl.load(mask_ptr + p) == 0:
+                        h = tl.zeros([NB], tl.int32)
+                        for f0 in range(0, N * K, TB * K_PAD):
+                            fm = (f0 + ff) < N * K
+                            f = f0 + ff
+                            g = tl.load(ids_ptr + (f // K) * sid + f % K, mask=fm, other=-1).to(tl.int32)
+                            loc = g - p * E_LOC
+                            h += tl.histogram(tl.where(fm & (g >= 0) & (loc >= 0) & (loc < E_LOC), loc, NB - 1), NB)
+                        cnt = (tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_CNT)
+                        tl.store(cnt.to(tl.pointer_type(tl.int32)) + me * E_LOC + bb, h, mask=bb < E_LOC)
+                base = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
+                tl.store((base + O_NTOK).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + N,
+                         mask=live)
+                tl.atomic_xchg((base + O_FLAG).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + c,
+                               mask=live, sem="release", scope="sys")
+                tl.store(state_ptr + 0, c)
         if RECV:
             _wait_all(tab_ptr, set_off, O_FLAG, me, c, mask_ptr, fault_addr, limit, 1, P, CLOCK)
             mine = tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off
             ids_reg = (mine + O_IDS).to(tl.pointer_type(tl.int32))
+            cnt_reg = (mine + O_CNT).to(tl.pointer_type(tl.int32))
             ntok_reg = (mine + O_NTOK).to(tl.pointer_type(tl.int64))
-            tt = tl.arange(0, TB)
             lo = me * E_LOC
             # received tokens (s, t): their slots, rows, scales and source indices
             for item in range(pid, PT, nprog):
@@ -224,22 +266,16 @@ if triton is not None:
                 t = item % T
                 n_s = tl.where(tl.load(mask_ptr + s, volatile=True) == 0, tl.load(ntok_reg + s), 0).to(tl.int32)
                 if t < n_s:
-                    g = tl.load(ids_reg + (s * T + t) * K + kk, mask=km, other=-1)
+                    msg = ids_reg + (s * T + t) * (2 * K)
+                    g = tl.load(msg + kk, mask=km, other=-1)
                     loc = g - lo
                     ok = km & (g >= 0) & (loc >= 0) & (loc < E_LOC)
-                    # tokens before (s, t) with the same expert: whole earlier sources, then s's tokens before t
-                    before = tl.zeros([K_PAD], tl.int32)
-                    for s2 in range(0, s + 1):
-                        n2 = tl.where(tl.load(mask_ptr + s2, volatile=True) == 0, tl.load(ntok_reg + s2),
-                                      0).to(tl.int32)
-                        lim = tl.where(s2 < s, n2, t)
-                        for t0 in range(0, lim, TB):
-                            tm = (t0 + tt) < lim
-                            blk = tl.load(ids_reg + (s2 * T + t0 + tt)[:, None] * K + kk[None, :],
-                                          mask=tm[:, None] & km[None, :], other=-1)             # [TB, K_PAD]
-                            eq = (blk[:, :, None] == g[None, None, :]).to(tl.int32)             # [TB, K_PAD, K_PAD]
-                            before += tl.sum(tl.sum(eq, 0), 0)
-                    dest = loc.to(tl.int64) * PT + before                                       # [K_PAD]
+                    # slot = the tokens of earlier sources with the expert, then this token's slot in its source
+                    slot = tl.load(msg + K + kk, mask=ok, other=0)
+                    for s2 in range(0, s):
+                        live2 = (tl.load(mask_ptr + s2, volatile=True) == 0).to(tl.int32)
+                        slot += live2 * tl.load(cnt_reg + s2 * E_LOC + loc, mask=ok, other=0)
+                    dest = loc.to(tl.int64) * PT + slot                                         # [K_PAD]
                     tl.store(posmap_ptr + (s * T + t) * K + kk, tl.where(ok, dest, -1).to(tl.int32), mask=km)
                     tl.store(info_ptr + dest, tl.zeros([K_PAD], tl.int32) + t, mask=ok)
                     src = mine + O_ROWS + (s * T + t) * one * RB
@@ -249,20 +285,20 @@ if triton is not None:
                             hm = offs < H
                             v = tl.load(src + offs, mask=hm)
                             tl.store(out_ptr + dest[:, None] * H + offs[None, :],
-                                     tl.zeros([K_PAD, BLOCK], tl.uint8) + v[None, :], mask=ok[:, None] & hm[None, :])
+                                     tl.broadcast_to(v[None, :], [K_PAD, BLOCK]), mask=ok[:, None] & hm[None, :])
                         ss = tl.arange(0, SP)
                         sm = ss < S
                         sc = tl.load((src + H).to(tl.pointer_type(tl.float32)) + ss, mask=sm, other=1.0)
-                        slot = before.to(tl.int64)
+                        sl = slot.to(tl.int64)
                         if UE8M0:   # exponent byte s of int32 group s // 4, column-major [e, S / 4, PT] int32
                             byte = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
                             adr = loc.to(tl.int64)[:, None] * (S * PT) + (ss // 4)[None, :] * (PT * 4) + \
-                                slot[:, None] * 4 + (ss % 4)[None, :]
-                            tl.store(sc_ptr + adr, tl.zeros([K_PAD, SP], tl.uint8) + byte[None, :],
+                                sl[:, None] * 4 + (ss % 4)[None, :]
+                            tl.store(sc_ptr + adr, tl.broadcast_to(byte[None, :], [K_PAD, SP]),
                                      mask=ok[:, None] & sm[None, :])
                         else:       # column-major [e, S, PT] float32
-                            adr = loc.to(tl.int64)[:, None] * (S * PT) + ss[None, :] * PT + slot[:, None]
-                            tl.store(sc_ptr + adr, tl.zeros([K_PAD, SP], tl.float32) + sc[None, :],
+                            adr = loc.to(tl.int64)[:, None] * (S * PT) + ss[None, :] * PT + sl[:, None]
+                            tl.store(sc_ptr + adr, tl.broadcast_to(sc[None, :], [K_PAD, SP]),
                                      mask=ok[:, None] & sm[None, :])
                     else:
                         sb = src.to(tl.pointer_type(tl.bfloat16))
@@ -271,28 +307,27 @@ if triton is not None:
                             hm = offs < H
                             v = tl.load(sb + offs, mask=hm)
                             tl.store(out_ptr + dest[:, None] * H + offs[None, :],
-                                     tl.zeros([K_PAD, BLOCK], tl.bfloat16) + v[None, :],
-                                     mask=ok[:, None] & hm[None, :])
+                                     tl.broadcast_to(v[None, :], [K_PAD, BLOCK]), mask=ok[:, None] & hm[None, :])
                 else:
                     tl.store(posmap_ptr + (s * T + t) * K + kk, tl.full([K_PAD], -1, tl.int32), mask=km)
                 if t == 0:
                     tl.store(nrecv_ptr + s, n_s)
-            # per local expert: counts, DeepEP's layout_range (begin << 32 | count per source), statistics
-            for i in range(pid, E_LOC, nprog):
-                total = one * 0
-                for s2 in range(P):
-                    n2 = tl.where(tl.load(mask_ptr + s2, volatile=True) == 0, tl.load(ntok_reg + s2), 0).to(tl.int32)
-                    cnt = total * 0
-                    for t0 in range(0, n2, TB):
-                        tm = (t0 + tt) < n2
-                        blk = tl.load(ids_reg + (s2 * T + t0 + tt)[:, None] * K + kk[None, :],
-                                      mask=tm[:, None] & km[None, :], other=-1)
-                        cnt += tl.sum(tl.sum((blk == lo + i).to(tl.int64), 1), 0)
-                    tl.store(range_ptr + i * P + s2, (total << 32) | cnt)
-                    total += cnt
-                tl.store(count_ptr + i, total.to(tl.int32))
+            # the last program: per local expert the counts, DeepEP's layout_range (begin << 32 | count per
+            # source, sources in rank order), the statistics
+            if pid == nprog - 1:
+                ee = tl.arange(0, NB)
+                em = ee < E_LOC
+                live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
+                cnt = tl.load(cnt_reg + pp[:, None] * E_LOC + ee[None, :], mask=live[:, None] & em[None, :],
+                              other=0).to(tl.int64)                                              # [P_PAD, NB]
+                begin = tl.cumsum(cnt, 0) - cnt
+                tl.store(range_ptr + ee[None, :] * P + pp[:, None], (begin << 32) | cnt,
+                         mask=pm[:, None] & em[None, :])
+                total = tl.sum(cnt, 0)
+                tl.store(count_ptr + ee, total.to(tl.int32), mask=em)
                 if STATS:
-                    tl.store(stats_ptr + i, tl.load(stats_ptr + i) + total.to(stats_ptr.dtype.element_ty))
+                    tl.store(stats_ptr + ee, tl.load(stats_ptr + ee, mask=em) + total.to(stats_ptr.dtype.element_ty),
+                             mask=em)
 
     @triton.jit
     def _ZN8moe_wave7combineEv(
@@ -300,8 +335,8 @@ if triton is not None:
             out_ptr, so, posmap_ptr, nrecv_ptr,
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
             O_W: tl.constexpr, O_PART: tl.constexpr, O_WFLAG: tl.constexpr, O_PFLAG: tl.constexpr,
-            WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, CLOCK: tl.constexpr,
-            P_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+            WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, PART_BF16: tl.constexpr,
+            CLOCK: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
@@ -337,7 +372,10 @@ if triton is not None:
                     if tl.sum(ok.to(tl.int32), 0) > 0:
                         w = tl.load(wreg + (s * T + t) * K + kk, mask=ok, other=0.0)
                         dst = (tl.load(tab_ptr + s).to(tl.pointer_type(tl.uint8)) + set_off + O_PART)
-                        dst = dst.to(tl.pointer_type(tl.float32)) + (me * T + t) * one * H
+                        if PART_BF16:
+                            dst = dst.to(tl.pointer_type(tl.bfloat16)) + (me * T + t) * one * H
+                        else:
+                            dst = dst.to(tl.pointer_type(tl.float32)) + (me * T + t) * one * H
                         d64 = tl.maximum(dest, 0).to(tl.int64)
                         for h0 in range(0, H, BLOCK):
                             offs = h0 + tl.arange(0, BLOCK)
@@ -345,12 +383,15 @@ if triton is not None:
                             v = tl.load(y_ptr + d64[:, None] * sy + offs[None, :], mask=ok[:, None] & hm[None, :],
                                         other=0.0).to(tl.float32)                                 # [K_PAD, BLOCK]
                             acc = tl.sum(v * w[:, None], 0)
-                            tl.store(dst + offs, acc, mask=hm)
+                            tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=hm)
             _arrive_and_signal(state_ptr, 4, 1, False, tab_ptr, set_off, O_PFLAG, -1, 0, me, c,  # word 4
                                mask_ptr, P, P_PAD)
         if RECV:        # source side: each token's partials, summed in rank order
             _wait_all(tab_ptr, set_off, O_PFLAG, me, c, mask_ptr, fault_addr, limit, 3, P, CLOCK)
-            part = (mine + O_PART).to(tl.pointer_type(tl.float32))
+            if PART_BF16:
+                part = (mine + O_PART).to(tl.pointer_type(tl.bfloat16))
+            else:
+                part = (mine + O_PART).to(tl.pointer_type(tl.float32))
             live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
             for t in range(pid, N, nprog):
                 ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
@@ -360,25 +401,67 @@ if triton is not None:
                     offs = h0 + tl.arange(0, BLOCK)
                     hm = offs < H
                     v = tl.load(part + (pp.to(tl.int64) * T + t)[:, None] * H + offs[None, :],
-                                mask=has[:, None] & hm[None, :], other=0.0)
+                                mask=has[:, None] & hm[None, :], other=0.0).to(tl.float32)
                     tl.store(out_ptr + t * so + offs, tl.sum(v, 0).to(out_ptr.dtype.element_ty), mask=hm)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_programs(device: torch.device, work: int) -> int:
     """Programs of one launch: enough for the work, at most one per SM (all resident), 4 in the interpreter."""
     if device.type != "cuda" or interpreting():
         return max(1, min(work, 4))
-    return max(1, min(work, torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(work, _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
 
 
 def _pad(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
 
-def _clock_limit(device: torch.device, timeout_ms: int) -> tuple[bool, int]:
-    clock = globaltimer is not None and device.type == "cuda" and torch.version.cuda is not None \
+@functools.lru_cache(maxsize=None)
+def _clock_limit(device_type: str, timeout_ms: int) -> tuple[bool, int]:
+    clock = globaltimer is not None and device_type == "cuda" and torch.version.cuda is not None \
         and not interpreting()
     return clock, (int(timeout_ms) * 1_000_000 if clock else max(1, int(timeout_ms) * SPINS_PER_MS))
+
+
+# Relaunching a compiled kernel through ``CompiledKernel[grid](*args)`` skips ``JITFunction.run``'s per-call
+# binding and cache-key work (most of a launch's host time). Off with MOE_WAVE_LL_FAST_LAUNCH=0.
+FAST_LAUNCH = os.environ.get("MOE_WAVE_LL_FAST_LAUNCH", "1") != "0"
+
+
+def _spec(a):
+    """What Triton specializes a runtime argument on: a tensor's dtype and 16-byte alignment; an int's value 1,
+    divisibility by 16 and width."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if isinstance(a, int) and not isinstance(a, bool):
+        return a == 1, a & 15 == 0, -0x80000000 <= a < 0x80000000
+    return a
+
+
+class Launcher:
+    """One Triton kernel's launches: the first of each specialization through the JIT (which compiles), the next
+    ones straight through the compiled kernel (``FAST_LAUNCH``), keyed on everything the JIT specializes on."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._runners: dict = {}
+
+    def __call__(self, nprog: int, args: tuple, consts: dict) -> None:
+        key = (nprog, *consts.values(), *map(_spec, args))
+        hit = self._runners.get(key) if FAST_LAUNCH else None
+        if hit is not None:
+            run, tail = hit
+            run(*args, *tail)
+            return
+        kernel = self.fn[(nprog,)](*args, **consts)
+        if FAST_LAUNCH and kernel is not None and hasattr(kernel, "__getitem__"):
+            names = self.fn.arg_names[len(args):]
+            self._runners[key] = (kernel[(nprog, 1, 1)], tuple(consts[n] for n in names))
 
 
 @dataclass
@@ -391,6 +474,7 @@ class Region:
         state: int64 [2, ST] call numbers and arrival counters per set (device).
         posmap: int32 [2, P, T, K] each received (source, token, top-k) slot: expert * PT + slot, or -1.
         nrecv: int32 [2, P] tokens received from each source.
+        sets: per set, (state, posmap, nrecv, byte offset) views, made once.
     """
 
     P: int
@@ -404,6 +488,10 @@ class Region:
     posmap: torch.Tensor
     nrecv: torch.Tensor
     keep: tuple = field(default=(), repr=False)
+    sets: tuple = field(default=(), repr=False)
+
+    def __post_init__(self):
+        self.sets = tuple((self.state[i], self.posmap[i], self.nrecv[i], i * self.set_bytes) for i in range(2))
 
     @property
     def set_bytes(self) -> int:
@@ -413,11 +501,16 @@ class Region:
 def make_region(P: int, T: int, H: int, K: int, E: int, device, base_addrs: list[int], keep=()) -> Region:
     """A ``Region`` over regions (two sets each) already allocated at ``base_addrs`` (one per rank)."""
     dev = torch.device(device)
-    return Region(P, T, H, K, E, region_layout(P, T, H, K),
+    return Region(P, T, H, K, E, region_layout(P, T, H, K, E),
                   torch.tensor(base_addrs, dtype=torch.int64, device=dev),
                   torch.zeros(2, ST, dtype=torch.int64, device=dev),
                   torch.full((2, P, T, K), -1, dtype=torch.int32, device=dev),
                   torch.zeros(2, P, dtype=torch.int32, device=dev), keep)
+
+
+_DISPATCH = _COMBINE = None
+if triton is not None:
+    _DISPATCH, _COMBINE = Launcher(_ZN8moe_wave8dispatchEv), Launcher(_ZN8moe_wave7combineEv)
 
 
 def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
@@ -432,42 +525,40 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
     P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
     N = x.shape[0]
     dev = x.device
-    clock, limit = _clock_limit(dev, timeout_ms)
-    work = max(N if send else 1, P * T if recv else 1, e if recv else 1)
-    nprog = programs or num_programs(dev, work)
+    clock, limit = _clock_limit(dev.type, timeout_ms)
+    nprog = programs or num_programs(dev, max(N if send else 1, P * T if recv else 1))
     lay = rg.lay
-    st = rg.state[set_index]
+    st, posmap, nrecv, set_off = rg.sets[set_index]
     sc = scales if scales is not None else out
     if fp8 and ue8m0:
         sc = sc.view(torch.uint8)
-    G = 8
-    _ZN8moe_wave8dispatchEv[(nprog,)](
-        x, x.stride(0), ids, ids.stride(0), N, rg.tab, set_index * rg.set_bytes, me, mask, st, fault_addr, limit,
-        out, sc, info, count, layout_range, stats if stats is not None else count, rg.posmap[set_index],
-        rg.nrecv[set_index],
-        P=P, T=T, H=H, K=K, E_LOC=e, O_ROWS=lay["rows"], O_IDS=lay["ids"], O_NTOK=lay["ntok"], O_FLAG=lay["dflag"],
-        SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale, UE8M0=ue8m0, STATS=stats is not None, CLOCK=clock,
-        P_PAD=_pad(P), K_PAD=_pad(K), TB=32, BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K)))), G=G,
-        SP=_pad(H // 128))
+    _DISPATCH(nprog, (x, x.stride(0), ids, ids.stride(0), N, rg.tab, set_off, me, mask, st, fault_addr, limit,
+                      out, sc, info, count, layout_range, stats if stats is not None else count, posmap, nrecv),
+              dict(P=P, T=T, H=H, K=K, E_LOC=e, O_ROWS=lay["rows"], O_IDS=lay["ids"], O_CNT=lay["cnt"],
+                   O_NTOK=lay["ntok"], O_FLAG=lay["dflag"], SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale,
+                   UE8M0=ue8m0, STATS=stats is not None, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K), TB=32,
+                   BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K)))), G=8, SP=_pad(H // 128),
+                   NB=_pad(e + 1)))
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                    mask: torch.Tensor, fault_addr: int, timeout_ms: int, out: torch.Tensor, *, weights: bool,
-                   partials: bool, recv: bool, programs: int | None = None) -> None:
-    """One combine launch (any run of its three steps) on the current stream; ``y`` is [e * PT, H] bf16 rows."""
+                   partials: bool, recv: bool, part_bf16: bool = True, programs: int | None = None) -> None:
+    """One combine launch (any run of its three steps) on the current stream; ``y`` is [e * PT, H] bf16 rows.
+    ``part_bf16``: partial sums travel in bf16 (else fp32)."""
     P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
     N = ids.shape[0]
     dev = ids.device
-    clock, limit = _clock_limit(dev, timeout_ms)
-    work = max(N, P * T if partials else 1)
-    nprog = programs or num_programs(dev, work)
+    clock, limit = _clock_limit(dev.type, timeout_ms)
+    nprog = programs or num_programs(dev, max(N, P * T if partials else 1))
     lay = rg.lay
-    _ZN8moe_wave7combineEv[(nprog,)](
-        y, y.stride(0), ids, ids.stride(0), w, w.stride(0), N, rg.tab, set_index * rg.set_bytes, me, mask,
-        rg.state[set_index], fault_addr, limit, out, out.stride(0), rg.posmap[set_index], rg.nrecv[set_index],
-        P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"], O_PFLAG=lay["pflag"],
-        WEIGHTS=weights, PARTIALS=partials, RECV=recv, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K),
-        BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K)))))
+    st, posmap, nrecv, set_off = rg.sets[set_index]
+    _COMBINE(nprog, (y, y.stride(0), ids, ids.stride(0), w, w.stride(0), N, rg.tab, set_off, me, mask, st, fault_addr,
+                     limit, out, out.stride(0), posmap, nrecv),
+             dict(P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
+                  O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16,
+                  CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K),
+                  BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K))))))
 
 
 class DirectLL:
@@ -481,9 +572,14 @@ class DirectLL:
 
     def __init__(self, ep, timeout_ms: int, shrink: bool = False):
         self.ep, self.timeout_ms, self.shrink = ep, int(timeout_ms), bool(shrink)
+        part = os.environ.get(PARTIAL_ENV, "bf16")
+        if part not in ("bf16", "fp32"):
+            raise ValueError(f"{PARTIAL_ENV}={part!r}: must be bf16 or fp32")
+        self.part_bf16 = part == "bf16"
         self.mask = torch.zeros(ep.size, dtype=torch.int32, device=ep.device)
         pin = ep.device.type == "cuda"
-        self.fault = torch.zeros(FAULT_WORDS, dtype=torch.int64, pin_memory=pin)
+        # pinned host words the kernels write (callers may have made CUDA the default device: say cpu)
+        self.fault = torch.zeros(FAULT_WORDS, dtype=torch.int64, device="cpu", pin_memory=pin)
         self._fault_np = self.fault.numpy()
         self._regions: dict = {}
 
@@ -502,7 +598,7 @@ class DirectLL:
                 raise RuntimeError("low-latency mode: run one dispatch and combine of this shape eagerly before "
                                    "capturing a CUDA graph (its buffers are allocated on first use, by every rank)")
             P = self.ep.size
-            nbytes = 2 * region_layout(P, T, H, K)["bytes"]
+            nbytes = 2 * region_layout(P, T, H, K, E)["bytes"]
             buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.ep.device)
             hdl = symm_mem.rendezvous(buf, self.ep.pg.group_name)
             buf.zero_()

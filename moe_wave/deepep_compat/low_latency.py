@@ -385,7 +385,7 @@ class LowLatency:
 
         def go(weights: bool, partials: bool, receive: bool):
             combine_launch(st.region, st.set_index, me, y2, ids, w, d.mask, d.fault_addr, d.timeout_ms, result,
-                           weights=weights, partials=partials, recv=receive)
+                           weights=weights, partials=partials, recv=receive, part_bf16=d.part_bf16)
 
         event, hook_fn = self._launch(lambda: go(True, True, True), async_finish, hook, (y, ids, w), (result,),
                                       lambda: go(True, True, False), lambda: go(False, False, True))
