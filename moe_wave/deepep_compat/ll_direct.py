@@ -153,13 +153,13 @@ if triton is not None:
     @triton.jit
     def _ZN8moe_wave8dispatchEv(
             x_ptr, sx, ids_ptr, sid, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
-            out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr,
+            out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr, hist_ptr,
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
             O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_CNT: tl.constexpr, O_NTOK: tl.constexpr,
             O_FLAG: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
             UE8M0: tl.constexpr, STATS: tl.constexpr, CLOCK: tl.constexpr,
             P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
-            SP: tl.constexpr, NB: tl.constexpr):
+            SP: tl.constexpr, NB: tl.constexpr, NBE: tl.constexpr, FB: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
@@ -234,19 +234,23 @@ if triton is not None:
             old = tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="sys")     # state word 2: arrivals
             if old == nprog - 1:
                 tl.store(state_ptr + 2, 0)
+                # one histogram of every id (bin E: none), through a local scratch row, then each rank's slice
+                hb = tl.arange(0, NBE)
+                ff = tl.arange(0, FB)
+                h = tl.zeros([NBE], tl.int32)
+                for f0 in range(0, N * K, FB):
+                    f = f0 + ff
+                    fm = f < N * K
+                    g = tl.load(ids_ptr + (f // K) * sid + f % K, mask=fm, other=-1).to(tl.int32)
+                    h += tl.histogram(tl.where(fm & (g >= 0), g, NBE - 1), NBE)
+                tl.store(hist_ptr + hb, h)
+                tl.debug_barrier()
                 bb = tl.arange(0, NB)
-                ff = tl.arange(0, TB * K_PAD)
                 for p in range(P):
                     if tl.load(mask_ptr + p) == 0:
-                        h = tl.zeros([NB], tl.int32)
-                        for f0 in range(0, N * K, TB * K_PAD):
-                            fm = (f0 + ff) < N * K
-                            f = f0 + ff
-                            g = tl.load(ids_ptr + (f // K) * sid + f % K, mask=fm, other=-1).to(tl.int32)
-                            loc = g - p * E_LOC
-                            h += tl.histogram(tl.where(fm & (g >= 0) & (loc >= 0) & (loc < E_LOC), loc, NB - 1), NB)
                         cnt = (tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_CNT)
-                        tl.store(cnt.to(tl.pointer_type(tl.int32)) + me * E_LOC + bb, h, mask=bb < E_LOC)
+                        tl.store(cnt.to(tl.pointer_type(tl.int32)) + me * E_LOC + bb,
+                                 tl.load(hist_ptr + p * E_LOC + bb, mask=bb < E_LOC), mask=bb < E_LOC)
                 base = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
                 tl.store((base + O_NTOK).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + N,
                          mask=live)
@@ -474,7 +478,8 @@ class Region:
         state: int64 [2, ST] call numbers and arrival counters per set (device).
         posmap: int32 [2, P, T, K] each received (source, token, top-k) slot: expert * PT + slot, or -1.
         nrecv: int32 [2, P] tokens received from each source.
-        sets: per set, (state, posmap, nrecv, byte offset) views, made once.
+        hist: int32 [2, NBE] the send's histogram of the ids (scratch).
+        sets: per set, (state, posmap, nrecv, hist, byte offset) views, made once.
     """
 
     P: int
@@ -487,11 +492,13 @@ class Region:
     state: torch.Tensor
     posmap: torch.Tensor
     nrecv: torch.Tensor
+    hist: torch.Tensor
     keep: tuple = field(default=(), repr=False)
     sets: tuple = field(default=(), repr=False)
 
     def __post_init__(self):
-        self.sets = tuple((self.state[i], self.posmap[i], self.nrecv[i], i * self.set_bytes) for i in range(2))
+        self.sets = tuple((self.state[i], self.posmap[i], self.nrecv[i], self.hist[i], i * self.set_bytes)
+                          for i in range(2))
 
     @property
     def set_bytes(self) -> int:
@@ -505,7 +512,8 @@ def make_region(P: int, T: int, H: int, K: int, E: int, device, base_addrs: list
                   torch.tensor(base_addrs, dtype=torch.int64, device=dev),
                   torch.zeros(2, ST, dtype=torch.int64, device=dev),
                   torch.full((2, P, T, K), -1, dtype=torch.int32, device=dev),
-                  torch.zeros(2, P, dtype=torch.int32, device=dev), keep)
+                  torch.zeros(2, P, dtype=torch.int32, device=dev),
+                  torch.zeros(2, _pad(E + 1), dtype=torch.int32, device=dev), keep)
 
 
 _DISPATCH = _COMBINE = None
@@ -528,17 +536,18 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
     clock, limit = _clock_limit(dev.type, timeout_ms)
     nprog = programs or num_programs(dev, max(N if send else 1, P * T if recv else 1))
     lay = rg.lay
-    st, posmap, nrecv, set_off = rg.sets[set_index]
+    st, posmap, nrecv, hist, set_off = rg.sets[set_index]
     sc = scales if scales is not None else out
     if fp8 and ue8m0:
         sc = sc.view(torch.uint8)
     _DISPATCH(nprog, (x, x.stride(0), ids, ids.stride(0), N, rg.tab, set_off, me, mask, st, fault_addr, limit,
-                      out, sc, info, count, layout_range, stats if stats is not None else count, posmap, nrecv),
+                      out, sc, info, count, layout_range, stats if stats is not None else count, posmap, nrecv,
+                      hist),
               dict(P=P, T=T, H=H, K=K, E_LOC=e, O_ROWS=lay["rows"], O_IDS=lay["ids"], O_CNT=lay["cnt"],
                    O_NTOK=lay["ntok"], O_FLAG=lay["dflag"], SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale,
                    UE8M0=ue8m0, STATS=stats is not None, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K), TB=32,
                    BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K)))), G=8, SP=_pad(H // 128),
-                   NB=_pad(e + 1)))
+                   NB=_pad(e + 1), NBE=_pad(rg.E + 1), FB=1024))
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -552,7 +561,7 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
     clock, limit = _clock_limit(dev.type, timeout_ms)
     nprog = programs or num_programs(dev, max(N, P * T if partials else 1))
     lay = rg.lay
-    st, posmap, nrecv, set_off = rg.sets[set_index]
+    st, posmap, nrecv, _, set_off = rg.sets[set_index]
     _COMBINE(nprog, (y, y.stride(0), ids, ids.stride(0), w, w.stride(0), N, rg.tab, set_off, me, mask, st, fault_addr,
                      limit, out, out.stride(0), posmap, nrecv),
              dict(P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
