@@ -158,8 +158,9 @@ if triton is not None:
             O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_CNT: tl.constexpr, O_NTOK: tl.constexpr,
             O_FLAG: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
             UE8M0: tl.constexpr, STATS: tl.constexpr, CLOCK: tl.constexpr,
-            P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
-            SP: tl.constexpr, NB: tl.constexpr, NBE: tl.constexpr, FB: tl.constexpr):
+            P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, G: tl.constexpr,
+            SP: tl.constexpr, NB: tl.constexpr, NBE: tl.constexpr, FB: tl.constexpr, WS: tl.constexpr,
+            WR: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
@@ -187,7 +188,7 @@ if triton is not None:
                 for t0 in range(0, t, TB):
                     tm = (t0 + tt) < t
                     blk = tl.load(ids_ptr + (t0 + tt)[:, None] * sid + kk[None, :], mask=tm[:, None] & km[None, :],
-                                  other=-1).to(tl.int32)
+                                  other=-1).to(tl.int32)                                          # [TB, K_PAD]
                     before += tl.sum(tl.sum((blk[:, :, None] == ids[None, None, :]).to(tl.int32), 0), 0)
                 slot = (me * T + t) * one
                 idp = (bases + O_IDS).to(tl.pointer_type(tl.int32)) + slot * (2 * K)              # [ids | slots]
@@ -195,7 +196,8 @@ if triton is not None:
                          mask=live[:, None] & km[None, :])
                 tl.store(idp[:, None] + K + kk[None, :], tl.broadcast_to(before[None, :], [P_PAD, K_PAD]),
                          mask=live[:, None] & km[None, :])
-                rowp = bases + O_ROWS + slot * RB                                               # [P_PAD] bytes
+                # the row, once per rank that holds one of its experts: computed (FP8) or read (bf16, as 8-byte words)
+                # once, stored per rank
                 if FP8:
                     gg = tl.arange(0, G)
                     ch = tl.arange(0, 128)
@@ -213,22 +215,24 @@ if triton is not None:
                             scale = 448.0 / amax
                             scale_inv = amax * (1.0 / 448.0)
                         q = tl.reshape((v * scale[:, None]).to(tl.float8e4nv), [G * 128])
-                        qo = (s0 * 128 + tl.arange(0, G * 128))
-                        qm = qo < H
-                        rq = rowp.to(tl.pointer_type(tl.float8e4nv))
-                        tl.store(rq[:, None] + qo[None, :], tl.broadcast_to(q[None, :], [P_PAD, G * 128]),
-                                 mask=hit[:, None] & qm[None, :])
-                        scp = (rowp + H).to(tl.pointer_type(tl.float32))
-                        tl.store(scp[:, None] + (s0 + gg)[None, :], tl.broadcast_to(scale_inv[None, :], [P_PAD, G]),
-                                 mask=hit[:, None] & gm[None, :])
+                        qo = s0 * 128 + tl.arange(0, G * 128)
+                        for p in range(P):
+                            if tl.sum(tl.where(pp == p, hit.to(tl.int32), 0), 0) > 0:
+                                rowp = tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_ROWS + \
+                                    slot * RB
+                                tl.store(rowp.to(tl.pointer_type(tl.float8e4nv)) + qo, q, mask=qo < H)
+                                tl.store((rowp + H).to(tl.pointer_type(tl.float32)) + s0 + gg, scale_inv, mask=gm)
                 else:
-                    rb = rowp.to(tl.pointer_type(tl.bfloat16))
-                    for h0 in range(0, H, BLOCK):
-                        offs = h0 + tl.arange(0, BLOCK)
-                        hm = offs < H
-                        v = tl.load(x_ptr + t * sx + offs, mask=hm, other=0.0)
-                        tl.store(rb[:, None] + offs[None, :], tl.broadcast_to(v[None, :], [P_PAD, BLOCK]),
-                                 mask=hit[:, None] & hm[None, :])
+                    xw = (x_ptr + t * sx).to(tl.pointer_type(tl.int64))              # the row as 8-byte words
+                    for w0 in range(0, H // 4, WS):
+                        wo = w0 + tl.arange(0, WS)
+                        wm = wo < H // 4
+                        v = tl.load(xw + wo, mask=wm)
+                        for p in range(P):
+                            if tl.sum(tl.where(pp == p, hit.to(tl.int32), 0), 0) > 0:
+                                rowp = tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_ROWS + \
+                                    slot * RB
+                                tl.store(rowp.to(tl.pointer_type(tl.int64)) + wo, v, mask=wm)
             # the last program: this rank's count of each rank's local experts, then N and the flag
             tl.debug_barrier()
             old = tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="sys")     # state word 2: arrivals
@@ -283,13 +287,16 @@ if triton is not None:
                     tl.store(posmap_ptr + (s * T + t) * K + kk, tl.where(ok, dest, -1).to(tl.int32), mask=km)
                     tl.store(info_ptr + dest, tl.zeros([K_PAD], tl.int32) + t, mask=ok)
                     src = mine + O_ROWS + (s * T + t) * one * RB
+                    # the row as 8-byte words (H / 8 of FP8, H / 4 of bf16) to each of its slots
+                    NW: tl.constexpr = H // 8 if FP8 else H // 4
+                    ow = out_ptr.to(tl.pointer_type(tl.int64))
+                    for w0 in range(0, NW, WR):
+                        wo = w0 + tl.arange(0, WR)
+                        wm = wo < NW
+                        v = tl.load(src.to(tl.pointer_type(tl.int64)) + wo, mask=wm)
+                        tl.store(ow + dest[:, None] * NW + wo[None, :], tl.broadcast_to(v[None, :], [K_PAD, WR]),
+                                 mask=ok[:, None] & wm[None, :])
                     if FP8:
-                        for h0 in range(0, H, BLOCK):
-                            offs = h0 + tl.arange(0, BLOCK)
-                            hm = offs < H
-                            v = tl.load(src + offs, mask=hm)
-                            tl.store(out_ptr + dest[:, None] * H + offs[None, :],
-                                     tl.broadcast_to(v[None, :], [K_PAD, BLOCK]), mask=ok[:, None] & hm[None, :])
                         ss = tl.arange(0, SP)
                         sm = ss < S
                         sc = tl.load((src + H).to(tl.pointer_type(tl.float32)) + ss, mask=sm, other=1.0)
@@ -304,14 +311,6 @@ if triton is not None:
                             adr = loc.to(tl.int64)[:, None] * (S * PT) + ss[None, :] * PT + sl[:, None]
                             tl.store(sc_ptr + adr, tl.broadcast_to(sc[None, :], [K_PAD, SP]),
                                      mask=ok[:, None] & sm[None, :])
-                    else:
-                        sb = src.to(tl.pointer_type(tl.bfloat16))
-                        for h0 in range(0, H, BLOCK):
-                            offs = h0 + tl.arange(0, BLOCK)
-                            hm = offs < H
-                            v = tl.load(sb + offs, mask=hm)
-                            tl.store(out_ptr + dest[:, None] * H + offs[None, :],
-                                     tl.broadcast_to(v[None, :], [K_PAD, BLOCK]), mask=ok[:, None] & hm[None, :])
                 else:
                     tl.store(posmap_ptr + (s * T + t) * K + kk, tl.full([K_PAD], -1, tl.int32), mask=km)
                 if t == 0:
@@ -340,7 +339,7 @@ if triton is not None:
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
             O_W: tl.constexpr, O_PART: tl.constexpr, O_WFLAG: tl.constexpr, O_PFLAG: tl.constexpr,
             WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, PART_BF16: tl.constexpr,
-            CLOCK: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+            CLOCK: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
@@ -381,11 +380,11 @@ if triton is not None:
                         else:
                             dst = dst.to(tl.pointer_type(tl.float32)) + (me * T + t) * one * H
                         d64 = tl.maximum(dest, 0).to(tl.int64)
-                        for h0 in range(0, H, BLOCK):
-                            offs = h0 + tl.arange(0, BLOCK)
+                        for h0 in range(0, H, BH):
+                            offs = h0 + tl.arange(0, BH)
                             hm = offs < H
                             v = tl.load(y_ptr + d64[:, None] * sy + offs[None, :], mask=ok[:, None] & hm[None, :],
-                                        other=0.0).to(tl.float32)                                 # [K_PAD, BLOCK]
+                                        other=0.0).to(tl.float32)                                 # [K_PAD, BH]
                             acc = tl.sum(v * w[:, None], 0)
                             tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=hm)
             _arrive_and_signal(state_ptr, 4, 1, False, tab_ptr, set_off, O_PFLAG, -1, 0, me, c,  # word 4
@@ -401,8 +400,8 @@ if triton is not None:
                 ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
                 dst = tl.where(ids >= 0, ids // E_LOC, -1)
                 has = (tl.sum((dst[None, :] == pp[:, None]).to(tl.int32), 1) > 0) & live           # [P_PAD]
-                for h0 in range(0, H, BLOCK):
-                    offs = h0 + tl.arange(0, BLOCK)
+                for h0 in range(0, H, BR):
+                    offs = h0 + tl.arange(0, BR)
                     hm = offs < H
                     v = tl.load(part + (pp.to(tl.int64) * T + t)[:, None] * H + offs[None, :],
                                 mask=has[:, None] & hm[None, :], other=0.0).to(tl.float32)
@@ -422,7 +421,8 @@ def num_programs(device: torch.device, work: int) -> int:
 
 
 def _pad(n: int) -> int:
-    return max(2, triton.next_power_of_2(n))
+    """The power of two at or above n (at least 2)."""
+    return max(2, 1 << (int(n) - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,20 +449,21 @@ def _spec(a):
 
 class Launcher:
     """One Triton kernel's launches: the first of each specialization through the JIT (which compiles), the next
-    ones straight through the compiled kernel (``FAST_LAUNCH``), keyed on everything the JIT specializes on."""
+    ones straight through the compiled kernel (``FAST_LAUNCH``). ``key`` must name everything the JIT specializes
+    on that can change between calls with the same constants (``_spec`` of the caller's tensors and sizes); the
+    other arguments are the region's own, fixed per (region, set)."""
 
     def __init__(self, fn):
         self.fn = fn
         self._runners: dict = {}
 
-    def __call__(self, nprog: int, args: tuple, consts: dict) -> None:
-        key = (nprog, *consts.values(), *map(_spec, args))
+    def __call__(self, nprog: int, args: tuple, consts: dict, opts: dict, key: tuple) -> None:
         hit = self._runners.get(key) if FAST_LAUNCH else None
         if hit is not None:
             run, tail = hit
             run(*args, *tail)
             return
-        kernel = self.fn[(nprog,)](*args, **consts)
+        kernel = self.fn[(nprog,)](*args, **consts, **opts)
         if FAST_LAUNCH and kernel is not None and hasattr(kernel, "__getitem__"):
             names = self.fn.arg_names[len(args):]
             self._runners[key] = (kernel[(nprog, 1, 1)], tuple(consts[n] for n in names))
@@ -480,6 +481,7 @@ class Region:
         nrecv: int32 [2, P] tokens received from each source.
         hist: int32 [2, NBE] the send's histogram of the ids (scratch).
         sets: per set, (state, posmap, nrecv, hist, byte offset) views, made once.
+        configs: the launches' constants per (kernel, phase, options), made once.
     """
 
     P: int
@@ -495,6 +497,7 @@ class Region:
     hist: torch.Tensor
     keep: tuple = field(default=(), repr=False)
     sets: tuple = field(default=(), repr=False)
+    configs: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.sets = tuple((self.state[i], self.posmap[i], self.nrecv[i], self.hist[i], i * self.set_bytes)
@@ -521,33 +524,48 @@ if triton is not None:
     _DISPATCH, _COMBINE = Launcher(_ZN8moe_wave8dispatchEv), Launcher(_ZN8moe_wave7combineEv)
 
 
+_WARPS = dict(num_warps=16)
+
+
+def _dispatch_consts(rg: Region, send, recv, fp8, round_scale, ue8m0, stats, clock):
+    P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
+    lay = rg.lay
+    SP = _pad(H // 128)
+    return dict(P=P, T=T, H=H, K=K, E_LOC=e, O_ROWS=lay["rows"], O_IDS=lay["ids"], O_CNT=lay["cnt"],
+                O_NTOK=lay["ntok"], O_FLAG=lay["dflag"], SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale,
+                UE8M0=ue8m0, STATS=stats, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K), TB=min(128, _pad(T)),
+                G=min(SP, 64), SP=SP, NB=_pad(e + 1), NBE=_pad(rg.E + 1), FB=1024, WS=min(4096, _pad(H // 4)),
+                WR=min(_pad(H // 4), 8192 // _pad(K)))
+
+
 def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
                     fault_addr: int, timeout_ms: int, out: torch.Tensor, scales, info: torch.Tensor,
                     count: torch.Tensor, layout_range: torch.Tensor, stats, *, send: bool, recv: bool, fp8: bool,
                     round_scale: bool, ue8m0: bool, programs: int | None = None) -> None:
     """One dispatch launch (``send`` and/or ``recv``) on the current stream; see the module docstring.
 
-    ``out`` is the receive tensor [e, PT, H] (fp8 rows as uint8), ``scales`` the physical scale tensor (float32
-    [e, S, PT] or int32 [e, S / 4, PT]) or None, ``info`` int32 [e, PT], ``count`` int32 [e], ``layout_range``
-    int64 [e, P], ``stats`` None or [e]."""
-    P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
+    ``x`` bf16 [N, H] with 8-byte aligned rows; ``out`` is the receive tensor [e, PT, H] (fp8 rows as uint8),
+    ``scales`` the physical scale tensor (float32 [e, S, PT] or int32 [e, S / 4, PT]) or None, ``info`` int32
+    [e, PT], ``count`` int32 [e], ``layout_range`` int64 [e, P], ``stats`` None or [e]."""
     N = x.shape[0]
     dev = x.device
-    clock, limit = _clock_limit(dev.type, timeout_ms)
-    nprog = programs or num_programs(dev, max(N if send else 1, P * T if recv else 1))
-    lay = rg.lay
+    ckey = ("d", dev.type, timeout_ms, send, recv, fp8, round_scale, ue8m0, stats is not None, programs, N)
+    cfg = rg.configs.get(ckey)
+    if cfg is None:
+        clock, limit = _clock_limit(dev.type, timeout_ms)
+        nprog = programs or num_programs(dev, max(N if send else 1, rg.P * rg.T if recv else 1))
+        cfg = rg.configs[ckey] = (nprog, limit, _dispatch_consts(rg, send, recv, fp8, round_scale, ue8m0,
+                                                                 stats is not None, clock))
+    nprog, limit, consts = cfg
     st, posmap, nrecv, hist, set_off = rg.sets[set_index]
     sc = scales if scales is not None else out
     if fp8 and ue8m0:
         sc = sc.view(torch.uint8)
-    _DISPATCH(nprog, (x, x.stride(0), ids, ids.stride(0), N, rg.tab, set_off, me, mask, st, fault_addr, limit,
-                      out, sc, info, count, layout_range, stats if stats is not None else count, posmap, nrecv,
-                      hist),
-              dict(P=P, T=T, H=H, K=K, E_LOC=e, O_ROWS=lay["rows"], O_IDS=lay["ids"], O_CNT=lay["cnt"],
-                   O_NTOK=lay["ntok"], O_FLAG=lay["dflag"], SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale,
-                   UE8M0=ue8m0, STATS=stats is not None, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K), TB=32,
-                   BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K)))), G=8, SP=_pad(H // 128),
-                   NB=_pad(e + 1), NBE=_pad(rg.E + 1), FB=1024))
+    sx, sid = x.stride(0), ids.stride(0)
+    _DISPATCH(nprog, (x, sx, ids, sid, N, rg.tab, set_off, me, mask, st, fault_addr, limit,
+                      out, sc, info, count, layout_range, stats if stats is not None else count, posmap, nrecv, hist),
+              consts, _WARPS, (ckey, set_index, _spec(x), _spec(ids), _spec(sx), _spec(sid), _spec(stats),
+                               _spec(mask), me))
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -555,19 +573,26 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
                    partials: bool, recv: bool, part_bf16: bool = True, programs: int | None = None) -> None:
     """One combine launch (any run of its three steps) on the current stream; ``y`` is [e * PT, H] bf16 rows.
     ``part_bf16``: partial sums travel in bf16 (else fp32)."""
-    P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
     N = ids.shape[0]
     dev = ids.device
-    clock, limit = _clock_limit(dev.type, timeout_ms)
-    nprog = programs or num_programs(dev, max(N, P * T if partials else 1))
-    lay = rg.lay
+    ckey = ("c", dev.type, timeout_ms, weights, partials, recv, part_bf16, programs, N)
+    cfg = rg.configs.get(ckey)
+    if cfg is None:
+        P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
+        clock, limit = _clock_limit(dev.type, timeout_ms)
+        nprog = programs or num_programs(dev, max(N, P * T if partials else 1))
+        lay = rg.lay
+        cfg = rg.configs[ckey] = (nprog, limit, dict(
+            P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
+            O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16, CLOCK=clock,
+            P_PAD=_pad(P), K_PAD=_pad(K), BH=min(_pad(H), 16384 // _pad(K)), BR=min(_pad(H), 16384 // _pad(P))))
+    nprog, limit, consts = cfg
     st, posmap, nrecv, _, set_off = rg.sets[set_index]
-    _COMBINE(nprog, (y, y.stride(0), ids, ids.stride(0), w, w.stride(0), N, rg.tab, set_off, me, mask, st, fault_addr,
-                     limit, out, out.stride(0), posmap, nrecv),
-             dict(P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
-                  O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16,
-                  CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K),
-                  BLOCK=min(_pad(H), max(128, 4096 // max(_pad(P), _pad(K))))))
+    sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
+    _COMBINE(nprog, (y, sy, ids, sid, w, sw, N, rg.tab, set_off, me, mask, st, fault_addr, limit, out, so, posmap,
+                     nrecv),
+             consts, _WARPS, (ckey, set_index, _spec(y), _spec(ids), _spec(w), _spec(out), _spec(sy), _spec(sid),
+                              _spec(sw), _spec(so), _spec(mask), me))
 
 
 class DirectLL:

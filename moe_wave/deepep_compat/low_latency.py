@@ -360,7 +360,8 @@ class LowLatency:
         count = torch.empty(e, dtype=torch.int32, device=dev)
         info = torch.empty(e, PT, dtype=torch.int32, device=dev)
         layout_range = torch.empty(e, P, dtype=torch.int64, device=dev)
-        xc = x if x.stride(1) == 1 else x.contiguous()
+        # the kernel reads rows as 8-byte words: rows contiguous and 16-byte aligned, or a copy
+        xc = x if x.stride(1) == 1 and not x.data_ptr() % 16 and not x.stride(0) % 8 else x.clone()
         ids = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
         out = recv.view(torch.uint8) if fp8 else recv
 
