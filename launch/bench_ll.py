@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=288)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--impls", default="ours,ours-fp32,ours-jit,ours-engine,deepep",
+    ap.add_argument("--impls", default="deepep,ours-engine,ours-jit,ours-fp32,ours",
                     help="ours (direct kernels), ours-fp32 (fp32 partial sums), ours-jit (every launch through "
                          "Triton's JIT), ours-engine (the exchange engine), deepep (real DeepEP, when importable)")
     ap.add_argument("--profile-host", action="store_true", help="cProfile 100 eager calls of ours (rank 0 prints)")
