@@ -69,7 +69,7 @@ def _fp8(x: torch.Tensor, int_scales: bool):
     return x8, sc.T.contiguous().T
 
 
-def _normal_contract(ep: EPGroup, T_list, kernels: str) -> dict:
+def _normal_contract(ep: EPGroup, T_list, kernels: str, normal: str | None = None) -> dict:
     from moe_wave.deepep_compat import Buffer, Config, topk_idx_t
 
     P, me = ep.size, ep.rank
@@ -78,7 +78,9 @@ def _normal_contract(ep: EPGroup, T_list, kernels: str) -> dict:
     ids = ids.to(topk_idx_t)
     order, per_expert_ref, counts = _reference(P, me, T_of)
     buf = Buffer(ep.pg, int(1e8), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True,
-                 allow_mnnvl=False, use_fabric=False, options=SymmOptions(kernels=kernels), device="cpu")
+                 allow_mnnvl=False, use_fabric=False, options=SymmOptions(kernels=kernels), device="cpu",
+                 normal=normal, normal_channels=3, normal_rows=4)
+    assert (buf._direct is not None) == (normal == "direct")
     res = {}
     # layout
     n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(ids, E)
@@ -215,6 +217,15 @@ def test_normal_mode_triton_kernels(ranks):
     if not interpreting():
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1 (set by conftest without a GPU)")
     out = ranks(2).run(_normal_contract, [9, 6], "triton")
+    assert len(out[0]) == 12
+
+
+def test_normal_mode_direct_kernels_one_rank(ranks):
+    """The whole contract on the direct kernels (``normal_kernels``; their P = 2, 3 cases run in one process in
+    tests/test_normal_kernels.py): one CPU rank under the interpreter, where they can run outside a GPU."""
+    if not interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    out = ranks(1).run(_normal_contract, [11], "torch", "direct")
     assert len(out[0]) == 12
 
 

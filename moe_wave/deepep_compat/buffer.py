@@ -3,9 +3,14 @@
 Legend: T local tokens, H hidden, K top-k, P ranks, E experts (e = E / P local), X received rows (compact), S
 scale columns.
 
-Normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``) runs on ``moe_wave.comm.deepep_normal``: the symm
-backend's peer-memory exchange on a GPU (its CPU emulation on gloo ranks). Received rows come grouped by source
-rank in rank order, each source's rows in its token order, every time. Low-latency mode lives in
+Normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``) runs, on CUDA ranks with Triton, on the direct
+kernels of ``normal_kernels`` (one Triton launch per call into peers' symmetric memory; the "direct" path), and
+elsewhere on ``moe_wave.comm.deepep_normal``: the symm backend's exchange (its CPU emulation on gloo ranks; the
+"engine" path). ``MOE_WAVE_NORMAL_PATH`` = auto (default) | direct | engine chooses (engine: the A/B comparison);
+``MOE_WAVE_NORMAL_CHANNELS`` (channels, default 24) and ``MOE_WAVE_NORMAL_ROWS`` (tokens per chunk, default 8)
+tune the direct kernels (the keywords ``normal``, ``normal_channels``, ``normal_rows`` win over them).
+``Buffer.last_sms()`` gives the programs of each phase's last launch. Received rows come grouped by source rank in
+rank order, each source's rows in its token order, every time. Low-latency mode lives in
 ``low_latency.py``. Internode calls raise ``NotImplementedError``.
 
 Stream rules (DeepEP's): a call queues its work on the buffer's communication stream, which first waits for
@@ -22,6 +27,7 @@ wait); with ``num_worst_tokens`` nothing is read and the call can be captured in
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from typing import Callable, Optional, Tuple, Union
 
@@ -33,7 +39,10 @@ from moe_wave.comm.deepep_normal import (CompactExchange, CompactPlan, capacity_
 from moe_wave.comm.group import EPGroup
 from moe_wave.comm.options import SymmOptions
 
+from moe_wave.comm.triton_gate import triton_ok
+
 from . import low_latency as ll
+from . import normal_kernels as nk
 from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config, topk_idx_t
 from .utils import EventHandle, EventOverlap
 
@@ -116,7 +125,9 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
-                 options: SymmOptions | None = None, device: torch.device | str | None = None) -> None:
+                 options: SymmOptions | None = None, device: torch.device | str | None = None,
+                 normal: str | None = None, normal_channels: int | None = None,
+                 normal_rows: int | None = None) -> None:
         if group is None:
             if comm is not None:
                 raise _unsupported("__init__(comm=<mpi4py communicator>)", "pass group=<a torch.distributed "
@@ -158,8 +169,36 @@ class Buffer:
                            pg if self.group_size > 1 else None)
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
         self._normal = CompactExchange(self._ep, options, comm_stream=self._comm_stream)
+        self._direct = self._direct_state(normal, normal_channels, normal_rows, options or SymmOptions())
         self._ll = ll.LowLatency(self._ep, self._comm_stream, options, shrink=self.enable_shrink)
         self._destroyed = False
+
+    def _direct_state(self, path, channels, rows, options: SymmOptions):
+        """The direct kernels' state (``normal_kernels.NormalState``), or None on the engine path."""
+        path = os.environ.get("MOE_WAVE_NORMAL_PATH", "auto") if path is None else path
+        if path not in ("auto", "direct", "engine"):
+            raise ValueError(f"Buffer(normal={path!r}) / MOE_WAVE_NORMAL_PATH: must be auto, direct or engine")
+        self._nch = _env_int("normal_channels", channels, "MOE_WAVE_NORMAL_CHANNELS", nk.DEFAULT_CHANNELS, nk.NCH_MAX)
+        self._rows = _env_int("normal_rows", rows, "MOE_WAVE_NORMAL_ROWS", nk.DEFAULT_ROWS, 256)
+        if self._rows & (self._rows - 1):
+            raise ValueError(f"Buffer(normal_rows={self._rows}): must be a power of two")
+        ep, cuda = self._ep, self._device.type == "cuda"
+        # one CPU rank runs them under the interpreter (the tests); several CPU ranks share no memory
+        fits = (triton_ok(self._device, None if cuda else True) and (cuda and (ep.size == 1 or "nccl" in ep.backend)
+                                                                     or not cuda and ep.size == 1))
+        if path == "direct" and not fits:
+            raise ValueError(f"Buffer(normal='direct'): needs CUDA ranks of an NCCL group with Triton, or one CPU "
+                             f"rank under TRITON_INTERPRET=1; here {self._device.type}, {ep.size} rank(s), {ep.backend}")
+        if path == "engine" or not fits or (path == "auto" and not cuda):
+            return None
+        return nk.NormalState(self.rank, self.group_size, self._device, _symm_alloc(ep, options.timeout_ms),
+                              options.timeout_ms)
+
+    @staticmethod
+    def last_sms() -> dict:
+        """The programs (one resident program per SM) of the last direct launch of each normal-mode phase:
+        ``{"layout": n, "dispatch": n, "combine": n}`` (the phases run so far)."""
+        return nk.last_sms()
 
     # ------------------------------------------------------------------ lifetime and static helpers
     def destroy(self) -> None:
@@ -262,8 +301,11 @@ class Buffer:
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0 or num_experts % P:
             raise ValueError(f"{what}: num_experts={num_experts!r} must be a positive multiple of the {P} ranks")
         with self._comm(what, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,)) as s:
-            in_rank, per_expert = routing_counts(topk_idx, num_experts, P)
-            per_rank = in_rank.sum(0, dtype=torch.int32)
+            if self._direct is not None:
+                per_rank, per_expert, in_rank = nk.dispatch_layout(topk_idx, num_experts, P)
+            else:
+                in_rank, per_expert = routing_counts(topk_idx, num_experts, P)
+                per_rank = in_rank.sum(0, dtype=torch.int32)
             s.out(per_rank, per_expert, in_rank)
         return per_rank, None, per_expert, in_rank, s.event
 
@@ -300,6 +342,12 @@ class Buffer:
                                "returns None there)")
         if config is not None and not isinstance(config, Config):
             raise ValueError(f"{what}: config={config!r} must be a deep_ep.Config or None")
+        words = _words(what, x) if self._direct is not None else None
+        if words is not None and (handle is None or isinstance(getattr(handle, "state", None), nk.DirectPlan)):
+            return self._dispatch_direct(what, words, handle, num_tokens_per_rank, is_token_in_rank,
+                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                         num_worst_tokens, config, previous_event, async_finish,
+                                         allocate_on_comm_stream)
         rows, unpack = _pack_x(what, x)
         if handle is not None:
             if not isinstance(handle, IntranodeHandle):
@@ -308,6 +356,9 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{what}: a cached dispatch (handle given) takes no topk_idx / topk_weights")
             cp = handle.state
+            if not isinstance(cp, CompactPlan):
+                raise ValueError(f"{what}: the handle comes from the direct kernels, x does not fit them (rows of "
+                                 f"whole 4-byte words)")
             if rows.shape[0] != cp.plan.layout.num_tokens:
                 raise ValueError(f"{what}: x has {rows.shape[0]} tokens, the handle's dispatch had "
                                  f"{cp.plan.layout.num_tokens}")
@@ -378,9 +429,94 @@ class Buffer:
         if not worst:
             # HOST SYNC: the per-expert list is a host list (DeepEP's CPU wait covers it)
             counts_e = [-(-c // alignment) * alignment for c in cp.plan.pairs_We[0].tolist()]
-        mats = _handle_matrices(counts_PP, tokens_P, in_rank, cp, recv_src, config.num_channels, me)
+        src_X = torch.div(cp.row_X, cp.plan.capacity, rounding_mode="floor").clamp(max=P - 1)
+        mats = _handle_matrices(counts_PP, tokens_P, in_rank, src_X, cp.valid_X, recv_src, config.num_channels, me)
         handle = IntranodeHandle((*mats[:3], recv_src, in_rank, mats[3]), cp)
         return unpack(got), recv_idx, recv_w, counts_e, handle
+
+    def _dispatch_direct(self, what, words, handle, per_rank, in_rank, per_expert, topk_idx, topk_weights, alignment,
+                         worst, config, previous_event, async_finish, allocate_on_comm_stream):
+        """``dispatch`` on the direct kernels (``normal_kernels``); ``words``: ``_words(x)``."""
+        a, sc, unpack = words
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(f"{what}: a cached dispatch (handle given) takes no topk_idx / topk_weights")
+            plan = handle.state
+            if a.shape[0] != plan.T:
+                raise ValueError(f"{what}: x has {a.shape[0]} tokens, the handle's dispatch had {plan.T}")
+            with self._comm(what, previous_event, async_finish, allocate_on_comm_stream, (a, sc)) as s:
+                oa, ob = nk.dispatch(self._direct, plan, a, sc, rows=self._rows)
+                if plan.recv_pad is not None:
+                    oa.masked_fill_(plan.recv_pad, 0)
+                    if ob is not None:
+                        ob.masked_fill_(plan.recv_pad, 0)
+                recv_x = unpack(oa, ob)
+                s.out(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)))
+            return recv_x, None, None, None, None, s.event
+        args = self._check_route(what, a.shape[0], per_rank, in_rank, per_expert, topk_idx, topk_weights, alignment,
+                                 worst)
+        with self._comm(what, previous_event, async_finish, allocate_on_comm_stream,
+                        (a, sc, per_rank, in_rank, per_expert, topk_idx, topk_weights)) as s:
+            recv_x, recv_idx, recv_w, counts_e, handle = self._route_direct(
+                what, a, sc, unpack, *args, config or self.get_dispatch_config(self.group_size))
+            s.out(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_idx, recv_w, *handle)
+        return recv_x, recv_idx, recv_w, counts_e, handle, s.event
+
+    def _route_direct(self, what, a, sc, unpack, per_rank, in_rank, per_expert, topk_idx, topk_weights, alignment,
+                      worst, config):
+        P, me, T, nch = self.group_size, self.rank, a.shape[0], self._nch
+        E = per_expert.numel()
+        e = E // P
+        chan = nk.channel_counts(in_rank, nch)
+        G = self._normal.count_matrix(torch.cat([chan.reshape(-1), per_expert.long(), chan.new_full((1,), T)]))
+        chan_G = G[:, :P * nch].reshape(P, P, nch)
+        counts_PP = chan_G.sum(2)
+        if worst:
+            X, cap, num_recv, counts_e = worst, capacity_for(worst), None, []
+        else:
+            # HOST SYNC (DeepEP waits on the CPU here too): the received counts, the capacity every rank agrees on,
+            # the per-expert list
+            host = G.cpu()
+            recv = host[:, :P * nch].reshape(P, P, nch).sum(2).sum(0)
+            X = num_recv = int(recv[me])
+            cap = capacity_for(int(recv.max()))
+            got_e = host[:, P * nch + me * e:P * nch + (me + 1) * e].sum(0)
+            counts_e = [-(-c // alignment) * alignment for c in got_e.tolist()]
+            self._direct.check(what)        # a fault of an earlier call (the host already waited here)
+        plan = nk.make_plan(me, in_rank, chan_G, X, cap, num_recv)
+        S = sc.shape[1] if sc is not None else 0
+        K = topk_idx.shape[1] if topk_idx is not None else 0
+        parts = [] if sc is None else [sc]
+        if K:
+            parts += [topk_idx.to(torch.int32), topk_weights.contiguous().view(torch.int32)]
+        parts.append(torch.arange(T, dtype=torch.int32, device=a.device)[:, None])
+        oa, ob = nk.dispatch(self._direct, plan, a, torch.cat(parts, 1), rows=self._rows)
+        recv_src = ob[:, S + 2 * K].contiguous()
+        scales = ob[:, :S].contiguous() if sc is not None else None
+        recv_idx = recv_w = None
+        if K:
+            ids = ob[:, S:S + K].long()
+            local = ids - me * e
+            mine = (ids >= 0) & (local >= 0) & (local < e)
+            recv_idx = torch.where(mine, local, -1).to(topk_idx_t)
+            recv_w = torch.where(mine, ob[:, S + K:S + 2 * K].contiguous().view(torch.float32), 0.0)
+        if plan.recv_pad is not None:
+            pad = plan.recv_pad
+            oa.masked_fill_(pad, 0)
+            recv_src.masked_fill_(pad[:, 0], -1)
+            if scales is not None:
+                scales.masked_fill_(pad, 0)
+            if K:
+                recv_idx.masked_fill_(pad, -1)
+                recv_w.masked_fill_(pad, 0.0)
+        recv_P = counts_PP[:, me]
+        end_P = torch.cumsum(recv_P, 0)
+        j_X = torch.arange(X, device=a.device)
+        src_X = torch.searchsorted(end_P, j_X, right=True)
+        mats = _handle_matrices(counts_PP, G[:, -1], in_rank, src_X.clamp(max=P - 1), src_X < P, recv_src,
+                                config.num_channels, me)
+        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, plan.head), plan)
+        return unpack(oa, scales), recv_idx, recv_w, counts_e, handle
 
     def _capacity(self, rows: int) -> int:
         """The smallest block capacity already made that holds ``rows``, else a new one (the same on every rank:
@@ -409,7 +545,8 @@ class Buffer:
             raise ValueError(f"{what}: handle must be the handle a dispatch of this Buffer returned, got "
                              f"{type(handle).__name__}")
         cp = handle.state
-        T, X = cp.plan.layout.num_tokens, cp.rows
+        direct = isinstance(cp, nk.DirectPlan)
+        T, X = (cp.T, cp.rows) if direct else (cp.plan.layout.num_tokens, cp.rows)
         _tensor(what, "x", x, 2, _ROW_DTYPES)
         if x.shape[0] != X:
             raise ValueError(f"{what}: x has {x.shape[0]} rows: must have the dispatch's {X} received rows")
@@ -418,6 +555,14 @@ class Buffer:
             if topk_weights.shape[0] != X:
                 raise ValueError(f"{what}: topk_weights has {topk_weights.shape[0]} rows: must have {X}")
         biases = _biases(what, bias, (T, x.shape[1]))
+        if direct:
+            with self._comm(what, previous_event, async_finish, allocate_on_comm_stream,
+                            (x, topk_weights, *biases)) as s:
+                combined, weights = nk.combine(self._direct, cp, x.contiguous(), None if topk_weights is None else
+                                               topk_weights.contiguous(), tuple(b.contiguous() for b in biases),
+                                               rows=self._rows)
+                s.out(combined, weights)
+            return combined, weights, s.event
         with self._comm(what, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights, *biases)) as s:
             add = None
             for b in biases:
@@ -490,14 +635,8 @@ def _pack_x(what: str, x) -> tuple[torch.Tensor, Callable]:
     if isinstance(x, torch.Tensor):
         _tensor(what, "x", x, 2, _ROW_DTYPES)
         return x.contiguous(), lambda r: r
-    if not isinstance(x, tuple) or len(x) != 2:
-        raise ValueError(f"{what}: x must be a [T, H] tensor or an (fp8 [T, H], scales) tuple, got {type(x).__name__}")
+    _check_fp8(what, x)
     x8, sc = x
-    _tensor(what, "x[0]", x8, 2, _FP8)
-    if not isinstance(sc, torch.Tensor) or sc.dtype not in (torch.float32, torch.int32) or sc.dim() not in (1, 2) \
-            or sc.shape[0] != x8.shape[0]:
-        raise ValueError(f"{what}: x[1] (scales) is {getattr(sc, 'shape', type(sc))} {getattr(sc, 'dtype', '')}: must "
-                         f"be float32 or int32, [{x8.shape[0]}] or [{x8.shape[0]}, S]")
     T, H = x8.shape
     S = sc.shape[1] if sc.dim() == 2 else 1
     sc2 = sc.reshape(T, S).contiguous()
@@ -509,6 +648,75 @@ def _pack_x(what: str, x) -> tuple[torch.Tensor, Callable]:
         return r[:, :H].contiguous().view(x8.dtype), scales.view(n) if sc.dim() == 1 else scales.view(n, S)
 
     return rows, unpack
+
+
+def _words(what: str, x):
+    """The direct kernels' form of x: (rows as int32 words [T, WA], the scales as int32 words [T, S] (any strides)
+    or None, ``unpack(words [X, WA], scale words [X, S] or None) -> recv_x`` in x's form); None where a row is not
+    whole words (the engine path takes those)."""
+    if isinstance(x, torch.Tensor):
+        _tensor(what, "x", x, 2, _ROW_DTYPES)
+        if x.shape[1] * x.element_size() % 4:
+            return None
+        return x.contiguous().view(torch.int32), None, lambda a, s: a.view(x.dtype)
+    _check_fp8(what, x)
+    x8, sc = x
+    T, H = x8.shape
+    if H % 4:
+        return None
+    S = sc.shape[1] if sc.dim() == 2 else 1
+
+    def unpack(a, s):
+        return a.view(torch.uint8).view(x8.dtype), (s.view(sc.dtype) if sc.dim() == 2 else s.view(sc.dtype).view(-1))
+
+    return x8.contiguous().view(torch.uint8).view(torch.int32), sc.reshape(T, S).view(torch.int32), unpack
+
+
+def _check_fp8(what: str, x) -> None:
+    if not isinstance(x, tuple) or len(x) != 2:
+        raise ValueError(f"{what}: x must be a [T, H] tensor or an (fp8 [T, H], scales) tuple, got {type(x).__name__}")
+    x8, sc = x
+    _tensor(what, "x[0]", x8, 2, _FP8)
+    if not isinstance(sc, torch.Tensor) or sc.dtype not in (torch.float32, torch.int32) or sc.dim() not in (1, 2) \
+            or sc.shape[0] != x8.shape[0]:
+        raise ValueError(f"{what}: x[1] (scales) is {getattr(sc, 'shape', type(sc))} {getattr(sc, 'dtype', '')}: must "
+                         f"be float32 or int32, [{x8.shape[0]}] or [{x8.shape[0]}, S]")
+
+
+def _symm_alloc(ep: EPGroup, timeout_ms: int):
+    """``alloc(nbytes) -> [P] uint8``: a zeroed symmetric-memory allocation and every rank's view of it (collective,
+    outside CUDA-graph capture; the handles are kept for the Buffer's life)."""
+    kept = []
+
+    def alloc(nbytes: int) -> list:
+        if ep.size == 1 or ep.device.type != "cuda":
+            return [torch.zeros(nbytes, dtype=torch.uint8, device=ep.device)]
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("deep_ep.Buffer: run one dispatch and combine of this size eagerly before capturing a "
+                               "CUDA graph (the normal-mode regions are allocated, by every rank, on first use)")
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=ep.device)
+        hdl = symm_mem.rendezvous(buf, ep.pg.group_name)
+        buf.zero_()
+        views = [hdl.get_buffer(p, [nbytes], torch.uint8, 0) for p in range(ep.size)]
+        hdl.barrier(channel=0, timeout_ms=timeout_ms)      # every rank's copy zeroed before anyone signals
+        kept.append((buf, hdl))
+        return views
+
+    return alloc
+
+
+def _env_int(name: str, value, env: str, default: int, hi: int) -> int:
+    if value is None:
+        raw = os.environ.get(env)
+        try:
+            value = default if raw is None else int(raw)
+        except ValueError:
+            raise ValueError(f"{env}={raw!r}: must be an int in [1, {hi}]") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        raise ValueError(f"Buffer({name}={value!r}) / {env}: must be an int in [1, {hi}]")
+    return value
 
 
 def _biases(what: str, bias, shape) -> tuple:
@@ -525,7 +733,7 @@ def _biases(what: str, bias, shape) -> tuple:
     return tuple(items)
 
 
-def _handle_matrices(counts_PP, tokens_P, in_rank_TP, cp: CompactPlan, recv_src_X, ch: int, me: int):
+def _handle_matrices(counts_PP, tokens_P, in_rank_TP, src_X, valid_X, recv_src_X, ch: int, me: int):
     """(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head), int32, on the device.
 
     Channel c of a rank with n tokens covers tokens [c * ceil(n / ch), (c + 1) * ceil(n / ch)), as DeepEP splits them:
@@ -539,11 +747,10 @@ def _handle_matrices(counts_PP, tokens_P, in_rank_TP, cp: CompactPlan, recv_src_
     chan = torch.zeros(P, ch, dtype=torch.long, device=dev)
     chan.index_add_(1, chan_T, in_rank_TP.t().long())
     chan_prefix = torch.cumsum(chan, 1).to(torch.int32)
-    # the receive side: each valid row's source and that source's channel of its token
-    X = cp.rows
-    src_X = torch.div(cp.row_X, cp.plan.capacity, rounding_mode="floor").clamp(max=P - 1)
+    # the receive side: each valid row's source (src_X) and that source's channel of its token
+    X = src_X.shape[0]
     per_src = torch.clamp(-(-tokens_P // ch), min=1)[src_X]
-    key = torch.where(cp.valid_X, src_X * ch + (recv_src_X.long() // per_src).clamp(max=ch - 1), P * ch)
+    key = torch.where(valid_X, src_X * ch + (recv_src_X.long() // per_src).clamp(max=ch - 1), P * ch)
     recv_chan = torch.zeros(P * ch + 1, dtype=torch.long, device=dev).index_add_(0, key, torch.ones(X, dtype=torch.long,
                                                                                                   device=dev))
     recv_chan = recv_chan[:-1].view(P, ch)

@@ -1,0 +1,567 @@
+"""Normal mode's direct kernels: one Triton launch per dispatch, one per combine, one for the layout.
+
+Legend: T local tokens, P ranks, me this rank, K top-k, E experts (e = E / P local), H hidden, X received rows
+(compact), Xc the region capacity (rows, the same on every rank), N channels, R rows per chunk (tokens), WA / WB
+the words (int32) of a row's two parts: A the payload (bf16 / fp16 / fp32 / fp8 bytes), B the small part (fp8
+scales and, on a dispatch that is not cached, the top-k ids, weights and the source token index).
+
+Each rank owns, in symmetric memory (``NormalState``): a control block of int64 words (per kind, dispatch and
+combine: progress flags [P(src), NCH_MAX] and acks [P]), a dispatch region [Xc, SA + SB] words (row j: compact row
+j, the order of DeepEP's output) and a combine region [P(expert rank), Xc, SH] in the rows' dtype, then [P, Xc, SK]
+fp32 (the top-k weights).
+
+Dispatch (``dispatch``): sender programs take units (destination d, channel c): channel c is the token range
+[c * per, (c + 1) * per), per = ceil(T / N). A token sent d (``head[t, d] >= 0``, its index among the tokens sent d)
+goes to row ``send_base[d] + head[t, d]`` of d's region (send_base[d]: the tokens ranks < me send d), straight
+into the output when d == me. After each chunk of R tokens the sender stores ``call * 2^32 + (highest index + 1)``
+into flag [me, c] of d's control block (release, system scope, after a CTA barrier). Receiver programs take units
+(source s != me, channel c), poll flag [s, c] of their own block (acquire) and copy the rows that have landed
+(rows ``recv_base[s] + [rstart[s, c], rend[s, c])``) from the region to the output, as they land.
+
+Combine (``combine``): expert-side programs take units (source s != me, channel c of s): compact row j of that
+range (index i = j - recv_base[s] among the rows s sent here) goes to row [me, i] of s's combine region; progress
+flags as above (rows done in the channel). Source-side programs take units (channel c, split): they wait until
+every peer p has sent its ``scnt[p, c]`` rows of channel c, then sum each token's rows in rank order (its own row
+straight from the local x), in fp32 from 0, then add the biases, and store in x's dtype.
+
+Reuse of the regions: the last program of a launch (a done counter) advances the call number ``seq`` and stores
+it in ack slot [me] of every peer's block (release, system scope): "I have read everything you wrote in call k".
+A sender of call k waits for d's ack >= k - 1 before it writes d's region. Flags carry the call number, so nothing
+is reset on the host and CUDA graphs replay. Every wait is bounded (the GPU's global timer on CUDA, spins under the
+interpreter); a peer that does not come is recorded in ``fault`` as [1, peer, call] (the first fault sticks), the
+combine's sum for a missing peer is NaN, and ``NormalState.check`` raises it.
+
+``PHASE`` (constexpr): 0 both roles in one launch (the GPU path: the grid is capped by the SM count so every
+program is resident and spinning receivers never starve senders); 1 senders only; 2 receivers only, then the
+ack. The tests run every rank's phase 1, then every rank's phase 2, in one process under ``TRITON_INTERPRET=1``
+(each rank's "symmetric" memory an ordinary CPU tensor), so that no wait blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_wave.comm.triton_gate import interpreting, tl, triton
+
+__all__ = ["NormalState", "DirectPlan", "make_plan", "dispatch_layout", "layout_torch", "dispatch", "combine",
+           "NCH_MAX", "BIG", "DEFAULT_CHANNELS", "DEFAULT_ROWS", "last_sms", "channel_counts", "send_heads"]
+
+NCH_MAX = 64                # channels at most (flag slots per source)
+BIG = 1 << 32               # flag = call * BIG + progress
+DEFAULT_CHANNELS = 24
+DEFAULT_ROWS = 8
+SPINS_PER_MS = 2000
+_LAST: dict = {}            # phase name -> programs of its last launch
+
+
+def last_sms() -> dict:
+    """The programs (SMs: one resident program each, the grid is capped by the device's SM count) of the last
+    launch of each normal-mode phase: {"layout": n, "dispatch": n, "combine": n}."""
+    return dict(_LAST)
+
+
+if triton is not None:
+    try:
+        from triton.language.extra.cuda import globaltimer
+    except ImportError:  # pragma: no cover - depends on the Triton build
+        globaltimer = None
+
+    @triton.jit
+    def _copy(src_ptr, src_rows, src_sr, src_sc, dst_ptr, dst_rows, dst_sr, valid, W, BLOCK: tl.constexpr,
+              CG: tl.constexpr):
+        for w0 in range(0, W, BLOCK):
+            cols = w0 + tl.arange(0, BLOCK)
+            m = valid[:, None] & (cols < W)[None, :]
+            src = src_ptr + src_rows[:, None] * src_sr + cols[None, :] * src_sc
+            if CG:
+                v = tl.load(src, mask=m, cache_modifier=".cg")
+            else:
+                v = tl.load(src, mask=m)
+            tl.store(dst_ptr + dst_rows[:, None] * dst_sr + cols[None, :], v, mask=m)
+
+    @triton.jit
+    def _wait_at_least(ptr, want, limit, CLOCK: tl.constexpr):
+        """Acquire-poll ``*ptr`` until it reaches ``want`` or the bound passes; returns the last value seen."""
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        n = want * 0
+        if CLOCK:
+            t0 = globaltimer()
+        while (seen < want) & (n < limit):
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            if CLOCK:
+                n = globaltimer() - t0
+            else:
+                n += 1
+        return seen
+
+    @triton.jit
+    def _fault(fault_ptr, peer, call):
+        if tl.load(fault_ptr) == 0:
+            tl.store(fault_ptr + 1, peer)
+            tl.store(fault_ptr + 2, call)
+            tl.store(fault_ptr, 1)
+
+    @triton.jit
+    def _finish(ctrl_ptr, c8_ptr, word_ptr, target, me, P, ACKS, NPROG):
+        """The last program of the launch: advance the call number, ack every peer (their region reads are done)."""
+        tl.debug_barrier()          # every thread's reads of the region are done before the count (and the ack)
+        old = tl.atomic_add(word_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if old == NPROG - 1:
+            tl.store(word_ptr + 1, 0)
+            tl.store(word_ptr, target)
+            for p in range(P):
+                if p != me:
+                    peer = ctrl_ptr + tl.load(c8_ptr + p)
+                    tl.atomic_xchg(peer + ACKS + me, target, sem="release", scope="sys")
+
+    @triton.jit
+    def _dispatch_kernel(a_ptr, WA, b_ptr, b_sr, b_sc, WB, reg_ptr, d16_ptr, SA, SB, RB, oa_ptr, ob_ptr,
+                         head_ptr, tab_ptr, ctrl_ptr, c8_ptr, word_ptr, fault_ptr,
+                         me, P, Q, T, per, NCH, n_send, n_recv, limit, NPROG,
+                         HAS_B: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr,
+                         NSEND: tl.constexpr, NRECV: tl.constexpr, PHASE: tl.constexpr, CLOCK: tl.constexpr,
+                         NCHM: tl.constexpr):
+        pid = tl.program_id(0)
+        if PHASE == 2:
+            pid += NSEND
+        target = tl.load(word_ptr) + 1
+        base = target * 4294967296
+        ACKS = P * NCHM
+        r_ar = tl.arange(0, ROWS)
+        if pid < NSEND:
+            for u in range(pid, n_send, NSEND):
+                c = u // P
+                d = (me + 1 + u % P) % P
+                row0 = tl.load(tab_ptr + d).to(tl.int64)
+                t0 = c * per
+                t1 = tl.minimum(t0 + per, T)
+                if d == me:
+                    for tb in range(t0, t1, ROWS):
+                        toks = tb + r_ar
+                        h = tl.load(head_ptr + toks.to(tl.int64) * P + d, mask=toks < t1, other=-1)
+                        ok = h >= 0
+                        dst = row0 + h.to(tl.int64)
+                        _copy(a_ptr, toks.to(tl.int64), WA, 1, oa_ptr, dst, WA, ok, WA, BLOCK_A, False)
+                        if HAS_B:
+                            _copy(b_ptr, toks.to(tl.int64), b_sr, b_sc, ob_ptr, dst, WB, ok, WB, BLOCK_B, False)
+                else:
+                    seen = _wait_at_least(ctrl_ptr + ACKS + d, target - 1, limit, CLOCK)
+                    if seen < target - 1:
+                        _fault(fault_ptr, d, target)
+                    tl.debug_barrier()      # no thread writes d's region before d's ack was seen
+                    dreg = reg_ptr + tl.load(d16_ptr + d) * 4
+                    flag = ctrl_ptr + tl.load(c8_ptr + d) + me * NCHM + c
+                    hi = target * 0
+                    for tb in range(t0, t1, ROWS):
+                        toks = tb + r_ar
+                        h = tl.load(head_ptr + toks.to(tl.int64) * P + d, mask=toks < t1, other=-1)
+                        ok = h >= 0
+                        dst = row0 + h.to(tl.int64)
+                        _copy(a_ptr, toks.to(tl.int64), WA, 1, dreg, dst, SA, ok, WA, BLOCK_A, False)
+                        if HAS_B:
+                            _copy(b_ptr, toks.to(tl.int64), b_sr, b_sc, dreg + RB, dst, SB, ok, WB, BLOCK_B, False)
+                        hi = tl.maximum(hi, tl.max(h, 0).to(tl.int64) + 1)
+                        tl.debug_barrier()
+                        tl.atomic_xchg(flag, base + hi, sem="release", scope="sys")
+        else:
+            mine = reg_ptr + tl.load(d16_ptr + me) * 4
+            for u in range(pid - NSEND, n_recv, NRECV):
+                c = u // Q
+                s = (me + 1 + u % Q) % P
+                r0 = tl.load(tab_ptr + P + s).to(tl.int64)
+                st = tl.load(tab_ptr + 2 * P + s * NCH + c).to(tl.int64)
+                en = tl.load(tab_ptr + 2 * P + P * NCH + s * NCH + c).to(tl.int64)
+                flag = ctrl_ptr + s * NCHM + c
+                done = st
+                n = target * 0
+                if CLOCK:
+                    t_0 = globaltimer()
+                while (done < en) & (n < limit):
+                    f = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                    avail = tl.minimum(f - base, en)
+                    if avail > done:
+                        tl.debug_barrier()
+                        for rb in range(done, avail, ROWS):
+                            rows = rb + r_ar
+                            ok = rows < avail
+                            j = r0 + rows
+                            _copy(mine, j, SA, 1, oa_ptr, j, WA, ok, WA, BLOCK_A, True)
+                            if HAS_B:
+                                _copy(mine + RB, j, SB, 1, ob_ptr, j, WB, ok, WB, BLOCK_B, True)
+                        done = avail
+                    if CLOCK:
+                        n = globaltimer() - t_0
+                    else:
+                        n += 1
+                if done < en:
+                    _fault(fault_ptr, s, target)
+        if PHASE != 1:
+            _finish(ctrl_ptr, c8_ptr, word_ptr, target, me, P, ACKS, NPROG)
+
+    @triton.jit
+    def _combine_kernel(y_ptr, H, w_ptr, K, rega_ptr, regb_ptr, d16_ptr, SH, SK, XC, out_ptr, ow_ptr,
+                        b0_ptr, b1_ptr, head_ptr, tab_ptr, ctrl_ptr, c8_ptr, word_ptr, fault_ptr,
+                        me, P, Q, T, per, NCH, split, n_send, n_recv, limit, NPROG,
+                        HAS_W: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, UA: tl.constexpr,
+                        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr, NSEND: tl.constexpr,
+                        NRECV: tl.constexpr, PHASE: tl.constexpr, CLOCK: tl.constexpr, NCHM: tl.constexpr):
+        pid = tl.program_id(0)
+        if PHASE == 2:
+            pid += NSEND
+        target = tl.load(word_ptr) + 1
+        base = target * 4294967296
+        ACKS = P * NCHM
+        r_ar = tl.arange(0, ROWS)
+        if pid < NSEND:     # expert side: rows back to their sources
+            for u in range(pid, n_send, NSEND):
+                c = u // Q
+                s = (me + 1 + u % Q) % P
+                r0 = tl.load(tab_ptr + P + s).to(tl.int64)
+                st = tl.load(tab_ptr + 2 * P + s * NCH + c).to(tl.int64)
+                en = tl.load(tab_ptr + 2 * P + P * NCH + s * NCH + c).to(tl.int64)
+                if st < en:
+                    seen = _wait_at_least(ctrl_ptr + ACKS + s, target - 1, limit, CLOCK)
+                    if seen < target - 1:
+                        _fault(fault_ptr, s, target)
+                    tl.debug_barrier()      # no thread writes s's region before s's ack was seen
+                    d16 = tl.load(d16_ptr + s)
+                    da = rega_ptr + d16 * UA
+                    db = regb_ptr + d16 * 4
+                    flag = ctrl_ptr + tl.load(c8_ptr + s) + me * NCHM + c
+                    for rb in range(st, en, ROWS):
+                        rows = rb + r_ar
+                        ok = rows < en
+                        dst = me * XC + rows
+                        _copy(y_ptr, r0 + rows, H, 1, da, dst, SH, ok, H, BLOCK_A, False)
+                        if HAS_W:
+                            _copy(w_ptr, r0 + rows, K, 1, db, dst, SK, ok, K, BLOCK_B, False)
+                        tl.debug_barrier()
+                        tl.atomic_xchg(flag, base + tl.minimum(rb + ROWS, en) - st, sem="release", scope="sys")
+        else:               # source side: wait for channel c from every peer, then sum
+            mine_a = rega_ptr + tl.load(d16_ptr + me) * UA
+            mine_b = regb_ptr + tl.load(d16_ptr + me) * 4
+            own0 = tl.load(tab_ptr + P + me).to(tl.int64)
+            for u in range(pid - NSEND, n_recv, NRECV):
+                c = u // split
+                sub = u % split
+                chunk = tl.cdiv(per, split)
+                ts = c * per + sub * chunk
+                te = tl.minimum(tl.minimum(ts + chunk, c * per + per), T)
+                if ts < te:
+                    miss = 0
+                    for p in range(P):
+                        if p != me:
+                            need = tl.load(tab_ptr + 2 * P + 2 * P * NCH + p * NCH + c).to(tl.int64)
+                            if need > 0:
+                                seen = _wait_at_least(ctrl_ptr + p * NCHM + c, base + need, limit, CLOCK)
+                                if seen < base + need:
+                                    _fault(fault_ptr, p, target)
+                                    miss += 1
+                    tl.debug_barrier()
+                    for tb in range(ts, te, ROWS):
+                        toks = tb + r_ar
+                        tm = toks < te
+                        t64 = toks.to(tl.int64)
+                        for w0 in range(0, H, BLOCK_A):
+                            cols = w0 + tl.arange(0, BLOCK_A)
+                            cm = tm[:, None] & (cols < H)[None, :]
+                            acc = tl.zeros([ROWS, BLOCK_A], dtype=tl.float32)
+                            for p in range(P):
+                                h = tl.load(head_ptr + t64 * P + p, mask=tm, other=-1).to(tl.int64)
+                                m = cm & (h >= 0)[:, None]
+                                if p == me:
+                                    v = tl.load(y_ptr + (own0 + h)[:, None] * H + cols[None, :], mask=m, other=0.0)
+                                else:
+                                    v = tl.load(mine_a + (p * XC + h)[:, None] * SH + cols[None, :], mask=m,
+                                                other=0.0, cache_modifier=".cg")
+                                acc += v.to(tl.float32)
+                            if HAS_B0:
+                                acc += tl.load(b0_ptr + t64[:, None] * H + cols[None, :], mask=cm).to(tl.float32)
+                            if HAS_B1:
+                                acc += tl.load(b1_ptr + t64[:, None] * H + cols[None, :], mask=cm).to(tl.float32)
+                            acc += tl.where(miss > 0, float("nan"), 0.0)
+                            tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                                     mask=cm)
+                        if HAS_W:
+                            kc = tl.arange(0, BLOCK_B)
+                            km = tm[:, None] & (kc < K)[None, :]
+                            accw = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
+                            for p in range(P):
+                                h = tl.load(head_ptr + t64 * P + p, mask=tm, other=-1).to(tl.int64)
+                                m = km & (h >= 0)[:, None]
+                                if p == me:
+                                    v = tl.load(w_ptr + (own0 + h)[:, None] * K + kc[None, :], mask=m, other=0.0)
+                                else:
+                                    v = tl.load(mine_b + (p * XC + h)[:, None] * SK + kc[None, :], mask=m,
+                                                other=0.0, cache_modifier=".cg")
+                                accw += v
+                            tl.store(ow_ptr + t64[:, None] * K + kc[None, :], accw + tl.where(miss > 0, float("nan"), 0.0), mask=km)
+        if PHASE != 1:
+            _finish(ctrl_ptr, c8_ptr, word_ptr, target, me, P, ACKS, NPROG)
+
+    @triton.jit
+    def _layout_kernel(ids_ptr, T, K, e, per_rank_ptr, per_expert_ptr, in_rank_ptr, P,
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+        t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        k = tl.arange(0, BLOCK_K)
+        tm = t < T
+        m = tm[:, None] & (k < K)[None, :]
+        ids = tl.load(ids_ptr + t.to(tl.int64)[:, None] * K + k[None, :], mask=m, other=-1).to(tl.int32)
+        valid = m & (ids >= 0)
+        tl.atomic_add(per_expert_ptr + tl.where(valid, ids, 0), tl.where(valid, 1, 0), mask=valid, sem="relaxed")
+        ranks = tl.where(valid, ids // e, -1)
+        ps = tl.arange(0, BLOCK_P)
+        hit = tl.zeros([ROWS, BLOCK_P], dtype=tl.int32)
+        for kk in range(K):
+            rk = tl.max(tl.where(k[None, :] == kk, ranks, -1), 1)
+            hit = hit | (rk[:, None] == ps[None, :]).to(tl.int32)
+        pm = ps < P
+        tl.store(in_rank_ptr + t.to(tl.int64)[:, None] * P + ps[None, :], hit.to(tl.int8),
+                 mask=tm[:, None] & pm[None, :])
+        tl.atomic_add(per_rank_ptr + ps, tl.sum(hit, 0), mask=pm, sem="relaxed")
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _clock_limit(timeout_ms: int, t: torch.Tensor) -> tuple[bool, int]:
+    """(use the global timer, the wait's bound: nanoseconds, or spins without the timer)."""
+    clock = globaltimer is not None and t.is_cuda and torch.version.cuda is not None and not interpreting()
+    return clock, (int(timeout_ms) * 1_000_000 if clock else max(1, int(timeout_ms) * SPINS_PER_MS))
+
+
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1 << 20
+
+
+def _split(n_send: int, n_recv: int, sms: int) -> tuple[int, int]:
+    """(sender programs, receiver programs), each >= 1, together <= sms where both fit (every program resident)."""
+    n_send, n_recv = max(n_send, 1), max(n_recv, 1)
+    if n_send + n_recv <= sms:
+        return n_send, n_recv
+    s = max(1, min(n_send, sms * n_send // (n_send + n_recv)))
+    return s, max(1, min(n_recv, sms - s))
+
+
+class NormalState:
+    """One rank's symmetric memory and device words for the direct kernels (see the module docstring).
+
+    Args:
+        me, P: this rank, the ranks.
+        device: where the words live.
+        alloc: ``alloc(nbytes) -> [P] uint8 tensors`` (rank p's buffer of one new allocation, zeroed, every rank
+            past a barrier after the zeroing): collective, every rank calls it in the same order, outside any
+            CUDA-graph capture. The GPU path passes ``symm_alloc(ep)``; the tests share CPU tensors.
+        timeout_ms: how long a wait for a peer lasts before it is recorded as a fault.
+        sms: programs at most per launch (default: the device's SM count).
+    """
+
+    def __init__(self, me: int, P: int, device, alloc, timeout_ms: int = 120_000, sms: int | None = None):
+        self.me, self.P, self.device, self.alloc = me, P, torch.device(device), alloc
+        self.timeout_ms = int(timeout_ms)
+        self.sms = sms or _sms(self.device)
+        self.kind_words = P * NCH_MAX + P
+        views = [v.view(torch.int64) for v in alloc(2 * self.kind_words * 8)]
+        self.ctrl = views[me]
+        self.c8 = torch.tensor([v.data_ptr() - self.ctrl.data_ptr() for v in views], dtype=torch.int64) // 8
+        self.c8 = self.c8.to(self.device)
+        self.words = torch.zeros(2, 2, dtype=torch.int64, device=self.device)   # per kind: [call number, done]
+        self.fault = torch.zeros(3, dtype=torch.int64, device=self.device)      # [poison, peer, call]
+        self._regions: dict = {}
+        self._kept: list = []     # outgrown regions stay mapped: a peer's kernel may still write into one
+
+    def region(self, kind: str, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's uint8 region of ``kind``, [P] int64 (rank p's region - mine) / 16 bytes), grown (collective:
+        ``nbytes`` must be the same on every rank) when it holds fewer than ``nbytes``."""
+        have = self._regions.get(kind)
+        if have is None or have[0].numel() < nbytes:
+            if have is not None:
+                self._kept.append(have)
+            views = self.alloc(max(nbytes, 2 * have[0].numel() if have is not None else 0))
+            mine = views[self.me]
+            delta = [v.data_ptr() - mine.data_ptr() for v in views]
+            assert all(d % 16 == 0 for d in delta), f"regions must be 16-byte aligned relative to each other: {delta}"
+            have = (mine, torch.tensor([d // 16 for d in delta], dtype=torch.int64).to(self.device), views)
+            self._regions[kind] = have
+        return have[0], have[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r[0].numel() for r in self._regions.values()) + sum(r[0].numel() for r in self._kept)
+
+    def check(self, what: str) -> None:
+        """Raise the recorded fault, if any. HOST SYNC: reads the fault words."""
+        poison, peer, call = self.fault.tolist()
+        if poison:
+            raise RuntimeError(f"{what}: rank {self.me} waited past {self.timeout_ms} ms for rank {peer} in call "
+                               f"{call} of the normal-mode kernels (a rank missed a collective call or died)")
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """One routing's tables for the direct kernels (kept in the handle; cached calls reuse them).
+
+    Attributes:
+        me, P, T: this rank, ranks, tokens.
+        nch, per: channels and tokens per channel.
+        rows: X, the rows of the outputs (the received count, or the caller's worst case).
+        capacity: Xc, the region rows (the same on every rank, >= every rank's X).
+        tab: int32 [2P + 3 P nch]: send_base [P], recv_base [P], rstart [P, nch], rend [P, nch], scnt [P, nch].
+        head: int32 [T, P]: token t's index among the tokens sent p, -1: not sent.
+        recv_pad: bool [X, 1] (worst-case outputs: True past the received count, the padding), else None.
+        num_recv: the received count where it was read on the host, else None.
+    """
+
+    me: int
+    P: int
+    T: int
+    nch: int
+    per: int
+    rows: int
+    capacity: int
+    tab: torch.Tensor
+    head: torch.Tensor
+    recv_pad: torch.Tensor | None
+    num_recv: int | None
+
+
+def channel_counts(in_rank_TP: torch.Tensor, nch: int) -> torch.Tensor:
+    """[P, nch] int64: the tokens of each channel sent to each rank (channel c: tokens [c per, (c + 1) per))."""
+    T, P = in_rank_TP.shape
+    per = max(-(-T // nch), 1)
+    chan = torch.zeros(P, nch, dtype=torch.long, device=in_rank_TP.device)
+    chan.index_add_(1, torch.arange(T, device=in_rank_TP.device) // per, in_rank_TP.t().long())
+    return chan
+
+
+def send_heads(in_rank_TP: torch.Tensor) -> torch.Tensor:
+    """[T, P] int32: token t's index among the tokens sent p (-1: not sent); DeepEP's send_head here."""
+    return torch.where(in_rank_TP, torch.cumsum(in_rank_TP.long(), 0) - 1, -1).to(torch.int32)
+
+
+def make_plan(me: int, in_rank_TP: torch.Tensor, chan_PPN: torch.Tensor, rows: int, capacity: int,
+              num_recv: int | None = None, head: torch.Tensor | None = None) -> DirectPlan:
+    """The tables of one routing (device ops, no host sync). ``chan_PPN`` [P(src), P(dst), nch]: every rank's
+    ``channel_counts`` (all-gathered)."""
+    T, P = in_rank_TP.shape
+    nch = chan_PPN.shape[2]
+    counts = chan_PPN.sum(2)                                  # [P(src), P(dst)]
+    excl = torch.cumsum(counts, 0) - counts                   # tokens ranks < s send d
+    rch = chan_PPN[:, me, :]                                  # [P(src), nch] rows each source's channels send me
+    rend = torch.cumsum(rch, 1)
+    tab = torch.cat([excl[me], excl[:, me], (rend - rch).reshape(-1), rend.reshape(-1),
+                     chan_PPN[me].reshape(-1)]).to(torch.int32)
+    pad = None
+    if num_recv is None:
+        pad = (torch.arange(rows, device=tab.device) >= counts[:, me].sum())[:, None]
+    return DirectPlan(me=me, P=P, T=T, nch=nch, per=max(-(-T // nch), 1), rows=rows, capacity=capacity, tab=tab,
+                      head=send_heads(in_rank_TP) if head is None else head, recv_pad=pad, num_recv=num_recv)
+
+
+def _launch_args(state: NormalState, t: torch.Tensor):
+    clock, limit = _clock_limit(state.timeout_ms, t)
+    return clock, limit
+
+
+def dispatch(state: NormalState, plan: DirectPlan, a_TW: torch.Tensor, b_TW: torch.Tensor | None = None,
+             rows: int = DEFAULT_ROWS, phase: int = 0, out: tuple | None = None) -> tuple:
+    """Move rows ``a_TW`` [T, WA] (int32 words, contiguous) and ``b_TW`` [T, WB] (int32 words, any strides) to
+    the ranks ``plan.head`` names. Returns (a [X, WA], b [X, WB] or None) in compact order (rows past the received
+    count untouched: zero them where the outputs are padded). ``phase``: see the module docstring; ``out``: the
+    outputs (the phase-2 launch of the tests reuses phase 1's)."""
+    P, me, X, Xc, nch = state.P, state.me, plan.rows, plan.capacity, plan.nch
+    WA = a_TW.shape[1]
+    WB = b_TW.shape[1] if b_TW is not None else 0
+    SA, SB = _round16(WA), _round16(WB)
+    reg, d16 = state.region("dispatch", Xc * (SA + SB) * 4)
+    if out is None:
+        oa = torch.empty(X, WA, dtype=torch.int32, device=a_TW.device)
+        ob = torch.empty(X, WB, dtype=torch.int32, device=a_TW.device) if b_TW is not None else None
+    else:
+        oa, ob = out
+    n_send, n_recv = P * nch, (P - 1) * nch
+    NS, NR = _split(n_send, n_recv, state.sms)
+    grid = {0: NS + NR, 1: NS, 2: NR}[phase]
+    clock, limit = _launch_args(state, a_TW)
+    has_b = b_TW is not None
+    bb = b_TW if has_b else a_TW
+    _dispatch_kernel[(grid,)](
+        a_TW, WA, bb, bb.stride(0) if has_b else 0, bb.stride(1) if has_b else 0, WB,
+        reg.view(torch.int32), d16, SA, SB, Xc * SA, oa, ob if has_b else oa,
+        plan.head, plan.tab, state.ctrl, state.c8, state.words[0], state.fault,
+        me, P, max(P - 1, 1), plan.T, plan.per, nch, n_send, n_recv, limit, grid,
+        HAS_B=has_b, BLOCK_A=min(triton.next_power_of_2(max(WA, 16)), 1024),
+        BLOCK_B=min(triton.next_power_of_2(max(WB, 16)), 1024), ROWS=rows, NSEND=NS, NRECV=NR, PHASE=phase,
+        CLOCK=clock, NCHM=NCH_MAX, num_warps=8)
+    _LAST["dispatch"] = min(NS + NR, state.sms)
+    return oa, ob
+
+
+def combine(state: NormalState, plan: DirectPlan, y_XH: torch.Tensor, w_XK: torch.Tensor | None = None,
+            biases: tuple = (), rows: int = DEFAULT_ROWS, split: int = 2, phase: int = 0,
+            out: tuple | None = None) -> tuple:
+    """Each token's rows summed over the ranks it went to (rank order, fp32 from 0, own row from ``y_XH``), plus
+    the biases ([T, H] each, added in order), in ``y_XH``'s dtype; ``w_XK`` [X, K] fp32 summed the same way.
+    Returns (out [T, H], out_w [T, K] or None)."""
+    P, me, Xc, nch, T = state.P, state.me, plan.capacity, plan.nch, plan.T
+    H = y_XH.shape[1]
+    K = w_XK.shape[1] if w_XK is not None else 0
+    es = y_XH.element_size()
+    SH, SK = _round16(H), _round16(K)
+    nbytes_a = P * Xc * SH * es
+    reg, d16 = state.region("combine", nbytes_a + P * Xc * SK * 4)
+    if out is None:
+        o = torch.empty(T, H, dtype=y_XH.dtype, device=y_XH.device)
+        ow = torch.empty(T, K, dtype=torch.float32, device=y_XH.device) if w_XK is not None else None
+    else:
+        o, ow = out
+    n_send, n_recv = (P - 1) * nch, nch * split
+    NS, NR = _split(n_send, n_recv, state.sms)
+    grid = {0: NS + NR, 1: NS, 2: NR}[phase]
+    clock, limit = _launch_args(state, y_XH)
+    has_w = w_XK is not None
+    b0 = biases[0] if len(biases) > 0 else y_XH
+    b1 = biases[1] if len(biases) > 1 else y_XH
+    _combine_kernel[(grid,)](
+        y_XH, H, w_XK if has_w else y_XH, K, reg.view(y_XH.dtype), reg[nbytes_a:].view(torch.float32), d16, SH, SK,
+        Xc, o, ow if has_w else o, b0, b1, plan.head, plan.tab, state.ctrl[state.kind_words:], state.c8,
+        state.words[1], state.fault, me, P, max(P - 1, 1), T, plan.per, nch, split, n_send, n_recv, limit, grid,
+        HAS_W=has_w, HAS_B0=len(biases) > 0, HAS_B1=len(biases) > 1, UA=16 // es,
+        BLOCK_A=min(triton.next_power_of_2(max(H, 16)), 512), BLOCK_B=triton.next_power_of_2(max(K, 16)),
+        ROWS=rows, NSEND=NS, NRECV=NR, PHASE=phase, CLOCK=clock, NCHM=NCH_MAX, num_warps=8)
+    _LAST["combine"] = min(NS + NR, state.sms)
+    return o, ow
+
+
+def layout_torch(topk_idx_TK: torch.Tensor, num_experts: int, P: int) -> tuple:
+    """The layout with torch ops: (tokens per rank int32 [P], tokens per expert int32 [E], is_token_in_rank bool
+    [T, P])."""
+    ids = topk_idx_TK.long()
+    valid = ids >= 0
+    e = num_experts // P
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    per_expert.scatter_add_(0, torch.where(valid, ids, num_experts).reshape(-1),
+                            torch.ones(ids.numel(), dtype=torch.int32, device=ids.device))
+    in_rank = torch.zeros(ids.shape[0], P + 1, dtype=torch.bool, device=ids.device)
+    in_rank.scatter_(1, torch.where(valid, ids // e, P), True)
+    in_rank = in_rank[:, :P].contiguous()
+    return in_rank.sum(0, dtype=torch.int32), per_expert[:num_experts], in_rank
+
+
+def dispatch_layout(topk_idx_TK: torch.Tensor, num_experts: int, P: int, rows: int = 32) -> tuple:
+    """``layout_torch`` in one Triton launch (plus one memset)."""
+    T, K = topk_idx_TK.shape
+    counts = torch.zeros(P + num_experts, dtype=torch.int32, device=topk_idx_TK.device)
+    in_rank = torch.empty(T, P, dtype=torch.bool, device=topk_idx_TK.device)
+    if T:
+        grid = triton.cdiv(T, rows)
+        _layout_kernel[(grid,)](topk_idx_TK.contiguous(), T, K, num_experts // P, counts, counts[P:],
+                                in_rank.view(torch.int8), P, ROWS=rows, BLOCK_K=triton.next_power_of_2(max(K, 2)),
+                                BLOCK_P=triton.next_power_of_2(max(P, 2)), num_warps=4)
+        _LAST["layout"] = min(grid, _sms(topk_idx_TK.device))
+    return counts[:P], counts[P:], in_rank
