@@ -132,9 +132,10 @@ if triton is not None:
     @triton.jit
     def _arrive_and_signal(state_ptr, arr_word: tl.constexpr, call_word: tl.constexpr, store_call: tl.constexpr,
                            tab_ptr, set_off, flag_off: tl.constexpr, ntok_off: tl.constexpr, n, me, c, mask_ptr,
-                           P: tl.constexpr, P_PAD: tl.constexpr):
-        """Count this program in; the last one stores (``ntok_off`` >= 0: n, then) c into slot ``me`` of every live
-        rank's ``flag_off`` row (release, system scope), and (``store_call``) c as the set's call number."""
+                           P: tl.constexpr, P_PAD: tl.constexpr, SIGNAL: tl.constexpr, call):
+        """Count this program in; the last one (``SIGNAL``) stores (``ntok_off`` >= 0: n, then) c into slot ``me``
+        of every live rank's ``flag_off`` row (release, system scope), and (``store_call``) ``call`` as the set's
+        call number."""
         tl.debug_barrier()
         old = tl.atomic_add(state_ptr + arr_word, 1, sem="acq_rel", scope="sys")
         if old == tl.num_programs(0) - 1:
@@ -142,13 +143,14 @@ if triton is not None:
             pp = tl.arange(0, P_PAD)
             live = (pp < P) & (tl.load(mask_ptr + pp, mask=pp < P, other=1) == 0)
             base = tl.load(tab_ptr + pp, mask=pp < P, other=0).to(tl.pointer_type(tl.uint8)) + set_off
-            if ntok_off >= 0:
-                tl.store((base + ntok_off).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + n,
-                         mask=live)
-            tl.atomic_xchg((base + flag_off).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + c,
-                           mask=live, sem="release", scope="sys")
+            if SIGNAL:
+                if ntok_off >= 0:
+                    tl.store((base + ntok_off).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + n,
+                             mask=live)
+                tl.atomic_xchg((base + flag_off).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + c,
+                               mask=live, sem="release", scope="sys")
             if store_call:
-                tl.store(state_ptr + call_word, c)
+                tl.store(state_ptr + call_word, call)
 
     @triton.jit
     def _ZN8moe_wave8dispatchEv(
@@ -161,6 +163,20 @@ if triton is not None:
             P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, G: tl.constexpr,
             SP: tl.constexpr, NB: tl.constexpr, NBE: tl.constexpr, FB: tl.constexpr, WS: tl.constexpr,
             WR: tl.constexpr):
+        # addresses passed as ints (the launcher takes them as they are; a tensor costs it a driver query)
+        tab_ptr = tab_ptr.to(tl.pointer_type(tl.int64))
+        mask_ptr = mask_ptr.to(tl.pointer_type(tl.int32))
+        state_ptr = state_ptr.to(tl.pointer_type(tl.int64))
+        info_ptr = info_ptr.to(tl.pointer_type(tl.int32))
+        count_ptr = count_ptr.to(tl.pointer_type(tl.int32))
+        range_ptr = range_ptr.to(tl.pointer_type(tl.int64))
+        posmap_ptr = posmap_ptr.to(tl.pointer_type(tl.int32))
+        nrecv_ptr = nrecv_ptr.to(tl.pointer_type(tl.int32))
+        hist_ptr = hist_ptr.to(tl.pointer_type(tl.int32))
+        if UE8M0:
+            sc_ptr = sc_ptr.to(tl.pointer_type(tl.uint8))
+        else:
+            sc_ptr = sc_ptr.to(tl.pointer_type(tl.float32))
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
@@ -233,12 +249,9 @@ if triton is not None:
                                 rowp = tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_ROWS + \
                                     slot * RB
                                 tl.store(rowp.to(tl.pointer_type(tl.int64)) + wo, v, mask=wm)
-            # the last program: this rank's count of each rank's local experts, then N and the flag
-            tl.debug_barrier()
-            old = tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="sys")     # state word 2: arrivals
-            if old == nprog - 1:
-                tl.store(state_ptr + 2, 0)
-                # one histogram of every id (bin E: none), through a local scratch row, then each rank's slice
+            # program 0: this rank's count of each rank's local experts (one histogram of every id, bin E: none,
+            # through a local scratch row, then each rank's slice)
+            if pid == 0:
                 hb = tl.arange(0, NBE)
                 ff = tl.arange(0, FB)
                 h = tl.zeros([NBE], tl.int32)
@@ -255,6 +268,11 @@ if triton is not None:
                         cnt = (tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_CNT)
                         tl.store(cnt.to(tl.pointer_type(tl.int32)) + me * E_LOC + bb,
                                  tl.load(hist_ptr + p * E_LOC + bb, mask=bb < E_LOC), mask=bb < E_LOC)
+            # the last program to finish: N, then the flag (release: everything written before it), per rank
+            tl.debug_barrier()
+            old = tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="sys")     # state word 2: arrivals
+            if old == nprog - 1:
+                tl.store(state_ptr + 2, 0)
                 base = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
                 tl.store((base + O_NTOK).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + N,
                          mask=live)
@@ -339,7 +357,13 @@ if triton is not None:
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
             O_W: tl.constexpr, O_PART: tl.constexpr, O_WFLAG: tl.constexpr, O_PFLAG: tl.constexpr,
             WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, PART_BF16: tl.constexpr,
-            CLOCK: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
+            CLOCK: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr,
+            TW: tl.constexpr):
+        tab_ptr = tab_ptr.to(tl.pointer_type(tl.int64))          # addresses passed as ints
+        mask_ptr = mask_ptr.to(tl.pointer_type(tl.int32))
+        state_ptr = state_ptr.to(tl.pointer_type(tl.int64))
+        posmap_ptr = posmap_ptr.to(tl.pointer_type(tl.int32))
+        nrecv_ptr = nrecv_ptr.to(tl.pointer_type(tl.int32))
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         one = tl.full([], 1, tl.int64)                # int64 arithmetic on loop indices
@@ -352,16 +376,27 @@ if triton is not None:
         pm = pp < P
         bases = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
         mine = tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off
-        if WEIGHTS:     # each token's weights (0 where its id is -1) to every live rank
-            live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
-            for t in range(pid, N, nprog):
-                ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1)
-                w = tl.where(ids >= 0, tl.load(w_ptr + t * sw + kk, mask=km, other=0.0), 0.0)
-                wp = (bases + O_W).to(tl.pointer_type(tl.float32)) + (me * T + t) * K
-                tl.store(wp[:, None] + kk[None, :], tl.zeros([P_PAD, K_PAD], tl.float32) + w[None, :],
-                         mask=live[:, None] & km[None, :])
-            _arrive_and_signal(state_ptr, 3, 1, True, tab_ptr, set_off, O_WFLAG, -1, 0, me, c,  # words 3, 1
-                               mask_ptr, P, P_PAD)
+        if WEIGHTS:     # program 0: every token's weights (0 where its id is -1) to every live rank, then the flags
+            if pid == 0:
+                live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
+                tw = tl.arange(0, TW)
+                for t0 in range(0, N, TW):
+                    tm = (t0 + tw) < N
+                    m2 = tm[:, None] & km[None, :]
+                    ids = tl.load(ids_ptr + (t0 + tw)[:, None] * sid + kk[None, :], mask=m2, other=-1)
+                    w = tl.where(ids >= 0, tl.load(w_ptr + (t0 + tw)[:, None] * sw + kk[None, :], mask=m2, other=0.0),
+                                 0.0)
+                    for p in range(P):
+                        if tl.load(mask_ptr + p) == 0:
+                            wp = (tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_W)
+                            wp = wp.to(tl.pointer_type(tl.float32)) + (me * T + t0) * K
+                            tl.store(wp + tw[:, None] * K + kk[None, :], w, mask=m2)
+                tl.debug_barrier()
+                tl.atomic_xchg((bases + O_WFLAG).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + c,
+                               mask=live, sem="release", scope="sys")
+            if not PARTIALS:    # (a launch of the weights alone) the call number, once every program has read it
+                _arrive_and_signal(state_ptr, 3, 1, True, tab_ptr, set_off, O_WFLAG, -1, 0, me, c, mask_ptr, P,
+                                   P_PAD, False, c)
         if PARTIALS:    # expert side: each received token's weighted sum over its slots here, to its source
             _wait_all(tab_ptr, set_off, O_WFLAG, me, c, mask_ptr, fault_addr, limit, 2, P, CLOCK)
             wreg = (mine + O_W).to(tl.pointer_type(tl.float32))
@@ -387,8 +422,8 @@ if triton is not None:
                                         other=0.0).to(tl.float32)                                 # [K_PAD, BH]
                             acc = tl.sum(v * w[:, None], 0)
                             tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=hm)
-            _arrive_and_signal(state_ptr, 4, 1, False, tab_ptr, set_off, O_PFLAG, -1, 0, me, c,  # word 4
-                               mask_ptr, P, P_PAD)
+            _arrive_and_signal(state_ptr, 4, 1, True, tab_ptr, set_off, O_PFLAG, -1, 0, me, c,  # word 4
+                               mask_ptr, P, P_PAD, True, c)
         if RECV:        # source side: each token's partials, summed in rank order
             _wait_all(tab_ptr, set_off, O_PFLAG, me, c, mask_ptr, fault_addr, limit, 3, P, CLOCK)
             if PART_BF16:
@@ -480,7 +515,7 @@ class Region:
         posmap: int32 [2, P, T, K] each received (source, token, top-k) slot: expert * PT + slot, or -1.
         nrecv: int32 [2, P] tokens received from each source.
         hist: int32 [2, NBE] the send's histogram of the ids (scratch).
-        sets: per set, (state, posmap, nrecv, hist, byte offset) views, made once.
+        sets: per set, the addresses of (state, posmap, nrecv, hist) and the byte offset, made once.
         configs: the launches' constants per (kernel, phase, options), made once.
     """
 
@@ -500,8 +535,9 @@ class Region:
     configs: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        self.sets = tuple((self.state[i], self.posmap[i], self.nrecv[i], self.hist[i], i * self.set_bytes)
-                          for i in range(2))
+        self.sets = tuple((self.state[i].data_ptr(), self.posmap[i].data_ptr(), self.nrecv[i].data_ptr(),
+                           self.hist[i].data_ptr(), i * self.set_bytes) for i in range(2))
+        self.tab_addr = self.tab.data_ptr()
 
     @property
     def set_bytes(self) -> int:
@@ -562,10 +598,10 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
     if fp8 and ue8m0:
         sc = sc.view(torch.uint8)
     sx, sid = x.stride(0), ids.stride(0)
-    _DISPATCH(nprog, (x, sx, ids, sid, N, rg.tab, set_off, me, mask, st, fault_addr, limit,
-                      out, sc, info, count, layout_range, stats if stats is not None else count, posmap, nrecv, hist),
-              consts, _WARPS, (ckey, set_index, _spec(x), _spec(ids), _spec(sx), _spec(sid), _spec(stats),
-                               _spec(mask), me))
+    _DISPATCH(nprog, (x, sx, ids, sid, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit, out,
+                      sc.data_ptr(), info.data_ptr(), count.data_ptr(), layout_range.data_ptr(),
+                      stats if stats is not None else count, posmap, nrecv, hist),
+              consts, _WARPS, (ckey, set_index, _spec(x), _spec(ids), _spec(sx), _spec(sid), _spec(stats), me))
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -585,14 +621,15 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
         cfg = rg.configs[ckey] = (nprog, limit, dict(
             P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
             O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16, CLOCK=clock,
-            P_PAD=_pad(P), K_PAD=_pad(K), BH=min(_pad(H), 16384 // _pad(K)), BR=min(_pad(H), 16384 // _pad(P))))
+            P_PAD=_pad(P), K_PAD=_pad(K), BH=min(_pad(H), 16384 // _pad(K)), BR=min(_pad(H), 16384 // _pad(P)),
+            TW=min(_pad(T), 4096 // _pad(K))))
     nprog, limit, consts = cfg
     st, posmap, nrecv, _, set_off = rg.sets[set_index]
     sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
-    _COMBINE(nprog, (y, sy, ids, sid, w, sw, N, rg.tab, set_off, me, mask, st, fault_addr, limit, out, so, posmap,
-                     nrecv),
+    _COMBINE(nprog, (y, sy, ids, sid, w, sw, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit,
+                     out, so, posmap, nrecv),
              consts, _WARPS, (ckey, set_index, _spec(y), _spec(ids), _spec(w), _spec(out), _spec(sy), _spec(sid),
-                              _spec(sw), _spec(so), _spec(mask), me))
+                              _spec(sw), _spec(so), me))
 
 
 class DirectLL:
