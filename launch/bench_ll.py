@@ -229,12 +229,13 @@ def main() -> None:
         base = {r["impl"]: r for r in rows}
         if "ours" in base and "deepep" in base:
             o, d = base["ours"], base["deepep"]
-            lines += ["", "ours / DeepEP: whole dispatch {:.2f}, whole combine {:.2f}, whole sum {:.2f}; graph "
-                      "dispatch {:.2f}, graph combine {:.2f}".format(
-                          o["whole_dispatch_us"] / d["whole_dispatch_us"], o["whole_combine_us"] / d["whole_combine_us"],
-                          (o["whole_dispatch_us"] + o["whole_combine_us"]) /
-                          (d["whole_dispatch_us"] + d["whole_combine_us"]),
-                          o["graph_dispatch_us"] / d["graph_dispatch_us"], o["graph_combine_us"] / d["graph_combine_us"])]
+            def ratio(k):
+                return o[k] / d[k]
+
+            whole = (o["whole_dispatch_us"] + o["whole_combine_us"]) / (d["whole_dispatch_us"] + d["whole_combine_us"])
+            lines += ["", f"ours / DeepEP: whole dispatch {ratio('whole_dispatch_us'):.2f}, whole combine "
+                      f"{ratio('whole_combine_us'):.2f}, whole sum {whole:.2f}; graph dispatch "
+                      f"{ratio('graph_dispatch_us'):.2f}, graph combine {ratio('graph_combine_us'):.2f}"]
         if "ours" in base and base["ours"]["dispatch_copy_limit_us"]:
             o = base["ours"]
             lines += [f"ours / its bytes at the copy limit (graph): dispatch "

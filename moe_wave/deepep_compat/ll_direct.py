@@ -292,6 +292,15 @@ if triton is not None:
                 t = item % T
                 n_s = tl.where(tl.load(mask_ptr + s, volatile=True) == 0, tl.load(ntok_reg + s), 0).to(tl.int32)
                 if t < n_s:
+                    src = mine + O_ROWS + (s * T + t) * one * RB
+                    NW: tl.constexpr = H // 8 if FP8 else H // 4        # the row in 8-byte words
+                    # the row's first words and its scales are read before the slots are known (no dependency)
+                    w_first = tl.arange(0, WR)
+                    v_first = tl.load(src.to(tl.pointer_type(tl.int64)) + w_first, mask=w_first < NW)
+                    if FP8:
+                        ss = tl.arange(0, SP)
+                        sm = ss < S
+                        sc = tl.load((src + H).to(tl.pointer_type(tl.float32)) + ss, mask=sm, other=1.0)
                     msg = ids_reg + (s * T + t) * (2 * K)
                     g = tl.load(msg + kk, mask=km, other=-1)
                     loc = g - lo
@@ -304,20 +313,17 @@ if triton is not None:
                     dest = loc.to(tl.int64) * PT + slot                                         # [K_PAD]
                     tl.store(posmap_ptr + (s * T + t) * K + kk, tl.where(ok, dest, -1).to(tl.int32), mask=km)
                     tl.store(info_ptr + dest, tl.zeros([K_PAD], tl.int32) + t, mask=ok)
-                    src = mine + O_ROWS + (s * T + t) * one * RB
                     # the row as 8-byte words (H / 8 of FP8, H / 4 of bf16) to each of its slots
-                    NW: tl.constexpr = H // 8 if FP8 else H // 4
                     ow = out_ptr.to(tl.pointer_type(tl.int64))
-                    for w0 in range(0, NW, WR):
+                    tl.store(ow + dest[:, None] * NW + w_first[None, :], tl.broadcast_to(v_first[None, :], [K_PAD, WR]),
+                             mask=ok[:, None] & (w_first < NW)[None, :])
+                    for w0 in range(WR, NW, WR):
                         wo = w0 + tl.arange(0, WR)
                         wm = wo < NW
                         v = tl.load(src.to(tl.pointer_type(tl.int64)) + wo, mask=wm)
                         tl.store(ow + dest[:, None] * NW + wo[None, :], tl.broadcast_to(v[None, :], [K_PAD, WR]),
                                  mask=ok[:, None] & wm[None, :])
                     if FP8:
-                        ss = tl.arange(0, SP)
-                        sm = ss < S
-                        sc = tl.load((src + H).to(tl.pointer_type(tl.float32)) + ss, mask=sm, other=1.0)
                         sl = slot.to(tl.int64)
                         if UE8M0:   # exponent byte s of int32 group s // 4, column-major [e, S / 4, PT] int32
                             byte = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
