@@ -1,5 +1,5 @@
 """GPU checks of the low-latency mode's direct kernels (``moe_wave.deepep_compat.ll_direct``) through
-``deep_ep.Buffer``: the same results as the exchange-engine path (``MOE_WAVE_LL_PATH=engine``) at DeepEP's test sizes, a masked rank
+``deep_ep.Buffer``: the same results as the exchange-engine path (``MOE_WAVE_LL_PATH=engine``), a masked rank
 skipped rather than awaited, and a rank that never calls: the other gives up after the timeout, masks it, and
 raises at its next call (or, with ``enable_shrink``, keeps it masked). ``tests/test_gpu_deepep_compat.py`` replays
 both modes from CUDA graphs; ``launch/deepep_api.sh`` runs DeepEP's own tests.
