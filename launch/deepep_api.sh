@@ -104,6 +104,21 @@ if [ -n "$BENCH" ]; then
     fi
 fi
 
+# torch's own symmetric-memory all-to-all (all_to_all_vdev_2d, NVSHMEM) on the normal-mode shape: a baseline, or why not
+if [ -n "$BENCH" ]; then
+    lim=$(limit_for 90)
+    if [ "$lim" -gt 0 ]; then
+        echo "=== probe_vdev ($lim s)" | tee -a "$RES/deepep_api.log"
+        env -u RANK -u WORLD_SIZE -u LOCAL_RANK PYTHONPATH="$BASE_PP" OUT="$RES" \
+            timeout --kill-after=10 "$lim" "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 \
+            launch/probe_vdev.py >"$RES/probe_vdev.log" 2>&1
+        RC[probe_vdev]=$?
+        [ "${RC[probe_vdev]}" = 124 ] && echo "probe_vdev: timed out after $lim s" >>"$RES/probe_vdev.log"
+        grep "all_to_all_vdev_2d\|set_backend\|timed out" "$RES/probe_vdev.log" | tail -n 3 | tee -a "$RES/deepep_api.log"
+        RC[probe_vdev]=0        # a finding either way
+    fi
+fi
+
 # moe-wave's own GPU checks of the module: CUDA-graph capture and replay of both modes, a gloo group
 lim=$(limit_for 120)
 if [ "$lim" -gt 0 ]; then
