@@ -200,6 +200,25 @@ def test_missing_peer_is_a_fault_not_a_hang():
     world.states[1].check("dispatch")                           # rank 1 saw nothing wrong
 
 
+def test_missing_peer_in_a_combine_is_a_fault_and_nan():
+    P, E, K, H = 2, 4, 2, 16
+    g = torch.Generator().manual_seed(6)
+    world = World(P, timeout_ms=1)
+    T_list = [8, 8]
+    _, in_rank = _routing(g, P, T_list, E, K)
+    in_rank[0][0] = True                                        # rank 0's token 0 goes to both ranks
+    in_rank[0][4:] = torch.tensor([True, False])                # channel 1 (tokens 4..7) stays on rank 0
+    plans = world.plans(in_rank, 2)
+    xs = [torch.randn(T, H, generator=g) for T in T_list]
+    outs = world.dispatch(plans, [x.view(torch.int32) for x in xs], [None, None], 4)
+    ys = [o[0].view(torch.float32) for o in outs]
+    # rank 1 (expert side) never sends its rows back; rank 0 sums without them
+    got = nk.combine(world.states[0], plans[0], ys[0], None, (), rows=4, split=1, phase=2)[0]
+    assert world.states[0].fault.tolist() == [1, 1, 1]
+    assert bool(got[0].isnan().all())                           # the block of a token that needed rank 1's row
+    assert torch.equal(got[4:], xs[0][4:])                      # the tokens of a block that did not
+
+
 @pytest.mark.parametrize("P,T", [(1, 5), (2, 0), (3, 37)])
 def test_layout_matches_torch(P, T):
     g = torch.Generator().manual_seed(T + P)

@@ -7,7 +7,7 @@ Normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``) runs, on CUDA r
 kernels of ``normal_kernels`` (one Triton launch per call into peers' symmetric memory; the "direct" path), and
 elsewhere on ``moe_wave.comm.deepep_normal``: the symm backend's exchange (its CPU emulation on gloo ranks; the
 "engine" path). ``MOE_WAVE_NORMAL_PATH`` = auto (default) | direct | engine chooses (engine: the A/B comparison);
-``MOE_WAVE_NORMAL_CHANNELS`` (channels, default 24) and ``MOE_WAVE_NORMAL_ROWS`` (tokens per chunk, default 8)
+``MOE_WAVE_NORMAL_CHANNELS`` (channels, default 32) and ``MOE_WAVE_NORMAL_ROWS`` (tokens per chunk, default 8)
 tune the direct kernels (the keywords ``normal``, ``normal_channels``, ``normal_rows`` win over them).
 ``Buffer.last_sms()`` gives the programs of each phase's last launch. Received rows come grouped by source rank in
 rank order, each source's rows in its token order, every time. Low-latency mode lives in

@@ -20,16 +20,17 @@ into flag [me, c] of d's control block (release, system scope, after a CTA barri
 
 Combine (``combine``): expert-side programs take units (source s != me, channel c of s): compact row j of that
 range (index i = j - recv_base[s] among the rows s sent here) goes to row [me, i] of s's combine region; progress
-flags as above (rows done in the channel). Source-side programs take units (channel c, split): they wait until
-every peer p has sent its ``scnt[p, c]`` rows of channel c, then sum each token's rows in rank order (its own row
+flags as above (rows done in the channel). Source-side programs take units (channel c, split), in blocks of R
+tokens: for each peer p they wait until p has sent its rows of channel c up to the block's last one (rows arrive in
+token order: ``head[t, p] + 1 - sstart[p, c]`` rows), then sum each token's rows in rank order (its own row
 straight from the local x), in fp32 from 0, then add the biases, and store in x's dtype.
 
 Reuse of the regions: the last program of a launch (a done counter) advances the call number ``seq`` and stores
 it in ack slot [me] of every peer's block (release, system scope): "I have read everything you wrote in call k".
 A sender of call k waits for d's ack >= k - 1 before it writes d's region. Flags carry the call number, so nothing
 is reset on the host and CUDA graphs replay. Every wait is bounded (the GPU's global timer on CUDA, spins under the
-interpreter); a peer that does not come is recorded in ``fault`` as [1, peer, call] (the first fault sticks), the
-combine's sum for a missing peer is NaN, and ``NormalState.check`` raises it.
+interpreter); a peer that does not come is recorded in ``fault`` as [1, peer, call] (the first fault sticks), a
+combine's block of R tokens that waited for it in vain is NaN, and ``NormalState.check`` raises it.
 
 ``PHASE`` (constexpr): 0 both roles in one launch (the GPU path: the grid is capped by the SM count so every
 program is resident and spinning receivers never starve senders); 1 senders only; 2 receivers only, then the
@@ -51,7 +52,7 @@ __all__ = ["NormalState", "DirectPlan", "make_plan", "dispatch_layout", "layout_
 
 NCH_MAX = 64                # channels at most (flag slots per source)
 BIG = 1 << 32               # flag = call * BIG + progress
-DEFAULT_CHANNELS = 24
+DEFAULT_CHANNELS = 32
 DEFAULT_ROWS = 8
 SPINS_PER_MS = 2000
 _LAST: dict = {}            # phase name -> programs of its last launch
@@ -83,10 +84,13 @@ if triton is not None:
             tl.store(dst_ptr + dst_rows[:, None] * dst_sr + cols[None, :], v, mask=m)
 
     @triton.jit
-    def _wait_at_least(ptr, want, limit, CLOCK: tl.constexpr):
-        """Acquire-poll ``*ptr`` until it reaches ``want`` or the bound passes; returns the last value seen."""
+    def _wait_at_least(ptr, want, limit, fault_ptr, CLOCK: tl.constexpr):
+        """Acquire-poll ``*ptr`` until it reaches ``want`` or the bound passes; returns the last value seen. Once a
+        fault is recorded it does not wait (one missing peer costs one timeout, not one per wait)."""
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         n = want * 0
+        if tl.load(fault_ptr, volatile=True) != 0:
+            n = limit
         if CLOCK:
             t0 = globaltimer()
         while (seen < want) & (n < limit):
@@ -148,7 +152,7 @@ if triton is not None:
                         if HAS_B:
                             _copy(b_ptr, toks.to(tl.int64), b_sr, b_sc, ob_ptr, dst, WB, ok, WB, BLOCK_B, False)
                 else:
-                    seen = _wait_at_least(ctrl_ptr + ACKS + d, target - 1, limit, CLOCK)
+                    seen = _wait_at_least(ctrl_ptr + ACKS + d, target - 1, limit, fault_ptr, CLOCK)
                     if seen < target - 1:
                         _fault(fault_ptr, d, target)
                     tl.debug_barrier()      # no thread writes d's region before d's ack was seen
@@ -177,6 +181,8 @@ if triton is not None:
                 flag = ctrl_ptr + s * NCHM + c
                 done = st
                 n = target * 0
+                if tl.load(fault_ptr, volatile=True) != 0:
+                    n = limit
                 if CLOCK:
                     t_0 = globaltimer()
                 while (done < en) & (n < limit):
@@ -223,7 +229,7 @@ if triton is not None:
                 st = tl.load(tab_ptr + 2 * P + s * NCH + c).to(tl.int64)
                 en = tl.load(tab_ptr + 2 * P + P * NCH + s * NCH + c).to(tl.int64)
                 if st < en:
-                    seen = _wait_at_least(ctrl_ptr + ACKS + s, target - 1, limit, CLOCK)
+                    seen = _wait_at_least(ctrl_ptr + ACKS + s, target - 1, limit, fault_ptr, CLOCK)
                     if seen < target - 1:
                         _fault(fault_ptr, s, target)
                     tl.debug_barrier()      # no thread writes s's region before s's ack was seen
@@ -250,55 +256,59 @@ if triton is not None:
                 chunk = tl.cdiv(per, split)
                 ts = c * per + sub * chunk
                 te = tl.minimum(tl.minimum(ts + chunk, c * per + per), T)
-                if ts < te:
+                for tb in range(ts, te, ROWS):
                     miss = 0
+                    toks = tb + r_ar
+                    tm = toks < te
+                    t64 = toks.to(tl.int64)
+                    # the block's rows from each peer: its rows of channel c up to the block's last one (they
+                    # arrive in token order), so the sum follows the transfer
                     for p in range(P):
                         if p != me:
-                            need = tl.load(tab_ptr + 2 * P + 2 * P * NCH + p * NCH + c).to(tl.int64)
+                            h = tl.load(head_ptr + t64 * P + p, mask=tm, other=-1).to(tl.int64)
+                            sstart = tl.load(tab_ptr + 2 * P + 3 * P * NCH + p * NCH + c).to(tl.int64)
+                            need = tl.max(h, 0) + 1 - sstart
                             if need > 0:
-                                seen = _wait_at_least(ctrl_ptr + p * NCHM + c, base + need, limit, CLOCK)
+                                seen = _wait_at_least(ctrl_ptr + p * NCHM + c, base + need, limit, fault_ptr, CLOCK)
                                 if seen < base + need:
                                     _fault(fault_ptr, p, target)
                                     miss += 1
                     tl.debug_barrier()
-                    for tb in range(ts, te, ROWS):
-                        toks = tb + r_ar
-                        tm = toks < te
-                        t64 = toks.to(tl.int64)
-                        for w0 in range(0, H, BLOCK_A):
-                            cols = w0 + tl.arange(0, BLOCK_A)
-                            cm = tm[:, None] & (cols < H)[None, :]
-                            acc = tl.zeros([ROWS, BLOCK_A], dtype=tl.float32)
-                            for p in range(P):
-                                h = tl.load(head_ptr + t64 * P + p, mask=tm, other=-1).to(tl.int64)
-                                m = cm & (h >= 0)[:, None]
-                                if p == me:
-                                    v = tl.load(y_ptr + (own0 + h)[:, None] * H + cols[None, :], mask=m, other=0.0)
-                                else:
-                                    v = tl.load(mine_a + (p * XC + h)[:, None] * SH + cols[None, :], mask=m,
-                                                other=0.0, cache_modifier=".cg")
-                                acc += v.to(tl.float32)
-                            if HAS_B0:
-                                acc += tl.load(b0_ptr + t64[:, None] * H + cols[None, :], mask=cm).to(tl.float32)
-                            if HAS_B1:
-                                acc += tl.load(b1_ptr + t64[:, None] * H + cols[None, :], mask=cm).to(tl.float32)
-                            acc += tl.where(miss > 0, float("nan"), 0.0)
-                            tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                                     mask=cm)
-                        if HAS_W:
-                            kc = tl.arange(0, BLOCK_B)
-                            km = tm[:, None] & (kc < K)[None, :]
-                            accw = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
-                            for p in range(P):
-                                h = tl.load(head_ptr + t64 * P + p, mask=tm, other=-1).to(tl.int64)
-                                m = km & (h >= 0)[:, None]
-                                if p == me:
-                                    v = tl.load(w_ptr + (own0 + h)[:, None] * K + kc[None, :], mask=m, other=0.0)
-                                else:
-                                    v = tl.load(mine_b + (p * XC + h)[:, None] * SK + kc[None, :], mask=m,
-                                                other=0.0, cache_modifier=".cg")
-                                accw += v
-                            tl.store(ow_ptr + t64[:, None] * K + kc[None, :], accw + tl.where(miss > 0, float("nan"), 0.0), mask=km)
+                    for w0 in range(0, H, BLOCK_A):
+                        cols = w0 + tl.arange(0, BLOCK_A)
+                        cm = tm[:, None] & (cols < H)[None, :]
+                        acc = tl.zeros([ROWS, BLOCK_A], dtype=tl.float32)
+                        for p in range(P):
+                            h = tl.load(head_ptr + t64 * P + p, mask=tm, other=-1).to(tl.int64)
+                            m = cm & (h >= 0)[:, None]
+                            if p == me:
+                                v = tl.load(y_ptr + (own0 + h)[:, None] * H + cols[None, :], mask=m, other=0.0)
+                            else:
+                                v = tl.load(mine_a + (p * XC + h)[:, None] * SH + cols[None, :], mask=m,
+                                            other=0.0, cache_modifier=".cg")
+                            acc += v.to(tl.float32)
+                        if HAS_B0:
+                            acc += tl.load(b0_ptr + t64[:, None] * H + cols[None, :], mask=cm).to(tl.float32)
+                        if HAS_B1:
+                            acc += tl.load(b1_ptr + t64[:, None] * H + cols[None, :], mask=cm).to(tl.float32)
+                        acc += tl.where(miss > 0, float("nan"), 0.0)
+                        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                                 mask=cm)
+                    if HAS_W:
+                        kc = tl.arange(0, BLOCK_B)
+                        km = tm[:, None] & (kc < K)[None, :]
+                        accw = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
+                        for p in range(P):
+                            h = tl.load(head_ptr + t64 * P + p, mask=tm, other=-1).to(tl.int64)
+                            m = km & (h >= 0)[:, None]
+                            if p == me:
+                                v = tl.load(w_ptr + (own0 + h)[:, None] * K + kc[None, :], mask=m, other=0.0)
+                            else:
+                                v = tl.load(mine_b + (p * XC + h)[:, None] * SK + kc[None, :], mask=m,
+                                            other=0.0, cache_modifier=".cg")
+                            accw += v
+                        accw += tl.where(miss > 0, float("nan"), 0.0)
+                        tl.store(ow_ptr + t64[:, None] * K + kc[None, :], accw, mask=km)
         if PHASE != 1:
             _finish(ctrl_ptr, c8_ptr, word_ptr, target, me, P, ACKS, NPROG)
 
@@ -470,7 +480,9 @@ class DirectPlan:
         nch, per: channels and tokens per channel.
         rows: X, the rows of the outputs (the received count, or the caller's worst case).
         capacity: Xc, the region rows (the same on every rank, >= every rank's X).
-        tab: int32 [2P + 3 P nch]: send_base [P], recv_base [P], rstart [P, nch], rend [P, nch], scnt [P, nch].
+        tab: int32 [2P + 4 P nch]: send_base [P], recv_base [P], rstart [P, nch], rend [P, nch] (the rows each
+            source's channels send here, in its send order to me), scnt [P, nch] (the rows my channels send each
+            rank), sstart [P, nch] (where they start in my send order to that rank).
         head: int32 [T, P]: token t's index among the tokens sent p, -1: not sent.
         recv_pad: bool [X, 1] (worst-case outputs: True past the received count, the padding), else None.
         num_recv: the received count where it was read on the host, else None.
@@ -513,8 +525,9 @@ def make_plan(me: int, in_rank_TP: torch.Tensor, chan_PPN: torch.Tensor, rows: i
     excl = torch.cumsum(counts, 0) - counts                   # tokens ranks < s send d
     rch = chan_PPN[:, me, :]                                  # [P(src), nch] rows each source's channels send me
     rend = torch.cumsum(rch, 1)
-    tab = torch.cat([excl[me], excl[:, me], (rend - rch).reshape(-1), rend.reshape(-1),
-                     chan_PPN[me].reshape(-1)]).to(torch.int32)
+    sch = chan_PPN[me]                                        # [P(dst), nch] rows my channels send each rank
+    tab = torch.cat([excl[me], excl[:, me], (rend - rch).reshape(-1), rend.reshape(-1), sch.reshape(-1),
+                     (torch.cumsum(sch, 1) - sch).reshape(-1)]).to(torch.int32)
     pad = None
     if num_recv is None:
         pad = (torch.arange(rows, device=tab.device) >= counts[:, me].sum())[:, None]
