@@ -89,34 +89,30 @@ if [ -z "$OURS_ONLY" ]; then
     for t in $TESTS; do run_test deepep "$SITE${PYTHONPATH:+:$PYTHONPATH}" "$t"; done
 fi
 
-# the low-latency calls side by side (real DeepEP from the build when it imports)
-if [ -n "$BENCH" ]; then
-    lim=$(limit_for 150)
-    if [ "$lim" -gt 0 ]; then
-        echo "=== bench_ll ($lim s)" | tee -a "$RES/deepep_api.log"
-        env -u RANK -u WORLD_SIZE -u LOCAL_RANK PYTHONPATH="$SITE:$BASE_PP" OUT="$RES" \
-            timeout --kill-after=10 "$lim" "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 \
-            launch/bench_ll.py --profile-host >"$RES/bench_ll.log" 2>&1
-        RC[bench_ll]=$?
-        grep -v "^W1\|^\s*$" "$RES/bench_ll.log" | tail -n 70 | tee -a "$RES/deepep_api.log"
-    else
-        RC[bench_ll]="not-run"; echo "=== bench_ll: not run (budget spent)" | tee -a "$RES/deepep_api.log"
+torchrun_step() {  # torchrun_step NAME LIMIT PYTHONPATH SCRIPT [ARGS...]: 2 ranks, its log in $RES/NAME.log
+    local name="$1" lim pp="$3"
+    lim=$(limit_for "$2")
+    shift 3
+    if [ "$lim" -eq 0 ]; then
+        RC[$name]="not-run"; echo "=== $name: not run (budget spent)" | tee -a "$RES/deepep_api.log"; return
     fi
-fi
+    echo "=== $name ($lim s)" | tee -a "$RES/deepep_api.log"
+    env -u RANK -u WORLD_SIZE -u LOCAL_RANK PYTHONPATH="$pp" OUT="$RES" \
+        timeout --kill-after=10 "$lim" "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 \
+        "$@" >"$RES/$name.log" 2>&1
+    RC[$name]=$?
+    [ "${RC[$name]}" = 124 ] && echo "$name: timed out after $lim s" >>"$RES/$name.log"
+}
 
-# torch's own symmetric-memory all-to-all (all_to_all_vdev_2d, NVSHMEM) on the normal-mode shape: a baseline, or why not
 if [ -n "$BENCH" ]; then
-    lim=$(limit_for 90)
-    if [ "$lim" -gt 0 ]; then
-        echo "=== probe_vdev ($lim s)" | tee -a "$RES/deepep_api.log"
-        env -u RANK -u WORLD_SIZE -u LOCAL_RANK PYTHONPATH="$BASE_PP" OUT="$RES" \
-            timeout --kill-after=10 "$lim" "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 \
-            launch/probe_vdev.py >"$RES/probe_vdev.log" 2>&1
-        RC[probe_vdev]=$?
-        [ "${RC[probe_vdev]}" = 124 ] && echo "probe_vdev: timed out after $lim s" >>"$RES/probe_vdev.log"
-        grep "all_to_all_vdev_2d\|set_backend\|timed out" "$RES/probe_vdev.log" | tail -n 3 | tee -a "$RES/deepep_api.log"
-        RC[probe_vdev]=0        # a finding either way
-    fi
+    # the low-latency calls side by side (real DeepEP from the build when it imports)
+    torchrun_step bench_ll 150 "$SITE:$BASE_PP" launch/bench_ll.py --profile-host
+    grep -v "^W1\|^\s*$" "$RES/bench_ll.log" 2>/dev/null | tail -n 70 | tee -a "$RES/deepep_api.log"
+    # torch's own symmetric-memory all-to-all (all_to_all_vdev_2d, NVSHMEM) on the normal shape: a baseline, or why not
+    torchrun_step probe_vdev 90 "$BASE_PP" launch/probe_vdev.py
+    grep "all_to_all_vdev_2d\|set_backend\|timed out" "$RES/probe_vdev.log" 2>/dev/null | tail -n 3 |
+        tee -a "$RES/deepep_api.log"
+    RC[probe_vdev]=0        # a finding either way
 fi
 
 # moe-wave's own GPU checks of the module: CUDA-graph capture and replay of both modes, a gloo group

@@ -67,6 +67,8 @@ import torch
 from moe_wave.comm.symm_signal import SPINS_PER_MS, globaltimer
 from moe_wave.comm.triton_gate import interpreting, tl, triton
 
+from .ll_kernels import fp8_scales
+
 __all__ = ["Region", "DirectLL", "region_layout", "dispatch_launch", "combine_launch", "num_programs", "ST"]
 
 # state words (int64) per buffer set
@@ -222,14 +224,7 @@ if triton is not None:
                         v = tl.load(x_ptr + t * sx + (s0 + gg)[:, None] * 128 + ch[None, :], mask=gm[:, None],
                                     other=0.0).to(tl.float32)                                    # [G, 128]
                         amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-4)
-                        if ROUND:   # the power of two at or above amax / 448 (DeepEP's fast_log2_ceil / fast_pow2)
-                            bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
-                            ex = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-                            scale = ((127 - ex) << 23).to(tl.float32, bitcast=True)
-                            scale_inv = ((127 + ex) << 23).to(tl.float32, bitcast=True)
-                        else:
-                            scale = 448.0 / amax
-                            scale_inv = amax * (1.0 / 448.0)
+                        scale, scale_inv = fp8_scales(amax, ROUND)
                         q = tl.reshape((v * scale[:, None]).to(tl.float8e4nv), [G * 128])
                         qo = s0 * 128 + tl.arange(0, G * 128)
                         for p in range(P):

@@ -33,8 +33,23 @@ __all__ = ["pack_fp8", "pack_fp8_torch", "expand", "expand_torch", "reduce_rows"
 
 FP8_MAX = 448.0
 _MARGIN = 1e-4
+fp8_scales = None       # a Triton function where Triton is installed (below)
 
 if triton is not None:
+
+    @triton.jit
+    def fp8_scales(amax, ROUND: tl.constexpr):
+        """(scale, 1 / scale) of an FP8 e4m3 cast from a group's amax: ``448 / amax``, or with ``ROUND`` the power of
+        two at or above ``amax / 448`` (DeepEP's ``calculate_fp8_scales``, ``fast_log2_ceil`` / ``fast_pow2``)."""
+        if ROUND:
+            bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+            ex = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            scale = ((127 - ex) << 23).to(tl.float32, bitcast=True)
+            scale_inv = ((127 + ex) << 23).to(tl.float32, bitcast=True)
+        else:
+            scale = 448.0 / amax
+            scale_inv = amax * (1.0 / 448.0)
+        return scale, scale_inv
 
     @triton.jit
     def _ZN8moe_wave8dispatchEv(x_ptr, sx, q_ptr, sc_ptr, so_q, so_sc, src_ptr, ss, ss_sc, dest_ptr, tok_ptr, K,
@@ -46,14 +61,7 @@ if triton is not None:
             for s in range(S):
                 v = tl.load(x_ptr + pid * sx + s * 128 + g).to(tl.float32)
                 amax = tl.maximum(tl.max(tl.abs(v), 0), 1e-4)
-                if ROUND:   # the power of two at or above amax / 448 (DeepEP's fast_log2_ceil / fast_pow2)
-                    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
-                    ex = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-                    scale = ((127 - ex) << 23).to(tl.float32, bitcast=True)
-                    scale_inv = ((127 + ex) << 23).to(tl.float32, bitcast=True)
-                else:
-                    scale = 448.0 / amax
-                    scale_inv = amax * (1.0 / 448.0)
+                scale, scale_inv = fp8_scales(amax, ROUND)
                 tl.store(q_ptr + pid * so_q + s * 128 + g, (v * scale).to(q_ptr.dtype.element_ty))
                 tl.store(sc_ptr + pid * so_sc + s, scale_inv)
         else:               # pair pid = row * K + k: the row to its expert-major slot, if it has one

@@ -134,6 +134,21 @@ def slots(expert_RK: torch.Tensor, P: int, T: int, e: int):
     return torch.where(valid, dest, -1), count_Pe
 
 
+def _outputs(e: int, P: int, T: int, H: int, fp8: bool, ue8m0: bool, dev):
+    """A dispatch's fresh outputs: (recv [e, PT, H] fp8 or bf16, the scales' physical tensor or None, the scales
+    (column-major in the last two dimensions) or None, count int32 [e], src_info int32 [e, PT], layout_range int64
+    [e, P])."""
+    PT = P * T
+    recv = torch.empty(e, PT, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
+    phys = scales = None
+    if fp8:
+        phys = torch.empty(e, H // 512, PT, dtype=torch.int32, device=dev) if ue8m0 else \
+            torch.empty(e, H // 128, PT, dtype=torch.float32, device=dev)
+        scales = phys.transpose(1, 2)
+    return (recv, phys, scales, torch.empty(e, dtype=torch.int32, device=dev),
+            torch.empty(e, PT, dtype=torch.int32, device=dev), torch.empty(e, P, dtype=torch.int64, device=dev))
+
+
 def _check(what: str, name: str, t, shape, dtypes) -> None:
     ok = isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype in dtypes
     if not ok:
@@ -271,16 +286,9 @@ class LowLatency:
                                          async_finish, hook)
         set_index, self._next = self._next, self._next ^ 1
         ex = self._sets[set_index]
-        dev, PT = x.device, P * T
-        recv = torch.empty(e, PT, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
-        phys = scales = None
-        if fp8:
-            phys = torch.empty(e, H // 512, PT, dtype=torch.int32, device=dev) if use_ue8m0 else \
-                torch.empty(e, H // 128, PT, dtype=torch.float32, device=dev)
-            scales = phys.transpose(1, 2)
-        count = torch.empty(e, dtype=torch.int32, device=dev)
-        info = torch.full((e, PT), -1, dtype=torch.int32, device=dev)
-        layout_range = torch.empty(e, P, dtype=torch.int64, device=dev)
+        dev = x.device
+        recv, phys, scales, count, info, layout_range = _outputs(e, P, T, H, fp8, bool(use_ue8m0), dev)
+        info.fill_(-1)
         dest = torch.empty(P * T, K, dtype=torch.int64, device=dev)
 
         def prep():
@@ -347,19 +355,10 @@ class LowLatency:
         d.check()
         P, me = self.ep.size, self.ep.rank
         N, H = x.shape
-        e, PT = E // P, P * T
+        e = E // P
         rg = d.region(T, H, K, E)
         set_index, self._next = self._next, self._next ^ 1
-        dev = x.device
-        recv = torch.empty(e, PT, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
-        phys = scales = None
-        if fp8:
-            phys = torch.empty(e, H // 512, PT, dtype=torch.int32, device=dev) if ue8m0 else \
-                torch.empty(e, H // 128, PT, dtype=torch.float32, device=dev)
-            scales = phys.transpose(1, 2)
-        count = torch.empty(e, dtype=torch.int32, device=dev)
-        info = torch.empty(e, PT, dtype=torch.int32, device=dev)
-        layout_range = torch.empty(e, P, dtype=torch.int64, device=dev)
+        recv, phys, scales, count, info, layout_range = _outputs(e, P, T, H, fp8, ue8m0, x.device)
         # the kernel reads rows as 8-byte words: rows contiguous and 16-byte aligned, or a copy
         xc = x if x.stride(1) == 1 and not x.data_ptr() % 16 and not x.stride(0) % 8 else x.clone()
         ids = topk_idx if topk_idx.stride(1) == 1 else topk_idx.contiguous()
