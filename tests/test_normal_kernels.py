@@ -64,7 +64,8 @@ def _routing(g, P, T_list, E, K):
     e = E // P
     ids, in_rank = [], []
     for T in T_list:
-        i = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.long)
+        i = (torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T
+             else torch.zeros(0, K, dtype=torch.long))
         drop = torch.rand(T, K, generator=g) < 0.3
         i = torch.where(drop, -1, i)
         if T > 2:

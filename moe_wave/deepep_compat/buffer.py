@@ -188,7 +188,8 @@ class Buffer:
                                                                      or not cuda and ep.size == 1))
         if path == "direct" and not fits:
             raise ValueError(f"Buffer(normal='direct'): needs CUDA ranks of an NCCL group with Triton, or one CPU "
-                             f"rank under TRITON_INTERPRET=1; here {self._device.type}, {ep.size} rank(s), {ep.backend}")
+                             f"rank under TRITON_INTERPRET=1; here {self._device.type}, {ep.size} rank(s), "
+                             f"{ep.backend}")
         if path == "engine" or not fits or (path == "auto" and not cuda):
             return None
         return nk.NormalState(self.rank, self.group_size, self._device, _symm_alloc(ep, options.timeout_ms),
