@@ -112,7 +112,9 @@ class Buffer:
     (on a GPU a gloo group gets an NCCL twin over the same ranks for the symmetric memory). ``options`` (moe-wave's
     own, keyword only) tunes the engine underneath (``SymmOptions``: kernels, timeouts, copy tuning); ``device``
     (also moe-wave's) defaults to the current CUDA device where there is one, as in DeepEP, and "cpu" runs the CPU
-    emulation over a gloo group (the tests).
+    emulation over a gloo group (the tests). ``normal`` ("auto", "direct", "engine"; default
+    ``MOE_WAVE_NORMAL_PATH`` or "auto"), ``normal_channels`` and ``normal_rows`` (moe-wave's) choose and tune the
+    normal-mode path (see the module docstring).
 
     Attributes:
         rank, group_size, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy: as DeepEP.
