@@ -13,7 +13,9 @@ Measures, in one run (ratios only mean something inside one run), by section (``
   * graph: the symm backend's variants with prepare, dispatch, combine and the round trip each replayed from
     a CUDA graph (backend "symm-<variant>[g]");
   * tune (--tune): the row-copy kernels' launch shape (``SymmOptions.copy``);
-  * moe: WaveMoE (V4-Flash shape) serial vs pipelined on each backend.
+  * moe: WaveMoE (V4-Flash shape) serial vs pipelined on each backend;
+  * vdev (not by default): torch's own symmetric-memory all-to-all (``all_to_all_vdev_2d``, NVSHMEM) on DeepEP's
+    normal test shape, or the reason it does not run (``launch/probe_vdev.py``).
 Every exchange is also timed beside a ~300 us bf16 GEMM on the compute stream (hidden fraction = 1 -
 (beside - gemm) / alone, beside and GEMM-alone samples taken in turns and paired). CUDA events around
 --reps back-to-back calls, warm-up, medians over --iters samples, random data, ranks aligned by a barrier
@@ -41,8 +43,10 @@ from comm_bench.moe import moe_rows  # noqa: E402
 from comm_bench.table import table  # noqa: E402
 from comm_bench.tokens import token_rows  # noqa: E402
 from comm_bench.tune import tune_rows  # noqa: E402
+from comm_bench.vdev import vdev_rows  # noqa: E402
 
-ROWS = {"bytes": bytes_rows, "tokens": token_rows, "graph": graph_rows, "tune": tune_rows, "moe": moe_rows}
+ROWS = {"bytes": bytes_rows, "tokens": token_rows, "graph": graph_rows, "tune": tune_rows, "moe": moe_rows,
+        "vdev": vdev_rows}
 
 
 def parser() -> argparse.ArgumentParser:

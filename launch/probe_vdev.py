@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_common import git_sha, init_ep, report  # noqa: E402
 
 
-def probe(ep, args) -> str:
+def probe(ep, args) -> tuple[float | None, str]:
+    """(microseconds per call on the slowest rank, or None where the op does not run; a line saying which)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     P, me = ep.size, ep.rank
@@ -33,10 +34,10 @@ def probe(ep, args) -> str:
     try:
         symm_mem.set_backend("NVSHMEM")
     except Exception as err:        # noqa: BLE001 - any failure is the finding
-        return f"symm_mem.set_backend('NVSHMEM') failed: {type(err).__name__}: {err}"
+        return None, f"symm_mem.set_backend('NVSHMEM') failed: {type(err).__name__}: {err}"
     op = getattr(torch.ops.symm_mem, "all_to_all_vdev_2d", None)
     if op is None:
-        return f"torch {torch.__version__} has no torch.ops.symm_mem.all_to_all_vdev_2d"
+        return None, f"torch {torch.__version__} has no torch.ops.symm_mem.all_to_all_vdev_2d"
     g = torch.Generator().manual_seed(me)
     ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
     # rows grouped by (destination rank, local expert): the op's input order
@@ -73,11 +74,13 @@ def probe(ep, args) -> str:
         got = int(out_so[0].sum())
     except Exception as err:        # noqa: BLE001 - any failure is the finding
         tb = traceback.format_exc().strip().splitlines()
-        return f"all_to_all_vdev_2d failed: {type(err).__name__}: {str(err).splitlines()[0][:300]} ({tb[-3][:200]})"
+        return None, (f"all_to_all_vdev_2d failed: {type(err).__name__}: {str(err).splitlines()[0][:300]} "
+                      f"({tb[-3][:200]})")
     t = torch.tensor([us], device=ep.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return (f"all_to_all_vdev_2d ran: {t.item():.1f} us per call (slowest rank), {rows} rows sent by rank {me}, "
-            f"{got} received, bf16 hidden {H}, one row per (token, expert) ({P} ranks, {e} experts each)")
+    return t.item(), (f"all_to_all_vdev_2d ran: {t.item():.1f} us per call (slowest rank), {rows} rows sent by rank "
+                      f"{me}, {got} received, bf16 hidden {H}, one row per (token, expert) ({P} ranks, {e} experts "
+                      f"each)")
 
 
 def main() -> None:
@@ -89,7 +92,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     ep = init_ep()
-    line = probe(ep, args)
+    _, line = probe(ep, args)
     if ep.rank == 0:
         report(f"git {git_sha()}; torch {torch.__version__}; NVSHMEM_DISABLE_NVLS="
                f"{os.environ.get('NVSHMEM_DISABLE_NVLS')}\n{line}", "probe_vdev.txt")

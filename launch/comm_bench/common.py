@@ -25,7 +25,7 @@ __all__ = ["LAYOUTS", "MB", "SECTIONS", "DEFAULT_SECTIONS", "Settings", "Run", "
 
 LAYOUTS = {"v4-flash": (4096, 256, 6), "v4-pro": (7168, 384, 6)}   # D, E, K
 MB = 1 << 20
-SECTIONS = ("bytes", "tokens", "graph", "tune", "moe")
+SECTIONS = ("bytes", "tokens", "graph", "tune", "moe", "vdev")
 DEFAULT_SECTIONS = ("bytes", "tokens", "graph", "moe")
 
 
