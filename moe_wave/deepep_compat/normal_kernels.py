@@ -627,8 +627,9 @@ def dispatch_layout(topk_idx_TK: torch.Tensor, num_experts: int, P: int, rows: i
     in_rank = torch.empty(T, P, dtype=torch.bool, device=topk_idx_TK.device)
     if T:
         grid = triton.cdiv(T, rows)
-        _layout_kernel[(grid,)](topk_idx_TK.contiguous(), T, K, num_experts // P, counts, counts[P:],
-                                in_rank.view(torch.int8), P, ROWS=rows, BLOCK_K=triton.next_power_of_2(max(K, 2)),
-                                BLOCK_P=triton.next_power_of_2(max(P, 2)), num_warps=4)
+        _launcher("_layout_kernel")(grid, (topk_idx_TK.contiguous(), T, K, num_experts // P, counts, counts[P:],
+                                           in_rank.view(torch.int8), P),
+                                    dict(ROWS=rows, BLOCK_K=triton.next_power_of_2(max(K, 2)),
+                                         BLOCK_P=triton.next_power_of_2(max(P, 2))), dict(num_warps=4))
         _LAST["layout"] = min(grid, _sms(topk_idx_TK.device))
     return counts[:P], counts[P:], in_rank
