@@ -41,6 +41,7 @@ ack. The tests run every rank's phase 1, then every rank's phase 2, in one proce
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -347,10 +348,10 @@ def _spec(a):
 class _Launcher:
     """One kernel's launches: the first of each specialization through the JIT (which compiles), the next ones
     straight through the compiled kernel, skipping ``JITFunction.run``'s binding and cache-key work (most of a
-    launch's host time; a cached dispatch is timed with its host time). ``fast=False`` (or the interpreter): the
-    JIT every time."""
+    launch's host time; a cached dispatch is timed with its host time). ``fast=False`` (or the interpreter, or
+    ``MOE_WAVE_NORMAL_FAST_LAUNCH=0``): the JIT every time."""
 
-    fast = True
+    fast = os.environ.get("MOE_WAVE_NORMAL_FAST_LAUNCH", "1") != "0"
 
     def __init__(self, fn):
         self.fn = fn
