@@ -248,3 +248,33 @@ def test_a_wrong_prefix_fails():
     outs = world.dispatch(plans, [x.view(torch.int32) for x in xs], [None, None], 4)
     assert not torch.equal(outs[0][0][:_expect_rows(xs, in_rank, 0).shape[0]].view(torch.float32),
                            _expect_rows(xs, in_rank, 0))
+
+
+def test_both_roles_in_one_launch():
+    """Phase 0 (the GPU path: senders and receivers in one launch, the last program acks): rank 1's senders run
+    first, then rank 0's single launch (its receivers find rank 1's rows landed), then rank 1's receivers."""
+    P, E, K, H = 2, 4, 2, 24
+    g = torch.Generator().manual_seed(8)
+    world = World(P)
+    for call in range(3):
+        _, in_rank = _routing(g, P, [11, 7], E, K)
+        plans = world.plans(in_rank, 3)
+        xs = [torch.randn(T, H, generator=g) for T in (11, 7)]
+        a = [x.view(torch.int32) for x in xs]
+        out1 = nk.dispatch(world.states[1], plans[1], a[1], None, rows=4, phase=1)
+        out0 = nk.dispatch(world.states[0], plans[0], a[0], None, rows=4, phase=0)
+        nk.dispatch(world.states[1], plans[1], a[1], None, rows=4, phase=2, out=out1)
+        for d, o in ((0, out0), (1, out1)):
+            assert torch.equal(o[0].view(torch.float32), _expect_rows(xs, in_rank, d)), (call, d)
+        ys = [out0[0].view(torch.float32), out1[0].view(torch.float32)]
+        c1 = nk.combine(world.states[1], plans[1], ys[1], None, (), rows=4, phase=1)
+        c0 = nk.combine(world.states[0], plans[0], ys[0], None, (), rows=4, phase=0)
+        nk.combine(world.states[1], plans[1], ys[1], None, (), rows=4, phase=2, out=c1)
+        for s, c in ((0, c0), (1, c1)):
+            ref = torch.zeros_like(xs[s])
+            for p in range(P):
+                ref += torch.where(in_rank[s][:, p:p + 1], xs[s], 0.0)
+            assert torch.equal(c[0], ref), (call, s)
+        for st in world.states:
+            assert st.fault.tolist() == [0, 0, 0] and st.words[:, 0].tolist() == [call + 1, call + 1]
+            assert st.words[:, 1].tolist() == [0, 0]            # the done counters reset by the last program
