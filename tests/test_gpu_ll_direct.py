@@ -121,7 +121,14 @@ def _silent_peer(ep: EPGroup, shrink: bool) -> None:
     buf = Buffer(dist.group.WORLD, 0, 1, low_latency_mode=True, explicitly_destroy=True, enable_shrink=shrink,
                  options=SymmOptions(timeout_ms=300))
     x, ids, w = _inputs(4, me, T)
-    _step(buf, x, ids, w, False, False, False)                # regions made, every rank present
+    # regions made and kernels compiled with every rank present, under a long timeout (the ranks' first calls may
+    # be further apart than 300 ms); then the short one
+    direct = buf._ll.direct
+    direct.timeout_ms = 120_000
+    _step(buf, x, ids, w, False, False, False)
+    direct.check()                                            # nothing recorded while every rank was there
+    direct.timeout_ms = 300
+    torch.cuda.synchronize()
     dist.barrier()
     if me == 0:
         t0 = time.monotonic()
