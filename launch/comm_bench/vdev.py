@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from probe_vdev import probe
+from probe_vdev import probe_or_fewer
 
 __all__ = ["vdev_rows"]
 
 
 def vdev_rows(run) -> list[dict]:
     T, H = 4096, 7168
-    us, line = probe(run.ep, Namespace(tokens=T, hidden=H, topk=8, experts=256, iters=8 if run.s.quick else 20))
+    us, line = probe_or_fewer(run.ep, Namespace(tokens=T, hidden=H, topk=8, experts=256, iters=8 if run.s.quick else 20))
     run.log(line)
     row = dict(backend="torch-vdev-2d", layout="deepep-normal", tokens_per_rank=T, note=line)
     if us is None:
