@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_common import git_sha, init_ep, report  # noqa: E402
 
 
+_NVSHMEM = False     # the backend is set once per process
+
+
 def probe(ep, args) -> tuple[float | None, str]:
     """(microseconds per call on the slowest rank, or None where the op does not run; a line saying which)."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -31,10 +34,13 @@ def probe(ep, args) -> tuple[float | None, str]:
     P, me = ep.size, ep.rank
     E, K, T, H = args.experts, args.topk, args.tokens, args.hidden
     e = E // P
-    try:
-        symm_mem.set_backend("NVSHMEM")
-    except Exception as err:        # noqa: BLE001 - any failure is the finding
-        return None, f"symm_mem.set_backend('NVSHMEM') failed: {type(err).__name__}: {err}"
+    global _NVSHMEM
+    if not _NVSHMEM:
+        try:
+            symm_mem.set_backend("NVSHMEM")
+        except Exception as err:        # noqa: BLE001 - any failure is the finding
+            return None, f"symm_mem.set_backend('NVSHMEM') failed: {type(err).__name__}: {err}"
+        _NVSHMEM = True
     op = getattr(torch.ops.symm_mem, "all_to_all_vdev_2d", None)
     if op is None:
         return None, f"torch {torch.__version__} has no torch.ops.symm_mem.all_to_all_vdev_2d"
