@@ -116,7 +116,7 @@ if [ -n "$BENCH" ]; then
 fi
 
 # moe-wave's own GPU checks of the module: CUDA-graph capture and replay of both modes, a gloo group
-lim=$(limit_for 120)
+lim=$(limit_for 240)
 if [ "$lim" -gt 0 ]; then
     echo "=== moe_wave gpu tests ($lim s)" | tee -a "$RES/deepep_api.log"
     PYTHONPATH="$BASE_PP" timeout --kill-after=10 "$lim" "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
