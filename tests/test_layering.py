@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # entry points and tools: they may import anything of the library, the library none of them
 TOOLS = re.compile(r"^moe_wave\.(tools(\..*)?|cli|__main__)$")
 # the only modules under moe_wave/ and comm/ that may read MOE_WAVE_* variables
-ENV_READERS = {"moe_wave.env"}
+# moe_wave.env, and the DeepEP front door, which serving stacks import with no moe-wave CLI in between (its path
+# switches MOE_WAVE_{NORMAL,LL}_PATH and tunables are read where a Buffer is made)
+ENV_READERS = {"moe_wave.env", "moe_wave.deepep_compat.buffer", "moe_wave.deepep_compat.low_latency",
+               "moe_wave.deepep_compat.ll_direct", "moe_wave.deepep_compat.normal_kernels"}
 
 
 def _modules() -> dict[str, Path]:
