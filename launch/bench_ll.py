@@ -63,7 +63,7 @@ def _buffer(impl, group, N, H, E):
     from moe_wave.deepep_compat import Buffer
     from moe_wave.deepep_compat import ll_direct
 
-    ll_direct.FAST_LAUNCH = impl != "ours-jit"
+    ll_direct._DISPATCH.fast = ll_direct._COMBINE.fast = impl != "ours-jit"
     os.environ["MOE_WAVE_LL_PATH"] = "engine" if impl == "ours-engine" else "auto"
     os.environ["MOE_WAVE_LL_PARTIAL"] = "fp32" if impl == "ours-fp32" else "bf16"
     try:

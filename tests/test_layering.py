@@ -19,7 +19,8 @@ TOOLS = re.compile(r"^moe_wave\.(tools(\..*)?|cli|__main__)$")
 # moe_wave.env, and the DeepEP front door, which serving stacks import with no moe-wave CLI in between (its path
 # switches MOE_WAVE_{NORMAL,LL}_PATH and tunables are read where a Buffer is made)
 ENV_READERS = {"moe_wave.env", "moe_wave.deepep_compat.buffer", "moe_wave.deepep_compat.low_latency",
-               "moe_wave.deepep_compat.ll_direct", "moe_wave.deepep_compat.normal_kernels"}
+               "moe_wave.deepep_compat.ll_direct", "moe_wave.deepep_compat.normal_kernels",
+               "moe_wave.deepep_compat.triton_launch"}
 
 
 def _modules() -> dict[str, Path]:

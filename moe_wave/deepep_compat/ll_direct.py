@@ -68,6 +68,7 @@ from moe_wave.comm.symm_signal import SPINS_PER_MS, globaltimer
 from moe_wave.comm.triton_gate import interpreting, tl, triton
 
 from .ll_kernels import fp8_scales
+from .triton_launch import Launcher, spec
 
 __all__ = ["Region", "DirectLL", "region_layout", "dispatch_launch", "combine_launch", "num_programs", "ST"]
 
@@ -468,43 +469,6 @@ def _clock_limit(device_type: str, timeout_ms: int) -> tuple[bool, int]:
     return clock, (int(timeout_ms) * 1_000_000 if clock else max(1, int(timeout_ms) * SPINS_PER_MS))
 
 
-# Relaunching a compiled kernel through ``CompiledKernel[grid](*args)`` skips ``JITFunction.run``'s per-call
-# binding and cache-key work (most of a launch's host time). Off with MOE_WAVE_LL_FAST_LAUNCH=0.
-FAST_LAUNCH = os.environ.get("MOE_WAVE_LL_FAST_LAUNCH", "1") != "0"
-
-
-def _spec(a):
-    """What Triton specializes a runtime argument on: a tensor's dtype and 16-byte alignment; an int's value 1,
-    divisibility by 16 and width."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if isinstance(a, int) and not isinstance(a, bool):
-        return a == 1, a & 15 == 0, -0x80000000 <= a < 0x80000000
-    return a
-
-
-class Launcher:
-    """One Triton kernel's launches: the first of each specialization through the JIT (which compiles), the next
-    ones straight through the compiled kernel (``FAST_LAUNCH``). ``key`` must name everything the JIT specializes
-    on that can change between calls with the same constants (``_spec`` of the caller's tensors and sizes); the
-    other arguments are the region's own, fixed per (region, set)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._runners: dict = {}
-
-    def __call__(self, nprog: int, args: tuple, consts: dict, opts: dict, key: tuple) -> None:
-        hit = self._runners.get(key) if FAST_LAUNCH else None
-        if hit is not None:
-            run, tail = hit
-            run(*args, *tail)
-            return
-        kernel = self.fn[(nprog,)](*args, **consts, **opts)
-        if FAST_LAUNCH and kernel is not None and hasattr(kernel, "__getitem__"):
-            names = self.fn.arg_names[len(args):]
-            self._runners[key] = (kernel[(nprog, 1, 1)], tuple(consts[n] for n in names))
-
-
 @dataclass
 class Region:
     """One (T, H, K, E) configuration's buffers on one rank: both sets' symmetric regions and the local state.
@@ -557,8 +521,9 @@ def make_region(P: int, T: int, H: int, K: int, E: int, device, base_addrs: list
 
 
 _DISPATCH = _COMBINE = None
-if triton is not None:
-    _DISPATCH, _COMBINE = Launcher(_ZN8moe_wave8dispatchEv), Launcher(_ZN8moe_wave7combineEv)
+if triton is not None:      # MOE_WAVE_LL_FAST_LAUNCH=0: every launch through Triton's JIT
+    _DISPATCH = Launcher(_ZN8moe_wave8dispatchEv, "MOE_WAVE_LL_FAST_LAUNCH")
+    _COMBINE = Launcher(_ZN8moe_wave7combineEv, "MOE_WAVE_LL_FAST_LAUNCH")
 
 
 _WARPS = dict(num_warps=16)
@@ -602,7 +567,7 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
     _DISPATCH(nprog, (x, sx, ids, sid, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit, out,
                       sc.data_ptr(), info.data_ptr(), count.data_ptr(), layout_range.data_ptr(),
                       stats if stats is not None else count, posmap, nrecv, hist),
-              consts, _WARPS, (ckey, set_index, _spec(x), _spec(ids), _spec(sx), _spec(sid), _spec(stats), me))
+              consts, _WARPS, (ckey, set_index, spec(x), spec(ids), spec(sx), spec(sid), spec(stats), me))
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -629,8 +594,8 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
     sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
     _COMBINE(nprog, (y, sy, ids, sid, w, sw, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit,
                      out, so, posmap, nrecv),
-             consts, _WARPS, (ckey, set_index, _spec(y), _spec(ids), _spec(w), _spec(out), _spec(sy), _spec(sid),
-                              _spec(sw), _spec(so), me))
+             consts, _WARPS, (ckey, set_index, spec(y), spec(ids), spec(w), spec(out), spec(sy), spec(sid),
+                              spec(sw), spec(so), me))
 
 
 class DirectLL:

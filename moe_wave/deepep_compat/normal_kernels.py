@@ -41,12 +41,13 @@ ack. The tests run every rank's phase 1, then every rank's phase 2, in one proce
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from moe_wave.comm.triton_gate import interpreting, tl, triton
+
+from .triton_launch import Launcher
 
 __all__ = ["NormalState", "DirectPlan", "make_plan", "dispatch_layout", "layout_torch", "dispatch", "combine",
            "NCH_MAX", "BIG", "DEFAULT_CHANNELS", "DEFAULT_ROWS", "last_sms", "channel_counts", "send_heads"]
@@ -335,49 +336,13 @@ if triton is not None:
         tl.atomic_add(per_rank_ptr + ps, tl.sum(hit, 0), mask=pm, sem="relaxed")
 
 
-def _spec(a):
-    """What Triton specializes a runtime argument on: a tensor's dtype and 16-byte alignment; an int's value 1,
-    divisibility by 16 and width."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if isinstance(a, int) and not isinstance(a, bool):
-        return a == 1, a & 15 == 0, -0x80000000 <= a < 0x80000000
-    return a
-
-
-class _Launcher:
-    """One kernel's launches: the first of each specialization through the JIT (which compiles), the next ones
-    straight through the compiled kernel, skipping ``JITFunction.run``'s binding and cache-key work (most of a
-    launch's host time; a cached dispatch is timed with its host time). ``fast=False`` (or the interpreter, or
-    ``MOE_WAVE_NORMAL_FAST_LAUNCH=0``): the JIT every time."""
-
-    fast = os.environ.get("MOE_WAVE_NORMAL_FAST_LAUNCH", "1") != "0"
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._runners: dict = {}
-
-    def __call__(self, grid: int, args: tuple, consts: dict, opts: dict) -> None:
-        if not self.fast or interpreting():
-            self.fn[(grid,)](*args, **consts, **opts)
-            return
-        key = (grid, args[0].device, tuple(_spec(a) for a in args), tuple(consts.values()), tuple(opts.items()))
-        hit = self._runners.get(key)
-        if hit is not None:
-            hit[0](*args, *hit[1])
-            return
-        kernel = self.fn[(grid,)](*args, **consts, **opts)
-        if kernel is not None and hasattr(kernel, "__getitem__"):
-            names = self.fn.arg_names[len(args):]
-            self._runners[key] = (kernel[(grid, 1, 1)], tuple(consts[n] for n in names))
-
-
 _launch: dict = {}
 
 
-def _launcher(name: str) -> _Launcher:
+def _launcher(name: str) -> Launcher:
     if name not in _launch:
-        _launch[name] = _Launcher(globals()[name])
+        # MOE_WAVE_NORMAL_FAST_LAUNCH=0: every launch through Triton's JIT
+        _launch[name] = Launcher(globals()[name], "MOE_WAVE_NORMAL_FAST_LAUNCH")
     return _launch[name]
 
 
