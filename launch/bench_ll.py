@@ -90,6 +90,86 @@ def _time(fn_a, fn_b, iters):
     return sum(a[mid]) / len(a[mid]), sum(b[mid]) / len(b[mid])
 
 
+def _graph_time(buf, disp, comb, args):
+    """Mean (dispatch, combine) ms of the calls captured once each in CUDA graphs and replayed in turn."""
+    N, H, E = args.tokens, args.hidden, args.experts
+    buf.clean_low_latency_buffer(N, H, E)
+    torch.cuda.synchronize()
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(gd, stream=s):
+            disp()
+        with torch.cuda.graph(gc, stream=s):
+            comb()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    dist.barrier()
+    for _ in range(args.warmup):
+        gd.replay(), gc.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = _time(gd.replay, gc.replay, args.iters)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return graph
+
+
+def _phases(disp, comb, iters):
+    """Where the kernels' time goes: each call alone (a barrier before it, a sync after), the kernels recording the
+    GPU's global timer at their phase boundaries (``ll_direct.TIMES``); median us from the kernel's start, per
+    word (``ll_direct.TIME_WORDS``), this rank. A wait includes the peer's lateness (ranks start apart)."""
+    from moe_wave.deepep_compat import ll_direct as L
+
+    L.TIMES = torch.zeros(16, dtype=torch.int64, device="cuda")
+    got = {"d": [], "c": []}
+    try:
+        for i in range(iters + 3):
+            for kind, fn in (("d", disp), ("c", comb)):
+                L.TIMES.zero_()
+                L.TIMES[0] = 2 ** 63 - 1
+                torch.cuda.synchronize()
+                dist.barrier()
+                fn()
+                torch.cuda.synchronize()
+                if i >= 3:
+                    got[kind].append(L.TIMES.tolist())
+    finally:
+        L.TIMES = None
+    out = {}
+    for kind, runs in got.items():
+        for w, name in enumerate(L.TIME_WORDS[kind]):
+            ds = sorted((r[w] - r[0]) / 1e3 for r in runs if r[w] > 0)
+            out[f"{'dispatch' if kind == 'd' else 'combine'}: {name}"] = round(ds[len(ds) // 2], 2) if ds else None
+    return out
+
+
+def _tune(buf, disp, comb, args):
+    """Graph (dispatch, combine) us of ours under each ``--tune`` variant (``ll_direct.TUNE`` keys), in one run."""
+    from moe_wave.deepep_compat import ll_direct as L
+
+    keep = dict(L.TUNE)
+    rows = []
+    try:
+        for var in args.tune.split(";"):
+            L.TUNE.update(keep)
+            for kv in filter(None, var.split(",")):
+                k, v = kv.split("=")
+                if k not in L.TUNE:
+                    raise SystemExit(f"--tune {var!r}: {k!r} is not one of {sorted(L.TUNE)}")
+                L.TUNE[k] = int(v)
+            for _ in range(3):
+                disp(), comb()
+            torch.cuda.synchronize()
+            g = _graph_time(buf, disp, comb, args)
+            rows.append(dict(variant=var or "default", graph_dispatch_us=round(g[0] * 1e3, 1),
+                             graph_combine_us=round(g[1] * 1e3, 1)))
+    finally:
+        L.TUNE.update(keep)
+    return rows
+
+
 def bench_impl(impl, ep, args):
     N, H, K, E = args.tokens, args.hidden, args.topk, args.experts
     x, ids, w = _inputs(N, H, K, E, ep.rank)
@@ -128,27 +208,12 @@ def bench_impl(impl, ep, args):
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
             print("host profile of 100 dispatch + combine pairs (ours):\n" + out.getvalue()[-4000:])
-    # graphs: both sets made eagerly above; each call captured once
-    buf.clean_low_latency_buffer(N, H, E)
-    torch.cuda.synchronize()
-    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(gd, stream=s):
-            disp()
-        with torch.cuda.graph(gc, stream=s):
-            comb()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    for _ in range(args.warmup):
-        gd.replay(), gc.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = _time(gd.replay, gc.replay, args.iters)
-    torch.cuda.synchronize()
-    dist.barrier()
+    graph = _graph_time(buf, disp, comb, args)
+    extra = {}
+    if impl == "ours" and args.phases:
+        extra["phases"] = _phases(disp, comb, args.phases)
+    if impl == "ours" and args.tune:
+        extra["tune"] = _tune(buf, disp, comb, args)
     buf.destroy()
     # remote bytes (this rank's sends)
     S = H // 128
@@ -173,7 +238,7 @@ def bench_impl(impl, ep, args):
         sms = torch.cuda.get_device_properties(ep.device).multi_processor_count
     else:
         sms = None
-    return dict(impl=impl, whole_dispatch_us=whole[0] * 1e3, whole_combine_us=whole[1] * 1e3,
+    return dict(extra, impl=impl, whole_dispatch_us=whole[0] * 1e3, whole_combine_us=whole[1] * 1e3,
                 graph_dispatch_us=graph[0] * 1e3, graph_combine_us=graph[1] * 1e3, dispatch_remote_bytes=d_bytes,
                 combine_remote_bytes=c_bytes, sms=sms)
 
@@ -190,6 +255,10 @@ def main() -> None:
                     help="ours (direct kernels), ours-fp32 (fp32 partial sums), ours-jit (every launch through "
                          "Triton's JIT), ours-engine (the exchange engine), deepep (real DeepEP, when importable)")
     ap.add_argument("--profile-host", action="store_true", help="cProfile 100 eager calls of ours (rank 0 prints)")
+    ap.add_argument("--phases", type=int, default=0, metavar="N",
+                    help="N calls of ours with the kernels' phase timestamps (median us from each kernel's start)")
+    ap.add_argument("--tune", default="", help="variants of ours' launch knobs, e.g. 'warps=8;bh=4096,br=8192' "
+                    "(ll_direct.TUNE keys; an empty variant is the default), timed from CUDA graphs")
     args = ap.parse_args()
     ep = init_ep()
     p2p = p2p_limit_GBps(ep)
@@ -241,6 +310,15 @@ def main() -> None:
             lines += [f"ours / its bytes at the copy limit (graph): dispatch "
                       f"{o['graph_dispatch_us'] / o['dispatch_copy_limit_us']:.2f}, combine "
                       f"{o['graph_combine_us'] / o['combine_copy_limit_us']:.2f}"]
+        for r in rows:
+            if r.get("phases"):
+                lines += ["", f"{r['impl']}, kernel phases (rank 0; median us from the kernel's start, {args.phases} "
+                          "calls each alone after a barrier; waits include the peer's lateness):", ""]
+                lines += [f"- {k}: {v}" for k, v in r["phases"].items()]
+            if r.get("tune"):
+                lines += ["", f"{r['impl']}, launch knobs (graph us, slowest rank not taken: rank 0):", "",
+                          "| variant | graph disp | graph comb |", "|---|---|---|"]
+                lines += [f"| {t['variant']} | {t['graph_dispatch_us']} | {t['graph_combine_us']} |" for t in r["tune"]]
         lines += [f"skipped: {s}" for s in skipped]
         report("\n".join(lines), "bench_ll.md")
         path = out_path("bench_ll.json")

@@ -82,16 +82,16 @@ class Ranks:
                             fp8=fp8, round_scale=rnd, ue8m0=ue, programs=3)
         return outs
 
-    def combine(self, set_index, inputs, ys, part_bf16=True):
+    def combine(self, set_index, inputs, ys, part_bf16=True, ranks=None, timeout_ms=1000):
         from moe_wave.deepep_compat.ll_direct import combine_launch
 
         P = self.P
         outs = [torch.full((inputs[r][0].shape[0], H), float("nan"), dtype=torch.bfloat16) for r in range(P)]
         for step in ("weights", "partials", "recv"):
-            for r in range(P):
+            for r in range(P) if ranks is None else ranks:
                 _, ids, w = inputs[r]
                 combine_launch(self.rg[r], set_index, r, ys[r].view(-1, H), ids, w, self.mask[r],
-                               self.fault[r].data_ptr(), 1000, outs[r], weights=step == "weights",
+                               self.fault[r].data_ptr(), timeout_ms, outs[r], weights=step == "weights",
                                partials=step == "partials", recv=step == "recv", part_bf16=part_bf16, programs=3)
         return outs
 
@@ -194,6 +194,26 @@ def test_a_silent_peer_is_masked_and_recorded():
     assert rk.fault[0].tolist() == [1, 1, 1, 1]                          # [poison, peer, call, site: dispatch]
     assert rk.mask[0].tolist() == [0, 1]
     _check_dispatch(outs[:1], inputs, P, live={0})
+
+
+def test_a_peer_silent_in_the_combine_is_masked_and_its_share_left_out():
+    """Rank 1 dispatches but never combines: rank 0's expert side waits for rank 1's weights only when it reaches
+    rank 1's tokens (its own come first), gives up, masks and records rank 1 (site 2: the weights), and still returns
+    the sums of its own experts for its own tokens."""
+    P = 2
+    e = E // P
+    rk = Ranks(P)
+    inputs = _inputs(P, [6, 5], 4)
+    outs = rk.dispatch(0, inputs)
+    ys = [(outs[r]["recv"].float() * 2.0).to(torch.bfloat16) for r in range(P)]
+    got = rk.combine(0, inputs, ys, ranks=[0], timeout_ms=1)
+    assert rk.fault[0].tolist() == [1, 1, 1, 2]                          # [poison, peer, call, site: weights]
+    assert rk.mask[0].tolist() == [0, 1]
+    x, ids, w = inputs[0]
+    own = (ids >= 0) & (ids // e == 0)
+    y = (x.float() * 2.0).to(torch.bfloat16).float()
+    ref = (y[:, None, :] * torch.where(own, w, 0.0)[:, :, None]).sum(1)
+    assert torch.allclose(got[0].float(), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_direct_ll_check_raises_or_shrinks():

@@ -99,6 +99,17 @@ def region_layout(P: int, T: int, H: int, K: int, E: int) -> dict:
 if triton is not None:
 
     @triton.jit
+    def _stamp(times_ptr, slot: tl.constexpr, TIMES: tl.constexpr, FIRST: tl.constexpr):
+        """(``TIMES``, a measurement build) the GPU's global timer into word ``slot``: the earliest program's
+        (``FIRST``, word reset to INT64_MAX) or the latest's (reset to 0)."""
+        if TIMES:
+            now = globaltimer()
+            if FIRST:
+                tl.atomic_min(times_ptr + slot, now)
+            else:
+                tl.atomic_max(times_ptr + slot, now)
+
+    @triton.jit
     def _wait(flag_ptr, target, limit, CLOCK: tl.constexpr):
         """Wait (acquire, system scope) until ``*flag_ptr >= target``; False after ``limit`` (ns or spins)."""
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
@@ -114,23 +125,32 @@ if triton is not None:
         return seen >= target
 
     @triton.jit
+    def _wait_rank(flags, p, c, mask_ptr, fault_addr, limit, site: tl.constexpr, CLOCK: tl.constexpr):
+        """Wait for rank p's flag (``flags + p``) to reach c, unless p is masked; a rank that does not arrive is masked
+        and recorded in the fault words."""
+        if tl.load(mask_ptr + p, volatile=True) == 0:
+            arrived = _wait(flags + p, c, limit, CLOCK)
+            if arrived.to(tl.int32) == 0:
+                tl.atomic_xchg(mask_ptr + p, 1)
+                fault = fault_addr.to(tl.pointer_type(tl.int64))
+                if tl.load(fault, volatile=True) == 0:
+                    tl.store(fault + 1, p * tl.full([], 1, tl.int64))
+                    tl.store(fault + 2, c)
+                    tl.store(fault + 3, tl.full([], site, tl.int64))
+                    tl.store(fault, 1)
+
+    @triton.jit
+    def _flags(tab_ptr, set_off, flag_off, me):
+        """This rank's row of flags at ``flag_off`` (slot p: rank p's call number)."""
+        return (tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off + flag_off).to(tl.pointer_type(tl.int64))
+
+    @triton.jit
     def _wait_all(tab_ptr, set_off, flag_off, me, c, mask_ptr, fault_addr, limit, site: tl.constexpr,
                   P: tl.constexpr, CLOCK: tl.constexpr):
-        """Wait for every live rank's flag (slot p of this rank's ``flag_off`` row) to reach c; a rank that does not
-        arrive is masked and recorded in the fault words."""
-        mine = tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off + flag_off
-        flags = mine.to(tl.pointer_type(tl.int64))
+        """Wait for every live rank's flag (slot p of this rank's ``flag_off`` row) to reach c (``_wait_rank``)."""
+        flags = _flags(tab_ptr, set_off, flag_off, me)
         for p in range(P):
-            if tl.load(mask_ptr + p, volatile=True) == 0:
-                arrived = _wait(flags + p, c, limit, CLOCK)
-                if arrived.to(tl.int32) == 0:
-                    tl.atomic_xchg(mask_ptr + p, 1)
-                    fault = fault_addr.to(tl.pointer_type(tl.int64))
-                    if tl.load(fault, volatile=True) == 0:
-                        tl.store(fault + 1, p * tl.full([], 1, tl.int64))
-                        tl.store(fault + 2, c)
-                        tl.store(fault + 3, tl.full([], site, tl.int64))
-                        tl.store(fault, 1)
+            _wait_rank(flags, p, c, mask_ptr, fault_addr, limit, site, CLOCK)
 
     @triton.jit
     def _arrive_and_signal(state_ptr, arr_word: tl.constexpr, call_word: tl.constexpr, store_call: tl.constexpr,
@@ -158,15 +178,17 @@ if triton is not None:
     @triton.jit
     def _ZN8moe_wave8dispatchEv(
             x_ptr, sx, ids_ptr, sid, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
-            out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr, hist_ptr,
+            out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr, hist_ptr, times_ptr,
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
             O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_CNT: tl.constexpr, O_NTOK: tl.constexpr,
             O_FLAG: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
             UE8M0: tl.constexpr, STATS: tl.constexpr, CLOCK: tl.constexpr,
             P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, G: tl.constexpr,
             SP: tl.constexpr, NB: tl.constexpr, NBE: tl.constexpr, FB: tl.constexpr, WS: tl.constexpr,
-            WR: tl.constexpr):
+            WR: tl.constexpr, TIMES: tl.constexpr):
         # addresses passed as ints (the launcher takes them as they are; a tensor costs it a driver query)
+        times_ptr = times_ptr.to(tl.pointer_type(tl.int64))
+        _stamp(times_ptr, 0, TIMES, True)
         tab_ptr = tab_ptr.to(tl.pointer_type(tl.int64))
         mask_ptr = mask_ptr.to(tl.pointer_type(tl.int32))
         state_ptr = state_ptr.to(tl.pointer_type(tl.int64))
@@ -264,6 +286,7 @@ if triton is not None:
                         cnt = (tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_CNT)
                         tl.store(cnt.to(tl.pointer_type(tl.int32)) + me * E_LOC + bb,
                                  tl.load(hist_ptr + p * E_LOC + bb, mask=bb < E_LOC), mask=bb < E_LOC)
+            _stamp(times_ptr, 1, TIMES, False)
             # the last program to finish: N, then the flag (release: everything written before it), per rank
             tl.debug_barrier()
             old = tl.atomic_add(state_ptr + 2, 1, sem="acq_rel", scope="sys")     # state word 2: arrivals
@@ -275,8 +298,10 @@ if triton is not None:
                 tl.atomic_xchg((base + O_FLAG).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + c,
                                mask=live, sem="release", scope="sys")
                 tl.store(state_ptr + 0, c)
+                _stamp(times_ptr, 2, TIMES, False)
         if RECV:
             _wait_all(tab_ptr, set_off, O_FLAG, me, c, mask_ptr, fault_addr, limit, 1, P, CLOCK)
+            _stamp(times_ptr, 3, TIMES, False)
             mine = tl.load(tab_ptr + me).to(tl.pointer_type(tl.uint8)) + set_off
             ids_reg = (mine + O_IDS).to(tl.pointer_type(tl.int32))
             cnt_reg = (mine + O_CNT).to(tl.pointer_type(tl.int32))
@@ -351,17 +376,20 @@ if triton is not None:
                 if STATS:
                     tl.store(stats_ptr + ee, tl.load(stats_ptr + ee, mask=em) + total.to(stats_ptr.dtype.element_ty),
                              mask=em)
+        _stamp(times_ptr, 4, TIMES, False)
 
     @triton.jit
     def _ZN8moe_wave7combineEv(
             y_ptr, sy, ids_ptr, sid, w_ptr, sw, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
-            out_ptr, so, posmap_ptr, nrecv_ptr,
+            out_ptr, so, posmap_ptr, nrecv_ptr, times_ptr,
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
             O_W: tl.constexpr, O_PART: tl.constexpr, O_WFLAG: tl.constexpr, O_PFLAG: tl.constexpr,
             WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, PART_BF16: tl.constexpr,
             CLOCK: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr,
-            TW: tl.constexpr):
+            TW: tl.constexpr, TIMES: tl.constexpr):
         tab_ptr = tab_ptr.to(tl.pointer_type(tl.int64))          # addresses passed as ints
+        times_ptr = times_ptr.to(tl.pointer_type(tl.int64))
+        _stamp(times_ptr, 0, TIMES, True)
         mask_ptr = mask_ptr.to(tl.pointer_type(tl.int32))
         state_ptr = state_ptr.to(tl.pointer_type(tl.int64))
         posmap_ptr = posmap_ptr.to(tl.pointer_type(tl.int32))
@@ -396,15 +424,22 @@ if triton is not None:
                 tl.debug_barrier()
                 tl.atomic_xchg((bases + O_WFLAG).to(tl.pointer_type(tl.int64)) + me, tl.zeros([P_PAD], tl.int64) + c,
                                mask=live, sem="release", scope="sys")
+                _stamp(times_ptr, 1, TIMES, False)
             if not PARTIALS:    # (a launch of the weights alone) the call number, once every program has read it
                 _arrive_and_signal(state_ptr, 3, 1, True, tab_ptr, set_off, O_WFLAG, -1, 0, me, c, mask_ptr, P,
                                    P_PAD, False, c)
         if PARTIALS:    # expert side: each received token's weighted sum over its slots here, to its source
-            _wait_all(tab_ptr, set_off, O_WFLAG, me, c, mask_ptr, fault_addr, limit, 2, P, CLOCK)
+            # sources in turn from this rank (whose weights need no hop), each waited for when first needed
+            wflags = _flags(tab_ptr, set_off, O_WFLAG, me)
+            waited = tl.zeros([], tl.int64)                 # bit s: source s's weights are here
             wreg = (mine + O_W).to(tl.pointer_type(tl.float32))
             for item in range(pid, P * T, nprog):
-                s = item // T
+                s = (item // T + me) % P
                 t = item % T
+                if ((waited >> s) & 1) == 0:
+                    _wait_rank(wflags, s, c, mask_ptr, fault_addr, limit, 2, CLOCK)
+                    waited = waited | (one << s)
+                    _stamp(times_ptr, 2, TIMES, False)
                 live_s = tl.load(mask_ptr + s, volatile=True) == 0
                 if live_s & (t < tl.load(nrecv_ptr + s)):
                     dest = tl.load(posmap_ptr + (s * T + t) * K + kk, mask=km, other=-1)
@@ -424,10 +459,13 @@ if triton is not None:
                                         other=0.0).to(tl.float32)                                 # [K_PAD, BH]
                             acc = tl.sum(v * w[:, None], 0)
                             tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=hm)
+            _stamp(times_ptr, 3, TIMES, False)
             _arrive_and_signal(state_ptr, 4, 1, True, tab_ptr, set_off, O_PFLAG, -1, 0, me, c,  # word 4
                                mask_ptr, P, P_PAD, True, c)
+            _stamp(times_ptr, 4, TIMES, False)
         if RECV:        # source side: each token's partials, summed in rank order
             _wait_all(tab_ptr, set_off, O_PFLAG, me, c, mask_ptr, fault_addr, limit, 3, P, CLOCK)
+            _stamp(times_ptr, 5, TIMES, False)
             if PART_BF16:
                 part = (mine + O_PART).to(tl.pointer_type(tl.bfloat16))
             else:
@@ -443,6 +481,7 @@ if triton is not None:
                     v = tl.load(part + (pp.to(tl.int64) * T + t)[:, None] * H + offs[None, :],
                                 mask=has[:, None] & hm[None, :], other=0.0).to(tl.float32)
                     tl.store(out_ptr + t * so + offs, tl.sum(v, 0).to(out_ptr.dtype.element_ty), mask=hm)
+        _stamp(times_ptr, 6, TIMES, False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -526,7 +565,21 @@ if triton is not None:      # MOE_WAVE_LL_FAST_LAUNCH=0: every launch through Tr
     _COMBINE = Launcher(_ZN8moe_wave7combineEv, "MOE_WAVE_LL_FAST_LAUNCH")
 
 
-_WARPS = dict(num_warps=16)
+# Measurement and tuning hooks (launch/bench_ll.py): ``TIMES`` an int64 [16] device tensor makes the kernels record
+# the GPU's global timer at their phase boundaries (``time_words`` says which word is what); ``TUNE`` overrides the
+# launch's warps and the combine's row blocks (0: the default). Both are part of every launch's cache key.
+TIMES: torch.Tensor | None = None
+TUNE = {"warps": 16, "bh": 0, "br": 0}
+TIME_WORDS = {"d": ("start", "sent", "signalled", "waited", "end"),
+              "c": ("start", "weights sent", "weights waited", "partials sent", "signalled", "partials waited", "end")}
+
+
+def _knobs() -> tuple:
+    return (TIMES is not None, TUNE["warps"], TUNE["bh"], TUNE["br"])
+
+
+def _times_addr(rg: "Region") -> int:
+    return TIMES.data_ptr() if TIMES is not None else rg.sets[0][0]
 
 
 def _dispatch_consts(rg: Region, send, recv, fp8, round_scale, ue8m0, stats, clock):
@@ -537,7 +590,7 @@ def _dispatch_consts(rg: Region, send, recv, fp8, round_scale, ue8m0, stats, clo
                 O_NTOK=lay["ntok"], O_FLAG=lay["dflag"], SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale,
                 UE8M0=ue8m0, STATS=stats, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K), TB=min(128, _pad(T)),
                 G=min(SP, 64), SP=SP, NB=_pad(e + 1), NBE=_pad(rg.E + 1), FB=1024, WS=min(4096, _pad(H // 4)),
-                WR=min(_pad(H // 4), 8192 // _pad(K)))
+                WR=min(_pad(H // 4), 8192 // _pad(K)), TIMES=TIMES is not None)
 
 
 def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
@@ -551,7 +604,8 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
     [e, PT], ``count`` int32 [e], ``layout_range`` int64 [e, P], ``stats`` None or [e]."""
     N = x.shape[0]
     dev = x.device
-    ckey = ("d", dev.type, timeout_ms, send, recv, fp8, round_scale, ue8m0, stats is not None, programs, N)
+    ckey = ("d", dev.type, timeout_ms, send, recv, fp8, round_scale, ue8m0, stats is not None, programs,
+            N) + _knobs()
     cfg = rg.configs.get(ckey)
     if cfg is None:
         clock, limit = _clock_limit(dev.type, timeout_ms)
@@ -566,8 +620,9 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
     sx, sid = x.stride(0), ids.stride(0)
     _DISPATCH(nprog, (x, sx, ids, sid, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit, out,
                       sc.data_ptr(), info.data_ptr(), count.data_ptr(), layout_range.data_ptr(),
-                      stats if stats is not None else count, posmap, nrecv, hist),
-              consts, _WARPS, (ckey, set_index, spec(x), spec(ids), spec(sx), spec(sid), spec(stats), me))
+                      stats if stats is not None else count, posmap, nrecv, hist, _times_addr(rg)),
+              consts, dict(num_warps=TUNE["warps"]),
+              (ckey, set_index, spec(x), spec(ids), spec(sx), spec(sid), spec(stats), me))
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -577,7 +632,7 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
     ``part_bf16``: partial sums travel in bf16 (else fp32)."""
     N = ids.shape[0]
     dev = ids.device
-    ckey = ("c", dev.type, timeout_ms, weights, partials, recv, part_bf16, programs, N)
+    ckey = ("c", dev.type, timeout_ms, weights, partials, recv, part_bf16, programs, N) + _knobs()
     cfg = rg.configs.get(ckey)
     if cfg is None:
         P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
@@ -587,15 +642,16 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
         cfg = rg.configs[ckey] = (nprog, limit, dict(
             P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
             O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16, CLOCK=clock,
-            P_PAD=_pad(P), K_PAD=_pad(K), BH=min(_pad(H), 16384 // _pad(K)), BR=min(_pad(H), 16384 // _pad(P)),
-            TW=min(_pad(T), 4096 // _pad(K))))
+            P_PAD=_pad(P), K_PAD=_pad(K), BH=TUNE["bh"] or min(_pad(H), 16384 // _pad(K)),
+            BR=TUNE["br"] or min(_pad(H), 16384 // _pad(P)), TW=min(_pad(T), 4096 // _pad(K)),
+            TIMES=TIMES is not None))
     nprog, limit, consts = cfg
     st, posmap, nrecv, _, set_off = rg.sets[set_index]
     sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
     _COMBINE(nprog, (y, sy, ids, sid, w, sw, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit,
-                     out, so, posmap, nrecv),
-             consts, _WARPS, (ckey, set_index, spec(y), spec(ids), spec(w), spec(out), spec(sy), spec(sid),
-                              spec(sw), spec(so), me))
+                     out, so, posmap, nrecv, _times_addr(rg)),
+             consts, dict(num_warps=TUNE["warps"]), (ckey, set_index, spec(y), spec(ids), spec(w), spec(out),
+                                                     spec(sy), spec(sid), spec(sw), spec(so), me))
 
 
 class DirectLL:
