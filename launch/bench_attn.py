@@ -58,7 +58,9 @@ TYPES = {"sliding": ("sliding_attention", 0), "csa": ("compressed_sparse_attenti
 CTX = 4096
 # more tilings timed on the CSA prefill besides the fallback ladder (tuning data, not used by the layer)
 EXTRA_TILINGS = (CoreConfig(num_stages=3), CoreConfig(block_n=32, num_stages=3), CoreConfig(block_n=32),
-                 CoreConfig(block_dv=256, num_warps=4))
+                 CoreConfig(block_dv=256, num_warps=4), CoreConfig(num_warps=16), CoreConfig(num_warps=16, num_stages=3),
+                 CoreConfig(block_n=32, num_warps=16, num_stages=3), CoreConfig(block_dk=256),
+                 CoreConfig(block_dk=256, num_warps=16), CoreConfig(block_n=128, num_warps=16, num_stages=1))
 
 
 def make_attn(shape: str, kind: str, dev) -> V4Attention:

@@ -5,7 +5,8 @@
 #   bash launch/deepep_api.sh [--ours-only] [--tests intranode,low_latency] [--no-bench]
 #
 # After the tests, launch/bench_ll.py times the low-latency calls of both implementations side by side (whole calls
-# and CUDA-graph replays, against the bytes' time at the P2P copy limit); --no-bench skips it.
+# and CUDA-graph replays, against the bytes' time at the P2P copy limit); --no-bench skips it;
+# BENCH_LL_PHASES=N adds the kernels' phase timestamps over N calls, BENCH_LL_TUNE="LIST" launch-knob variants.
 #
 # Needs DeepEP's kit in .deps/deepep (git-ignored: cp -r ../shared/deps/deepep .deps/ and carry it along). The
 # tests run from a fresh copy of the kit's tarball. Real DeepEP is built once into DEEPEP_SITE (default
@@ -106,7 +107,10 @@ torchrun_step() {  # torchrun_step NAME LIMIT PYTHONPATH SCRIPT [ARGS...]: 2 ran
 
 if [ -n "$BENCH" ]; then
     # the low-latency calls side by side (real DeepEP from the build when it imports)
-    torchrun_step bench_ll 150 "$SITE:$BASE_PP" launch/bench_ll.py --profile-host
+    LL_ARGS=(--profile-host)
+    [ -n "${BENCH_LL_PHASES:-}" ] && LL_ARGS+=(--phases "$BENCH_LL_PHASES")
+    [ -n "${BENCH_LL_TUNE:-}" ] && LL_ARGS+=(--tune "$BENCH_LL_TUNE")
+    torchrun_step bench_ll 150 "$SITE:$BASE_PP" launch/bench_ll.py "${LL_ARGS[@]}"
     grep -v "^W1\|^\s*$" "$RES/bench_ll.log" 2>/dev/null | tail -n 70 | tee -a "$RES/deepep_api.log"
     # torch's own symmetric-memory all-to-all (all_to_all_vdev_2d, NVSHMEM) on the normal shape: a baseline, or why not
     torchrun_step probe_vdev 90 "$BASE_PP" launch/probe_vdev.py

@@ -654,7 +654,7 @@ def _pack_x(what: str, x) -> tuple[torch.Tensor, Callable]:
 
 
 def _words(what: str, x):
-    """The direct kernels' form of x: (rows as int32 words [T, WA], the scales as int32 words [T, S] (any strides)
+    """The direct kernels' form of x: (rows as int32 words [T, WA], the scales as int32 words [T, S] (row-major)
     or None, ``unpack(words [X, WA], scale words [X, S] or None) -> recv_x`` in x's form); None where a row is not
     whole words (the engine path takes those)."""
     if isinstance(x, torch.Tensor):
@@ -672,7 +672,10 @@ def _words(what: str, x):
     def unpack(a, s):
         return a.view(torch.uint8).view(x8.dtype), (s.view(sc.dtype) if sc.dim() == 2 else s.view(sc.dtype).view(-1))
 
-    return x8.contiguous().view(torch.uint8).view(torch.int32), sc.reshape(T, S).view(torch.int32), unpack
+    # scales row-major: DeepEP's callers often pass them column-major ([T, S] with strides (1, T)), and a kernel
+    # reading a row's S words 4*T bytes apart issues one memory transaction per word
+    return x8.contiguous().view(torch.uint8).view(torch.int32), sc.reshape(T, S).contiguous().view(torch.int32), \
+        unpack
 
 
 def _check_fp8(what: str, x) -> None:
