@@ -1,6 +1,7 @@
 """Where the attention layer's time goes: a kernel table per part (torch.profiler, one GPU).
 
     python launch/profile_attn.py [--shape v4-flash] [--types csa,hca,sliding] [--tokens 4096] [--rows 12]
+    python launch/profile_attn.py --decode 64 --types csa       (a decode step, batch 64, 4096-token cache)
 
 For each layer type it runs each front-end branch alone (the chains ``bench_attn.py`` times:
 q, window kv, compressor, indexer incl. q_lora), then the sparse core and the output projection alone on the
@@ -20,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attn import CTX, branches, core_fn, core_parts, make_attn, time_eager  # noqa: E402
+from bench_attn import CTX, branches, core_fn, core_parts, fill_cache, make_attn, time_eager  # noqa: E402
 from launch_common import out_path  # noqa: E402
 
 
@@ -96,28 +97,43 @@ def main() -> None:
     ap.add_argument("--types", default="csa,hca,sliding")
     ap.add_argument("--tokens", type=int, default=CTX)
     ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--decode", type=int, default=0, metavar="B",
+                    help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = []
     for kind in args.types.split(","):
         attn = make_attn(args.shape, kind, dev)
-        S = args.tokens
-        x = torch.randn(1, S, attn.cfg.hidden, device=dev, dtype=torch.bfloat16)
-        pos = torch.arange(S, device=dev)[None]
-        parts_run = {f"branch {name}": (lambda fn=fn, c=attn.new_cache(1, S + 8): fn(x, pos, c))
+        B, S, start = (args.decode, 1, CTX) if args.decode else (1, args.tokens, 0)
+        mode = f"decode batch {B}, cache {CTX}" if args.decode else f"prefill {S}"
+
+        def cache_for():
+            c = attn.new_cache(B, start + S + 8)
+            if args.decode:
+                fill_cache(c, CTX)
+            return c
+
+        x = torch.randn(B, S, attn.cfg.hidden, device=dev, dtype=torch.bfloat16)
+        pos = (start + torch.arange(S, device=dev)).expand(B, -1).contiguous()
+        parts_run = {f"branch {name}": (lambda fn=fn, c=cache_for(): fn(x, pos, c))
                      for name, fn in branches(attn).items()}
-        cache = attn.new_cache(1, S + 8)
+        cache = cache_for()
         q, parts = core_parts(attn, x, pos, cache)
         core = core_fn(attn, q, parts)
         o = core().clone()
         parts_run.update({"core": core, "output": lambda: attn.output(o, pos)})
         for name, fn in parts_run.items():
             table, total, count = profiled(fn, args.rows)
-            out.append(f"== {args.shape} {kind} prefill {S}: {name}: {total:.0f} us of kernels, {count} launches\n{table}")
+            out.append(f"== {args.shape} {kind} {mode}: {name}: {total:.0f} us of kernels, {count} launches\n{table}")
             print(out[-1], flush=True)
         del attn, cache, q, parts, o, parts_run
         torch.cuda.empty_cache()
+    if args.decode:
+        if out_path("profile_attn_decode.txt"):
+            with open(out_path("profile_attn_decode.txt"), "w") as f:
+                f.write("\n".join(out) + "\n")
+        return
     out.append(micro(dev))
     print(out[-1], flush=True)
     if out_path("profile_attn.txt"):
