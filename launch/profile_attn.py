@@ -70,6 +70,10 @@ def micro(dev) -> str:
     win = (torch.arange(S, device=dev)[:, None] + 128 - torch.arange(128, device=dev))[None]   # 128 rows each
     top = torch.stack([torch.randperm(S // 4, device=dev)[:512] for _ in range(64)]).repeat(S // 64, 1)[None]
     sinks = torch.zeros(64, device=dev)
+    qd = torch.randn(64, 1, 64, 128, device=dev, dtype=torch.bfloat16)      # a decode step: 64 rows, 4096 cached
+    wd = torch.rand(64, 1, 64, device=dev)
+    kd = torch.randn(64, S // 4, 128, device=dev, dtype=torch.bfloat16)
+    posd = torch.full((64, 1), S, device=dev)
     core_flop = 4 * 64 * 512 * S * (128 + 512)
     rows = [("q heads norm+rope in place [4096,64,512]", lambda: norm_rope(q, pos, freq, out=q), 2 * q.nbytes, 0),
             ("indexer q rope, new tensor [4096,64,128]", lambda: norm_rope(qi, pos, freq, norm=False), 2 * qi.nbytes,
@@ -77,7 +81,13 @@ def micro(dev) -> str:
             ("indexer q rope in place", lambda: norm_rope(qi, pos, freq, norm=False, out=qi), qi.nbytes // 2, 0),
             ("q_lora rms_norm [4096,1024]", lambda: norm_rope(ql, weight=torch.ones(1024, device=dev)), 2 * ql.nbytes,
              0),
-            ("index_scores [4096 x 1024 x 64h x 128]", lambda: index_scores(qi, w, k, pos, 4), 0, 0),
+            ("index_scores heads-on-M [4096 x 1024 x 64h x 128]", lambda: index_scores(qi, w, k, pos, 4, "heads"), 0,
+             0),
+            ("index_scores queries-on-M [4096 x 1024 x 64h x 128]", lambda: index_scores(qi, w, k, pos, 4, "queries"),
+             0, 0),
+            ("index_scores heads-on-M, decode [64 x 1 x 1024 x 64h x 128]",
+             lambda: index_scores(qd, wd, kd, posd, 4, "heads"), 0, 0),
+            ("index_scores queries-on-M, decode", lambda: index_scores(qd, wd, kd, posd, 4, "queries"), 0, 0),
             ("torch.topk 512 of 1024 (unsorted) [4096 rows]", lambda: sc.topk(512, dim=-1, sorted=False), 0, 0),
             ("topk_select 512 of 1024 [4096 rows]", lambda: topk_select(sc, 512), 0, 0),
             ("sparse core [4096 x 64h x (128 + 512) x 512]",

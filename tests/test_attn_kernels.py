@@ -81,10 +81,12 @@ def test_rope_forward_then_inverse_is_identity():
 
 
 @needs_kernels
+@pytest.mark.parametrize("kernel", ["heads", "queries"])
 @pytest.mark.parametrize("B, S, Hh, E, N, ratio",
-                         [(2, 70, 4, 16, 80, 4), (1, 130, 3, 32, 40, 4), (1, 9, 2, 16, 3, 128)])
-def test_index_scores_matches_torch(B, S, Hh, E, N, ratio):
-    """Masked causal scores: tiles partly and fully invisible, rows at different offsets, a strided key view."""
+                         [(2, 70, 4, 16, 80, 4), (1, 130, 3, 32, 40, 4), (1, 9, 2, 16, 3, 128), (3, 1, 70, 16, 70, 4)])
+def test_index_scores_matches_torch(B, S, Hh, E, N, ratio, kernel):
+    """Masked causal scores: tiles partly and fully invisible, rows at different offsets, a strided key view; a
+    decode step (S = 1) with more heads than one head block; both kernels."""
     g = _gen(B, S, Hh, E, N, ratio)
     q = torch.randn(B, S, Hh, E, generator=g)
     w = torch.rand(B, S, Hh, generator=g)
@@ -92,7 +94,7 @@ def test_index_scores_matches_torch(B, S, Hh, E, N, ratio):
     pos = torch.arange(S).expand(B, -1) + torch.randint(0, 4 * N, (B, 1), generator=g)
     want = index_scores_torch(q, w, k[:, :N], pos, ratio)
     qd, wd, kd, pd = _dev(q, w, k, pos)
-    got = index_scores(qd, wd, kd[:, :N], pd, ratio).cpu()    # a strided view, as the cache slices it
+    got = index_scores(qd, wd, kd[:, :N], pd, ratio, kernel=kernel).cpu()   # a strided key view, as the cache
     fin = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), fin)
     assert torch.equal(got[~fin], want[~fin])

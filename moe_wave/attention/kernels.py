@@ -230,13 +230,57 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + s[:, None] * so_s + n[None, :], out, mask=smask[:, None] & nmask[None, :])
 
 
+    @triton.jit
+    def _index_scores_heads_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, S, N, Hh, ratio,
+                                   sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s,
+                                   E: tl.constexpr, BH: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
+                                   IEEE: tl.constexpr):
+        # Program (block of BQ queries of batch row b, block of BN entries): the entry tile is loaded once; per
+        # query its heads form the dot's M side (one [BH, E] x [E, BN] dot per head block, all rows useful even
+        # for one query: decode), then the ReLU, the head weights and the sum over heads.
+        pq = tl.program_id(0)
+        pn = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        n = pn * BN + tl.arange(0, BN)
+        e = tl.arange(0, E)
+        hh = tl.arange(0, BH)
+        nmask = n < N
+        k = tl.load(k_ptr + b * sk_b + n[:, None] * sk_n + e[None, :], mask=nmask[:, None], other=0.0)
+        kT = tl.trans(k)
+        s0 = pq * BQ
+        for s in range(s0, tl.minimum(s0 + BQ, S)):
+            vis = (tl.load(pos_ptr + b * S + s) + 1) // ratio                 # entries < vis are visible
+            out = tl.full((BN,), float("-inf"), tl.float32)
+            if pn * BN < vis:
+                acc = tl.zeros((BN,), tl.float32)
+                for h0 in range(0, Hh, BH):
+                    h = h0 + hh
+                    hm = h < Hh
+                    q = tl.load(q_ptr + b * sq_b + s * sq_s + h[:, None] * sq_h + e[None, :], mask=hm[:, None],
+                                other=0.0)
+                    if IEEE:
+                        dot = tl.dot(q, kT, input_precision="ieee")
+                    else:
+                        dot = tl.dot(q, kT)
+                    wh = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=hm, other=0.0)
+                    acc += tl.sum(wh[:, None] * tl.maximum(dot, 0.0), axis=0)
+                out = tl.where((n < vis) & nmask, acc, out)
+            tl.store(out_ptr + b * so_b + s * so_s + n, out, mask=nmask)
+
+
+# "heads": the heads on the dot's M side (every S, decode included); "queries": BS queries on M, a loop over heads
+# (the first kernel: in decode 63 of its 64 rows are padding). launch/profile_attn.py times both.
+INDEX_KERNEL = "heads"
+
+
 def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor, pos_BS: torch.Tensor,
-                 ratio: int) -> torch.Tensor:
+                 ratio: int, kernel: str | None = None) -> torch.Tensor:
     """fp32 [B, S, N] indexer scores with the causal mask (-inf: not visible). See the module docstring.
 
     Args:
         qI_BShe: indexer queries (RoPE applied); w_BSh: fp32 head weights (scales folded in);
         k_BNe: compressed indexer keys (only the first N slots are scored); pos_BS: positions.
+        kernel: "heads" or "queries" (default ``INDEX_KERNEL``; see there).
     """
     B, S, Hh, E = qI_BShe.shape
     N = k_BNe.shape[1]
@@ -248,12 +292,20 @@ def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor
     w = w_BSh.float()
     pos = pos_BS.contiguous()
     out = torch.empty(B, S, N, dtype=torch.float32, device=q.device)
-    BS, BN = 64, 64
-    grid = (triton.cdiv(S, BS), triton.cdiv(N, BN), B)
-    _index_scores_kernel[grid](q, w, k, pos, out, S, N, Hh, int(ratio),
-                               q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
-                               k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-                               E=E, BS=BS, BN=BN, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    args = (q, w, k, pos, out, S, N, Hh, int(ratio), q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+            k.stride(0), k.stride(1), out.stride(0), out.stride(1))
+    ieee = q.dtype == torch.float32
+    kind = kernel or INDEX_KERNEL
+    if kind == "heads":
+        BQ, BN = 16, 64
+        _index_scores_heads_kernel[(triton.cdiv(S, BQ), triton.cdiv(N, BN), B)](
+            *args, E=E, BH=min(64, max(16, triton.next_power_of_2(Hh))), BQ=BQ, BN=BN, IEEE=ieee, num_warps=4)
+    elif kind == "queries":
+        BS, BN = 64, 64
+        _index_scores_kernel[(triton.cdiv(S, BS), triton.cdiv(N, BN), B)](*args, E=E, BS=BS, BN=BN, IEEE=ieee,
+                                                                           num_warps=4, num_stages=2)
+    else:
+        raise ValueError(f"index_scores: kernel={kind!r} must be 'heads' or 'queries'")
     return out
 
 
