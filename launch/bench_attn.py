@@ -263,7 +263,7 @@ def tiling(c: CoreConfig) -> str:
 def core_bench(dev, iters: int, gemm: float) -> dict:
     """The sparse core alone per shape / layer type: prefill 4096 (B=1) and decode batch 64 on a 4096-token
     cache; on CSA also other tilings (prefill: the fallback ladder and EXTRA_TILINGS; decode: the keys in 1, 2
-    or 4 splits, the values in 2 blocks). Then the top-k."""
+    4 splits, 32-key tiles in 2-8 splits). Then the top-k."""
     rows, tilings = [], []
     for shape in SHAPES:
         for kind in TYPES:
@@ -290,7 +290,9 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                 print(json.dumps(rows[-1]), flush=True)
                 if kind == "csa":   # the ladder in prefill; in decode no split, the keys or the values split
                     cands = [*FALLBACKS, *EXTRA_TILINGS] if mode == "prefill" else [
-                        replace(cfg, split_k=n) for n in (1, 2, 4)] + [replace(cfg, split_k=1, block_dv=256)]
+                        replace(cfg, split_k=n) for n in (1, 2, 3, 4)] + [
+                        replace(cfg, block_n=32, split_k=n) for n in (2, 4, 6, 8)] + [
+                        replace(cfg, block_n=32, num_stages=3, split_k=n) for n in (4, 8)]
                     for c in cands:
                         try:
                             t = time_alone(core_fn(attn, q, parts, c), iters)
