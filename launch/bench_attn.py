@@ -262,8 +262,8 @@ def tiling(c: CoreConfig) -> str:
 @torch.no_grad()
 def core_bench(dev, iters: int, gemm: float) -> dict:
     """The sparse core alone per shape / layer type: prefill 4096 (B=1) and decode batch 64 on a 4096-token
-    cache; on CSA also other tilings (prefill: the fallback ladder and EXTRA_TILINGS; decode: the keys in 1, 2
-    4 splits, 32-key tiles in 2-8 splits). Then the top-k."""
+    cache; on CSA also other tilings (prefill: the fallback ladder and EXTRA_TILINGS; decode: 64-key
+    tiles in 1-4 splits, 32-key tiles in 2-8 splits). Then the top-k."""
     rows, tilings = [], []
     for shape in SHAPES:
         for kind in TYPES:
