@@ -386,7 +386,7 @@ if triton is not None:
             O_W: tl.constexpr, O_PART: tl.constexpr, O_WFLAG: tl.constexpr, O_PFLAG: tl.constexpr,
             WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, PART_BF16: tl.constexpr,
             CLOCK: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr,
-            TW: tl.constexpr, TIMES: tl.constexpr):
+            TW: tl.constexpr, TIMES: tl.constexpr, STAGES: tl.constexpr):
         tab_ptr = tab_ptr.to(tl.pointer_type(tl.int64))          # addresses passed as ints
         times_ptr = times_ptr.to(tl.pointer_type(tl.int64))
         _stamp(times_ptr, 0, TIMES, True)
@@ -452,7 +452,7 @@ if triton is not None:
                         else:
                             dst = dst.to(tl.pointer_type(tl.float32)) + (me * T + t) * one * H
                         d64 = tl.maximum(dest, 0).to(tl.int64)
-                        for h0 in range(0, H, BH):
+                        for h0 in tl.range(0, H, BH, num_stages=STAGES):
                             offs = h0 + tl.arange(0, BH)
                             hm = offs < H
                             v = tl.load(y_ptr + d64[:, None] * sy + offs[None, :], mask=ok[:, None] & hm[None, :],
@@ -475,7 +475,7 @@ if triton is not None:
                 ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
                 dst = tl.where(ids >= 0, ids // E_LOC, -1)
                 has = (tl.sum((dst[None, :] == pp[:, None]).to(tl.int32), 1) > 0) & live           # [P_PAD]
-                for h0 in range(0, H, BR):
+                for h0 in tl.range(0, H, BR, num_stages=STAGES):
                     offs = h0 + tl.arange(0, BR)
                     hm = offs < H
                     v = tl.load(part + (pp.to(tl.int64) * T + t)[:, None] * H + offs[None, :],
@@ -566,16 +566,17 @@ if triton is not None:      # MOE_WAVE_LL_FAST_LAUNCH=0: every launch through Tr
 
 
 # Measurement and tuning hooks (launch/bench_ll.py): ``TIMES`` an int64 [16] device tensor makes the kernels record
-# the GPU's global timer at their phase boundaries (``time_words`` says which word is what); ``TUNE`` overrides the
-# launch's warps and the combine's row blocks (0: the default). Both are part of every launch's cache key.
+# the GPU's global timer at their phase boundaries (``TIME_WORDS`` says which word is what); ``TUNE`` overrides the
+# launch's warps, the combine's row blocks (0: the default) and the software pipelining of its row loops (stages).
+# Both are part of every launch's cache key.
 TIMES: torch.Tensor | None = None
-TUNE = {"warps": 16, "bh": 0, "br": 0}
+TUNE = {"warps": 16, "bh": 0, "br": 0, "stages": 1}
 TIME_WORDS = {"d": ("start", "sent", "signalled", "waited", "end"),
               "c": ("start", "weights sent", "weights waited", "partials sent", "signalled", "partials waited", "end")}
 
 
 def _knobs() -> tuple:
-    return (TIMES is not None, TUNE["warps"], TUNE["bh"], TUNE["br"])
+    return (TIMES is not None, TUNE["warps"], TUNE["bh"], TUNE["br"], TUNE["stages"])
 
 
 def _times_addr(rg: "Region") -> int:
@@ -644,7 +645,7 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
             O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16, CLOCK=clock,
             P_PAD=_pad(P), K_PAD=_pad(K), BH=TUNE["bh"] or min(_pad(H), 16384 // _pad(K)),
             BR=TUNE["br"] or min(_pad(H), 16384 // _pad(P)), TW=min(_pad(T), 4096 // _pad(K)),
-            TIMES=TIMES is not None))
+            TIMES=TIMES is not None, STAGES=TUNE["stages"]))
     nprog, limit, consts = cfg
     st, posmap, nrecv, _, set_off = rg.sets[set_index]
     sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
