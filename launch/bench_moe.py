@@ -5,8 +5,8 @@
 
 Shapes (bf16 on GPU, random weights drawn on the device): V4-Flash (D 4096, I 2048, E 256, K 6), V4-Pro
 (D 7168, I 3072, E 384, K 6) and ``balanced`` (comm ~ compute); tokens per rank 128, 512, 2048, 8192;
-waves 1, 2, 4, 8 (experts partition, torch backend); shared expert in the bubbles or after the experts
-(serial). Every point is measured by ``moe_wave.tools.bench.measure`` (see its docstring for the definitions):
+waves 1, 2, 4, 8 (experts partition unless --partition, torch backend); shared expert in the bubbles or after the
+experts (serial). Every point is measured by ``moe_wave.tools.bench.measure`` (see its docstring for the definitions):
 medians of CUDA-event timings after warm-up, fresh random inputs, L2 flushed, barrier per iteration, max
 over ranks; pipelined is first checked against serial. ``p2p_limit_GBps`` (meta) is a 256 MB copy
 GPU0 -> GPU1 measured in the same run. Writes ``{"meta", "rows"}`` to --out (default $OUT/moe.json, else
@@ -77,6 +77,7 @@ def rank_main(ep, args) -> dict:
     bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool, graph=args.graph)
     backends = args.backend.split(",")
     streams = [int(n) for n in args.expert_streams.split(",")]
+    partitions = args.partition.split(",")
     p2p = p2p_limit_GBps(ep)
     symm = symm_options(args, read_env(), backends)    # flag > MOE_WAVE_SYMM_* > default
     rows, t_start = [], time.perf_counter()
@@ -86,24 +87,24 @@ def rank_main(ep, args) -> dict:
             if cfg.num_experts % ep.size:
                 raise ValueError(f"shape {shape}: num_experts={cfg.num_experts} must be divisible by {ep.size} ranks")
             moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
-            for T, placement, W, backend, ns in itertools.product(grid["tokens"], grid["placements"], grid["waves"],
-                                                                  backends, streams):
+            for T, placement, W, backend, ns, part in itertools.product(
+                    grid["tokens"], grid["placements"], grid["waves"], backends, streams, partitions):
                 if backend == "deepep" and cfg.num_experts // ep.size > MAX_LOCAL_EXPERTS:
                     rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "backend": backend,
                                  "skipped": f"DeepEP V1 supports at most {MAX_LOCAL_EXPERTS} experts per rank; "
                                             f"{cfg.num_experts} experts on {ep.size} ranks is "
                                             f"{cfg.num_experts // ep.size}"})
                     continue
-                cap = args.symm_capacity or capacity(args, moe, T, W)
+                cap = args.symm_capacity or capacity(args, moe, T, W, part)
                 m = moe.rescheduled(WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
-                                               symm=symm.replace(capacity=cap), expert_streams=ns))
+                                               symm=symm.replace(capacity=cap), expert_streams=ns, partition=part))
                 label = (f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
-                         f" streams={ns}")
+                         f" streams={ns} partition={part}")
                 r = measure(m, T, bench, tracer=tracer, label=label)
                 if hasattr(m.backend, "check"):
                     m.backend.check()   # a fixed-capacity backend: raise if any row did not fit
                 rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "cuda_graph": args.graph,
-                             "effective_waves": m.plan.num_waves, "partition": "experts", "backend": backend,
+                             "effective_waves": m.plan.num_waves, "partition": part, "backend": backend,
                              "shared_placement": placement, "expert_streams": ns,
                              "dtype": str(dtype).removeprefix("torch."), **r,
                              "link_util": round(r["GBps"] / p2p, 3) if p2p else None})
@@ -117,7 +118,7 @@ def rank_main(ep, args) -> dict:
     return {"rows": rows, "p2p": p2p, "world_size": ep.size}
 
 
-def capacity(args, moe: WaveMoE, tokens: int, waves: int) -> int:
+def capacity(args, moe: WaveMoE, tokens: int, waves: int, partition: str = "experts") -> int:
     """Rows per (wave, peer) for fixed-capacity backends (symm). 'worst': every token, never
     overflows. 'measured': the fullest (wave, peer) cell of one routed random batch, max over ranks,
     times --capacity-margin. Static buffers make the expert stage's gather scale with the capacity,
@@ -125,7 +126,8 @@ def capacity(args, moe: WaveMoE, tokens: int, waves: int) -> int:
     if args.capacity == "worst" or tokens == 0:
         return max(tokens, 128)
     x_TD, ids_TK, w_TK = random_inputs(moe, tokens, 1, seed=12345)[0]
-    plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=waves)
+    plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=waves,
+                         partition=partition)
     fullest = slowest(moe.ep, [compute_layout(ids_TK, w_TK, plan).send_counts_WP.max().item()])[0]  # HOST SYNC: setup
     return max(128, min(tokens, int(fullest * args.capacity_margin) + 1))
 
@@ -137,8 +139,8 @@ def default_out(world_size: int) -> Path:
     return Path("results") / f"{datetime.date.today().isoformat()}-moe-{kind}.json"   # never the committed benchmarks/
 
 
-COLS = ["shape", "tokens_per_rank", "num_waves", "backend", "cuda_graph", "shared_placement", "serial_us", "pipelined_us", "comm_only_us",
-        "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps", "check", "skipped"]
+COLS = ["shape", "tokens_per_rank", "num_waves", "partition", "backend", "cuda_graph", "shared_placement", "serial_us",
+        "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps", "check", "skipped"]
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -168,6 +170,7 @@ def main() -> int:
                          "cell of a routed sample times --capacity-margin")
     ap.add_argument("--capacity-margin", type=float, default=1.25)
     ap.add_argument("--expert-streams", default="1", help="comma list of WaveConfig.expert_streams (1-4)")
+    ap.add_argument("--partition", default="experts", help="comma list of WaveConfig.partition (experts, tokens)")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
     add_symm_args(ap)
