@@ -140,7 +140,8 @@ def default_out(world_size: int) -> Path:
 
 
 COLS = ["shape", "tokens_per_rank", "num_waves", "partition", "backend", "cuda_graph", "shared_placement", "serial_us",
-        "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps", "check", "skipped"]
+        "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us", "exposed_us", "overlap_ratio", "speedup", "GBps",
+        "check", "skipped"]
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:

@@ -8,14 +8,18 @@ path gathers, activates, weights and sums all J pairs, with the invalid ones mas
 tokens per rank, 2 ranks and top-6 that is about four times the valid pairs and several GB of memory
 traffic per wave. These kernels read n on the device and skip the pairs past it:
 
+    expert_order(expert_RK, e, offs_e)    the expert-major order without a sort: src[p] = r and pos[r, k] = p
+                                          for the pair (r, k) at position p (the stable argsort's order when
+                                          offs_e holds the actual group ends), pos -1 for slots of no local
+                                          expert
     gather_rows(x_RD, src_J, n, local)    xs[j] = x[src[j]] for j < n (rows past n untouched; rows
                                           that ``local`` holds read there)
     swiglu_rows(gu_J2I, limit, n)         the V4 SwiGLU (clamped gate and up) for j < n
     weighted_sum(out_JD, pos_RK, w_RK, n) y[r] = sum over k in order of w[r, k] * out[pos[r, k]] for
                                           the slots with pos < n, in fp32; rows with none are 0
 
-Each has a torch twin (``*_torch``) with the same meaning; tests/test_moe.py compares them (on CPU under
-``TRITON_INTERPRET=1``). The kernels run wherever Triton does (``moe_wave.comm.triton_gate``).
+Each has a torch twin (``*_torch``) with the same meaning; tests/test_moe.py and tests/test_expert_order.py
+compare them (on CPU under ``TRITON_INTERPRET=1``). The kernels run wherever Triton does (``moe_wave.comm.triton_gate``).
 """
 
 from __future__ import annotations
@@ -26,10 +30,33 @@ import torch.nn.functional as F
 from moe_wave.comm.backend import rows_of
 from moe_wave.comm.triton_gate import tl, triton
 
-__all__ = ["gather_rows", "gather_rows_torch", "swiglu_rows", "swiglu_rows_torch", "weighted_sum",
-           "weighted_sum_torch"]
+__all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_torch", "swiglu_rows",
+           "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch"]
 
 BLOCK_D = 1024
+BLOCK_J = 2048      # (row, slot) pairs per step of expert_order's scan
+
+
+def expert_order_torch(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_order`` by a stable argsort; the same result, guard included: a pair whose position would fall
+    past its group's end (offs_e) or past J gets pos -1, and the positions of a group that no pair takes read 0.
+    Entries of src_J past offs_e[-1] are 0 here (the kernel leaves them unwritten)."""
+    R, K = expert_RK.shape
+    J = R * K
+    ids = expert_RK.reshape(-1).long()
+    valid = (ids >= 0) & (ids < e)
+    key = torch.where(valid, ids, e)
+    order = torch.argsort(key, stable=True)
+    sorted_at = torch.empty_like(order)
+    sorted_at[order] = torch.arange(J, device=ids.device)
+    counts = torch.bincount(key, minlength=e + 1)
+    bounds = F.pad(offs_e.long(), (1, 1))                     # [0, ends..., 0]: group x is bounds[x] .. bounds[x+1]
+    p = bounds[key] + sorted_at - (counts.cumsum(0) - counts)[key]
+    ok = valid & (p >= 0) & (p < bounds[key + 1].clamp(max=J))
+    pos = torch.where(ok, p, -1)
+    src = torch.zeros(J, dtype=torch.long, device=ids.device)
+    src[pos[ok]] = torch.div(torch.arange(J, device=ids.device), K, rounding_mode="floor")[ok]
+    return src, pos.view(R, K)
 
 
 def gather_rows_torch(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, out: torch.Tensor,
@@ -60,6 +87,33 @@ def weighted_sum_torch(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.T
         rows = out_JD.index_select(0, torch.where(valid, p, 0)).float()
         acc += torch.where(valid[:, None], rows * w_RK[:, k:k + 1].float(), 0.0)
     return acc.to(dtype)
+
+
+def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, slot) pairs sorted expert-major, without a sort or atomics: (src_J [J] int64, pos_RK [R, K] int64).
+
+    The pair (r, k) with 0 <= expert_RK[r, k] = x < e sits at p = (offs_e[x - 1], or 0 for x = 0) + the number
+    of pairs of expert x before it in flat order r * K + k: pos_RK[r, k] = p and src_J[p] = r. Slots of no local
+    expert (-1, or any id outside [0, e)) get pos -1. With offs_e (int32 [e], the cumulative group ends) equal
+    to the actual counts this is the stable argsort's order, n = offs_e[-1] positions.
+
+    Entries of src_J at n and past are left unwritten (``torch.empty``): the consumers read only j < n. When
+    offs_e disagrees with the pairs (a capacity overflow, reported by other checks) nothing is written out of
+    bounds and every src_J[j < n] is still a row index: a pair past its group's end (or past J) gets pos -1,
+    and the positions of a group that too few pairs fill read row 0.
+
+    One program per expert scans all J pairs in blocks, numbering its own by an in-block cumulative sum plus a
+    running count, so the result is the same on every run; program e writes pos -1 for the unmatched slots.
+    Replaces the argsort (a multi-pass radix sort) plus the index arithmetic around it.
+    """
+    R, K = expert_RK.shape
+    J = R * K
+    src = torch.empty(J, dtype=torch.long, device=expert_RK.device)
+    pos = torch.empty(R, K, dtype=torch.long, device=expert_RK.device)
+    if J:
+        _order_kernel[(e + 1,)](expert_RK, expert_RK.stride(0), expert_RK.stride(1), offs_e, src, pos, K, J, e,
+                                BLOCK=BLOCK_J)
+    return src, pos
 
 
 def gather_rows(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, local: tuple | None = None) -> torch.Tensor:
@@ -100,6 +154,37 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
 
 
 if triton is not None:
+
+    @triton.jit
+    def _order_kernel(ids_ptr, stride_r, stride_k, offs_ptr, src_ptr, pos_ptr, K, J, E, BLOCK: tl.constexpr):
+        # program x < E places expert x's pairs in its group; program E marks the slots of no expert with -1
+        x = tl.program_id(0)
+        if x < E:
+            start = tl.load(offs_ptr + x - 1, mask=x > 0, other=0).to(tl.int32)
+            end = tl.minimum(tl.load(offs_ptr + x).to(tl.int32), J)
+            cnt = start                                          # the next position of expert x
+            for j0 in range(0, J, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                m = j < J
+                r = j // K
+                ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=-1)
+                hit = (ids == x) & m
+                h = hit.to(tl.int32)
+                p = cnt + tl.cumsum(h, 0) - h
+                ok = hit & (p >= 0) & (p < end)
+                tl.store(pos_ptr + j, tl.where(ok, p, -1).to(tl.int64), mask=hit)
+                tl.store(src_ptr + p, r.to(tl.int64), mask=ok)
+                cnt += tl.sum(h, 0)
+            for q0 in range(tl.maximum(cnt, 0), end, BLOCK):      # positions too few pairs filled: row 0
+                q = q0 + tl.arange(0, BLOCK)
+                tl.store(src_ptr + q, tl.zeros([BLOCK], tl.int64), mask=q < end)
+        else:
+            for j0 in range(0, J, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                m = j < J
+                r = j // K
+                ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=0)
+                tl.store(pos_ptr + j, tl.full([BLOCK], -1, tl.int64), mask=m & ((ids < 0) | (ids >= E)))
 
     @triton.jit
     def _gather_kernel(x_ptr, src_ptr, n_ptr, out_ptr, D, loc_ptr, ROW0, L, BLOCK: tl.constexpr):
