@@ -6,12 +6,12 @@ pairs (a device scalar: the last group offset), D hidden, I intermediate.
 With counts on the device only, ``expert_rows`` cannot size anything by n on the host, so the torch
 path gathers, activates, weights and sums all J pairs, with the invalid ones masked to zero. At 4096
 tokens per rank, 2 ranks and top-6 that is about four times the valid pairs and several GB of memory
-traffic per wave. These kernels read n on the device and skip the pairs past it:
+traffic per wave. These kernels read n on the device and skip the pairs past it, and find the expert-major
+order without a sort (a stable argsort is a multi-pass radix sort, a fixed cost on every wave):
 
-    expert_order(expert_RK, e, offs_e)    the expert-major order without a sort: src[p] = r and pos[r, k] = p
-                                          for the pair (r, k) at position p (the stable argsort's order when
-                                          offs_e holds the actual group ends), pos -1 for slots of no local
-                                          expert
+    expert_order(expert_RK, e, offs_e)    src[p] = r and pos[r, k] = p for the pair (r, k) at position p of
+                                          the expert-major order (the stable argsort's, when offs_e holds
+                                          the actual group ends); pos -1 for slots of no local expert
     gather_rows(x_RD, src_J, n, local)    xs[j] = x[src[j]] for j < n (rows past n untouched; rows
                                           that ``local`` holds read there)
     swiglu_rows(gu_J2I, limit, n)         the V4 SwiGLU (clamped gate and up) for j < n
@@ -19,7 +19,8 @@ traffic per wave. These kernels read n on the device and skip the pairs past it:
                                           the slots with pos < n, in fp32; rows with none are 0
 
 Each has a torch twin (``*_torch``) with the same meaning; tests/test_moe.py and tests/test_expert_order.py
-compare them (on CPU under ``TRITON_INTERPRET=1``). The kernels run wherever Triton does (``moe_wave.comm.triton_gate``).
+compare them (on CPU under ``TRITON_INTERPRET=1``). The kernels run wherever Triton does
+(``moe_wave.comm.triton_gate``).
 """
 
 from __future__ import annotations

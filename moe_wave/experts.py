@@ -117,16 +117,16 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     """
     R, K = expert_RK.shape
     e = experts.num_local
-    key = torch.remainder(expert_RK.reshape(-1), e + 1)      # -1 (another cell's slot) sorts last, as e
-    order = torch.argsort(key, stable=True)
-    if pairs_e is not None:
-        order = order[:sum(pairs_e)]
     # Group offsets from the device counts: building them from the host list would be a pageable
     # host-to-device copy, which synchronises the host with the stream once per wave.
     # (clamped to the R*K rows: a capacity overflow, reported later, must not send a group past them)
     offs = pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32) if pairs_e_dev is not None else None
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
-        return _expert_rows_fused(x_RD, weight_RK, experts, order, offs, K, local)
+        return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local)
+    key = torch.remainder(expert_RK.reshape(-1), e + 1)      # -1 (another cell's slot) sorts last, as e
+    order = torch.argsort(key, stable=True)
+    if pairs_e is not None:
+        order = order[:sum(pairs_e)]
     row = order // K
     out = experts(rows_of(x_RD, row, local), pairs_e, offs)
     w = weight_RK.reshape(-1).index_select(0, order)[:, None]
@@ -149,21 +149,21 @@ def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
             and _grouped_ok(experts.grouped_mm, x_RD))
 
 
-def _expert_rows_fused(x_RD, weight_RK, experts: RoutedExperts, order, offs, K: int, local=None) -> torch.Tensor:
+def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local=None) -> torch.Tensor:
     """``expert_rows`` with device counts, touching only the n valid pairs (n = offs[-1], on the device):
-    gather, SwiGLU and the weighted per-row sum skip the pairs past n; the grouped GEMMs only compute the
-    groups. Same math as the torch path (the sum over k in slot order, in fp32)."""
-    from .expert_kernels import gather_rows, swiglu_rows, weighted_sum
+    the expert-major order comes from one kernel (no sort), and gather, SwiGLU and the weighted per-row sum
+    skip the pairs past n; the grouped GEMMs only compute the groups. Same math as the torch path (the sum
+    over k in slot order, in fp32)."""
+    from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum
 
     n = offs[-1:]
     lim = experts.cfg.swiglu_limit
-    xs = gather_rows(x_RD, order // K, n, local)
+    src, pos = expert_order(expert_RK, experts.num_local, offs)   # src: the row of each sorted pair; pos: its place
+    xs = gather_rows(x_RD, src, n, local)
     gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
     h = swiglu_rows(gu, lim, n, x_RD.dtype)
     out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.shape[0], device=order.device)     # where pair (r, k) sits in the sorted order
-    return weighted_sum(out, pos.view(-1, K), weight_RK, n, x_RD.dtype)
+    return weighted_sum(out, pos, weight_RK, n, x_RD.dtype)
 
 
 class SharedExpert(nn.Module):

@@ -197,7 +197,8 @@ def test_default_config_and_splits_follow_the_shape():
     assert (tiny.block_h, tiny.block_dk, tiny.block_dv) == (16, 32, 32)
     cpu = torch.device("cpu")                                  # 132 SMs assumed off the GPU
     assert _splits(big, 1, 4096, 64, 640, cpu) == 1            # prefill: no split
-    assert _splits(big, 64, 1, 64, 640, cpu) == 3              # decode batch 64: 64 programs -> 3 splits
+    assert _splits(big, 64, 1, 64, 640, cpu) == 2              # decode batch 64: 64 programs -> 2 splits (one wave)
+    assert _splits(big, 20, 1, 64, 640, cpu) == 6              # 20 programs: 132 // 20
     assert _splits(big, 1, 1, 64, 640, cpu) == 10              # batch 1: one split per key tile
     assert _splits(big, 128, 1, 128, 640, cpu) == 1            # 256 programs fill the GPU
     assert _splits(replace(big, split_k=2), 1, 4096, 64, 640, cpu) == 2

@@ -16,8 +16,9 @@ rank order, each source's rows in its token order, every time. Low-latency mode 
 Stream rules (DeepEP's): a call queues its work on the buffer's communication stream, which first waits for
 ``previous_event`` or, without one, for the caller's current stream. With ``async_finish`` the call returns an
 ``EventOverlap`` recorded on the communication stream; without it the caller's stream waits before the call
-returns. Outputs are made on the communication stream and marked as used by the caller's stream (and inputs as
-used by the communication stream), so either may free them early. ``allocate_on_comm_stream`` needs both
+returns (a call with neither runs on the caller's stream: the same order, less host time). Outputs are made on
+the communication stream and marked as used by the caller's stream (and inputs as used by the communication
+stream), so either may free them early. ``allocate_on_comm_stream`` needs both
 ``previous_event`` and ``async_finish``, as in DeepEP. On CPU every call is synchronous.
 
 Host waits: a normal ``dispatch`` without ``num_worst_tokens`` reads the received counts on the host (DeepEP's CPU
@@ -269,6 +270,13 @@ class Buffer:
         if comm is None:
             yield scope
             scope.event = EventOverlap(EventHandle() if async_finish else None)
+            return
+        if previous_event is None and not async_finish:
+            # DeepEP's rules here: the comm stream waits for the caller's, runs the call, and the caller's waits for
+            # it before the call returns. Running on the caller's stream orders the work the same, without the two
+            # waits, the stream switch and the record_stream calls (host time DeepEP's tests count).
+            yield scope
+            scope.event = EventOverlap(None)
             return
         caller = torch.cuda.current_stream(self._device)
         if previous_event is not None:
