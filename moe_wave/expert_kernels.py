@@ -105,7 +105,6 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple
 
     One program per expert scans all J pairs in blocks, numbering its own by an in-block cumulative sum plus a
     running count, so the result is the same on every run; program e writes pos -1 for the unmatched slots.
-    Replaces the argsort (a multi-pass radix sort) plus the index arithmetic around it.
     """
     R, K = expert_RK.shape
     J = R * K
