@@ -1,6 +1,7 @@
 """Why the expert stage costs more with more waves: its kernels at W = 1 and at W = 4, side by side (one GPU).
 
     python launch/profile_experts.py [--preset v4-flash] [--experts 128] [--tokens 128,2048] [--waves 1,4]
+                                     [--order kernel,torch]
 
 One process holds ``--experts`` routed experts (128: one rank's share of V4-Flash at EP2), so the expert stage
 sees what a rank of EP2 sees. For each token count and wave count it times the routed experts on pre-received
@@ -23,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_common import report  # noqa: E402
+import moe_wave.experts as ex  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm.options import SymmOptions  # noqa: E402
@@ -49,6 +51,8 @@ def main() -> int:
     ap.add_argument("--waves", default="1,4")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--order", default="kernel", help="comma list of moe_wave.experts.ORDER (kernel, torch): each "
+                    "gets its own tables")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_experts: needs a GPU", file=sys.stderr)
@@ -63,32 +67,35 @@ def main() -> int:
     flush = l2_flush_buffer(dev)
     lines = [f"profile_experts: {args.preset} shapes, {args.experts} local experts, top-{cfg.top_k}, one GPU, "
              f"routed experts on pre-received rows"]
-    for T in tokens:
-        x, ids, w = random_inputs(base, T, 1)[0]
-        tables, times = {}, {}
-        for W in waves:
-            moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, symm=base.wave.symm))
-            got = pre_receive(moe.backend, x, ids, w, moe.plan)
-            replay = as_graph(lambda i: routed_only(moe.routed_rows, got), dev)[0]
-            times[W] = statistics.median(iteration_us(replay, args.iters, 3, device=dev, flush=flush))
-            routed_only(moe.routed_rows, got)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for order in args.order.split(","):
+        ex.ORDER = order
+        lines.append(f"\n== pair order: {order}")
+        for T in tokens:
+            x, ids, w = random_inputs(base, T, 1)[0]
+            tables, times = {}, {}
+            for W in waves:
+                moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, symm=base.wave.symm))
+                got = pre_receive(moe.backend, x, ids, w, moe.plan)
+                replay = as_graph(lambda i: routed_only(moe.routed_rows, got), dev)[0]
+                times[W] = statistics.median(iteration_us(replay, args.iters, 3, device=dev, flush=flush))
                 routed_only(moe.routed_rows, got)
                 torch.cuda.synchronize()
-            tables[W] = kernels(prof)
-        lines.append(f"\n{T} tokens: graph replay " + ", ".join(f"W={W} {times[W]:.1f} us" for W in waves)
-                     + f"  (W={waves[-1]} / W={waves[0]} = {times[waves[-1]] / times[waves[0]]:.3f})")
-        a, b = tables[waves[0]], tables[waves[-1]]
-        names = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, [0, 0])[0] - a.get(k, [0, 0])[0]))
-        lines.append(f"  {'W=' + str(waves[0]) + ' us':>10} {'calls':>6} {'W=' + str(waves[-1]) + ' us':>10} "
-                     f"{'calls':>6} {'diff us':>9}  kernel")
-        for k in names[:args.rows]:
-            ua, ca = a.get(k, [0.0, 0])
-            ub, cb = b.get(k, [0.0, 0])
-            lines.append(f"  {ua:10.1f} {ca:6d} {ub:10.1f} {cb:6d} {ub - ua:9.1f}  {k[:90]}")
-        lines.append(f"  {sum(v[0] for v in a.values()):10.1f} {sum(v[1] for v in a.values()):6d} "
-                     f"{sum(v[0] for v in b.values()):10.1f} {sum(v[1] for v in b.values()):6d}  (all kernels)")
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    routed_only(moe.routed_rows, got)
+                    torch.cuda.synchronize()
+                tables[W] = kernels(prof)
+            lines.append(f"\n{T} tokens: graph replay " + ", ".join(f"W={W} {times[W]:.1f} us" for W in waves)
+                         + f"  (W={waves[-1]} / W={waves[0]} = {times[waves[-1]] / times[waves[0]]:.3f})")
+            a, b = tables[waves[0]], tables[waves[-1]]
+            names = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, [0, 0])[0] - a.get(k, [0, 0])[0]))
+            lines.append(f"  {'W=' + str(waves[0]) + ' us':>10} {'calls':>6} {'W=' + str(waves[-1]) + ' us':>10} "
+                         f"{'calls':>6} {'diff us':>9}  kernel")
+            for k in names[:args.rows]:
+                ua, ca = a.get(k, [0.0, 0])
+                ub, cb = b.get(k, [0.0, 0])
+                lines.append(f"  {ua:10.1f} {ca:6d} {ub:10.1f} {cb:6d} {ub - ua:9.1f}  {k[:90]}")
+            lines.append(f"  {sum(v[0] for v in a.values()):10.1f} {sum(v[1] for v in a.values()):6d} "
+                         f"{sum(v[0] for v in b.values()):10.1f} {sum(v[1] for v in b.values()):6d}  (all kernels)")
     report("\n".join(lines), "profile_experts.txt")
     return 0
 

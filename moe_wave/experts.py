@@ -140,6 +140,11 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     return slots.view(R, K, x_RD.shape[1]).sum(1).to(x_RD.dtype)
 
 
+# How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "torch"
+# (its argsort twin); launch/profile_experts.py --order times both.
+ORDER = "kernel"
+
+
 def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
     """The device-count path's kernels (``expert_kernels``) run here: a GPU with Triton and the grouped GEMM,
     and experts whose forward is ours (a subclass with its own forward keeps the generic path)."""
@@ -154,11 +159,12 @@ def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs,
     the expert-major order comes from one kernel (no sort), and gather, SwiGLU and the weighted per-row sum
     skip the pairs past n; the grouped GEMMs only compute the groups. Same math as the torch path (the sum
     over k in slot order, in fp32)."""
-    from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum
+    from .expert_kernels import expert_order, expert_order_torch, gather_rows, swiglu_rows, weighted_sum
 
     n = offs[-1:]
     lim = experts.cfg.swiglu_limit
-    src, pos = expert_order(expert_RK, experts.num_local, offs)   # src: the row of each sorted pair; pos: its place
+    order = expert_order if ORDER == "kernel" else expert_order_torch
+    src, pos = order(expert_RK, experts.num_local, offs)          # src: the row of each sorted pair; pos: its place
     xs = gather_rows(x_RD, src, n, local)
     gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
     h = swiglu_rows(gu, lim, n, x_RD.dtype)
