@@ -1,7 +1,7 @@
 """Why the expert stage costs more with more waves: its kernels at W = 1 and at W = 4, side by side (one GPU).
 
     python launch/profile_experts.py [--preset v4-flash] [--experts 128] [--tokens 128,2048] [--waves 1,4]
-                                     [--order kernel,torch]
+                                     [--order kernel,argsort]
 
 One process holds ``--experts`` routed experts (128: one rank's share of V4-Flash at EP2), so the expert stage
 sees what a rank of EP2 sees. For each token count and wave count it times the routed experts on pre-received
@@ -51,8 +51,8 @@ def main() -> int:
     ap.add_argument("--waves", default="1,4")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=14)
-    ap.add_argument("--order", default="kernel", help="comma list of moe_wave.experts.ORDER (kernel, torch): each "
-                    "gets its own tables")
+    ap.add_argument("--order", default="kernel", help="comma list of moe_wave.experts.ORDER (kernel, argsort): "
+                    "each gets its own tables")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_experts: needs a GPU", file=sys.stderr)

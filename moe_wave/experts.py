@@ -140,9 +140,19 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     return slots.view(R, K, x_RD.shape[1]).sum(1).to(x_RD.dtype)
 
 
-# How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "torch"
-# (its argsort twin); launch/profile_experts.py --order times both.
+# How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "argsort"
+# (``_order_by_argsort``, the radix sort it replaced); launch/profile_experts.py --order times both.
 ORDER = "kernel"
+
+
+def _order_by_argsort(expert_RK: torch.Tensor, e: int, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src_J, pos_RK) from a stable argsort of the ids (-1 last): the same order as ``expert_order`` where the
+    counts agree, without its guard (pos is a full permutation here)."""
+    K = expert_RK.shape[1]
+    order = torch.argsort(torch.remainder(expert_RK.reshape(-1), e + 1), stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.shape[0], device=order.device)
+    return order // K, pos.view(-1, K)
 
 
 def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
@@ -159,11 +169,11 @@ def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs,
     the expert-major order comes from one kernel (no sort), and gather, SwiGLU and the weighted per-row sum
     skip the pairs past n; the grouped GEMMs only compute the groups. Same math as the torch path (the sum
     over k in slot order, in fp32)."""
-    from .expert_kernels import expert_order, expert_order_torch, gather_rows, swiglu_rows, weighted_sum
+    from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum
 
     n = offs[-1:]
     lim = experts.cfg.swiglu_limit
-    order = expert_order if ORDER == "kernel" else expert_order_torch
+    order = expert_order if ORDER == "kernel" else _order_by_argsort
     src, pos = order(expert_RK, experts.num_local, offs)          # src: the row of each sorted pair; pos: its place
     xs = gather_rows(x_RD, src, n, local)
     gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe_wave.comm.triton_gate import triton_ok
+from moe_wave.experts import _order_by_argsort     # what the fused path computed before expert_order
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not triton_ok(DEVICE, want=True),
@@ -31,15 +32,6 @@ def _offs(ids: torch.Tensor, e: int) -> torch.Tensor:
     """The cumulative group ends as ``expert_rows`` builds them (int32, clamped to J)."""
     counts = torch.bincount(ids.reshape(-1).long() + 1, minlength=e + 1)[1:e + 1]
     return counts.cumsum(0).clamp_(max=ids.numel()).to(torch.int32)
-
-
-def _argsort_order(ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``_expert_rows_fused`` computed before ``expert_order``: (order // K, pos) from a stable argsort."""
-    R, K = ids.shape
-    order = torch.argsort(torch.remainder(ids.reshape(-1), e + 1), stable=True)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.shape[0])
-    return order // K, pos.view(R, K)
 
 
 def _run(ids: torch.Tensor, e: int, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +59,7 @@ def test_expert_order_matches_argsort(R, K, e, fill):
     src, pos = _run(ids, e, offs)
     src_t, pos_t = expert_order_torch(ids, e, offs)
     assert torch.equal(pos, pos_t) and torch.equal(src[:n], src_t[:n])
-    row, pos_a = _argsort_order(ids, e)
+    row, pos_a = _order_by_argsort(ids, e, offs)
     valid = (ids >= 0) & (ids < e)
     assert torch.equal(pos, torch.where(valid, pos_a, -1)) and torch.equal(src[:n], row[:n])
     assert int(valid.sum()) == n
@@ -132,14 +124,17 @@ def test_expert_order_never_writes_past_j():
 
 
 @needs_kernels
+@pytest.mark.parametrize("order", ["kernel", "argsort"])
 @pytest.mark.parametrize("R", [300, 1, 0])
-def test_fused_expert_rows_matches_torch_path(R):
+def test_fused_expert_rows_matches_torch_path(R, order, monkeypatch):
     """``_expert_rows_fused`` (the CUDA path, called directly here: its kernels under the interpreter on CPU)
     against ``expert_rows``' torch path with the same device counts and with host counts; rows with no pair
     are 0."""
     from moe_wave import MoEConfig
+    import moe_wave.experts as mex
     from moe_wave.experts import RoutedExperts, _expert_rows_fused, expert_rows
 
+    monkeypatch.setattr(mex, "ORDER", order)
     cfg = MoEConfig(hidden_size=48, intermediate_size=32, num_experts=5, top_k=4, swiglu_limit=7.0)
     g = torch.Generator().manual_seed(R)
     ex = RoutedExperts(cfg, num_local=5, grouped_mm="on", device=DEVICE)
