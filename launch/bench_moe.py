@@ -71,7 +71,11 @@ def p2p_limit_GBps(ep) -> float:
 
 
 def rank_main(ep, args) -> dict:
-    grid = QUICK if args.quick else FULL
+    grid = dict(QUICK if args.quick else FULL)
+    if args.tokens:
+        grid["tokens"] = tuple(int(t) for t in args.tokens.split(","))
+    if args.waves:
+        grid["waves"] = tuple(int(w) for w in args.waves.split(","))
     dtype = torch.bfloat16 if ep.device.type == "cuda" else torch.float32
     shapes = args.shapes.split(",") if args.shapes else grid["shapes"]
     bench = BenchConfig(warmup=args.warmup, iters=args.iters, pool=args.pool, graph=args.graph)
@@ -171,6 +175,8 @@ def main() -> int:
                          "cell of a routed sample times --capacity-margin")
     ap.add_argument("--capacity-margin", type=float, default=1.25)
     ap.add_argument("--expert-streams", default="1", help="comma list of WaveConfig.expert_streams (1-4)")
+    ap.add_argument("--tokens", default=None, help="comma list of tokens per rank (default: the grid's)")
+    ap.add_argument("--waves", default=None, help="comma list of wave counts (default: the grid's)")
     ap.add_argument("--partition", default="experts", help="comma list of WaveConfig.partition (experts, tokens)")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
