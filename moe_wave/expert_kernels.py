@@ -11,7 +11,9 @@ order without a sort (a stable argsort is a multi-pass radix sort, a fixed cost 
 
     expert_order(expert_RK, e, offs_e)    src[p] = r and pos[r, k] = p for the pair (r, k) at position p of
                                           the expert-major order (the stable argsort's, when offs_e holds
-                                          the actual group ends); pos -1 for slots of no local expert
+                                          the actual group ends); pos -1 for slots of no local expert. Two
+                                          launches over blocks of BLOCK_J pairs: per-block expert histograms,
+                                          then per block the earlier blocks' counts plus an in-block rank
     gather_rows(x_RD, src_J, n, local)    xs[j] = x[src[j]] for j < n (rows past n untouched; rows
                                           that ``local`` holds read there)
     swiglu_rows(gu_J2I, limit, n)         the V4 SwiGLU (clamped gate and up) for j < n
@@ -35,7 +37,11 @@ __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_tor
            "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch"]
 
 BLOCK_D = 1024
-BLOCK_J = 2048      # (row, slot) pairs per step of expert_order's scan
+# (row, slot) pairs per program of expert_order: its in-block rank compares all BLOCK_J^2 pairs of a block, 64
+# mask entries per thread at 8 warps (256: 256 each, past the register file); nb = J / 128 blocks (384 at
+# J = 49152) keep the earlier-blocks sums short
+BLOCK_J = 128
+CHUNK_J = 32        # earlier blocks' histogram rows per step of expert_order's placement
 
 
 def expert_order_torch(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,17 +109,49 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple
     bounds and every src_J[j < n] is still a row index: a pair past its group's end (or past J) gets pos -1,
     and the positions of a group that too few pairs fill read row 0.
 
-    One program per expert scans all J pairs in blocks, numbering its own by an in-block cumulative sum plus a
-    running count, so the result is the same on every run; program e writes pos -1 for the unmatched slots.
+    Two launches, each one program per block of BLOCK_J pairs (no atomics, the same result on every run):
+    ``_hist_kernel`` writes each block's expert histogram and sets src_J to row 0 on the block's range of
+    positions below n; ``_place_kernel`` numbers each pair of expert x as (offs_e[x - 1]) + (its expert's
+    pairs in earlier blocks: their histogram rows summed) + (its rank among the block's pairs of expert x),
+    and writes pos, and src at the positions within the guard (overwriting the zeros of the first launch).
     """
     R, K = expert_RK.shape
-    J = R * K
-    src = torch.empty(J, dtype=torch.long, device=expert_RK.device)
+    src = torch.empty(R * K, dtype=torch.long, device=expert_RK.device)
     pos = torch.empty(R, K, dtype=torch.long, device=expert_RK.device)
-    if J:
-        _order_kernel[(e + 1,)](expert_RK, expert_RK.stride(0), expert_RK.stride(1), offs_e, src, pos, K, J, e,
-                                BLOCK=BLOCK_J)
+    _order_into(expert_RK, e, offs_e, src, pos)
     return src, pos
+
+
+def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torch.Tensor, pos: torch.Tensor) -> None:
+    """``expert_order`` into the caller's buffers: src (at least J entries; those at J and past untouched) and
+    pos (contiguous [R, K])."""
+    R, K = expert_RK.shape
+    J = R * K
+    if not J:
+        return
+    nb = triton.cdiv(J, BLOCK_J)
+    nbins = max(64, triton.next_power_of_2(e + 1))   # bin e: no local expert; tl.histogram wants a warp multiple
+    hist = torch.empty(nb, nbins, dtype=torch.int32, device=expert_RK.device)   # every entry written by K1
+    s_r, s_k = expert_RK.stride()
+    _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, K, J, e, BLOCK=BLOCK_J, NBINS=nbins, num_warps=4)
+    _place_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, pos, K, J, e, NBINS=nbins, BLOCK=BLOCK_J,
+                         CHUNK=CHUNK_J, num_warps=8)
+
+
+class _OrderLaunch:
+    """The launch form of the single kernel that ``_order_into`` replaced, ``_order_kernel[grid](ids, stride_r,
+    stride_k, offs, src, pos, K, J, E, BLOCK=...)``, kept for callers that pass their own buffers
+    (tests/test_expert_order.py): it runs ``_order_into``, whose launches size their own grids (grid and BLOCK
+    are not used)."""
+
+    def __getitem__(self, grid):
+        def launch(ids, stride_r, stride_k, offs, src, pos, K, J, E, BLOCK=None):
+            assert ids.stride() == (stride_r, stride_k) and ids.numel() == J and ids.shape[1] == K
+            _order_into(ids, E, offs, src, pos)
+        return launch
+
+
+_order_kernel = _OrderLaunch()
 
 
 def gather_rows(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, local: tuple | None = None) -> torch.Tensor:
@@ -156,35 +194,47 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _order_kernel(ids_ptr, stride_r, stride_k, offs_ptr, src_ptr, pos_ptr, K, J, E, BLOCK: tl.constexpr):
-        # program x < E places expert x's pairs in its group; program E marks the slots of no expert with -1
-        x = tl.program_id(0)
-        if x < E:
-            start = tl.load(offs_ptr + x - 1, mask=x > 0, other=0).to(tl.int32)
-            end = tl.minimum(tl.load(offs_ptr + x).to(tl.int32), J)
-            cnt = start                                          # the next position of expert x
-            for j0 in range(0, J, BLOCK):
-                j = j0 + tl.arange(0, BLOCK)
-                m = j < J
-                r = j // K
-                ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=-1)
-                hit = (ids == x) & m
-                h = hit.to(tl.int32)
-                p = cnt + tl.cumsum(h, 0) - h
-                ok = hit & (p >= 0) & (p < end)
-                tl.store(pos_ptr + j, tl.where(ok, p, -1).to(tl.int64), mask=hit)
-                tl.store(src_ptr + p, r.to(tl.int64), mask=ok)
-                cnt += tl.sum(h, 0)
-            for q0 in range(tl.maximum(cnt, 0), end, BLOCK):      # positions too few pairs filled: row 0
-                q = q0 + tl.arange(0, BLOCK)
-                tl.store(src_ptr + q, tl.zeros([BLOCK], tl.int64), mask=q < end)
-        else:
-            for j0 in range(0, J, BLOCK):
-                j = j0 + tl.arange(0, BLOCK)
-                m = j < J
-                r = j // K
-                ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=0)
-                tl.store(pos_ptr + j, tl.full([BLOCK], -1, tl.int64), mask=m & ((ids < 0) | (ids >= E)))
+    def _hist_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, K, J, E, BLOCK: tl.constexpr,
+                     NBINS: tl.constexpr):
+        # block b: hist[b, x] = its pairs of expert x (bin E and up: no local expert, and the lanes past J);
+        # src = 0 (row 0) on the block's positions below n, for the positions that no pair will take
+        b = tl.program_id(0)
+        j = b * BLOCK + tl.arange(0, BLOCK)
+        m = j < J
+        r = j // K
+        ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=-1)
+        key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        tl.store(hist_ptr + b * NBINS + tl.arange(0, NBINS), tl.histogram(key, NBINS))
+        n = tl.minimum(tl.load(offs_ptr + E - 1, mask=E > 0, other=0).to(tl.int32), J)
+        tl.store(src_ptr + j, tl.zeros([BLOCK], tl.int64), mask=j < n)
+
+    @triton.jit
+    def _place_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, pos_ptr, K, J, E,
+                      NBINS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1)
+        # + (pairs of x before j in block b); outside its group (or past J): pos -1 and no write
+        b = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        j = b * BLOCK + i
+        m = j < J
+        r = j // K
+        ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=-1)
+        valid = (ids >= 0) & (ids < E) & m
+        key = tl.where(valid, ids, E).to(tl.int32)
+        before = tl.zeros([BLOCK], tl.int32)                     # the pairs of each one's expert in blocks < b
+        for c0 in range(0, b, CHUNK):
+            c = c0 + tl.arange(0, CHUNK)
+            h = tl.load(hist_ptr + c[:, None] * NBINS + key[None, :], mask=(c[:, None] < b) & valid[None, :],
+                        other=0)
+            before += tl.sum(h, 0)
+        same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])      # [BLOCK, BLOCK]: row i, column j
+        rank = tl.sum(same.to(tl.int32), 1)
+        start = tl.load(offs_ptr + key - 1, mask=valid & (key > 0), other=0).to(tl.int32)
+        end = tl.minimum(tl.load(offs_ptr + key, mask=valid, other=0).to(tl.int32), J)
+        p = start + before + rank
+        ok = valid & (p >= 0) & (p < end)
+        tl.store(pos_ptr + j, tl.where(ok, p, -1).to(tl.int64), mask=m)
+        tl.store(src_ptr + p, r.to(tl.int64), mask=ok)
 
     @triton.jit
     def _gather_kernel(x_ptr, src_ptr, n_ptr, out_ptr, D, loc_ptr, ROW0, L, BLOCK: tl.constexpr):

@@ -158,3 +158,54 @@ def test_fused_expert_rows_matches_torch_path(R, order, monkeypatch):
     torch.testing.assert_close(y, y_host, rtol=1e-5, atol=1e-6)
     if R > 2:
         assert torch.equal(y[:2], torch.zeros_like(y[:2])), "rows with no pair are 0"
+
+
+@needs_kernels
+@pytest.mark.parametrize("e, fill", [(33, "random"), (128, "random"), (128, "even"), (1, "random")])
+def test_expert_order_many_blocks(e, fill):
+    """J = 16000 pairs over 125 blocks of BLOCK_J (a partial last one with R = 1999): the earlier blocks'
+    counts and the in-block ranks against the twin and the argsort; the same result on a second run."""
+    from moe_wave.expert_kernels import BLOCK_J, expert_order_torch
+
+    for R in (2000, 1999):
+        K = 8
+        assert R * K > 100 * BLOCK_J
+        ids = _ids(R, K, e, seed=R + e, fill=fill)
+        offs = _offs(ids, e)
+        n = int(offs[-1])
+        src, pos = _run(ids, e, offs)
+        src_t, pos_t = expert_order_torch(ids, e, offs)
+        assert torch.equal(pos, pos_t) and torch.equal(src[:n], src_t[:n])
+        row, pos_a = _order_by_argsort(ids, e, offs)
+        valid = (ids >= 0) & (ids < e)
+        assert torch.equal(pos, torch.where(valid, pos_a, -1)) and torch.equal(src[:n], row[:n])
+        src2, pos2 = _run(ids, e, offs)
+        assert torch.equal(pos, pos2) and torch.equal(src[:n], src2[:n])
+
+
+@needs_kernels
+@pytest.mark.parametrize("shift", [-40, 40, 100000])
+def test_expert_order_many_blocks_mismatched_offs(shift):
+    """offs_e that disagrees with the pairs over many blocks (some groups short, some long, the last end past J,
+    unclamped): as the twin on the n positions; through ``_order_into`` with poisoned slack after J, nothing
+    written there and every position below min(n, J) a row index."""
+    from moe_wave.expert_kernels import _order_into, expert_order_torch
+
+    R, K, e = 2000, 8, 33
+    J = R * K
+    ids = _ids(R, K, e, seed=11)
+    counts = torch.bincount(ids.reshape(-1).long() + 1, minlength=e + 1)[1:]
+    counts[::3] = (counts[::3] + shift).clamp(min=0)
+    counts[1::3] = (counts[1::3] - 25).clamp(min=0)
+    offs = counts.cumsum(0).to(torch.int32)
+    n = min(int(offs[-1]), J)
+    src_t, pos_t = expert_order_torch(ids, e, offs)
+    buf = torch.full((J + 300,), -7, dtype=torch.long, device=DEVICE)
+    pos = torch.full((R, K), -7, dtype=torch.long, device=DEVICE)
+    _order_into(ids.to(DEVICE), e, offs.to(DEVICE), buf, pos)
+    buf, pos = buf.cpu(), pos.cpu()
+    assert torch.equal(pos, pos_t) and torch.equal(buf[:n], src_t[:n])
+    assert bool((buf[J:] == -7).all()), "a write past J"
+    assert bool(((buf[:n] >= 0) & (buf[:n] < R)).all())
+    hit = pos >= 0
+    assert pos[hit].unique().numel() == int(hit.sum()), "one pair per position"
