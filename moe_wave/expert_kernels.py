@@ -17,6 +17,8 @@ order without a sort (a stable argsort is a multi-pass radix sort, a fixed cost 
     gather_rows(x_RD, src_J, n, local)    xs[j] = x[src[j]] for j < n (rows past n untouched; rows
                                           that ``local`` holds read there)
     swiglu_rows(gu_J2I, limit, n)         the V4 SwiGLU (clamped gate and up) for j < n
+                                          (both: a grid capped by the SM count, each program looping over rows
+                                          j = pid, pid + programs, ... below n: launch cost follows n, not J)
     weighted_sum(out_JD, pos_RK, w_RK, n) y[r] = sum over k in order of w[r, k] * out[pos[r, k]] for
                                           the slots with pos < n, in fp32; rows with none are 0
 
@@ -26,6 +28,8 @@ compare them (on CPU under ``TRITON_INTERPRET=1``). The kernels run wherever Tri
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,7 @@ __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_tor
            "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch"]
 
 BLOCK_D = 1024
+ROW_PROGRAMS_PER_SM = 8
 # (row, slot) pairs per program of expert_order: its in-block rank compares all BLOCK_J^2 pairs of a block, 64
 # mask entries per thread at 8 warps (256: 256 each, past the register file); nb = J / 128 blocks (384 at
 # J = 49152) keep the earlier-blocks sums short
@@ -138,20 +143,19 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
                          CHUNK=CHUNK_J, num_warps=8)
 
 
-class _OrderLaunch:
-    """The launch form of the single kernel that ``_order_into`` replaced, ``_order_kernel[grid](ids, stride_r,
-    stride_k, offs, src, pos, K, J, E, BLOCK=...)``, kept for callers that pass their own buffers
-    (tests/test_expert_order.py): it runs ``_order_into``, whose launches size their own grids (grid and BLOCK
-    are not used)."""
-
-    def __getitem__(self, grid):
-        def launch(ids, stride_r, stride_k, offs, src, pos, K, J, E, BLOCK=None):
-            assert ids.stride() == (stride_r, stride_k) and ids.numel() == J and ids.shape[1] == K
-            _order_into(ids, E, offs, src, pos)
-        return launch
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_order_kernel = _OrderLaunch()
+def _rows_grid(J: int, device: torch.device) -> int:
+    """Programs of a row kernel over the first n of J rows (n on the device): J up to ROW_PROGRAMS_PER_SM per SM.
+    A grid of J programs, most of them exiting at once past n, cost ~25 us per launch at a capacity of 8192 rows x
+    6 slots on an H200 (launch/profile_experts.py), per wave."""
+    if device.type != "cuda":
+        return max(1, min(J, 64))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(J, ROW_PROGRAMS_PER_SM * _sm_count(index)))
 
 
 def gather_rows(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, local: tuple | None = None) -> torch.Tensor:
@@ -164,8 +168,8 @@ def gather_rows(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, local:
         raise ValueError(f"gather_rows: local rows {tuple(loc.shape)} {loc.dtype} must be contiguous [L, {D}] "
                          f"{x_RD.dtype} rows")
     if J and D:
-        _gather_kernel[(J,)](x_RD, src_J, n, out, D, loc if loc.numel() else x_RD, row0, loc.shape[0],
-                             BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+        _gather_kernel[(_rows_grid(J, x_RD.device),)](x_RD, src_J, n, out, D, loc if loc.numel() else x_RD, row0,
+                                                       loc.shape[0], BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
     return out
 
 
@@ -174,8 +178,8 @@ def swiglu_rows(gu_J2I: torch.Tensor, limit: float, n: torch.Tensor, dtype: torc
     J, I2 = gu_J2I.shape
     out = torch.empty(J, I2 // 2, dtype=dtype, device=gu_J2I.device)
     if J and I2:
-        _swiglu_kernel[(J,)](gu_J2I, n, out, I2 // 2, float(limit), CLAMP=limit > 0,
-                             BLOCK=min(BLOCK_D, triton.next_power_of_2(I2 // 2)))
+        _swiglu_kernel[(_rows_grid(J, gu_J2I.device),)](gu_J2I, n, out, I2 // 2, float(limit), CLAMP=limit > 0,
+                                                         BLOCK=min(BLOCK_D, triton.next_power_of_2(I2 // 2)))
     return out
 
 
@@ -238,10 +242,12 @@ if triton is not None:
 
     @triton.jit
     def _gather_kernel(x_ptr, src_ptr, n_ptr, out_ptr, D, loc_ptr, ROW0, L, BLOCK: tl.constexpr):
+        # rows j = pid, pid + programs, ... below n (the grid is capped: its size follows the GPU, not J);
         # source rows ROW0 .. ROW0 + L - 1 come from loc (this rank's own tokens, not copied into x)
-        j = tl.program_id(0)
-        if j < tl.load(n_ptr):
-            s = tl.load(src_ptr + j).to(tl.int64)
+        n = tl.load(n_ptr)
+        for j in range(tl.program_id(0), n, tl.num_programs(0)):
+            jj = tl.zeros([], tl.int64) + j                                # int64 offsets (an int in the interpreter)
+            s = tl.load(src_ptr + jj).to(tl.int64)
             if (s >= ROW0) & (s < ROW0 + L):
                 base = loc_ptr + (s - ROW0) * D
             else:
@@ -249,13 +255,15 @@ if triton is not None:
             for d0 in range(0, D, BLOCK):
                 d = d0 + tl.arange(0, BLOCK)
                 m = d < D
-                tl.store(out_ptr + j.to(tl.int64) * D + d, tl.load(base + d, mask=m), mask=m)
+                tl.store(out_ptr + jj * D + d, tl.load(base + d, mask=m), mask=m)
 
     @triton.jit
     def _swiglu_kernel(gu_ptr, n_ptr, out_ptr, I, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-        j = tl.program_id(0)
-        if j < tl.load(n_ptr):
-            row = gu_ptr + j.to(tl.int64) * 2 * I
+        # rows j = pid, pid + programs, ... below n (a capped grid, as _gather_kernel)
+        n = tl.load(n_ptr)
+        for j in range(tl.program_id(0), n, tl.num_programs(0)):
+            jj = tl.zeros([], tl.int64) + j
+            row = gu_ptr + jj * 2 * I
             for i0 in range(0, I, BLOCK):
                 i = i0 + tl.arange(0, BLOCK)
                 m = i < I
@@ -265,7 +273,7 @@ if triton is not None:
                     gate = tl.minimum(gate, limit)
                     up = tl.minimum(tl.maximum(up, -limit), limit)
                 h = gate / (1.0 + tl.exp(-gate)) * up
-                tl.store(out_ptr + j.to(tl.int64) * I + i, h.to(out_ptr.dtype.element_ty), mask=m)
+                tl.store(out_ptr + jj * I + i, h.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, K, D, BLOCK: tl.constexpr):

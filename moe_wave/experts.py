@@ -166,7 +166,7 @@ def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
 
 def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local=None) -> torch.Tensor:
     """``expert_rows`` with device counts, touching only the n valid pairs (n = offs[-1], on the device):
-    the expert-major order comes from one kernel (no sort), and gather, SwiGLU and the weighted per-row sum
+    the expert-major order comes from ``expert_order`` (no sort), and gather, SwiGLU and the weighted per-row sum
     skip the pairs past n; the grouped GEMMs only compute the groups. Same math as the torch path (the sum
     over k in slot order, in fp32)."""
     from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum
