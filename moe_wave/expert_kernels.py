@@ -11,9 +11,9 @@ order without a sort (a stable argsort is a multi-pass radix sort, a fixed cost 
 
     expert_order(expert_RK, e, offs_e)    src[p] = r and pos[r, k] = p for the pair (r, k) at position p of
                                           the expert-major order (the stable argsort's, when offs_e holds
-                                          the actual group ends); pos -1 for slots of no local expert. Two
+                                          the actual group ends); pos -1 for slots of no local expert. Three
                                           launches over blocks of BLOCK_J pairs: per-block expert histograms,
-                                          then per block the earlier blocks' counts plus an in-block rank
+                                          their prefix over the blocks, then per pair that plus an in-block rank
     gather_rows(x_RD, src_J, n, local)    xs[j] = x[src[j]] for j < n (rows past n untouched; rows
                                           that ``local`` holds read there)
     swiglu_rows(gu_J2I, limit, n)         the V4 SwiGLU (clamped gate and up) for j < n
@@ -43,10 +43,11 @@ __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_tor
 BLOCK_D = 1024
 ROW_PROGRAMS_PER_SM = 8
 # (row, slot) pairs per program of expert_order: its in-block rank compares all BLOCK_J^2 pairs of a block, 64
-# mask entries per thread at 8 warps (256: 256 each, past the register file); nb = J / 128 blocks (384 at
-# J = 49152) keep the earlier-blocks sums short
+# mask entries per thread at 8 warps (256: 256 each, past the register file)
 BLOCK_J = 128
-CHUNK_J = 32        # earlier blocks' histogram rows per step of expert_order's placement
+# expert_order's scan of the block histograms: experts per program, blocks per step
+SCAN_EXPERTS = 16
+SCAN_BLOCKS = 256
 
 
 def expert_order_torch(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,11 +115,13 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple
     bounds and every src_J[j < n] is still a row index: a pair past its group's end (or past J) gets pos -1,
     and the positions of a group that too few pairs fill read row 0.
 
-    Two launches, each one program per block of BLOCK_J pairs (no atomics, the same result on every run):
-    ``_hist_kernel`` writes each block's expert histogram and sets src_J to row 0 on the block's range of
-    positions below n; ``_place_kernel`` numbers each pair of expert x as (offs_e[x - 1]) + (its expert's
-    pairs in earlier blocks: their histogram rows summed) + (its rank among the block's pairs of expert x),
-    and writes pos, and src at the positions within the guard (overwriting the zeros of the first launch).
+    Three launches (no atomics, the same result on every run): ``_hist_kernel`` (one program per block of
+    BLOCK_J pairs) writes each block's expert histogram and sets src_J to row 0 on the block's range of
+    positions below n; ``_scan_kernel`` turns the histograms into each expert's pairs in the earlier blocks (an
+    exclusive prefix over the blocks, SCAN_EXPERTS experts per program); ``_place_kernel`` (one program per
+    block) numbers each pair of expert x as (offs_e[x - 1]) + (x's pairs in earlier blocks) + (its rank among
+    the block's pairs of x), and writes pos, and src at the positions within the guard (overwriting the zeros
+    of the first launch).
     """
     R, K = expert_RK.shape
     src = torch.empty(R * K, dtype=torch.long, device=expert_RK.device)
@@ -139,8 +142,9 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
     hist = torch.empty(nb, nbins, dtype=torch.int32, device=expert_RK.device)   # every entry written by K1
     s_r, s_k = expert_RK.stride()
     _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, K, J, e, BLOCK=BLOCK_J, NBINS=nbins, num_warps=4)
+    _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
     _place_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, pos, K, J, e, NBINS=nbins, BLOCK=BLOCK_J,
-                         CHUNK=CHUNK_J, num_warps=8)
+                         num_warps=8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,10 +217,24 @@ if triton is not None:
         tl.store(src_ptr + j, tl.zeros([BLOCK], tl.int64), mask=j < n)
 
     @triton.jit
+    def _scan_kernel(hist_ptr, nb, NBINS: tl.constexpr, BX: tl.constexpr, CB: tl.constexpr):
+        # in place, for BX experts per program: hist[b, x] <- the pairs of x in blocks 0 .. b - 1 (an exclusive
+        # prefix over the blocks, CB blocks at a time)
+        x = tl.program_id(0) * BX + tl.arange(0, BX)
+        run = tl.zeros([BX], tl.int32)
+        for c0 in range(0, nb, CB):
+            c = c0 + tl.arange(0, CB)
+            ptr = hist_ptr + c[:, None] * NBINS + x[None, :]
+            mk = c[:, None] < nb
+            h = tl.load(ptr, mask=mk, other=0)
+            tl.store(ptr, tl.cumsum(h, 0) - h + run[None, :], mask=mk)
+            run += tl.sum(h, 0)
+
+    @triton.jit
     def _place_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, pos_ptr, K, J, E,
-                      NBINS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-        # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1)
-        # + (pairs of x before j in block b); outside its group (or past J): pos -1 and no write
+                      NBINS: tl.constexpr, BLOCK: tl.constexpr):
+        # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1: the
+        # scanned hist[b, x]) + (pairs of x before j in block b); outside its group (or past J): pos -1, no write
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         j = b * BLOCK + i
@@ -225,12 +243,7 @@ if triton is not None:
         ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=-1)
         valid = (ids >= 0) & (ids < E) & m
         key = tl.where(valid, ids, E).to(tl.int32)
-        before = tl.zeros([BLOCK], tl.int32)                     # the pairs of each one's expert in blocks < b
-        for c0 in range(0, b, CHUNK):
-            c = c0 + tl.arange(0, CHUNK)
-            h = tl.load(hist_ptr + c[:, None] * NBINS + key[None, :], mask=(c[:, None] < b) & valid[None, :],
-                        other=0)
-            before += tl.sum(h, 0)
+        before = tl.load(hist_ptr + b * NBINS + key, mask=valid, other=0)
         same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])      # [BLOCK, BLOCK]: row i, column j
         rank = tl.sum(same.to(tl.int32), 1)
         start = tl.load(offs_ptr + key - 1, mask=valid & (key > 0), other=0).to(tl.int32)
