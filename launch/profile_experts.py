@@ -1,7 +1,7 @@
 """Why the expert stage costs more with more waves: its kernels at W = 1 and at W = 4, side by side (one GPU).
 
     python launch/profile_experts.py [--preset v4-flash] [--experts 128] [--tokens 128,2048] [--waves 1,4]
-                                     [--order kernel,argsort]
+                                     [--order kernel,argsort] [--capacity measured|max]
 
 One process holds ``--experts`` routed experts (128: one rank's share of V4-Flash at EP2), so the expert stage
 sees what a rank of EP2 sees. For each token count and wave count it times the routed experts on pre-received
@@ -27,6 +27,7 @@ from launch_common import report  # noqa: E402
 import moe_wave.experts as ex  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
+from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
 from moe_wave.comm.options import SymmOptions  # noqa: E402
 from moe_wave.probe import pre_receive, routed_only  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us, l2_flush_buffer  # noqa: E402
@@ -42,6 +43,13 @@ def kernels(prof) -> dict:
     return out
 
 
+def measured_capacity(moe: WaveMoE, ids: torch.Tensor, w: torch.Tensor, waves: int, margin: float = 1.25) -> int:
+    """Rows per wave block: the fullest wave of this routing on this one rank, times ``margin`` (at least 128)."""
+    plan = WavePlan.make(num_ranks=1, num_local_experts=moe.num_local, num_waves=waves)
+    fullest = int(compute_layout(ids, w, plan).send_counts_WP.max())      # HOST SYNC: setup
+    return max(128, int(fullest * margin) + 1)
+
+
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +59,9 @@ def main() -> int:
     ap.add_argument("--waves", default="1,4")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--capacity", choices=("measured", "max"), default="measured",
+                    help="rows per wave: 1.25 x the fullest wave of this routing (as bench_moe --capacity "
+                    "measured), or the largest --tokens for every point (the per-wave launches then sized for it)")
     ap.add_argument("--order", default="kernel", help="comma list of moe_wave.experts.ORDER (kernel, argsort): "
                     "each gets its own tables")
     args = ap.parse_args()
@@ -66,7 +77,7 @@ def main() -> int:
     init_random_(base)
     flush = l2_flush_buffer(dev)
     lines = [f"profile_experts: {args.preset} shapes, {args.experts} local experts, top-{cfg.top_k}, one GPU, "
-             f"routed experts on pre-received rows"]
+             f"routed experts on pre-received rows, capacity {args.capacity}"]
     for order in args.order.split(","):
         ex.ORDER = order
         lines.append(f"\n== pair order: {order}")
@@ -74,7 +85,9 @@ def main() -> int:
             x, ids, w = random_inputs(base, T, 1)[0]
             tables, times = {}, {}
             for W in waves:
-                moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, symm=base.wave.symm))
+                cap = max(tokens) if args.capacity == "max" else measured_capacity(base, ids, w, W)
+                moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W,
+                                                  symm=base.wave.symm.replace(capacity=cap)))
                 got = pre_receive(moe.backend, x, ids, w, moe.plan)
                 replay = as_graph(lambda i: routed_only(moe.routed_rows, got), dev)[0]
                 times[W] = statistics.median(iteration_us(replay, args.iters, 3, device=dev, flush=flush))
