@@ -42,18 +42,11 @@ def _run(ids: torch.Tensor, e: int, offs: torch.Tensor) -> tuple[torch.Tensor, t
     return src.cpu(), pos.cpu()
 
 
-CASES = [(R, K, e, fill) for R, K, e in itertools.product([0, 1, 37, 300], [1, 6, 8], [1, 4, 33])
-         for fill in ("random", "none", "even")]
-
-
-@needs_kernels
-@pytest.mark.parametrize("R, K, e, fill", CASES)
-def test_expert_order_matches_argsort(R, K, e, fill):
-    """Bit-equal pos (-1 on the slots of no expert) and src on the n valid positions, against the twin and
-    against the argsort order."""
+def _check_against_twin_and_argsort(ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernel's (src, pos) on ids with their true group ends: pos bit-equal to the twin's and to the argsort
+    order's (-1 on the slots of no expert), src equal on the n valid positions; returns (src, pos, n)."""
     from moe_wave.expert_kernels import expert_order_torch
 
-    ids = _ids(R, K, e, seed=R * 100 + K * 10 + e, fill=fill)
     offs = _offs(ids, e)
     n = int(offs[-1])
     src, pos = _run(ids, e, offs)
@@ -63,6 +56,19 @@ def test_expert_order_matches_argsort(R, K, e, fill):
     valid = (ids >= 0) & (ids < e)
     assert torch.equal(pos, torch.where(valid, pos_a, -1)) and torch.equal(src[:n], row[:n])
     assert int(valid.sum()) == n
+    return src, pos, n
+
+
+CASES = [(R, K, e, fill) for R, K, e in itertools.product([0, 1, 37, 300], [1, 6, 8], [1, 4, 33])
+         for fill in ("random", "none", "even")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("R, K, e, fill", CASES)
+def test_expert_order_matches_argsort(R, K, e, fill):
+    """Bit-equal pos (-1 on the slots of no expert) and src on the n valid positions, against the twin and
+    against the argsort order."""
+    _check_against_twin_and_argsort(_ids(R, K, e, seed=R * 100 + K * 10 + e, fill=fill), e)
 
 
 @needs_kernels
@@ -166,7 +172,7 @@ def test_expert_order_many_blocks(e, fill):
     """J = 16000 pairs over 125 blocks of BLOCK_J (a partial last one with R = 1999), and more blocks than one step
     of the scan (SCAN_BLOCKS): the earlier blocks' counts and the in-block ranks against the twin and the argsort;
     the same result on a second run."""
-    from moe_wave.expert_kernels import BLOCK_J, SCAN_BLOCKS, expert_order_torch
+    from moe_wave.expert_kernels import BLOCK_J, SCAN_BLOCKS
 
     for R in (2000, 1999, SCAN_BLOCKS * BLOCK_J // 8 + 40):
         K = 8
@@ -174,15 +180,8 @@ def test_expert_order_many_blocks(e, fill):
         if R > 2000 and e != 33:
             continue                       # the scan's second step once is enough (the interpreter is slow)
         ids = _ids(R, K, e, seed=R + e, fill=fill)
-        offs = _offs(ids, e)
-        n = int(offs[-1])
-        src, pos = _run(ids, e, offs)
-        src_t, pos_t = expert_order_torch(ids, e, offs)
-        assert torch.equal(pos, pos_t) and torch.equal(src[:n], src_t[:n])
-        row, pos_a = _order_by_argsort(ids, e, offs)
-        valid = (ids >= 0) & (ids < e)
-        assert torch.equal(pos, torch.where(valid, pos_a, -1)) and torch.equal(src[:n], row[:n])
-        src2, pos2 = _run(ids, e, offs)
+        src, pos, n = _check_against_twin_and_argsort(ids, e)
+        src2, pos2 = _run(ids, e, _offs(ids, e))
         assert torch.equal(pos, pos2) and torch.equal(src[:n], src2[:n])
 
 

@@ -198,6 +198,13 @@ def index_scores_torch(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.
 if triton is not None:
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        # a @ b in fp32: exact products for fp32 inputs (IEEE), the tensor cores' for 16-bit ones
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
     def _index_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, S, N, Hh, ratio,
                              sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s,
                              E: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
@@ -219,10 +226,7 @@ if triton is not None:
             for h in range(0, Hh):
                 q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + h * sq_h + e[None, :], mask=smask[:, None],
                             other=0.0)
-                if IEEE:
-                    dot = tl.dot(q, kT, input_precision="ieee")
-                else:
-                    dot = tl.dot(q, kT)
+                dot = _dot(q, kT, IEEE)
                 wh = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=smask, other=0.0)
                 acc += wh[:, None] * tl.maximum(dot, 0.0)
             see = (n[None, :] < vis[:, None]) & nmask[None, :]
@@ -258,10 +262,7 @@ if triton is not None:
                     hm = h < Hh
                     q = tl.load(q_ptr + b * sq_b + s * sq_s + h[:, None] * sq_h + e[None, :], mask=hm[:, None],
                                 other=0.0)
-                    if IEEE:
-                        dot = tl.dot(q, kT, input_precision="ieee")
-                    else:
-                        dot = tl.dot(q, kT)
+                    dot = _dot(q, kT, IEEE)
                     wh = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=hm, other=0.0)
                     acc += tl.sum(wh[:, None] * tl.maximum(dot, 0.0), axis=0)
                 out = tl.where((n < vis) & nmask, acc, out)
