@@ -58,7 +58,8 @@ TYPES = {"sliding": ("sliding_attention", 0), "csa": ("compressed_sparse_attenti
 CTX = 4096
 # more tilings timed on the CSA prefill besides the fallback ladder (tuning data, not used by the layer)
 EXTRA_TILINGS = (CoreConfig(num_stages=3), CoreConfig(block_n=32, num_stages=3), CoreConfig(block_n=32),
-                 CoreConfig(block_dv=256, num_warps=4), CoreConfig(num_warps=16), CoreConfig(num_warps=16, num_stages=3),
+                 CoreConfig(block_dv=256, num_warps=4), CoreConfig(num_warps=16),
+                 CoreConfig(num_warps=16, num_stages=3),
                  CoreConfig(block_n=32, num_warps=16, num_stages=3), CoreConfig(block_dk=256),
                  CoreConfig(block_dk=256, num_warps=16), CoreConfig(block_n=128, num_warps=16, num_stages=1))
 
@@ -332,6 +333,8 @@ def decode_policy(rows) -> dict:
     for shape in sorted({r["shape"] for r in rows}):
         dec = sorted((r for r in rows if r["shape"] == shape and r["mode"] == "decode"), key=lambda r: r["batch"])
         batches = sorted({r["batch"] for r in dec})
+        if not batches:
+            continue
         pays = {b: all(r["layer_us"] <= r["layer_serial_us"] for r in dec if r["batch"] == b) for b in batches}
         thr = None
         for b in reversed(batches):
@@ -360,6 +363,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per point")
     ap.add_argument("--debug", action="store_true", help="print each capture before it starts")
     ap.add_argument("--core", action="store_true", help="only the sparse core and the top-k (see above)")
+    ap.add_argument("--shapes", default=None, help="comma list of presets (default: v4-flash with --quick, else all)")
+    ap.add_argument("--batches", default=None, help="comma list of decode batches ('' for none; default: 1,64 with "
+                    "--quick, else 1,8,64,128)")
+    ap.add_argument("--no-eager", action="store_true", help="leave out the eager prefill point")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attn: needs a CUDA/ROCm GPU")
@@ -379,13 +386,15 @@ def main() -> None:
         print(f"wrote {out}")
         print_core(res, gemm)
         return
-    shapes = ["v4-flash"] if args.quick else list(SHAPES)
-    batches = [1, 64] if args.quick else [1, 8, 64, 128]
+    shapes = args.shapes.split(",") if args.shapes else (["v4-flash"] if args.quick else list(SHAPES))
+    batches = [int(b) for b in args.batches.split(",") if b] if args.batches is not None else (
+        [1, 64] if args.quick else [1, 8, 64, 128])
     iters = args.iters or (10 if args.quick else 30)
     rows = []
     for shape in shapes:
         for kind in TYPES:
-            points = [("prefill", 1, False), ("prefill", 1, True)] + [("decode", b, True) for b in batches]
+            points = ([] if args.no_eager else [("prefill", 1, False)]) + [("prefill", 1, True)] + [
+                ("decode", b, True) for b in batches]
             for mode, b, graph in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph,
