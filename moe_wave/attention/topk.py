@@ -66,15 +66,15 @@ if triton is not None:
         thr = tl.full((), 0, tl.int64)
         left = kv.to(tl.int32)
         for i in tl.static_range(4):
-            SHIFT: tl.constexpr = 24 - 8 * i
-            match = (ukey >= 0) & ((ukey >> (SHIFT + 8)) == (thr >> (SHIFT + 8)))
-            digit = tl.where(match, (ukey >> SHIFT) & 255, 0).to(tl.int32)
+            shift = 24 - 8 * i
+            match = (ukey >= 0) & ((ukey >> (shift + 8)) == (thr >> (shift + 8)))
+            digit = tl.where(match, (ukey >> shift) & 255, 0).to(tl.int32)
             hist = tl.histogram(digit, 256)
             hist = hist - tl.where(b == 0, tl.sum((~match).to(tl.int32), axis=0), 0)   # the others counted at 0
             at_or_above = tl.sum(tl.where(match, 1, 0), axis=0) - (tl.cumsum(hist, axis=0) - hist)
             d = tl.max(tl.where(at_or_above >= left, b, -1), axis=0)
             left = left - (tl.sum(tl.where(b == d, at_or_above - hist, 0), axis=0))
-            thr = thr | (tl.maximum(d, 0).to(tl.int64) << SHIFT)
+            thr = thr | (tl.maximum(d, 0).to(tl.int64) << shift)
         gt = ukey > thr
         eq = (ukey == thr) & valid
         need = kv - tl.sum(gt.to(tl.int32), axis=0)
