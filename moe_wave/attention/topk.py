@@ -17,7 +17,8 @@ The kernel (one program per row, the row in registers): scores become order-pres
 key T (the largest T with count(key >= T) >= k; a radix select, 8 bits per step with 256-bin histograms,
 measured slower on an H200: 115 us against 63 us for 512 of 1024 on 4096 rows); the picks are key > T plus the
 first (k - count(key > T)) entries equal to T by id (a prefix sum), written compacted by a second prefix sum.
-No atomics, no sort: deterministic. Rows longer than ``MAX_N`` entries (contexts over 4 * MAX_N tokens) use the torch reference.
+No atomics, no sort: deterministic. Rows longer than ``MAX_N`` entries (contexts over 4 * MAX_N tokens) use the
+torch reference.
 """
 
 from __future__ import annotations
