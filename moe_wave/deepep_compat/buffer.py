@@ -206,14 +206,21 @@ class Buffer:
 
     # ------------------------------------------------------------------ lifetime and static helpers
     def destroy(self) -> None:
-        """Release the buffers (after the communication stream has drained). Needs ``explicitly_destroy``."""
+        """Release the buffers. Needs ``explicitly_destroy``. Collective, as DeepEP's: this rank's work drains, then
+        a barrier of the group, so that no peer's kernel still writes into a region (flags, acks, rows) when its
+        owner frees it."""
         if not self.explicitly_destroy:
             raise RuntimeError("Buffer.destroy(): the buffer was made with explicitly_destroy=False (DeepEP's rule); "
                                "its memory is released when it is garbage-collected")
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        if self.group_size > 1:
+            dist.barrier(group=self._ep.pg)
         self._normal.close()
         self._ll.close()
+        self._direct = None         # the direct kernels' regions (their symmetric memory goes with the state)
         self._destroyed = True
 
     def _alive(self, what: str) -> None:
