@@ -1,5 +1,5 @@
-"""The low-latency mode's peer-memory kernels (``moe_wave.deepep_compat.ll_direct``) on CPU, under Triton's
-interpreter: P ranks emulated in one process, each rank's symmetric region an ordinary tensor that the others'
+"""The low-latency mode's peer-memory kernels (``moe_wave.deepep_compat.ll_direct``) on one GPU, or on CPU under
+Triton's interpreter: P ranks emulated in one process, each rank's symmetric region an ordinary tensor that the others'
 kernels address through the same pointer table, phases run rank after rank (all sends, then all receives) so
 that no wait blocks. Checked against a reference built from the inputs alone: DeepEP's expert-major layout (sources
 in rank order, each source's tokens in order), counts, ``layout_range``, source indices, bf16 rows bit for bit, FP8
@@ -15,8 +15,11 @@ import torch
 
 from moe_wave.comm.triton_gate import interpreting, triton
 
-pytestmark = pytest.mark.skipif(triton is None or not interpreting(),
-                                reason="the kernels run on CPU only under TRITON_INTERPRET=1 (set by conftest)")
+# On a GPU the emulated ranks' regions are device memory and the kernels run for real (one GPU is enough: the phases
+# still run rank after rank); on CPU under Triton's interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not interpreting()),
+                                reason="the kernels run on a GPU, or on CPU under TRITON_INTERPRET=1 (set by conftest)")
 
 H, E, K, T = 512, 6, 3, 7
 
@@ -47,26 +50,29 @@ class Ranks:
 
         self.P = P
         nbytes = 2 * region_layout(P, T, H, K, E)["bytes"]
-        self.mem = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(P)]
+        self.mem = [torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE) for _ in range(P)]
         addrs = [m.data_ptr() for m in self.mem]
-        self.rg = [make_region(P, T, H, K, E, "cpu", addrs, keep=(self.mem,)) for _ in range(P)]
-        self.mask = [torch.zeros(P, dtype=torch.int32) for _ in range(P)]
-        self.fault = [torch.zeros(4, dtype=torch.int64) for _ in range(P)]
+        self.rg = [make_region(P, T, H, K, E, DEVICE, addrs, keep=(self.mem,)) for _ in range(P)]
+        self.mask = [torch.zeros(P, dtype=torch.int32, device=DEVICE) for _ in range(P)]
+        # host words the kernels write (pinned: reachable from the GPU)
+        self.fault = [torch.zeros(4, dtype=torch.int64, pin_memory=DEVICE == "cuda") for _ in range(P)]
 
     def dispatch(self, set_index, inputs, fp8=False, rnd=False, ue=False, send_ranks=None, timeout_ms=1000):
         from moe_wave.deepep_compat.ll_direct import dispatch_launch
 
         P, e = self.P, E // self.P
+        inputs = _on_device(inputs)
         outs = []
         for r in range(P):
-            recv = torch.zeros(e, P * T, H, dtype=torch.uint8 if fp8 else torch.bfloat16)
+            recv = torch.zeros(e, P * T, H, dtype=torch.uint8 if fp8 else torch.bfloat16, device=DEVICE)
             sc = None
             if fp8:
-                sc = torch.zeros(e, H // 512, P * T, dtype=torch.int32) if ue else \
-                    torch.zeros(e, H // 128, P * T, dtype=torch.float32)
-            outs.append(dict(recv=recv, sc=sc, info=torch.full((e, P * T), -1, dtype=torch.int32),
-                             count=torch.zeros(e, dtype=torch.int32), rng=torch.zeros(e, P, dtype=torch.int64),
-                             stats=torch.zeros(e, dtype=torch.int32)))
+                sc = torch.zeros(e, H // 512, P * T, dtype=torch.int32, device=DEVICE) if ue else \
+                    torch.zeros(e, H // 128, P * T, dtype=torch.float32, device=DEVICE)
+            outs.append(dict(recv=recv, sc=sc, info=torch.full((e, P * T), -1, dtype=torch.int32, device=DEVICE),
+                             count=torch.zeros(e, dtype=torch.int32, device=DEVICE),
+                             rng=torch.zeros(e, P, dtype=torch.int64, device=DEVICE),
+                             stats=torch.zeros(e, dtype=torch.int32, device=DEVICE)))
         for r in range(P):
             if send_ranks is None or r in send_ranks:
                 x, ids, _ = inputs[r]
@@ -80,20 +86,26 @@ class Ranks:
             dispatch_launch(self.rg[r], set_index, r, x, ids, self.mask[r], self.fault[r].data_ptr(), timeout_ms,
                             o["recv"], o["sc"], o["info"], o["count"], o["rng"], o["stats"], send=False, recv=True,
                             fp8=fp8, round_scale=rnd, ue8m0=ue, programs=3)
-        return outs
+        return [{k: (v.cpu() if v is not None else None) for k, v in o.items()} for o in outs]
 
     def combine(self, set_index, inputs, ys, part_bf16=True, ranks=None, timeout_ms=1000):
         from moe_wave.deepep_compat.ll_direct import combine_launch
 
         P = self.P
-        outs = [torch.full((inputs[r][0].shape[0], H), float("nan"), dtype=torch.bfloat16) for r in range(P)]
+        inputs, ys = _on_device(inputs), [y.to(DEVICE) for y in ys]
+        outs = [torch.full((inputs[r][0].shape[0], H), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                for r in range(P)]
         for step in ("weights", "partials", "recv"):
             for r in range(P) if ranks is None else ranks:
                 _, ids, w = inputs[r]
                 combine_launch(self.rg[r], set_index, r, ys[r].view(-1, H), ids, w, self.mask[r],
                                self.fault[r].data_ptr(), timeout_ms, outs[r], weights=step == "weights",
                                partials=step == "partials", recv=step == "recv", part_bf16=part_bf16, programs=3)
-        return outs
+        return [o.cpu() for o in outs]
+
+
+def _on_device(inputs):
+    return [tuple(t.to(DEVICE) for t in inp) for inp in inputs]
 
 
 def _expect(inputs, P, r, live=None):
