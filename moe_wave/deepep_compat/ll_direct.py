@@ -547,6 +547,12 @@ class Region:
     def set_bytes(self) -> int:
         return self.lay["bytes"]
 
+    @property
+    def geometry(self) -> tuple:
+        """What the launches' constants depend on besides the call's options: (P, T, H, K, E). Part of every
+        relaunch key: the relaunch cache is shared by every region of the process, ``configs`` is not."""
+        return self.P, self.T, self.H, self.K, self.E
+
 
 def make_region(P: int, T: int, H: int, K: int, E: int, device, base_addrs: list[int], keep=()) -> Region:
     """A ``Region`` over regions (two sets each) already allocated at ``base_addrs`` (one per rank)."""
@@ -623,7 +629,7 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
                       sc.data_ptr(), info.data_ptr(), count.data_ptr(), layout_range.data_ptr(),
                       stats if stats is not None else count, posmap, nrecv, hist, _times_addr(rg)),
               consts, dict(num_warps=TUNE["warps"]),
-              (ckey, set_index, spec(x), spec(ids), spec(sx), spec(sid), spec(stats), me))
+              (ckey, rg.geometry, set_index, spec(x), spec(ids), spec(sx), spec(sid), spec(stats), me))
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -651,8 +657,9 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
     sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
     _COMBINE(nprog, (y, sy, ids, sid, w, sw, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit,
                      out, so, posmap, nrecv, _times_addr(rg)),
-             consts, dict(num_warps=TUNE["warps"]), (ckey, set_index, spec(y), spec(ids), spec(w), spec(out),
-                                                     spec(sy), spec(sid), spec(sw), spec(so), me))
+             consts, dict(num_warps=TUNE["warps"]),
+             (ckey, rg.geometry, set_index, spec(y), spec(ids), spec(w), spec(out), spec(sy), spec(sid), spec(sw),
+              spec(so), me))
 
 
 class DirectLL:
