@@ -244,3 +244,28 @@ def test_direct_ll_check_raises_or_shrinks():
             with pytest.raises(RuntimeError, match=r"gave up waiting for rank 1 \(call 3\).*timeout_ms=5"):
                 d.check()
         assert d.fault.tolist() == [0, 0, 0, 0]
+
+
+def test_relaunch_keys_tell_regions_apart(monkeypatch):
+    """The relaunch cache (``triton_launch.Launcher``) is shared by every region of the process, so the key of a
+    launch must name the region's geometry: two regions that differ only in their rank count, called with the same
+    options, get different keys (on a GPU the second one ran the first one's constants before this was so)."""
+    import moe_wave.deepep_compat.ll_direct as L
+
+    keys = []
+
+    def record(grid, args, consts, opts, key=None):
+        keys.append((key, consts["P"]))
+
+    monkeypatch.setattr(L, "_DISPATCH", record)
+    monkeypatch.setattr(L, "_COMBINE", record)
+    for P in (1, 2):
+        rk = Ranks(P)
+        inputs = _inputs(P, [6] * P, 1)
+        rk.dispatch(0, inputs)
+        rk.combine(0, inputs, [torch.zeros(E // P, P * T, H, dtype=torch.bfloat16) for _ in range(P)])
+    by_key = {}
+    for key, P in keys:
+        by_key.setdefault(key, set()).add(P)
+    assert all(len(ps) == 1 for ps in by_key.values()), "one relaunch key served regions of different rank counts"
+    assert {P for _, P in keys} == {1, 2}
