@@ -1,5 +1,6 @@
-"""Normal mode's direct kernels (``moe_wave.deepep_compat.normal_kernels``) under Triton's interpreter, P = 1, 2, 3
-ranks emulated in one process: every rank's "symmetric" memory is an ordinary CPU tensor, every rank's senders run
+"""Normal mode's direct kernels (``moe_wave.deepep_compat.normal_kernels``) on one GPU, or under Triton's interpreter
+on CPU; P = 1, 2, 3 ranks emulated in one process: every rank's "symmetric" memory is an ordinary tensor (device
+memory on a GPU), every rank's senders run
 (phase 1), then every rank's receivers (phase 2), so that no wait blocks. Checked against torch references: the
 rows and their order (grouped by source rank, each source's tokens in order), bytes of fp8 rows and strided scales,
 the combine's sums bit for bit (fp32, rank order, then the biases), the layout, repeated calls (call numbers and
@@ -12,8 +13,11 @@ import torch
 
 from moe_wave.comm.triton_gate import interpreting, triton
 
-pytestmark = pytest.mark.skipif(triton is None or not interpreting(),
-                                reason="needs triton and TRITON_INTERPRET=1 on CPU (set by conftest without a GPU)")
+# On a GPU the emulated ranks' regions are device memory and the kernels run for real (one GPU is enough: the phases
+# run rank after rank); on CPU under Triton's interpreter. Tests build inputs and references on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not interpreting()),
+                                reason="needs triton: a GPU, or TRITON_INTERPRET=1 on CPU (set by conftest)")
 
 nk = pytest.importorskip("moe_wave.deepep_compat.normal_kernels")
 
@@ -23,19 +27,21 @@ class World:
 
     def __init__(self, P: int, timeout_ms: int = 2000, sms: int | None = None):
         self.P, self.allocs, self.calls = P, [], [0] * P
-        self.states = [nk.NormalState(r, P, "cpu", self._alloc_for(r), timeout_ms, sms=sms) for r in range(P)]
+        self.states = [nk.NormalState(r, P, DEVICE, self._alloc_for(r), timeout_ms, sms=sms) for r in range(P)]
 
     def _alloc_for(self, r: int):
         def alloc(nbytes: int):
             k = self.calls[r]
             self.calls[r] += 1
             if k == len(self.allocs):
-                self.allocs.append([torch.zeros(nbytes + 64, dtype=torch.uint8)[:nbytes] for _ in range(self.P)])
+                self.allocs.append([torch.zeros(nbytes + 64, dtype=torch.uint8, device=DEVICE)[:nbytes]
+                                    for _ in range(self.P)])
             assert self.allocs[k][0].numel() == nbytes, "ranks allocated different sizes"
             return self.allocs[k]
         return alloc
 
     def plans(self, in_ranks, nch: int, pad: int = 0):
+        in_ranks = [_dev(m) for m in in_ranks]
         G = torch.stack([nk.channel_counts(m, nch) for m in in_ranks])       # [P(src), P(dst), nch]
         counts = G.sum(2)
         recv = counts.sum(0)
@@ -44,19 +50,34 @@ class World:
                 for r in range(self.P)]
 
     def dispatch(self, plans, a, b, rows, skip=()):
+        a, b = [_dev(t) for t in a], [_dev(t) for t in b]
         outs = [nk.dispatch(self.states[r], plans[r], a[r], b[r], rows=rows, phase=1) if r not in skip else None
                 for r in range(self.P)]
         for r in range(self.P):
             if r not in skip:
                 nk.dispatch(self.states[r], plans[r], a[r], b[r], rows=rows, phase=2, out=outs[r])
-        return outs
+        return [_host(o) for o in outs]
 
     def combine(self, plans, y, w, biases, rows, split=2):
+        y, w, biases = [_dev(t) for t in y], [_dev(t) for t in w], [_dev(t) for t in biases]
         outs = [nk.combine(self.states[r], plans[r], y[r], w[r], biases[r], rows=rows, split=split, phase=1)
                 for r in range(self.P)]
         for r in range(self.P):
             nk.combine(self.states[r], plans[r], y[r], w[r], biases[r], rows=rows, split=split, phase=2, out=outs[r])
-        return outs
+        return [_host(o) for o in outs]
+
+
+def _dev(t):
+    """Tensors (or tuples of them, or None) on DEVICE, strides kept."""
+    if isinstance(t, (tuple, list)):
+        return type(t)(_dev(x) for x in t)
+    return t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+
+
+def _host(t):
+    if isinstance(t, (tuple, list)):
+        return type(t)(_host(x) for x in t)
+    return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
 def _routing(g, P, T_list, E, K):
@@ -119,7 +140,7 @@ def test_dispatch_and_combine_match_torch(P, T_list, nch, rows):
             acc = torch.zeros(T_list[s], H)
             accw = torch.zeros(T_list[s], K)
             for p in range(P):
-                head = plans[s].head[:, p].long()
+                head = plans[s].head[:, p].long().cpu()
                 base = sum(int(in_rank[q][:, p].sum()) for q in range(s))     # s's first row on rank p
                 m = head >= 0
                 src = (base + head).clamp(min=0)
@@ -162,11 +183,13 @@ def test_worst_case_rows_past_the_count_are_untouched_and_fp32_combine():
     plans = world.plans(in_rank, 2, pad=5)
     xs = [torch.randn(T, H, generator=g) for T in T_list]
     b = [torch.arange(T, dtype=torch.int32)[:, None] for T in T_list]
-    outs = [(torch.full((p.rows, H), 7, dtype=torch.int32), torch.full((p.rows, 1), 7, dtype=torch.int32))
+    outs = [_dev((torch.full((p.rows, H), 7, dtype=torch.int32), torch.full((p.rows, 1), 7, dtype=torch.int32)))
             for p in plans]
     for phase in (1, 2):
         for r in range(P):
-            nk.dispatch(world.states[r], plans[r], xs[r].view(torch.int32), b[r], rows=4, phase=phase, out=outs[r])
+            nk.dispatch(world.states[r], plans[r], _dev(xs[r].view(torch.int32)), _dev(b[r]), rows=4, phase=phase,
+                        out=outs[r])
+    outs = _host(outs)
     for d in range(P):
         n = _expect_rows(xs, in_rank, d).shape[0]
         assert torch.equal(outs[d][0][:n].view(torch.float32), _expect_rows(xs, in_rank, d))
@@ -214,7 +237,7 @@ def test_missing_peer_in_a_combine_is_a_fault_and_nan():
     outs = world.dispatch(plans, [x.view(torch.int32) for x in xs], [None, None], 4)
     ys = [o[0].view(torch.float32) for o in outs]
     # rank 1 (expert side) never sends its rows back; rank 0 sums without them
-    got = nk.combine(world.states[0], plans[0], ys[0], None, (), rows=4, split=1, phase=2)[0]
+    got = nk.combine(world.states[0], plans[0], _dev(ys[0]), None, (), rows=4, split=1, phase=2)[0].cpu()
     assert world.states[0].fault.tolist() == [1, 1, 1]
     assert bool(got[0].isnan().all())                           # the block of a token that needed rank 1's row
     assert torch.equal(got[4:], xs[0][4:])                      # the tokens of a block that did not
@@ -225,7 +248,7 @@ def test_layout_matches_torch(P, T):
     g = torch.Generator().manual_seed(T + P)
     E, K = 8 * P, 5
     ids, _ = _routing(g, P, [T], E, K)
-    got = nk.dispatch_layout(ids[0], E, P, rows=16)
+    got = _host(nk.dispatch_layout(_dev(ids[0]), E, P, rows=16))
     ref = nk.layout_torch(ids[0], E, P)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -260,12 +283,12 @@ def test_both_roles_in_one_launch():
         _, in_rank = _routing(g, P, [11, 7], E, K)
         plans = world.plans(in_rank, 3)
         xs = [torch.randn(T, H, generator=g) for T in (11, 7)]
-        a = [x.view(torch.int32) for x in xs]
+        a = [_dev(x.view(torch.int32)) for x in xs]
         out1 = nk.dispatch(world.states[1], plans[1], a[1], None, rows=4, phase=1)
         out0 = nk.dispatch(world.states[0], plans[0], a[0], None, rows=4, phase=0)
         nk.dispatch(world.states[1], plans[1], a[1], None, rows=4, phase=2, out=out1)
         for d, o in ((0, out0), (1, out1)):
-            assert torch.equal(o[0].view(torch.float32), _expect_rows(xs, in_rank, d)), (call, d)
+            assert torch.equal(o[0].cpu().view(torch.float32), _expect_rows(xs, in_rank, d)), (call, d)
         ys = [out0[0].view(torch.float32), out1[0].view(torch.float32)]
         c1 = nk.combine(world.states[1], plans[1], ys[1], None, (), rows=4, phase=1)
         c0 = nk.combine(world.states[0], plans[0], ys[0], None, (), rows=4, phase=0)
@@ -274,7 +297,7 @@ def test_both_roles_in_one_launch():
             ref = torch.zeros_like(xs[s])
             for p in range(P):
                 ref += torch.where(in_rank[s][:, p:p + 1], xs[s], 0.0)
-            assert torch.equal(c[0], ref), (call, s)
+            assert torch.equal(c[0].cpu(), ref), (call, s)
         for st in world.states:
             assert st.fault.tolist() == [0, 0, 0] and st.words[:, 0].tolist() == [call + 1, call + 1]
             assert st.words[:, 1].tolist() == [0, 0]            # the done counters reset by the last program
