@@ -1,6 +1,7 @@
 """Normal mode's direct kernels (``moe_wave.deepep_compat.normal_kernels``) on one GPU, or under Triton's interpreter
 on CPU; P = 1, 2, 3 ranks emulated in one process: every rank's "symmetric" memory is an ordinary tensor (device
-memory on a GPU), every rank's senders run (phase 1), then every rank's receivers (phase 2), so that no wait blocks. Checked against torch references: the
+memory on a GPU), every rank's senders run (phase 1), then every rank's receivers (phase 2), so that no wait
+blocks. Checked against torch references: the
 rows and their order (grouped by source rank, each source's tokens in order), bytes of fp8 rows and strided scales,
 the combine's sums bit for bit (fp32, rank order, then the biases), the layout, repeated calls (call numbers and
 acks advancing, a region that grows) and a missing peer (a fault, not a hang)."""
