@@ -73,6 +73,9 @@ for s in "${STAGES[@]}"; do
                 "${OWN_RANK_TESTS[@]}"
             stage tests_single ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider -m "gpu" \
                 tests/test_gpu_attention.py tests/test_symm_kernels.py tests/test_mhc_kernels.py
+            # the deep_ep front door's kernels with P ranks emulated on this one GPU (real launches, relaunch path)
+            stage tests_emulated ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider tests/test_ll_direct.py \
+                tests/test_normal_kernels.py tests/test_expert_order.py
             # every schedule bit-identical to the serial one, layer by layer (V4-Flash layers, one GPU)
             stage check_stack ${T_CHECK:-120} "$PY" launch/check_stack.py --repeats 2 ;;
         commtests)  # the multi-GPU tests only (comm backends, their failure paths, WaveMoE)
