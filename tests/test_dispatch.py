@@ -188,3 +188,26 @@ def test_rank_failure_mid_dispatch_reports_root_cause():
     assert "rank 1" in msg[:first + 20]
     # rank 0's own error (a timeout or a closed connection) is listed, after the root cause
     assert "rank 0" in msg[first:]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_rows_per_peer_across_wave_counts(P):
+    """Rows a layer sends each peer, W = 1..8 (V4-Flash-like routing: top-6 over 32 local experts per rank): the
+    "tokens" partition sends a (token, peer) row at most once per layer, so its rows per peer equal W=1's at every W;
+    the "experts" partition sends a row once per wave that has one of the token's experts on that peer (the extra
+    bytes issue 15 names), so it sends at least W=1's rows, and every layout accounts for all K pairs of each token."""
+    g = torch.Generator().manual_seed(P)
+    T, K, e = 257, 6, 32
+    ids = torch.rand(T, P * e, generator=g).topk(K, dim=1).indices
+    w = torch.rand(T, K, generator=g)
+    once = torch.stack([((ids // e) == p).any(1) for p in range(P)], 1).sum(0)      # tokens with an expert on p
+    for W in range(1, 9):
+        per_part = {}
+        for part in ("tokens", "experts"):
+            lay = compute_layout(ids, w, WavePlan.make(num_ranks=P, num_local_experts=e, num_waves=W, partition=part))
+            per_part[part] = lay.send_counts_WP.sum(0)
+            assert int(lay.pair_counts_WPe.sum()) == T * K
+        assert torch.equal(per_part["tokens"], once), (W, per_part["tokens"].tolist(), once.tolist())
+        assert bool((per_part["experts"] >= once).all())
+        if W == 1:
+            assert torch.equal(per_part["experts"], once)
