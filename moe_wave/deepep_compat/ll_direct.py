@@ -32,7 +32,8 @@ Combine (``_ZN8moe_wave7combineEv``), three steps:
 
 - weights: each token's top-k weights to every rank (flag ``wflag``);
 - partials: on the expert side, each received token's weighted sum over its slots here (fp32, top-k order) goes
-  to its source rank's ``part`` (flag ``pflag``); the weights travel (K floats a token), the expert rows do not
+  to its source rank's ``part`` (flag ``pflag``); the sources are taken in turn from this rank, each source's
+  weights awaited only when its first token comes up, so this rank's own sums start before a peer's weights land; the weights travel (K floats a token), the expert rows do not
   (one row per (token, rank) instead of one per (token, expert));
 - receive: each token's partials summed in rank order (fp32), stored in the output's dtype.
 
