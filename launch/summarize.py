@@ -31,19 +31,49 @@ def table(rows, cols, title):
 def moe_table(moe, name: str) -> None:
     if not moe:
         return
-    rows = [dict(r, vs_ideal=r["pipelined_us"] / max(r["comm_only_us"], r["compute_only_us"]),
+    rows = [dict(r, partition=r.get("partition", "experts"),
+                 vs_ideal=r["pipelined_us"] / max(r["comm_only_us"], r["compute_only_us"]),
                  speedup=r["serial_us"] / r["pipelined_us"])
             for r in moe["rows"] if r.get("pipelined_us")]
     key = [r for r in rows if r.get("tokens_per_rank") in (2048, 8192)
            and r.get("shared_placement") == "bubbles"]
     best = {}
     for r in key:
-        k = (r["shape"], r["tokens_per_rank"])
+        k = (r["shape"], r["tokens_per_rank"], r["partition"])
         if k not in best or r["pipelined_us"] < best[k]["pipelined_us"]:
             best[k] = r
-    table(list(best.values()), ["shape", "tokens_per_rank", "num_waves", "serial_us", "pipelined_us",
+    table(list(best.values()), ["shape", "tokens_per_rank", "partition", "num_waves", "serial_us", "pipelined_us",
                                 "comm_only_us", "compute_only_us", "vs_ideal", "speedup"],
-          f"{name}: best W per shape/tokens, shared in bubbles")
+          f"{name}: best W per shape/tokens/partition, shared in bubbles")
+    table(wave_ratios(rows), ["shape", "tokens_per_rank", "partition", "comm_W4_W1", "compute_W4_W1",
+                              "best_W", "best_vs_compute_W1", "serial_W1_vs_best"],
+          f"{name}: issue 15's ratios (W=4 against W=1; the best pipelined W against W=1's compute_only and serial)")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}"
+
+
+def wave_ratios(rows: list) -> list:
+    """Per (shape, tokens, partition) with a W=1 row: comm_only and compute_only at W=4 over W=1, the best W's
+    pipelined time over W=1's compute_only, and W=1's serial time over the best pipelined time."""
+    groups: dict = {}
+    for r in rows:
+        if r.get("shared_placement", "bubbles") == "bubbles":
+            groups.setdefault((r["shape"], r["tokens_per_rank"], r["partition"]), {})[r["num_waves"]] = r
+    out = []
+    for (shape, T, part), by_w in sorted(groups.items()):
+        one = by_w.get(1)
+        if one is None:
+            continue
+        four = by_w.get(4)
+        b = min(by_w.values(), key=lambda r: r["pipelined_us"])
+        out.append(dict(shape=shape, tokens_per_rank=T, partition=part,
+                        comm_W4_W1=ratio(four["comm_only_us"], one["comm_only_us"]) if four else "",
+                        compute_W4_W1=ratio(four["compute_only_us"], one["compute_only_us"]) if four else "",
+                        best_W=b["num_waves"], best_vs_compute_W1=ratio(b["pipelined_us"], one["compute_only_us"]),
+                        serial_W1_vs_best=ratio(one["serial_us"], b["pipelined_us"])))
+    return out
 
 
 def _comm_key_rows(comm) -> list:
