@@ -130,10 +130,16 @@ def capacity(args, moe: WaveMoE, tokens: int, waves: int, partition: str = "expe
     if args.capacity == "worst" or tokens == 0:
         return max(tokens, 128)
     x_TD, ids_TK, w_TK = random_inputs(moe, tokens, 1, seed=12345)[0]
+    return max(128, min(tokens, fullest_cell_capacity(moe, ids_TK, w_TK, waves, partition, args.capacity_margin)))
+
+
+def fullest_cell_capacity(moe: WaveMoE, ids_TK: torch.Tensor, w_TK: torch.Tensor, waves: int,
+                          partition: str = "experts", margin: float = 1.25) -> int:
+    """Rows of the fullest (wave, peer) cell of this routing, max over ranks, times ``margin``, plus one."""
     plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=waves,
                          partition=partition)
     fullest = slowest(moe.ep, [compute_layout(ids_TK, w_TK, plan).send_counts_WP.max().item()])[0]  # HOST SYNC: setup
-    return max(128, min(tokens, int(fullest * args.capacity_margin) + 1))
+    return int(fullest * margin) + 1
 
 
 def default_out(world_size: int) -> Path:

@@ -23,11 +23,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import fullest_cell_capacity  # noqa: E402
 from launch_common import report  # noqa: E402
 import moe_wave.experts as ex  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
-from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
 from moe_wave.comm.options import SymmOptions  # noqa: E402
 from moe_wave.probe import pre_receive, routed_only  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us, l2_flush_buffer  # noqa: E402
@@ -41,13 +41,6 @@ def kernels(prof) -> dict:
             out[e.key][0] += e.self_device_time_total
             out[e.key][1] += e.count
     return out
-
-
-def measured_capacity(moe: WaveMoE, ids: torch.Tensor, w: torch.Tensor, waves: int, margin: float = 1.25) -> int:
-    """Rows per wave block: the fullest wave of this routing on this one rank, times ``margin`` (at least 128)."""
-    plan = WavePlan.make(num_ranks=1, num_local_experts=moe.num_local, num_waves=waves)
-    fullest = int(compute_layout(ids, w, plan).send_counts_WP.max())      # HOST SYNC: setup
-    return max(128, int(fullest * margin) + 1)
 
 
 @torch.no_grad()
@@ -85,7 +78,7 @@ def main() -> int:
             x, ids, w = random_inputs(base, T, 1)[0]
             tables, times = {}, {}
             for W in waves:
-                cap = max(tokens) if args.capacity == "max" else measured_capacity(base, ids, w, W)
+                cap = max(tokens) if args.capacity == "max" else max(128, fullest_cell_capacity(base, ids, w, W))
                 moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W,
                                                   symm=base.wave.symm.replace(capacity=cap)))
                 got = pre_receive(moe.backend, x, ids, w, moe.plan)

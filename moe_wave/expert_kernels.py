@@ -29,13 +29,11 @@ compare them (on CPU under ``TRITON_INTERPRET=1``). The kernels run wherever Tri
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from moe_wave.comm.backend import rows_of
-from moe_wave.comm.triton_gate import tl, triton
+from moe_wave.comm.triton_gate import sm_count, tl, triton
 
 __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_torch", "swiglu_rows",
            "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch"]
@@ -147,19 +145,13 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
                          num_warps=8)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _rows_grid(J: int, device: torch.device) -> int:
     """Programs of a row kernel over the first n of J rows (n on the device): J up to ROW_PROGRAMS_PER_SM per SM.
     A grid of J programs, most of them exiting at once past n, cost ~25 us per launch at a capacity of 8192 rows x
     6 slots on an H200 (launch/profile_experts.py), per wave."""
     if device.type != "cuda":
         return max(1, min(J, 64))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(J, ROW_PROGRAMS_PER_SM * _sm_count(index)))
+    return max(1, min(J, ROW_PROGRAMS_PER_SM * sm_count(device)))
 
 
 def gather_rows(x_RD: torch.Tensor, src_J: torch.Tensor, n: torch.Tensor, local: tuple | None = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import torch
 
-from moe_wave.comm.triton_gate import interpreting, tl, triton
+from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 __all__ = ["CoreConfig", "default_config", "FALLBACKS", "sparse_attention_fused", "core_flops"]
 
@@ -96,16 +96,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-_SMS: dict = {}
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132                      # the interpreter: any fixed number keeps the choice shape-only
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
+    return sm_count(device)
 
 
 @lru_cache(maxsize=256)

@@ -272,8 +272,7 @@ if triton is not None:
 # Which scores kernel: "heads" puts a query's heads on the dot's M side (every row useful for any S); "queries" puts
 # 64 queries on M and loops over the heads (in decode 63 of its 64 rows are padding). On one H200
 # (launch/profile_attn.py, V4-Flash, 1024 entries, 64 heads): decode batch 64 13 us vs 136 us, prefill 4096 262 us vs
-# 132 us. So (None) "heads" below INDEX_QUERIES_MIN queries per row, "queries" from there on.
-INDEX_KERNEL = None
+# 132 us. So "heads" below INDEX_QUERIES_MIN queries per row, "queries" from there on.
 INDEX_QUERIES_MIN = 64
 
 
@@ -284,7 +283,7 @@ def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor
     Args:
         qI_BShe: indexer queries (RoPE applied); w_BSh: fp32 head weights (scales folded in);
         k_BNe: compressed indexer keys (only the first N slots are scored); pos_BS: positions.
-        kernel: "heads" or "queries" (default ``INDEX_KERNEL``, else chosen by S; see there).
+        kernel: "heads" or "queries" (default: chosen by S, see ``INDEX_QUERIES_MIN``).
     """
     B, S, Hh, E = qI_BShe.shape
     N = k_BNe.shape[1]
@@ -299,7 +298,7 @@ def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor
     args = (q, w, k, pos, out, S, N, Hh, int(ratio), q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
             k.stride(0), k.stride(1), out.stride(0), out.stride(1))
     ieee = q.dtype == torch.float32
-    kind = kernel or INDEX_KERNEL or ("heads" if S < INDEX_QUERIES_MIN else "queries")
+    kind = kernel or ("heads" if S < INDEX_QUERIES_MIN else "queries")
     if kind == "heads":
         BQ, BN = 16, 64
         _index_scores_heads_kernel[(triton.cdiv(S, BQ), triton.cdiv(N, BN), B)](

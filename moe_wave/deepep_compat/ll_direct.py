@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_wave.comm.symm_signal import SPINS_PER_MS, globaltimer
-from moe_wave.comm.triton_gate import interpreting, tl, triton
+from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .ll_kernels import fp8_scales
 from .triton_launch import Launcher, spec
@@ -485,16 +485,11 @@ if triton is not None:
         _stamp(times_ptr, 6, TIMES, False)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_programs(device: torch.device, work: int) -> int:
     """Programs of one launch: enough for the work, at most one per SM (all resident), 4 in the interpreter."""
     if device.type != "cuda" or interpreting():
         return max(1, min(work, 4))
-    return max(1, min(work, _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+    return max(1, min(work, sm_count(device)))
 
 
 def _pad(n: int) -> int:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_wave.comm.triton_gate import interpreting, tl, triton
+from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .triton_launch import Launcher
 
@@ -357,11 +357,8 @@ def _clock_limit(timeout_ms: int, device_type: str) -> tuple[bool, int]:
     return clock, (int(timeout_ms) * 1_000_000 if clock else max(1, int(timeout_ms) * SPINS_PER_MS))
 
 
-@functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1 << 20
+    return sm_count(device) if device.type == "cuda" else 1 << 20
 
 
 def _split(n_send: int, n_recv: int, sms: int) -> tuple[int, int]:
