@@ -3,7 +3,8 @@
     python launch/bench_attn.py [--quick] [--out PATH]        # one GPU; torchrun also works (rank 0 runs)
     python launch/bench_attn.py --core [--out PATH]           # the sparse core and the top-k alone (fast)
 
-Shapes: V4-Flash and V4-Pro attention (bf16, random weights of the real shapes, no HF). Per layer type
+Shapes: V4-Flash and V4-Pro attention (bf16, random weights of the real shapes, no HF), each with its projections
+in bf16 and in the checkpoints' FP8 format (``--precision``, ``V4Attention.quantize_fp8``). Per layer type
 (sliding, csa c4 + indexer, hca c128): prefill of 4096 tokens (eager) and decode at batch 1, 8, 64,
 128 against a cache holding 4096 tokens (CUDA graphs); prefill is timed twice, eager and replayed
 from a CUDA graph (as serving stacks capture fixed prefill sizes), since eager launches on a slow
@@ -15,7 +16,8 @@ iterations, CUDA events, after warm-up, fresh random inputs each iteration):
   layer_serial_us / layer_us   the whole attention layer (front-end + core + output projection)
   core_us / output_us          the sparse core alone / the output projection alone (on the front-end's result)
   core_tflops        the core's useful FLOPs (4 * H * d per valid pick: QK and PV) per second, against
-                     gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio)
+                     gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio);
+                     fp8_gemm_tflops: the same GEMM in the FP8 format (block scales), the projections' yardstick
 ``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes; on CSA each
 tiling of ``core_kernel.FALLBACKS`` and ``EXTRA_TILINGS`` in prefill and key / value splits in decode) and the
 indexer's top-k (``topk.topk_select`` against
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -43,7 +46,6 @@ from launch_common import git_sha, out_path  # noqa: E402
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.core import sparse_attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, default_config  # noqa: E402
-from moe_wave.attention.kernels import index_scores  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -64,7 +66,7 @@ EXTRA_TILINGS = (CoreConfig(num_stages=3), CoreConfig(block_n=32, num_stages=3),
                  CoreConfig(block_dk=256, num_warps=16), CoreConfig(block_n=128, num_warps=16, num_stages=1))
 
 
-def make_attn(shape: str, kind: str, dev) -> V4Attention:
+def make_attn(shape: str, kind: str, dev, precision: str = "bf16") -> V4Attention:
     s = SHAPES[shape]
     lt, ratio = TYPES[kind]
     rope = (RopeConfig(dim=64, theta=10000.0) if ratio == 0 else
@@ -78,6 +80,8 @@ def make_attn(shape: str, kind: str, dev) -> V4Attention:
         for name, p in attn.named_parameters():
             if name.endswith(("sinks", "ape")):
                 p.normal_(0, 0.5)
+    if precision == "fp8":
+        attn.quantize_fp8()
     return attn.eval()
 
 
@@ -121,6 +125,16 @@ def gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
     us = time_alone(lambda: torch.mm(a, b, out=c), iters)
+    return 2 * n ** 3 / us / 1e6
+
+
+def fp8_gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
+    """The same product in the FP8 format (1 x 128 by 128 x 128 block scales, ``fp8.fp8_matmul``), its inputs
+    quantised beforehand: the yardstick of the FP8 projections."""
+    from moe_wave.fp8 import act_quant, fp8_matmul, weight_quant
+    a_q, a_s = act_quant(torch.randn(n, n, device=dev, dtype=torch.bfloat16))
+    b_q, b_s = weight_quant(torch.randn(n, n, device=dev))
+    us = time_alone(lambda: fp8_matmul(a_q, a_s, b_q, b_s), iters)
     return 2 * n ** 3 / us / 1e6
 
 
@@ -176,8 +190,8 @@ def branches(attn: V4Attention):
 
 @torch.no_grad()
 def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev, graph: bool,
-            debug: bool = False) -> dict:
-    attn = make_attn(shape, kind, dev)
+            debug: bool = False, precision: str = "bf16") -> dict:
+    attn = make_attn(shape, kind, dev, precision)
     D = attn.cfg.hidden
     S = CTX if mode == "prefill" else 1
     start = 0 if mode == "prefill" else CTX
@@ -217,7 +231,7 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
         for name, fn in fns.items():
             res[name] = time_eager(fn, lambda i: (pool[i % len(pool)], pos, cache), iters, warmup)
     crit = max(v for k, v in res.items() if k.startswith("branch_"))
-    row = dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S, context=CTX,
+    row = dict(shape=shape, layer_type=kind, precision=precision, mode=mode, batch=batch, tokens=batch * S, context=CTX,
                cuda_graph=graph, serial_us=round(res["serial"], 2),
                overlapped_us=round(res["overlapped"], 2), critical_path_us=round(crit, 2),
                layer_serial_us=round(res["layer_serial"], 2), layer_us=round(res["layer"], 2),
@@ -318,7 +332,7 @@ def print_core(res: dict, gemm: float) -> None:
     print(f"{'shape':9} {'type':7} {'mode':7} {'tok':>5} {'core_us':>9} {'GFLOP':>7} {'TFLOP/s':>8} {'%gemm':>6} "
           f"{'output_us':>9}  tiling")
     for r in res["core"]:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {r['tokens']:>5} {r['core_us']:>9.1f} {r['gflop']:>7.1f} "
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['mode']:7} {r['tokens']:>5} {r['core_us']:>9.1f} {r['gflop']:>7.1f} "
               f"{r['tflops']:>8.1f} {100 * r['vs_gemm']:>5.0f}% {r['output_us']:>9.1f}  {r['config']}")
     for t in res["tilings"]:
         print(f"  {t['shape']} csa {t['mode']}, {t['config']}: {t['core_us']:.1f} us, {t['tflops']:.1f} TFLOP/s")
@@ -367,6 +381,8 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="comma list of decode batches ('' for none; default: 1,64 with "
                     "--quick, else 1,8,64,128)")
     ap.add_argument("--no-eager", action="store_true", help="leave out the eager prefill point")
+    ap.add_argument("--precision", default="bf16,fp8", help="comma list: bf16 (the projections in bf16), fp8 (in "
+                    "the checkpoints' FP8 format, V4Attention.quantize_fp8); default both")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attn: needs a CUDA/ROCm GPU")
@@ -376,7 +392,13 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     gemm = gemm_tflops(dev)
-    print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s", flush=True)
+    precisions = [p for p in args.precision.split(",") if p]
+    for p in precisions:
+        if p not in ("bf16", "fp8"):
+            sys.exit(f"bench_attn: --precision {p!r}: must be bf16 or fp8")
+    gemm8 = fp8_gemm_tflops(dev) if "fp8" in precisions and not args.core else None
+    print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s" + (f"; FP8 (block scales): {gemm8:.0f}" if gemm8 else ""),
+          flush=True)
     if args.core:
         res = core_bench(dev, args.iters or 20, gemm)
         out = args.out or out_path("attn_core.json", os.path.join("results", f"{datetime.date.today()}-attn-core-1gpu.json"))
@@ -392,13 +414,13 @@ def main() -> None:
     iters = args.iters or (10 if args.quick else 30)
     rows = []
     for shape in shapes:
-        for kind in TYPES:
+        for kind, precision in itertools.product(TYPES, precisions):
             points = ([] if args.no_eager else [("prefill", 1, False)]) + [("prefill", 1, True)] + [
                 ("decode", b, True) for b in batches]
             for mode, b, graph in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph,
-                              debug=args.debug)
+                              debug=args.debug, precision=precision)
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -406,13 +428,13 @@ def main() -> None:
     out = args.out or out_path("attn.json", os.path.join("results", f"{datetime.date.today()}-attn-1gpu.json"))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1)},
-                   "rows": rows}, f, indent=1)
-    hdr = (f"{'shape':9} {'type':7} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} "
+        json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
+                            "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
+    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} "
            f"{'layer_ser':>10} {'layer':>9} {'core':>9} {'output':>8} {'TFLOP/s':>8} {'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
               f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['output_us']:>8.1f} {r['core_tflops']:>8.1f} "
               f"{100 * r['core_vs_gemm']:>5.0f}%")

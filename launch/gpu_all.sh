@@ -96,12 +96,17 @@ for s in "${STAGES[@]}"; do
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  # the attention kernels on CUDA (each against its torch twin; the core and top-k at the V4 shapes),
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
+               # (ATTN_ARGS: bench_attn's options, default $QUICK; ATTN_CORE=0 / ATTN_PROFILE=0 leave those out)
                stage attn_tests ${T_ATTNTEST:-240} "$PY" -m pytest -q -p no:cacheprovider tests/test_attn_kernels.py \
-                   tests/test_gpu_attention.py
-               stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
-               sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
-               stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py $QUICK --out "$RES/attn.json"
-               stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa ;;
+                   tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py
+               if [ "${ATTN_CORE:-1}" != 0 ]; then
+                   stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
+                   sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
+               fi
+               stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py ${ATTN_ARGS:-$QUICK} --out "$RES/attn.json"
+               if [ "${ATTN_PROFILE:-1}" != 0 ]; then
+                   stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa
+               fi ;;
         demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
                stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \

@@ -21,10 +21,15 @@ in fp32 (``fp8_matmul_ref``), which is also the tests' oracle.
 
 from __future__ import annotations
 
-import torch
+import warnings
 
-__all__ = ["BLOCK", "FP8_MAX", "pow2_ceil", "act_quant_torch", "weight_quant", "dequant_weight", "dequant_act",
-           "fp8_matmul_ref"]
+import torch
+from torch import nn
+
+from .comm.triton_gate import tl, triton, triton_ok
+
+__all__ = ["BLOCK", "FP8_MAX", "pow2_ceil", "act_quant", "act_quant_torch", "weight_quant", "dequant_weight",
+           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "FP8Linear", "GroupedFP8"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -82,3 +87,185 @@ def fp8_matmul_ref(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_
                    out_dtype: torch.dtype) -> torch.Tensor:
     """x @ w^T from the quantised pairs, dequantised and multiplied in fp32, rounded once to ``out_dtype``."""
     return (dequant_act(x_q, s_KbM) @ dequant_weight(w_q, s_w).t()).to(out_dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, s_xm, s_xg, NPG: tl.constexpr, BM: tl.constexpr):
+        # Program (row block, 128-channel block j): j's group g = j // NPG holds NPG blocks; the input row m of
+        # group g starts at x + g*s_xg + m*s_xm (a flat [M, K] row: s_xg = NPG*128; a group-major [G, M, Kg]
+        # stack: s_xg = M*Kg). Output: q [M, K] row-major, s [K/128, M].
+        m = tl.program_id(0) * BM + tl.arange(0, BM)
+        j = tl.program_id(1)
+        g = j // NPG
+        c = tl.arange(0, 128)
+        rmask = m < M
+        K = tl.num_programs(1) * 128
+        x = tl.load(x_ptr + g.to(tl.int64) * s_xg + m.to(tl.int64)[:, None] * s_xm + (j % NPG) * 128 + c[None, :],
+                    mask=rmask[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+        bits = (amax / 448.0).to(tl.int32, bitcast=True)
+        s = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        q = (x * (1.0 / s)[:, None]).to(tl.float8e4nv)
+        tl.store(q_ptr + m.to(tl.int64)[:, None] * K + j * 128 + c[None, :], q, mask=rmask[:, None])
+        tl.store(s_ptr + j.to(tl.int64) * M + m, s, mask=rmask)
+
+
+def act_quant(x: torch.Tensor, groups: int = 1, kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations in the FP8 format: (x_q [M, K] e4m3, s [K/128, M] fp32), see the module docstring.
+
+    Args:
+        x: [M, K] with unit channel stride (any row stride), or, with ``groups`` G > 1, a group-major stack
+            [G, M, Kg] quantised as the [M, G*Kg] matrix whose row m is the G rows m side by side (a grouped
+            projection's outputs, read without a copy).
+        kernels: the Triton kernel on a GPU (None or True; False: the torch ops). On CPU always
+            ``act_quant_torch``: Triton's interpreter does not round to float8 correctly. Both give the same bits.
+    """
+    if groups > 1:
+        if x.dim() != 3 or x.shape[0] != groups:
+            raise ValueError(f"act_quant: x {tuple(x.shape)} must be [G={groups}, M, Kg] with groups={groups}")
+        G, M, Kg = x.shape
+    else:
+        if x.dim() != 2:
+            raise ValueError(f"act_quant: x {tuple(x.shape)} must be [M, K]")
+        (M, Kg), G = x.shape, 1
+    if Kg % BLOCK:
+        raise ValueError(f"act_quant: channels per group {Kg} must be a multiple of {BLOCK}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    K = G * Kg
+    if not (x.is_cuda and triton_ok(x.device, want=kernels) and M):
+        flat = x if G == 1 else x.permute(1, 0, 2).reshape(M, K)
+        return act_quant_torch(flat)
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    s = torch.empty(K // BLOCK, M, dtype=torch.float32, device=x.device)
+    s_xm = x.stride(-2)
+    s_xg = x.stride(0) if G > 1 else Kg
+    bm = 16
+    _act_quant_kernel[(triton.cdiv(M, bm), K // BLOCK)](x, q, s, M, s_xm, s_xg, NPG=Kg // BLOCK, BM=bm, num_warps=4)
+    return q, s
+
+
+# ------------------------------------------------------------------------------------------- the GEMM
+_SCALED_MM_OK: dict = {}     # device -> False once torch._scaled_mm refused the 1x128 x 128x128 recipe
+
+
+def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype):
+    M = x_q.shape[0]
+    Mp = -(-M // 4) * 4                        # cuBLASLt's 1x128 scales want M a multiple of 4
+    if Mp != M:
+        x_q = torch.cat([x_q, x_q.new_zeros(Mp - M, x_q.shape[1])])
+        s_KbM = torch.cat([s_KbM, s_KbM.new_ones(s_KbM.shape[0], Mp - M)], dim=1)
+    y = torch._scaled_mm(x_q, w_q.t(), scale_a=s_KbM.t(), scale_b=s_w.t(), out_dtype=out_dtype)
+    return y[:M] if Mp != M else y
+
+
+def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y [M, N] = x @ w^T from ``act_quant``'s and ``weight_quant``'s pairs.
+
+    On CUDA: ``torch._scaled_mm`` (1 x 128 by 128 x 128 scaling). x_q may be a column slice of a wider matrix
+    (unit channel stride, row stride >= K; its scales the matching rows of s). Where torch refuses that recipe
+    (no cuBLAS >= 12.9, a GPU before Hopper) the device falls back, with one warning, to ``fp8_matmul_ref``.
+    """
+    M, K = x_q.shape
+    N = w_q.shape[0]
+    if w_q.shape[1] != K or tuple(s_KbM.shape) != (K // BLOCK, M) or s_w.shape[1] < -(-K // BLOCK) \
+            or s_w.shape[0] != -(-N // BLOCK):
+        raise ValueError(f"fp8_matmul: x_q {tuple(x_q.shape)}, s {tuple(s_KbM.shape)}, w_q {tuple(w_q.shape)}, "
+                         f"s_w {tuple(s_w.shape)}: need s [K/128, M], w_q [N, K], s_w [ceil(N/128), ceil(K/128)]")
+    dev = x_q.device
+    if dev.type == "cuda" and _SCALED_MM_OK.get(dev, True):
+        try:
+            return _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype)
+        except (RuntimeError, NotImplementedError) as e:
+            _SCALED_MM_OK[dev] = False
+            warnings.warn(f"fp8_matmul: torch._scaled_mm refused 1x128 x 128x128 block scaling on {dev} ({e}); "
+                          "running the dequantised fp32 product instead (slow)", RuntimeWarning, stacklevel=2)
+    return fp8_matmul_ref(x_q, s_KbM, w_q, s_w, out_dtype)
+
+
+def _keep_dtype(fn):
+    """``module.to(dtype)`` casts every floating buffer, float8 included: moves keep the FP8 payload and its
+    fp32 scales in their dtypes (the round trip through a wider float is exact)."""
+    def apply(t):
+        out = fn(t)
+        return out.to(t.dtype) if out.dtype != t.dtype else out
+    return apply
+
+
+class FP8Linear(nn.Module):
+    """``nn.Linear`` without bias, its weight in the FP8 format: ``y = x @ W^T``, x quantised per call.
+
+    ``FP8Linear.from_linear(lin)`` quantises a trained (bf16) weight as the checkpoints store it;
+    ``forward_q`` takes activations already quantised (e.g. by the sparse core's epilogue)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        nb, kb = -(-out_features // BLOCK), -(-in_features // BLOCK)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale", torch.ones(nb, kb, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> "FP8Linear":
+        if lin.bias is not None:
+            raise ValueError("FP8Linear.from_linear: a bias is not supported (the V4 projections have none)")
+        mod = cls(lin.in_features, lin.out_features, device=lin.weight.device)
+        q, s = weight_quant(lin.weight.detach())
+        mod.weight.copy_(q)
+        mod.weight_scale.copy_(s)
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x_q, s = act_quant(x.reshape(-1, self.in_features))
+        return self.forward_q(x_q, s, x.dtype).view(*lead, self.out_features)
+
+    def forward_q(self, x_q: torch.Tensor, s_KbM: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return fp8_matmul(x_q, s_KbM, self.weight, self.weight_scale, out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 128x128 blocks"
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(_keep_dtype(fn), recurse)
+
+
+class GroupedFP8(nn.Module):
+    """A grouped projection (V4's ``wo_a``: z[:, g] = x[:, g] @ W_g^T, W [G*R, Kg]) in the FP8 format.
+
+    Each group's rows are whole 128-row weight blocks (R % 128 == 0), so group g's weight and scales are row
+    slices of one quantised matrix; its input is the column slice g of the quantised [M, G*Kg] activations."""
+
+    def __init__(self, weight_GRK: torch.Tensor, groups: int):
+        super().__init__()
+        GR, Kg = weight_GRK.shape
+        if GR % groups or (GR // groups) % BLOCK or Kg % BLOCK:
+            raise ValueError(f"GroupedFP8: weight {tuple(weight_GRK.shape)} with groups={groups}: rows per group "
+                             f"and Kg must be multiples of {BLOCK}")
+        self.groups, self.rank, self.in_per_group = groups, GR // groups, Kg
+        q, s = weight_quant(weight_GRK.detach())
+        self.register_buffer("weight", q)
+        self.register_buffer("weight_scale", s)
+
+    def forward_q(self, x_q: torch.Tensor, s_KbM: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """[G, M, R] (group-major: ``act_quant(z, groups=G)`` reads it as the [M, G*R] input of the next
+        projection without a copy)."""
+        G, R, Kg = self.groups, self.rank, self.in_per_group
+        nb, kb = R // BLOCK, Kg // BLOCK
+        M = x_q.shape[0]
+        out = torch.empty(G, M, R, dtype=out_dtype, device=x_q.device)
+        for g in range(G):
+            out[g] = fp8_matmul(x_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb],
+                                self.weight[g * R:(g + 1) * R], self.weight_scale[g * nb:(g + 1) * nb], out_dtype)
+        return out
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(_keep_dtype(fn), recurse)
+
+    def forward(self, x_MGK: torch.Tensor) -> torch.Tensor:
+        M = x_MGK.shape[0]
+        x_q, s = act_quant(x_MGK.reshape(M, -1))
+        return self.forward_q(x_q, s, x_MGK.dtype)

@@ -75,7 +75,7 @@ class V4DecoderLayer(nn.Module):
             ep.check_same("V4DecoderLayer.capture_graphs (buckets, modes)", (tuple(buckets), tuple(modes)))
         graphs = BucketGraphs(buckets, self.attn_norm.device)
         N, D = self.attn_hc.cfg.mult, self.attn_hc.cfg.hidden
-        dev, dt = self.attn_norm.device, self.attn.q_a_proj.weight.dtype
+        dev, dt = self.attn_norm.device, self.attn.kv_norm.dtype
         for b in graphs.buckets:
             static = {"X": torch.zeros(1, b, N, D, device=dev, dtype=dt),
                       "positions": torch.arange(b, device=dev)[None],

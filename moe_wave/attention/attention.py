@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import require_hf
+from ..fp8 import FP8Linear, GroupedFP8, act_quant
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
@@ -106,7 +107,29 @@ class V4Attention(nn.Module):
             hidden=D, q_lora_rank=L, heads=cfg.index_heads, dim=cfg.index_dim, topk=cfg.index_topk,
             ratio=cfg.ratio, eps=cfg.eps))
         self.register_buffer("freq_F", inv_freq(cfg.rope), persistent=False)
+        self.o_a_fp8: GroupedFP8 | None = None     # set by quantize_fp8 (which drops o_a_weight)
         nn.init.normal_(self.o_a_weight, std=0.02)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the projections are in the FP8 format (``quantize_fp8``)."""
+        return self.o_a_fp8 is not None
+
+    def quantize_fp8(self) -> "V4Attention":
+        """Store the projections as the released checkpoints do (spec section 5): wq_a, wq_b, wkv, wo_a
+        (grouped), wo_b and the indexer's wq_b in float8 e4m3 with one power-of-two scale per 128 x 128 block;
+        their inputs are quantised per (token, 128 channels) on the fly (``moe_wave.fp8``). On a Hopper GPU the
+        products are FP8 tensor-core GEMMs (``torch._scaled_mm``), on CPU the same math dequantised. The bf16
+        weights are dropped (like loading an FP8 checkpoint). Returns self."""
+        if self.fp8:
+            return self
+        for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
+            setattr(self, name, FP8Linear.from_linear(getattr(self, name)))
+        self.o_a_fp8 = GroupedFP8(self.o_a_weight.detach(), self.cfg.o_groups)
+        self.o_a_weight = None
+        if self.indexer is not None:
+            self.indexer.q_b_proj = FP8Linear.from_linear(self.indexer.q_b_proj)
+        return self
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -133,7 +156,7 @@ class V4Attention(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> AttnCache:
         """Empty cache for ``batch`` rows of up to ``max_len`` tokens (default: this module's device/dtype)."""
-        w = self.q_a_proj.weight
+        w = self.kv_norm                            # the model dtype (the projections may be FP8)
         return AttnCache(batch=batch, max_len=max_len, window=self.cfg.window, head_dim=self.cfg.head_dim,
                          comp_cfg=None if self.compressor is None else self.compressor.cfg,
                          index_cfg=None if self.indexer is None else self.indexer.compressor.cfg,
@@ -201,8 +224,18 @@ class V4Attention(nn.Module):
         G, Ro = self.cfg.o_groups, self.cfg.o_lora_rank
         o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True, inplace=True,
                       kernels=self.schedule.kernels).reshape(B, S, G, -1)
+        if self.fp8:
+            o_q, s = act_quant(o.reshape(B * S, -1))
+            return self.output_q(o_q, s, B, S, o.dtype)
         z_BSGR = torch.einsum("bsgk,grk->bsgr", o, self.o_a_weight.view(G, Ro, -1))
         return self.o_b_proj(z_BSGR.flatten(2))
+
+    def output_q(self, o_q: torch.Tensor, s_KbM: torch.Tensor, B: int, S: int, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 output projections from the core's output already quantised (``act_quant`` format, the
+        inverse RoPE applied): grouped wo_a, then wo_b on the group-major z read in place. [B, S, D]"""
+        z_GMR = self.o_a_fp8.forward_q(o_q, s_KbM, dtype)
+        z_q, z_s = act_quant(z_GMR, groups=self.cfg.o_groups)
+        return self.o_b_proj.forward_q(z_q, z_s, dtype).view(B, S, -1)
 
     # ---------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttnCache | None = None, *,

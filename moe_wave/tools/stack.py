@@ -202,7 +202,7 @@ def stack_inputs(layers: nn.ModuleList, tokens: int, seed: int, device=None, dty
     """Random (X [1, S, N, D], positions [1, S], input_ids [1, S]) for ``tokens`` = S, from ``seed``."""
     first = layers[0]
     N, D = first.attn_hc.cfg.mult, first.attn_hc.cfg.hidden
-    w = first.attn.q_a_proj.weight
+    w = first.attn.kv_norm
     device, dtype = device or w.device, dtype or w.dtype
     g = _gen(device, seed)
     X = torch.randn(1, tokens, N, D, generator=g, device=device).to(dtype)

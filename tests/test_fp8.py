@@ -1,0 +1,294 @@
+"""The FP8 format of the V4 checkpoints (``moe_wave.fp8``) and the attention layer with FP8 projections.
+
+CPU: the format's bookkeeping (scales land on their blocks, powers of two, exact recovery of representable
+tensors), the Triton activation kernel against its torch twin (under the interpreter), the layer's FP8 path
+against the bf16 layer. On a GPU (``gpu`` tests): ``torch._scaled_mm``'s 1 x 128 by 128 x 128 product against
+the dequantised fp32 product, the kernel bit for bit, and the FP8 layer captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from moe_wave import attention as A
+from moe_wave import fp8 as F
+from moe_wave.attention.rope import RopeConfig
+from moe_wave.comm.triton_gate import triton_ok
+
+KERNEL_DEV = "cuda"
+# the activation kernel runs on a GPU only: Triton's CPU interpreter does not round to float8 correctly
+def needs_gpu(fn):
+    fn = pytest.mark.skipif(not (torch.cuda.is_available() and triton_ok("cuda")), reason="needs a CUDA GPU")(fn)
+    return pytest.mark.gpu(fn)
+
+
+def representable(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight whose every 128 x 128 block is e4m3 values times a power of two, each block's amax exactly
+    448 * its scale (so ``weight_quant`` must give these scales and recover it exactly), and those scales."""
+    g = torch.Generator().manual_seed(seed)
+    nb, kb = -(-N // 128), -(-K // 128)
+    scales = torch.exp2(torch.randint(-12, 2, (nb, kb), generator=g).float())
+    q = (torch.randn(N, K, generator=g) * 100).clamp(-440, 440).to(F.FP8).float()
+    for i in range(nb):
+        for j in range(kb):
+            q[i * 128, j * 128] = 448.0                   # the block's amax
+    return q * scales.repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K], scales
+
+
+def test_pow2_ceil_is_exact():
+    x = torch.tensor([1.0, 1.5, 0.75, 2.0, 3.0e-38, 448.0 / 448.0, 1.0000001, 0.4999999])
+    got = F.pow2_ceil(x)
+    want = torch.exp2(torch.ceil(torch.log2(x.double()))).float()
+    assert torch.equal(got, want)
+    assert torch.equal(torch.log2(got), torch.round(torch.log2(got)))
+
+
+@pytest.mark.parametrize("N,K", [(256, 384), (300, 200), (128, 128)])
+def test_weight_quant_recovers_representable_weights(N, K):
+    w, scales = representable(N, K)
+    q, s = F.weight_quant(w)
+    assert q.dtype == F.FP8 and q.shape == (N, K) and s.shape == scales.shape
+    assert torch.equal(s, scales)
+    assert torch.equal(F.dequant_weight(q, s), w)
+
+
+def test_weight_quant_error_is_bounded():
+    w = torch.randn(384, 256) * torch.logspace(-2, 1, 256)     # channels of very different size
+    q, s = F.weight_quant(w)
+    err = (F.dequant_weight(q, s) - w).abs()
+    # e4m3: 3 mantissa bits, so a normal value is off by at most 2^-4 of itself; small ones by half a subnormal
+    # step of their block (2^-10 of the block scale)
+    bound = torch.maximum(w.abs() * 2 ** -4, s.repeat_interleave(128, 0).repeat_interleave(128, 1) * 2 ** -10)
+    assert (err <= bound * (1 + 1e-6)).all()
+
+
+def test_act_quant_torch_layout_and_scales():
+    x = torch.randn(5, 384) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(128)
+    q, s = F.act_quant_torch(x)
+    assert q.shape == (5, 384) and s.shape == (3, 5) and s.is_contiguous()
+    for j in range(3):
+        amax = x[:, j * 128:(j + 1) * 128].abs().amax(1)
+        assert torch.equal(s[j], F.pow2_ceil(amax / 448))
+    assert (F.dequant_act(q, s) - x).abs().le(x.abs() * 2 ** -4 + s.t().repeat_interleave(128, 1) * 2 ** -10).all()
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "the kernel must round like torch"
+
+
+@pytest.mark.parametrize("M", [1, 37, 64])
+def test_act_quant_on_cpu_is_the_torch_twin(M):
+    x = torch.randn(M, 256, dtype=torch.bfloat16)
+    q, s = F.act_quant(x, kernels=True)
+    q_ref, s_ref = F.act_quant_torch(x)
+    assert torch.equal(s, s_ref)
+    _same(q, q_ref)
+
+
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 37, 64])
+def test_act_quant_kernel_matches_torch(M):
+    torch.manual_seed(M)
+    x = (torch.randn(M, 512) * torch.logspace(-3, 2, 512)).to(torch.bfloat16).to(KERNEL_DEV)
+    q, s = F.act_quant(x, kernels=True)
+    q_ref, s_ref = F.act_quant_torch(x)
+    assert torch.equal(s, s_ref)
+    _same(q, q_ref)
+
+
+@needs_gpu
+def test_act_quant_kernel_reads_groups_and_row_strides():
+    torch.manual_seed(1)
+    z = torch.randn(3, 21, 256, dtype=torch.bfloat16, device=KERNEL_DEV)       # group-major [G, M, Kg]
+    q, s = F.act_quant(z, groups=3, kernels=True)
+    flat = z.permute(1, 0, 2).reshape(21, 768)
+    q_ref, s_ref = F.act_quant_torch(flat)
+    assert torch.equal(s, s_ref)
+    _same(q, q_ref)
+    wide = torch.randn(21, 1024, dtype=torch.bfloat16, device=KERNEL_DEV)
+    q2, s2 = F.act_quant(wide[:, 256:768], kernels=True)                       # a column slice: row stride 1024
+    q2_ref, s2_ref = F.act_quant_torch(wide[:, 256:768].contiguous())
+    assert torch.equal(s2, s2_ref)
+    _same(q2, q2_ref)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="K=200 must be a multiple of 128"):
+        F.act_quant_torch(torch.randn(3, 200))
+    with pytest.raises(ValueError, match=r"x \(2, 3, 128\) must be \[G=4, M, Kg\]"):
+        F.act_quant(torch.randn(2, 3, 128), groups=4)
+    q, s = F.act_quant_torch(torch.randn(4, 256))
+    w, ws = F.weight_quant(torch.randn(128, 384))
+    with pytest.raises(ValueError, match="fp8_matmul: x_q"):
+        F.fp8_matmul(q, s, w, ws)
+    with pytest.raises(ValueError, match="rows per group and Kg must be multiples of 128"):
+        F.GroupedFP8(torch.randn(200, 256), groups=2)
+    with pytest.raises(ValueError, match="bias is not supported"):
+        F.FP8Linear.from_linear(torch.nn.Linear(128, 64, bias=True))
+
+
+def test_fp8_linear_exact_on_representable_inputs():
+    """Representable weights and activations (each 128-block amax = 448 * a power of two): the product of the
+    format equals the fp64 product of the originals, so every scale sat on its block."""
+    w, _ = representable(256, 384, seed=1)
+    x, _ = representable(8, 384, seed=2)
+    lin = torch.nn.Linear(384, 256, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    f = F.FP8Linear.from_linear(lin)
+    got = f(x)
+    want = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_grouped_fp8_equals_per_group_linears():
+    torch.manual_seed(3)
+    G, R, Kg, M = 2, 128, 256, 9
+    w = torch.randn(G * R, Kg) * 0.05
+    x = torch.randn(M, G, Kg)
+    mod = F.GroupedFP8(w, G)
+    got = mod(x)                                                   # [G, M, R]
+    for g in range(G):
+        lin = torch.nn.Linear(Kg, R, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(w[g * R:(g + 1) * R])
+        torch.testing.assert_close(got[g], F.FP8Linear.from_linear(lin)(x[:, g]), rtol=0, atol=0)
+
+
+def test_module_to_keeps_fp8():
+    f = F.FP8Linear.from_linear(torch.nn.Linear(256, 128, bias=False))
+    w, s = f.weight.clone(), f.weight_scale.clone()
+    f.to(torch.bfloat16)
+    assert f.weight.dtype == F.FP8 and f.weight_scale.dtype == torch.float32
+    assert torch.equal(f.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(f.weight_scale, s)
+
+
+TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+
+
+def make_attn(layer_type: str, kernels: str = "off") -> A.V4Attention:
+    """Dims that are multiples of 128 where the format needs them (every projection's input)."""
+    torch.manual_seed(0)
+    csa = layer_type == "compressed_sparse_attention"
+    cfg = A.AttnConfig(layer_type=layer_type, hidden=256, heads=4, head_dim=128, q_lora_rank=128, o_groups=2,
+                       o_lora_rank=128, window=8, rope=RopeConfig(dim=64, theta=10000.0), ratio=TYPES[layer_type],
+                       index_heads=4 if csa else 0, index_dim=128 if csa else 0, index_topk=3 if csa else 0)
+    attn = A.V4Attention(cfg, A.ScheduleConfig(kernels=kernels))
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name.endswith(("sinks", "ape")):
+                p.normal_(0, 0.5)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.05)
+    return attn.eval()
+
+
+@pytest.mark.parametrize("layer_type", list(TYPES))
+def test_attention_fp8_close_to_bf16_layer(layer_type):
+    attn = make_attn(layer_type)
+    x = torch.randn(2, 20, 256)
+    pos = torch.arange(20)[None].expand(2, -1)
+    with torch.no_grad():
+        ref = attn(x, positions=pos)
+        q8 = copy.deepcopy(attn).quantize_fp8()
+        got = q8(x, positions=pos)
+    assert q8.fp8 and q8.o_a_weight is None and q8.q_b_proj.weight.dtype == F.FP8
+    if q8.indexer is not None:
+        assert isinstance(q8.indexer.q_b_proj, F.FP8Linear)
+    # five quantised products in a row (wq_a, wq_b, wkv, wo_a, wo_b), each ~3.5 % off in norm
+    assert ((got - ref).norm() / ref.norm()).item() < 0.15
+    # and not a no-op: the FP8 layer differs from the bf16 one
+    assert not torch.allclose(got, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_attention_fp8_decode_continues_prefill():
+    """The cache path with FP8 projections: prefill then decode == one pass (same quantised weights; the
+    activations of a row are quantised per row, so splitting the sequence changes nothing)."""
+    attn = make_attn("compressed_sparse_attention").quantize_fp8()
+    x = torch.randn(2, 13, 256)
+    pos = torch.arange(13)[None].expand(2, -1)
+    with torch.no_grad():
+        full = attn(x, positions=pos)
+        cache = attn.new_cache(2, 16)
+        first = attn(x[:, :12], positions=pos[:, :12], cache=cache)
+        last = attn(x[:, 12:], positions=pos[:, 12:], cache=cache)
+    torch.testing.assert_close(torch.cat([first, last], 1), full, rtol=1e-5, atol=1e-5)
+    assert cache.win_BWd.dtype == torch.float32             # the cache keeps the model dtype
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 3, 64, 1000])
+@pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 8192), (448, 512)])
+def test_gpu_scaled_mm_matches_dequantised_product(M, N, K):
+    torch.manual_seed(M + N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda") * 0.02
+    x_q, s = F.act_quant(x)
+    w_q, ws = F.weight_quant(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # a fallback to the fp32 product fails the test
+        got = F.fp8_matmul(x_q, s, w_q, ws)
+    want = F.fp8_matmul_ref(x_q, s, w_q, ws, torch.float32)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@needs_gpu
+def test_gpu_scaled_mm_on_column_slices():
+    """The grouped wo_a reads column slices of one quantised matrix (row stride > K)."""
+    torch.manual_seed(5)
+    x = torch.randn(70, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 512, device="cuda") * 0.02
+    x_q, s = F.act_quant(x)
+    w_q, ws = F.weight_quant(w)
+    got = F.fp8_matmul(x_q[:, 512:], s[4:], w_q, ws)
+    want = F.fp8_matmul_ref(x_q[:, 512:].contiguous(), s[4:].contiguous(), w_q, ws, torch.float32)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@needs_gpu
+@pytest.mark.parametrize("layer_type", list(TYPES))
+def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type):
+    """The FP8 layer on the GPU in bf16 (Triton quantisation, cuBLAS FP8 GEMMs, the fused kernels) against the
+    same layer on CPU in fp32 (torch quantisation, dequantised products); then decode steps replayed from a
+    CUDA graph against eager decode."""
+    cpu = make_attn(layer_type).quantize_fp8()
+    attn = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
+    attn.schedule = A.ScheduleConfig(kernels="auto")
+    B, T, prefill = 2, 48, 40
+    x = torch.randn(B, T, 256)
+    pos = torch.arange(T)[None].expand(B, -1).contiguous()
+    xd, pd = x.cuda().bfloat16(), pos.cuda()
+    with torch.no_grad():
+        want = cpu(x[:, :prefill], positions=pos[:, :prefill])
+        got = attn(xd[:, :prefill], positions=pd[:, :prefill])
+        assert got.dtype == torch.bfloat16 and attn.q_b_proj.weight.dtype == F.FP8
+        assert ((got.float().cpu() - want).norm() / want.norm()).item() < 0.05
+        cache = attn.new_cache(B, T)
+        attn(xd[:, :prefill], positions=pd[:, :prefill], cache=cache)
+        cache.join()
+        eager_cache = copy.deepcopy(cache)
+        static_x, static_pos = xd[:, prefill:prefill + 1].clone(), pd[:, prefill:prefill + 1].clone()
+        warm = copy.deepcopy(cache)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                attn(static_x, positions=static_pos, cache=warm, validate=False)
+            warm.join()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = attn(static_x, positions=static_pos, cache=cache)
+        for t in range(prefill, T):
+            static_x.copy_(xd[:, t:t + 1])
+            static_pos.copy_(pd[:, t:t + 1])
+            graph.replay()
+            eager = attn(xd[:, t:t + 1], positions=pd[:, t:t + 1], cache=eager_cache)
+            assert torch.equal(static_out, eager)
+    torch.cuda.synchronize()
