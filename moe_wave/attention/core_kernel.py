@@ -20,6 +20,20 @@ When one program per (query, head block) would leave SMs idle (decode: batch x h
 SMs), the query's tiles are split into runs, one program each (``CoreConfig.split_k``); each writes its running
 max, sum and unnormalised acc (fp32) and ``_combine_kernel`` merges the runs in split order.
 
+Optional fusions (constexpr flags of the kernels, all off by default; ``sparse_attention_fused``'s keywords):
+
+- ``q_rope`` (prologue): q comes raw from q_b; as a program loads its q tile it applies what ``kernels.norm_rope``
+  does (per-head RMSNorm over d in fp32, then RoPE of the last 2F channels, fp32, rounded to q's dtype), so the
+  separate pass over q [B, S, H, d] goes away. With QK in chunks (BDK < d) the norm factor takes one pass over q
+  before the loop and each chunk holding rope channels is rotated as it is loaded (the pair partners, channel
+  c ^ 1, by a second load).
+- ``o_rope`` / ``out_fp8`` (epilogue, in the core kernel or, when the keys are split, in ``_combine_kernel``): the
+  output rounded to q's dtype, then the inverse RoPE of its last 2F channels (fp32, the partners by a split /
+  join of the tile, rounded again), then ``fp8.act_quant``: per (row, 128 channels) s = pow2_ceil(max(amax,
+  1e-4) / 448) (bit ops), e4m3(o / s) (round to nearest even), o_q [B*S, H*d] and s [H*d/128, B*S]. These are
+  the unfused chain's roundings in its order, so the result has its bits (``core -> rope_tail(inverse) ->
+  act_quant``). A value block of a program (BDV >= 128) holds whole 128-channel scale blocks.
+
 Deterministic: every output element is written by one program, keys and splits are visited in a fixed order, no
 atomics: the same inputs give the same bits on every run. ``CoreConfig`` picks the tiling; the default and the
 split count depend only on shapes and dtype (``default_config``, ``_splits``); a config the GPU cannot hold
@@ -36,7 +50,7 @@ import torch
 
 from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
-__all__ = ["CoreConfig", "default_config", "FALLBACKS", "sparse_attention_fused", "core_flops"]
+__all__ = ["CoreConfig", "default_config", "FALLBACKS", "sparse_attention_fused", "check_fusion", "core_flops"]
 
 _LOG2E = 1.4426950408889634
 
@@ -134,9 +148,99 @@ if triton is not None:
         return tl.cdiv(last, BN)
 
     @triton.jit
+    def _q_prologue(x, qrow, dk, hmask, qinv, qpos, freq_ptr, D: tl.constexpr, RF: tl.constexpr, LO: tl.constexpr,
+                    W: tl.constexpr):
+        # q's channels dk = LO .. LO+W (x, as loaded, [BH, W]) as norm_rope(q, pos, freq) has them: times qinv
+        # (1 / rms per head), the rope channels (the last RF of d, pairs (2i, 2i+1): a second load of the pair
+        # partners, tail channels only) rotated by pos * freq, in fp32, rounded once to q's dtype. qrow: [BH, 1]
+        # pointers to the heads' rows.
+        y = x.to(tl.float32) * qinv[:, None]
+        if RF > 0:
+            if LO + W > D - RF:                                         # this chunk holds rope channels
+                ct = dk - (D - RF)
+                tail = (ct >= 0) & (dk < D)
+                xs = tl.load(qrow + (dk ^ 1)[None, :], mask=hmask[:, None] & tail[None, :], other=0.0)
+                xs = xs.to(tl.float32) * qinv[:, None]
+                ang = qpos * tl.load(freq_ptr + tl.maximum(ct, 0) // 2, mask=tail, other=0.0)
+                c = tl.cos(ang)
+                sn = tl.sin(ang)
+                sn = tl.where((dk % 2) == 0, -sn, sn)                   # even: x*cos - x_odd*sin; odd: + x_even*sin
+                y = tl.where(tail[None, :], y * c[None, :] + xs * sn[None, :], y)
+        return y.to(x.dtype)
+
+    @triton.jit
+    def _q_inv_rms(q_row, hmask, eps, D: tl.constexpr, BD: tl.constexpr, BDK: tl.constexpr):
+        # 1 / rms over the d channels of each head (fp32), a pass over q in BDK-channel chunks (BDK < d)
+        ss = tl.zeros((hmask.shape[0],), tl.float32)
+        for d0 in tl.static_range(0, BD, BDK):
+            dk = d0 + tl.arange(0, BDK)
+            x = tl.load(q_row + dk[None, :], mask=hmask[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+        return 1.0 / tl.sqrt(ss / D + eps)
+
+    @triton.jit
+    def _e4m3_rne(x):
+        # float8e4nv of fp32 x (|x| <= 448), round to nearest even, by integer ops: the interpreter's float8 cast
+        # rounds ties away and drops the mantissa's carry into the exponent (the GPU casts in hardware instead)
+        bits = x.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        e = a >> 23
+        nrm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)     # normal: 3 mantissa bits, exponent rebiased
+        m = (a & 0x7FFFFF) | 0x800000
+        sh = tl.minimum(tl.maximum(141 - e, 21), 31)                    # subnormal: round(m * 2^(e - 141))
+        q = m >> sh
+        rem = m - (q << sh)
+        half = (rem * 0 + 1) << (sh - 1)
+        q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+        code = tl.where(e >= 121, nrm, q) | ((bits >> 24) & 0x80)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def _epilogue(o, o_ptr, o_off, omask, odt_ptr, sc_ptr, pos_ptr, freq_ptr, row, M, h, hmask, dv0,
+                  D: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, RF: tl.constexpr, OROPE: tl.constexpr,
+                  FP8: tl.constexpr, EMU8: tl.constexpr):
+        # The normalised output o [BH, BDV] (fp32; channels dv0 ..) rounded to q's dtype (odt_ptr's), then as the
+        # unfused chain has it: OROPE: rope_tail(inverse) of the last RF channels in fp32 from those values (the
+        # pair partner by a split / join of the tile), rounded again; FP8: act_quant of each 128 channels (row
+        # `row` of M): s = pow2_ceil(max(amax, 1e-4) / 448) by bit ops, e4m3(y * (1 / s)) to o_ptr, s to
+        # sc_ptr[(h * D / 128 + block) * M + row].
+        dv = dv0 + tl.arange(0, BDV)
+        y = o.to(odt_ptr.dtype.element_ty)
+        if OROPE:
+            x = y.to(tl.float32)
+            ev, od = tl.split(tl.reshape(y, (BH, BDV // 2, 2)))         # (in q's dtype: half the bytes to move)
+            xs = tl.reshape(tl.join(od, ev), (BH, BDV)).to(tl.float32)  # xs[:, c] = x[:, c ^ 1]
+            ct = dv - (D - RF)
+            tail = (ct >= 0) & (dv < D)
+            ang = tl.load(pos_ptr + row).to(tl.float32) * tl.load(freq_ptr + tl.maximum(ct, 0) // 2, mask=tail,
+                                                                   other=0.0)
+            c = tl.cos(ang)
+            sn = tl.sin(ang)
+            sn = -sn                                                    # inverse: rotate by -angle
+            sn = tl.where((dv % 2) == 0, -sn, sn)
+            y = tl.where(tail[None, :], x * c[None, :] + xs * sn[None, :], x).to(odt_ptr.dtype.element_ty)
+        if FP8:
+            y3 = tl.reshape(y.to(tl.float32), (BH, BDV // 128, 128))
+            amax = tl.maximum(tl.max(tl.abs(y3), axis=2), 1e-4)
+            sbits = (tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+            inv = (0x7F000000 - sbits).to(tl.float32, bitcast=True)     # 1 / s, exact (s a power of two)
+            z = tl.reshape(y3 * inv[:, :, None], (BH, BDV))
+            if EMU8:
+                zq = _e4m3_rne(z)
+            else:
+                zq = z.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            tl.store(o_ptr + o_off, zq, mask=omask)
+            blk = dv0 // 128 + tl.arange(0, BDV // 128)
+            tl.store(sc_ptr + (h[:, None] * (D // 128) + blk[None, :]).to(tl.int64) * M + row,
+                     sbits.to(tl.float32, bitcast=True), mask=hmask[:, None] & (blk < D // 128)[None, :])
+        else:
+            tl.store(o_ptr + o_off, y, mask=omask)
+
+    @triton.jit
     def _core_part(q_ptr, kv_b, idx_row, q_full, b, s, h, hmask, J, t_lo, t_hi, s_q_b, s_q_s, s_q_h, s_kv_m,
-                   qk_scale, m_i, l_i, acc, dv, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                   BDK: tl.constexpr, BDV: tl.constexpr, IEEE: tl.constexpr):
+                   qk_scale, m_i, l_i, acc, dv, qinv, qpos, qfreq_ptr, D: tl.constexpr, BD: tl.constexpr,
+                   BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, IEEE: tl.constexpr, QROPE: tl.constexpr,
+                   QRF: tl.constexpr):
         # One key source: the online softmax over tiles t_lo..t_hi of this query's picks idx_row[:J].
         for t in range(t_lo, t_hi):
             j = t * BN + tl.arange(0, BN)
@@ -153,6 +257,9 @@ if triton is not None:
                     dk = d0 + tl.arange(0, BDK)
                     qc = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dk[None, :],
                                  mask=hmask[:, None] & (dk[None, :] < D), other=0.0)
+                    if QROPE:                                           # q as norm_rope has it, chunk by chunk
+                        qc = _q_prologue(qc, q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h, dk, hmask, qinv,
+                                         qpos, qfreq_ptr, D, QRF, d0, BDK)
                     k = tl.load(rows + dk[None, :], mask=ok[:, None] & (dk[None, :] < D), other=0.0)
                     sc = _mm(qc, tl.trans(k), sc, IEEE)
             if (BDK == BD) and (BDV == BD):
@@ -170,14 +277,19 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["S", "H", "J1", "J2", "NDV", "NSPLIT"])   # one compile for every length
     def _sparse_core_kernel(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, ws_ml_ptr, ws_acc_ptr,
+                            qpos_ptr, qfreq_ptr, opos_ptr, ofreq_ptr, sc_ptr, eps,
                             S, H, J1, J2, NDV, NSPLIT, qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h,
                             s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                             D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                             BDK: tl.constexpr, BDV: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            IEEE: tl.constexpr, QROPE: tl.constexpr, QRF: tl.constexpr, OROPE: tl.constexpr,
+                            ORF: tl.constexpr, FP8: tl.constexpr, EMU8: tl.constexpr):
         # Program (query b*S+s, head block, split * NDV + value block); see the module docstring. With SPLIT,
         # split i of NSPLIT takes the i-th run of the query's tiles (window tiles, then compressed tiles) and
         # writes its running max, sum and unnormalised acc for _combine_kernel; only split 0 counts the sink.
+        # QROPE: q is raw (q_b's output): RMSNorm (eps) and RoPE (qpos, qfreq, the last QRF channels) on load.
+        # OROPE / FP8: the output's inverse RoPE (opos, ofreq, ORF) / FP8 quantisation (scales to sc_ptr), here
+        # or, with SPLIT, in _combine_kernel.
         bs = tl.program_id(0)
         b = (bs // S).to(tl.int64)
         s = (bs % S).to(tl.int64)
@@ -185,11 +297,22 @@ if triton is not None:
         hmask = h < H
         split = tl.program_id(2) // NDV
         dv = (tl.program_id(2) % NDV) * BDV + tl.arange(0, BDV)
+        qinv = tl.zeros((BH,), tl.float32)
+        qpos = tl.full((), 0.0, tl.float32)
+        if QROPE:
+            qpos = tl.load(qpos_ptr + bs).to(tl.float32)
+            if BDK < BD:                                                # per head 1 / rms, once per program
+                qinv = _q_inv_rms(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h, hmask, eps, D, BD, BDK)
         q_full = tl.zeros((BH, BD), q_ptr.dtype.element_ty)
         if BDK == BD:                                                   # the whole q tile, loaded once
             dq = tl.arange(0, BD)
             q_full = tl.load(q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h + dq[None, :],
                              mask=hmask[:, None] & (dq[None, :] < D), other=0.0)
+            if QROPE:
+                xq = q_full.to(tl.float32)
+                qinv = 1.0 / tl.sqrt(tl.sum(xq * xq, axis=1) / D + eps)
+                q_full = _q_prologue(q_full, q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h, dq, hmask, qinv,
+                                     qpos, qfreq_ptr, D, QRF, 0, BD)
         idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
         idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
         n1 = _n_tiles(idx1, J1, BN)
@@ -207,11 +330,13 @@ if triton is not None:
         acc = tl.zeros((BH, BDV), tl.float32)
         m_i, l_i, acc = _core_part(q_ptr, kv1_ptr + b * s_k1_b, idx1, q_full, b, s, h, hmask, J1,
                                    tl.minimum(lo, n1), tl.minimum(hi, n1), s_q_b, s_q_s, s_q_h, s_k1_m,
-                                   qk_scale, m_i, l_i, acc, dv, D, BD, BN, BDK, BDV, IEEE)
+                                   qk_scale, m_i, l_i, acc, dv, qinv, qpos, qfreq_ptr, D, BD, BN, BDK, BDV, IEEE,
+                                   QROPE, QRF)
         if TWO:
             m_i, l_i, acc = _core_part(q_ptr, kv2_ptr + b * s_k2_b, idx2, q_full, b, s, h, hmask, J2,
                                        tl.maximum(lo, n1) - n1, tl.maximum(hi, n1) - n1, s_q_b, s_q_s, s_q_h,
-                                       s_k2_m, qk_scale, m_i, l_i, acc, dv, D, BD, BN, BDK, BDV, IEEE)
+                                       s_k2_m, qk_scale, m_i, l_i, acc, dv, qinv, qpos, qfreq_ptr, D, BD, BN, BDK,
+                                       BDV, IEEE, QROPE, QRF)
         if SPLIT:                                                       # partials: [B*S, NSPLIT, 2, H], [.., H, D]
             r = bs.to(tl.int64) * NSPLIT + split
             mine = hmask & ((h * 0 + tl.program_id(2) % NDV) == 0)      # one value block writes m and l
@@ -219,16 +344,22 @@ if triton is not None:
             tl.store(ws_ml_ptr + (r * 2 + 1) * H + h, l_i, mask=mine)
             tl.store(ws_acc_ptr + (r * H + h[:, None]) * D + dv[None, :], acc,
                      mask=hmask[:, None] & (dv[None, :] < D))
+        elif OROPE or FP8:
+            _epilogue(acc / l_i[:, None], o_ptr, b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
+                      hmask[:, None] & (dv[None, :] < D), q_ptr, sc_ptr, opos_ptr, ofreq_ptr, bs.to(tl.int64),
+                      tl.num_programs(0), h, hmask, (tl.program_id(2) % NDV) * BDV, D, BH, BDV, ORF, OROPE, FP8,
+                      EMU8)
         else:
             o = acc / l_i[:, None]
             tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < D))
 
     @triton.jit(do_not_specialize=["S", "H", "NSPLIT"])
-    def _combine_kernel(ws_ml_ptr, ws_acc_ptr, o_ptr, S, H, NSPLIT, s_o_b, s_o_s, s_o_h,
-                        D: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
+    def _combine_kernel(ws_ml_ptr, ws_acc_ptr, o_ptr, odt_ptr, sc_ptr, pos_ptr, freq_ptr, S, H, NSPLIT,
+                        s_o_b, s_o_s, s_o_h, D: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr,
+                        RF: tl.constexpr, OROPE: tl.constexpr, FP8: tl.constexpr, EMU8: tl.constexpr):
         # The splits of one query merged in split order (deterministic): o = sum_i w_i acc_i / sum_i w_i l_i,
-        # w_i = 2^(m_i - max_i m_i).
+        # w_i = 2^(m_i - max_i m_i); then the core kernel's epilogue (OROPE / FP8, odt_ptr: q, for its dtype).
         bs = tl.program_id(0)
         b = (bs // S).to(tl.int64)
         s = (bs % S).to(tl.int64)
@@ -247,8 +378,13 @@ if triton is not None:
             part = tl.load(ws_acc_ptr + ((r0 + i) * H + h[:, None]) * D + dv[None, :],
                            mask=hmask[:, None] & (dv[None, :] < D), other=0.0)
             acc += w[:, None] * part
-        tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
-                 (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < D))
+        if OROPE or FP8:
+            _epilogue(acc / den[:, None], o_ptr, b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
+                      hmask[:, None] & (dv[None, :] < D), odt_ptr, sc_ptr, pos_ptr, freq_ptr, bs.to(tl.int64),
+                      tl.num_programs(0), h, hmask, tl.program_id(2) * BDV, D, BH, BDV, RF, OROPE, FP8, EMU8)
+        else:
+            tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
+                     (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < D))
 
 
 _CHOSEN: dict = {}   # (device, shape key, requested config) -> the config that launched
@@ -267,7 +403,54 @@ def _splits(cfg: CoreConfig, B: int, S: int, H: int, J: int, device: torch.devic
     return max(1, min(_sm_count(device) // programs, triton.cdiv(max(J, 1), cfg.block_n)))
 
 
-def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two: bool) -> None:
+@dataclass(frozen=True)
+class _Fusion:
+    """The optional prologue / epilogue of one call (see ``sparse_attention_fused``), checked, on q's device."""
+
+    qpos: torch.Tensor | None = None            # [B*S] positions of q's RoPE; None: no prologue
+    qfreq: torch.Tensor | None = None           # fp32 [F]
+    eps: float = 0.0
+    opos: torch.Tensor | None = None            # [B*S] positions of the output's inverse RoPE; None: none
+    ofreq: torch.Tensor | None = None
+    fp8: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.qpos is not None, self.opos is not None, self.fp8)
+
+
+def check_fusion(q_BSHd: torch.Tensor, q_rope=None, o_rope=None, out_fp8: bool = False) -> _Fusion:
+    """The fusion arguments of ``sparse_attention_fused`` / ``core.sparse_attention`` checked (clear errors)."""
+    B, S, H, D = q_BSHd.shape
+
+    def rope(name, pos, freq):
+        F = 0 if freq is None else freq.numel()
+        if 2 * F > D:
+            raise ValueError(f"sparse_attention: {name} has {F} frequencies, 2 * {F} > d={D}")
+        if pos is None or pos.numel() != B * S:
+            got = None if pos is None else tuple(pos.shape)
+            raise ValueError(f"sparse_attention: {name} positions {got} must be [B={B}, S={S}]")
+        f = freq.float().contiguous() if F else torch.zeros(0, dtype=torch.float32, device=q_BSHd.device)
+        return pos.reshape(-1).contiguous(), f
+
+    fu = {}
+    if q_rope is not None:
+        if len(q_rope) != 3:
+            raise ValueError(f"sparse_attention: q_rope must be (pos_BS, freq_F, eps), got {len(q_rope)} items")
+        fu["qpos"], fu["qfreq"] = rope("q_rope", q_rope[0], q_rope[1])
+        fu["eps"] = float(q_rope[2])
+    if o_rope is not None:
+        if len(o_rope) != 2:
+            raise ValueError(f"sparse_attention: o_rope must be (pos_BS, freq_F), got {len(o_rope)} items")
+        fu["opos"], fu["ofreq"] = rope("o_rope", o_rope[0], o_rope[1])
+    if out_fp8 and D % 128:
+        raise ValueError(f"sparse_attention: out_fp8 needs head_dim d={D} to be a multiple of 128 (one scale per "
+                         f"128 channels of a head)")
+    return _Fusion(**fu, fp8=bool(out_fp8))
+
+
+def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two: bool, fu: _Fusion,
+            scales: torch.Tensor | None) -> None:
     B, S, H, D = q.shape
     BD = _pow2(D)
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
@@ -278,23 +461,32 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
         ws_acc = torch.empty(B * S * nsplit * H * D, dtype=torch.float32, device=q.device)
     else:
         ws_ml = ws_acc = sinks                                          # unused
+    unused = sinks
+    qpos, qfreq = (fu.qpos, fu.qfreq) if fu.qpos is not None else (unused, unused)
+    opos, ofreq = (fu.opos, fu.ofreq) if fu.opos is not None else (unused, unused)
+    sc = scales if scales is not None else unused
+    qrf = 0 if fu.qfreq is None else 2 * fu.qfreq.numel()
+    orf = 0 if fu.ofreq is None else 2 * fu.ofreq.numel()
+    orope, fp8, emu8 = fu.opos is not None, fu.fp8, fu.fp8 and interpreting()
     grid = (B * S, triton.cdiv(H, cfg.block_h), ndv * nsplit)
     _sparse_core_kernel[grid](
-        q, out, sinks, kv1, i1, kv2, i2, ws_ml, ws_acc, S, H, J1, J2, ndv, nsplit, float(scale) * _LOG2E,
+        q, out, sinks, kv1, i1, kv2, i2, ws_ml, ws_acc, qpos, qfreq, opos, ofreq, sc, fu.eps,
+        S, H, J1, J2, ndv, nsplit, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=BD, BH=cfg.block_h, BN=cfg.block_n, BDK=cfg.block_dk, BDV=cfg.block_dv,
-        TWO=two, SPLIT=nsplit > 1, IEEE=q.dtype == torch.float32 or interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        TWO=two, SPLIT=nsplit > 1, IEEE=q.dtype == torch.float32 or interpreting(), QROPE=fu.qpos is not None,
+        QRF=qrf, OROPE=orope, ORF=orf, FP8=fp8, EMU8=emu8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit > 1:
         bdv = min(128, BD)
         _combine_kernel[(B * S, triton.cdiv(H, cfg.block_h), triton.cdiv(D, bdv))](
-            ws_ml, ws_acc, out, S, H, nsplit, out.stride(0), out.stride(1), out.stride(2), D=D, BH=cfg.block_h,
-            BDV=bdv, num_warps=4)
+            ws_ml, ws_acc, out, q, sc, opos, ofreq, S, H, nsplit, out.stride(0), out.stride(1), out.stride(2), D=D,
+            BH=cfg.block_h, BDV=bdv, RF=orf, OROPE=orope, FP8=fp8, EMU8=emu8, num_warps=4)
 
 
 def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
-                           config: CoreConfig | None = None, fallback: bool = True) -> torch.Tensor:
+                           config: CoreConfig | None = None, fallback: bool = True, *, q_rope=None, o_rope=None,
+                           out_fp8: bool = False):
     """``core.sparse_attention`` as one Triton kernel (one or two parts), see the module docstring.
 
     Args:
@@ -305,12 +497,21 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         config: tiling (default ``default_config``); clipped to H and d.
         fallback: on a GPU that cannot hold ``config``, run the next of ``FALLBACKS`` (False: raise triton's
             OutOfResources, as a benchmark of that very tiling wants).
+        q_rope: ``(pos_BS, freq_F, eps)``: q is raw (q_b's output); the kernel applies
+            ``kernels.norm_rope(q, pos, freq, eps=eps)`` (per-head RMSNorm without weight, then RoPE of the last
+            2F channels, fp32, rounded to q's dtype) as it loads q. freq may be None or empty (norm only).
+        o_rope: ``(pos_BS, freq_F)``: the output's last 2F channels get the inverse RoPE
+            (``rope_tail(o, pos, freq, inverse=True)``), computed in fp32 from the output rounded to q's dtype.
+        out_fp8: return ``moe_wave.fp8.act_quant_torch(o.reshape(B*S, H*d))`` of the q-dtype output (after
+            o_rope) instead of o; d must be a multiple of 128.
     Returns:
-        o_BSHd in q's dtype; 0 for a query whose every pick is masked.
+        o_BSHd in q's dtype (0 for a query whose every pick is masked); with ``out_fp8`` the pair ``(o_q, s)``:
+        o_q float8_e4m3fn ``[B*S, H*d]``, s fp32 ``[H*d/128, B*S]`` contiguous (powers of two).
     """
     if not 1 <= len(parts) <= 2:
         raise ValueError(f"sparse_attention_fused: {len(parts)} parts, supports 1 or 2")
     B, S, H, D = q_BSHd.shape
+    fu = check_fusion(q_BSHd, q_rope, o_rope, out_fp8)
     q = q_BSHd if q_BSHd.stride(-1) == 1 else q_BSHd.contiguous()
     srcs = []
     for kv, idx in parts:
@@ -322,23 +523,34 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         srcs.append((kv, idx if idx.stride(-1) == 1 else idx.contiguous()))
     two = len(srcs) == 2
     (kv1, i1), (kv2, i2) = srcs[0], srcs[1] if two else srcs[0]
-    out = torch.empty_like(q)
+    scales = None
+    if fu.fp8:
+        o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device=q.device)
+        scales = torch.empty(H * D // 128, B * S, dtype=torch.float32, device=q.device)
+        out, result = o_q.view(B, S, H, D), (o_q, scales)
+    else:
+        out = torch.empty_like(q)
+        result = out
     if B * S * H == 0:
-        return out
+        return result
     sinks = sinks_H.float().contiguous()
     want = (config or default_config(H, D, q.dtype)).fit(H, D)
-    key = (q.device, q.dtype, H, D, two, want)
+    if fu.fp8 and want.block_dv < 128:
+        raise ValueError(f"sparse_attention_fused: out_fp8 needs CoreConfig.block_dv >= 128 (a program's value "
+                         f"channels hold whole 128-channel scale blocks), got block_dv={want.block_dv}")
+    key = (q.device, q.dtype, H, D, two, want, fu.key)
     cfg = _CHOSEN.get(key, want)
-    ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if fallback and key not in _CHOSEN]
+    ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if fallback and key not in _CHOSEN
+                      and not (fu.fp8 and c.fit(H, D).block_dv < 128)]
     for i, c in enumerate(ladder):
         try:
-            _launch(c, q, out, sinks, kv1, i1, kv2, i2, scale, two)
+            _launch(c, q, out, sinks, kv1, i1, kv2, i2, scale, two, fu, scales)
         except triton.runtime.errors.OutOfResources:
             if i == len(ladder) - 1:
                 raise
             continue
         _CHOSEN[key] = c
-        return out
+        return result
     raise AssertionError("unreachable: the ladder either launched or raised")
 
 
