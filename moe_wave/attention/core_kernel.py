@@ -20,7 +20,11 @@ When one program per (query, head block) would leave SMs idle (decode: batch x h
 SMs), the query's tiles are split into runs, one program each (``CoreConfig.split_k``); each writes its running
 max, sum and unnormalised acc (fp32) and ``_combine_kernel`` merges the runs in split order.
 
-Optional fusions (constexpr flags of the kernels, all off by default; ``sparse_attention_fused``'s keywords):
+Optional fusions (constexpr flags of the kernels, all off by default; ``sparse_attention_fused``'s keywords).
+By default they run inside the kernels on small grids (decode and short chunks, where they cost less than the
+launches and passes they save) and as the unfused passes around the plain kernel on large ones (this kernel is at
+its register limit: at a 4096-token prefill the fused prologue costs more than norm_rope's pass); see
+``FUSE_MAX_WAVES``, ``fuse`` overrides:
 
 - ``q_rope`` (prologue): q comes raw from q_b; as a program loads its q tile it applies what ``kernels.norm_rope``
   does (per-head RMSNorm over d in fp32, then RoPE of the last 2F channels, fp32, rounded to q's dtype), so the
@@ -32,7 +36,10 @@ Optional fusions (constexpr flags of the kernels, all off by default; ``sparse_a
   join of the tile, rounded again), then ``fp8.act_quant``: per (row, 128 channels) s = pow2_ceil(max(amax,
   1e-4) / 448) (bit ops), e4m3(o / s) (round to nearest even), o_q [B*S, H*d] and s [H*d/128, B*S]. These are
   the unfused chain's roundings in its order, so the result has its bits (``core -> rope_tail(inverse) ->
-  act_quant``). A value block of a program (BDV >= 128) holds whole 128-channel scale blocks.
+  act_quant``): the rotation's multiply-add is pinned to the fma that ``norm_rope``'s kernel compiles to (the
+  compiler would otherwise contract it either way), and under the interpreter, whose float8 cast does not round
+  to nearest even, the e4m3 encoding is integer ops. A program's value block (BDV >= 128) holds whole 128-channel
+  scale blocks.
 
 Deterministic: every output element is written by one program, keys and splits are visited in a fixed order, no
 atomics: the same inputs give the same bits on every run. ``CoreConfig`` picks the tiling; the default and the
@@ -49,8 +56,12 @@ from functools import lru_cache
 import torch
 
 from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
+from moe_wave.fp8 import act_quant
 
-__all__ = ["CoreConfig", "default_config", "FALLBACKS", "sparse_attention_fused", "check_fusion", "core_flops"]
+from .kernels import norm_rope
+
+__all__ = ["CoreConfig", "default_config", "FALLBACKS", "FUSE_MAX_WAVES", "sparse_attention_fused", "check_fusion",
+           "core_flops"]
 
 _LOG2E = 1.4426950408889634
 
@@ -149,7 +160,7 @@ if triton is not None:
 
     @triton.jit
     def _q_prologue(x, qrow, dk, hmask, qinv, qpos, freq_ptr, D: tl.constexpr, RF: tl.constexpr, LO: tl.constexpr,
-                    W: tl.constexpr):
+                    W: tl.constexpr, INTERP: tl.constexpr):
         # q's channels dk = LO .. LO+W (x, as loaded, [BH, W]) as norm_rope(q, pos, freq) has them: times qinv
         # (1 / rms per head), the rope channels (the last RF of d, pairs (2i, 2i+1): a second load of the pair
         # partners, tail channels only) rotated by pos * freq, in fp32, rounded once to q's dtype. qrow: [BH, 1]
@@ -165,8 +176,18 @@ if triton is not None:
                 c = tl.cos(ang)
                 sn = tl.sin(ang)
                 sn = tl.where((dk % 2) == 0, -sn, sn)                   # even: x*cos - x_odd*sin; odd: + x_even*sin
-                y = tl.where(tail[None, :], y * c[None, :] + xs * sn[None, :], y)
+                y = tl.where(tail[None, :], _rot(y, xs, c, sn, INTERP), y)
         return y.to(x.dtype)
+
+    @triton.jit
+    def _rot(x, xs, c, sn, INTERP: tl.constexpr):
+        # x * cos + x_partner * (+-sin) [BH, W], rounded as norm_rope's kernel rounds it where the chain runs: on a
+        # GPU its `xt * c + xs * s` compiles to fma(xs, s, xt * c) (seen on an H200, Triton 3.6); pinned here, as
+        # left to itself the compiler contracts this expression either way, by context. The interpreter rounds
+        # each product and the sum.
+        if INTERP:
+            return x * c[None, :] + xs * sn[None, :]
+        return tl.fma(xs, sn[None, :], x * c[None, :])
 
     @triton.jit
     def _q_inv_rms(q_row, hmask, eps, D: tl.constexpr, BD: tl.constexpr, BDK: tl.constexpr):
@@ -198,7 +219,7 @@ if triton is not None:
     @triton.jit
     def _epilogue(o, o_ptr, o_off, omask, odt_ptr, sc_ptr, pos_ptr, freq_ptr, row, M, h, hmask, dv0,
                   D: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, RF: tl.constexpr, OROPE: tl.constexpr,
-                  FP8: tl.constexpr, EMU8: tl.constexpr):
+                  FP8: tl.constexpr, INTERP: tl.constexpr):
         # The normalised output o [BH, BDV] (fp32; channels dv0 ..) rounded to q's dtype (odt_ptr's), then as the
         # unfused chain has it: OROPE: rope_tail(inverse) of the last RF channels in fp32 from those values (the
         # pair partner by a split / join of the tile), rounded again; FP8: act_quant of each 128 channels (row
@@ -218,14 +239,14 @@ if triton is not None:
             sn = tl.sin(ang)
             sn = -sn                                                    # inverse: rotate by -angle
             sn = tl.where((dv % 2) == 0, -sn, sn)
-            y = tl.where(tail[None, :], x * c[None, :] + xs * sn[None, :], x).to(odt_ptr.dtype.element_ty)
+            y = tl.where(tail[None, :], _rot(x, xs, c, sn, INTERP), x).to(odt_ptr.dtype.element_ty)
         if FP8:
             y3 = tl.reshape(y.to(tl.float32), (BH, BDV // 128, 128))
             amax = tl.maximum(tl.max(tl.abs(y3), axis=2), 1e-4)
             sbits = (tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
             inv = (0x7F000000 - sbits).to(tl.float32, bitcast=True)     # 1 / s, exact (s a power of two)
             z = tl.reshape(y3 * inv[:, :, None], (BH, BDV))
-            if EMU8:
+            if INTERP:                                                  # the interpreter's fp8 cast is off
                 zq = _e4m3_rne(z)
             else:
                 zq = z.to(tl.float8e4nv, fp_downcast_rounding="rtne")
@@ -240,7 +261,7 @@ if triton is not None:
     def _core_part(q_ptr, kv_b, idx_row, q_full, b, s, h, hmask, J, t_lo, t_hi, s_q_b, s_q_s, s_q_h, s_kv_m,
                    qk_scale, m_i, l_i, acc, dv, qinv, qpos, qfreq_ptr, D: tl.constexpr, BD: tl.constexpr,
                    BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, IEEE: tl.constexpr, QROPE: tl.constexpr,
-                   QRF: tl.constexpr):
+                   QRF: tl.constexpr, INTERP: tl.constexpr):
         # One key source: the online softmax over tiles t_lo..t_hi of this query's picks idx_row[:J].
         for t in range(t_lo, t_hi):
             j = t * BN + tl.arange(0, BN)
@@ -259,7 +280,7 @@ if triton is not None:
                                  mask=hmask[:, None] & (dk[None, :] < D), other=0.0)
                     if QROPE:                                           # q as norm_rope has it, chunk by chunk
                         qc = _q_prologue(qc, q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h, dk, hmask, qinv,
-                                         qpos, qfreq_ptr, D, QRF, d0, BDK)
+                                         qpos, qfreq_ptr, D, QRF, d0, BDK, INTERP)
                     k = tl.load(rows + dk[None, :], mask=ok[:, None] & (dk[None, :] < D), other=0.0)
                     sc = _mm(qc, tl.trans(k), sc, IEEE)
             if (BDK == BD) and (BDV == BD):
@@ -283,13 +304,13 @@ if triton is not None:
                             D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                             BDK: tl.constexpr, BDV: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
                             IEEE: tl.constexpr, QROPE: tl.constexpr, QRF: tl.constexpr, OROPE: tl.constexpr,
-                            ORF: tl.constexpr, FP8: tl.constexpr, EMU8: tl.constexpr):
+                            ORF: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
         # Program (query b*S+s, head block, split * NDV + value block); see the module docstring. With SPLIT,
         # split i of NSPLIT takes the i-th run of the query's tiles (window tiles, then compressed tiles) and
         # writes its running max, sum and unnormalised acc for _combine_kernel; only split 0 counts the sink.
         # QROPE: q is raw (q_b's output): RMSNorm (eps) and RoPE (qpos, qfreq, the last QRF channels) on load.
         # OROPE / FP8: the output's inverse RoPE (opos, ofreq, ORF) / FP8 quantisation (scales to sc_ptr), here
-        # or, with SPLIT, in _combine_kernel.
+        # or, with SPLIT, in _combine_kernel. INTERP: Triton's CPU interpreter runs it (its rope and fp8 roundings).
         bs = tl.program_id(0)
         b = (bs // S).to(tl.int64)
         s = (bs % S).to(tl.int64)
@@ -312,7 +333,7 @@ if triton is not None:
                 xq = q_full.to(tl.float32)
                 qinv = 1.0 / tl.sqrt(tl.sum(xq * xq, axis=1) / D + eps)
                 q_full = _q_prologue(q_full, q_ptr + b * s_q_b + s * s_q_s + h[:, None] * s_q_h, dq, hmask, qinv,
-                                     qpos, qfreq_ptr, D, QRF, 0, BD)
+                                     qpos, qfreq_ptr, D, QRF, 0, BD, INTERP)
         idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
         idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
         n1 = _n_tiles(idx1, J1, BN)
@@ -331,12 +352,12 @@ if triton is not None:
         m_i, l_i, acc = _core_part(q_ptr, kv1_ptr + b * s_k1_b, idx1, q_full, b, s, h, hmask, J1,
                                    tl.minimum(lo, n1), tl.minimum(hi, n1), s_q_b, s_q_s, s_q_h, s_k1_m,
                                    qk_scale, m_i, l_i, acc, dv, qinv, qpos, qfreq_ptr, D, BD, BN, BDK, BDV, IEEE,
-                                   QROPE, QRF)
+                                   QROPE, QRF, INTERP)
         if TWO:
             m_i, l_i, acc = _core_part(q_ptr, kv2_ptr + b * s_k2_b, idx2, q_full, b, s, h, hmask, J2,
                                        tl.maximum(lo, n1) - n1, tl.maximum(hi, n1) - n1, s_q_b, s_q_s, s_q_h,
                                        s_k2_m, qk_scale, m_i, l_i, acc, dv, qinv, qpos, qfreq_ptr, D, BD, BN, BDK,
-                                       BDV, IEEE, QROPE, QRF)
+                                       BDV, IEEE, QROPE, QRF, INTERP)
         if SPLIT:                                                       # partials: [B*S, NSPLIT, 2, H], [.., H, D]
             r = bs.to(tl.int64) * NSPLIT + split
             mine = hmask & ((h * 0 + tl.program_id(2) % NDV) == 0)      # one value block writes m and l
@@ -348,7 +369,7 @@ if triton is not None:
             _epilogue(acc / l_i[:, None], o_ptr, b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
                       hmask[:, None] & (dv[None, :] < D), q_ptr, sc_ptr, opos_ptr, ofreq_ptr, bs.to(tl.int64),
                       tl.num_programs(0), h, hmask, (tl.program_id(2) % NDV) * BDV, D, BH, BDV, ORF, OROPE, FP8,
-                      EMU8)
+                      INTERP)
         else:
             o = acc / l_i[:, None]
             tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
@@ -357,7 +378,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["S", "H", "NSPLIT"])
     def _combine_kernel(ws_ml_ptr, ws_acc_ptr, o_ptr, odt_ptr, sc_ptr, pos_ptr, freq_ptr, S, H, NSPLIT,
                         s_o_b, s_o_s, s_o_h, D: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr,
-                        RF: tl.constexpr, OROPE: tl.constexpr, FP8: tl.constexpr, EMU8: tl.constexpr):
+                        RF: tl.constexpr, OROPE: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
         # The splits of one query merged in split order (deterministic): o = sum_i w_i acc_i / sum_i w_i l_i,
         # w_i = 2^(m_i - max_i m_i); then the core kernel's epilogue (OROPE / FP8, odt_ptr: q, for its dtype).
         bs = tl.program_id(0)
@@ -381,11 +402,18 @@ if triton is not None:
         if OROPE or FP8:
             _epilogue(acc / den[:, None], o_ptr, b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
                       hmask[:, None] & (dv[None, :] < D), odt_ptr, sc_ptr, pos_ptr, freq_ptr, bs.to(tl.int64),
-                      tl.num_programs(0), h, hmask, tl.program_id(2) * BDV, D, BH, BDV, RF, OROPE, FP8, EMU8)
+                      tl.num_programs(0), h, hmask, tl.program_id(2) * BDV, D, BH, BDV, RF, OROPE, FP8, INTERP)
         else:
             tl.store(o_ptr + b * s_o_b + s * s_o_s + h[:, None] * s_o_h + dv[None, :],
                      (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (dv[None, :] < D))
 
+
+# sparse_attention_fused(fuse=None) runs q_rope / o_rope / out_fp8 inside the kernels up to this many waves of
+# programs (query x head block) and as the unfused passes beyond. The kernel is at its register limit, so the fused
+# steps cost ~15-20 us per wave, against ~80 us + ~8 us per wave for the passes (H200, V4-Flash, 64 heads, all
+# three steps: S=128 (1 wave) 92 us fused vs 164 us chained, core alone 79; 4096-token prefill (31 waves) 2552 vs
+# 2183, core alone 1845; decode batch 64 and 8: 110 / 106 vs 215 / 222).
+FUSE_MAX_WAVES = 4
 
 _CHOSEN: dict = {}   # (device, shape key, requested config) -> the config that launched
 
@@ -467,7 +495,7 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
     sc = scales if scales is not None else unused
     qrf = 0 if fu.qfreq is None else 2 * fu.qfreq.numel()
     orf = 0 if fu.ofreq is None else 2 * fu.ofreq.numel()
-    orope, fp8, emu8 = fu.opos is not None, fu.fp8, fu.fp8 and interpreting()
+    orope, fp8, interp = fu.opos is not None, fu.fp8, interpreting()
     grid = (B * S, triton.cdiv(H, cfg.block_h), ndv * nsplit)
     _sparse_core_kernel[grid](
         q, out, sinks, kv1, i1, kv2, i2, ws_ml, ws_acc, qpos, qfreq, opos, ofreq, sc, fu.eps,
@@ -476,17 +504,17 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=BD, BH=cfg.block_h, BN=cfg.block_n, BDK=cfg.block_dk, BDV=cfg.block_dv,
         TWO=two, SPLIT=nsplit > 1, IEEE=q.dtype == torch.float32 or interpreting(), QROPE=fu.qpos is not None,
-        QRF=qrf, OROPE=orope, ORF=orf, FP8=fp8, EMU8=emu8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        QRF=qrf, OROPE=orope, ORF=orf, FP8=fp8, INTERP=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit > 1:
         bdv = min(128, BD)
         _combine_kernel[(B * S, triton.cdiv(H, cfg.block_h), triton.cdiv(D, bdv))](
             ws_ml, ws_acc, out, q, sc, opos, ofreq, S, H, nsplit, out.stride(0), out.stride(1), out.stride(2), D=D,
-            BH=cfg.block_h, BDV=bdv, RF=orf, OROPE=orope, FP8=fp8, EMU8=emu8, num_warps=4)
+            BH=cfg.block_h, BDV=bdv, RF=orf, OROPE=orope, FP8=fp8, INTERP=interp, num_warps=4)
 
 
 def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
                            config: CoreConfig | None = None, fallback: bool = True, *, q_rope=None, o_rope=None,
-                           out_fp8: bool = False):
+                           out_fp8: bool = False, fuse: bool | None = None):
     """``core.sparse_attention`` as one Triton kernel (one or two parts), see the module docstring.
 
     Args:
@@ -504,6 +532,10 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
             (``rope_tail(o, pos, freq, inverse=True)``), computed in fp32 from the output rounded to q's dtype.
         out_fp8: return ``moe_wave.fp8.act_quant_torch(o.reshape(B*S, H*d))`` of the q-dtype output (after
             o_rope) instead of o; d must be a multiple of 128.
+        fuse: where q_rope / o_rope / out_fp8 run: True: inside the kernels; False: as the unfused chain around
+            the plain kernel (``norm_rope``, then ``norm_rope(inverse)`` in place and ``fp8.act_quant``); None
+            (default): inside when the grid is at most ``FUSE_MAX_WAVES`` waves of programs, else the chain. Same
+            results either way (the epilogue's bits; the prologue's to the rounding of its sum of squares).
     Returns:
         o_BSHd in q's dtype (0 for a query whose every pick is masked); with ``out_fp8`` the pair ``(o_q, s)``:
         o_q float8_e4m3fn ``[B*S, H*d]``, s fp32 ``[H*d/128, B*S]`` contiguous (powers of two).
@@ -523,6 +555,20 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         srcs.append((kv, idx if idx.stride(-1) == 1 else idx.contiguous()))
     two = len(srcs) == 2
     (kv1, i1), (kv2, i2) = srcs[0], srcs[1] if two else srcs[0]
+    sinks = sinks_H.float().contiguous()
+    want = (config or default_config(H, D, q.dtype)).fit(H, D)
+    if fuse is None:
+        fuse = B * S * triton.cdiv(H, want.block_h) <= FUSE_MAX_WAVES * _sm_count(q.device)
+    if B * S * H and not fuse and fu.key != (False, False, False):    # the unfused chain around the plain kernel
+        if fu.qpos is not None:
+            q = norm_rope(q, fu.qpos, fu.qfreq, eps=fu.eps)
+        o = sparse_attention_fused(q, srcs, sinks, scale, want, fallback)
+        if fu.opos is not None:
+            norm_rope(o, fu.opos, fu.ofreq, norm=False, inverse=True, out=o)
+        return act_quant(o.reshape(B * S, H * D)) if fu.fp8 else o
+    if fu.fp8 and want.block_dv < 128:
+        raise ValueError(f"sparse_attention_fused: out_fp8 needs CoreConfig.block_dv >= 128 (a program's value "
+                         f"channels hold whole 128-channel scale blocks), got block_dv={want.block_dv}")
     scales = None
     if fu.fp8:
         o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device=q.device)
@@ -533,11 +579,6 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         result = out
     if B * S * H == 0:
         return result
-    sinks = sinks_H.float().contiguous()
-    want = (config or default_config(H, D, q.dtype)).fit(H, D)
-    if fu.fp8 and want.block_dv < 128:
-        raise ValueError(f"sparse_attention_fused: out_fp8 needs CoreConfig.block_dv >= 128 (a program's value "
-                         f"channels hold whole 128-channel scale blocks), got block_dv={want.block_dv}")
     key = (q.device, q.dtype, H, D, two, want, fu.key)
     cfg = _CHOSEN.get(key, want)
     ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if fallback and key not in _CHOSEN
