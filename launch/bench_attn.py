@@ -139,18 +139,35 @@ def fp8_gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
 
 
 def core_parts(attn: V4Attention, x, pos, cache):
-    """The front-end's result for ``x`` (serial): (q_BSHd, parts), what the core and the output consume."""
+    """The front-end's result for ``x`` (serial): the ``FrontEnd`` (queries and parts) the core consumes."""
     fe = run_frontend(attn, x, pos, cache, False)
     cache.join()
-    return fe.q_BSHd, fe.parts
+    return fe
 
 
-def core_fn(attn: V4Attention, q, parts, config: CoreConfig | None = None):
-    scale = attn.cfg.head_dim ** -0.5
+def core_fn(attn: V4Attention, fe, pos, config: CoreConfig | None = None):
+    """The core as the layer runs it (with the fused prologue / epilogue where the front-end left q raw), or
+    the kernel with one tiling (``config``)."""
     if config is None:
-        return lambda: sparse_attention(q, parts, attn.sinks, scale, attn.schedule.kernels)
+        return lambda: attn.core(fe, pos)
     from moe_wave.attention.core_kernel import sparse_attention_fused
-    return lambda: sparse_attention_fused(q, parts, attn.sinks, scale, config=config, fallback=False)
+    kw = dict(q_rope=(pos, attn.freq_F, attn.cfg.eps), o_rope=(pos, attn.freq_F), out_fp8=attn.fp8) if fe.q_raw else {}
+    return lambda: sparse_attention_fused(fe.q_BSHd, fe.parts, attn.sinks, attn.cfg.head_dim ** -0.5, config=config,
+                                          fallback=False, **kw)
+
+
+def out_fn(attn: V4Attention, fe, o, pos):
+    """The output projection on the core's result ``o`` (as the layer runs it)."""
+    if not fe.q_raw:
+        return lambda: attn.output(o, pos)
+    B, S = pos.shape
+    if attn.fp8:
+        return lambda: attn.output_q(o[0], o[1], B, S, fe.q_BSHd.dtype)
+    return lambda: attn.project_out(o)
+
+
+def _clone(o):
+    return tuple(t.clone() for t in o) if isinstance(o, tuple) else o.clone()
 
 
 def branches(attn: V4Attention):
@@ -213,12 +230,13 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
             c.join()  # eager warm-up leaves deferred writes; a capture may not wait on them
         return fn
 
-    q, parts = core_parts(attn, pool[0], pos, cache)
-    core = core_fn(attn, q, parts)
-    o = core().clone()
-    useful, _ = core_flops(attn.cfg.heads, attn.cfg.head_dim, [idx for _, idx in parts])   # HOST SYNC (setup)
+    fe = core_parts(attn, pool[0], pos, cache)
+    core = core_fn(attn, fe, pos)
+    o = _clone(core())
+    output = out_fn(attn, fe, o, pos)
+    useful, _ = core_flops(attn.cfg.heads, attn.cfg.head_dim, [idx for _, idx in fe.parts])   # HOST SYNC (setup)
     fns = {"serial": frontend(False), "overlapped": frontend(True), "layer_serial": layer(False),
-           "layer": layer(True), "core": lambda x, p, c: core(), "output": lambda x, p, c: attn.output(o, p)}
+           "layer": layer(True), "core": lambda x, p, c: core(), "output": lambda x, p, c: output()}
     fns.update({f"branch_{k}": v for k, v in branches(attn).items()})
     res = {}
     if graph:
@@ -238,7 +256,7 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
                core_us=round(res["core"], 2), output_us=round(res["output"], 2), core_gflop=round(useful / 1e9, 2),
                core_tflops=round(useful / res["core"] / 1e6, 1))
     row.update({f"{k}_us": round(v, 2) for k, v in res.items() if k.startswith("branch_")})
-    del attn, cache, pool, q, parts, o
+    del attn, cache, pool, fe, o, output
     torch.cuda.empty_cache()
     return row
 
@@ -290,12 +308,13 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                     fill_cache(cache, CTX)
                 pos = (start + torch.arange(S, device=dev)).expand(batch, -1).contiguous()
                 x = torch.randn(batch, S, attn.cfg.hidden, device=dev, dtype=torch.bfloat16)
-                q, parts = core_parts(attn, x, pos, cache)
+                fe = core_parts(attn, x, pos, cache)
+                q, parts = fe.q_BSHd, fe.parts
                 H, d = attn.cfg.heads, attn.cfg.head_dim
                 useful, nominal = core_flops(H, d, [idx for _, idx in parts])   # HOST SYNC (setup)
-                us = time_alone(core_fn(attn, q, parts), iters)
-                o = core_fn(attn, q, parts)().clone()
-                out_us = time_alone(lambda: attn.output(o, pos), iters)
+                us = time_alone(core_fn(attn, fe, pos), iters)
+                o = _clone(core_fn(attn, fe, pos)())
+                out_us = time_alone(out_fn(attn, fe, o, pos), iters)
                 cfg = default_config(H, d, q.dtype)
                 rows.append(dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S,
                                  core_us=round(us, 2), output_us=round(out_us, 2), gflop=round(useful / 1e9, 2),
@@ -310,14 +329,14 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                         replace(cfg, block_n=32, num_stages=3, split_k=n) for n in (4, 8)]
                     for c in cands:
                         try:
-                            t = time_alone(core_fn(attn, q, parts, c), iters)
+                            t = time_alone(core_fn(attn, fe, pos, c), iters)
                         except OutOfResources as e:   # this tiling does not fit this GPU
                             t = float("nan")
                             print(f"{tiling(c)}: {e}", flush=True)
                         tilings.append(dict(shape=shape, mode=mode, config=tiling(c.fit(H, d)), core_us=round(t, 2),
                                             tflops=round(useful / t / 1e6, 1)))
                         print(json.dumps(tilings[-1]), flush=True)
-                del cache, q, parts, o, x
+                del cache, q, parts, o, x, fe
             del attn
             torch.cuda.empty_cache()
     topk = [topk_point(dev, CTX, CTX // 4, k, True, iters) for k in (512, 1024)]

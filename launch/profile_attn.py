@@ -21,7 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attn import CTX, branches, core_fn, core_parts, fill_cache, make_attn, time_eager  # noqa: E402
+from bench_attn import (CTX, _clone, branches, core_fn, core_parts, fill_cache, make_attn, out_fn,  # noqa: E402
+                        time_eager)
 from launch_common import out_path  # noqa: E402
 
 
@@ -129,15 +130,15 @@ def main() -> None:
         parts_run = {f"branch {name}": (lambda fn=fn, c=cache_for(): fn(x, pos, c))
                      for name, fn in branches(attn).items()}
         cache = cache_for()
-        q, parts = core_parts(attn, x, pos, cache)
-        core = core_fn(attn, q, parts)
-        o = core().clone()
-        parts_run.update({"core": core, "output": lambda: attn.output(o, pos)})
+        fe = core_parts(attn, x, pos, cache)
+        core = core_fn(attn, fe, pos)
+        o = _clone(core())
+        parts_run.update({"core": core, "output": out_fn(attn, fe, o, pos)})
         for name, fn in parts_run.items():
             table, total, count = profiled(fn, args.rows)
             out.append(f"== {args.shape} {kind} {mode}: {name}: {total:.0f} us of kernels, {count} launches\n{table}")
             print(out[-1], flush=True)
-        del attn, cache, q, parts, o, parts_run
+        del attn, cache, fe, o, parts_run
         torch.cuda.empty_cache()
     if args.decode:
         if out_path("profile_attn_decode.txt"):

@@ -205,6 +205,24 @@ def test_attention_fp8_close_to_bf16_layer(layer_type):
     assert not torch.allclose(got, ref, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(not triton_ok("cpu", want=True) and not torch.cuda.is_available(),
+                    reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("layer_type", list(TYPES))
+def test_attention_fp8_fused_core_matches_unfused(layer_type):
+    """kernels="on": the core with q's norm + RoPE in its prologue and the inverse RoPE in its epilogue (the
+    front-end leaves q raw), against the torch ops, both with FP8 projections. A last-bit difference before a
+    quantisation can move an element one e4m3 step, hence the tolerance."""
+    off = make_attn(layer_type).quantize_fp8()
+    on = copy.deepcopy(off)
+    on.schedule = A.ScheduleConfig(kernels="on")
+    x = torch.randn(2, 20, 256)
+    pos = torch.arange(20)[None].expand(2, -1)
+    with torch.no_grad():
+        want = off(x, positions=pos)
+        got = on(x, positions=pos)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
 def test_attention_fp8_decode_continues_prefill():
     """The cache path with FP8 projections: prefill then decode == one pass (same quantised weights; the
     activations of a row are quantised per row, so splitting the sequence changes nothing)."""

@@ -166,9 +166,19 @@ class V4Attention(nn.Module):
     def q_lora(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
 
-    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+    def fused_core(self, t: torch.Tensor) -> bool:
+        """Whether the core runs as the Triton kernel with q's head norm and RoPE fused into its loads and the
+        inverse RoPE (and, with FP8 projections, the output's quantisation) into its stores (where
+        ``use_kernels``): the front-end then leaves q raw (``q_heads(raw=True)``)."""
+        return use_kernels(t, self.schedule.kernels)
+
+    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, raw: bool = False) -> torch.Tensor:
+        """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail (``raw``: wq_b only, for the
+        fused core, which does the rest as it loads q)."""
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
+        if raw:
+            return q
         if use_kernels(q, self.schedule.kernels):   # per-head RMSNorm + RoPE in one pass, in place
             return norm_rope(q, pos_BS, self.freq_F, eps=self.cfg.eps, out=q)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
@@ -220,13 +230,17 @@ class V4Attention(nn.Module):
 
     def output(self, o_BSHd: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
         """Undo V's RoPE at the query position, grouped o_a, then o_b."""
+        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True, inplace=True, kernels=self.schedule.kernels)
+        return self.project_out(o)
+
+    def project_out(self, o_BSHd: torch.Tensor) -> torch.Tensor:
+        """Grouped o_a then o_b of the core's output (V's RoPE already undone). [B, S, D]"""
         B, S = o_BSHd.shape[:2]
         G, Ro = self.cfg.o_groups, self.cfg.o_lora_rank
-        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True, inplace=True,
-                      kernels=self.schedule.kernels).reshape(B, S, G, -1)
         if self.fp8:
-            o_q, s = act_quant(o.reshape(B * S, -1))
-            return self.output_q(o_q, s, B, S, o.dtype)
+            o_q, s = act_quant(o_BSHd.reshape(B * S, -1))
+            return self.output_q(o_q, s, B, S, o_BSHd.dtype)
+        o = o_BSHd.reshape(B, S, G, -1)
         z_BSGR = torch.einsum("bsgk,grk->bsgr", o, self.o_a_weight.view(G, Ro, -1))
         return self.o_b_proj(z_BSGR.flatten(2))
 
@@ -267,12 +281,24 @@ class V4Attention(nn.Module):
         cache.join()
         use_overlap = self.schedule.use_overlap(B, S) if overlap is None else overlap
         fe = run_frontend(self, x, positions, cache, use_overlap, store=store)
-        core = lambda sl: sparse_attention(  # noqa: E731
-            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, self.cfg.head_dim ** -0.5,
-            self.schedule.kernels)
-        # the fused kernel gathers nothing, so it needs no query blocks
-        o_BSHd = core(slice(0, S)) if use_kernels(fe.q_BSHd, self.schedule.kernels) else self.chunked(core, S)
+        o = self.core(fe, positions)
         cache.advance(S)
         if is_capturing(x.device):
             cache.join()  # every side stream joins the capture stream before the captured step ends
-        return self.output(o_BSHd, positions)
+        if fe.q_raw:
+            return self.output_q(*o, B, S, x.dtype) if isinstance(o, tuple) else self.project_out(o)
+        return self.output(o, positions)
+
+    def core(self, fe, pos_BS: torch.Tensor):
+        """The sparse core on the front-end's result. Unfused: o [B, S, H, d] (V's RoPE still on). Fused
+        (``fe.q_raw``): o with V's RoPE undone, or with FP8 projections the quantised pair (o_q [B*S, H*d], s)
+        that ``output_q`` takes."""
+        scale, k = self.cfg.head_dim ** -0.5, self.schedule.kernels
+        if fe.q_raw:   # the fused kernel gathers nothing, so it needs no query blocks
+            return sparse_attention(fe.q_BSHd, fe.parts, self.sinks, scale, k,
+                                    q_rope=(pos_BS, self.freq_F, self.cfg.eps), o_rope=(pos_BS, self.freq_F),
+                                    out_fp8=self.fp8)
+        core = lambda sl: sparse_attention(  # noqa: E731
+            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, scale, k)
+        S = fe.q_BSHd.shape[1]
+        return core(slice(0, S)) if use_kernels(fe.q_BSHd, k) else self.chunked(core, S)
