@@ -44,7 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
-from moe_wave.attention.core import sparse_attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, default_config  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
@@ -146,22 +145,19 @@ def core_parts(attn: V4Attention, x, pos, cache):
 
 
 def core_fn(attn: V4Attention, fe, pos, config: CoreConfig | None = None):
-    """The core as the layer runs it (with the fused prologue / epilogue where the front-end left q raw), or
-    the kernel with one tiling (``config``)."""
+    """The core as the layer runs it (``V4Attention.core``: V's RoPE undone, the output quantised for a grouped
+    FP8 wo_a), or the kernel with one tiling (``config``)."""
     if config is None:
         return lambda: attn.core(fe, pos)
     from moe_wave.attention.core_kernel import sparse_attention_fused
-    kw = dict(q_rope=(pos, attn.freq_F, attn.cfg.eps), o_rope=(pos, attn.freq_F), out_fp8=attn.fp8) if fe.q_raw else {}
     return lambda: sparse_attention_fused(fe.q_BSHd, fe.parts, attn.sinks, attn.cfg.head_dim ** -0.5, config=config,
-                                          fallback=False, **kw)
+                                          fallback=False, o_rope=(pos, attn.freq_F), out_fp8=attn.o_a_fp8 is not None)
 
 
 def out_fn(attn: V4Attention, fe, o, pos):
     """The output projection on the core's result ``o`` (as the layer runs it)."""
-    if not fe.q_raw:
-        return lambda: attn.output(o, pos)
     B, S = pos.shape
-    if attn.fp8:
+    if isinstance(o, tuple):
         return lambda: attn.output_q(o[0], o[1], B, S, fe.q_BSHd.dtype)
     return lambda: attn.project_out(o)
 

@@ -151,7 +151,27 @@ def act_quant(x: torch.Tensor, groups: int = 1, kernels: bool | None = None) -> 
 _SCALED_MM_OK: dict = {}     # device -> False once torch._scaled_mm refused the 1x128 x 128x128 recipe
 
 
+def _pad_k(x_q, s_KbM, w_q, s_w):
+    """K padded with zeros to a multiple of 4 blocks of 128: cuBLASLt reads the 128 x 128 weight scales with a
+    leading dimension of K/128 rounded up to 4, and some torch versions pass it unrounded (silently wrong
+    results; pytorch/pytorch#166752). The V4 shapes (K = 1024, 4096, 8192) never pad."""
+    M, K = x_q.shape
+    kb = K // BLOCK
+    Kp = -(-kb // 4) * 4 * BLOCK
+    xp = torch.zeros(M, Kp, dtype=x_q.dtype, device=x_q.device)
+    xp[:, :K] = x_q
+    wp = torch.zeros(w_q.shape[0], Kp, dtype=w_q.dtype, device=w_q.device)
+    wp[:, :K] = w_q
+    sp = torch.ones(Kp // BLOCK, M, dtype=s_KbM.dtype, device=s_KbM.device)
+    sp[:kb] = s_KbM
+    swp = torch.ones(s_w.shape[0], Kp // BLOCK, dtype=s_w.dtype, device=s_w.device)
+    swp[:, :kb] = s_w[:, :kb]
+    return xp, sp, wp, swp
+
+
 def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype):
+    if (x_q.shape[1] // BLOCK) % 4:
+        x_q, s_KbM, w_q, s_w = _pad_k(x_q, s_KbM, w_q, s_w)
     M = x_q.shape[0]
     Mp = -(-M // 4) * 4                        # cuBLASLt's 1x128 scales want M a multiple of 4
     if Mp != M:

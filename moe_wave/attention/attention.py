@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import require_hf
-from ..fp8 import FP8Linear, GroupedFP8, act_quant
+from ..fp8 import FP8Linear, GroupedFP8, act_quant, dequant_weight, weight_quant
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
@@ -107,26 +107,35 @@ class V4Attention(nn.Module):
             hidden=D, q_lora_rank=L, heads=cfg.index_heads, dim=cfg.index_dim, topk=cfg.index_topk,
             ratio=cfg.ratio, eps=cfg.eps))
         self.register_buffer("freq_F", inv_freq(cfg.rope), persistent=False)
-        self.o_a_fp8: GroupedFP8 | None = None     # set by quantize_fp8 (which drops o_a_weight)
+        self.o_a_fp8: GroupedFP8 | None = None     # quantize_fp8(wo_a_fp8=True) (which drops o_a_weight)
         nn.init.normal_(self.o_a_weight, std=0.02)
 
     @property
     def fp8(self) -> bool:
         """Whether the projections are in the FP8 format (``quantize_fp8``)."""
-        return self.o_a_fp8 is not None
+        return isinstance(self.o_b_proj, FP8Linear)
 
-    def quantize_fp8(self) -> "V4Attention":
-        """Store the projections as the released checkpoints do (spec section 5): wq_a, wq_b, wkv, wo_a
-        (grouped), wo_b and the indexer's wq_b in float8 e4m3 with one power-of-two scale per 128 x 128 block;
-        their inputs are quantised per (token, 128 channels) on the fly (``moe_wave.fp8``). On a Hopper GPU the
-        products are FP8 tensor-core GEMMs (``torch._scaled_mm``), on CPU the same math dequantised. The bf16
-        weights are dropped (like loading an FP8 checkpoint). Returns self."""
+    def quantize_fp8(self, wo_a_fp8: bool = False) -> "V4Attention":
+        """Store the projections as the released checkpoints do (spec section 5): wq_a, wq_b, wkv, wo_b and the
+        indexer's wq_b in float8 e4m3 with one power-of-two scale per 128 x 128 block, their inputs quantised
+        per (token, 128 channels) on the fly (``moe_wave.fp8``): on a Hopper GPU FP8 tensor-core GEMMs
+        (``torch._scaled_mm``), on CPU the same math dequantised. The bf16 weights are dropped (like loading an
+        FP8 checkpoint).
+
+        wo_a: as the official inference code does, its FP8 weight dequantised to the model dtype and the grouped
+        product in that dtype (default); ``wo_a_fp8=True``: G FP8 GEMMs on the core's quantised output (as S4 /
+        S5 do; measured on one H200, V4-Flash: faster in 4096-token prefill, 3x slower at decode batch 64, where
+        the G small block-scaled GEMMs cost more than the bf16 einsum). Returns self."""
         if self.fp8:
             return self
         for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
             setattr(self, name, FP8Linear.from_linear(getattr(self, name)))
-        self.o_a_fp8 = GroupedFP8(self.o_a_weight.detach(), self.cfg.o_groups)
-        self.o_a_weight = None
+        if wo_a_fp8:
+            self.o_a_fp8 = GroupedFP8(self.o_a_weight.detach(), self.cfg.o_groups)
+            self.o_a_weight = None
+        else:
+            with torch.no_grad():
+                self.o_a_weight.copy_(dequant_weight(*weight_quant(self.o_a_weight.detach())))
         if self.indexer is not None:
             self.indexer.q_b_proj = FP8Linear.from_linear(self.indexer.q_b_proj)
         return self
@@ -166,19 +175,12 @@ class V4Attention(nn.Module):
     def q_lora(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
 
-    def fused_core(self, t: torch.Tensor) -> bool:
-        """Whether the core runs as the Triton kernel with q's head norm and RoPE fused into its loads and the
-        inverse RoPE (and, with FP8 projections, the output's quantisation) into its stores (where
-        ``use_kernels``): the front-end then leaves q raw (``q_heads(raw=True)``)."""
-        return use_kernels(t, self.schedule.kernels)
-
-    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, raw: bool = False) -> torch.Tensor:
-        """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail (``raw``: wq_b only, for the
-        fused core, which does the rest as it loads q)."""
+    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+        """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail. (The core kernel can do the
+        norm and RoPE as it loads q, ``q_rope``; here they stay on the q branch, beside the other branches: the
+        measured decode layer preferred that, V4-Flash CSA batch 64 245 vs 259 us on one H200.)"""
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
-        if raw:
-            return q
         if use_kernels(q, self.schedule.kernels):   # per-head RMSNorm + RoPE in one pass, in place
             return norm_rope(q, pos_BS, self.freq_F, eps=self.cfg.eps, out=q)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
@@ -237,7 +239,7 @@ class V4Attention(nn.Module):
         """Grouped o_a then o_b of the core's output (V's RoPE already undone). [B, S, D]"""
         B, S = o_BSHd.shape[:2]
         G, Ro = self.cfg.o_groups, self.cfg.o_lora_rank
-        if self.fp8:
+        if self.o_a_fp8 is not None:
             o_q, s = act_quant(o_BSHd.reshape(B * S, -1))
             return self.output_q(o_q, s, B, S, o_BSHd.dtype)
         o = o_BSHd.reshape(B, S, G, -1)
@@ -285,20 +287,19 @@ class V4Attention(nn.Module):
         cache.advance(S)
         if is_capturing(x.device):
             cache.join()  # every side stream joins the capture stream before the captured step ends
-        if fe.q_raw:
-            return self.output_q(*o, B, S, x.dtype) if isinstance(o, tuple) else self.project_out(o)
-        return self.output(o, positions)
+        return self.output_q(*o, B, S, x.dtype) if isinstance(o, tuple) else self.project_out(o)
 
     def core(self, fe, pos_BS: torch.Tensor):
-        """The sparse core on the front-end's result. Unfused: o [B, S, H, d] (V's RoPE still on). Fused
-        (``fe.q_raw``): o with V's RoPE undone, or with FP8 projections the quantised pair (o_q [B*S, H*d], s)
-        that ``output_q`` takes."""
+        """The sparse core on the front-end's result, V's RoPE undone: o [B, S, H, d], or with a grouped FP8
+        wo_a (``quantize_fp8(wo_a_fp8=True)``) the quantised pair (o_q [B*S, H*d], s) that ``output_q`` takes.
+        The Triton kernel does the inverse RoPE and the quantisation in its epilogue (small grids) or as the
+        passes after it (``core_kernel.FUSE_MAX_WAVES``)."""
         scale, k = self.cfg.head_dim ** -0.5, self.schedule.kernels
-        if fe.q_raw:   # the fused kernel gathers nothing, so it needs no query blocks
-            return sparse_attention(fe.q_BSHd, fe.parts, self.sinks, scale, k,
-                                    q_rope=(pos_BS, self.freq_F, self.cfg.eps), o_rope=(pos_BS, self.freq_F),
-                                    out_fp8=self.fp8)
+        q, S = fe.q_BSHd, fe.q_BSHd.shape[1]
+        if use_kernels(q, k):   # the kernel gathers nothing, so it needs no query blocks
+            return sparse_attention(q, fe.parts, self.sinks, scale, k, o_rope=(pos_BS, self.freq_F),
+                                    out_fp8=self.o_a_fp8 is not None)
         core = lambda sl: sparse_attention(  # noqa: E731
-            fe.q_BSHd[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, scale, k)
-        S = fe.q_BSHd.shape[1]
-        return core(slice(0, S)) if use_kernels(fe.q_BSHd, k) else self.chunked(core, S)
+            q[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, scale, k)
+        o = rope_tail(self.chunked(core, S), pos_BS, self.freq_F, inverse=True, inplace=True, kernels=k)
+        return act_quant(o.reshape(-1, o.shape[2] * o.shape[3])) if self.o_a_fp8 is not None else o

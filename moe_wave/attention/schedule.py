@@ -5,7 +5,6 @@ Legend: B batch, S chunk length, D hidden, H heads, d head_dim, W window, K pick
 Once x exists, the front-end is independent chains joined once before the core:
 
   main (current) stream:  q_a -> q_norm --record q_lora_ready--> q_b -> head norm -> RoPE
-                          (with the Triton kernels the head norm and RoPE run inside the core, on its q loads)
   side a:  kv_proj -> kv_norm -> RoPE -> window source   --kv_ready-->    | ring write (deferred)
   side b:  compressor GEMMs -> pool -> entry write        --comp_ready-->  | state write (deferred)
   side c:  indexer compressor -> entry write, weights_proj, wait q_lora_ready -> q side -> top-k
@@ -89,12 +88,10 @@ def is_capturing(device: torch.device) -> bool:
 
 @dataclass
 class FrontEnd:
-    """What the core needs: queries and (key source, per-query row ids) parts. ``q_raw``: the queries are
-    wq_b's output, their head norm and RoPE left to the fused core (``V4Attention.fused_core``)."""
+    """What the core needs: queries and (key source, per-query row ids) parts."""
 
     q_BSHd: torch.Tensor
     parts: list
-    q_raw: bool = False
 
 
 def _cache_tensors(cache) -> dict:
@@ -171,8 +168,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
                 ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
                 cache.pending["index"] = record(sc)
 
-    raw = attn.fused_core(qr_BSL)
-    q_BSHd = attn.q_heads(qr_BSL, pos_BS, raw=raw)
+    q_BSHd = attn.q_heads(qr_BSL, pos_BS)
     for ev in (kv_ready, comp_ready, idx_ready):              # the single join before the core
         wait(ev)
     if attn.compressor is not None:
@@ -181,4 +177,4 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
         for _, idx in parts:
             keep_alive(idx, main)
         keep_alive(win_src, main)
-    return FrontEnd(q_BSHd=q_BSHd, parts=parts, q_raw=raw)
+    return FrontEnd(q_BSHd=q_BSHd, parts=parts)
