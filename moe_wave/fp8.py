@@ -172,6 +172,11 @@ def _pad_k(x_q, s_KbM, w_q, s_w):
 def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype):
     if (x_q.shape[1] // BLOCK) % 4:
         x_q, s_KbM, w_q, s_w = _pad_k(x_q, s_KbM, w_q, s_w)
+    N = w_q.shape[0]
+    if N % 16:                                 # torch._scaled_mm wants N a multiple of 16 (same weight blocks)
+        wp = torch.zeros(-(-N // 16) * 16, w_q.shape[1], dtype=w_q.dtype, device=w_q.device)
+        wp[:N] = w_q
+        return _scaled_mm(x_q, s_KbM, wp, s_w, out_dtype)[:, :N].contiguous()
     M = x_q.shape[0]
     Mp = -(-M // 4) * 4                        # cuBLASLt's 1x128 scales want M a multiple of 4
     if Mp != M:
