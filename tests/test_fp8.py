@@ -305,7 +305,11 @@ def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8):
         want = cpu(x[:, :prefill], positions=pos[:, :prefill])
         got = attn(xd[:, :prefill], positions=pd[:, :prefill])
         assert attn.q_b_proj.weight.dtype == F.FP8
-        assert ((got.cpu() - want).norm() / want.norm()).item() < 1e-2
+        # fp32 on both sides, but the GPU's Triton dots in fp32 (indexer scores, pooling) round like TF32: their
+        # ~1e-3 differences flip a few e4m3 roundings at each quantised product, one step (6-12 %) each. Measured
+        # on the H200: under 1e-2 with the bf16 wo_a, 0.014-0.017 with the FP8 wo_a (one more quantisation);
+        # the K-padding bug this test found gave 0.06-0.61.
+        assert ((got.cpu() - want).norm() / want.norm()).item() < 3e-2
         cache = attn.new_cache(B, T)
         attn(xd[:, :prefill], positions=pd[:, :prefill], cache=cache)
         cache.join()
