@@ -29,7 +29,7 @@ from torch import nn
 from .comm.triton_gate import tl, triton, triton_ok
 
 __all__ = ["BLOCK", "FP8_MAX", "pow2_ceil", "act_quant", "act_quant_torch", "weight_quant", "dequant_weight",
-           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "FP8Linear", "GroupedFP8"]
+           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "FP8Linear", "GroupedFP8", "hf_fp8_payload", "hf_weight"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -220,6 +220,32 @@ def _keep_dtype(fn):
     return apply
 
 
+def hf_fp8_payload(hf_linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(w_q, scale) of a transformers FP8 linear layer (``integrations.finegrained_fp8.FP8Linear``, as an FP8
+    checkpoint loads: ``weight`` e4m3, ``weight_scale_inv`` per 128 x 128 block, fp32 or ue8m0, which multiplies
+    like our scale), or None for a dense layer. Other block sizes or formats are refused by name."""
+    w = getattr(hf_linear, "weight", None)
+    if w is None or w.dtype != FP8:
+        return None
+    s = getattr(hf_linear, "weight_scale_inv", None)
+    block = getattr(hf_linear, "block_size", None)
+    if s is None or block is None or tuple(block) != (BLOCK, BLOCK):
+        raise ValueError(f"{type(hf_linear).__name__}: FP8 weight with block_size={block!r} and "
+                         f"weight_scale_inv={'absent' if s is None else tuple(s.shape)}: moe-wave reads 128 x 128 "
+                         "block scales (the DeepSeek-V4 checkpoints' format)")
+    N, K = w.shape
+    if tuple(s.shape) != (-(-N // BLOCK), -(-K // BLOCK)):
+        raise ValueError(f"{type(hf_linear).__name__}: weight_scale_inv {tuple(s.shape)} does not match weight "
+                         f"{(N, K)} in 128 x 128 blocks")
+    return w.detach(), s.detach().float()
+
+
+def hf_weight(hf_linear: nn.Module) -> torch.Tensor:
+    """A transformers linear layer's weight as a dense tensor: FP8 ones dequantised to fp32, others as they are."""
+    payload = hf_fp8_payload(hf_linear)
+    return hf_linear.weight.detach() if payload is None else dequant_weight(*payload)
+
+
 class FP8Linear(nn.Module):
     """``nn.Linear`` without bias, its weight in the FP8 format: ``y = x @ W^T``, x quantised per call.
 
@@ -242,6 +268,29 @@ class FP8Linear(nn.Module):
         mod.weight.copy_(q)
         mod.weight_scale.copy_(s)
         return mod
+
+    @classmethod
+    def from_quantized(cls, w_q: torch.Tensor, scale: torch.Tensor) -> "FP8Linear":
+        """From a checkpoint's pair (w_q [N, K] e4m3, scale [ceil(N/128), ceil(K/128)]), copied bit for bit."""
+        N, K = w_q.shape
+        mod = cls(K, N, device=w_q.device)
+        if w_q.dtype != FP8 or tuple(scale.shape) != tuple(mod.weight_scale.shape):
+            raise ValueError(f"FP8Linear.from_quantized: w_q {w_q.dtype} {tuple(w_q.shape)}, scale "
+                             f"{tuple(scale.shape)}: need float8_e4m3fn and {tuple(mod.weight_scale.shape)} scales")
+        mod.weight.copy_(w_q)
+        mod.weight_scale.copy_(scale.float())
+        return mod
+
+    @classmethod
+    def from_hf(cls, hf_linear: nn.Module) -> "FP8Linear":
+        """From a transformers linear layer: an FP8 one's payload as it is, a dense one quantised."""
+        payload = hf_fp8_payload(hf_linear)
+        if payload is not None:
+            return cls.from_quantized(*payload)
+        lin = nn.Linear(hf_linear.in_features, hf_linear.out_features, bias=False, device=hf_linear.weight.device)
+        with torch.no_grad():
+            lin.weight.copy_(hf_linear.weight)
+        return cls.from_linear(lin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

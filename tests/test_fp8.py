@@ -333,3 +333,82 @@ def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8):
             eager = attn(xd[:, t:t + 1], positions=pd[:, t:t + 1], cache=eager_cache)
             assert torch.equal(static_out, eager)
     torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------- an FP8 checkpoint through HF
+def _hf_fp8_layers():
+    """A tiny HF DeepSeek-V4 (dims multiples of 128) whose attention projections are transformers' FP8Linear
+    holding our quantisation of the random weights (as an FP8 checkpoint loads), and the same model with those
+    weights dequantised into plain layers (what the checkpoint's numbers mean)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.finegrained_fp8 import FP8Linear as HFFP8Linear
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=64, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128, sliding_window=8,
+        compress_ratios=[0, 4, 128], compress_rates={"compressed_sparse_attention": 4,
+                                                     "heavily_compressed_attention": 8},
+        index_n_heads=4, index_head_dim=128, index_topk=3, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=128, num_hash_layers=0, hc_mult=2, hc_sinkhorn_iters=3,
+        max_position_embeddings=256, attn_implementation="eager")
+    dense = transformers.DeepseekV4Model(cfg).eval()
+    with torch.no_grad():
+        for n, p in dense.named_parameters():
+            if n.endswith("sinks"):
+                p.normal_(0, 0.5)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.05)
+    fp8 = copy.deepcopy(dense)
+    names = ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj")
+    for layer_d, layer_q in zip(dense.layers, fp8.layers):
+        pairs = [(layer_d.self_attn, layer_q.self_attn, n) for n in names]
+        if layer_q.self_attn.compressor is not None and getattr(layer_q.self_attn.compressor, "indexer", None):
+            pairs.append((layer_d.self_attn.compressor.indexer, layer_q.self_attn.compressor.indexer, "q_b_proj"))
+        for mod_d, mod_q, name in pairs:
+            lin = getattr(mod_d, name)
+            q, s = F.weight_quant(lin.weight.detach())
+            hf = HFFP8Linear(lin.in_features, lin.out_features, block_size=(128, 128))
+            with torch.no_grad():
+                hf.weight.copy_(q)
+                hf.weight_scale_inv.copy_(s)
+                lin.weight.copy_(F.dequant_weight(q, s))          # the dense model: the checkpoint's values
+            setattr(mod_q, name, hf)
+    return cfg, dense, fp8
+
+
+def test_from_hf_keeps_an_fp8_checkpoints_bytes():
+    cfg, dense, fp8 = _hf_fp8_layers()
+    x = torch.randn(2, 20, cfg.hidden_size)
+    pos = torch.arange(20)[None].expand(2, -1)
+    for i in range(3):
+        hf_attn = fp8.layers[i].self_attn
+        ours = A.V4Attention.from_hf(hf_attn, cfg, layer_idx=i)
+        assert ours.fp8 and ours.kv_norm.dtype == torch.float32
+        for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
+            src = getattr(hf_attn, name)
+            assert torch.equal(getattr(ours, name).weight.view(torch.uint8), src.weight.view(torch.uint8))
+            assert torch.equal(getattr(ours, name).weight_scale, src.weight_scale_inv)
+        assert torch.equal(ours.o_a_weight, dense.layers[i].self_attn.o_a_proj.weight)   # wo_a dequantised
+        if ours.indexer is not None:
+            assert isinstance(ours.indexer.q_b_proj, F.FP8Linear)
+        # the same layer loaded from the dense (dequantised) model and quantised by us holds the same numbers
+        # (weights) and runs the same FP8 products: equal outputs
+        again = A.V4Attention.from_hf(dense.layers[i].self_attn, cfg, layer_idx=i)
+        for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
+            setattr(again, name, F.FP8Linear.from_hf(getattr(hf_attn, name)))
+        if again.indexer is not None:
+            again.indexer.q_b_proj = ours.indexer.q_b_proj
+        with torch.no_grad():
+            got, want = ours(x, positions=pos), again(x, positions=pos)
+            dense_out = A.V4Attention.from_hf(dense.layers[i].self_attn, cfg, layer_idx=i)(x, positions=pos)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # against the checkpoint's numbers in full precision: only the activations' quantisation differs
+        assert ((got - dense_out).norm() / dense_out.norm()).item() < 0.15
+
+
+def test_from_hf_refuses_other_fp8_blocks():
+    pytest.importorskip("transformers")
+    from transformers.integrations.finegrained_fp8 import FP8Linear as HFFP8Linear
+    hf = HFFP8Linear(256, 128, block_size=(1, 128))
+    with pytest.raises(ValueError, match=r"block_size=\(1, 128\).*128 x 128 block scales"):
+        F.FP8Linear.from_hf(hf)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import require_hf
-from ..fp8 import FP8Linear, GroupedFP8, act_quant, dequant_weight, weight_quant
+from ..fp8 import FP8Linear, GroupedFP8, act_quant, dequant_weight, hf_fp8_payload, hf_weight, weight_quant
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
@@ -144,24 +144,35 @@ class V4Attention(nn.Module):
     @classmethod
     def from_hf(cls, hf_attn, hf_config, layer_idx: int, schedule: ScheduleConfig | None = None) -> "V4Attention":
         """Copy a transformers 5.23 ``DeepseekV4Attention``; the ratio is read from its compressor. Needs
-        transformers: pip install 'moe-wave[hf]'."""
+        transformers: pip install 'moe-wave[hf]'.
+
+        An FP8 checkpoint (its projections loaded as transformers' ``FP8Linear``: e4m3 weights with 128 x 128
+        block scales) gives an FP8 layer (``quantize_fp8``'s layout) holding the checkpoint's bytes unchanged;
+        wo_a and any other FP8 weight of a module kept dense here (compressor, indexer weights) are dequantised.
+        The model dtype is that of the norms."""
         require_hf("V4Attention.from_hf")
         ratio = 0 if hf_attn.compressor is None else int(hf_attn.compressor.compress_rate)
         mod = cls(AttnConfig.from_hf(hf_config, layer_idx, ratio), schedule)
         eps = hf_config.rms_norm_eps
+        fp8 = hf_fp8_payload(hf_attn.q_a_proj) is not None
         with torch.no_grad():
             for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
-                getattr(mod, name).weight.copy_(getattr(hf_attn, name).weight)
+                if fp8:
+                    setattr(mod, name, FP8Linear.from_hf(getattr(hf_attn, name)))
+                else:
+                    getattr(mod, name).weight.copy_(getattr(hf_attn, name).weight)
             mod.q_a_norm.copy_(hf_attn.q_a_norm.weight)
             mod.kv_norm.copy_(hf_attn.kv_norm.weight)
-            mod.o_a_weight.copy_(hf_attn.o_a_proj.weight)
+            mod.o_a_weight.copy_(hf_weight(hf_attn.o_a_proj))
             mod.sinks.copy_(hf_attn.sinks)
         if ratio:
             csa = mod.indexer is not None
             mod.compressor = Compressor.from_hf(hf_attn.compressor, hidden=hf_config.hidden_size, overlap=csa, eps=eps)
             if csa:
                 mod.indexer = Indexer.from_hf(hf_attn.compressor.indexer, hf_config)
-        return mod.to(hf_attn.q_a_proj.weight.dtype)
+                if fp8:
+                    mod.indexer.q_b_proj = FP8Linear.from_hf(hf_attn.compressor.indexer.q_b_proj)
+        return mod.to(hf_attn.q_a_norm.weight.dtype)
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> AttnCache:
         """Empty cache for ``batch`` rows of up to ``max_len`` tokens (default: this module's device/dtype)."""

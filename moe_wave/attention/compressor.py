@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..fp8 import hf_weight
 from .kernels import norm_rope, pool_entries, use_kernels
 from .rope import rope_tail
 
@@ -107,11 +108,11 @@ class Compressor(nn.Module):
         dim = hf_mod.kv_norm.weight.shape[0]
         mod = cls(CompressorConfig(hidden=hidden, dim=dim, ratio=int(hf_mod.compress_rate), overlap=overlap, eps=eps))
         with torch.no_grad():
-            mod.kv_proj.weight.copy_(hf_mod.kv_proj.weight)
-            mod.gate_proj.weight.copy_(hf_mod.gate_proj.weight)
+            mod.kv_proj.weight.copy_(hf_weight(hf_mod.kv_proj))     # an FP8 checkpoint's weights dequantised
+            mod.gate_proj.weight.copy_(hf_weight(hf_mod.gate_proj))
             mod.ape.copy_(hf_mod.position_bias)
             mod.norm_weight.copy_(hf_mod.kv_norm.weight)
-        return mod.to(hf_mod.kv_proj.weight.dtype)
+        return mod.to(hf_mod.kv_norm.weight.dtype)
 
     def project(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token GEMMs as they come out (x's dtype, [B, S, C] each): kv and the gate score

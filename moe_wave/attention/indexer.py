@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..fp8 import hf_weight
+
 from .compressor import Compressor, CompressorConfig
 from .kernels import index_scores, use_kernels
 from .rope import rope_tail
@@ -60,9 +62,9 @@ class Indexer(nn.Module):
                                 eps=c.rms_norm_eps))
         mod.compressor = Compressor.from_hf(hf_idx, hidden=c.hidden_size, overlap=True, eps=c.rms_norm_eps)
         with torch.no_grad():
-            mod.q_b_proj.weight.copy_(hf_idx.q_b_proj.weight)
-            mod.weights_proj.weight.copy_(hf_idx.scorer.weights_proj.weight)
-        return mod.to(hf_idx.q_b_proj.weight.dtype)
+            mod.q_b_proj.weight.copy_(hf_weight(hf_idx.q_b_proj))          # (an FP8 one dequantised; V4Attention
+            mod.weights_proj.weight.copy_(hf_weight(hf_idx.scorer.weights_proj))   # keeps its bytes instead)
+        return mod.to(hf_idx.kv_norm.weight.dtype)
 
     def weights(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """fp32 [B, S, h] head weights, scaled by h^-1/2 and e^-1/2 (folded here, not in the scores)."""
