@@ -201,6 +201,8 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
         raise ValueError(f"fp8_matmul: x_q {tuple(x_q.shape)}, s {tuple(s_KbM.shape)}, w_q {tuple(w_q.shape)}, "
                          f"s_w {tuple(s_w.shape)}: need s [K/128, M], w_q [N, K], s_w [ceil(N/128), ceil(K/128)]")
     dev = x_q.device
+    if M == 0:
+        return torch.empty(0, N, dtype=out_dtype, device=dev)
     if dev.type == "cuda" and _SCALED_MM_OK.get(dev, True):
         try:
             return _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype)

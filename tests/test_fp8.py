@@ -170,6 +170,12 @@ def test_grouped_fp8_equals_per_group_linears():
         torch.testing.assert_close(got[g], F.FP8Linear.from_linear(lin)(x[:, g]), rtol=0, atol=0)
 
 
+def test_fp8_linear_empty_batch():
+    f = F.FP8Linear.from_linear(torch.nn.Linear(256, 128, bias=False))
+    y = f(torch.randn(0, 7, 256))
+    assert y.shape == (0, 7, 128)
+
+
 def test_module_to_keeps_fp8():
     f = F.FP8Linear.from_linear(torch.nn.Linear(256, 128, bias=False))
     w, s = f.weight.clone(), f.weight_scale.clone()
