@@ -2,6 +2,7 @@
 
     python launch/profile_attn.py [--shape v4-flash] [--types csa,hca,sliding] [--tokens 4096] [--rows 12]
     python launch/profile_attn.py --decode 64 --types csa       (a decode step, batch 64, 4096-token cache)
+    python launch/profile_attn.py --micro-only                  (only each kernel alone)
 
 For each layer type it runs each front-end branch alone (the chains ``bench_attn.py`` times:
 q, window kv, compressor, indexer incl. q_lora), then the sparse core and the output projection alone on the
@@ -51,6 +52,7 @@ def profiled(fn, rows: int) -> tuple[str, float, int]:
 def micro(dev) -> str:
     """Each fused kernel alone on the V4-Flash prefill shapes (CUDA events, median of 20)."""
     from moe_wave.attention.core_kernel import sparse_attention_fused
+    from moe_wave.attention import kernels as K
     from moe_wave.attention.kernels import index_scores, norm_rope
     from moe_wave.attention.topk import topk_select
 
@@ -93,12 +95,28 @@ def micro(dev) -> str:
             ("topk_select 512 of 1024 [4096 rows]", lambda: topk_select(sc, 512), 0, 0),
             ("sparse core [4096 x 64h x (128 + 512) x 512]",
              lambda: sparse_attention_fused(q, [(kv, win), (comp, top)], sinks, 512 ** -0.5), 0, core_flop)]
+    o = torch.randn(1, S, 64, 512, device=dev, dtype=torch.bfloat16)
+    rows.insert(1, ("o inverse rope, tail in place [4096,64,512]",
+                    lambda: norm_rope(o, pos, freq, norm=False, inverse=True, out=o), o.nbytes // 4, 0))
+    for tile, warps in NORM_ROPE_CHOICES:
+        def tuned(tile=tile, warps=warps):
+            old = K.NORM_ROPE_TILE, K.NORM_ROPE_WARPS
+            K.NORM_ROPE_TILE, K.NORM_ROPE_WARPS = tile, warps
+            try:
+                norm_rope(q, pos, freq, out=q)
+            finally:
+                K.NORM_ROPE_TILE, K.NORM_ROPE_WARPS = old
+        rows.insert(1, (f"q heads norm+rope, {tile} channels / program, {warps} warps", tuned, 2 * q.nbytes, 0))
     lines = ["== kernels alone (V4-Flash prefill 4096)"]
     for name, fn, nbytes, flop in rows:
         us = t(fn)
         rate = f"  ({nbytes / us / 1e3:.0f} GB/s)" if nbytes else (f"  ({flop / us / 1e6:.0f} TFLOP/s)" if flop else "")
         lines.append(f"    {us:8.1f} us  {name}{rate}")
     return "\n".join(lines)
+
+
+# norm_rope's (channels per program, warps) timed against the default in the micro table
+NORM_ROPE_CHOICES = ((8192, 4), (8192, 8), (16384, 8), (2048, 4))
 
 
 @torch.no_grad()
@@ -110,11 +128,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--decode", type=int, default=0, metavar="B",
                     help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
+    ap.add_argument("--micro-only", action="store_true", help="only the table of each kernel alone")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = []
-    for kind in args.types.split(","):
+    for kind in [] if args.micro_only else args.types.split(","):
         attn = make_attn(args.shape, kind, dev)
         B, S, start = (args.decode, 1, CTX) if args.decode else (1, args.tokens, 0)
         mode = f"decode batch {B}, cache {CTX}" if args.decode else f"prefill {S}"

@@ -129,6 +129,12 @@ if triton is not None:
             tl.store(out_ptr + row + HC + ct[None, :], y.to(out_ptr.dtype.element_ty), mask=mt)
 
 
+# norm_rope's program size: rows (heads) of one position per program up to this many channels in all, and its
+# warps (launch/profile_attn.py --micro-only times the choices)
+NORM_ROPE_TILE = 4096
+NORM_ROPE_WARPS = 4
+
+
 def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Tensor | None = None, *,
               norm: bool = True, weight: torch.Tensor | None = None, eps: float = 1e-6, inverse: bool = False,
               out: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,12 +181,12 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
     bh = triton.next_power_of_2(max(hc, 1))
     bt = triton.next_power_of_2(max(tc, 1))
     width = (bh if head else 0) + (bt if tc else 0)
-    hb = max(1, min(triton.next_power_of_2(H), 4096 // width))
+    hb = max(1, min(triton.next_power_of_2(H), NORM_ROPE_TILE // width))
     hb = 1 << (hb.bit_length() - 1)           # a power of two
     w = weight.contiguous() if weight is not None else x
     _norm_rope_kernel[(P, triton.cdiv(H, hb))](
         x, out, pos_c, freq_c, w, H, float(eps), D=d, HC=hc, BH=bh, TC=tc, BT=bt, HB=hb, NORM=bool(norm),
-        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), num_warps=4)
+        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), num_warps=NORM_ROPE_WARPS)
     return out
 
 
