@@ -25,6 +25,7 @@ MOE_WAVE_COPY_GRID         SymmOptions.copy.grid                 int >= 0
 MOE_WAVE_OVERLAP           WaveConfig.overlap                    1 | 0
 MOE_WAVE_ATTN_OVERLAP      ScheduleConfig.overlap                1 | 0
 MOE_WAVE_ATTN_KERNELS      ScheduleConfig.kernels                auto | 1 | 0
+MOE_WAVE_ATTN_FP8          the tools' FP8 attention (quantize_fp8) 1 | 0
 MOE_WAVE_GRAPH             the tools' CUDA graphs (demo --graph) auto | 1 | 0
 MOE_WAVE_CACHE             WaveConfig.autowave_cache             a .json file or a folder; off: none
 MOE_WAVE_NVTX              profiling.set_nvtx                    1 | 0
@@ -112,6 +113,7 @@ _OTHER = {
     "MOE_WAVE_OVERLAP": ("overlap", _flag),
     "MOE_WAVE_ATTN_OVERLAP": ("attn_overlap", _flag),
     "MOE_WAVE_ATTN_KERNELS": ("attn_kernels", _attn_kernels),
+    "MOE_WAVE_ATTN_FP8": ("attn_fp8", _flag),
     "MOE_WAVE_GRAPH": ("graph", lambda k, v: None if v.strip().lower() == "auto" else _flag(k, v)),
     "MOE_WAVE_CACHE": ("autowave_cache", _cache),
     "MOE_WAVE_NVTX": ("nvtx", _flag),
@@ -129,8 +131,8 @@ class EnvSettings:
     Attributes:
         symm: SymmOptions fields set by ``MOE_WAVE_SYMM_*``.
         copy: CopyTuning fields set by ``MOE_WAVE_COPY_*``.
-        overlap, attn_overlap, attn_kernels, graph, autowave_cache, nvtx, nccl_high_priority, git_sha: see the
-            table (graph None: auto).
+        overlap, attn_overlap, attn_kernels, attn_fp8, graph, autowave_cache, nvtx, nccl_high_priority, git_sha:
+            see the table (graph None: auto).
         autowave_cache_set: True when MOE_WAVE_CACHE was given (``off`` sets it to None on purpose).
     """
 
@@ -139,6 +141,7 @@ class EnvSettings:
     overlap: bool | None = None
     attn_overlap: bool | None = None
     attn_kernels: str | None = None
+    attn_fp8: bool | None = None
     graph: bool | None = None
     autowave_cache: str | None = None
     autowave_cache_set: bool = False

@@ -256,6 +256,9 @@ class FP8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, device=None):
         super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"FP8Linear: in_features={in_features} must be a multiple of {BLOCK} (its input is "
+                             f"quantised per {BLOCK} channels)")
         self.in_features, self.out_features = in_features, out_features
         nb, kb = -(-out_features // BLOCK), -(-in_features // BLOCK)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8, device=device))

@@ -73,7 +73,10 @@ def test_flag_beats_environment_beats_default():
     assert flags.symm == SymmOptions(capacity=2048, mode="copy", dense=None, copy=CopyTuning(grid=0))
     assert (flags.overlap, flags.attn_overlap, flags.attn_kernels, flags.autowave_cache) == (
         True, True, "auto", "/tmp/other")
+    assert _demo([], {"MOE_WAVE_ATTN_FP8": "1"}).attn_fp8 is True
+    assert _demo(["--no-attn-fp8"], {"MOE_WAVE_ATTN_FP8": "1"}).attn_fp8 is False
     default = _demo([])
+    assert default.attn_fp8 is False
     assert default.symm == SymmOptions()
     assert (default.overlap, default.attn_overlap, default.attn_kernels, default.autowave_cache, default.nvtx) == (
         True, True, "auto", None, False)

@@ -170,6 +170,14 @@ def test_grouped_fp8_equals_per_group_linears():
         torch.testing.assert_close(got[g], F.FP8Linear.from_linear(lin)(x[:, g]), rtol=0, atol=0)
 
 
+def test_fp8_needs_inputs_in_whole_blocks():
+    with pytest.raises(ValueError, match="FP8Linear: in_features=64 must be a multiple of 128"):
+        F.FP8Linear.from_linear(torch.nn.Linear(64, 128, bias=False))
+    from moe_wave.tools.stack import build_layer_stack
+    with pytest.raises(ValueError, match="in_features=64 must be a multiple of 128"):   # the tiny preset: hidden 64
+        build_layer_stack("tiny", 1, fp8=True)
+
+
 def test_fp8_linear_empty_batch():
     f = F.FP8Linear.from_linear(torch.nn.Linear(256, 128, bias=False))
     y = f(torch.randn(0, 7, 256))

@@ -74,6 +74,7 @@ def resolve_defaults(args, env: EnvSettings | None = None) -> None:
     args.overlap = env.pick("overlap", args.overlap, True)
     args.attn_overlap = env.pick("attn_overlap", args.attn_overlap, True)
     args.attn_kernels = env.pick("attn_kernels", args.attn_kernels, "auto")
+    args.attn_fp8 = env.pick("attn_fp8", getattr(args, "attn_fp8", None), False)
     args.graph = env.pick("graph", getattr(args, "graph", None), None)      # None: where capture is possible
     if args.graph and not torch.cuda.is_available():
         raise ValueError("--graph (or MOE_WAVE_GRAPH=1): CUDA graphs need a GPU, and none is visible")
@@ -223,7 +224,7 @@ def run_demo_rank(ep, args) -> dict:
     dtype = getattr(torch, args.dtype)
     wave, schedule = demo_configs(args)
     layers = build_layer_stack(args.preset, args.layers, ep=ep, wave=wave, schedule=schedule, device=ep.device,
-                                 dtype=dtype, seed=args.seed)
+                                 dtype=dtype, seed=args.seed, fp8=args.attn_fp8)
     E = layers[0].moe.cfg.num_experts
     inputs = stack_inputs(layers, args.tokens, seed=args.seed + 1 + ep.rank)  # different tokens per rank
 
@@ -238,7 +239,8 @@ def run_demo_rank(ep, args) -> dict:
         single = build_layer_stack(args.preset, args.layers, ep=EPGroup.single(ep.device),
                                      wave=WaveConfig(num_waves=args.waves, partition=args.partition,
                                                      autowave_cache=args.autowave_cache),
-                                     schedule=schedule, device=ep.device, dtype=dtype, seed=args.seed, num_experts=E)
+                                     schedule=schedule, device=ep.device, dtype=dtype, seed=args.seed, num_experts=E,
+                                     fp8=args.attn_fp8)
         ref = _outputs(single, inputs, None)
         del single
     why = graph_capable(layers[0].moe.backend, ep.device)
@@ -319,7 +321,7 @@ def print_demo(res: dict, args) -> bool:
     print(f"moe-wave demo: preset {args.preset}, {len(layers)} layers, {res['experts']} experts, "
           f"{res['backend_pg']} on {res['device']}, waves {args.waves} ({args.partition}), backend {args.backend}, "
           f"overlapped run: attention overlap {'on' if attn_on else 'off'}, MoE overlap {'on' if moe_on else 'off'}; "
-          f"{args.dtype}, seed {args.seed}")
+          f"{args.dtype}{', FP8 attention projections' if getattr(args, 'attn_fp8', False) else ''}, seed {args.seed}")
     ok = all(_ok(r, tol) for r in layers)
     summary = st["single"] if has_ref else st["onoff"]
     print(format_table(["ranks", "tokens/rank", "bytes moved", "time/iter", "max err", "check"],

@@ -160,7 +160,7 @@ def _randomise_experts(layer: V4DecoderLayer, seed: int, idx: int) -> None:
 
 def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig | None = None,
                       schedule: ScheduleConfig | None = None, device=None, dtype=torch.float32, seed: int = 0,
-                      num_experts: int | None = None) -> nn.ModuleList:
+                      num_experts: int | None = None, fp8: bool = False) -> nn.ModuleList:
     """``num_layers`` V4 decoder layers with random weights (see the module docstring).
 
     Args:
@@ -172,6 +172,7 @@ def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig
         device, dtype: of the weights (default: ``ep.device``); mHC and norms stay fp32.
         seed: same seed, same weights on every rank.
         num_experts: override E (default: the preset's, rounded up to a multiple of the EP size).
+        fp8: the attention projections in the checkpoints' FP8 format (``V4Attention.quantize_fp8``).
     Returns:
         ``nn.ModuleList`` of ``V4DecoderLayer`` (run it with ``run_stack``).
     """
@@ -194,6 +195,8 @@ def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig
         layer = V4DecoderLayer(attn, moe, attn_hc, ffn_hc, ones, ones, p.eps)
         _randomise(layer, _gen(device, _seed(seed, i)))
         _randomise_experts(layer, seed, i)
+        if fp8:
+            attn.quantize_fp8()
         layers.append(layer)
     return layers
 
