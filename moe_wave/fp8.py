@@ -213,13 +213,15 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
     return fp8_matmul_ref(x_q, s_KbM, w_q, s_w, out_dtype)
 
 
-def _keep_dtype(fn):
-    """``module.to(dtype)`` casts every floating buffer, float8 included: moves keep the FP8 payload and its
+class _FP8Module(nn.Module):
+    """``module.to(dtype)`` casts every floating buffer, float8 included: here moves keep the FP8 payload and its
     fp32 scales in their dtypes (the round trip through a wider float is exact)."""
-    def apply(t):
-        out = fn(t)
-        return out.to(t.dtype) if out.dtype != t.dtype else out
-    return apply
+
+    def _apply(self, fn, recurse=True):
+        def keep(t):
+            out = fn(t)
+            return out.to(t.dtype) if out.dtype != t.dtype else out
+        return super()._apply(keep, recurse)
 
 
 def hf_fp8_payload(hf_linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -248,7 +250,7 @@ def hf_weight(hf_linear: nn.Module) -> torch.Tensor:
     return hf_linear.weight.detach() if payload is None else dequant_weight(*payload)
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(_FP8Module):
     """``nn.Linear`` without bias, its weight in the FP8 format: ``y = x @ W^T``, x quantised per call.
 
     ``FP8Linear.from_linear(lin)`` quantises a trained (bf16) weight as the checkpoints store it;
@@ -268,11 +270,7 @@ class FP8Linear(nn.Module):
     def from_linear(cls, lin: nn.Linear) -> "FP8Linear":
         if lin.bias is not None:
             raise ValueError("FP8Linear.from_linear: a bias is not supported (the V4 projections have none)")
-        mod = cls(lin.in_features, lin.out_features, device=lin.weight.device)
-        q, s = weight_quant(lin.weight.detach())
-        mod.weight.copy_(q)
-        mod.weight_scale.copy_(s)
-        return mod
+        return cls.from_quantized(*weight_quant(lin.weight.detach()))
 
     @classmethod
     def from_quantized(cls, w_q: torch.Tensor, scale: torch.Tensor) -> "FP8Linear":
@@ -290,12 +288,7 @@ class FP8Linear(nn.Module):
     def from_hf(cls, hf_linear: nn.Module) -> "FP8Linear":
         """From a transformers linear layer: an FP8 one's payload as it is, a dense one quantised."""
         payload = hf_fp8_payload(hf_linear)
-        if payload is not None:
-            return cls.from_quantized(*payload)
-        lin = nn.Linear(hf_linear.in_features, hf_linear.out_features, bias=False, device=hf_linear.weight.device)
-        with torch.no_grad():
-            lin.weight.copy_(hf_linear.weight)
-        return cls.from_linear(lin)
+        return cls.from_quantized(*(payload if payload is not None else weight_quant(hf_linear.weight.detach())))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -308,11 +301,8 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 128x128 blocks"
 
-    def _apply(self, fn, recurse=True):
-        return super()._apply(_keep_dtype(fn), recurse)
 
-
-class GroupedFP8(nn.Module):
+class GroupedFP8(_FP8Module):
     """A grouped projection (V4's ``wo_a``: z[:, g] = x[:, g] @ W_g^T, W [G*R, Kg]) in the FP8 format.
 
     Each group's rows are whole 128-row weight blocks (R % 128 == 0), so group g's weight and scales are row
@@ -340,9 +330,6 @@ class GroupedFP8(nn.Module):
             out[g] = fp8_matmul(x_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb],
                                 self.weight[g * R:(g + 1) * R], self.weight_scale[g * nb:(g + 1) * nb], out_dtype)
         return out
-
-    def _apply(self, fn, recurse=True):
-        return super()._apply(_keep_dtype(fn), recurse)
 
     def forward(self, x_MGK: torch.Tensor) -> torch.Tensor:
         M = x_MGK.shape[0]

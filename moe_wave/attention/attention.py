@@ -241,11 +241,6 @@ class V4Attention(nn.Module):
             return fn(slice(0, S))
         return torch.cat([fn(slice(i, min(i + qb, S))) for i in range(0, S, qb)], dim=1)
 
-    def output(self, o_BSHd: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
-        """Undo V's RoPE at the query position, grouped o_a, then o_b."""
-        o = rope_tail(o_BSHd, pos_BS, self.freq_F, inverse=True, inplace=True, kernels=self.schedule.kernels)
-        return self.project_out(o)
-
     def project_out(self, o_BSHd: torch.Tensor) -> torch.Tensor:
         """Grouped o_a then o_b of the core's output (V's RoPE already undone). [B, S, D]"""
         B, S = o_BSHd.shape[:2]
