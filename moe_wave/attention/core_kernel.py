@@ -58,6 +58,7 @@ import torch
 from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 from moe_wave.fp8 import act_quant
 
+from . import core_gluon
 from .kernels import norm_rope
 
 __all__ = ["CoreConfig", "default_config", "FALLBACKS", "FUSE_MAX_WAVES", "sparse_attention_fused", "check_fusion",
@@ -514,7 +515,7 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
 
 def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
                            config: CoreConfig | None = None, fallback: bool = True, *, q_rope=None, o_rope=None,
-                           out_fp8: bool = False, fuse: bool | None = None):
+                           out_fp8: bool = False, fuse: bool | None = None, impl: str = "auto"):
     """``core.sparse_attention`` as one Triton kernel (one or two parts), see the module docstring.
 
     Args:
@@ -536,6 +537,12 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
             the plain kernel (``norm_rope``, then ``norm_rope(inverse)`` in place and ``fp8.act_quant``); None
             (default): inside when the grid is at most ``FUSE_MAX_WAVES`` waves of programs, else the chain. Same
             results either way (the epilogue's bits; the prologue's to the rounding of its sum of squares).
+        impl: which kernel runs a plain call (no fusion inside, one program per query and head block):
+            "gluon": ``core_gluon`` (Hopper; an error where ``core_gluon.supported`` says no), "triton": this
+            module's kernel, "auto" (default): Gluon where supported (prefill on an H100 / H200) and no ``config`` is
+            given, else Triton.
+            The two agree to bf16 rounding, not bit for bit (their sums run in different orders); each repeats
+            its own bits. ``config`` tiles the Triton kernel only.
     Returns:
         o_BSHd in q's dtype (0 for a query whose every pick is masked); with ``out_fp8`` the pair ``(o_q, s)``:
         o_q float8_e4m3fn ``[B*S, H*d]``, s fp32 ``[H*d/128, B*S]`` contiguous (powers of two).
@@ -559,10 +566,12 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     want = (config or default_config(H, D, q.dtype)).fit(H, D)
     if fuse is None:
         fuse = B * S * triton.cdiv(H, want.block_h) <= FUSE_MAX_WAVES * _sm_count(q.device)
+    if impl not in ("auto", "triton", "gluon"):
+        raise ValueError(f"sparse_attention_fused: impl={impl!r} must be 'auto', 'triton' or 'gluon'")
     if B * S * H and not fuse and fu.key != (False, False, False):    # the unfused chain around the plain kernel
         if fu.qpos is not None:
             q = norm_rope(q, fu.qpos, fu.qfreq, eps=fu.eps)
-        o = sparse_attention_fused(q, srcs, sinks, scale, want, fallback)
+        o = sparse_attention_fused(q, srcs, sinks, scale, want, fallback, impl=impl)
         if fu.opos is not None:
             norm_rope(o, fu.opos, fu.ofreq, norm=False, inverse=True, out=o)
         return act_quant(o.reshape(B * S, H * D)) if fu.fp8 else o
@@ -579,6 +588,16 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         result = out
     if B * S * H == 0:
         return result
+    if impl == "gluon" or (impl == "auto" and config is None):
+        nsplit = _splits(want, B, S, H, i1.shape[-1] + (i2.shape[-1] if two else 0), q.device)
+        if core_gluon.supported(q, len(srcs), nsplit, fu.key != (False, False, False)):
+            core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
+            return result
+        if impl == "gluon":
+            raise ValueError(f"sparse_attention_fused: impl='gluon' cannot run this call (needs a Hopper GPU, "
+                             f"bf16/fp16 q, d in 64..512 a power of two, heads a multiple of {core_gluon.BH}, "
+                             f"no key split (got {nsplit}) and no fused steps); q {tuple(q.shape)} {q.dtype} on "
+                             f"{q.device}")
     key = (q.device, q.dtype, H, D, two, want, fu.key)
     cfg = _CHOSEN.get(key, want)
     ladder = [cfg] + [c.fit(H, D) for c in FALLBACKS if fallback and key not in _CHOSEN
