@@ -589,14 +589,16 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if B * S * H == 0:
         return result
     if impl == "gluon" or (impl == "auto" and config is None):
-        nsplit = _splits(want, B, S, H, i1.shape[-1] + (i2.shape[-1] if two else 0), q.device)
+        # auto: not where the Triton kernel would split the keys (decode: its splits fill the SMs)
+        nsplit = 1 if impl == "gluon" else _splits(want, B, S, H, i1.shape[-1] + (i2.shape[-1] if two else 0),
+                                                   q.device)
         if core_gluon.supported(q, len(srcs), nsplit, fu.key != (False, False, False)):
             core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
             return result
         if impl == "gluon":
             raise ValueError(f"sparse_attention_fused: impl='gluon' cannot run this call (needs a Hopper GPU, "
                              f"bf16/fp16 q, d in 64..512 a power of two, heads a multiple of {core_gluon.BH}, "
-                             f"no key split (got {nsplit}) and no fused steps); q {tuple(q.shape)} {q.dtype} on "
+                             f"no fused steps); q {tuple(q.shape)} {q.dtype} on "
                              f"{q.device}")
     key = (q.device, q.dtype, H, D, two, want, fu.key)
     cfg = _CHOSEN.get(key, want)
