@@ -64,16 +64,18 @@ def make(kind: str, S: int, H: int, D: int, dev, seed: int = 0, dtype=torch.bflo
 
 # Gluon tilings timed besides the default (keys per tile, tiles in the ring)
 GLUON_VARIANTS = ((32, 4), (32, 3))
+# profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV, no QK
+PROBES = []
 
 
 def run(impl: str, q, parts, sinks):
     scale = q.shape[-1] ** -0.5
-    if impl.startswith("gluon/"):                                       # a tiling of the Gluon kernel
-        bn, nbuf = (int(v) for v in impl.split("/")[1:])
+    if impl.startswith("gluon/"):                       # a tiling of the Gluon kernel: gluon/BN/NBUF[/probe]
+        bn, nbuf, probe = ([int(v) for v in impl.split("/")[1:]] + [0])[:3]
         out = torch.empty_like(q)
         (kv1, i1), (kv2, i2) = parts[0], parts[-1]
         core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, bn=bn,
-                                          nbuf=nbuf)
+                                          nbuf=nbuf, probe=probe)
         return out
     return sparse_attention_fused(q, parts, sinks, scale, impl=impl)
 
@@ -168,8 +170,7 @@ def bench(dev, S: int, iters: int, gemm: float) -> list:
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_tflops"] = round(useful / us / 1e6, 1)
                 row[f"{impl}_vs_gemm"] = round(useful / us / 1e6 / gemm, 3)
-            for bn, nbuf in GLUON_VARIANTS:
-                impl = f"gluon/{bn}/{nbuf}"
+            for impl in [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES:
                 us = time_graph(lambda: run(impl, q, parts, sinks), iters)
                 row[f"{impl}_us"] = round(us, 1)
             row["speedup"] = round(row["triton_us"] / row["gluon_us"], 2)
@@ -184,10 +185,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--probes", action="store_true", help="also time the Gluon kernel without its gathers, its PV "
+                    "or its QK (profiling: where the time goes)")
     args = ap.parse_args()
     if not core_gluon.available():
         raise SystemExit("bench_core: needs a Hopper GPU with Triton's Gluon (core_gluon.available() is False)")
     dev = torch.device("cuda")
+    if args.probes:
+        PROBES.extend(f"gluon/64/2/{p}" for p in (1, 2, 3))
     t0 = time.time()
     checks = check(dev)
     gemm = gemm_tflops(dev)

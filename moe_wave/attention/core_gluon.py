@@ -114,7 +114,7 @@ if gl is not None:
                            s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
                            s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                            D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                           NBUF: gl.constexpr, TWO: gl.constexpr, num_warps: gl.constexpr):
+                           NBUF: gl.constexpr, TWO: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         # QK: [BH, BN] split along the keys; PV: [BH, BD] split along the value channels
@@ -175,11 +175,14 @@ if gl is not None:
             cp.wait_group(NBUF - 2)                                     # tile t (and q) landed, for this thread
             fence_async_shared()                                        # its writes visible to the async proxy
             gl.thread_barrier()                                         # ... and every thread's
-            sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PROBE == 3:
+                sc = warpgroup_mma_init(s_zero)
+            else:
+                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
             gl.thread_barrier()                                         # both warpgroups: buffer (t-1) is free
             nxt = t + NBUF - 1
-            if nxt < nt:
+            if (nxt < nt) and (PROBE != 1):                             # (PROBE: profiling, see _probe)
                 _gather(nxt, n1, kv1, s_k1_m, kv2, s_k2_m, rows_n, k_smem.index(nxt % NBUF), D, BD, ld_l, TWO)
             cp.commit_group()                                           # (an empty group past the end)
             rows_n = _picks(nxt + 1, n1, idx1, J1, idx2, J2, BN, rows_l, TWO)
@@ -194,7 +197,10 @@ if gl is not None:
             m_i = m_new
             a_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))
             p_op = gl.convert_layout(p.to(dt), p_l)
-            acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
+            if PROBE == 2:
+                acc = warpgroup_mma_init(acc * a_pv[:, None])
+            else:
+                acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
 
@@ -208,14 +214,16 @@ if gl is not None:
 
 def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                            i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
-                           bn: int = BN, nbuf: int = NBUF) -> None:
+                           bn: int = BN, nbuf: int = NBUF, probe: int = 0) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
-    per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory)."""
+    per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
+    only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products, 3 the QK products."""
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
     _sparse_core_gluon[(B * S, H // BH)](
         q, out, sinks, kv1, i1, kv2, i2, S, H, J1, J2, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
-        i2.stride(1), D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, num_warps=8)
+        i2.stride(1), D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, PROBE=probe,
+        num_warps=8)
