@@ -158,19 +158,26 @@ def gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 / us / 1e6
 
 
-def bench(dev, S: int, iters: int, gemm: float) -> list:
+def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: list | None = None) -> list:
     rows = []
     for shape, H in (("v4-flash", 64), ("v4-pro", 128)):
         for kind in ("sliding", "csa", "hca"):
+            if only and only != f"{shape}:{kind}":
+                continue
             q, parts, sinks = make(kind, S, H, 512, dev)
             useful, _ = core_flops(H, 512, [idx for _, idx in parts])
             row = dict(shape=shape, layer_type=kind, tokens=S, gflop=round(useful / 1e9, 2))
             for impl in ("triton", "gluon"):
+                if impls and impl not in impls:
+                    row[f"{impl}_us"] = row[f"{impl}_tflops"] = row[f"{impl}_vs_gemm"] = float("nan")
+                    continue
                 us = time_graph(lambda: run(impl, q, parts, sinks), iters)
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_tflops"] = round(useful / us / 1e6, 1)
                 row[f"{impl}_vs_gemm"] = round(useful / us / 1e6 / gemm, 3)
             for impl in [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES:
+                if impls and impl not in impls:
+                    continue
                 us = time_graph(lambda: run(impl, q, parts, sinks), iters)
                 row[f"{impl}_us"] = round(us, 1)
             row["speedup"] = round(row["triton_us"] / row["gluon_us"], 2)
@@ -185,6 +192,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--only", default=None, help="shape:type, e.g. v4-flash:csa (one row)")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness pass")
+    ap.add_argument("--impls", default=None, help="comma list of implementations to time (default: all)")
     ap.add_argument("--probes", action="store_true", help="also time the Gluon kernel without its gathers, its PV "
                     "or its QK (profiling: where the time goes)")
     args = ap.parse_args()
@@ -194,9 +204,9 @@ def main() -> None:
     if args.probes:
         PROBES.extend(f"gluon/64/2/{p}" for p in (1, 2, 3))
     t0 = time.time()
-    checks = check(dev)
+    checks = [] if args.no_check else check(dev)
     gemm = gemm_tflops(dev)
-    rows = bench(dev, args.tokens, args.iters, gemm)
+    rows = bench(dev, args.tokens, args.iters, gemm, args.only, args.impls.split(",") if args.impls else None)
     print(f"\ndense bf16 GEMM {gemm:.0f} TFLOP/s; correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok")
     print(f"{'shape':9} {'type':8} {'GFLOP':>6} {'triton_us':>10} {'%gemm':>6} {'gluon_us':>9} {'%gemm':>6} {'x':>5}")
     for r in rows:
