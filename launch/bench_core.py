@@ -175,12 +175,12 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_tflops"] = round(useful / us / 1e6, 1)
                 row[f"{impl}_vs_gemm"] = round(useful / us / 1e6 / gemm, 3)
-            for impl in [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES:
-                if impls and impl not in impls:
-                    continue
+            extra = [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES
+            for impl in ([i for i in impls if i.startswith("gluon/")] if impls else extra):
                 us = time_graph(lambda: run(impl, q, parts, sinks), iters)
                 row[f"{impl}_us"] = round(us, 1)
-            row["speedup"] = round(row["triton_us"] / row["gluon_us"], 2)
+            row["speedup"] = round(row["triton_us"] / row["gluon_us"], 2) if row["gluon_us"] == row["gluon_us"] \
+                else float("nan")
             rows.append(row)
             print(json.dumps(row), flush=True)
             del q, parts
