@@ -64,7 +64,7 @@ def make(kind: str, S: int, H: int, D: int, dev, seed: int = 0, dtype=torch.bflo
 
 # Gluon tilings timed besides the default (keys per tile, tiles in the ring)
 GLUON_VARIANTS = ((32, 4), (32, 3))
-# profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV, no QK
+# profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV
 PROBES = []
 
 
@@ -195,14 +195,14 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="shape:type, e.g. v4-flash:csa (one row)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness pass")
     ap.add_argument("--impls", default=None, help="comma list of implementations to time (default: all)")
-    ap.add_argument("--probes", action="store_true", help="also time the Gluon kernel without its gathers, its PV "
-                    "or its QK (profiling: where the time goes)")
+    ap.add_argument("--probes", action="store_true", help="also time the Gluon kernel without its gathers or its "
+                    "PV (profiling: where the time goes)")
     args = ap.parse_args()
     if not core_gluon.available():
         raise SystemExit("bench_core: needs a Hopper GPU with Triton's Gluon (core_gluon.available() is False)")
     dev = torch.device("cuda")
     if args.probes:
-        PROBES.extend(f"gluon/64/2/{p}" for p in (1, 2, 3))
+        PROBES.extend(f"gluon/64/2/{p}" for p in (1, 2))
     t0 = time.time()
     checks = [] if args.no_check else check(dev)
     gemm = gemm_tflops(dev)

@@ -100,11 +100,12 @@ if gl is not None:
             cp.async_copy_global_to_shared(buf, kv1 + off * s_k1_m + dk[None, :], mask=ok)
 
     @gluon.jit
-    def _n_tiles(idx_row, J, BN: gl.constexpr, layout: gl.constexpr):
-        # BN-key tiles up to this query's last valid pick (trailing -1s cost nothing)
-        last = gl.max(gl.full([BN], 0, gl.int32, layout), axis=0)
-        for t0 in range(0, J, BN):
-            jj = t0 + gl.arange(0, BN, layout=layout)
+    def _n_tiles(idx_row, J, BN: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
+        # BN-key tiles up to this query's last valid pick (trailing -1s cost nothing); JC picks per load (>= J on
+        # the V4 shapes: one load, not a chain of dependent loads before the first tile)
+        last = gl.max(gl.full([JC], 0, gl.int32, layout), axis=0)
+        for t0 in range(0, J, JC):
+            jj = t0 + gl.arange(0, JC, layout=layout)
             picks = gl.load(idx_row + jj, mask=jj < J, other=-1)
             last = gl.maximum(last, gl.max(gl.where(picks >= 0, jj + 1, 0), axis=0))
         return gl.cdiv(last, BN)
@@ -114,7 +115,8 @@ if gl is not None:
                            s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
                            s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                            D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                           NBUF: gl.constexpr, TWO: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
+                           NBUF: gl.constexpr, TWO: gl.constexpr, PROBE: gl.constexpr, JC: gl.constexpr,
+                           num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         # QK: [BH, BN] split along the keys; PV: [BH, BD] split along the value channels
@@ -150,10 +152,10 @@ if gl is not None:
         idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
         kv1 = kv1_ptr + b * s_k1_b
         kv2 = kv2_ptr + b * s_k2_b
-        n1 = _n_tiles(idx1, J1, BN, one_l)
+        n1 = _n_tiles(idx1, J1, BN, JC, one_l)
         n2 = n1 * 0
         if TWO:
-            n2 = _n_tiles(idx2, J2, BN, one_l)
+            n2 = _n_tiles(idx2, J2, BN, JC, one_l)
         nt = n1 + n2
 
         rows_l: gl.constexpr = gl.SliceLayout(1, ld_l)
@@ -175,10 +177,7 @@ if gl is not None:
             cp.wait_group(NBUF - 2)                                     # tile t (and q) landed, for this thread
             fence_async_shared()                                        # its writes visible to the async proxy
             gl.thread_barrier()                                         # ... and every thread's
-            if PROBE == 3:
-                sc = warpgroup_mma_init(s_zero)
-            else:
-                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
             gl.thread_barrier()                                         # both warpgroups: buffer (t-1) is free
             nxt = t + NBUF - 1
@@ -218,7 +217,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
     per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
-    only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products, 3 the QK products."""
+    only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products."""
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
     _sparse_core_gluon[(B * S, H // BH)](
@@ -226,4 +225,4 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, PROBE=probe,
-        num_warps=8)
+        JC=min(2048, triton.next_power_of_2(max(J1, J2, bn))), num_warps=8)

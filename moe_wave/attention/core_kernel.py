@@ -150,11 +150,12 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _n_tiles(idx_row, J, BN: tl.constexpr):
-        # BN-key tiles up to this query's last valid pick (trailing -1s cost nothing)
+    def _n_tiles(idx_row, J, BN: tl.constexpr, JC: tl.constexpr):
+        # BN-key tiles up to this query's last valid pick (trailing -1s cost nothing); the picks read JC at a
+        # time (JC >= J on the V4 shapes: one load, not a chain of dependent loads at the program's start)
         last = tl.full((), 0, tl.int32)
-        for t0 in range(0, J, BN):
-            jj = t0 + tl.arange(0, BN)
+        for t0 in range(0, J, JC):
+            jj = t0 + tl.arange(0, JC)
             picks = tl.load(idx_row + jj, mask=jj < J, other=-1)
             last = tl.maximum(last, tl.max(tl.where(picks >= 0, jj + 1, 0), axis=0))
         return tl.cdiv(last, BN)
@@ -305,7 +306,7 @@ if triton is not None:
                             D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                             BDK: tl.constexpr, BDV: tl.constexpr, TWO: tl.constexpr, SPLIT: tl.constexpr,
                             IEEE: tl.constexpr, QROPE: tl.constexpr, QRF: tl.constexpr, OROPE: tl.constexpr,
-                            ORF: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
+                            ORF: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, JC: tl.constexpr):
         # Program (query b*S+s, head block, split * NDV + value block); see the module docstring. With SPLIT,
         # split i of NSPLIT takes the i-th run of the query's tiles (window tiles, then compressed tiles) and
         # writes its running max, sum and unnormalised acc for _combine_kernel; only split 0 counts the sink.
@@ -337,10 +338,10 @@ if triton is not None:
                                      qpos, qfreq_ptr, D, QRF, 0, BD, INTERP)
         idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
         idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
-        n1 = _n_tiles(idx1, J1, BN)
+        n1 = _n_tiles(idx1, J1, BN, JC)
         n2 = 0
         if TWO:
-            n2 = _n_tiles(idx2, J2, BN)
+            n2 = _n_tiles(idx2, J2, BN, JC)
         lo = n1 * 0
         hi = n1 + n2
         if SPLIT:
@@ -417,6 +418,11 @@ if triton is not None:
 FUSE_MAX_WAVES = 4
 
 _CHOSEN: dict = {}   # (device, shape key, requested config) -> the config that launched
+
+
+def picks_chunk(J1: int, J2: int, block_n: int) -> int:
+    """Picks per load when a program counts its tiles: every pick of the longer part in one load, up to 2048."""
+    return min(2048, _pow2(max(J1, J2, block_n)))
 
 
 def _splits(cfg: CoreConfig, B: int, S: int, H: int, J: int, device: torch.device) -> int:
@@ -505,7 +511,8 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=BD, BH=cfg.block_h, BN=cfg.block_n, BDK=cfg.block_dk, BDV=cfg.block_dv,
         TWO=two, SPLIT=nsplit > 1, IEEE=q.dtype == torch.float32 or interpreting(), QROPE=fu.qpos is not None,
-        QRF=qrf, OROPE=orope, ORF=orf, FP8=fp8, INTERP=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        QRF=qrf, OROPE=orope, ORF=orf, FP8=fp8, INTERP=interp, JC=picks_chunk(J1, J2, cfg.block_n),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit > 1:
         bdv = min(128, BD)
         _combine_kernel[(B * S, triton.cdiv(H, cfg.block_h), triton.cdiv(D, bdv))](
