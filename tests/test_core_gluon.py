@@ -1,0 +1,101 @@
+"""The sparse core's Gluon kernel (``attention.core_gluon``, Hopper only) against the torch reference and the Triton
+kernel, and the ``impl`` switch of ``core_kernel.sparse_attention_fused``.
+
+The kernel runs only on an sm_90 GPU (Gluon has no CPU interpreter): those tests skip elsewhere. The switch's errors
+and its choice off Hopper are checked everywhere (CI's CPU included).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from moe_wave.attention import core_gluon
+from moe_wave.attention.core import sparse_attention
+from moe_wave.attention.core_kernel import sparse_attention_fused
+
+needs_gluon = pytest.mark.skipif(not core_gluon.available(), reason="needs a Hopper GPU and Triton's Gluon")
+
+
+def rel(a, b):
+    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm().clamp_min(1e-30)).item()
+
+
+def _case(B, S, H, D, spec, dtype, key, device):
+    """Random queries, sources and picks on ``device``; spec [(M, J, how)], how: "random" (-1 scattered), "tail"
+    (valid picks, then -1s, as the window and topk_select give them) or "none" (all -1); query (0, 0) sees nothing."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+    q = torch.randn(B, S, H, D, generator=g).to(dtype)
+    parts = []
+    for M, J, how in spec:
+        kv = torch.randn(B, M, D, generator=g).to(dtype)
+        idx = torch.randint(-1 if how == "random" else 0, M, (B, S, J), generator=g)
+        if how == "tail":
+            keep = torch.randint(0, J + 1, (B, S, 1), generator=g)
+            idx = torch.where(torch.arange(J) < keep, idx, torch.full_like(idx, -1))
+        elif how == "none":
+            idx.fill_(-1)
+        idx[0, 0] = -1
+        parts.append((kv.to(device), idx.to(device)))
+    return q.to(device), parts, torch.randn(H, generator=g).to(device)
+
+
+# name: B, S, H, D, parts, dtype. J not a multiple of the 64-key tile; H = 64 (V4-Flash), 128 (V4-Pro), 192.
+CASES = {
+    "flash two parts random -1": (2, 3, 64, 512, [(150, 130, "random"), (90, 70, "random")], torch.bfloat16),
+    "pro window + top-k tails": (1, 5, 128, 512, [(300, 128, "tail"), (200, 200, "tail")], torch.bfloat16),
+    "one part, 37 picks": (2, 4, 64, 512, [(100, 37, "random")], torch.bfloat16),
+    "every pick masked": (1, 3, 64, 512, [(50, 64, "none"), (40, 33, "none")], torch.bfloat16),
+    "d=128 fp16, 192 heads": (2, 3, 192, 128, [(70, 65, "tail"), (33, 20, "random")], torch.float16),
+    "int64 picks": (1, 2, 64, 256, [(64, 64, "random"), (16, 8, "tail")], torch.bfloat16),
+}
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_gluon_core_matches_reference(name):
+    """Within bf16 rounding of the fp32 torch reference and of the Triton kernel; the bits repeat run to run; a
+    query whose every pick is masked gets 0."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    if name != "int64 picks":
+        parts = [(kv, idx.to(torch.int32)) for kv, idx in parts]
+    want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, D ** -0.5, kernels="off")
+    got = sparse_attention_fused(q, parts, sinks, D ** -0.5, impl="gluon")
+    again = sparse_attention_fused(q, parts, sinks, D ** -0.5, impl="gluon")
+    tri = sparse_attention_fused(q, parts, sinks, D ** -0.5, impl="triton")
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert rel(got, want) < 1.5e-2
+    assert rel(got, tri) < 1.5e-2
+    assert torch.equal(got, again)
+    assert torch.equal(got[0, 0].float(), torch.zeros_like(got[0, 0].float()))
+
+
+@needs_gluon
+@pytest.mark.gpu
+def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
+    """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
+    its key splits (its bits), and both stay within bf16 rounding of each other."""
+    q, parts, sinks = _case(1, 300, 64, 512, [(400, 128, "tail"), (100, 96, "tail")], torch.bfloat16, "auto", "cuda")
+    auto = sparse_attention_fused(q, parts, sinks, 512 ** -0.5)
+    assert torch.equal(auto, sparse_attention_fused(q, parts, sinks, 512 ** -0.5, impl="gluon"))
+    dq, dparts, dsinks = _case(2, 1, 64, 512, [(400, 128, "tail"), (100, 96, "tail")], torch.bfloat16, "dec", "cuda")
+    dauto = sparse_attention_fused(dq, dparts, dsinks, 512 ** -0.5)
+    assert torch.equal(dauto, sparse_attention_fused(dq, dparts, dsinks, 512 ** -0.5, impl="triton"))
+    assert rel(dauto, sparse_attention_fused(dq, dparts, dsinks, 512 ** -0.5, impl="gluon")) < 1.5e-2
+
+
+def test_impl_errors_name_the_rule():
+    """A bad impl, and impl="gluon" where it cannot run (here: CPU tensors, or fp32), fail with the rule named."""
+    q, parts, sinks = _case(1, 2, 64, 128, [(20, 8, "random")], torch.bfloat16, "err", "cpu")
+    with pytest.raises(ValueError, match="impl='cuda' must be 'auto', 'triton' or 'gluon'"):
+        sparse_attention_fused(q, parts, sinks, 0.1, impl="cuda")
+    with pytest.raises(ValueError, match="impl='gluon' cannot run this call .*needs a Hopper GPU"):
+        sparse_attention_fused(q, parts, sinks, 0.1, impl="gluon")
+    assert not core_gluon.supported(q, 1, 1, False)
+    assert not core_gluon.supported(q.float(), 1, 1, False)
+    assert not core_gluon.supported(q, 1, 2, False)         # a key split: the Triton kernel's
+    assert not core_gluon.supported(q, 1, 1, True)          # a fused prologue / epilogue: the Triton kernel's
