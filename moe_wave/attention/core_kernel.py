@@ -578,7 +578,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if B * S * H and not fuse and fu.key != (False, False, False):    # the unfused chain around the plain kernel
         if fu.qpos is not None:
             q = norm_rope(q, fu.qpos, fu.qfreq, eps=fu.eps)
-        o = sparse_attention_fused(q, srcs, sinks, scale, want, fallback, impl=impl)
+        o = sparse_attention_fused(q, srcs, sinks, scale, config, fallback, impl=impl)
         if fu.opos is not None:
             norm_rope(o, fu.opos, fu.ofreq, norm=False, inverse=True, out=o)
         return act_quant(o.reshape(B * S, H * D)) if fu.fp8 else o
