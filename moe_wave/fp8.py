@@ -105,9 +105,12 @@ if triton is not None:
         x = tl.load(x_ptr + g.to(tl.int64) * s_xg + m.to(tl.int64)[:, None] * s_xm + (j % NPG) * 128 + c[None, :],
                     mask=rmask[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-        bits = (amax / 448.0).to(tl.int32, bitcast=True)
-        s = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-        q = (x * (1.0 / s)[:, None]).to(tl.float8e4nv)
+        # correctly rounded division (Triton's `/` is approximate on fp32), so that amax = 448 * 2^k gives s = 2^k
+        # as in the torch twin and in the sparse core's FP8 epilogue; 1 / s exact by the exponent's bits
+        sbits = (tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        s = sbits.to(tl.float32, bitcast=True)
+        inv = (0x7F000000 - sbits).to(tl.float32, bitcast=True)
+        q = (x * inv[:, None]).to(tl.float8e4nv)
         tl.store(q_ptr + m.to(tl.int64)[:, None] * K + j * 128 + c[None, :], q, mask=rmask[:, None])
         tl.store(s_ptr + j.to(tl.int64) * M + m, s, mask=rmask)
 

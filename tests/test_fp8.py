@@ -101,6 +101,23 @@ def test_act_quant_kernel_matches_torch(M):
 
 
 @needs_gpu
+def test_act_quant_kernel_scale_at_exact_powers_of_two():
+    """A block whose amax is exactly 448 * 2^k gets s = 2^k in the kernel as in the torch twin (the division that
+    finds the scale is correctly rounded: an approximate one can land one ulp above 2^k and double s)."""
+    torch.manual_seed(3)
+    k = torch.arange(-12, 12).float()
+    x = torch.rand(k.numel(), 256) * (224.0 * 2.0 ** k)[:, None]  # below the planted amax
+    x[:, 7] = 448.0 * 2.0 ** k                                  # the amax of block 0, exactly 448 * 2^k
+    x[:, 200] = -448.0 * 2.0 ** k                               # and of block 1, negative
+    x = x.to(torch.bfloat16).to(KERNEL_DEV)
+    q, s = F.act_quant(x, kernels=True)
+    q_ref, s_ref = F.act_quant_torch(x)
+    assert torch.equal(s_ref[0].cpu(), 2.0 ** k)
+    assert torch.equal(s, s_ref)
+    _same(q, q_ref)
+
+
+@needs_gpu
 def test_act_quant_kernel_reads_groups_and_row_strides():
     torch.manual_seed(1)
     z = torch.randn(3, 21, 256, dtype=torch.bfloat16, device=KERNEL_DEV)       # group-major [G, M, Kg]
