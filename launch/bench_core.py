@@ -183,7 +183,6 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
                 else float("nan")
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del q, parts
     return rows
 
 

@@ -98,10 +98,16 @@ for s in "${STAGES[@]}"; do
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
                # (ATTN_ARGS: bench_attn's options, default $QUICK; ATTN_CORE=0 / ATTN_PROFILE=0 leave those out)
                stage attn_tests ${T_ATTNTEST:-240} "$PY" -m pytest -q -p no:cacheprovider tests/test_attn_kernels.py \
-                   tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py
+                   tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py tests/test_core_gluon.py
                if [ "${ATTN_CORE:-1}" != 0 ]; then
                    stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
                    sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
+                   # the Gluon prefill core against the Triton one (Hopper only)
+                   if "$PY" -c "from moe_wave.attention import core_gluon as g
+raise SystemExit(not g.available())"; then
+                       stage bench_core ${T_CORE:-180} "$PY" launch/bench_core.py --probes --out "$RES/core.json"
+                       sed -n '/^dense bf16 GEMM/,$p' "$RES/bench_core.log"
+                   fi
                fi
                stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py ${ATTN_ARGS:-$QUICK} --out "$RES/attn.json"
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
