@@ -7,14 +7,13 @@ and its choice off Hopper are checked everywhere (CI's CPU included).
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from moe_wave.attention import core_gluon
 from moe_wave.attention.core import sparse_attention
 from moe_wave.attention.core_kernel import sparse_attention_fused
+from tests.test_attn_kernels import _core_case
 
 needs_gluon = pytest.mark.skipif(not core_gluon.available(), reason="needs a Hopper GPU and Triton's Gluon")
 
@@ -24,22 +23,10 @@ def rel(a, b):
 
 
 def _case(B, S, H, D, spec, dtype, key, device):
-    """Random queries, sources and picks on ``device``; spec [(M, J, how)], how: "random" (-1 scattered), "tail"
-    (valid picks, then -1s, as the window and topk_select give them) or "none" (all -1); query (0, 0) sees nothing."""
-    g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-    q = torch.randn(B, S, H, D, generator=g).to(dtype)
-    parts = []
-    for M, J, how in spec:
-        kv = torch.randn(B, M, D, generator=g).to(dtype)
-        idx = torch.randint(-1 if how == "random" else 0, M, (B, S, J), generator=g)
-        if how == "tail":
-            keep = torch.randint(0, J + 1, (B, S, 1), generator=g)
-            idx = torch.where(torch.arange(J) < keep, idx, torch.full_like(idx, -1))
-        elif how == "none":
-            idx.fill_(-1)
-        idx[0, 0] = -1
-        parts.append((kv.to(device), idx.to(device)))
-    return q.to(device), parts, torch.randn(H, generator=g).to(device)
+    """``test_attn_kernels._core_case`` (random picks: "random", "tail" or "none"; query (0, 0) sees nothing) on
+    ``device``."""
+    q, parts, sinks = _core_case(B, S, H, D, spec, dtype, key)
+    return q.to(device), [(kv.to(device), idx.to(device)) for kv, idx in parts], sinks.to(device)
 
 
 # name: B, S, H, D, parts, dtype. J not a multiple of the 64-key tile; H = 64 (V4-Flash), 128 (V4-Pro), 192.
