@@ -63,7 +63,7 @@ def make(kind: str, S: int, H: int, D: int, dev, seed: int = 0, dtype=torch.bflo
 
 
 # Gluon tilings timed besides the default (keys per tile, tiles in the ring)
-GLUON_VARIANTS = ((64, 2), (32, 4))   # one program per (query, head block), not persistent
+GLUON_VARIANTS = ((32, 4), (32, 3))
 # profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV
 PROBES = []
 
@@ -75,7 +75,7 @@ def run(impl: str, q, parts, sinks):
         out = torch.empty_like(q)
         (kv1, i1), (kv2, i2) = parts[0], parts[-1]
         core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, bn=bn,
-                                          nbuf=nbuf, probe=probe, persistent=False)
+                                          nbuf=nbuf, probe=probe)
         return out
     return sparse_attention_fused(q, parts, sinks, scale, impl=impl)
 

@@ -63,34 +63,6 @@ def test_gluon_core_matches_reference(name):
 
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flash two parts random -1", "pro window + top-k tails", "every pick masked"])
-def test_gluon_persistent_equals_one_program_per_item(name):
-    """The persistent kernel (one program per SM, the next item prefetched) gives the bits of one program per item,
-    with more items than SMs and with fewer."""
-    B, S, H, D, spec, dtype = CASES[name]
-    for S in (S, 700):
-        q, parts, sinks = _case(B, S, H, D, spec, dtype, (name, S), "cuda")
-        parts = [(kv, idx.to(torch.int32)) for kv, idx in parts]
-        (kv1, i1), (kv2, i2) = parts[0], parts[-1]
-        outs = []
-        for persistent in (True, False):
-            out = torch.empty_like(q)
-            core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, len(parts) == 2,
-                                              persistent=persistent)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
-
-
-def test_tile_counts():
-    """Tiles per part up to the last valid pick, 0 for a missing second part."""
-    i1 = torch.tensor([[[0, 1, -1, -1, -1], [-1, -1, -1, -1, -1], [-1, -1, -1, -1, 4]]])
-    i2 = torch.tensor([[[-1, 3], [5, -1], [-1, -1]]])
-    assert core_gluon.tile_counts([i1, i2], bn=2).tolist() == [[1, 1], [0, 1], [3, 0]]
-    assert core_gluon.tile_counts([i1], bn=4).tolist() == [[1, 0], [0, 0], [2, 0]]
-
-
-@needs_gluon
-@pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
     its key splits (its bits), and both stay within bf16 rounding of each other."""

@@ -38,12 +38,11 @@ try:  # Gluon ships with Triton >= 3.5; anything missing means "not available", 
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = None
 
-__all__ = ["available", "supported", "sparse_attention_gluon", "tile_counts", "BH", "BN", "NBUF", "PERSISTENT"]
+__all__ = ["available", "supported", "sparse_attention_gluon", "BH", "BN", "NBUF"]
 
 BH = 64     # heads per program (the GEMM's M: one wgmma row block per warpgroup)
 BN = 64     # picked keys per tile
 NBUF = 2    # tiles in the shared-memory ring (with d = 512: q 64 KB + 2 x 64 KB of keys)
-PERSISTENT = True   # one program per SM (see sparse_attention_gluon)
 _LOG2E = 1.4426950408889634
 
 
@@ -212,167 +211,15 @@ if gl is not None:
                  mask=(ho < H)[:, None] & (do < D)[None, :])
 
 
-    @gluon.jit
-    def _q_copy(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D: gl.constexpr, BD: gl.constexpr,
-                BH: gl.constexpr, layout: gl.constexpr):
-        # cp.async of q[b, s, h0:h0+BH, :D] into q_smem (not committed)
-        hq = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, layout))
-        dq = gl.arange(0, BD, layout=gl.SliceLayout(0, layout))
-        cp.async_copy_global_to_shared(
-            q_smem, q_ptr + b * s_q_b + s * s_q_s + hq.to(gl.int64)[:, None] * s_q_h + dq[None, :],
-            mask=(hq < H)[:, None] & (dq < D)[None, :])
-
-    @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "NI"])
-    def _sparse_core_gluon_persistent(
-            q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, cnt_ptr, S, H, J1, J2, NI, qk_scale,
-            s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
-            D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, TWO: gl.constexpr,
-            num_warps: gl.constexpr):
-        # One program per SM walks items w = pid, pid + nprog, ... (item = query b*S+s x head block; the head
-        # blocks of a query are consecutive items). The item's body is _sparse_core_gluon's with a 2-tile ring;
-        # what a program per item could not hide is prefetched: at the item's start the next item's tile counts
-        # (cnt_ptr: [B*S, 2] tiles per part, counted on the host side) and its first tile's picks; in the item's
-        # last tile, as soon as QK has released q and PV(t-1) the other ring slot, the next item's q and first
-        # tile are copied in, so they travel during the last softmax, PV and the output's store.
-        gl.static_assert(num_warps == 8, "two warpgroups")
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BN // 2, 16])
-        pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BD // 2, 16])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pv_l, k_width=2)
-        ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                              warps_per_cta=[8, 1], order=[1, 0])
-        sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        rows_l: gl.constexpr = gl.SliceLayout(1, ld_l)
-        cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
-
-        q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
-        k_smem = gl.allocate_shared_memory(dt, [2, BN, BD], sm_l)
-        HB = H // BH
-        nprog = gl.num_programs(0)
-        s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
-
-        w0 = gl.program_id(0)
-        bs0 = w0 // HB
-        n1 = gl.load(cnt_ptr + bs0 * 2, mask=w0 < NI, other=0)
-        n2 = gl.load(cnt_ptr + bs0 * 2 + 1, mask=w0 < NI, other=0)
-        pre = n1 * 0                                                    # this item's q and tile 0 already sent
-        g = n1 * 0                                                      # tiles done: the ring slot's parity
-        for w in range(w0, NI, nprog):
-            bs = w // HB
-            b = (bs // S).to(gl.int64)
-            s = (bs % S).to(gl.int64)
-            h0 = (w % HB) * BH
-            idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
-            idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
-            kv1 = kv1_ptr + b * s_k1_b
-            kv2 = kv2_ptr + b * s_k2_b
-            nt = n1 + n2
-            # the next item: its counts and its first tile's picks, now (their latency hides behind this item)
-            wn = w + nprog
-            wc = gl.minimum(wn, NI - 1)                                 # (addresses stay in bounds past the end)
-            bsn = wc // HB
-            bn_ = (bsn // S).to(gl.int64)
-            sn_ = (bsn % S).to(gl.int64)
-            hn = (wc % HB) * BH
-            idx1n = idx1_ptr + bn_ * s_i1_b + sn_ * s_i1_s
-            idx2n = idx2_ptr + bn_ * s_i2_b + sn_ * s_i2_s
-            n1n = gl.load(cnt_ptr + bsn * 2, mask=wn < NI, other=0)
-            n2n = gl.load(cnt_ptr + bsn * 2 + 1, mask=wn < NI, other=0)
-            rows0n = _picks(0, n1n, idx1n, J1, idx2n, J2, BN, rows_l, TWO)
-
-            if (pre == 0) and (nt > 0):                                 # not prefetched: send q and tile 0
-                _q_copy(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, ld_l)
-                r0 = _picks(0, n1, idx1, J1, idx2, J2, BN, rows_l, TWO)
-                _gather(0, n1, kv1, s_k1_m, kv2, s_k2_m, r0, k_smem.index(g % 2), D, BD, ld_l, TWO)
-                cp.commit_group()
-            rows_n = _picks(1, n1, idx1, J1, idx2, J2, BN, rows_l, TWO)
-            ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
-            hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
-            m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
-            l_i = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, qk_l))
-            acc = warpgroup_mma_init(gl.zeros([BH, BD], gl.float32, pv_l))
-            pre_n = n1 * 0
-            for t in range(0, nt):
-                buf = k_smem.index((g + t) % 2)
-                cp.wait_group(0)
-                fence_async_shared()
-                gl.thread_barrier()
-                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))
-                gl.thread_barrier()                                     # q and the other slot are free
-                nslot = k_smem.index((g + t + 1) % 2)
-                if t + 1 < nt:
-                    _gather(t + 1, n1, kv1, s_k1_m, kv2, s_k2_m, rows_n, nslot, D, BD, ld_l, TWO)
-                elif (wn < NI) and (n1n + n2n > 0):                     # the next item's q and first tile
-                    _q_copy(q_smem, q_ptr, bn_, sn_, hn, H, s_q_b, s_q_s, s_q_h, D, BD, BH, ld_l)
-                    _gather(0, n1n, kv1_ptr + bn_ * s_k1_b, s_k1_m, kv2_ptr + bn_ * s_k2_b, s_k2_m, rows0n, nslot,
-                            D, BD, ld_l, TWO)
-                    pre_n = pre_n * 0 + 1
-                cp.commit_group()
-                rows_n = _picks(t + 2, n1, idx1, J1, idx2, J2, BN, rows_l, TWO)
-                ok = ok_n
-                ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
-
-                sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                a_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))
-                p_op = gl.convert_layout(p.to(dt), p_l)
-                acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
-            o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
-            ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, pv_l))
-            do = gl.arange(0, BD, layout=gl.SliceLayout(0, pv_l))
-            gl.store(o_ptr + b * s_o_b + s * s_o_s + ho.to(gl.int64)[:, None] * s_o_h + do[None, :], o,
-                     mask=(ho < H)[:, None] & (do < D)[None, :])
-            g = g + nt
-            n1 = n1n
-            n2 = n2n
-            pre = pre_n
-        cp.wait_group(0)
-
-
-def tile_counts(idx_parts: list, bn: int = BN) -> torch.Tensor:
-    """[B*S, 2] int32: per query, its bn-key tiles up to the last valid pick of each part (0 for a missing second
-    part), as the kernels count them."""
-    cols = []
-    for idx in idx_parts:
-        J = idx.shape[-1]
-        last = torch.where(idx >= 0, torch.arange(1, J + 1, device=idx.device, dtype=torch.int32), 0).amax(-1)
-        cols.append(((last + bn - 1) // bn).reshape(-1).to(torch.int32))
-    if len(cols) == 1:
-        cols.append(torch.zeros_like(cols[0]))
-    return torch.stack(cols, dim=1).contiguous()
-
-
 def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                            i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
-                           bn: int = BN, nbuf: int = NBUF, probe: int = 0, persistent: bool = PERSISTENT) -> None:
+                           bn: int = BN, nbuf: int = NBUF, probe: int = 0) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
-    q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. persistent: one
-    program per SM walking the (query, head block) items, each item's q and first tile prefetched during the
-    previous item's last tile (the picks counted first by ``tile_counts``); else one program per item. bn / nbuf
-    (one program per item only): keys per tile and tiles in the ring (benchmarks; q and the ring must fit in
-    shared memory). probe (profiling only, wrong results): 1 skips the gathers after the first tiles, 2 the PV
-    products."""
+    q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
+    per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
+    only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products."""
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
-    if persistent:
-        cnt = tile_counts([i1, i2] if two else [i1], BN)
-        ni = B * S * (H // BH)
-        grid = (max(1, min(ni, torch.cuda.get_device_properties(q.device).multi_processor_count)),)
-        _sparse_core_gluon_persistent[grid](
-            q, out, sinks, kv1, i1, kv2, i2, cnt, S, H, J1, J2, ni, float(scale) * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
-            i2.stride(1), D=D, BD=D, BH=BH, BN=BN, TWO=two, num_warps=8)
-        return
     _sparse_core_gluon[(B * S, H // BH)](
         q, out, sinks, kv1, i1, kv2, i2, S, H, J1, J2, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
