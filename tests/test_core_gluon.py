@@ -86,3 +86,15 @@ def test_impl_errors_name_the_rule():
     assert not core_gluon.supported(q.float(), 1, 1, False)
     assert not core_gluon.supported(q, 1, 2, False)         # a key split: the Triton kernel's
     assert not core_gluon.supported(q, 1, 1, True)          # a fused prologue / epilogue: the Triton kernel's
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):
+    """Gluon's API moves between Triton releases: a compile failure warns once, naming the Triton version and the
+    error, and from then on ``available`` is False (the Triton kernel runs every call)."""
+    monkeypatch.setattr(core_gluon, "_BROKEN", None)
+    with pytest.warns(UserWarning, match="Gluon sparse-attention kernel does not compile with Triton .*AttributeError: "
+                                         "no thread_barrier"):
+        core_gluon.mark_broken(AttributeError("no thread_barrier"))
+    assert core_gluon._BROKEN is not None and not core_gluon.available()
+    core_gluon.mark_broken(TypeError("second"))                 # no second warning, the first reason kept
+    assert "thread_barrier" in core_gluon._BROKEN

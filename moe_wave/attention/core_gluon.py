@@ -25,6 +25,8 @@ applies; the Triton kernel runs everywhere else (and on CPU, under the interpret
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from moe_wave.comm.triton_gate import triton
@@ -35,10 +37,14 @@ try:  # Gluon ships with Triton >= 3.5; anything missing means "not available", 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, \
         warpgroup_mma_init, warpgroup_mma_wait
+    # cp.async of a pointer tensor: `async_load` from Triton 3.7 on, `async_copy_global_to_shared` before
+    _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    # a CTA-wide barrier: `barrier` from Triton 3.7 on, `thread_barrier` before
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = None
 
-__all__ = ["available", "supported", "sparse_attention_gluon", "BH", "BN", "NBUF"]
+__all__ = ["available", "supported", "mark_broken", "sparse_attention_gluon", "BH", "BN", "NBUF"]
 
 BH = 64     # heads per program (the GEMM's M: one wgmma row block per warpgroup)
 BN = 64     # picked keys per tile
@@ -46,9 +52,23 @@ NBUF = 2    # tiles in the shared-memory ring (with d = 512: q 64 KB + 2 x 64 KB
 _LOG2E = 1.4426950408889634
 
 
+_BROKEN: str | None = None   # why this install cannot compile the kernel (see mark_broken), once it failed
+
+
+def mark_broken(err: BaseException) -> None:
+    """The kernel failed to compile or launch here (Gluon is experimental: its API moves between Triton releases):
+    warn once and leave every later call to the Triton kernel (``available`` is False from now on)."""
+    global _BROKEN
+    if _BROKEN is None:
+        _BROKEN = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        warnings.warn(f"moe_wave: the Gluon sparse-attention kernel does not compile with Triton "
+                      f"{getattr(triton, '__version__', '?')} ({_BROKEN}); the Triton kernel runs instead",
+                      stacklevel=3)
+
+
 def available() -> bool:
-    """Gluon imports and a Hopper GPU (sm_90) is current."""
-    if gluon is None or triton is None or not torch.cuda.is_available():
+    """Gluon imports, a Hopper GPU (sm_90) is current, and the kernel has not failed to compile here."""
+    if gluon is None or triton is None or _BROKEN is not None or not torch.cuda.is_available():
         return False
     if torch.version.hip is not None:
         return False
@@ -93,11 +113,11 @@ if gl is not None:
         off = gl.maximum(rows, 0).to(gl.int64)[:, None]
         if TWO:
             if T < n1:
-                cp.async_copy_global_to_shared(buf, kv1 + off * s_k1_m + dk[None, :], mask=ok)
+                _cp_async(buf, kv1 + off * s_k1_m + dk[None, :], mask=ok)
             else:
-                cp.async_copy_global_to_shared(buf, kv2 + off * s_k2_m + dk[None, :], mask=ok)
+                _cp_async(buf, kv2 + off * s_k2_m + dk[None, :], mask=ok)
         else:
-            cp.async_copy_global_to_shared(buf, kv1 + off * s_k1_m + dk[None, :], mask=ok)
+            _cp_async(buf, kv1 + off * s_k1_m + dk[None, :], mask=ok)
 
     @gluon.jit
     def _n_tiles(idx_row, J, BN: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
@@ -143,7 +163,7 @@ if gl is not None:
         # q [BH, d] by cp.async (the first commit group)
         hq = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_l))
         dq = gl.arange(0, BD, layout=gl.SliceLayout(0, ld_l))
-        cp.async_copy_global_to_shared(
+        _cp_async(
             q_smem, q_ptr + b * s_q_b + s * s_q_s + hq.to(gl.int64)[:, None] * s_q_h + dq[None, :],
             mask=(hq < H)[:, None] & (dq < D)[None, :])
         cp.commit_group()
@@ -176,10 +196,10 @@ if gl is not None:
             buf = k_smem.index(t % NBUF)
             cp.wait_group(NBUF - 2)                                     # tile t (and q) landed, for this thread
             fence_async_shared()                                        # its writes visible to the async proxy
-            gl.thread_barrier()                                         # ... and every thread's
+            _cta_barrier()                                         # ... and every thread's
             sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
-            gl.thread_barrier()                                         # both warpgroups: buffer (t-1) is free
+            _cta_barrier()                                         # both warpgroups: buffer (t-1) is free
             nxt = t + NBUF - 1
             if (nxt < nt) and (PROBE != 1):                             # (PROBE: profiling, see _probe)
                 _gather(nxt, n1, kv1, s_k1_m, kv2, s_k2_m, rows_n, k_smem.index(nxt % NBUF), D, BD, ld_l, TWO)

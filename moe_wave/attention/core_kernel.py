@@ -600,8 +600,14 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         nsplit = 1 if impl == "gluon" else _splits(want, B, S, H, i1.shape[-1] + (i2.shape[-1] if two else 0),
                                                    q.device)
         if core_gluon.supported(q, len(srcs), nsplit, fu.key != (False, False, False)):
-            core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
-            return result
+            try:
+                core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
+                return result
+            except (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources,
+                    AttributeError, TypeError, NotImplementedError) as e:   # raised before anything runs
+                if impl == "gluon":
+                    raise
+                core_gluon.mark_broken(e)                               # warn once; Triton from now on
         if impl == "gluon":
             raise ValueError(f"sparse_attention_fused: impl='gluon' cannot run this call (needs a Hopper GPU, "
                              f"bf16/fp16 q, d in 64..512 a power of two, heads a multiple of {core_gluon.BH}, "
