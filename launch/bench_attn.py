@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
-from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, default_config  # noqa: E402
+from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -312,11 +312,13 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                 o = _clone(core_fn(attn, fe, pos)())
                 out_us = time_alone(out_fn(attn, fe, o, pos), iters)
                 cfg = default_config(H, d, q.dtype)
+                # the layer's core call has o_rope: at prefill a plain call (Gluon on Hopper), at decode fused
+                label = "gluon (core_gluon)" if core_impl(q, parts, fusions=True) == "gluon" else tiling(cfg)
                 rows.append(dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S,
                                  core_us=round(us, 2), output_us=round(out_us, 2), gflop=round(useful / 1e9, 2),
                                  gflop_nominal=round(nominal / 1e9, 2), tflops=round(useful / us / 1e6, 1),
                                  vs_gemm=round(useful / us / 1e6 / gemm, 3),
-                                 config=tiling(cfg)))
+                                 config=label))
                 print(json.dumps(rows[-1]), flush=True)
                 if kind == "csa":   # the ladder in prefill; in decode no split, the keys or the values split
                     cands = [*FALLBACKS, *EXTRA_TILINGS] if mode == "prefill" else [

@@ -12,7 +12,7 @@ import torch
 
 from moe_wave.attention import core_gluon
 from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.core_kernel import sparse_attention_fused
+from moe_wave.attention.core_kernel import core_impl, sparse_attention_fused
 from tests.test_attn_kernels import _core_case
 
 needs_gluon = pytest.mark.skipif(not core_gluon.available(), reason="needs a Hopper GPU and Triton's Gluon")
@@ -68,9 +68,12 @@ def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     its key splits (its bits), and both stay within bf16 rounding of each other."""
     q, parts, sinks = _case(1, 300, 64, 512, [(400, 128, "tail"), (100, 96, "tail")], torch.bfloat16, "auto", "cuda")
     auto = sparse_attention_fused(q, parts, sinks, 512 ** -0.5)
+    assert core_impl(q, parts) == "gluon" and core_impl(q, parts, impl="triton") == "triton"
+    assert core_impl(q, parts, fusions=True) == "triton"      # 300 programs: the fusions run inside the Triton kernel
     assert torch.equal(auto, sparse_attention_fused(q, parts, sinks, 512 ** -0.5, impl="gluon"))
     dq, dparts, dsinks = _case(2, 1, 64, 512, [(400, 128, "tail"), (100, 96, "tail")], torch.bfloat16, "dec", "cuda")
     dauto = sparse_attention_fused(dq, dparts, dsinks, 512 ** -0.5)
+    assert core_impl(dq, dparts) == "triton"
     assert torch.equal(dauto, sparse_attention_fused(dq, dparts, dsinks, 512 ** -0.5, impl="triton"))
     assert rel(dauto, sparse_attention_fused(dq, dparts, dsinks, 512 ** -0.5, impl="gluon")) < 1.5e-2
 
@@ -83,6 +86,7 @@ def test_impl_errors_name_the_rule():
     with pytest.raises(ValueError, match="impl='gluon' cannot run this call .*needs a Hopper GPU"):
         sparse_attention_fused(q, parts, sinks, 0.1, impl="gluon")
     assert not core_gluon.supported(q, 1, 1, False)
+    assert core_impl(q, parts) == "triton"
     assert not core_gluon.supported(q.float(), 1, 1, False)
     assert not core_gluon.supported(q, 1, 2, False)         # a key split: the Triton kernel's
     assert not core_gluon.supported(q, 1, 1, True)          # a fused prologue / epilogue: the Triton kernel's

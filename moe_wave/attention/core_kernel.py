@@ -62,7 +62,7 @@ from . import core_gluon
 from .kernels import norm_rope
 
 __all__ = ["CoreConfig", "default_config", "FALLBACKS", "FUSE_MAX_WAVES", "sparse_attention_fused", "check_fusion",
-           "core_flops"]
+           "core_impl", "core_flops"]
 
 _LOG2E = 1.4426950408889634
 
@@ -596,10 +596,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if B * S * H == 0:
         return result
     if impl == "gluon" or (impl == "auto" and config is None):
-        # auto: not where the Triton kernel would split the keys (decode: its splits fill the SMs)
-        nsplit = 1 if impl == "gluon" else _splits(want, B, S, H, i1.shape[-1] + (i2.shape[-1] if two else 0),
-                                                   q.device)
-        if core_gluon.supported(q, len(srcs), nsplit, fu.key != (False, False, False)):
+        if _gluon_runs(q, len(srcs), i1.shape[-1] + (i2.shape[-1] if two else 0), want, impl,
+                       fu.key != (False, False, False)):
             try:
                 core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
                 return result
@@ -627,6 +625,29 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         _CHOSEN[key] = c
         return result
     raise AssertionError("unreachable: the ladder either launched or raised")
+
+
+def _gluon_runs(q: torch.Tensor, n_parts: int, J: int, want: CoreConfig, impl: str, fused_inside: bool) -> bool:
+    # impl="gluon": whenever core_gluon supports the call; auto: also not where the Triton kernel would split the
+    # keys (decode: its splits fill the SMs)
+    B, S, H, _ = q.shape
+    nsplit = 1 if impl == "gluon" else _splits(want, B, S, H, J, q.device)
+    return core_gluon.supported(q, n_parts, nsplit, fused_inside)
+
+
+def core_impl(q_BSHd: torch.Tensor, parts: list, *, fusions: bool = False, config: CoreConfig | None = None,
+              impl: str = "auto", fuse: bool | None = None) -> str:
+    """Which kernel ``sparse_attention_fused`` runs for this call: "gluon" or "triton" (benchmarks label their
+    rows with it). fusions: the call has q_rope / o_rope / out_fp8 (inside the Triton kernel on small grids, as
+    separate passes around a plain call on large ones, see ``FUSE_MAX_WAVES``)."""
+    B, S, H, D = q_BSHd.shape
+    want = (config or default_config(H, D, q_BSHd.dtype)).fit(H, D)
+    if fuse is None:
+        fuse = B * S * triton.cdiv(H, want.block_h) <= FUSE_MAX_WAVES * _sm_count(q_BSHd.device)
+    if not (impl == "gluon" or (impl == "auto" and config is None)):
+        return "triton"
+    J = sum(idx.shape[-1] for _, idx in parts)
+    return "gluon" if _gluon_runs(q_BSHd, len(parts), J, want, impl, fusions and fuse) else "triton"
 
 
 def core_flops(H: int, D: int, idx_parts: list) -> tuple[float, float]:
