@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_attn import gemm_tflops, time_alone  # noqa: E402  (the attention benchmarks' yardstick and timer)
+
 from moe_wave.attention import core_gluon  # noqa: E402
 from moe_wave.attention.core import sparse_attention  # noqa: E402
 from moe_wave.attention.core_kernel import core_flops, sparse_attention_fused  # noqa: E402
@@ -127,37 +129,6 @@ def check(dev) -> list:
     return rows
 
 
-def time_graph(fn, iters: int) -> float:
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    us = time_graph(lambda: a @ b, iters)
-    return 2 * n ** 3 / us / 1e6
-
-
 def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: list | None = None) -> list:
     rows = []
     for shape, H in (("v4-flash", 64), ("v4-pro", 128)):
@@ -171,13 +142,13 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
                 if impls and impl not in impls:
                     row[f"{impl}_us"] = row[f"{impl}_tflops"] = row[f"{impl}_vs_gemm"] = float("nan")
                     continue
-                us = time_graph(lambda: run(impl, q, parts, sinks), iters)
+                us = time_alone(lambda: run(impl, q, parts, sinks), iters)
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_tflops"] = round(useful / us / 1e6, 1)
                 row[f"{impl}_vs_gemm"] = round(useful / us / 1e6 / gemm, 3)
             extra = [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES
             for impl in ([i for i in impls if i.startswith("gluon/")] if impls else extra):
-                us = time_graph(lambda: run(impl, q, parts, sinks), iters)
+                us = time_alone(lambda: run(impl, q, parts, sinks), iters)
                 row[f"{impl}_us"] = round(us, 1)
             row["speedup"] = round(row["triton_us"] / row["gluon_us"], 2) if row["gluon_us"] == row["gluon_us"] \
                 else float("nan")
