@@ -9,10 +9,11 @@ this kernel exists because two things that decide the speed cannot be asked of t
   tensor work wasted. Here QK is split along the keys (``[4, 2]``: each warpgroup 64 heads x BN/2 keys, the row
   max and sum exchanged through shared memory) and PV along the value channels (each warpgroup 64 x d/2).
 - **When the gathered rows travel.** The picked KV rows are gathered with ``cp.async`` into a ring of NBUF
-  shared-memory tiles. The copy of tile t + NBUF - 1 is issued as soon as PV(t - 1) has released its buffer, so
-  it flies during QK(t), the softmax and PV(t); the picks (row indices) are read one tile ahead of their copy, so
-  no copy waits on an index load. (Triton's pipeliner treats the gather as an indirect load: it issues the next
-  tile only after a synchronous load of its indices, and waits for it at the top of the next iteration.)
+  shared-memory tiles. The copy of tile t + NBUF - 1 is issued once PV(t - 1) has released its buffer (one wait
+  covers it and QK(t)), so it travels during the softmax and PV(t); the picks (row indices) are read one tile
+  ahead of their copy, so no copy waits on an index load. (Triton's pipeliner treats the gather as an indirect
+  load: it issues the next tile only after a synchronous load of its indices. Issuing the copy while QK(t) still
+  runs, by waiting for PV(t - 1) alone, makes ptxas serialise every wgmma: 36 waits in the SASS in place of 2.)
 
 Everything else is as in the Triton kernel: the window part, then the compressed part, in one online softmax
 (fp32, exp2 domain), the sink as the running max's start (m = sink, l = 1), a -1 pick masked (its row is not read
@@ -31,7 +32,7 @@ import torch
 
 from moe_wave.comm.triton_gate import triton
 
-try:  # Gluon ships with Triton >= 3.5; anything missing means "not available", never an import error
+try:  # Gluon: Triton's experimental dialect; anything missing means "not available", never an import error
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
