@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=8)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--dump", default=None, help="prefix of the .ttgir / .ptx / .sass files to write")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
 
     import triton
     from triton.backends.compiler import GPUTarget

@@ -95,12 +95,14 @@ if gl is not None:
     def _picks(T, n1, idx1, J1, idx2, J2, BN: gl.constexpr, layout: gl.constexpr, TWO: gl.constexpr):
         # the row ids of tile T of the query's tile sequence (part 1's tiles, then part 2's), in `layout`; -1 for
         # masked picks and for T past the end
+        # (int32 from here on, whatever the picks' dtype: int64 picks, as the layer's indexer gives them, would
+        # double these registers in a kernel at its register limit)
         jj = gl.arange(0, BN, layout=layout)
         j1 = T * BN + jj
-        r = gl.load(idx1 + j1, mask=(j1 < J1) & (T < n1), other=-1)
+        r = gl.load(idx1 + j1, mask=(j1 < J1) & (T < n1), other=-1).to(gl.int32)
         if TWO:
             j2 = (T - n1) * BN + jj
-            r2 = gl.load(idx2 + j2, mask=(j2 < J2) & (j2 >= 0) & (T >= n1), other=-1)
+            r2 = gl.load(idx2 + j2, mask=(j2 < J2) & (j2 >= 0) & (T >= n1), other=-1).to(gl.int32)
             r = gl.maximum(r, r2)                                      # one of the two is -1
         return r
 
@@ -127,7 +129,7 @@ if gl is not None:
         last = gl.max(gl.full([JC], 0, gl.int32, layout), axis=0)
         for t0 in range(0, J, JC):
             jj = t0 + gl.arange(0, JC, layout=layout)
-            picks = gl.load(idx_row + jj, mask=jj < J, other=-1)
+            picks = gl.load(idx_row + jj, mask=jj < J, other=-1).to(gl.int32)
             last = gl.maximum(last, gl.max(gl.where(picks >= 0, jj + 1, 0), axis=0))
         return gl.cdiv(last, BN)
 

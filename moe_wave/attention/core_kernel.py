@@ -156,7 +156,7 @@ if triton is not None:
         last = tl.full((), 0, tl.int32)
         for t0 in range(0, J, JC):
             jj = t0 + tl.arange(0, JC)
-            picks = tl.load(idx_row + jj, mask=jj < J, other=-1)
+            picks = tl.load(idx_row + jj, mask=jj < J, other=-1).to(tl.int32)
             last = tl.maximum(last, tl.max(tl.where(picks >= 0, jj + 1, 0), axis=0))
         return tl.cdiv(last, BN)
 
@@ -267,7 +267,7 @@ if triton is not None:
         # One key source: the online softmax over tiles t_lo..t_hi of this query's picks idx_row[:J].
         for t in range(t_lo, t_hi):
             j = t * BN + tl.arange(0, BN)
-            row = tl.load(idx_row + j, mask=j < J, other=-1)
+            row = tl.load(idx_row + j, mask=j < J, other=-1).to(tl.int32)   # (int64 picks: half the registers)
             ok = row >= 0
             rows = kv_b + tl.maximum(row, 0).to(tl.int64)[:, None] * s_kv_m
             if BDK == BD:
