@@ -92,6 +92,14 @@ def fp8_matmul_ref(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_
 if triton is not None:
 
     @triton.jit
+    def pow2_scale_bits(amax):
+        # The fp32 bits of s = pow2_ceil(amax / 448) and of 1 / s (both exact powers of two), as act_quant_torch
+        # computes s: the division correctly rounded (Triton's `/` is approximate on fp32), so that
+        # amax = 448 * 2^k gives s = 2^k. The one definition for every kernel that writes this format.
+        sbits = (tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        return sbits, 0x7F000000 - sbits
+
+    @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, s_xm, s_xg, NPG: tl.constexpr, BM: tl.constexpr):
         # Program (row block, 128-channel block j): j's group g = j // NPG holds NPG blocks; the input row m of
         # group g starts at x + g*s_xg + m*s_xm (a flat [M, K] row: s_xg = NPG*128; a group-major [G, M, Kg]
@@ -105,12 +113,9 @@ if triton is not None:
         x = tl.load(x_ptr + g.to(tl.int64) * s_xg + m.to(tl.int64)[:, None] * s_xm + (j % NPG) * 128 + c[None, :],
                     mask=rmask[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-        # correctly rounded division (Triton's `/` is approximate on fp32), so that amax = 448 * 2^k gives s = 2^k
-        # as in the torch twin and in the sparse core's FP8 epilogue; 1 / s exact by the exponent's bits
-        sbits = (tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        sbits, ibits = pow2_scale_bits(amax)
         s = sbits.to(tl.float32, bitcast=True)
-        inv = (0x7F000000 - sbits).to(tl.float32, bitcast=True)
-        q = (x * inv[:, None]).to(tl.float8e4nv)
+        q = (x * ibits.to(tl.float32, bitcast=True)[:, None]).to(tl.float8e4nv)
         tl.store(q_ptr + m.to(tl.int64)[:, None] * K + j * 128 + c[None, :], q, mask=rmask[:, None])
         tl.store(s_ptr + j.to(tl.int64) * M + m, s, mask=rmask)
 

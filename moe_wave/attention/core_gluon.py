@@ -26,6 +26,7 @@ applies; the Triton kernel runs everywhere else (and on CPU, under the interpret
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -45,7 +46,7 @@ try:  # Gluon: Triton's experimental dialect; anything missing means "not availa
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = None
 
-__all__ = ["available", "supported", "mark_broken", "sparse_attention_gluon", "BH", "BN", "NBUF"]
+__all__ = ["available", "supported", "mark_broken", "picks_chunk", "sparse_attention_gluon", "BH", "BN", "NBUF"]
 
 BH = 64     # heads per program (the GEMM's M: one wgmma row block per warpgroup)
 BN = 64     # picked keys per tile
@@ -67,13 +68,22 @@ def mark_broken(err: BaseException) -> None:
                       stacklevel=3)
 
 
+def picks_chunk(J1: int, J2: int, block_n: int) -> int:
+    """Picks per load when a program of either core kernel counts its tiles: every pick of the longer part in one
+    load (a power of two), up to 2048."""
+    return min(2048, 1 << (max(J1, J2, block_n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
+
+
 def available() -> bool:
     """Gluon imports, a Hopper GPU (sm_90) is current, and the kernel has not failed to compile here."""
     if gluon is None or triton is None or _BROKEN is not None or not torch.cuda.is_available():
         return False
-    if torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability()[0] == 9
+    return _hopper(torch.cuda.current_device())
 
 
 def supported(q: torch.Tensor, n_parts: int, nsplit: int, fused: bool) -> bool:
@@ -248,4 +258,4 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, PROBE=probe,
-        JC=min(2048, triton.next_power_of_2(max(J1, J2, bn))), num_warps=8)
+        JC=picks_chunk(J1, J2, bn), num_warps=8)

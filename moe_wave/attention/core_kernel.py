@@ -58,6 +58,9 @@ import torch
 from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 from moe_wave.fp8 import act_quant
 
+if triton is not None:
+    from moe_wave.fp8 import pow2_scale_bits
+
 from . import core_gluon
 from .kernels import norm_rope
 
@@ -245,8 +248,8 @@ if triton is not None:
         if FP8:
             y3 = tl.reshape(y.to(tl.float32), (BH, BDV // 128, 128))
             amax = tl.maximum(tl.max(tl.abs(y3), axis=2), 1e-4)
-            sbits = (tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-            inv = (0x7F000000 - sbits).to(tl.float32, bitcast=True)     # 1 / s, exact (s a power of two)
+            sbits, ibits = pow2_scale_bits(amax)                        # act_quant's scale, the same bits
+            inv = ibits.to(tl.float32, bitcast=True)                    # 1 / s, exact (s a power of two)
             z = tl.reshape(y3 * inv[:, :, None], (BH, BDV))
             if INTERP:                                                  # the interpreter's fp8 cast is off
                 zq = _e4m3_rne(z)
@@ -420,11 +423,6 @@ FUSE_MAX_WAVES = 4
 _CHOSEN: dict = {}   # (device, shape key, requested config) -> the config that launched
 
 
-def picks_chunk(J1: int, J2: int, block_n: int) -> int:
-    """Picks per load when a program counts its tiles: every pick of the longer part in one load, up to 2048."""
-    return min(2048, _pow2(max(J1, J2, block_n)))
-
-
 def _splits(cfg: CoreConfig, B: int, S: int, H: int, J: int, device: torch.device) -> int:
     """Key splits per query: ``cfg.split_k``, or (0 = auto) as many as fit the SMs in one wave of programs when one
     program per query and head block would leave half of them idle (decode), at most one per key tile. (On one H200,
@@ -511,7 +509,7 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
         kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
         i2.stride(1), D=D, BD=BD, BH=cfg.block_h, BN=cfg.block_n, BDK=cfg.block_dk, BDV=cfg.block_dv,
         TWO=two, SPLIT=nsplit > 1, IEEE=q.dtype == torch.float32 or interpreting(), QROPE=fu.qpos is not None,
-        QRF=qrf, OROPE=orope, ORF=orf, FP8=fp8, INTERP=interp, JC=picks_chunk(J1, J2, cfg.block_n),
+        QRF=qrf, OROPE=orope, ORF=orf, FP8=fp8, INTERP=interp, JC=core_gluon.picks_chunk(J1, J2, cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit > 1:
         bdv = min(128, BD)
@@ -572,7 +570,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     sinks = sinks_H.float().contiguous()
     want = (config or default_config(H, D, q.dtype)).fit(H, D)
     if fuse is None:
-        fuse = B * S * triton.cdiv(H, want.block_h) <= FUSE_MAX_WAVES * _sm_count(q.device)
+        fuse = _fuse_inside(q, want)
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"sparse_attention_fused: impl={impl!r} must be 'auto', 'triton' or 'gluon'")
     if B * S * H and not fuse and fu.key != (False, False, False):    # the unfused chain around the plain kernel
@@ -595,8 +593,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         result = out
     if B * S * H == 0:
         return result
-    if impl == "gluon" or (impl == "auto" and config is None):
-        if _gluon_runs(q, len(srcs), i1.shape[-1] + (i2.shape[-1] if two else 0), want, impl,
+    if impl != "triton":
+        if _gluon_runs(q, len(srcs), i1.shape[-1] + (i2.shape[-1] if two else 0), want, config, impl,
                        fu.key != (False, False, False)):
             try:
                 core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
@@ -627,9 +625,18 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     raise AssertionError("unreachable: the ladder either launched or raised")
 
 
-def _gluon_runs(q: torch.Tensor, n_parts: int, J: int, want: CoreConfig, impl: str, fused_inside: bool) -> bool:
-    # impl="gluon": whenever core_gluon supports the call; auto: also not where the Triton kernel would split the
-    # keys (decode: its splits fill the SMs)
+def _fuse_inside(q: torch.Tensor, want: CoreConfig) -> bool:
+    # the fused steps run inside the kernel up to FUSE_MAX_WAVES waves of programs (query x head block)
+    B, S, H, _ = q.shape
+    return B * S * triton.cdiv(H, want.block_h) <= FUSE_MAX_WAVES * _sm_count(q.device)
+
+
+def _gluon_runs(q: torch.Tensor, n_parts: int, J: int, want: CoreConfig, config: CoreConfig | None, impl: str,
+                fused_inside: bool) -> bool:
+    # impl="gluon": whenever core_gluon supports the call; "auto": only without a Triton tiling (config) and not
+    # where the Triton kernel would split the keys (decode: its splits fill the SMs); "triton": never
+    if impl == "triton" or (impl == "auto" and config is not None):
+        return False
     B, S, H, _ = q.shape
     nsplit = 1 if impl == "gluon" else _splits(want, B, S, H, J, q.device)
     return core_gluon.supported(q, n_parts, nsplit, fused_inside)
@@ -640,14 +647,11 @@ def core_impl(q_BSHd: torch.Tensor, parts: list, *, fusions: bool = False, confi
     """Which kernel ``sparse_attention_fused`` runs for this call: "gluon" or "triton" (benchmarks label their
     rows with it). fusions: the call has q_rope / o_rope / out_fp8 (inside the Triton kernel on small grids, as
     separate passes around a plain call on large ones, see ``FUSE_MAX_WAVES``)."""
-    B, S, H, D = q_BSHd.shape
+    H, D = q_BSHd.shape[2:]
     want = (config or default_config(H, D, q_BSHd.dtype)).fit(H, D)
-    if fuse is None:
-        fuse = B * S * triton.cdiv(H, want.block_h) <= FUSE_MAX_WAVES * _sm_count(q_BSHd.device)
-    if not (impl == "gluon" or (impl == "auto" and config is None)):
-        return "triton"
+    inside = fusions and (_fuse_inside(q_BSHd, want) if fuse is None else fuse)
     J = sum(idx.shape[-1] for _, idx in parts)
-    return "gluon" if _gluon_runs(q_BSHd, len(parts), J, want, impl, fusions and fuse) else "triton"
+    return "gluon" if _gluon_runs(q_BSHd, len(parts), J, want, config, impl, inside) else "triton"
 
 
 def core_flops(H: int, D: int, idx_parts: list) -> tuple[float, float]:
