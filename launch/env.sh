@@ -15,7 +15,8 @@ repo_python() {
 # through --system-site-packages and never replaced; otherwise torch==$MOE_WAVE_TORCH is installed first
 # (PIP_INDEX_URL / PIP_EXTRA_INDEX_URL may point at a CPU wheel index). The stamp (the pyproject hash) is
 # written only after the installs succeeded and the runtime dependencies import, so a failed or partial
-# install is retried on the next run instead of being skipped.
+# install is retried on the next run instead of being skipped. --no-compile: pip would byte-compile every file of
+# torch (about 30 of the 40 s a fresh CPU install takes here); Python compiles what it imports, when it does.
 ensure_venv() {
     local extras="$1" venv="${MOE_WAVE_VENV:-$REPO_ROOT/.venv}" py="${PYTHON:-python3}" torch_ver="${MOE_WAVE_TORCH:-2.13.0}"
     if [ ! -x "$venv/bin/python" ]; then
@@ -35,12 +36,12 @@ ensure_venv() {
     rm -f "$stamp"
     if ! "$VENV_PY" -c "import torch" >/dev/null 2>&1; then
         echo "[moe-wave] installing torch==$torch_ver" >&2
-        "$VENV_PY" -m pip install -q "torch==$torch_ver" || { echo "[moe-wave] torch install failed" >&2; return 1; }
+        "$VENV_PY" -m pip install -q --no-compile "torch==$torch_ver" || { echo "[moe-wave] torch install failed" >&2; return 1; }
     fi
     local spec="$REPO_ROOT"
     [ -n "$extras" ] && spec="$REPO_ROOT[$extras]"
     echo "[moe-wave] installing moe-wave (editable) ${extras:+with [$extras]}" >&2
-    "$VENV_PY" -m pip install -q -e "$spec" || { echo "[moe-wave] pip install -e '$spec' failed" >&2; return 1; }
+    "$VENV_PY" -m pip install -q --no-compile -e "$spec" || { echo "[moe-wave] pip install -e '$spec' failed" >&2; return 1; }
     # every runtime dependency must import before the stamp says the venv is ready
     "$VENV_PY" -c "import torch, numpy, moe_wave, moe_wave.comm" ||
         { echo "[moe-wave] the install in $venv does not import: not marking it ready" >&2; return 1; }
