@@ -38,8 +38,9 @@ import torch
 
 from .layout import DispatchLayout
 
-__all__ = ["Pending", "Received", "WaveHandle", "ExchangePlan", "CombineOut", "CommBackend", "check_sum_args",
-           "pending_after", "rows_of"]
+__all__ = ["Pending", "Received", "OnceRows", "WaveHandle", "ExchangePlan", "CombineOut", "CommBackend",
+           "check_sum_args",
+           "pending_after", "rows_of", "refuse_once"]
 
 R_ = TypeVar("R_")
 
@@ -139,6 +140,29 @@ class CombineOut:
 
 
 @dataclass(frozen=True)
+class OnceRows:
+    """What the expert stage of wave ``wave`` needs when rows cross once per layer (``WavePlan.sends == "once"``,
+    see ``comm.layout`` and ``comm.symm_once``): ``Received`` then holds every block that has arrived, and only
+    the experts of this wave count (local expert x is in wave x * num_waves // num_local_experts). The stage
+    adds each row's results to the sums that the earlier waves left in ``state["acc"]`` (fp32, [R, D], the
+    rows' order; a row starts its sum in the block of its first wave, ``row // rows_per_wave``), and writes the
+    finished sum into y's row after the row's last wave, where the combine of this wave reads it; y's other
+    rows are left as allocated.
+
+    Attributes:
+        wave: w; num_waves: W; num_local_experts: e.
+        rows_per_wave: R // W (the rows of one wave's blocks).
+        state: shared by the waves of one call (one per prepare).
+    """
+
+    wave: int
+    num_waves: int
+    num_local_experts: int
+    rows_per_wave: int
+    state: dict = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class Received:
     """The rows a wave delivered to this rank, grouped by source peer.
 
@@ -153,6 +177,11 @@ class Received:
         local: None, or (row0, x_nD) where the dispatch was asked for ``local_view`` and took it: rows row0 ..
             row0 + n - 1 of ``x_RD`` were not filled, they are x_nD's rows (this rank's own tokens, left in
             x with no copy); rows row0 + n .. of that block carry no pair. Read rows with ``rows_of``.
+        rows_P: None (the combine may read every row of y), or [P] int device counts for a backend whose
+            receive buffer is P blocks of R // P rows, one per source: the combine reads only the first
+            rows_P[p] rows of block p (more than R // P means all of them), so the expert stage may leave y's
+            other rows unwritten and skip their slots (a fixed-capacity buffer's empty tail costs nothing).
+        once: None, or ``OnceRows`` (a row crosses once per layer: the stage sums over waves, see there).
     """
 
     x_RD: torch.Tensor
@@ -162,6 +191,8 @@ class Received:
     pairs_e_dev: torch.Tensor
     handle: WaveHandle
     local: tuple | None = None
+    rows_P: torch.Tensor | None = None
+    once: OnceRows | None = None
 
 
 def rows_of(x_RD: torch.Tensor, row_N: torch.Tensor, local: tuple | None) -> torch.Tensor:
@@ -190,6 +221,14 @@ def check_sum_args(out_TD: torch.Tensor, add_TD: torch.Tensor | None, dst_TD: to
     if same and dst_TD.dtype != out_TD.dtype:
         raise ValueError("combine: dst_TD shares out_TD's memory with another dtype: pass dst_TD=None to sum into "
                          "out_TD, or a separate tensor")
+
+
+def refuse_once(layout: DispatchLayout, backend: str) -> None:
+    """ValueError for a backend that sends a row per (token, peer, wave) when the plan asks for once per layer."""
+    if layout.plan.once:
+        raise ValueError(f"WaveConfig.sends='once' (a row once per layer, its sum home after its last wave) is "
+                         f"implemented by the symm backend; backend {backend!r} sends a row per wave: use "
+                         f"backend='symm' (it runs on CPU too, emulated over gloo) or sends='wave'")
 
 
 def pending_after(name: str, works, comm_stream, device: torch.device, then: Callable[[], R_]) -> Pending[R_]:

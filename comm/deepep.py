@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import CombineOut, ExchangePlan, Pending, Received, WaveHandle
+from .backend import CombineOut, ExchangePlan, Pending, Received, WaveHandle, refuse_once
 from .group import EPGroup
 from .layout import DispatchLayout
 
@@ -121,6 +121,7 @@ class DeepEPBackend:
         plan = layout.plan
         if plan.num_ranks != self.ep.size:
             raise ValueError(f"WavePlan.num_ranks={plan.num_ranks}: must equal the EP group size {self.ep.size}")
+        refuse_once(layout, self.name)
         if plan.num_local_experts > MAX_LOCAL_EXPERTS:
             raise ValueError(f"num_experts / num_ranks = {plan.num_local_experts}: DeepEP V1 supports at most "
                              f"{MAX_LOCAL_EXPERTS} experts per rank; use more ranks or backend='symm' / 'torch'")

@@ -12,6 +12,14 @@ K (local expert, weight) slots, -1 where slot k belongs to another cell. Send ro
 (wave, peer, token), so each wave's rows are one contiguous block ordered by destination peer,
 which is exactly what ``all_to_all_single`` with splits wants.
 
+``sends`` says how often a (token, peer) pair crosses:
+  * "wave": once per wave that holds one of its experts on that peer (the cell above);
+  * "once" (partition "experts"): once per layer in each direction. The row goes in the first wave that needs
+    it on that peer, carrying all of the token's slots there (of every wave); the peer keeps it for the later
+    waves, sums the token's results there over the waves, and sends that sum home after the last of them
+    (``last_TP``). The bytes of a layer are then those of W = 1 whatever W is. (With "tokens" both are the same:
+    a token's experts are all in its wave.)
+
 Nothing here synchronises with the host: every size is static (S is bounded by T*K, the valid
 prefix is given by the counts), so backends decide where the one host sync happens.
 """
@@ -22,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WavePlan", "DispatchLayout", "compute_layout", "check_topk"]
+__all__ = ["WavePlan", "DispatchLayout", "compute_layout", "check_topk", "PARTITIONS", "SENDS"]
 
 PARTITIONS = ("experts", "tokens")
+SENDS = ("wave", "once")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +44,7 @@ class WavePlan:
     num_local_experts: int
     num_waves: int
     partition: str = "experts"
+    sends: str = "wave"
 
     def __post_init__(self):
         for name in ("num_ranks", "num_local_experts", "num_waves"):
@@ -42,12 +52,15 @@ class WavePlan:
                 raise ValueError(f"WavePlan.{name}={getattr(self, name)}: must be >= 1")
         if self.partition not in PARTITIONS:
             raise ValueError(f"WavePlan.partition={self.partition!r}: must be one of {PARTITIONS}")
+        if self.sends not in SENDS:
+            raise ValueError(f"WavePlan.sends={self.sends!r}: must be one of {SENDS}")
         if self.partition == "experts" and self.num_waves > self.num_local_experts:
             raise ValueError(f"WavePlan.num_waves={self.num_waves}: an 'experts' partition has at most "
                              f"num_local_experts={self.num_local_experts} waves (use WavePlan.make)")
 
     @classmethod
-    def make(cls, *, num_ranks: int, num_local_experts: int, num_waves: int, partition: str = "experts"):
+    def make(cls, *, num_ranks: int, num_local_experts: int, num_waves: int, partition: str = "experts",
+             sends: str = "wave"):
         """Clamp ``num_waves`` to the local expert count for the 'experts' partition (a wave with no
         expert would only add a synchronisation point)."""
         if num_waves < 1:
@@ -55,7 +68,13 @@ class WavePlan:
         if partition == "experts":
             num_waves = min(num_waves, num_local_experts)
         return cls(num_ranks=num_ranks, num_local_experts=num_local_experts, num_waves=num_waves,
-                   partition=partition)
+                   partition=partition, sends=sends)
+
+    @property
+    def once(self) -> bool:
+        """A row crosses once per layer and its results come home after its last wave, which differs from a
+        row per wave ("wave") only for the 'experts' partition with W > 1."""
+        return self.sends == "once" and self.partition == "experts" and self.num_waves > 1
 
     @property
     def num_experts(self) -> int:
@@ -86,6 +105,9 @@ class DispatchLayout:
         send_counts_WP: [W, P] int64, rows sent to each peer in each wave.
         pair_counts_WPe: [W, P, e] int64, (token, k) pairs sent per destination local expert.
         ids_min, ids_max: 0-dim int64 tensors, for validation without an extra host sync.
+        last_TP: ``plan.once`` only (else None): [T, P] int64, the last wave with one of token t's experts on
+            peer p (-1 where none): the wave after which the peer sends that token's sum home.
+        send_last_S: ``plan.once`` only: [S] int64, the same for each send row.
     """
 
     plan: WavePlan
@@ -97,6 +119,8 @@ class DispatchLayout:
     pair_counts_WPe: torch.Tensor
     ids_min: torch.Tensor
     ids_max: torch.Tensor
+    last_TP: torch.Tensor | None = None
+    send_last_S: torch.Tensor | None = None
 
 
 def check_topk(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_tokens: int | None = None) -> None:
@@ -135,7 +159,17 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
         wave_TK = (local_TK * W) // e                   # = wave_of_local_expert()[local_TK]
     else:
         wave_TK = ((torch.arange(T, device=dev) * W) // max(T, 1))[:, None].expand(T, K)
-    cell_TK = wave_TK * P + peer_TK
+    last_TP = None
+    if plan.once:
+        # the row goes in the first wave with one of the token's experts on that peer and carries all of them
+        same_TKK = peer_TK[:, :, None] == peer_TK[:, None, :]
+        first_TK = torch.where(same_TKK, wave_TK[:, None, :], W).amin(-1)
+        last_TP = torch.full((T, P), -1, dtype=torch.long, device=dev).scatter_reduce_(1, peer_TK, wave_TK, "amax")
+        if num_valid is not None:
+            last_TP.masked_fill_((torch.arange(T, device=dev) >= num_valid)[:, None], -1)
+        cell_TK = first_TK * P + peer_TK
+    else:
+        cell_TK = wave_TK * P + peer_TK
 
     hit_TC = torch.zeros(T, C, dtype=torch.bool, device=dev)
     keep_TK = None
@@ -167,6 +201,8 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
         ids_max = ids_min
     else:
         ids_min, ids_max = torch.aminmax(ids_TK)
+    send_last_S = None if last_TP is None else last_TP[send_token_S, send_cell_S % P]
     return DispatchLayout(plan=plan, num_tokens=T, send_token_S=send_token_S, send_expert_SK=send_expert_SK,
                           send_weight_SK=send_weight_SK, send_counts_WP=send_counts_WP,
-                          pair_counts_WPe=pair_counts_WPe, ids_min=ids_min, ids_max=ids_max)
+                          pair_counts_WPe=pair_counts_WPe, ids_min=ids_min, ids_max=ids_max, last_TP=last_TP,
+                          send_last_S=send_last_S)

@@ -35,12 +35,13 @@ from typing import Callable
 import torch
 
 from . import streams as st
-from .backend import CombineOut, Pending, Received, WaveHandle, pending_after
+from .backend import CombineOut, OnceRows, Pending, Received, WaveHandle, pending_after
 from .group import EPGroup
 from .layout import DispatchLayout
 from .options import SymmOptions
 from .symm_heap import Buffers
 from .symm_kernels import gather_add, poison_rows
+from .symm_once import once_tables
 from .symm_plan import DenseTables, SymmPlan, choose, wave_rows
 from .symm_tables import POISON, STATUS_LEN, build_tables, build_tables_torch
 from .symm_transport import EmulatedTransport, PeerTransport
@@ -173,6 +174,9 @@ class SymmBackend:
         dev, C, T = layout.send_counts_WP.device, self.capacity, layout.num_tokens
         cur = st.current_stream(dev)
         K = layout.send_expert_SK.shape[1]
+        if plan.once and self.transport.peer_memory and not self.kernels:
+            raise ValueError(f"WaveConfig.sends='once' on {self.ep.device}: its combine is a Triton kernel (each row "
+                             f"goes home after its last wave), and Triton does not run here; use sends='wave'")
         mode, dense = choose(self.options, self.mode, plan, K)
         static = self._dense.static(T, plan) if dense else None
         # dense blocks: the counts exchanged are the blocks' row counts (the wave's token range)
@@ -191,8 +195,11 @@ class SymmBackend:
             meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
             extra = self._dense.densify(tabs, meta_SM, slot_WTP, static, K) if dense else {}
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
+            recv_rows_WP = tabs["recv_counts_WP"].clamp(max=C)
+            once = once_tables(layout, recv_pairs_WPe, recv_rows_WP, tabs, slot_WTP, C) if plan.once else None
             xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM, mode=mode,
                              slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
+                             recv_rows_WP=recv_rows_WP, once=once,
                              stale_WPC1=None if dense else (tabs["recv_dst_WPC"] < 0)[..., None],
                              **{**tabs, **extra})
             if dense:
@@ -226,13 +233,21 @@ class SymmBackend:
         handle = SymmHandle(wave, plan, bufs)
 
         def received() -> Received:
+            if plan.once is not None:     # every block that has arrived (comm.symm_once)
+                W = plan.num_waves
+                meta_RM = bufs.recv_meta.view(W * P * C, 2 * K)
+                return Received(x_RD=bufs.recv_x.view(W * P * C, D), expert_RK=meta_RM[:, :K],
+                                weight_RK=meta_RM[:, K:].view(torch.float32), pairs_e=None,
+                                pairs_e_dev=plan.once.pairs_We[wave], handle=handle, rows_P=plan.once.rows_WB[wave],
+                                once=OnceRows(wave, W, lay.plan.num_local_experts, P * C, plan.once.state))
             if local is not None:
                 st.keep_alive(x_TD, st.current_stream(dev))
                 self.transport.poison_local(bufs, wave)
             meta_RM = bufs.recv_meta[wave].view(P * C, 2 * K)    # stale rows were reset: views
             return Received(x_RD=bufs.recv_x[wave].view(P * C, D), expert_RK=meta_RM[:, :K],
                             weight_RK=meta_RM[:, K:].view(torch.float32), pairs_e=None,
-                            pairs_e_dev=plan.pairs_We[wave], handle=handle, local=local)
+                            pairs_e_dev=plan.pairs_We[wave], handle=handle, local=local,
+                            rows_P=plan.recv_rows_WP[wave])
 
         return pending_after(f"dispatch[{wave}]", works, self.comm_stream, dev, received)
 
@@ -255,8 +270,9 @@ class SymmBackend:
         plan, wave, bufs = handle.plan, handle.wave, handle.bufs
         P, me, C = self.ep.size, self.ep.rank, plan.capacity
         D = y_RD.shape[1]
-        if y_RD.shape != (P * C, D) or y_RD.dtype != bufs.comb.dtype:
-            raise ValueError(f"y: shape {tuple(y_RD.shape)} dtype {y_RD.dtype}: must be {(P * C, D)} "
+        R = P * C * (plan.num_waves if plan.once is not None else 1)
+        if y_RD.shape != (R, D) or y_RD.dtype != bufs.comb.dtype:
+            raise ValueError(f"y: shape {tuple(y_RD.shape)} dtype {y_RD.dtype}: must be {(R, D)} "
                              f"{bufs.comb.dtype} (one row per received row)")
         self.transport.raise_watchdog()
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
@@ -270,6 +286,8 @@ class SymmBackend:
             works = self.transport.combine(y_RD, plan, bufs, wave, own_from_y)
 
         def total() -> None:
+            if plan.once is not None:
+                return self._once_total(y_RD, plan, bufs, wave, out, gather, own_from_y, poison)
             if gather:
                 # one program per token (tile) sums its rows from every peer block in peer order (fp32, no
                 # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)] (+ add[t], into dst)
@@ -286,3 +304,22 @@ class SymmBackend:
             poison_rows(out.result, poison)
 
         return total, works, dev
+
+    def _once_total(self, y_RD, plan: SymmPlan, bufs, wave: int, out: CombineOut, gather: bool, own_from_y: bool,
+                    poison) -> None:
+        """The sum of combine ``wave`` when rows cross once per layer: every token's rows whose last wave this is,
+        from the flat comb (``comm.symm_once``), peers in order."""
+        P, me, D = self.ep.size, self.ep.rank, y_RD.shape[1]
+        dev = y_RD.device
+        if gather:
+            local = (y_RD, me) if own_from_y else (None, None)
+            if own_from_y:
+                st.keep_alive(y_RD, st.current_stream(dev))
+            gather_add(out.out_TD, bufs.comb.view(-1, D), plan.once.slot_WTP[wave], *local, accumulate=out.accumulate,
+                       add_TD=out.add_TD, dst_TD=out.dst_TD, poison=poison, tune=self.options.copy)
+            return
+        N, last = plan.tok_WPN.shape[2], plan.once.last_WPN
+        blocks = [(plan.tok_WPN[b, p], torch.where((last[b, p] == wave)[:, None], bufs.comb[b, p, :N].float(), 0.0))
+                  for p in range(P) for b in range(wave + 1)]          # peers in order, as gather_add
+        out.add_rows(blocks)
+        poison_rows(out.result, poison)

@@ -43,6 +43,8 @@ class Buffers:
         stage: emulated transport: (x [W, P, C, D], meta [W, P, C, M]) packed locally, then exchanged.
         pack: peer memory, copy mode with Triton: per wave (stage_x [P, C, D], stage_m [P, C, M], targets x,
             targets meta): the peers' rows packed locally, this rank's own straight into place.
+        once_targets: peer memory, rows crossing once per layer: every rank's comb from block (0, me) on
+            (``PeerHeap.once_targets``).
     """
 
     recv_x: torch.Tensor
@@ -54,6 +56,7 @@ class Buffers:
     stage: tuple | None = None
     pack: list | None = None
     flags: list | None = None
+    once_targets: RowTargets | None = None
 
 
 def _capturing() -> bool:
@@ -135,6 +138,19 @@ class PeerHeap:
             bufs.targets = [tuple(RowTargets.of(pb[j][w, me] for pb in peers) for j in range(3)) for w in range(W)]
         self._data[key] = bufs
         return bufs
+
+    def once_targets(self, bufs: Buffers) -> RowTargets:
+        """Rows crossing once per layer (``comm.symm_once``): every rank's ``comb`` as one block per rank that starts
+        at its block (0, me) and spans to the end of its last wave's block (me, C rows): row b * P * C + i is block
+        (b, me) row i. Built on first use, which must come before any capture (a pointer table from the host)."""
+        if bufs.once_targets is None:
+            if _capturing():
+                raise RuntimeError("symm sends='once': run one combine eagerly before capturing a CUDA graph (its "
+                                   "pointer table is built on first use)")
+            from .symm_once import comb_targets
+
+            bufs.once_targets = comb_targets([pb[2] for pb in bufs.peers], self.ep.rank)
+        return bufs.once_targets
 
     def pack_targets(self, bufs: Buffers, wave: int):
         """Copy mode with Triton: (stage x, stage meta, RowTargets x, RowTargets meta) that pack every peer's rows

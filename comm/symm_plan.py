@@ -46,7 +46,14 @@ def wave_token_ranges(T: int, W: int, partition: str) -> tuple:
 def choose(options: SymmOptions, mode: str, plan, top_k: int) -> tuple[str, bool]:
     """(data mode, dense blocks) for one prepare. ``mode`` is the backend's resolved mode ("auto" only where
     Triton runs); "auto" takes copy mode with dense blocks where they are expected to fill (``DENSE_FILL``)
-    and the capacity reaches ``AUTO_COPY_MIN_TOKENS``, kernel mode otherwise."""
+    and the capacity reaches ``AUTO_COPY_MIN_TOKENS``, kernel mode otherwise. A plan that sends a row once per
+    layer (``plan.once``) takes sparse blocks ("auto": kernel mode): its blocks hold the rows whose first wave
+    it is, which no token range describes."""
+    if getattr(plan, "once", False):
+        if options.dense:
+            raise ValueError("SymmOptions.dense=True with WaveConfig.sends='once': a wave's block holds the rows whose "
+                             "first wave it is, not a token range; use dense=None or False")
+        return ("kernel" if mode == "auto" else mode), False
     full = dense_fill(plan.num_ranks, plan.num_waves, top_k, plan.partition) >= DENSE_FILL
     if mode == "auto":
         mode = ("copy" if options.dense is not False and full and options.capacity >= AUTO_COPY_MIN_TOKENS
@@ -74,6 +81,10 @@ class SymmPlan(ExchangePlan):
             metadata is reset in place at dispatch: expert -1, weight 0); sparse blocks only.
         pairs_We: [W, e] int64 (row, slot) pairs received per local expert: the exchanged counts summed
             over the sources.
+        recv_rows_WP: [W, P] int64 rows of block (wave, source) that hold a received row: the count capped at
+            C (``Received.rows_P``: the combine reads no row past it).
+        once: ``symm_once.OnceTables`` where a row crosses once per layer (``WavePlan.sends == "once"``), else
+            None.
         dense: ((start, rows) per wave) for dense blocks; None for sparse blocks.
         meta_WPCM: [W, P, C, M] int32, dense blocks only: the (local expert, weight) slots of each row
             for peer p (expert -1 and weight 0 where the token has none of p's experts in wave w, and in
@@ -91,13 +102,17 @@ class SymmPlan(ExchangePlan):
     src_PC: torch.Tensor | None = None
     stale_WPC1: torch.Tensor | None = None
     pairs_We: torch.Tensor | None = None
+    recv_rows_WP: torch.Tensor | None = None
+    once: object | None = None
     dense: tuple | None = None
     meta_WPCM: torch.Tensor | None = None
 
     def tensors(self) -> tuple:
         """Every device tensor the plan holds (for stream lifetimes)."""
-        return tuple(t for t in (self.tok_WPN, self.row_WPN, self.send_dst_WPN, self.recv_dst_WPC, self.meta_SM,
-                                 self.slot_WTP, self.pairs_We, self.stale_WPC1, self.meta_WPCM) if t is not None)
+        own = tuple(t for t in (self.tok_WPN, self.row_WPN, self.send_dst_WPN, self.recv_dst_WPC, self.meta_SM,
+                                self.slot_WTP, self.pairs_We, self.recv_rows_WP, self.stale_WPC1, self.meta_WPCM)
+                    if t is not None)
+        return own + (self.once.tensors() if self.once is not None else ())
 
 
 def wave_rows(x_TD: torch.Tensor, plan: SymmPlan, wave: int) -> torch.Tensor:

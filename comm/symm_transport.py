@@ -47,6 +47,7 @@ from . import symm_memops as memops
 from .options import SymmOptions
 from .symm_heap import Buffers, LocalHeap, PeerHeap
 from .symm_kernels import scatter_rows
+from .symm_once import combine_dst, emulated_rows
 from .symm_plan import SymmPlan, wave_rows
 from .symm_signal import BarrierSignal, CopySignal
 from .symm_tables import POISON, count_rows, count_rows_torch
@@ -262,6 +263,11 @@ class PeerTransport:
         W, me, C = plan.num_waves, self.ep.rank, plan.capacity
 
         def push() -> None:
+            if plan.once is not None:      # the rows whose last wave this is, from every arrived block
+                dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts)
+                scatter_rows(y_RD, self.heap.once_targets(bufs), plan.once.src_PN, dst,
+                             skip=me if own_from_y else None, tune=self.options.copy)
+                return
             if plan.mode == "kernel":
                 scatter_rows(y_RD, bufs.targets[wave][2], plan.src_PC, plan.recv_dst_WPC[wave],
                              skip=me if own_from_y else None, tune=self.options.copy)
@@ -358,6 +364,16 @@ class EmulatedTransport:
 
     def combine(self, y_RD, plan: SymmPlan, bufs: Buffers, wave: int, own_from_y: bool) -> tuple:
         P, C, D = self.ep.size, plan.capacity, y_RD.shape[1]
+        if plan.once is not None:          # y holds every block: [W, P(src), C, D] -> [P(dst), b <= wave, C, D]
+            send = y_RD.view(plan.num_waves, P, C, D)[:wave + 1].transpose(0, 1)
+            if P == 1:
+                emulated_rows(bufs.comb, send, plan.once.last_WPN, wave)
+                return ()
+            send = send.contiguous()
+            back = torch.empty_like(send)
+            works = (dist.all_to_all_single(back.view(-1, D), send.view(-1, D), group=self.ep.pg, async_op=True),)
+            # (send stays referenced until the exchange is waited for)
+            return (_Then(works, lambda: emulated_rows(bufs.comb, back, plan.once.last_WPN, wave) or send.shape),)
         if P == 1:
             bufs.comb[wave].view(C, D).copy_(y_RD)
             return ()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import streams as st
 from dataclasses import dataclass
 
-from .backend import CombineOut, ExchangePlan, Pending, Received, WaveHandle, pending_after
+from .backend import CombineOut, ExchangePlan, Pending, Received, WaveHandle, pending_after, refuse_once
 from .group import EPGroup
 from .layout import DispatchLayout
 
@@ -79,6 +79,7 @@ class TorchBackend:
         P, W, e = plan.num_ranks, plan.num_waves, plan.num_local_experts
         if P != self.ep.size:
             raise ValueError(f"WavePlan.num_ranks={P}: must equal the EP group size {self.ep.size}")
+        refuse_once(layout, self.name)
         dev = layout.send_counts_WP.device
         # Per destination peer: [rows(w), pairs(w, 0..e-1)] for every wave, then this rank's id range.
         per_peer = torch.cat([layout.send_counts_WP.t().unsqueeze(-1),            # [P, W, 1]

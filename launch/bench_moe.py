@@ -99,9 +99,11 @@ def rank_main(ep, args) -> dict:
                                             f"{cfg.num_experts} experts on {ep.size} ranks is "
                                             f"{cfg.num_experts // ep.size}"})
                     continue
-                cap = args.symm_capacity or capacity(args, moe, T, W, part)
+                partition, sends = split_partition(part)
+                cap = args.symm_capacity or capacity(args, moe, T, W, partition, sends)
                 m = moe.rescheduled(WaveConfig(num_waves=W, shared_placement=placement, backend=backend,
-                                               symm=symm.replace(capacity=cap), expert_streams=ns, partition=part))
+                                               symm=symm.replace(capacity=cap), expert_streams=ns,
+                                               partition=partition, sends=sends))
                 label = (f"{shape} T={T} W={W} shared={placement} {backend}{' graph' if args.graph else ''}"
                          f" streams={ns} partition={part}")
                 r = measure(m, T, bench, tracer=tracer, label=label)
@@ -122,7 +124,16 @@ def rank_main(ep, args) -> dict:
     return {"rows": rows, "p2p": p2p, "world_size": ep.size}
 
 
-def capacity(args, moe: WaveMoE, tokens: int, waves: int, partition: str = "experts") -> int:
+def split_partition(spec: str) -> tuple[str, str]:
+    """(WaveConfig.partition, WaveConfig.sends) from a --partition entry: "experts", "tokens", or "experts-once"
+    (the experts partition with a row crossing once per layer)."""
+    partition, _, sends = spec.partition("-")
+    if partition not in ("experts", "tokens") or sends not in ("", "once"):
+        raise ValueError(f"--partition entry {spec!r}: must be experts, tokens or experts-once")
+    return partition, sends or "wave"
+
+
+def capacity(args, moe: WaveMoE, tokens: int, waves: int, partition: str = "experts", sends: str = "wave") -> int:
     """Rows per (wave, peer) for fixed-capacity backends (symm). 'worst': every token, never
     overflows. 'measured': the fullest (wave, peer) cell of one routed random batch, max over ranks,
     times --capacity-margin. Static buffers make the expert stage's gather scale with the capacity,
@@ -130,14 +141,15 @@ def capacity(args, moe: WaveMoE, tokens: int, waves: int, partition: str = "expe
     if args.capacity == "worst" or tokens == 0:
         return max(tokens, 128)
     x_TD, ids_TK, w_TK = random_inputs(moe, tokens, 1, seed=12345)[0]
-    return max(128, min(tokens, fullest_cell_capacity(moe, ids_TK, w_TK, waves, partition, args.capacity_margin)))
+    return max(128, min(tokens, fullest_cell_capacity(moe, ids_TK, w_TK, waves, partition, args.capacity_margin,
+                                                      sends)))
 
 
 def fullest_cell_capacity(moe: WaveMoE, ids_TK: torch.Tensor, w_TK: torch.Tensor, waves: int,
-                          partition: str = "experts", margin: float = 1.25) -> int:
+                          partition: str = "experts", margin: float = 1.25, sends: str = "wave") -> int:
     """Rows of the fullest (wave, peer) cell of this routing, max over ranks, times ``margin``, plus one."""
     plan = WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=waves,
-                         partition=partition)
+                         partition=partition, sends=sends)
     fullest = slowest(moe.ep, [compute_layout(ids_TK, w_TK, plan).send_counts_WP.max().item()])[0]  # HOST SYNC: setup
     return int(fullest * margin) + 1
 
@@ -183,7 +195,8 @@ def main() -> int:
     ap.add_argument("--expert-streams", default="1", help="comma list of WaveConfig.expert_streams (1-4)")
     ap.add_argument("--tokens", default=None, help="comma list of tokens per rank (default: the grid's)")
     ap.add_argument("--waves", default=None, help="comma list of wave counts (default: the grid's)")
-    ap.add_argument("--partition", default="experts", help="comma list of WaveConfig.partition (experts, tokens)")
+    ap.add_argument("--partition", default="experts", help="comma list of WaveConfig.partition (experts, tokens), "
+                    "or experts-once (the experts partition with WaveConfig.sends='once')")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each kind (needs a sync-free backend: --backend symm)")
     add_symm_args(ap)

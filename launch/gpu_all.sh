@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
-#   partitions (bench_moe with both wave partitions under graphs),
+#   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
@@ -89,10 +89,21 @@ for s in "${STAGES[@]}"; do
                    stage bench_moe_graph_$mode ${T_GRAPH:-200} "${TR[@]}" launch/bench_moe.py --quick --shapes v4-flash,balanced \
                        --backend symm --symm-mode $mode --graph --capacity measured --out "$RES/moe_graph_$mode.json"
                done ;;
-        partitions)  # issue 15: both wave partitions under CUDA graphs (symm), V4-Flash, W 1 2 4
+        partitions)  # issue 15: both wave partitions (and experts with a row once per layer) under CUDA graphs
+                     # (symm), V4-Flash, W 1 2 4
                stage bench_moe_partitions ${T_PART:-300} "${TR[@]}" launch/bench_moe.py --quick --shapes v4-flash \
                    --tokens ${PART_TOKENS:-2048,8192} --waves 1,2,4 --backend symm --graph --capacity measured \
-                   --partition experts,tokens --out "$RES/moe_partitions.json" ;;
+                   --partition experts,tokens,experts-once --out "$RES/moe_partitions.json" ;;
+        experts)  # issue 15's expert stage on one GPU: its kernels at W=1 and W=4, each receive block's empty tail
+                  # skipped (row bound on) or computed (off), with capacity max (a buffer sized for the largest T)
+                  # and measured (there also a row per wave against once per layer); then the single-GPU MoE
+                  # tests (the row bound bit for bit against every row, sends once)
+               stage tests_moe1 ${T_TESTS1:-150} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py \
+                   tests/test_expert_order.py
+               stage profile_experts_max ${T_EXPERTS:-180} "$PY" launch/profile_experts.py \
+                   --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --capacity max
+               stage profile_experts_measured ${T_EXPERTS:-180} "$PY" launch/profile_experts.py \
+                   --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --sends wave,once --capacity measured ;;
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  # the attention kernels on CUDA (each against its torch twin; the core and top-k at the V4 shapes),
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
@@ -120,7 +131,7 @@ raise SystemExit(not g.available())"; then
                true ;;
         deepep_api)   # DeepEP's tests on moe-wave's deep_ep and on DeepEP (built from .deps/deepep), side by side
                stage deepep_api ${T_DEEPEP_API:-330} env RES="$RES/deepep_api" bash launch/deepep_api.sh ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions comm attn demo sweep deepep_api)" ;;
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts comm attn demo sweep deepep_api)" ;;
     esac
 done
 

@@ -1,7 +1,8 @@
 """Why the expert stage costs more with more waves: its kernels at W = 1 and at W = 4, side by side (one GPU).
 
     python launch/profile_experts.py [--preset v4-flash] [--experts 128] [--tokens 128,2048] [--waves 1,4]
-                                     [--order kernel,argsort] [--capacity measured|max]
+                                     [--order kernel,argsort] [--row-bound on,off] [--sends wave,once]
+                                     [--capacity measured|max]
 
 One process holds ``--experts`` routed experts (128: one rank's share of V4-Flash at EP2), so the expert stage
 sees what a rank of EP2 sees. For each token count and wave count it times the routed experts on pre-received
@@ -57,6 +58,10 @@ def main() -> int:
                     "measured), or the largest --tokens for every point (the per-wave launches then sized for it)")
     ap.add_argument("--order", default="kernel", help="comma list of moe_wave.experts.ORDER (kernel, argsort): "
                     "each gets its own tables")
+    ap.add_argument("--sends", default="wave", help="comma list of WaveConfig.sends (wave, once): a row per (token, "
+                    "wave) or once per layer (its sum kept over the waves); each gets its own tables")
+    ap.add_argument("--row-bound", default="on", help="comma list of on/off: moe_wave.experts.ROW_BOUND (skip each "
+                    "receive block's rows past its count, or compute every capacity row); each gets its own tables")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_experts: needs a GPU", file=sys.stderr)
@@ -71,15 +76,20 @@ def main() -> int:
     flush = l2_flush_buffer(dev)
     lines = [f"profile_experts: {args.preset} shapes, {args.experts} local experts, top-{cfg.top_k}, one GPU, "
              f"routed experts on pre-received rows, capacity {args.capacity}"]
-    for order in args.order.split(","):
-        ex.ORDER = order
-        lines.append(f"\n== pair order: {order}")
+    bounds = {"on": True, "off": False}
+    for order, bound, sends in [(o, b, s) for o in args.order.split(",") for b in args.row_bound.split(",")
+                                for s in args.sends.split(",")]:
+        if bound not in bounds:
+            ap.error(f"--row-bound {args.row_bound!r}: each entry must be 'on' or 'off'")
+        ex.ORDER, ex.ROW_BOUND = order, bounds[bound]
+        lines.append(f"\n== pair order: {order}, row bound: {bound}, sends: {sends}")
         for T in tokens:
             x, ids, w = random_inputs(base, T, 1)[0]
             tables, times = {}, {}
             for W in waves:
-                cap = max(tokens) if args.capacity == "max" else max(128, fullest_cell_capacity(base, ids, w, W))
-                moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W,
+                cap = (max(tokens) if args.capacity == "max" else
+                       max(128, fullest_cell_capacity(base, ids, w, W, sends=sends)))
+                moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, sends=sends,
                                                   symm=base.wave.symm.replace(capacity=cap)))
                 got = pre_receive(moe.backend, x, ids, w, moe.plan)
                 replay = as_graph(lambda i: routed_only(moe.routed_rows, got), dev)[0]

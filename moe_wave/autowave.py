@@ -167,7 +167,8 @@ def shape_key(moe, tokens: int) -> str:
     cfg, wave = moe.cfg, moe.wave
     bucket = 1 << max(0, int(tokens) - 1).bit_length()
     return (f"{name}|P{moe.ep.size}|D{cfg.hidden_size}|I{cfg.intermediate_size}|E{cfg.num_experts}|K{cfg.top_k}|"
-            f"{str(moe.gate.weight.dtype).removeprefix('torch.')}|{moe.backend.name}|{wave.partition}|T{bucket}")
+            f"{str(moe.gate.weight.dtype).removeprefix('torch.')}|{moe.backend.name}|{wave.partition}|{wave.sends}|"
+            f"T{bucket}")
 
 
 def _lookup(path: Path | None, key: str, max_waves: int) -> tuple[dict | None, str]:
@@ -191,7 +192,7 @@ def max_waves_of(moe) -> int:
 
 def _plan(moe, W: int) -> WavePlan:
     return WavePlan.make(num_ranks=moe.ep.size, num_local_experts=moe.num_local, num_waves=W,
-                         partition=moe.wave.partition)
+                         partition=moe.wave.partition, sends=moe.wave.sends)
 
 
 @torch.no_grad()

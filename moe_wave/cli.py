@@ -174,8 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--waves", type=waves, default=2,
                    help="number of waves W, or 'auto'; with --partition experts at most the local experts per rank")
     d.add_argument("--partition", choices=("experts", "tokens"), default="experts")
+    d.add_argument("--sends", choices=("wave", "once"), default="wave",
+                   help="how often a (token, peer) row crosses with --partition experts: once per wave with one of "
+                        "its experts there, or once per layer each way (the peer keeps it for later waves and sends "
+                        "its sum home after the last; symm backend)")
     d.add_argument("--backend", choices=("auto", "torch", "symm", "deepep"), default="auto",
-                   help="comm backend; auto: symm on the GPUs of one host, torch elsewhere")
+                   help="comm backend; auto: symm on the GPUs of one host (and with --sends once), torch elsewhere")
     d.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay every layer from CUDA graphs (captured per mode at --tokens). Default: env "
                         "MOE_WAVE_GRAPH, else on wherever capture is possible (a GPU and the symm backend)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from moe_wave.comm.layout import PARTITIONS
+from moe_wave.comm.layout import PARTITIONS, SENDS
 from moe_wave.comm.options import SymmOptions
 
 __all__ = ["MoEConfig", "WaveConfig", "PRESETS", "PARTITIONS", "require_hf"]
@@ -111,6 +111,10 @@ class WaveConfig:
             With partition "experts" W is clamped to the local expert count.
         experts_per_wave: alternative to num_waves: local experts per wave (partition "experts").
         partition: "experts" (V4: a wave is a block of local experts) or "tokens" (Tutel style).
+        sends: how often a (token, peer) row crosses with partition "experts" (``comm.layout``): "wave" (once per
+            wave with one of the token's experts there) or "once" (once per layer each way, whatever W: the peer
+            keeps the row for its later waves and sends the token's sum home after the last; symm backend,
+            kernel mode, one expert stream).
         backend: "auto" (the default: "symm" on a CUDA group whose ranks share one host, "torch" elsewhere),
             "torch" (NCCL/RCCL/gloo), "symm" (symmetric memory), "deepep" (if installed). Every WaveMoE of a
             process that resolves to the same backend, group and options shares one backend instance, and so one
@@ -136,6 +140,7 @@ class WaveConfig:
     num_waves: int | str = 2
     experts_per_wave: int | None = None
     partition: str = "experts"
+    sends: str = "wave"
     backend: str = "auto"
     overlap: bool = True
     shared_placement: str = "bubbles"
@@ -154,6 +159,11 @@ class WaveConfig:
             raise ValueError(f"WaveConfig.experts_per_wave={self.experts_per_wave}: must be >= 1")
         if self.partition not in PARTITIONS:
             raise ValueError(f"WaveConfig.partition={self.partition!r}: must be one of {PARTITIONS}")
+        if self.sends not in SENDS:
+            raise ValueError(f"WaveConfig.sends={self.sends!r}: must be one of {SENDS}")
+        if self.sends == "once" and self.expert_streams != 1:
+            raise ValueError(f"WaveConfig.expert_streams={self.expert_streams} with sends='once': must be 1 (a wave's "
+                             f"expert stage adds to the sums that the waves before it left)")
         if self.backend not in BACKENDS:
             raise ValueError(f"WaveConfig.backend={self.backend!r}: must be one of {BACKENDS}")
         if self.shared_placement not in SHARED_PLACEMENTS:

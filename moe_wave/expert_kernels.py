@@ -36,7 +36,7 @@ from moe_wave.comm.backend import rows_of
 from moe_wave.comm.triton_gate import sm_count, tl, triton
 
 __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_torch", "swiglu_rows",
-           "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch"]
+           "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch", "weighted_sum_once"]
 
 BLOCK_D = 1024
 ROW_PROGRAMS_PER_SM = 8
@@ -100,7 +100,8 @@ def weighted_sum_torch(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.T
     return acc.to(dtype)
 
 
-def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor,
+                 rows_P: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, slot) pairs sorted expert-major, without a sort or atomics: (src_J [J] int64, pos_RK [R, K] int64).
 
     The pair (r, k) with 0 <= expert_RK[r, k] = x < e sits at p = (offs_e[x - 1], or 0 for x = 0) + the number
@@ -120,29 +121,50 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple
     block) numbers each pair of expert x as (offs_e[x - 1]) + (x's pairs in earlier blocks) + (its rank among
     the block's pairs of x), and writes pos, and src at the positions within the guard (overwriting the zeros
     of the first launch).
+
+    ``rows_P`` (``Received.rows_P``): the rows are P blocks of R // P, and only the first rows_P[p] of block p
+    are read; the slots of the others count as -1 (pos -1), and a block of pairs that holds none of the read
+    rows skips its in-block ranks (a fixed-capacity buffer's empty tail costs a launch, not its size).
     """
     R, K = expert_RK.shape
     src = torch.empty(R * K, dtype=torch.long, device=expert_RK.device)
     pos = torch.empty(R, K, dtype=torch.long, device=expert_RK.device)
-    _order_into(expert_RK, e, offs_e, src, pos)
+    _order_into(expert_RK, e, offs_e, src, pos, rows_P)
     return src, pos
 
 
-def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torch.Tensor, pos: torch.Tensor) -> None:
+def _row_blocks(rows_P: torch.Tensor | None, R: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(counts, rows per block, blocks) for the kernels' row bound: ``rows_P`` as given (P blocks of R // P
+    rows), or one block of R rows whose count is never read (``HAS_ROWS=False``)."""
+    if rows_P is None:
+        return like, max(R, 1), 1
+    P = rows_P.numel()
+    if P < 1 or R % P:
+        raise ValueError(f"rows_P has {P} entries: the R={R} rows must split into that many equal blocks")
+    if rows_P.device != like.device:
+        raise ValueError(f"rows_P is on {rows_P.device}: must be on the rows' device {like.device}")
+    return rows_P.reshape(P), max(R // P, 1), P
+
+
+def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torch.Tensor, pos: torch.Tensor,
+                rows_P: torch.Tensor | None = None) -> None:
     """``expert_order`` into the caller's buffers: src (at least J entries; those at J and past untouched) and
     pos (contiguous [R, K])."""
     R, K = expert_RK.shape
     J = R * K
     if not J:
         return
+    cnt, rb, _ = _row_blocks(rows_P, R, offs_e)
     nb = triton.cdiv(J, BLOCK_J)
     nbins = max(64, triton.next_power_of_2(e + 1))   # bin e: no local expert; tl.histogram wants a warp multiple
     hist = torch.empty(nb, nbins, dtype=torch.int32, device=expert_RK.device)   # every entry written by K1
     s_r, s_k = expert_RK.stride()
-    _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, K, J, e, BLOCK=BLOCK_J, NBINS=nbins, num_warps=4)
+    rows = dict(HAS_ROWS=rows_P is not None)
+    _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, cnt, rb, K, J, e, BLOCK=BLOCK_J, NBINS=nbins,
+                        num_warps=4, **rows)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
-    _place_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, pos, K, J, e, NBINS=nbins, BLOCK=BLOCK_J,
-                         num_warps=8)
+    _place_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, pos, cnt, rb, K, J, e, NBINS=nbins, BLOCK=BLOCK_J,
+                         num_warps=8, **rows)
 
 
 def _rows_grid(J: int, device: torch.device) -> int:
@@ -180,29 +202,71 @@ def swiglu_rows(gu_J2I: torch.Tensor, limit: float, n: torch.Tensor, dtype: torc
 
 
 def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor, n: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """[R, D] in ``dtype`` (see the module docstring)."""
+                 dtype: torch.dtype, rows_P: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, D] in ``dtype`` (see the module docstring), into ``out`` if given (contiguous). ``rows_P``
+    (``Received.rows_P``): only the first rows_P[p] rows of each of the P blocks of R // P rows are written, the
+    others are left as they were; the grid is capped by the SM count and loops over the rows (``_rows_grid``), so
+    the launch follows the rows read, not R."""
     R, K = pos_RK.shape
     D = out_JD.shape[1]
-    y = torch.empty(R, D, dtype=dtype, device=out_JD.device)
+    y = torch.empty(R, D, dtype=dtype, device=out_JD.device) if out is None else out
+    if y.shape != (R, D) or y.dtype != dtype or not y.is_contiguous():
+        raise ValueError(f"weighted_sum: out {tuple(y.shape)} {y.dtype}: must be contiguous {(R, D)} {dtype}")
     if R and D:
-        _wsum_kernel[(R,)](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, K, D,
-                           BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+        cnt, rb, P = _row_blocks(rows_P, R, n)
+        grid = (P, max(1, _rows_grid(R, out_JD.device) // P))
+        _wsum_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, K, D,
+                           HAS_ROWS=rows_P is not None, BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
     return y
+
+
+def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor, ids_RK: torch.Tensor,
+                      n: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, rows_P: torch.Tensor | None, once) -> None:
+    """``weighted_sum`` for rows that stay over several waves (``comm.backend.OnceRows`` ``once``): for each read
+    row r with a pair of this wave (pos in [0, n)), s = sum over k in order of w[r, k] * out[pos[r, k]] (fp32),
+    plus acc[r] unless r's block is of this wave (``r // once.rows_per_wave == once.wave``: the row's first);
+    stored into y[r] (y's dtype) if the largest wave of r's experts (``ids_RK``: expert x is in wave
+    x * W // e) is this one, else into acc[r]. Rows without a pair of this wave are not touched."""
+    R, K = pos_RK.shape
+    D = out_JD.shape[1]
+    if y.shape != (R, D) or acc.shape != (R, D) or acc.dtype != torch.float32 or not (y.is_contiguous()
+                                                                                     and acc.is_contiguous()):
+        raise ValueError(f"weighted_sum_once: y {tuple(y.shape)} and acc {tuple(acc.shape)} {acc.dtype} must be "
+                         f"contiguous {(R, D)}, acc fp32")
+    if not (R and D):
+        return
+    cnt, rb, P = _row_blocks(rows_P, R, n)
+    grid = (P, max(1, _rows_grid(R, out_JD.device) // P))
+    _wsum_once_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), ids_RK, ids_RK.stride(0),
+                            ids_RK.stride(1), n, y, acc, cnt, rb, K, D, once.wave, once.num_waves,
+                            once.num_local_experts, once.rows_per_wave, HAS_ROWS=rows_P is not None,
+                            BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
 
 
 if triton is not None:
 
     @triton.jit
-    def _hist_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, K, J, E, BLOCK: tl.constexpr,
-                     NBINS: tl.constexpr):
-        # block b: hist[b, x] = its pairs of expert x (bin E and up: no local expert, and the lanes past J);
-        # src = 0 (row 0) on the block's positions below n, for the positions that no pair will take
+    def _read_rows(j, K, J, cnt_ptr, RB, HAS_ROWS: tl.constexpr):
+        # (row of pair j, the pair is read): j < J and, with HAS_ROWS, its row within the first cnt[blk] rows of
+        # its block of RB rows
+        r = j // K
+        m = j < J
+        if HAS_ROWS:
+            blk = r // RB
+            m = m & ((r - blk * RB) < tl.load(cnt_ptr + blk, mask=m, other=0))
+        return r, m
+
+    @triton.jit
+    def _hist_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, cnt_ptr, RB, K, J, E,
+                     BLOCK: tl.constexpr, NBINS: tl.constexpr, HAS_ROWS: tl.constexpr):
+        # block b: hist[b, x] = its pairs of expert x (bin E and up: no local expert, the lanes past J and the
+        # rows past the bound); src = 0 (row 0) on the block's positions below n, for the positions that no pair
+        # will take
         b = tl.program_id(0)
         j = b * BLOCK + tl.arange(0, BLOCK)
-        m = j < J
-        r = j // K
-        ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=-1)
+        r, mr = _read_rows(j, K, J, cnt_ptr, RB, HAS_ROWS)
+        ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=mr, other=-1)
         key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
         tl.store(hist_ptr + b * NBINS + tl.arange(0, NBINS), tl.histogram(key, NBINS))
         n = tl.minimum(tl.load(offs_ptr + E - 1, mask=E > 0, other=0).to(tl.int32), J)
@@ -223,21 +287,24 @@ if triton is not None:
             run += tl.sum(h, 0)
 
     @triton.jit
-    def _place_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, pos_ptr, K, J, E,
-                      NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    def _place_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, pos_ptr, cnt_ptr, RB, K, J, E,
+                      NBINS: tl.constexpr, BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr):
         # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1: the
-        # scanned hist[b, x]) + (pairs of x before j in block b); outside its group (or past J): pos -1, no write
+        # scanned hist[b, x]) + (pairs of x before j in block b); outside its group (or past J, or its row past
+        # the bound): pos -1, no write. A block with no valid pair skips the in-block ranks.
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         j = b * BLOCK + i
         m = j < J
-        r = j // K
-        ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=m, other=-1)
-        valid = (ids >= 0) & (ids < E) & m
+        r, mr = _read_rows(j, K, J, cnt_ptr, RB, HAS_ROWS)
+        ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=mr, other=-1)
+        valid = (ids >= 0) & (ids < E) & mr
         key = tl.where(valid, ids, E).to(tl.int32)
         before = tl.load(hist_ptr + b * NBINS + key, mask=valid, other=0)
-        same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])      # [BLOCK, BLOCK]: row i, column j
-        rank = tl.sum(same.to(tl.int32), 1)
+        rank = tl.zeros([BLOCK], tl.int32)
+        if tl.max(valid.to(tl.int32), 0) > 0:
+            same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])  # [BLOCK, BLOCK]: row i, column j
+            rank = tl.sum(same.to(tl.int32), 1)
         start = tl.load(offs_ptr + key - 1, mask=valid & (key > 0), other=0).to(tl.int32)
         end = tl.minimum(tl.load(offs_ptr + key, mask=valid, other=0).to(tl.int32), J)
         p = start + before + rank
@@ -281,16 +348,60 @@ if triton is not None:
                 tl.store(out_ptr + jj * I + i, h.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, K, D, BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
+    def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, K, D, HAS_ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        # block blk (program_id 0) of RB rows: rows i = pid1, pid1 + programs, ... below its count (RB without
+        # HAS_ROWS); the rows past it are not written
+        blk = tl.program_id(0)
         n = tl.load(n_ptr)
-        for d0 in range(0, D, BLOCK):
-            d = d0 + tl.arange(0, BLOCK)
-            m = d < D
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
+        rows = RB
+        if HAS_ROWS:
+            rows = tl.minimum(tl.load(cnt_ptr + blk).to(tl.int32), RB)
+        for i in range(tl.program_id(1), rows, tl.num_programs(1)):
+            r = tl.zeros([], tl.int64) + blk * RB + i                        # int64 offsets
+            for d0 in range(0, D, BLOCK):
+                d = d0 + tl.arange(0, BLOCK)
+                m = d < D
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for k in range(K):
+                    p = tl.load(pos_ptr + r * K + k)
+                    if (p >= 0) & (p < n):
+                        w = tl.load(w_ptr + r * K + k).to(tl.float32)
+                        acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+                tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, ids_ptr, s_r, s_k, n_ptr, y_ptr, acc_ptr, cnt_ptr, RB, K, D, WAVE,
+                          W, E, RPW, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # as _wsum_kernel, per row: has = a pair of this wave; last = the largest wave of the row's experts; the
+        # slot sum plus acc (unless the row's block is of this wave) goes to y (last == WAVE) or back to acc
+        blk = tl.program_id(0)
+        n = tl.load(n_ptr)
+        rows = RB
+        if HAS_ROWS:
+            rows = tl.minimum(tl.load(cnt_ptr + blk).to(tl.int32), RB)
+        for i in range(tl.program_id(1), rows, tl.num_programs(1)):
+            r = tl.zeros([], tl.int64) + blk * RB + i
+            has = tl.zeros([], tl.int32)
+            last = tl.full([], -1, tl.int32)
             for k in range(K):
                 p = tl.load(pos_ptr + r * K + k)
-                if (p >= 0) & (p < n):
-                    w = tl.load(w_ptr + r * K + k).to(tl.float32)
-                    acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
-            tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+                has = has | ((p >= 0) & (p < n)).to(tl.int32)
+                x = tl.load(ids_ptr + r * s_r + k * s_k).to(tl.int32)
+                last = tl.maximum(last, tl.where((x >= 0) & (x < E), x * W // E, -1))
+            if has != 0:
+                for d0 in range(0, D, BLOCK):
+                    d = d0 + tl.arange(0, BLOCK)
+                    m = d < D
+                    s = tl.zeros([BLOCK], dtype=tl.float32)
+                    for k in range(K):
+                        p = tl.load(pos_ptr + r * K + k)
+                        if (p >= 0) & (p < n):
+                            w = tl.load(w_ptr + r * K + k).to(tl.float32)
+                            s += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+                    if r // RPW != WAVE:
+                        s = tl.load(acc_ptr + r * D + d, mask=m, other=0.0) + s
+                    if last == WAVE:
+                        tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)
+                    else:
+                        tl.store(acc_ptr + r * D + d, s, mask=m)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe_wave.comm.backend import rows_of
+from moe_wave.comm.backend import OnceRows, rows_of
 
 from .config import MoEConfig
 
@@ -105,10 +105,15 @@ class RoutedExperts(nn.Module):
 
 def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
                 pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None,
-                local: tuple | None = None) -> torch.Tensor:
+                local: tuple | None = None, rows_P: torch.Tensor | None = None,
+                once: OnceRows | None = None) -> torch.Tensor:
     """Apply the local experts to received rows: y[r] = sum_k w[r,k] * expert_{id[r,k]}(x[r]).
 
-    ``local`` (``Received.local``): rows of x_RD held elsewhere, read there.
+    ``local`` (``Received.local``): rows of x_RD held elsewhere, read there. ``rows_P`` (``Received.rows_P``): the
+    device path reads and writes only the rows that the combine reads (the others of y are left as allocated);
+    the torch path computes every row. ``once`` (``Received.once``): rows that stay for several waves; only this
+    wave's experts count, each row's sum runs over the waves in fp32, and y holds the finished sums of the rows
+    whose last wave this is (``_expert_rows_once``).
 
     Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32
     (in slot order k = 0..K-1, so the result is bitwise reproducible).
@@ -121,8 +126,19 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     # host-to-device copy, which synchronises the host with the stream once per wave.
     # (clamped to the R*K rows: a capacity overflow, reported later, must not send a group past them)
     offs = pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32) if pairs_e_dev is not None else None
+    if once is not None:
+        if offs is None or pairs_e is not None:
+            raise ValueError("expert_rows: once= needs device counts only (pairs_e=None, pairs_e_dev given)")
+        return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once)
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
-        return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local)
+        return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
+    return _slot_sums(x_RD, expert_RK, weight_RK, experts, pairs_e, offs, local).to(x_RD.dtype)
+
+
+def _slot_sums(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_e, offs, local) -> torch.Tensor:
+    """The torch path of ``expert_rows`` before the cast: [R, D] fp32 (ids outside [0, e) are other cells')."""
+    R, K = expert_RK.shape
+    e = experts.num_local
     key = torch.remainder(expert_RK.reshape(-1), e + 1)      # -1 (another cell's slot) sorts last, as e
     order = torch.argsort(key, stable=True)
     if pairs_e is not None:
@@ -137,12 +153,65 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     # index_add_ over rows would add a row's K contributions by atomics, in a run-dependent order).
     slots = torch.zeros(R * K, x_RD.shape[1], dtype=torch.float32, device=x_RD.device)
     slots.index_copy_(0, order, contrib)
-    return slots.view(R, K, x_RD.shape[1]).sum(1).to(x_RD.dtype)
+    return slots.view(R, K, x_RD.shape[1]).sum(1)
+
+
+def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P,
+                      once: OnceRows) -> torch.Tensor:
+    """``expert_rows`` for rows that stay over several waves (``comm.backend.OnceRows``): the pairs of this wave's
+    experts only (``offs`` counts no other expert), each row's sum over k in slot order added to what its earlier
+    waves left in ``once.state["acc"]`` (fp32; a row's first wave writes it), and the total stored into y in x's
+    dtype after the row's last wave (else into acc). Returns y: [R, D], its other rows as allocated."""
+    R, K = expert_RK.shape
+    D, e, w, W = x_RD.shape[1], experts.num_local, once.wave, once.num_waves
+    acc = once.state.get("acc")
+    if acc is None or acc.shape != (R, D) or acc.device != x_RD.device:
+        acc = once.state["acc"] = torch.empty(R, D, dtype=torch.float32, device=x_RD.device)
+    y = torch.empty(R, D, dtype=x_RD.dtype, device=x_RD.device)
+    if not (R and D and e):
+        return y
+    if _fused_ok(x_RD, experts):
+        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y, acc)
+        return y
+    ids = expert_RK.long()
+    ok = (ids >= 0) & (ids < e)
+    if rows_P is not None:
+        rb = R // rows_P.numel()
+        r_ = torch.arange(R, device=x_RD.device)
+        ok &= ((r_ % rb) < rows_P.reshape(-1)[r_ // rb])[:, None]
+    wv = torch.where(ok, ids * W // e, -1)
+    mine = wv == w
+    s = _slot_sums(x_RD, torch.where(mine, ids, -1).to(torch.int32), weight_RK, experts, None, offs, local)
+    first = (torch.arange(R, device=x_RD.device) // once.rows_per_wave == w)[:, None]
+    tot = torch.where(first, s, acc + s)
+    has = mine.any(1)
+    done = has & (wv.amax(1) == w)
+    y.copy_(torch.where(done[:, None], tot.to(y.dtype), y))
+    acc.copy_(torch.where((has & ~done)[:, None], tot, acc))
+    return y
+
+
+def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P, once: OnceRows, y,
+                acc) -> None:
+    """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``), y and acc given."""
+    from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum_once
+
+    n = offs[-1:]
+    # the other waves' experts have empty groups in offs: their pairs get pos -1 (expert_order's guard)
+    src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P)
+    xs = gather_rows(x_RD, src, n, local)
+    gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
+    h = swiglu_rows(gu, experts.cfg.swiglu_limit, n, x_RD.dtype)
+    out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
+    weighted_sum_once(out, pos, weight_RK, expert_RK, n, y, acc, rows_P, once)
 
 
 # How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "argsort"
 # (``_order_by_argsort``, the radix sort it replaced); launch/profile_experts.py --order times both.
 ORDER = "kernel"
+# Whether the fused path honours ``Received.rows_P`` (skips the rows that the combine never reads); False computes
+# every row of the buffer, as before (launch/profile_experts.py --row-bound on,off times both).
+ROW_BOUND = True
 
 
 def _order_by_argsort(expert_RK: torch.Tensor, e: int, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +233,8 @@ def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
             and _grouped_ok(experts.grouped_mm, x_RD))
 
 
-def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local=None) -> torch.Tensor:
+def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local=None,
+                       rows_P=None) -> torch.Tensor:
     """``expert_rows`` with device counts, touching only the n valid pairs (n = offs[-1], on the device):
     the expert-major order comes from ``expert_order`` (no sort), and gather, SwiGLU and the weighted per-row sum
     skip the pairs past n; the grouped GEMMs only compute the groups. Same math as the torch path (the sum
@@ -173,13 +243,15 @@ def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs,
 
     n = offs[-1:]
     lim = experts.cfg.swiglu_limit
-    order = expert_order if ORDER == "kernel" else _order_by_argsort
-    src, pos = order(expert_RK, experts.num_local, offs)          # src: the row of each sorted pair; pos: its place
+    if ORDER == "kernel":   # src: the row of each sorted pair; pos: its place
+        src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P if ROW_BOUND else None)
+    else:
+        src, pos = _order_by_argsort(expert_RK, experts.num_local, offs)
     xs = gather_rows(x_RD, src, n, local)
     gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
     h = swiglu_rows(gu, lim, n, x_RD.dtype)
     out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
-    return weighted_sum(out, pos, weight_RK, n, x_RD.dtype)
+    return weighted_sum(out, pos, weight_RK, n, x_RD.dtype, rows_P if ROW_BOUND else None)
 
 
 class SharedExpert(nn.Module):

@@ -47,13 +47,14 @@ def _one_host(ep: EPGroup) -> bool:
     return _ONE_HOST[key]
 
 
-def resolve_backend(name: str, ep: EPGroup) -> str:
+def resolve_backend(name: str, ep: EPGroup, sends: str = "wave") -> str:
     """``WaveConfig.backend`` as run: "auto" is "symm" on a CUDA group whose ranks share one host (no host sync,
-    CUDA-graph capturable), "torch" elsewhere (CPU and gloo, ROCm, groups across hosts). Collective for "auto"
+    CUDA-graph capturable), "torch" elsewhere (CPU and gloo, ROCm, groups across hosts); with ``sends="once"``
+    always "symm" (the backend that implements it; emulated over gloo off the GPU). Collective for "auto"
     the first time a group is seen (every rank of ``ep`` calls it together, as WaveMoE's constructor does)."""
     if name != "auto":
         return name
-    if ep.device.type == "cuda" and torch.version.cuda is not None and _one_host(ep):
+    if sends == "once" or (ep.device.type == "cuda" and torch.version.cuda is not None and _one_host(ep)):
         return "symm"
     return "torch"
 
@@ -62,7 +63,7 @@ def shared_backend(name: str, ep: EPGroup, cfg: MoEConfig, wave: WaveConfig):
     """The backend for (``ep``, ``name``, options) that every WaveMoE of this process shares: one set of
     symmetric buffers for a whole stack (layers run one after another, and the backend orders each call's
     writes behind the previous call's reads). It lives while some WaveMoE holds it."""
-    name = resolve_backend(name, ep)
+    name = resolve_backend(name, ep, wave.sends)
     key = (id(ep.pg) if ep.pg is not None else str(ep.device), ep.rank, name,
            wave.symm if name == "symm" else None, cfg.hidden_size if name == "deepep" else None)
     backend = _SHARED.get(key)
@@ -86,7 +87,7 @@ def _shared_streams(device) -> st.Streams:
 
 def make_backend(name: str, ep: EPGroup, streams: st.Streams, cfg: MoEConfig, wave: WaveConfig):
     """Instantiate a new comm backend by name (``auto``, ``torch``, ``symm``, ``deepep``)."""
-    name = resolve_backend(name, ep)
+    name = resolve_backend(name, ep, wave.sends)
     if name == "torch":
         return TorchBackend(ep, comm_stream=streams.comm)
     if name == "symm":
@@ -103,8 +104,8 @@ def _check_agree(ep: EPGroup, cfg: MoEConfig, wave: WaveConfig, dtype: torch.dty
     ep.check_same("WaveMoE settings", {
         "MoE shape (hidden, intermediate, num_experts, top_k)":
             (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k),
-        "WaveConfig (num_waves, experts_per_wave, partition, backend, overlap, shared_placement)":
-            (wave.num_waves, wave.experts_per_wave, wave.partition, wave.backend, wave.overlap,
+        "WaveConfig (num_waves, experts_per_wave, partition, sends, backend, overlap, shared_placement)":
+            (wave.num_waves, wave.experts_per_wave, wave.partition, wave.sends, wave.backend, wave.overlap,
              wave.shared_placement),
         "WaveConfig.expert_streams": wave.expert_streams,
         "SymmOptions": wave.symm, "dtype": str(dtype)})
@@ -198,7 +199,8 @@ class WaveMoE(nn.Module):
         """Take ``wave`` as the schedule, over ``backend``."""
         self.wave, self.backend = wave, backend
         self.plan = WavePlan.make(num_ranks=self.ep.size, num_local_experts=self.num_local,
-                                  num_waves=wave.waves_for(self.num_local), partition=wave.partition)
+                                  num_waves=wave.waves_for(self.num_local), partition=wave.partition,
+                                  sends=wave.sends)
         # num_waves="auto": the plan above is a placeholder until the first forward resolves it
         self._auto_pending = wave.num_waves == "auto" and wave.experts_per_wave is None
         self.auto_source: str | None = None
@@ -289,7 +291,7 @@ class WaveMoE(nn.Module):
     def routed_rows(self, got) -> torch.Tensor:
         """Expert compute for one wave's received rows (local; never communicates)."""
         return expert_rows(got.x_RD, got.expert_RK, got.weight_RK, self.experts, got.pairs_e, got.pairs_e_dev,
-                           got.local)
+                           got.local, got.rows_P, got.once)
 
     @torch.no_grad()
     def capture_graphs(self, buckets, overlaps=(True,)) -> "WaveMoE":

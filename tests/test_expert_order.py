@@ -211,3 +211,133 @@ def test_expert_order_many_blocks_mismatched_offs(shift):
     assert bool(((buf[:n] >= 0) & (buf[:n] < R)).all())
     hit = pos >= 0
     assert pos[hit].unique().numel() == int(hit.sum()), "one pair per position"
+
+
+def _bounded_case(P: int, RB: int, K: int, e: int, rows: list, seed: int):
+    """[P * RB, K] ids whose rows past each block's bound hold valid-looking ids (junk the kernels must not read),
+    the bound as a device tensor, and the same ids with those rows set to -1 (what the twin sees)."""
+    ids = _ids(P * RB, K, e, seed=seed)
+    i_R = torch.arange(P * RB)
+    past = (i_R % RB) >= torch.tensor(rows).clamp(max=RB).repeat_interleave(RB)
+    ids[past] = torch.randint(0, e, (int(past.sum()), K), generator=torch.Generator().manual_seed(seed + 1),
+                              dtype=torch.int32)
+    masked = torch.where(past[:, None], -1, ids).to(torch.int32)
+    return ids, torch.tensor(rows, dtype=torch.int64), masked, past
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [[13, 0, 50], [50, 50, 50], [0, 0, 0], [7, 90, 1]])
+def test_row_bound_order_and_weighted_sum(rows):
+    """``Received.rows_P``: the rows past each block's bound are not read (their ids, valid-looking here, count as
+    -1: pos -1, the order the twin gives on the ids with those rows masked) and not written by ``weighted_sum``
+    (a NaN-filled ``out`` keeps its NaN there), while the rows below it equal the twin's sums; a bound above the
+    block's size means the whole block."""
+    from moe_wave.expert_kernels import expert_order, expert_order_torch, weighted_sum, weighted_sum_torch
+
+    P, RB, K, e, D = 3, 50, 4, 7, 24
+    ids, rows_P, masked, past = _bounded_case(P, RB, K, e, rows, seed=sum(rows) + 3)
+    offs = _offs(masked, e)
+    n = int(offs[-1])
+    src, pos = expert_order(ids.to(DEVICE), e, offs.to(DEVICE), rows_P.to(DEVICE))
+    src, pos = src.cpu(), pos.cpu()
+    src_t, pos_t = expert_order_torch(masked, e, offs)
+    assert torch.equal(pos, pos_t) and torch.equal(src[:n], src_t[:n])
+    assert bool((pos[past] == -1).all())
+    g = torch.Generator().manual_seed(7)
+    out_JD = torch.randn(P * RB * K, D, generator=g)
+    w = torch.rand(P * RB, K, generator=g)
+    nt = torch.tensor([n], dtype=torch.int32)
+    y = torch.full((P * RB, D), float("nan"), device=DEVICE)
+    weighted_sum(out_JD.to(DEVICE), pos.to(DEVICE), w.to(DEVICE), nt.to(DEVICE), torch.float32,
+                 rows_P.to(DEVICE), out=y)
+    y = y.cpu()
+    want = weighted_sum_torch(out_JD, pos_t, w, nt, torch.float32)
+    assert bool(torch.isnan(y[past]).all()), "a row past the bound was written"
+    torch.testing.assert_close(y[~past], want[~past], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_fused_expert_rows_row_bound_equals_masked_rows(monkeypatch):
+    """The fused expert stage with ``rows_P`` (junk ids past the bound) equals, on the rows below the bound, the
+    same stage on ids with those rows masked and no bound, bit for bit; ``ROW_BOUND = False`` ignores the bound.
+    A bound that does not split the rows evenly is refused by name."""
+    from moe_wave import MoEConfig
+    import moe_wave.experts as mex
+    from moe_wave.experts import RoutedExperts, _expert_rows_fused
+
+    cfg = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=5, top_k=3, swiglu_limit=7.0)
+    g = torch.Generator().manual_seed(2)
+    ex = RoutedExperts(cfg, num_local=5, grouped_mm="on", device=DEVICE)
+    with torch.no_grad():
+        ex.gate_up.copy_(torch.randn(ex.gate_up.shape, generator=g) * 0.1)
+        ex.down.copy_(torch.randn(ex.down.shape, generator=g) * 0.1)
+    P, RB = 2, 40
+    ids, rows_P, masked, past = _bounded_case(P, RB, 3, 5, [17, 33], seed=9)
+    x = torch.randn(P * RB, cfg.hidden_size, generator=g).to(DEVICE)
+    w = torch.rand(P * RB, 3, generator=g).to(DEVICE)
+    offs = _offs(masked, 5).to(DEVICE)
+    with torch.no_grad():
+        y = _expert_rows_fused(x, ids.to(DEVICE), w, ex, offs, None, rows_P.to(DEVICE))
+        want = _expert_rows_fused(x, masked.to(DEVICE), w, ex, offs)
+        assert torch.equal(y.cpu()[~past], want.cpu()[~past])
+        monkeypatch.setattr(mex, "ROW_BOUND", False)
+        full = _expert_rows_fused(x, masked.to(DEVICE), w, ex, offs, None, rows_P.to(DEVICE))
+        assert torch.equal(full, want), "ROW_BOUND=False computes every row"
+        with pytest.raises(ValueError, match=r"rows_P has 3 entries.*R=80"):
+            monkeypatch.setattr(mex, "ROW_BOUND", True)
+            _expert_rows_fused(x, ids.to(DEVICE), w, ex, offs, None, torch.tensor([1, 2, 3], device=DEVICE))
+
+
+@needs_kernels
+def test_once_fused_stage_matches_torch_path(monkeypatch):
+    """The expert stage of rows that stay over several waves (``OnceRows``), W = 3 waves over P = 2 blocks of 6
+    rows per wave: the device-count kernels (``_once_fused``, interpreted on CPU) against the torch path, wave by
+    wave with each its own partial sums: the rows whose last wave it is get the same total in y, the other rows
+    of y are not written (NaN-filled here), and the sums carried in acc agree."""
+    import moe_wave.experts as mex
+    from moe_wave import MoEConfig
+    from moe_wave.comm.backend import OnceRows
+    from moe_wave.experts import RoutedExperts, _expert_rows_once, _once_fused
+
+    W, P, C, K, e = 3, 2, 6, 3, 6
+    cfg = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=e, top_k=K, swiglu_limit=7.0)
+    g = torch.Generator().manual_seed(4)
+    ex = RoutedExperts(cfg, num_local=e, grouped_mm="on", device=DEVICE)
+    with torch.no_grad():
+        ex.gate_up.copy_(torch.randn(ex.gate_up.shape, generator=g) * 0.1)
+        ex.down.copy_(torch.randn(ex.down.shape, generator=g) * 0.1)
+    R = W * P * C
+    rows_WP = torch.tensor([[6, 4], [3, 0], [2, 5]])
+    ids = torch.randint(0, e, (R, K), generator=g, dtype=torch.int32)
+    ids[torch.rand(R, K, generator=g) < 0.3] = -1
+    b_r = torch.arange(R) // (P * C)
+    wave_of = torch.where(ids >= 0, ids * W // e, W)
+    ids = torch.where((wave_of.amin(1) == b_r)[:, None] | (ids < 0), ids, -1)   # a row's first wave is its block's
+    ids[(ids < 0).all(1)] = -1
+    x = torch.randn(R, cfg.hidden_size, generator=g)
+    w = torch.rand(R, K, generator=g)
+    dev = lambda t: t.to(DEVICE)   # noqa: E731
+    states = ({}, {})
+    monkeypatch.setattr(mex, "_fused_ok", lambda *a: False)
+    for wave in range(W):
+        rows_P = torch.where(torch.arange(W)[:, None] <= wave, rows_WP, 0).reshape(-1)
+        r_ = torch.arange(R)
+        ok = ((r_ % C) < rows_P[r_ // C])[:, None] & (ids >= 0)
+        pairs = torch.bincount(torch.where(ok & (ids * W // e == wave), ids, e).reshape(-1).long(),
+                               minlength=e + 1)[:e]
+        offs = dev(pairs.cumsum(0).to(torch.int32))
+        once = [OnceRows(wave, W, e, P * C, st) for st in states]
+        with torch.no_grad():
+            y_t = _expert_rows_once(dev(x), dev(ids), dev(w), ex, offs, None, dev(rows_P), once[0])
+            y_f = torch.full((R, cfg.hidden_size), float("nan"), device=DEVICE)
+            if wave == 0:
+                states[1]["acc"] = torch.full((R, cfg.hidden_size), float("nan"), device=DEVICE)
+            _once_fused(dev(x), dev(ids), dev(w), ex, offs, None, dev(rows_P), once[1], y_f, states[1]["acc"])
+        mine = ok & (ids * W // e == wave)
+        last = torch.where(ok, ids * W // e, -1).amax(1)
+        done = mine.any(1) & (last == wave)
+        assert done.any() or wave == 1
+        torch.testing.assert_close(y_f.cpu()[done], y_t.cpu()[done], rtol=1e-5, atol=1e-6)
+        assert bool(torch.isnan(y_f.cpu()[~done]).all()), "a row that is not finished was written to y"
+        carry = mine.any(1) & (last > wave)
+        torch.testing.assert_close(states[1]["acc"].cpu()[carry], states[0]["acc"].cpu()[carry], rtol=1e-5, atol=1e-6)

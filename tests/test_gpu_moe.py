@@ -152,6 +152,75 @@ def test_device_count_expert_stage_matches_host_counts():
             assert torch.equal(y_dev[:2], torch.zeros_like(y_dev[:2])), "rows with no pair are 0"
 
 
+@pytest.mark.parametrize("W", [2, 4])
+def test_sends_once_matches_reference_serial_and_graph(ep, W):
+    """WaveConfig.sends='once' (a row crosses once per layer; the peer sums a token's results over the waves and
+    sends them home after the last): bf16 against the fp32 reference, pipelined equal to serial bit for bit over
+    changing token counts, and a graph replay equal to the eager call on the padded input. On 2+ GPUs this is the
+    peer-memory combine (rows scattered into the sources' comb at their arrival index)."""
+    from moe_wave.comm.options import SymmOptions
+
+    cfg = _cfg()
+    full = random_full_weights(cfg, seed=13)
+    moe = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=W, sends="once", backend="symm",
+                                              symm=SymmOptions(capacity=1024)), dtype=torch.bfloat16)
+    moe.load_full({k: v.to(ep.device) for k, v in full.items()})
+    full_dev = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() else v).to(ep.device)
+                for k, v in full.items()}
+    for it, T in enumerate([512, 37, 0, 700]):
+        x = _x(ep, T, cfg.hidden_size, 110 + it, torch.bfloat16)
+        y = moe(x)
+        y_serial = moe(x, overlap=False)
+        if T:
+            ref = reference_moe(full_dev, cfg, x.float())
+            _agree(ep, float((y.float() - ref).norm() / ref.norm()), 2e-2, f"once W={W} T={T} rel err vs fp32")
+        _agree_equal(ep, y, y_serial, f"once W={W} T={T} pipelined vs serial")
+    moe.capture_graphs([64])
+    x = _x(ep, 50, cfg.hidden_size, 120, torch.bfloat16)
+    y = moe(x)
+    g, moe.graphs = moe.graphs, None
+    xp = torch.zeros(64, cfg.hidden_size, device=ep.device, dtype=x.dtype)
+    xp[:50] = x
+    y_pad = moe(xp, num_valid=torch.full((), 50, dtype=torch.int64, device=ep.device))[:50]
+    moe.graphs = g
+    _agree_equal(ep, y, y_pad, f"once W={W}: replay vs eager on the padded input")
+
+
+@pytest.mark.parametrize("mode", ["kernel", "copy"])
+def test_row_bound_skips_the_empty_tail_bit_for_bit(ep, mode, monkeypatch):
+    """symm with a capacity far above the rows received (a decode batch in a buffer sized for prefill): the expert
+    stage that skips each block's rows past its count (``Received.rows_P``, ``experts.ROW_BOUND``) gives the
+    output of the stage that computes every row, bit for bit, at every wave count, partition and token count,
+    eager and under graph replay (kernel mode: sparse blocks; copy mode: dense blocks)."""
+    import moe_wave.experts as mex
+    from moe_wave.comm.options import SymmOptions
+
+    cfg = _cfg()
+    full = {k: v.to(ep.device) for k, v in random_full_weights(cfg, seed=12).items()}
+    for W, partition in ((1, "experts"), (4, "experts"), (3, "tokens")):
+        wave = WaveConfig(num_waves=W, partition=partition, backend="symm",
+                          symm=SymmOptions(capacity=1024, mode=mode, dense=True if mode == "copy" else None))
+        moe = WaveMoE(cfg, ep=ep, wave=wave, dtype=torch.bfloat16)
+        moe.load_full(full)
+        for i, T in enumerate([5, 128, 0, 700]):
+            x = _x(ep, T, cfg.hidden_size, 90 + i, torch.bfloat16)
+            monkeypatch.setattr(mex, "ROW_BOUND", True)
+            y = moe(x)
+            monkeypatch.setattr(mex, "ROW_BOUND", False)
+            _agree_equal(ep, y, moe(x), f"{mode} W={W} {partition} T={T}: row bound vs every row")
+        monkeypatch.setattr(mex, "ROW_BOUND", True)
+        moe.capture_graphs([64])
+        x = _x(ep, 40, cfg.hidden_size, 99, torch.bfloat16)
+        y = moe(x)
+        g, moe.graphs = moe.graphs, None
+        monkeypatch.setattr(mex, "ROW_BOUND", False)
+        xp = torch.zeros(64, cfg.hidden_size, device=ep.device, dtype=x.dtype)
+        xp[:40] = x
+        y_all = moe(xp, num_valid=torch.full((), 40, dtype=torch.int64, device=ep.device))[:40]
+        moe.graphs = g
+        _agree_equal(ep, y, y_all, f"{mode} W={W} {partition}: replay with the bound vs eager on every row")
+
+
 @pytest.mark.parametrize("hash_routing", [False, True])
 def test_graph_replay_with_changing_tokens_and_routing_equals_eager(ep, hash_routing):
     """WaveMoE captured per token bucket (symm, the default backend on a GPU): replays with changing token counts

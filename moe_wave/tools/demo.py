@@ -210,8 +210,8 @@ def _part_times(layers, inputs, ep, iters: int, warmup: int) -> list[dict]:
 
 def demo_configs(args) -> tuple[WaveConfig, ScheduleConfig]:
     """The MoE schedule and the attention schedule of the overlapped run, from resolved ``args``."""
-    wave = WaveConfig(num_waves=args.waves, partition=args.partition, backend=args.backend, overlap=args.overlap,
-                      symm=args.symm, autowave_cache=args.autowave_cache)
+    wave = WaveConfig(num_waves=args.waves, partition=args.partition, sends=args.sends, backend=args.backend,
+                      overlap=args.overlap, symm=args.symm, autowave_cache=args.autowave_cache)
     return wave, ScheduleConfig(overlap=args.attn_overlap, kernels=args.attn_kernels)
 
 
@@ -238,7 +238,7 @@ def run_demo_rank(ep, args) -> dict:
     if STACK_PRESETS[args.preset].single_reference:
         single = build_layer_stack(args.preset, args.layers, ep=EPGroup.single(ep.device),
                                      wave=WaveConfig(num_waves=args.waves, partition=args.partition,
-                                                     autowave_cache=args.autowave_cache),
+                                                     sends=args.sends, autowave_cache=args.autowave_cache),
                                      schedule=schedule, device=ep.device, dtype=dtype, seed=args.seed, num_experts=E,
                                      fp8=args.attn_fp8)
         ref = _outputs(single, inputs, None)
@@ -319,7 +319,8 @@ def print_demo(res: dict, args) -> bool:
     has_ref = st["single"] is not None
     attn_on, moe_on = args.attn_overlap, args.overlap   # resolved by resolve_defaults
     print(f"moe-wave demo: preset {args.preset}, {len(layers)} layers, {res['experts']} experts, "
-          f"{res['backend_pg']} on {res['device']}, waves {args.waves} ({args.partition}), backend {args.backend}, "
+          f"{res['backend_pg']} on {res['device']}, waves {args.waves} ({args.partition}, sends {args.sends}), "
+          f"backend {args.backend}, "
           f"overlapped run: attention overlap {'on' if attn_on else 'off'}, MoE overlap {'on' if moe_on else 'off'}; "
           f"{args.dtype}{', FP8 attention projections' if getattr(args, 'attn_fp8', False) else ''}, seed {args.seed}")
     ok = all(_ok(r, tol) for r in layers)
