@@ -144,10 +144,10 @@ class OnceRows:
     """What the expert stage of wave ``wave`` needs when rows cross once per layer (``WavePlan.sends == "once"``,
     see ``comm.layout`` and ``comm.symm_once``): ``Received`` then holds every block that has arrived, and only
     the experts of this wave count (local expert x is in wave x * num_waves // num_local_experts). The stage
-    adds each row's results to the sums that the earlier waves left in ``state["acc"]`` (fp32, [R, D], the
-    rows' order; a row starts its sum in the block of its first wave, ``row // rows_per_wave``), and writes the
-    finished sum into y's row after the row's last wave, where the combine of this wave reads it; y's other
-    rows are left as allocated.
+    adds each row's results to the sum that the earlier waves left in its row of y (``state["y"]``, [R, D], kept
+    for the waves of one call; a row starts its sum in the wave of its block, ``row // rows_per_wave``, its
+    first), so that after the row's last wave its row of y holds the finished sum, which the combine of that
+    wave reads; y's rows that no wave has touched are left as allocated.
 
     Attributes:
         wave: w; num_waves: W; num_local_experts: e.

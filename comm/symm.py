@@ -41,7 +41,7 @@ from .layout import DispatchLayout
 from .options import SymmOptions
 from .symm_heap import Buffers
 from .symm_kernels import gather_add, poison_rows
-from .symm_once import once_tables
+from .symm_once import flag_layer_overflow, once_tables
 from .symm_plan import DenseTables, SymmPlan, choose, wave_rows
 from .symm_tables import POISON, STATUS_LEN, build_tables, build_tables_torch
 from .symm_transport import EmulatedTransport, PeerTransport
@@ -153,6 +153,12 @@ class SymmBackend:
         if s[5]:
             raise ValueError(f"topk_ids out of range (rank {s[6]}: ids in [{s[7]}, {s[8]}]): "
                              f"expert ids must be in [0, {self._num_experts})")
+        if s[2] < 0:
+            raise RuntimeError(
+                f"symm backend capacity overflow with WaveConfig.sends='once': rank {s[1]} sent {s[4]} rows to rank "
+                f"{s[3]} over the layer's waves, which must fit one block of SymmOptions.capacity={self.capacity} "
+                f"rows; set capacity >= {s[4]} (>= the tokens per rank always fits). That call's output (and any "
+                f"since) was poisoned with NaN.")
         raise RuntimeError(
             f"symm backend capacity overflow in wave {s[2]}: rank {s[1]} sent {s[4]} rows to rank {s[3]}, "
             f"capacity is {self.capacity} rows per (wave, peer); set SymmOptions.capacity >= {s[4]} "
@@ -191,12 +197,16 @@ class SymmBackend:
             # receive side and the overflow status from the exchanged counts
             tabs = build(recv_PX, layout.send_counts_WP, layout.send_token_S, C, T, me, plan.num_experts,
                          slot_WTP, self._status_dev)
+            if plan.once:   # a source's rows over the layer must fit one block (symm_once)
+                flag_layer_overflow(recv_PX, W, P, C, self._status_dev)
             self._status_host.copy_(self._status_dev, non_blocking=True)
             meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
             extra = self._dense.densify(tabs, meta_SM, slot_WTP, static, K) if dense else {}
             recv_pairs_WPe = recv_PX[:, W * P:W * P + W * e].view(P, W, e).permute(1, 0, 2)
             recv_rows_WP = tabs["recv_counts_WP"].clamp(max=C)
-            once = once_tables(layout, recv_pairs_WPe, recv_rows_WP, tabs, slot_WTP, C) if plan.once else None
+            once = None
+            if plan.once:
+                once = once_tables(layout, recv_pairs_WPe, recv_rows_WP, tabs, slot_WTP, C)
             xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM, mode=mode,
                              slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
                              recv_rows_WP=recv_rows_WP, once=once,

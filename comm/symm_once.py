@@ -27,7 +27,7 @@ import torch
 
 from .symm_kernels import RowTargets
 
-__all__ = ["OnceTables", "once_tables", "combine_dst", "emulated_rows", "comb_targets"]
+__all__ = ["OnceTables", "once_tables", "combine_dst", "emulated_rows", "comb_targets", "flag_layer_overflow"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,22 @@ def once_tables(layout, recv_pairs_WPe: torch.Tensor, recv_rows_WP: torch.Tensor
     last_WPN = (torch.where(send_dst >= 0, layout.send_last_S[row.clamp(max=max(S - 1, 0))], -1) if S
                 else torch.full_like(send_dst, -1))
     return OnceTables(rows_WB=rows_WB, pairs_We=pairs_We, src_PN=src_PN, slot_WTP=flat, last_WPN=last_WPN)
+
+
+def flag_layer_overflow(recv_PX: torch.Tensor, W: int, P: int, C: int, status: torch.Tensor) -> None:
+    """A source's rows to one peer over the whole layer must fit one block (C rows): the expert stage gathers a
+    wave's pairs into the rows of one wave's blocks. Where some do not, ``status`` gets a capacity overflow with
+    wave -1 (the layer) and its poison word, as ``symm_tables`` reports a block's (the first error sticks). Every
+    rank sees every rank's counts, so all of them flag it alike. Device ops, no host sync."""
+    tot_PP = recv_PX[:, :W * P].view(P, W, P).sum(1)                   # [src, dst] rows over the layer
+    over = (tot_PP > C).flatten()
+    first = torch.argmax(over.to(torch.int32))
+    count = tot_PP.flatten().index_select(0, first.view(1))[0]
+    zero = torch.zeros((), dtype=torch.long, device=status.device)
+    new = torch.stack([over.any().long(), first // P, zero - 1, first % P, count, zero, zero, zero, zero])
+    keep = (status[0] > 0) | (status[5] > 0) | ~over.any()
+    status[:9].copy_(torch.where(keep, status[:9], new))
+    status[9:10].copy_(torch.maximum(status[9:10], over.any().long().view(1)))
 
 
 def combine_dst(recv_meta: torch.Tensor, recv_rows_WP: torch.Tensor, wave: int, num_local_experts: int) -> torch.Tensor:

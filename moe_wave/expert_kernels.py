@@ -43,6 +43,9 @@ ROW_PROGRAMS_PER_SM = 8
 # (row, slot) pairs per program of expert_order: its in-block rank compares all BLOCK_J^2 pairs of a block, 64
 # mask entries per thread at 8 warps (256: 256 each, past the register file)
 BLOCK_J = 128
+# expert_order's in-block ranks: columns compared per step (a [BLOCK_J, PLACE_COLS] mask), and the warps
+PLACE_COLS = 32
+PLACE_WARPS = 4
 # expert_order's scan of the block histograms: experts per program, blocks per step
 SCAN_EXPERTS = 16
 SCAN_BLOCKS = 256
@@ -159,12 +162,12 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
     nbins = max(64, triton.next_power_of_2(e + 1))   # bin e: no local expert; tl.histogram wants a warp multiple
     hist = torch.empty(nb, nbins, dtype=torch.int32, device=expert_RK.device)   # every entry written by K1
     s_r, s_k = expert_RK.stride()
-    rows = dict(HAS_ROWS=rows_P is not None)
-    _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, cnt, rb, K, J, e, BLOCK=BLOCK_J, NBINS=nbins,
-                        num_warps=4, **rows)
+    key = torch.empty(J, dtype=torch.int32, device=expert_RK.device)          # every entry written by K1
+    _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, key, cnt, rb, K, J, e, BLOCK=BLOCK_J, NBINS=nbins,
+                        HAS_ROWS=rows_P is not None, num_warps=4)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
-    _place_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, pos, cnt, rb, K, J, e, NBINS=nbins, BLOCK=BLOCK_J,
-                         num_warps=8, **rows)
+    _place_kernel[(nb,)](key, offs_e, hist, src, pos, K, J, e, NBINS=nbins, BLOCK=BLOCK_J, CH=PLACE_COLS,
+                         num_warps=PLACE_WARPS)
 
 
 def _rows_grid(J: int, device: torch.device) -> int:
@@ -222,25 +225,21 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
 
 
 def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor, ids_RK: torch.Tensor,
-                      n: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, rows_P: torch.Tensor | None, once) -> None:
-    """``weighted_sum`` for rows that stay over several waves (``comm.backend.OnceRows`` ``once``): for each read
-    row r with a pair of this wave (pos in [0, n)), s = sum over k in order of w[r, k] * out[pos[r, k]] (fp32),
-    plus acc[r] unless r's block is of this wave (``r // once.rows_per_wave == once.wave``: the row's first);
-    stored into y[r] (y's dtype) if the largest wave of r's experts (``ids_RK``: expert x is in wave
-    x * W // e) is this one, else into acc[r]. Rows without a pair of this wave are not touched."""
+                      n: torch.Tensor, y: torch.Tensor, rows_P: torch.Tensor | None, once) -> None:
+    """``weighted_sum`` for rows that stay over several waves (``comm.backend.OnceRows`` ``once``), in place: for
+    each read row r with a pair of this wave (pos in [0, n)), y[r] = (y[r] unless r's block is of this wave,
+    ``r // once.rows_per_wave == once.wave``: the row's first) + sum over k in order of w[r, k] * out[pos[r, k]],
+    in fp32, stored in y's dtype. Rows without a pair of this wave are not touched."""
     R, K = pos_RK.shape
     D = out_JD.shape[1]
-    if y.shape != (R, D) or acc.shape != (R, D) or acc.dtype != torch.float32 or not (y.is_contiguous()
-                                                                                     and acc.is_contiguous()):
-        raise ValueError(f"weighted_sum_once: y {tuple(y.shape)} and acc {tuple(acc.shape)} {acc.dtype} must be "
-                         f"contiguous {(R, D)}, acc fp32")
+    if y.shape != (R, D) or not y.is_contiguous():
+        raise ValueError(f"weighted_sum_once: y {tuple(y.shape)} must be contiguous {(R, D)}")
     if not (R and D):
         return
     cnt, rb, P = _row_blocks(rows_P, R, n)
     grid = (P, max(1, _rows_grid(R, out_JD.device) // P))
-    _wsum_once_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), ids_RK, ids_RK.stride(0),
-                            ids_RK.stride(1), n, y, acc, cnt, rb, K, D, once.wave, once.num_waves,
-                            once.num_local_experts, once.rows_per_wave, HAS_ROWS=rows_P is not None,
+    _wsum_once_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, K, D, once.wave,
+                            once.rows_per_wave, HAS_ROWS=rows_P is not None,
                             BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
 
 
@@ -258,16 +257,17 @@ if triton is not None:
         return r, m
 
     @triton.jit
-    def _hist_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, cnt_ptr, RB, K, J, E,
+    def _hist_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, key_ptr, cnt_ptr, RB, K, J, E,
                      BLOCK: tl.constexpr, NBINS: tl.constexpr, HAS_ROWS: tl.constexpr):
-        # block b: hist[b, x] = its pairs of expert x (bin E and up: no local expert, the lanes past J and the
-        # rows past the bound); src = 0 (row 0) on the block's positions below n, for the positions that no pair
-        # will take
+        # block b: key[j] = the expert of pair j, E for none (another cell's slot, or its row past the bound);
+        # hist[b, x] = the block's pairs of expert x (bin E and up: none, and the lanes past J); src = 0 (row 0)
+        # on the block's positions below n, for the positions that no pair will take
         b = tl.program_id(0)
         j = b * BLOCK + tl.arange(0, BLOCK)
         r, mr = _read_rows(j, K, J, cnt_ptr, RB, HAS_ROWS)
         ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=mr, other=-1)
         key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        tl.store(key_ptr + j, key, mask=j < J)
         tl.store(hist_ptr + b * NBINS + tl.arange(0, NBINS), tl.histogram(key, NBINS))
         n = tl.minimum(tl.load(offs_ptr + E - 1, mask=E > 0, other=0).to(tl.int32), J)
         tl.store(src_ptr + j, tl.zeros([BLOCK], tl.int64), mask=j < n)
@@ -287,30 +287,32 @@ if triton is not None:
             run += tl.sum(h, 0)
 
     @triton.jit
-    def _place_kernel(ids_ptr, stride_r, stride_k, offs_ptr, hist_ptr, src_ptr, pos_ptr, cnt_ptr, RB, K, J, E,
-                      NBINS: tl.constexpr, BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr):
+    def _place_kernel(key_ptr, offs_ptr, hist_ptr, src_ptr, pos_ptr, K, J, E, NBINS: tl.constexpr,
+                      BLOCK: tl.constexpr, CH: tl.constexpr):
         # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1: the
-        # scanned hist[b, x]) + (pairs of x before j in block b); outside its group (or past J, or its row past
-        # the bound): pos -1, no write. A block with no valid pair skips the in-block ranks.
+        # scanned hist[b, x]) + (pairs of x before j in block b: compared CH columns at a time, against the keys
+        # reloaded from memory, which keeps the [BLOCK, CH] masks small); outside its group (or past J, or no
+        # expert): pos -1, no write. A block with no valid pair skips the in-block ranks.
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         j = b * BLOCK + i
         m = j < J
-        r, mr = _read_rows(j, K, J, cnt_ptr, RB, HAS_ROWS)
-        ids = tl.load(ids_ptr + r * stride_r + (j - r * K) * stride_k, mask=mr, other=-1)
-        valid = (ids >= 0) & (ids < E) & mr
-        key = tl.where(valid, ids, E).to(tl.int32)
+        key = tl.load(key_ptr + j, mask=m, other=E)
+        valid = key < E
         before = tl.load(hist_ptr + b * NBINS + key, mask=valid, other=0)
         rank = tl.zeros([BLOCK], tl.int32)
         if tl.max(valid.to(tl.int32), 0) > 0:
-            same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])  # [BLOCK, BLOCK]: row i, column j
-            rank = tl.sum(same.to(tl.int32), 1)
+            for c in tl.static_range(BLOCK // CH):
+                col = c * CH + tl.arange(0, CH)
+                kc = tl.load(key_ptr + b * BLOCK + col, mask=b * BLOCK + col < J, other=E)
+                same = (kc[None, :] == key[:, None]) & (col[None, :] < i[:, None])     # [BLOCK, CH]
+                rank += tl.sum(same.to(tl.int32), 1)
         start = tl.load(offs_ptr + key - 1, mask=valid & (key > 0), other=0).to(tl.int32)
         end = tl.minimum(tl.load(offs_ptr + key, mask=valid, other=0).to(tl.int32), J)
         p = start + before + rank
         ok = valid & (p >= 0) & (p < end)
         tl.store(pos_ptr + j, tl.where(ok, p, -1).to(tl.int64), mask=m)
-        tl.store(src_ptr + p, r.to(tl.int64), mask=ok)
+        tl.store(src_ptr + p, (j // K).to(tl.int64), mask=ok)
 
     @triton.jit
     def _gather_kernel(x_ptr, src_ptr, n_ptr, out_ptr, D, loc_ptr, ROW0, L, BLOCK: tl.constexpr):
@@ -371,10 +373,10 @@ if triton is not None:
                 tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, ids_ptr, s_r, s_k, n_ptr, y_ptr, acc_ptr, cnt_ptr, RB, K, D, WAVE,
-                          W, E, RPW, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        # as _wsum_kernel, per row: has = a pair of this wave; last = the largest wave of the row's experts; the
-        # slot sum plus acc (unless the row's block is of this wave) goes to y (last == WAVE) or back to acc
+    def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, K, D, WAVE, RPW, HAS_ROWS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        # as _wsum_kernel, for the rows with a pair of this wave only, and adding the row's sum so far (y) unless
+        # the row's block is of this wave
         blk = tl.program_id(0)
         n = tl.load(n_ptr)
         rows = RB
@@ -383,12 +385,9 @@ if triton is not None:
         for i in range(tl.program_id(1), rows, tl.num_programs(1)):
             r = tl.zeros([], tl.int64) + blk * RB + i
             has = tl.zeros([], tl.int32)
-            last = tl.full([], -1, tl.int32)
             for k in range(K):
                 p = tl.load(pos_ptr + r * K + k)
                 has = has | ((p >= 0) & (p < n)).to(tl.int32)
-                x = tl.load(ids_ptr + r * s_r + k * s_k).to(tl.int32)
-                last = tl.maximum(last, tl.where((x >= 0) & (x < E), x * W // E, -1))
             if has != 0:
                 for d0 in range(0, D, BLOCK):
                     d = d0 + tl.arange(0, BLOCK)
@@ -400,8 +399,5 @@ if triton is not None:
                             w = tl.load(w_ptr + r * K + k).to(tl.float32)
                             s += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
                     if r // RPW != WAVE:
-                        s = tl.load(acc_ptr + r * D + d, mask=m, other=0.0) + s
-                    if last == WAVE:
-                        tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)
-                    else:
-                        tl.store(acc_ptr + r * D + d, s, mask=m)
+                        s = tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) + s
+                    tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)

@@ -160,18 +160,23 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
                       once: OnceRows) -> torch.Tensor:
     """``expert_rows`` for rows that stay over several waves (``comm.backend.OnceRows``): the pairs of this wave's
     experts only (``offs`` counts no other expert), each row's sum over k in slot order added to what its earlier
-    waves left in ``once.state["acc"]`` (fp32; a row's first wave writes it), and the total stored into y in x's
-    dtype after the row's last wave (else into acc). Returns y: [R, D], its other rows as allocated."""
+    waves left in its row of y (a row's first wave writes it), y in x's dtype and kept in ``once.state["y"]`` for
+    the waves of this call: after a row's last wave its row holds the finished sum, which the combine of that wave
+    reads (the partial sums are rounded to x's dtype between waves, as a row per wave's are when they travel).
+    Returns y: [R, D], the rows no wave has touched as allocated."""
     R, K = expert_RK.shape
     D, e, w, W = x_RD.shape[1], experts.num_local, once.wave, once.num_waves
-    acc = once.state.get("acc")
-    if acc is None or acc.shape != (R, D) or acc.device != x_RD.device:
-        acc = once.state["acc"] = torch.empty(R, D, dtype=torch.float32, device=x_RD.device)
-    y = torch.empty(R, D, dtype=x_RD.dtype, device=x_RD.device)
+    y = once.state.get("y")
+    if w == 0 or y is None or y.shape != (R, D) or y.dtype != x_RD.dtype or y.device != x_RD.device:
+        y = once.state["y"] = torch.empty(R, D, dtype=x_RD.dtype, device=x_RD.device)
     if not (R and D and e):
         return y
+    # the pairs of one wave fit the rows of one wave's blocks (a source sends a token once per layer, and the
+    # backend reports a source whose rows over the layer pass one block): the grouped GEMM is sized for them,
+    # as a row per wave's is, not for every block
+    offs = offs.clamp(max=once.rows_per_wave * K)
     if _fused_ok(x_RD, experts):
-        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y, acc)
+        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y)
         return y
     ids = expert_RK.long()
     ok = (ids >= 0) & (ids < e)
@@ -183,27 +188,25 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     mine = wv == w
     s = _slot_sums(x_RD, torch.where(mine, ids, -1).to(torch.int32), weight_RK, experts, None, offs, local)
     first = (torch.arange(R, device=x_RD.device) // once.rows_per_wave == w)[:, None]
-    tot = torch.where(first, s, acc + s)
-    has = mine.any(1)
-    done = has & (wv.amax(1) == w)
-    y.copy_(torch.where(done[:, None], tot.to(y.dtype), y))
-    acc.copy_(torch.where((has & ~done)[:, None], tot, acc))
+    tot = torch.where(first, s, y.float() + s)
+    y.copy_(torch.where(mine.any(1)[:, None], tot.to(y.dtype), y))
     return y
 
 
-def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P, once: OnceRows, y,
-                acc) -> None:
-    """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``), y and acc given."""
+def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P, once: OnceRows,
+                y) -> None:
+    """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``), into y; the gathered pairs
+    sized for one wave's blocks (offs is clamped to them)."""
     from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum_once
 
     n = offs[-1:]
     # the other waves' experts have empty groups in offs: their pairs get pos -1 (expert_order's guard)
     src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P)
-    xs = gather_rows(x_RD, src, n, local)
+    xs = gather_rows(x_RD, src[:once.rows_per_wave * expert_RK.shape[1]], n, local)
     gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
     h = swiglu_rows(gu, experts.cfg.swiglu_limit, n, x_RD.dtype)
     out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
-    weighted_sum_once(out, pos, weight_RK, expert_RK, n, y, acc, rows_P, once)
+    weighted_sum_once(out, pos, weight_RK, expert_RK, n, y, rows_P, once)
 
 
 # How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "argsort"

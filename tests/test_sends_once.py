@@ -229,3 +229,25 @@ def test_comb_targets_address_block_b_me():
                 if pick[p, b * C + i]:
                     want[b, me, i] = y[b * P * C + p * C + i]
         assert torch.equal(combs[p], want), p
+
+
+def _layer_overflow(ep: EPGroup) -> str:
+    """20 tokens per rank, each with one expert on each peer in wave t % 4: 5 rows per (wave, peer) block, which a
+    capacity of 8 holds, but 20 over the layer, which one block does not."""
+    t = torch.arange(20)
+    ids = torch.stack([2 * (t % 4), 8 + 2 * (t % 4)], 1)
+    be = SymmBackend(ep, SymmOptions(capacity=8, kernels="torch", dense=False))
+    plan = WavePlan.make(num_ranks=2, num_local_experts=8, num_waves=4, sends="once")
+    try:
+        be.prepare(compute_layout(ids, torch.ones(20, 2), plan))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_layer_overflow_raises_on_every_rank(ranks):
+    """sends='once': a source's rows to a peer over the whole layer must fit one block (the expert stage sizes
+    its gathered pairs by one wave's blocks): the error names the ranks, the count and the fix, on every rank."""
+    for msg in ranks(2).run(_layer_overflow):
+        assert "sends='once': rank 0 sent 20 rows to rank 0 over the layer's waves" in msg, msg
+        assert "capacity >= 20" in msg, msg
