@@ -217,10 +217,10 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
     if y.shape != (R, D) or y.dtype != dtype or not y.is_contiguous():
         raise ValueError(f"weighted_sum: out {tuple(y.shape)} {y.dtype}: must be contiguous {(R, D)} {dtype}")
     if R and D:
-        cnt, rb, P = _row_blocks(rows_P, R, n)
-        grid = (P, max(1, _rows_grid(R, out_JD.device) // P))
-        _wsum_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, K, D,
-                           HAS_ROWS=rows_P is not None, BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+        cnt, rb, _ = _row_blocks(rows_P, R, n)
+        _wsum_kernel[(_rows_grid(R, out_JD.device),)](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb,
+                                                       R, K, D, HAS_ROWS=rows_P is not None,
+                                                       BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
     return y
 
 
@@ -236,11 +236,11 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
         raise ValueError(f"weighted_sum_once: y {tuple(y.shape)} must be contiguous {(R, D)}")
     if not (R and D):
         return
-    cnt, rb, P = _row_blocks(rows_P, R, n)
-    grid = (P, max(1, _rows_grid(R, out_JD.device) // P))
-    _wsum_once_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, K, D, once.wave,
-                            once.rows_per_wave, HAS_ROWS=rows_P is not None,
-                            BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+    cnt, rb, _ = _row_blocks(rows_P, R, n)
+    _wsum_once_kernel[(_rows_grid(R, out_JD.device),)](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt,
+                                                        rb, R, K, D, once.wave, once.rows_per_wave,
+                                                        HAS_ROWS=rows_P is not None,
+                                                        BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
 
 
 if triton is not None:
@@ -350,44 +350,46 @@ if triton is not None:
                 tl.store(out_ptr + jj * I + i, h.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, K, D, HAS_ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-        # block blk (program_id 0) of RB rows: rows i = pid1, pid1 + programs, ... below its count (RB without
-        # HAS_ROWS); the rows past it are not written
-        blk = tl.program_id(0)
-        n = tl.load(n_ptr)
-        rows = RB
+    def _row_read(r, cnt_ptr, RB, HAS_ROWS: tl.constexpr):
+        # row r is below its block's count (every row without HAS_ROWS)
         if HAS_ROWS:
-            rows = tl.minimum(tl.load(cnt_ptr + blk).to(tl.int32), RB)
-        for i in range(tl.program_id(1), rows, tl.num_programs(1)):
-            r = tl.zeros([], tl.int64) + blk * RB + i                        # int64 offsets
-            for d0 in range(0, D, BLOCK):
-                d = d0 + tl.arange(0, BLOCK)
-                m = d < D
-                acc = tl.zeros([BLOCK], dtype=tl.float32)
-                for k in range(K):
-                    p = tl.load(pos_ptr + r * K + k)
-                    if (p >= 0) & (p < n):
-                        w = tl.load(w_ptr + r * K + k).to(tl.float32)
-                        acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
-                tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+            blk = r // RB
+            return (r - blk * RB) < tl.load(cnt_ptr + blk)
+        return r >= 0
 
     @triton.jit
-    def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, K, D, WAVE, RPW, HAS_ROWS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+    def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, HAS_ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        # rows r = pid, pid + programs, ... of all R (a capped grid, whatever the blocks' fill); with HAS_ROWS the
+        # rows past their block's count are not written
+        n = tl.load(n_ptr)
+        for rr in range(tl.program_id(0), R, tl.num_programs(0)):
+            r = tl.zeros([], tl.int64) + rr                                # int64 offsets
+            if _row_read(r, cnt_ptr, RB, HAS_ROWS):
+                for d0 in range(0, D, BLOCK):
+                    d = d0 + tl.arange(0, BLOCK)
+                    m = d < D
+                    acc = tl.zeros([BLOCK], dtype=tl.float32)
+                    for k in range(K):
+                        p = tl.load(pos_ptr + r * K + k)
+                        if (p >= 0) & (p < n):
+                            w = tl.load(w_ptr + r * K + k).to(tl.float32)
+                            acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+                    tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, WAVE, RPW,
+                          HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
         # as _wsum_kernel, for the rows with a pair of this wave only, and adding the row's sum so far (y) unless
         # the row's block is of this wave
-        blk = tl.program_id(0)
         n = tl.load(n_ptr)
-        rows = RB
-        if HAS_ROWS:
-            rows = tl.minimum(tl.load(cnt_ptr + blk).to(tl.int32), RB)
-        for i in range(tl.program_id(1), rows, tl.num_programs(1)):
-            r = tl.zeros([], tl.int64) + blk * RB + i
+        for rr in range(tl.program_id(0), R, tl.num_programs(0)):
+            r = tl.zeros([], tl.int64) + rr
             has = tl.zeros([], tl.int32)
-            for k in range(K):
-                p = tl.load(pos_ptr + r * K + k)
-                has = has | ((p >= 0) & (p < n)).to(tl.int32)
+            if _row_read(r, cnt_ptr, RB, HAS_ROWS):
+                for k in range(K):
+                    p = tl.load(pos_ptr + r * K + k)
+                    has = has | ((p >= 0) & (p < n)).to(tl.int32)
             if has != 0:
                 for d0 in range(0, D, BLOCK):
                     d = d0 + tl.arange(0, BLOCK)
