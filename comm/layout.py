@@ -30,10 +30,21 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WavePlan", "DispatchLayout", "compute_layout", "check_topk", "PARTITIONS", "SENDS"]
+__all__ = ["WavePlan", "DispatchLayout", "compute_layout", "check_topk", "PARTITIONS", "SENDS", "PARTITION_SPECS",
+           "split_partition"]
 
 PARTITIONS = ("experts", "tokens")
 SENDS = ("wave", "once")
+# the tools' partition axis: a partition, or the experts partition with a row once per layer
+PARTITION_SPECS = PARTITIONS + ("experts-once",)
+
+
+def split_partition(spec: str) -> tuple[str, str]:
+    """(partition, sends) of a ``PARTITION_SPECS`` entry ("experts-once" is the experts partition, sends "once")."""
+    if spec not in PARTITION_SPECS:
+        raise ValueError(f"partition {spec!r}: must be one of {', '.join(PARTITION_SPECS)}")
+    partition, _, sends = spec.partition("-")
+    return partition, sends or "wave"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ from launch_common import git_sha, out_dir  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import detect_launcher, init_from_env, spawn  # noqa: E402
 from moe_wave.comm.deepep import MAX_LOCAL_EXPERTS  # noqa: E402
-from moe_wave.comm.layout import WavePlan, compute_layout  # noqa: E402
+from moe_wave.comm.layout import WavePlan, compute_layout, split_partition  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
 from moe_wave.timing import slowest  # noqa: E402
 from moe_wave.tools.bench import BenchConfig, init_random_, measure, random_inputs  # noqa: E402
@@ -122,15 +122,6 @@ def rank_main(ep, args) -> dict:
             if ep.device.type == "cuda":
                 torch.cuda.empty_cache()
     return {"rows": rows, "p2p": p2p, "world_size": ep.size}
-
-
-def split_partition(spec: str) -> tuple[str, str]:
-    """(WaveConfig.partition, WaveConfig.sends) from a --partition entry: "experts", "tokens", or "experts-once"
-    (the experts partition with a row crossing once per layer)."""
-    partition, _, sends = spec.partition("-")
-    if partition not in ("experts", "tokens") or sends not in ("", "once"):
-        raise ValueError(f"--partition entry {spec!r}: must be experts, tokens or experts-once")
-    return partition, sends or "wave"
 
 
 def capacity(args, moe: WaveMoE, tokens: int, waves: int, partition: str = "experts", sends: str = "wave") -> int:

@@ -148,3 +148,15 @@ def test_cli_reports_bad_values(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moe_wave", "sweep", "--waves", "0", "--out", str(tmp_path / "a.csv")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--waves='0'" in proc.stderr, proc.stderr
+
+
+def test_experts_once_point(ranks, tmp_path):
+    """--partition experts-once: the experts partition with a row once per layer (WaveConfig.sends='once', on the
+    symm backend that backend 'auto' then takes), measured and checked like any point."""
+    argv = ["--preset", "tiny", "--tokens", "16", "--waves", "2", "--shared", "bubbles", "--iters", "2",
+            "--warmup", "1", "--pool", "2", "--out", str(tmp_path / "o.csv"), "--no-plots",
+            "--partition", "experts-once"]
+    measured = ranks(2).run(sweep.run_rank, sweep.build_spec(_args(*argv), 2, "none", read_env({})))
+    assert len(measured[0]) == 1
+    rows = sweep.read_rows(tmp_path / "o.csv")
+    assert [(r["partition"], r["check"]) for r in rows] == [("experts-once", "ok")], rows

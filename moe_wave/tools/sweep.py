@@ -33,7 +33,8 @@ import torch
 
 from moe_wave.comm import detect_launcher, init_from_env, spawn
 from moe_wave.comm.bootstrap import spawn_plan
-from moe_wave.config import BACKENDS, PARTITIONS, PRESETS, SHARED_PLACEMENTS, MoEConfig, WaveConfig
+from moe_wave.comm.layout import PARTITION_SPECS, split_partition
+from moe_wave.config import BACKENDS, PRESETS, SHARED_PLACEMENTS, MoEConfig, WaveConfig
 from moe_wave.env import EnvSettings, read_env
 from moe_wave.graphs import graph_capable
 from moe_wave.moe import WaveMoE
@@ -125,7 +126,7 @@ def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = N
         shapes=_shapes(args, world_size),
         tokens=_int_list("--tokens", args.tokens_grid, 1, "tokens per rank must be >= 1"),
         waves=_int_list("--waves", args.waves, 1, "wave counts must be >= 1"),
-        partitions=_choice_list("--partition", args.partition, PARTITIONS),
+        partitions=_choice_list("--partition", args.partition, PARTITION_SPECS),
         backends=_choice_list("--backend", args.backend, BACKENDS),
         shared=_choice_list("--shared", args.shared, SHARED_PLACEMENTS))
     backends = grid["backends"]
@@ -231,8 +232,9 @@ def run_rank(ep, spec: dict) -> list[tuple]:
                 m = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=getattr(torch, dtype)),
                                  seed=spec["bench"]["seed"])
             # each point is a view of the last one: it keeps the comm backend while backend and symm options do
-            sched = dict(partition=pt.partition, backend=pt.backend, shared_placement=pt.shared, symm=spec["symm"],
-                         autowave_cache=spec["autowave_cache"])
+            partition, sends = split_partition(pt.partition)
+            sched = dict(partition=partition, sends=sends, backend=pt.backend, shared_placement=pt.shared,
+                         symm=spec["symm"], autowave_cache=spec["autowave_cache"])
             if spec["auto"] and pt.group() not in auto:
                 m = m.rescheduled(WaveConfig(num_waves="auto", **sched))
                 r = measure(m, pt.tokens, bench, kinds=("pipelined",))
@@ -419,7 +421,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", dest="tokens_grid", metavar="LIST", default="128,512,2048,8192",
                    help="comma list of tokens per rank (>= 1)")
     p.add_argument("--waves", default="1,2,4,8", help="comma list of wave counts W (>= 1)")
-    p.add_argument("--partition", default="experts", help=f"comma list of {', '.join(PARTITIONS)}")
+    p.add_argument("--partition", default="experts", help=f"comma list of {', '.join(PARTITION_SPECS)} (experts-once: "
+                   "the experts partition with WaveConfig.sends='once', a row once per layer)")
     p.add_argument("--backend", default="auto", help=f"comma list of comm backends: {', '.join(BACKENDS)} (auto: "
                    "symm on the GPUs of one host, torch elsewhere)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,

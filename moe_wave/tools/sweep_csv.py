@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_wave.config import BACKENDS, PARTITIONS, SHARED_PLACEMENTS
+from moe_wave.comm.layout import PARTITION_SPECS
+from moe_wave.config import BACKENDS, SHARED_PLACEMENTS
 
 __all__ = ["COLUMNS", "KEY", "SweepFile", "load", "read_rows", "resume", "RowWriter"]
 
@@ -67,7 +68,7 @@ def _text(v: str) -> str | None:
 # column -> check(value) -> None when good, else why not
 _CHECKS = {
     "shape": _text, "hidden": _int(1), "intermediate": _int(1), "experts": _int(1), "topk": _int(1),
-    "tokens_per_rank": _int(1), "num_waves": _int(1), "partition": _choice(PARTITIONS),
+    "tokens_per_rank": _int(1), "num_waves": _int(1), "partition": _choice(PARTITION_SPECS),
     "backend": _choice(BACKENDS), "shared_placement": _choice(SHARED_PLACEMENTS), "dtype": _choice(DTYPES),
     "world_size": _int(1), "effective_waves": _int(1), "link_bytes": _int(0), "check": _choice(("ok", "FAIL")),
     "auto_num_waves": _int(1, optional=True), "auto_us": _number(optional=True), "device": _text, "command": _text,
