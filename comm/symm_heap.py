@@ -140,9 +140,9 @@ class PeerHeap:
         return bufs
 
     def once_targets(self, bufs: Buffers) -> RowTargets:
-        """Rows crossing once per layer (``comm.symm_once``): every rank's ``comb`` as one block per rank that starts
-        at its block (0, me) and spans to the end of its last wave's block (me, C rows): row b * P * C + i is block
-        (b, me) row i. Built on first use, which must come before any capture (a pointer table from the host)."""
+        """Rows crossing once per layer (``comm.symm_once.comb_targets``): every rank's ``comb`` as one block per rank,
+        from its block (0, me) to the end of its block (W - 1, me), so that row b * P * C + i is row i of block
+        (b, me). Built on first use, which must come before any capture (a pointer table from the host)."""
         if bufs.once_targets is None:
             if _capturing():
                 raise RuntimeError("symm sends='once': run one combine eagerly before capturing a CUDA graph (its "

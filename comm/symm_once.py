@@ -9,10 +9,11 @@ their slots there. What changes:
 - The expert stage of wave w reads every block that has arrived, b <= w: the receive buffer is one
   [W * P * C, D] view (``Received.x_RD``) with ``Received.rows_P`` bounding each of its W * P blocks (0 for
   the blocks still to come), and only the experts of wave w count (``pairs_We``). A row's results are summed
-  over its waves in fp32 (``Received.once``); after its last wave the sum is in y's row of the same index.
+  over its waves in its row of y (``Received.once``: fp32 within a wave, x's dtype between waves); after its
+  last wave that row holds the finished sum.
 - Combine c sends home the rows whose last wave is c, from every arrived block, into the source's ``comb``
   at the index the row arrived at: row (b, p, i) of y goes to row (b, me, i) of rank p's comb. Nothing can
-  overflow (the dispatch's block sizes bound it), no row crosses twice, and the sizes stay static: the
+  overflow there (the dispatch's block sizes bound it), no row crosses twice, and the sizes stay static: the
   receiver finds the rows of combine c from their slots (``combine_dst``), the source knows them from its
   own routing (``OnceTables.slot_WTP`` / ``last_WPN``).
 - The source sums combine c's rows per token over the peers, in peer order, from the flat
@@ -43,7 +44,7 @@ class OnceTables:
         slot_WTP: [W, T, P] int64 (where Triton runs): the flat comb row b * P * C + p * C + i holding token t's
             sum from peer p after combine c = w, -1 where that sum comes home in another combine (or never).
         last_WPN: [W, P, N] int64: the last wave of the send row i of block (w, p), -1 where the row is invalid.
-        state: the expert stage's scratch shared by the waves of this call (the fp32 partial sums, ``acc``).
+        state: the expert stage's scratch shared by the waves of this call (y, the running sums).
     """
 
     rows_WB: torch.Tensor

@@ -372,8 +372,11 @@ class EmulatedTransport:
             send = send.contiguous()
             back = torch.empty_like(send)
             works = (dist.all_to_all_single(back.view(-1, D), send.view(-1, D), group=self.ep.pg, async_op=True),)
-            # (send stays referenced until the exchange is waited for)
-            return (_Then(works, lambda: emulated_rows(bufs.comb, back, plan.once.last_WPN, wave) or send.shape),)
+
+            def land(back=back, send=send) -> None:     # (both referenced until the exchange is waited for)
+                emulated_rows(bufs.comb, back, plan.once.last_WPN, wave)
+
+            return (_Then(works, land),)
         if P == 1:
             bufs.comb[wave].view(C, D).copy_(y_RD)
             return ()
