@@ -60,6 +60,8 @@ def main() -> int:
                     "each gets its own tables")
     ap.add_argument("--sends", default="wave", help="comma list of WaveConfig.sends (wave, once): a row per (token, "
                     "wave) or once per layer (its sum kept over the waves); each gets its own tables")
+    ap.add_argument("--expert-streams", type=int, default=1, help="streams the waves' expert stages take turns "
+                    "on (WaveConfig.expert_streams: 2 lets one wave's kernels start in the last one's GEMM tail)")
     ap.add_argument("--row-bound", default="on", help="comma list of on/off: moe_wave.experts.ROW_BOUND (skip each "
                     "receive block's rows past its count, or compute every capacity row); each gets its own tables")
     args = ap.parse_args()
@@ -75,7 +77,7 @@ def main() -> int:
     init_random_(base)
     flush = l2_flush_buffer(dev)
     lines = [f"profile_experts: {args.preset} shapes, {args.experts} local experts, top-{cfg.top_k}, one GPU, "
-             f"routed experts on pre-received rows, capacity {args.capacity}"]
+             f"routed experts on pre-received rows, capacity {args.capacity}, expert streams {args.expert_streams}"]
     bounds = {"on": True, "off": False}
     for order, bound, sends in [(o, b, s) for o in args.order.split(",") for b in args.row_bound.split(",")
                                 for s in args.sends.split(",")]:
@@ -92,7 +94,8 @@ def main() -> int:
                 moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, sends=sends,
                                                   symm=base.wave.symm.replace(capacity=cap)))
                 got = pre_receive(moe.backend, x, ids, w, moe.plan)
-                replay = as_graph(lambda i: routed_only(moe.routed_rows, got), dev)[0]
+                extra = moe.streams.extra[:args.expert_streams - 1] if sends == "wave" else ()
+                replay = as_graph(lambda i: routed_only(moe.routed_rows, got, extra), dev)[0]
                 times[W] = statistics.median(iteration_us(replay, args.iters, 3, device=dev, flush=flush))
                 routed_only(moe.routed_rows, got)
                 torch.cuda.synchronize()

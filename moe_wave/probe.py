@@ -64,11 +64,21 @@ def pre_receive(backend: CommBackend, x_TD: torch.Tensor, ids_TK: torch.Tensor, 
     return got
 
 
-def routed_only(expert_fn: ExpertFn, received: list[Received]) -> None:
-    """``expert_fn`` on every wave's received rows, in wave order; no communication."""
+def routed_only(expert_fn: ExpertFn, received: list[Received], expert_streams: tuple = ()) -> None:
+    """``expert_fn`` on every wave's received rows, in wave order; no communication. ``expert_streams``: more
+    streams the waves take turns on, as the pipeline's (``WaveConfig.expert_streams``): wave w on the caller's
+    stream or on ``expert_streams[w % n - 1]``, joined at the end."""
+    from moe_wave.comm import streams as st
+
+    main = st.current_stream(received[0].x_RD.device) if received else None
+    turns = (None,) + tuple(s for s in expert_streams if s is not None) if main is not None else (None,)
+    for s in turns[1:]:
+        st.wait_stream(s, main)
     for w, got in enumerate(received):
-        with annotate(f"wave{w}.experts"):
+        with st.on(turns[w % len(turns)]), annotate(f"wave{w}.experts"):
             expert_fn(got)
+    for s in turns[1:]:
+        st.wait_stream(main, s)
 
 
 @dataclass(frozen=True)

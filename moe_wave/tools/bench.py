@@ -131,8 +131,9 @@ def pre_receive(moe: WaveMoE, x_TD, ids_TK, w_TK) -> list[Received]:
 
 
 def compute_only(moe: WaveMoE, x_TD, received: list[Received]) -> None:
-    """The routed experts on every wave's received rows, then the shared expert; no comm."""
-    routed_only(moe.routed_rows, received)
+    """The routed experts on every wave's received rows (on the pipeline's expert streams), then the shared
+    expert; no comm."""
+    routed_only(moe.routed_rows, received, moe.streams.extra[:moe.wave.expert_streams - 1])
     if moe.shared is not None:
         with annotate("shared.serial"):
             moe.shared(x_TD)
