@@ -183,7 +183,8 @@ def main() -> int:
                     help="rows per (wave, peer) of fixed-capacity backends (symm): every token, or the fullest "
                          "cell of a routed sample times --capacity-margin")
     ap.add_argument("--capacity-margin", type=float, default=1.25)
-    ap.add_argument("--expert-streams", default="1", help="comma list of WaveConfig.expert_streams (1-4)")
+    ap.add_argument("--expert-streams", default="2", help="comma list of WaveConfig.expert_streams (1-4; the library's "
+                    "default is 2)")
     ap.add_argument("--tokens", default=None, help="comma list of tokens per rank (default: the grid's)")
     ap.add_argument("--waves", default=None, help="comma list of wave counts (default: the grid's)")
     ap.add_argument("--partition", default="experts", help="comma list of WaveConfig.partition (experts, tokens), "

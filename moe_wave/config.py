@@ -114,7 +114,7 @@ class WaveConfig:
         sends: how often a (token, peer) row crosses with partition "experts" (``comm.layout``): "wave" (once per
             wave with one of the token's experts there) or "once" (once per layer each way, whatever W: the peer
             keeps the row for its later waves and sends the token's sum home after the last; symm backend,
-            kernel mode, one expert stream).
+            sparse blocks).
         backend: "auto" (the default: "symm" on a CUDA group whose ranks share one host, "torch" elsewhere),
             "torch" (NCCL/RCCL/gloo), "symm" (symmetric memory), "deepep" (if installed). Every WaveMoE of a
             process that resolves to the same backend, group and options shares one backend instance, and so one
@@ -127,10 +127,13 @@ class WaveConfig:
         shared_chunks: row chunks the shared down_proj is cut into.
         shared_tail_chunks: how many of them run during the last combine (bubbles only).
         grouped_mm: "auto" (torch._grouped_mm on CUDA bf16, a loop elsewhere), "on" or "off".
-        expert_streams: how many streams the pipelined schedule's expert stages take turns on (1, the default: the
-            caller's stream only; 2: every other wave on a second stream, so that one wave's kernels may fill
-            the tail of the last one's grouped GEMM). The result is the same bit for bit. On 2 x H200 (V4-Flash,
-            EP2, graphs) 2 streams changed nothing beyond noise (benchmarks/2026-11-30-moe-graph-streams-*).
+        expert_streams: how many streams the pipelined schedule's expert stages take turns on (2, the default: every
+            other wave on a second stream, so that one wave's kernels and the head of its grouped GEMM start in the
+            tail of the last one's; 1: the caller's stream only). The result is the same bit for bit. On one H200
+            (V4-Flash, 128 local experts, W=4, measured capacity) 2 streams took the routed experts from 1.135 /
+            1.099 / 1.041 x W=1's time to 1.025 / 1.040 / 1.009 x at 128 / 2048 / 8192 tokens
+            (benchmarks/2026-12-01-profile-experts-1xh200-session13.md); on 2 x H200 in session 8, with the older
+            expert stage, the pipeline changed within noise (benchmarks/2026-11-30-moe-graph-streams-*).
         symm: the symm backend's options (``moe_wave.comm.options.SymmOptions``: capacity, data mode, dense
             blocks, signal, timeouts, kernel tuning).
         autowave_cache: num_waves="auto": where the calibrated choices persist, a ``.json`` file or a folder
@@ -147,7 +150,7 @@ class WaveConfig:
     shared_chunks: int = 4
     shared_tail_chunks: int = 1
     grouped_mm: str = "auto"
-    expert_streams: int = 1
+    expert_streams: int = 2
     symm: SymmOptions = field(default_factory=SymmOptions)
     autowave_cache: str | None = None
 
@@ -161,9 +164,6 @@ class WaveConfig:
             raise ValueError(f"WaveConfig.partition={self.partition!r}: must be one of {PARTITIONS}")
         if self.sends not in SENDS:
             raise ValueError(f"WaveConfig.sends={self.sends!r}: must be one of {SENDS}")
-        if self.sends == "once" and self.expert_streams != 1:
-            raise ValueError(f"WaveConfig.expert_streams={self.expert_streams} with sends='once': must be 1 (a wave's "
-                             f"expert stage adds to the sums that the waves before it left)")
         if self.backend not in BACKENDS:
             raise ValueError(f"WaveConfig.backend={self.backend!r}: must be one of {BACKENDS}")
         if self.shared_placement not in SHARED_PLACEMENTS:

@@ -224,8 +224,8 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
     return y
 
 
-def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor, ids_RK: torch.Tensor,
-                      n: torch.Tensor, y: torch.Tensor, rows_P: torch.Tensor | None, once) -> None:
+def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor, n: torch.Tensor,
+                      y: torch.Tensor, rows_P: torch.Tensor | None, once) -> None:
     """``weighted_sum`` for rows that stay over several waves (``comm.backend.OnceRows`` ``once``), in place: for
     each read row r with a pair of this wave (pos in [0, n)), y[r] = (y[r] unless r's block is of this wave,
     ``r // once.rows_per_wave == once.wave``: the row's first) + sum over k in order of w[r, k] * out[pos[r, k]],

@@ -169,6 +169,7 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     y = once.state.get("y")
     if w == 0 or y is None or y.shape != (R, D) or y.dtype != x_RD.dtype or y.device != x_RD.device:
         y = once.state["y"] = torch.empty(R, D, dtype=x_RD.dtype, device=x_RD.device)
+        once.state["summed"] = None
     if not (R and D and e):
         return y
     # the pairs of one wave fit the rows of one wave's blocks (a source sends a token once per layer, and the
@@ -178,6 +179,7 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     if _fused_ok(x_RD, experts):
         _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y)
         return y
+    _after_last_sums(once, y)         # the torch path reads y's sums from the start: no overlap of waves here
     ids = expert_RK.long()
     ok = (ids >= 0) & (ids < e)
     if rows_P is not None:
@@ -190,6 +192,7 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     first = (torch.arange(R, device=x_RD.device) // once.rows_per_wave == w)[:, None]
     tot = torch.where(first, s, y.float() + s)
     y.copy_(torch.where(mine.any(1)[:, None], tot.to(y.dtype), y))
+    _sums_done(once, y)
     return y
 
 
@@ -206,7 +209,30 @@ def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local,
     gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
     h = swiglu_rows(gu, experts.cfg.swiglu_limit, n, x_RD.dtype)
     out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
-    weighted_sum_once(out, pos, weight_RK, expert_RK, n, y, rows_P, once)
+    # the waves may take turns on streams (WaveConfig.expert_streams): everything above may overlap the last
+    # wave's stage, but its sums (read here) must be done
+    _after_last_sums(once, y)
+    weighted_sum_once(out, pos, weight_RK, n, y, rows_P, once)
+    _sums_done(once, y)
+
+
+def _after_last_sums(once: OnceRows, y) -> None:
+    """The current stream waits for the last wave's sums into y (the waves may take turns on streams)."""
+    from moe_wave.comm import streams as st
+
+    cur = st.current_stream(y.device)
+    if cur is not None and once.state.get("summed") is not None:
+        cur.wait_event(once.state["summed"])
+    st.keep_alive(y, cur)
+
+
+def _sums_done(once: OnceRows, y) -> None:
+    """Mark this wave's sums into y done, for the next wave's ``_after_last_sums``."""
+    from moe_wave.comm import streams as st
+
+    cur = st.current_stream(y.device)
+    if cur is not None:
+        once.state["summed"] = cur.record_event()
 
 
 # How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "argsort"

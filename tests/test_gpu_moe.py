@@ -152,17 +152,18 @@ def test_device_count_expert_stage_matches_host_counts():
             assert torch.equal(y_dev[:2], torch.zeros_like(y_dev[:2])), "rows with no pair are 0"
 
 
-@pytest.mark.parametrize("W", [2, 4])
-def test_sends_once_matches_reference_serial_and_graph(ep, W):
+@pytest.mark.parametrize("W,streams", [(2, 2), (4, 2), (4, 1)])
+def test_sends_once_matches_reference_serial_and_graph(ep, W, streams):
     """WaveConfig.sends='once' (a row crosses once per layer; the peer sums a token's results over the waves and
     sends them home after the last): bf16 against the fp32 reference, pipelined equal to serial bit for bit over
-    changing token counts, and a graph replay equal to the eager call on the padded input. On 2+ GPUs this is the
-    peer-memory combine (rows scattered into the sources' comb at their arrival index)."""
+    changing token counts, and a graph replay equal to the eager call on the padded input, with the waves' expert
+    stages taking turns on two streams (the default) or on one. On 2+ GPUs this is the peer-memory combine (rows
+    scattered into the sources' comb at their arrival index)."""
     from moe_wave.comm.options import SymmOptions
 
     cfg = _cfg()
     full = random_full_weights(cfg, seed=13)
-    moe = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=W, sends="once", backend="symm",
+    moe = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=W, sends="once", backend="symm", expert_streams=streams,
                                               symm=SymmOptions(capacity=1024)), dtype=torch.bfloat16)
     moe.load_full({k: v.to(ep.device) for k, v in full.items()})
     full_dev = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() else v).to(ep.device)

@@ -159,8 +159,6 @@ def test_once_errors():
         moe(x)
     with pytest.raises(ValueError, match=r"WaveConfig.sends='twice': must be one of \('wave', 'once'\)"):
         WaveConfig(sends="twice")
-    with pytest.raises(ValueError, match=r"expert_streams=2 with sends='once': must be 1"):
-        WaveConfig(sends="once", expert_streams=2)
     dense = WaveMoE.from_hf(blocks[1], cfg, ep=ep, layer_idx=1, wave=WaveConfig(
         num_waves=2, sends="once", backend="symm", symm=SymmOptions(capacity=32, dense=True)))
     with pytest.raises(ValueError, match=r"SymmOptions.dense=True with WaveConfig.sends='once'"):
