@@ -94,7 +94,7 @@ def main() -> int:
                 moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, sends=sends,
                                                   symm=base.wave.symm.replace(capacity=cap)))
                 got = pre_receive(moe.backend, x, ids, w, moe.plan)
-                extra = moe.streams.extra[:args.expert_streams - 1] if sends == "wave" else ()
+                extra = moe.streams.extra[:args.expert_streams - 1]
                 replay = as_graph(lambda i: routed_only(moe.routed_rows, got, extra), dev)[0]
                 times[W] = statistics.median(iteration_us(replay, args.iters, 3, device=dev, flush=flush))
                 routed_only(moe.routed_rows, got)
