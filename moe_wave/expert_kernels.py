@@ -358,6 +358,17 @@ if triton is not None:
         return r >= 0
 
     @triton.jit
+    def _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK: tl.constexpr):
+        # sum over k in order of w[r, k] * out[pos[r, k], d] for the slots with pos in [0, n), in fp32
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(K):
+            p = tl.load(pos_ptr + r * K + k)
+            if (p >= 0) & (p < n):
+                w = tl.load(w_ptr + r * K + k).to(tl.float32)
+                acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+        return acc
+
+    @triton.jit
     def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, HAS_ROWS: tl.constexpr,
                      BLOCK: tl.constexpr):
         # rows r = pid, pid + programs, ... of all R (a capped grid, whatever the blocks' fill); with HAS_ROWS the
@@ -369,12 +380,7 @@ if triton is not None:
                 for d0 in range(0, D, BLOCK):
                     d = d0 + tl.arange(0, BLOCK)
                     m = d < D
-                    acc = tl.zeros([BLOCK], dtype=tl.float32)
-                    for k in range(K):
-                        p = tl.load(pos_ptr + r * K + k)
-                        if (p >= 0) & (p < n):
-                            w = tl.load(w_ptr + r * K + k).to(tl.float32)
-                            acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+                    acc = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK)
                     tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -394,12 +400,7 @@ if triton is not None:
                 for d0 in range(0, D, BLOCK):
                     d = d0 + tl.arange(0, BLOCK)
                     m = d < D
-                    s = tl.zeros([BLOCK], dtype=tl.float32)
-                    for k in range(K):
-                        p = tl.load(pos_ptr + r * K + k)
-                        if (p >= 0) & (p < n):
-                            w = tl.load(w_ptr + r * K + k).to(tl.float32)
-                            s += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+                    s = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK)
                     if r // RPW != WAVE:
                         s = tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) + s
                     tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)

@@ -53,7 +53,11 @@ def _tokens(rank: int, T: int, seed: int = 1):
 VARIANTS = list(itertools.product([1, 2, 3, 7], ["experts", "tokens"], [True, False], ["bubbles", "serial"]))
 
 
-def _parity(ep: EPGroup, tokens: list, variants=VARIANTS, bias_boost: dict | None = None):
+def _parity(ep: EPGroup, tokens: list, variants=VARIANTS, bias_boost: dict | None = None, wave_kw: dict | None = None,
+            vs_serial: bool = False):
+    """Per layer and variant (W, partition, overlap, placement): (..., the error against HF's block) and, with
+    ``vs_serial``, whether the output equals the serial schedule's bit for bit. ``wave_kw``: more WaveConfig
+    fields."""
     cfg, blocks = hf_model()
     x, ids = _tokens(ep.rank, tokens[ep.rank])
     out = []
@@ -66,11 +70,12 @@ def _parity(ep: EPGroup, tokens: list, variants=VARIANTS, bias_boost: dict | Non
             ref = hf(x[None], input_ids=ids[None])[0] if x.shape[0] else x.clone()
         for W, part, ov, placement in variants:
             wave = WaveConfig(num_waves=W, partition=part, overlap=ov, shared_placement=placement,
-                              shared_tail_chunks=1 if placement == "bubbles" else 0)
+                              shared_tail_chunks=1 if placement == "bubbles" else 0, **(wave_kw or {}))
             moe = WaveMoE.from_hf(hf, cfg, ep=ep, wave=wave, layer_idx=layer)
             y = moe(x, input_ids=ids)
             err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-6)) if x.shape[0] else float(y.numel())
-            out.append((layer, W, part, ov, placement, err))
+            row = (layer, W, part, ov, placement, err)
+            out.append(row + (torch.equal(y, moe(x, input_ids=ids, overlap=False)),) if vs_serial else row)
     return out
 
 

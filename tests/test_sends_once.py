@@ -18,7 +18,7 @@ from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.options import SymmOptions
 from moe_wave.comm.symm import SymmBackend
-from tests.test_moe import TOKENS, _tokens, hf_model
+from tests.test_moe import TOKENS, _parity, _tokens, hf_model
 
 
 def _routing(T: int, P: int, e: int, K: int, seed: int):
@@ -80,32 +80,16 @@ def test_rows_received_per_peer_equal_for_every_wave_count(ranks):
 
 def _once_parity(ep: EPGroup, tokens: list, variants, kernels: str = "torch", bias_boost: dict | None = None):
     """WaveMoE(backend symm, sends once) against HF's block on this rank's tokens (both layers: hash and top-k),
-    and pipelined against serial bit for bit; returns (layer, W, error, bit-equal) per variant."""
-    cfg, blocks = hf_model()
-    x, ids = _tokens(ep.rank, tokens[ep.rank])
-    out = []
-    for layer, hf in enumerate(blocks):
-        if bias_boost and not hasattr(hf.gate, "tid2eid"):
-            with torch.no_grad():
-                for ex, v in bias_boost.items():
-                    hf.gate.e_score_correction_bias[ex] += v
-        with torch.no_grad():
-            ref = hf(x[None], input_ids=ids[None])[0] if x.shape[0] else x.clone()
-        for W, placement in variants:
-            wave = WaveConfig(num_waves=W, sends="once", backend="symm", shared_placement=placement,
-                              symm=SymmOptions(capacity=32, kernels=kernels))
-            moe = WaveMoE.from_hf(hf, cfg, ep=ep, wave=wave, layer_idx=layer)
-            y = moe(x, input_ids=ids)
-            y_serial = moe(x, input_ids=ids, overlap=False)
-            err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-6)) if x.shape[0] else float(y.numel())
-            out.append((layer, W, err, torch.equal(y, y_serial)))
-    return out
+    and pipelined against serial bit for bit (``test_moe._parity``); variants are (W, shared placement)."""
+    wave_kw = dict(sends="once", backend="symm", symm=SymmOptions(capacity=32, kernels=kernels))
+    return _parity(ep, tokens, [(W, "experts", True, placement) for W, placement in variants], bias_boost, wave_kw,
+                   vs_serial=True)
 
 
 def _check(results, n):
     for rank, rows in enumerate(results):
         assert len(rows) == 2 * n
-        bad = [r for r in rows if not (r[2] <= 2e-6 and r[3])]
+        bad = [r for r in rows if not (r[-2] <= 2e-6 and r[-1])]
         assert not bad, f"rank {rank}: {bad}"
 
 
