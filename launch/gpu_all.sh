@@ -3,6 +3,7 @@
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
+#   streams (bench_moe with the expert stages on one stream and on two),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
@@ -104,6 +105,10 @@ for s in "${STAGES[@]}"; do
                    --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --capacity max
                stage profile_experts_measured ${T_EXPERTS:-180} "$PY" launch/profile_experts.py \
                    --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --sends wave,once --capacity measured ;;
+        streams)  # issue 15: the pipeline with the waves' expert stages on one stream and on two (the default)
+               stage bench_moe_streams ${T_STREAMS:-240} "${TR[@]}" launch/bench_moe.py --quick --shapes v4-flash \
+                   --tokens ${PART_TOKENS:-2048,8192} --waves 1,4 --backend symm --graph --capacity measured \
+                   --expert-streams 1,2 --out "$RES/moe_streams.json" ;;
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  # the attention kernels on CUDA (each against its torch twin; the core and top-k at the V4 shapes),
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
@@ -131,7 +136,7 @@ raise SystemExit(not g.available())"; then
                true ;;
         deepep_api)   # DeepEP's tests on moe-wave's deep_ep and on DeepEP (built from .deps/deepep), side by side
                stage deepep_api ${T_DEEPEP_API:-330} env RES="$RES/deepep_api" bash launch/deepep_api.sh ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts comm attn demo sweep deepep_api)" ;;
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts streams comm attn demo sweep deepep_api)" ;;
     esac
 done
 

@@ -31,7 +31,8 @@ def table(rows, cols, title):
 def moe_table(moe, name: str) -> None:
     if not moe:
         return
-    rows = [dict(r, partition=r.get("partition", "experts"),
+    # the partition column names the expert streams too (bench_moe --expert-streams 1,2 puts both in one file)
+    rows = [dict(r, partition=f"{r.get('partition', 'experts')}/s{r.get('expert_streams', 1)}",
                  vs_ideal=r["pipelined_us"] / max(r["comm_only_us"], r["compute_only_us"]),
                  speedup=r["serial_us"] / r["pipelined_us"])
             for r in moe["rows"] if r.get("pipelined_us")]
