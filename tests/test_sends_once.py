@@ -112,9 +112,11 @@ def test_once_empty_rank_and_one_hot_expert(ranks):
 
 
 def test_once_kernels_under_interpreter(ranks):
-    """The backend's Triton tables and sum (``gather_add`` over the flat comb) instead of the torch ones."""
+    """The backend's Triton tables and sum (``gather_add`` over the flat comb) instead of the torch ones; on one
+    rank also its combine (``scatter_rows`` of the rows whose last wave it is, as on peer memory)."""
     few = [(3, "bubbles")]
     _check(ranks(2).run(_once_parity, TOKENS, few, "triton"), len(few))
+    _check([_once_parity(EPGroup.single(), TOKENS, few, "triton")], len(few))
 
 
 def _padded(ep: EPGroup) -> tuple:
