@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .symm_kernels import RowTargets
+from .triton_gate import tl, triton
+
+DST_BLOCK = 256
 
 __all__ = ["OnceTables", "once_tables", "combine_dst", "emulated_rows", "comb_targets", "flag_layer_overflow"]
 
@@ -98,10 +101,20 @@ def flag_layer_overflow(recv_PX: torch.Tensor, W: int, P: int, C: int, status: t
     status[9:10].copy_(torch.maximum(status[9:10], over.any().long().view(1)))
 
 
-def combine_dst(recv_meta: torch.Tensor, recv_rows_WP: torch.Tensor, wave: int, num_local_experts: int) -> torch.Tensor:
+def combine_dst(recv_meta: torch.Tensor, recv_rows_WP: torch.Tensor, wave: int, num_local_experts: int,
+                kernel: bool = False) -> torch.Tensor:
     """[P, W * C] int64, the receiver's destinations for combine ``wave``: entry b * C + i of peer p is
     b * P * C + i (row (b, me, i) of p's comb, counted from its block (0, me)) where received row i of block
-    (b, p) is valid and its last wave (the largest wave of its slots' experts) is ``wave``; -1 elsewhere."""
+    (b, p) is valid and its last wave (the largest wave of its slots' experts) is ``wave``; -1 elsewhere.
+    ``kernel``: one Triton launch (``_dst_kernel``) instead of these torch ops (about ten launches)."""
+    if kernel:
+        W, P, C, M = recv_meta.shape
+        dst = torch.empty(P, W * C, dtype=torch.long, device=recv_meta.device)
+        if dst.numel():
+            _dst_kernel[(P * W, triton.cdiv(C, DST_BLOCK))](recv_meta, recv_rows_WP.contiguous(), dst, wave, W, P,
+                                                              C, M, num_local_experts, K=M // 2,
+                                                              BLOCK=DST_BLOCK)
+        return dst
     W, P, C, M = recv_meta.shape
     e, dev = num_local_experts, recv_meta.device
     ids = recv_meta[:wave + 1, ..., :M // 2].long()
@@ -133,3 +146,23 @@ def emulated_rows(comb: torch.Tensor, back: torch.Tensor, last_WPN: torch.Tensor
     take = (last_WPN[:wave + 1] == wave)[..., None]                              # [b, P, N, 1]
     cur = comb[:wave + 1, :, :N]
     cur.copy_(torch.where(take, back.transpose(0, 1)[:, :, :N], cur))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dst_kernel(meta_ptr, rows_ptr, dst_ptr, WAVE, W, P, C, M, E, K: tl.constexpr, BLOCK: tl.constexpr):
+        # program (p * W + b, tile): rows i of block (b, p); the last wave of a row from its K expert ids
+        pb = tl.program_id(0)
+        p = pb // W
+        b = pb - p * W
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < C
+        ok = m & (i < tl.load(rows_ptr + b * P + p)) & (i * 0 + b <= WAVE)     # (a vector: the interpreter masks)
+        base = ((b * P + p) * C + i).to(tl.int64) * M
+        last = tl.full([BLOCK], -1, tl.int32)
+        for k in tl.static_range(K):
+            x = tl.load(meta_ptr + base + k, mask=ok, other=-1)
+            last = tl.maximum(last, tl.where((x >= 0) & (x < E), x * W // E, -1))
+        val = tl.where(ok & (last == WAVE), (b * P * C + i).to(tl.int64), -1)
+        tl.store(dst_ptr + p.to(tl.int64) * W * C + b * C + i, val, mask=m)

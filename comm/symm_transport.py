@@ -264,7 +264,8 @@ class PeerTransport:
 
         def push() -> None:
             if plan.once is not None:      # the rows whose last wave this is, from every arrived block
-                dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts)
+                dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts,
+                                  kernel=True)
                 scatter_rows(y_RD, self.heap.once_targets(bufs), plan.once.src_PN, dst,
                              skip=me if own_from_y else None, tune=self.options.copy)
                 return
@@ -366,7 +367,8 @@ class EmulatedTransport:
         P, C, D = self.ep.size, plan.capacity, y_RD.shape[1]
         if plan.once is not None:          # y holds every block: [W, P(src), C, D] -> [P(dst), b <= wave, C, D]
             if P == 1 and self.kernels:      # one rank: the rows whose last wave this is, as peer memory does
-                dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts)
+                dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts,
+                                  kernel=True)
                 if bufs.once_targets is None:
                     if st.is_accelerator(y_RD.device) and torch.cuda.is_current_stream_capturing():
                         raise RuntimeError("symm sends='once': run one combine eagerly before capturing a CUDA graph "

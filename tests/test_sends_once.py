@@ -166,8 +166,12 @@ def _combine_sets(ep: EPGroup) -> tuple:
     meta = be.transport.buffers(x.dtype, 16, W, K).recv_meta
     C = xplan.capacity
     send, take = [], []
+    from moe_wave.comm.triton_gate import triton_ok
+
     for c in range(W):
         dst = combine_dst(meta, xplan.recv_rows_WP, c, e).view(ep.size, W, C)
+        if triton_ok(meta.device, want=True):     # the one-launch kernel (interpreted here) gives the same table
+            assert torch.equal(combine_dst(meta, xplan.recv_rows_WP, c, e, kernel=True).view(ep.size, W, C), dst)
         send.append([sorted((b, i) for b, i in (dst[p] >= 0).nonzero().tolist()) for p in range(ep.size)])
         last = xplan.once.last_WPN
         take.append([sorted((b, i) for b, i in (last[:, p] == c).nonzero().tolist()) for p in range(ep.size)])
@@ -181,7 +185,7 @@ def _combine_sets(ep: EPGroup) -> tuple:
 def test_peer_combine_rows_match_what_the_source_takes(ranks):
     """The peer-memory combine (not run on CPU) sends, in combine c, exactly the rows that the source's own tables
     say come home in c: rank r's ``combine_dst`` for peer p equals rank p's rows for source r, and every received
-    row goes home in exactly one combine."""
+    row goes home in exactly one combine; its Triton kernel gives the torch ops' table."""
     res = ranks(3).run(_combine_sets)
     for r, (send, _, rows) in enumerate(res):
         for p in range(3):
