@@ -19,6 +19,7 @@ def _build(ep, which: str) -> str:
           "capacity": dict(wave=WaveConfig(backend="symm", symm=SymmOptions(capacity=16 * (r + 1)))),
           "signal": dict(wave=WaveConfig(backend="symm", symm=SymmOptions(signal=("barrier", "memops")[r]))),
           "waves": dict(wave=WaveConfig(num_waves=r + 1)),
+          "sends": dict(wave=WaveConfig(backend="symm", sends=("wave", "once")[r])),
           "dtype": dict(dtype=(torch.float32, torch.bfloat16)[r]),
           "hidden": dict(cfg=MoEConfig.preset("tiny", num_experts=4, top_k=2, hidden_size=64 + 16 * r)),
           "none": {}}[which]
@@ -30,7 +31,9 @@ def _build(ep, which: str) -> str:
 
 
 @pytest.mark.parametrize("which, names", [
-    ("overlap", "rank 0 (2, None, 'experts', 'auto', True, 'bubbles'), rank 1 (2, None, 'experts', 'auto', False"),
+    ("overlap", "rank 0 (2, None, 'experts', 'wave', 'auto', True, 'bubbles'), "
+                "rank 1 (2, None, 'experts', 'wave', 'auto', False"),
+    ("sends", "rank 0 (2, None, 'experts', 'wave', 'symm', True, 'bubbles'), rank 1 (2, None, 'experts', 'once'"),
     ("capacity", "capacity=16"), ("signal", "signal='memops'"), ("waves", "rank 0 (1, None"),
     ("dtype", "dtype: rank 0 'torch.float32', rank 1 'torch.bfloat16'"), ("hidden", "rank 0 (64, 32, 4, 2)")])
 def test_mismatched_settings_raise_the_same_error_on_every_rank(ranks, which, names):
