@@ -39,8 +39,7 @@ import torch
 from .layout import DispatchLayout
 
 __all__ = ["Pending", "Received", "OnceRows", "WaveHandle", "ExchangePlan", "CombineOut", "CommBackend",
-           "check_sum_args",
-           "pending_after", "rows_of", "refuse_once"]
+           "check_sum_args", "pending_after", "rows_of", "refuse_once"]
 
 R_ = TypeVar("R_")
 
@@ -142,23 +141,20 @@ class CombineOut:
 @dataclass(frozen=True)
 class OnceRows:
     """What the expert stage of wave ``wave`` needs when rows cross once per layer (``WavePlan.sends == "once"``,
-    see ``comm.layout`` and ``comm.symm_once``): ``Received`` then holds every block that has arrived, and only
-    the experts of this wave count (local expert x is in wave x * num_waves // num_local_experts). The stage
-    adds each row's results to the sum that the earlier waves left in its row of y (``state["y"]``, [R, D], kept
-    for the waves of one call; a row starts its sum in the wave of its block, ``row // rows_per_wave``, its
-    first), so that after the row's last wave its row of y holds the finished sum, which the combine of that
-    wave reads; y's rows that no wave has touched are left as allocated.
+    see ``comm.layout`` and ``comm.symm_once``): ``Received`` then holds every block that has arrived, the
+    blocks of wave b being rows b * R // W .. (b + 1) * R // W - 1, and only the experts of this wave count (local
+    expert x is in wave x * W // e). The stage adds each row's results to the sum that the earlier waves left in
+    its row of y (``state["y"]``, [R, D], kept for the waves of one call; a row starts its sum in the wave of its
+    block, its first), so that after the row's last wave its row of y holds the finished sum, which the combine
+    of that wave reads; y's rows that no wave has touched are left as allocated.
 
     Attributes:
-        wave: w; num_waves: W; num_local_experts: e.
-        rows_per_wave: R // W (the rows of one wave's blocks).
+        wave: w; num_waves: W.
         state: shared by the waves of one call (one per prepare).
     """
 
     wave: int
     num_waves: int
-    num_local_experts: int
-    rows_per_wave: int
     state: dict = field(compare=False, repr=False)
 
 

@@ -249,7 +249,7 @@ class SymmBackend:
                 return Received(x_RD=bufs.recv_x.view(W * P * C, D), expert_RK=meta_RM[:, :K],
                                 weight_RK=meta_RM[:, K:].view(torch.float32), pairs_e=None,
                                 pairs_e_dev=plan.once.pairs_We[wave], handle=handle, rows_P=plan.once.rows_WB[wave],
-                                once=OnceRows(wave, W, lay.plan.num_local_experts, P * C, plan.once.state))
+                                once=OnceRows(wave, W, plan.once.state))
             if local is not None:
                 st.keep_alive(x_TD, st.current_stream(dev))
                 self.transport.poison_local(bufs, wave)

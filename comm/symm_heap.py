@@ -43,8 +43,8 @@ class Buffers:
         stage: emulated transport: (x [W, P, C, D], meta [W, P, C, M]) packed locally, then exchanged.
         pack: peer memory, copy mode with Triton: per wave (stage_x [P, C, D], stage_m [P, C, M], targets x,
             targets meta): the peers' rows packed locally, this rank's own straight into place.
-        once_targets: peer memory, rows crossing once per layer: every rank's comb from block (0, me) on
-            (``PeerHeap.once_targets``).
+        once_targets: rows crossing once per layer, Triton: the comb blocks the combine writes
+            (``symm_once.home_targets``).
     """
 
     recv_x: torch.Tensor
@@ -138,19 +138,6 @@ class PeerHeap:
             bufs.targets = [tuple(RowTargets.of(pb[j][w, me] for pb in peers) for j in range(3)) for w in range(W)]
         self._data[key] = bufs
         return bufs
-
-    def once_targets(self, bufs: Buffers) -> RowTargets:
-        """Rows crossing once per layer (``comm.symm_once.comb_targets``): every rank's ``comb`` as one block per rank,
-        from its block (0, me) to the end of its block (W - 1, me), so that row b * P * C + i is row i of block
-        (b, me). Built on first use, which must come before any capture (a pointer table from the host)."""
-        if bufs.once_targets is None:
-            if _capturing():
-                raise RuntimeError("symm sends='once': run one combine eagerly before capturing a CUDA graph (its "
-                                   "pointer table is built on first use)")
-            from .symm_once import comb_targets
-
-            bufs.once_targets = comb_targets([pb[2] for pb in bufs.peers], self.ep.rank)
-        return bufs.once_targets
 
     def pack_targets(self, bufs: Buffers, wave: int):
         """Copy mode with Triton: (stage x, stage meta, RowTargets x, RowTargets meta) that pack every peer's rows

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .symm_kernels import RowTargets
+from .symm_heap import Buffers, _capturing
+from .symm_kernels import RowTargets, scatter_rows
 from .triton_gate import tl, triton
 
 DST_BLOCK = 256
 
-__all__ = ["OnceTables", "once_tables", "combine_dst", "emulated_rows", "comb_targets", "flag_layer_overflow"]
+__all__ = ["OnceTables", "once_tables", "combine_dst", "emulated_rows", "comb_targets", "home_targets", "send_home",
+           "flag_layer_overflow"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,25 @@ def comb_targets(combs, me: int) -> RowTargets:
     W, P, C, D = combs[0].shape
     rows = (W - 1) * P * C + C
     return RowTargets.of(c.reshape(-1, D)[me * C:me * C + rows] for c in combs)
+
+
+def home_targets(bufs: Buffers, combs, me: int) -> RowTargets:
+    """``comb_targets(combs, me)``, kept on ``bufs``: built on first use, which must come before any capture (a
+    pointer table copied from the host)."""
+    if bufs.once_targets is None:
+        if _capturing():
+            raise RuntimeError("symm sends='once': run one combine eagerly before capturing a CUDA graph (its pointer "
+                               "table is built on first use)")
+        bufs.once_targets = comb_targets(combs, me)
+    return bufs.once_targets
+
+
+def send_home(y_RD: torch.Tensor, plan, bufs: Buffers, wave: int, targets: RowTargets, skip: int | None,
+              tune) -> None:
+    """Combine ``wave`` with Triton (peer memory, or one rank): the rows whose last wave this is, found in one launch
+    (``combine_dst``), copied by one ``scatter_rows`` into ``targets`` (``home_targets``), ``skip`` left out."""
+    dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts, kernel=True)
+    scatter_rows(y_RD, targets, plan.once.src_PN, dst, skip=skip, tune=tune)
 
 
 def emulated_rows(comb: torch.Tensor, back: torch.Tensor, last_WPN: torch.Tensor, wave: int) -> None:

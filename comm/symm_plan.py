@@ -23,6 +23,7 @@ import torch
 
 from .backend import ExchangePlan
 from .options import AUTO_COPY_MIN_TOKENS, DENSE_FILL, SymmOptions
+from .symm_once import OnceTables
 from .symm_tables import densify, densify_torch
 
 __all__ = ["SymmPlan", "DenseTables", "choose", "dense_fill", "wave_token_ranges", "wave_rows"]
@@ -49,7 +50,7 @@ def choose(options: SymmOptions, mode: str, plan, top_k: int) -> tuple[str, bool
     and the capacity reaches ``AUTO_COPY_MIN_TOKENS``, kernel mode otherwise. A plan that sends a row once per
     layer (``plan.once``) takes sparse blocks ("auto": kernel mode): its blocks hold the rows whose first wave
     it is, which no token range describes."""
-    if getattr(plan, "once", False):
+    if plan.once:
         if options.dense:
             raise ValueError("SymmOptions.dense=True with WaveConfig.sends='once': a wave's block holds the rows whose "
                              "first wave it is, not a token range; use dense=None or False")
@@ -103,7 +104,7 @@ class SymmPlan(ExchangePlan):
     stale_WPC1: torch.Tensor | None = None
     pairs_We: torch.Tensor | None = None
     recv_rows_WP: torch.Tensor | None = None
-    once: object | None = None
+    once: OnceTables | None = None
     dense: tuple | None = None
     meta_WPCM: torch.Tensor | None = None
 

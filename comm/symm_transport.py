@@ -47,7 +47,7 @@ from . import symm_memops as memops
 from .options import SymmOptions
 from .symm_heap import Buffers, LocalHeap, PeerHeap
 from .symm_kernels import scatter_rows
-from .symm_once import comb_targets, combine_dst, emulated_rows
+from .symm_once import emulated_rows, home_targets, send_home
 from .symm_plan import SymmPlan, wave_rows
 from .symm_signal import BarrierSignal, CopySignal
 from .symm_tables import POISON, count_rows, count_rows_torch
@@ -264,10 +264,8 @@ class PeerTransport:
 
         def push() -> None:
             if plan.once is not None:      # the rows whose last wave this is, from every arrived block
-                dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts,
-                                  kernel=True)
-                scatter_rows(y_RD, self.heap.once_targets(bufs), plan.once.src_PN, dst,
-                             skip=me if own_from_y else None, tune=self.options.copy)
+                send_home(y_RD, plan, bufs, wave, home_targets(bufs, [pb[2] for pb in bufs.peers], me),
+                          me if own_from_y else None, self.options.copy)
                 return
             if plan.mode == "kernel":
                 scatter_rows(y_RD, bufs.targets[wave][2], plan.src_PC, plan.recv_dst_WPC[wave],
@@ -367,14 +365,7 @@ class EmulatedTransport:
         P, C, D = self.ep.size, plan.capacity, y_RD.shape[1]
         if plan.once is not None:          # y holds every block: [W, P(src), C, D] -> [P(dst), b <= wave, C, D]
             if P == 1 and self.kernels:      # one rank: the rows whose last wave this is, as peer memory does
-                dst = combine_dst(bufs.recv_meta, plan.recv_rows_WP, wave, plan.layout.plan.num_local_experts,
-                                  kernel=True)
-                if bufs.once_targets is None:
-                    if st.is_accelerator(y_RD.device) and torch.cuda.is_current_stream_capturing():
-                        raise RuntimeError("symm sends='once': run one combine eagerly before capturing a CUDA graph "
-                                           "(its pointer table is built on first use)")
-                    bufs.once_targets = comb_targets([bufs.comb], 0)
-                scatter_rows(y_RD, bufs.once_targets, plan.once.src_PN, dst, tune=self.options.copy)
+                send_home(y_RD, plan, bufs, wave, home_targets(bufs, [bufs.comb], 0), None, self.options.copy)
                 return ()
             send = y_RD.view(plan.num_waves, P, C, D)[:wave + 1].transpose(0, 1)
             if P == 1:

@@ -40,10 +40,10 @@ __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_tor
 
 BLOCK_D = 1024
 ROW_PROGRAMS_PER_SM = 8
-# (row, slot) pairs per program of expert_order: its in-block rank compares all BLOCK_J^2 pairs of a block, 64
-# mask entries per thread at 8 warps (256: 256 each, past the register file)
+# (row, slot) pairs per program of expert_order; its in-block ranks compare each pair with the block's others,
+# PLACE_COLS columns per step (a [BLOCK_J, PLACE_COLS] mask: the whole [128, 128] one took 255 registers), on
+# PLACE_WARPS warps
 BLOCK_J = 128
-# expert_order's in-block ranks: columns compared per step (a [BLOCK_J, PLACE_COLS] mask), and the warps
 PLACE_COLS = 32
 PLACE_WARPS = 4
 # expert_order's scan of the block histograms: experts per program, blocks per step
@@ -136,17 +136,17 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor,
     return src, pos
 
 
-def _row_blocks(rows_P: torch.Tensor | None, R: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(counts, rows per block, blocks) for the kernels' row bound: ``rows_P`` as given (P blocks of R // P
-    rows), or one block of R rows whose count is never read (``HAS_ROWS=False``)."""
+def _row_blocks(rows_P: torch.Tensor | None, R: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(counts, rows per block) for the kernels' row bound: ``rows_P`` as given (P blocks of R // P rows), or one
+    block of R rows whose count is never read (``HAS_ROWS=False``)."""
     if rows_P is None:
-        return like, max(R, 1), 1
+        return like, max(R, 1)
     P = rows_P.numel()
     if P < 1 or R % P:
         raise ValueError(f"rows_P has {P} entries: the R={R} rows must split into that many equal blocks")
     if rows_P.device != like.device:
         raise ValueError(f"rows_P is on {rows_P.device}: must be on the rows' device {like.device}")
-    return rows_P.reshape(P), max(R // P, 1), P
+    return rows_P.reshape(P), max(R // P, 1)
 
 
 def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torch.Tensor, pos: torch.Tensor,
@@ -157,7 +157,7 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
     J = R * K
     if not J:
         return
-    cnt, rb, _ = _row_blocks(rows_P, R, offs_e)
+    cnt, rb = _row_blocks(rows_P, R, offs_e)
     nb = triton.cdiv(J, BLOCK_J)
     nbins = max(64, triton.next_power_of_2(e + 1))   # bin e: no local expert; tl.histogram wants a warp multiple
     hist = torch.empty(nb, nbins, dtype=torch.int32, device=expert_RK.device)   # every entry written by K1
@@ -217,7 +217,7 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
     if y.shape != (R, D) or y.dtype != dtype or not y.is_contiguous():
         raise ValueError(f"weighted_sum: out {tuple(y.shape)} {y.dtype}: must be contiguous {(R, D)} {dtype}")
     if R and D:
-        cnt, rb, _ = _row_blocks(rows_P, R, n)
+        cnt, rb = _row_blocks(rows_P, R, n)
         _wsum_kernel[(_rows_grid(R, out_JD.device),)](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb,
                                                        R, K, D, HAS_ROWS=rows_P is not None,
                                                        BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
@@ -228,17 +228,17 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
                       y: torch.Tensor, rows_P: torch.Tensor | None, once) -> None:
     """``weighted_sum`` for rows that stay over several waves (``comm.backend.OnceRows`` ``once``), in place: for
     each read row r with a pair of this wave (pos in [0, n)), y[r] = (y[r] unless r's block is of this wave,
-    ``r // once.rows_per_wave == once.wave``: the row's first) + sum over k in order of w[r, k] * out[pos[r, k]],
-    in fp32, stored in y's dtype. Rows without a pair of this wave are not touched."""
+    ``r // (R // once.num_waves) == once.wave``: the row's first) + sum over k in order of w[r, k] *
+    out[pos[r, k]], in fp32, stored in y's dtype. Rows without a pair of this wave are not touched."""
     R, K = pos_RK.shape
     D = out_JD.shape[1]
     if y.shape != (R, D) or not y.is_contiguous():
         raise ValueError(f"weighted_sum_once: y {tuple(y.shape)} must be contiguous {(R, D)}")
     if not (R and D):
         return
-    cnt, rb, _ = _row_blocks(rows_P, R, n)
+    cnt, rb = _row_blocks(rows_P, R, n)
     _wsum_once_kernel[(_rows_grid(R, out_JD.device),)](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt,
-                                                        rb, R, K, D, once.wave, once.rows_per_wave,
+                                                        rb, R, K, D, once.wave, R // once.num_waves,
                                                         HAS_ROWS=rows_P is not None,
                                                         BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
 

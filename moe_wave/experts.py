@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe_wave.comm import streams as st
 from moe_wave.comm.backend import OnceRows, rows_of
 
 from .config import MoEConfig
@@ -112,7 +113,7 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     ``local`` (``Received.local``): rows of x_RD held elsewhere, read there. ``rows_P`` (``Received.rows_P``): the
     device path reads and writes only the rows that the combine reads (the others of y are left as allocated);
     the torch path computes every row. ``once`` (``Received.once``): rows that stay for several waves; only this
-    wave's experts count, each row's sum runs over the waves in fp32, and y holds the finished sums of the rows
+    wave's experts count, each row's sum runs on in y over its waves, and y holds the finished sums of the rows
     whose last wave this is (``_expert_rows_once``).
 
     Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32
@@ -166,6 +167,7 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     Returns y: [R, D], the rows no wave has touched as allocated."""
     R, K = expert_RK.shape
     D, e, w, W = x_RD.shape[1], experts.num_local, once.wave, once.num_waves
+    rpw = R // W                      # the rows of one wave's blocks
     y = once.state.get("y")
     if w == 0 or y is None or y.shape != (R, D) or y.dtype != x_RD.dtype or y.device != x_RD.device:
         y = once.state["y"] = torch.empty(R, D, dtype=x_RD.dtype, device=x_RD.device)
@@ -175,7 +177,7 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     # the pairs of one wave fit the rows of one wave's blocks (a source sends a token once per layer, and the
     # backend reports a source whose rows over the layer pass one block): the grouped GEMM is sized for them,
     # as a row per wave's is, not for every block
-    offs = offs.clamp(max=once.rows_per_wave * K)
+    offs = offs.clamp(max=rpw * K)
     if _fused_ok(x_RD, experts):
         _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y)
         return y
@@ -189,7 +191,7 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     wv = torch.where(ok, ids * W // e, -1)
     mine = wv == w
     s = _slot_sums(x_RD, torch.where(mine, ids, -1).to(torch.int32), weight_RK, experts, None, offs, local)
-    first = (torch.arange(R, device=x_RD.device) // once.rows_per_wave == w)[:, None]
+    first = (torch.arange(R, device=x_RD.device) // rpw == w)[:, None]
     tot = torch.where(first, s, y.float() + s)
     y.copy_(torch.where(mine.any(1)[:, None], tot.to(y.dtype), y))
     _sums_done(once, y)
@@ -200,15 +202,13 @@ def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local,
                 y) -> None:
     """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``), into y; the gathered pairs
     sized for one wave's blocks (offs is clamped to them)."""
-    from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum_once
+    from .expert_kernels import expert_order, weighted_sum_once
 
     n = offs[-1:]
+    R, K = expert_RK.shape
     # the other waves' experts have empty groups in offs: their pairs get pos -1 (expert_order's guard)
     src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P)
-    xs = gather_rows(x_RD, src[:once.rows_per_wave * expert_RK.shape[1]], n, local)
-    gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
-    h = swiglu_rows(gu, experts.cfg.swiglu_limit, n, x_RD.dtype)
-    out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
+    out = _grouped_experts(x_RD, src[:R // once.num_waves * K], n, offs, local, experts)
     # the waves may take turns on streams (WaveConfig.expert_streams): everything above may overlap the last
     # wave's stage, but its sums (read here) must be done
     _after_last_sums(once, y)
@@ -218,8 +218,6 @@ def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local,
 
 def _after_last_sums(once: OnceRows, y) -> None:
     """The current stream waits for the last wave's sums into y (the waves may take turns on streams)."""
-    from moe_wave.comm import streams as st
-
     cur = st.current_stream(y.device)
     if cur is not None and once.state.get("summed") is not None:
         cur.wait_event(once.state["summed"])
@@ -228,8 +226,6 @@ def _after_last_sums(once: OnceRows, y) -> None:
 
 def _sums_done(once: OnceRows, y) -> None:
     """Mark this wave's sums into y done, for the next wave's ``_after_last_sums``."""
-    from moe_wave.comm import streams as st
-
     cur = st.current_stream(y.device)
     if cur is not None:
         once.state["summed"] = cur.record_event()
@@ -268,19 +264,26 @@ def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs,
     the expert-major order comes from ``expert_order`` (no sort), and gather, SwiGLU and the weighted per-row sum
     skip the pairs past n; the grouped GEMMs only compute the groups. Same math as the torch path (the sum
     over k in slot order, in fp32)."""
-    from .expert_kernels import expert_order, gather_rows, swiglu_rows, weighted_sum
+    from .expert_kernels import expert_order, weighted_sum
 
     n = offs[-1:]
-    lim = experts.cfg.swiglu_limit
     if ORDER == "kernel":   # src: the row of each sorted pair; pos: its place
         src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P if ROW_BOUND else None)
     else:
         src, pos = _order_by_argsort(expert_RK, experts.num_local, offs)
-    xs = gather_rows(x_RD, src, n, local)
-    gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
-    h = swiglu_rows(gu, lim, n, x_RD.dtype)
-    out = torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
+    out = _grouped_experts(x_RD, src, n, offs, local, experts)
     return weighted_sum(out, pos, weight_RK, n, x_RD.dtype, rows_P if ROW_BOUND else None)
+
+
+def _grouped_experts(x_RD, src_J, n, offs, local, experts: RoutedExperts) -> torch.Tensor:
+    """The experts on the sorted pairs: rows x[src_J[j]] gathered for j < n, gate_up as one grouped GEMM, the
+    clamped SwiGLU, down as another; [len(src_J), D] (rows past n as allocated)."""
+    from .expert_kernels import gather_rows, swiglu_rows
+
+    xs = gather_rows(x_RD, src_J, n, local)
+    gu = torch._grouped_mm(xs, experts.gate_up.transpose(-2, -1), offs=offs)
+    h = swiglu_rows(gu, experts.cfg.swiglu_limit, n, x_RD.dtype)
+    return torch._grouped_mm(h, experts.down.transpose(-2, -1), offs=offs)
 
 
 class SharedExpert(nn.Module):

@@ -29,13 +29,32 @@ from moe_wave.comm.backend import CombineOut, CommBackend, ExchangePlan, Receive
 
 from .profiling import annotate
 
-__all__ = ["run_waves", "PipelineHooks"]
+__all__ = ["run_waves", "PipelineHooks", "fork_turns", "join_turns"]
 
 
 class PipelineHooks(Protocol):
     def before_last_combine(self) -> None: ...
 
     def before_last_wait(self) -> None: ...
+
+
+def fork_turns(device, expert_streams: tuple) -> tuple:
+    """The streams the waves' expert stages take turns on: (None,) for the caller's stream, then the extra
+    ``expert_streams``, each made to wait for what the caller queued so far (on CPU just (None,)). Wave w runs on
+    ``turns[w % len(turns)]``; ``join_turns`` brings them back."""
+    main = st.current_stream(device)
+    turns = (None,) + tuple(s for s in expert_streams if s is not None) if main is not None else (None,)
+    for s in turns[1:]:
+        st.wait_stream(s, main)
+    return turns
+
+
+def join_turns(device, turns: tuple) -> None:
+    """The caller's stream waits for every stream of ``fork_turns`` (a CUDA-graph capture needs each stream it
+    forked joined back)."""
+    main = st.current_stream(device)
+    for s in turns[1:]:
+        st.wait_stream(main, s)
 
 
 def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
@@ -81,10 +100,7 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
     if W > 1:
         with annotate("wave1.dispatch"):
             dispatches[1] = backend.dispatch(x_TD, plan, 1, local_view=local_view)
-    main = st.current_stream(x_TD.device)
-    turns = (None,) + tuple(s for s in expert_streams if s is not None) if W > 1 and main is not None else (None,)
-    for s in turns[1:]:
-        st.wait_stream(s, main)               # what the caller queued before the layer
+    turns = fork_turns(x_TD.device, expert_streams if W > 1 else ())
     combines = []
     for w in range(W):
         with st.on(turns[w % len(turns)]):    # None: the caller's stream
@@ -98,8 +114,7 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
             if w + 2 < W:
                 with annotate(f"wave{w + 2}.dispatch"):
                     dispatches[w + 2] = backend.dispatch(x_TD, plan, w + 2, local_view=local_view)
-    for s in turns[1:]:
-        st.wait_stream(main, s)               # joined (a CUDA-graph capture needs every stream it forked back)
+    join_turns(x_TD.device, turns)
     for w, c in enumerate(combines):
         wait(w, c)
     return out_TD if dst_TD is None else dst_TD

@@ -24,10 +24,11 @@ from typing import Callable
 
 import torch
 
+from moe_wave.comm import streams as st
 from moe_wave.comm.backend import CommBackend, Received
 from moe_wave.comm.layout import WavePlan, compute_layout
 
-from .pipeline import run_waves
+from .pipeline import fork_turns, join_turns, run_waves
 from .profiling import annotate
 from .timing import iteration_us, slowest
 
@@ -68,17 +69,14 @@ def routed_only(expert_fn: ExpertFn, received: list[Received], expert_streams: t
     """``expert_fn`` on every wave's received rows, in wave order; no communication. ``expert_streams``: more
     streams the waves take turns on, as the pipeline's (``WaveConfig.expert_streams``): wave w on the caller's
     stream or on ``expert_streams[w % n - 1]``, joined at the end."""
-    from moe_wave.comm import streams as st
-
-    main = st.current_stream(received[0].x_RD.device) if received else None
-    turns = (None,) + tuple(s for s in expert_streams if s is not None) if main is not None else (None,)
-    for s in turns[1:]:
-        st.wait_stream(s, main)
+    if not received:
+        return
+    dev = received[0].x_RD.device
+    turns = fork_turns(dev, expert_streams if len(received) > 1 else ())
     for w, got in enumerate(received):
         with st.on(turns[w % len(turns)]), annotate(f"wave{w}.experts"):
             expert_fn(got)
-    for s in turns[1:]:
-        st.wait_stream(main, s)
+    join_turns(dev, turns)
 
 
 @dataclass(frozen=True)

@@ -327,7 +327,7 @@ def test_once_fused_stage_matches_torch_path(monkeypatch):
         pairs = torch.bincount(torch.where(ok & (ids * W // e == wave), ids, e).reshape(-1).long(),
                                minlength=e + 1)[:e]
         offs = dev(pairs.cumsum(0).to(torch.int32))
-        once = [OnceRows(wave, W, e, P * C, st) for st in states]
+        once = [OnceRows(wave, W, st) for st in states]
         with torch.no_grad():
             y_t = _expert_rows_once(dev(x), dev(ids), dev(w), ex, offs, None, dev(rows_P), once[0])
             _once_fused(dev(x), dev(ids), dev(w), ex, offs, None, dev(rows_P), once[1], y_f)
