@@ -66,19 +66,31 @@ def make(kind: str, S: int, H: int, D: int, dev, seed: int = 0, dtype=torch.bflo
 
 # Gluon tilings timed besides the default (keys per tile, tiles in the ring)
 GLUON_VARIANTS = ((32, 4), (32, 3))
+# the warp-specialized kernel's variants timed besides (ws/LOAD_REGS)
+WS_VARIANTS = ("ws:pref=0", "ws:epi=0", "ws:qfirst=0", "ws:pref=0,epi=0,qfirst=0", "ws:regs=40")
 # profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV
 PROBES = []
 
 
 def run(impl: str, q, parts, sinks):
     scale = q.shape[-1] ** -0.5
-    if impl.startswith("gluon/"):                       # a tiling of the Gluon kernel: gluon/BN/NBUF[/probe]
+    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+    if impl.startswith("gluon/"):           # a tiling of the one-program-per-item Gluon kernel: gluon/BN/NBUF[/probe]
         bn, nbuf, probe = ([int(v) for v in impl.split("/")[1:]] + [0])[:3]
         out = torch.empty_like(q)
-        (kv1, i1), (kv2, i2) = parts[0], parts[-1]
         core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, bn=bn,
-                                          nbuf=nbuf, probe=probe)
+                                          nbuf=nbuf, probe=probe, ws=False)
         return out
+    if impl.startswith("ws"):               # the warp-specialized kernel: ws[:regs=56,programs=132,pref=0,...]
+        kw = dict(kv.split("=") for kv in impl.partition(":")[2].split(",") if kv)
+        out = torch.empty_like(q)
+        core_gluon.sparse_attention_gluon(
+            q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, ws=True,
+            load_regs=int(kw.pop("regs", core_gluon.LOAD_REGS)), programs=int(kw.pop("programs", 0)) or None,
+            probe=int(kw.pop("probe", 0)), opts={k.upper(): bool(int(v)) for k, v in kw.items()})
+        return out
+    if impl == "gluon1":                    # the one-program-per-item Gluon kernel at its default tiling
+        return run("gluon/64/2", q, parts, sinks)
     return sparse_attention_fused(q, parts, sinks, scale, impl=impl)
 
 
@@ -115,15 +127,18 @@ def check(dev) -> list:
         want = sparse_attention(q.float(), [(kv.float(), i) for kv, i in parts], sinks, D ** -0.5, kernels="off")
         row = dict(case=name)
         outs = {}
-        for impl in ("triton", "gluon", *(f"gluon/{bn}/{nb}" for bn, nb in GLUON_VARIANTS)):
+        for impl in ("triton", "gluon", "gluon1", "ws", *WS_VARIANTS,
+                     *(f"gluon/{bn}/{nb}" for bn, nb in GLUON_VARIANTS)):
             a, b = run(impl, q, parts, sinks), run(impl, q, parts, sinks)
             outs[impl] = a
             row[f"{impl}_rel"] = round(rel(a, want), 5)
             row[f"{impl}_repeat"] = bool(torch.equal(a, b))
             row[f"{impl}_zero_row"] = bool(torch.equal(a[0, 0].float(), torch.zeros_like(a[0, 0].float())))
         row["gluon_vs_triton"] = round(rel(outs["gluon"], outs["triton"]), 5)
+        # the warp-specialized kernel does the one-program-per-item kernel's math in the same order: same bits
+        row["ws_equals_gluon1"] = all(torch.equal(outs[k], outs["gluon1"]) for k in ("ws", *WS_VARIANTS))
         row["ok"] = all(row[k] < 1.5e-2 for k in row if k.endswith("_rel")) and all(
-            row[k] for k in row if k.endswith("_repeat") or k.endswith("_zero_row"))
+            row[k] for k in row if k.endswith("_repeat") or k.endswith("_zero_row")) and row["ws_equals_gluon1"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -138,7 +153,7 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
             q, parts, sinks = make(kind, S, H, 512, dev)
             useful, _ = core_flops(H, 512, [idx for _, idx in parts])
             row = dict(shape=shape, layer_type=kind, tokens=S, gflop=round(useful / 1e9, 2))
-            for impl in ("triton", "gluon"):
+            for impl in ("triton", "gluon1", "ws"):
                 if impls and impl not in impls:
                     row[f"{impl}_us"] = row[f"{impl}_tflops"] = row[f"{impl}_vs_gemm"] = float("nan")
                     continue
@@ -146,11 +161,11 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_tflops"] = round(useful / us / 1e6, 1)
                 row[f"{impl}_vs_gemm"] = round(useful / us / 1e6 / gemm, 3)
-            extra = [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES
-            for impl in ([i for i in impls if i.startswith("gluon/")] if impls else extra):
+            extra = list(WS_VARIANTS) + [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES
+            for impl in ([i for i in impls if "/" in i or ":" in i] if impls else extra):
                 us = time_alone(lambda: run(impl, q, parts, sinks), iters)
                 row[f"{impl}_us"] = round(us, 1)
-            row["speedup"] = round(row["triton_us"] / row["gluon_us"], 2) if row["gluon_us"] == row["gluon_us"] \
+            row["ws_vs_gluon1"] = round(row["gluon1_us"] / row["ws_us"], 2) if row["ws_us"] == row["ws_us"] \
                 else float("nan")
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -173,16 +188,19 @@ def main() -> None:
     dev = torch.device("cuda")
     if args.probes:
         PROBES.extend(f"gluon/64/2/{p}" for p in (1, 2))
+        PROBES.extend(f"ws:probe={p}" for p in (3, 4))
     t0 = time.time()
     checks = [] if args.no_check else check(dev)
     gemm = gemm_tflops(dev)
     rows = bench(dev, args.tokens, args.iters, gemm, args.only, args.impls.split(",") if args.impls else None)
     print(f"\ndense bf16 GEMM {gemm:.0f} TFLOP/s; correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok")
-    print(f"{'shape':9} {'type':8} {'GFLOP':>6} {'triton_us':>10} {'%gemm':>6} {'gluon_us':>9} {'%gemm':>6} {'x':>5}")
+    print(f"{'shape':9} {'type':8} {'GFLOP':>6} {'triton_us':>10} {'%gemm':>6} {'gluon1_us':>9} {'%gemm':>6} "
+          f"{'ws_us':>8} {'%gemm':>6} {'x':>5}")
     for r in rows:
         print(f"{r['shape']:9} {r['layer_type']:8} {r['gflop']:>6.1f} {r['triton_us']:>10.1f} "
-              f"{100 * r['triton_vs_gemm']:>5.0f}% {r['gluon_us']:>9.1f} {100 * r['gluon_vs_gemm']:>5.0f}% "
-              f"{r['speedup']:>5.2f}  " + " ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.startswith("gluon/")))
+              f"{100 * r['triton_vs_gemm']:>5.0f}% {r['gluon1_us']:>9.1f} {100 * r['gluon1_vs_gemm']:>5.0f}% "
+              f"{r['ws_us']:>8.1f} {100 * r['ws_vs_gemm']:>5.0f}% {r['ws_vs_gluon1']:>5.2f}  "
+              + " ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if "/" in k or ":" in k))
     if args.out:
         meta = dict(command=" ".join(sys.argv), git_sha=os.environ.get("MOE_WAVE_GIT_SHA", "unknown"),
                     gpu=torch.cuda.get_device_name(), torch=torch.__version__, gemm_tflops=round(gemm, 1),

@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--arg", action="append", default=[], help="NAME=TYPE of a scalar argument (default i32)")
     ap.add_argument("--warps", type=int, default=8)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--maxnreg", type=int, default=None, help="registers per thread at launch (warp-specialized "
+                    "kernels: the partitions' budgets are shared out of it)")
     ap.add_argument("--dump", default=None, help="prefix of the .ttgir / .ptx / .sass files to write")
     args = ap.parse_intermixed_args()
 
@@ -73,7 +75,8 @@ def main() -> None:
     else:
         Source = ASTSource
     k = triton.compile(Source(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=args.warps, num_stages=args.stages))
+                       options=dict(num_warps=args.warps, num_stages=args.stages,
+                                    **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])

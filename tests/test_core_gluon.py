@@ -63,6 +63,25 @@ def test_gluon_core_matches_reference(name):
 
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("variant", [dict(), dict(programs=3), dict(programs=2, opts=dict(PREF=False, EPI=False)),
+                                     dict(programs=5, opts=dict(QFIRST=False), load_regs=40)])
+def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
+    """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
+    gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
+    buffers' phases must stay in step), with each of its switches off, and with the loader's other budget."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+    two = len(parts) == 2
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    core_gluon.sparse_attention_gluon(q, want, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=False)
+    core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=True, **variant)
+    assert torch.equal(got, want)
+
+
+@needs_gluon
+@pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
     its key splits (its bits), and both stay within bf16 rounding of each other."""
@@ -90,6 +109,22 @@ def test_impl_errors_name_the_rule():
     assert not core_gluon.supported(q.float(), 1, 1, False)
     assert not core_gluon.supported(q, 1, 2, False)         # a key split: the Triton kernel's
     assert not core_gluon.supported(q, 1, 1, True)          # a fused prologue / epilogue: the Triton kernel's
+
+
+def test_warp_specialized_switches_follow_their_rules():
+    """PREF needs every part's picks in one load, EPI an output in q's dtype; the probes of the one-program kernel
+    are refused by the warp-specialized one."""
+    q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
+    o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
+    assert o == dict(PREF=True, EPI=True, QFIRST=True, PROBE=0)
+    assert not core_gluon._ws_opts(None, 4096, 128, 2048, q, torch.empty_like(q), 0)["PREF"]
+    assert not core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q, dtype=torch.float32), 0)["EPI"]
+    assert core_gluon._ws_opts(dict(QFIRST=False), 512, 0, 512, q, q, 3) == dict(PREF=True, EPI=True, QFIRST=False,
+                                                                                   PROBE=3)
+    assert core_gluon.ws_supported(512, 128) and not core_gluon.ws_supported(512, 128, bn=48)
+    with pytest.raises(ValueError, match="probe=2 is the one-program-per-item kernel's"):
+        core_gluon.sparse_attention_gluon(q, q, None, None, torch.zeros(1, 1, 8), None, None, 0.1, False, ws=True,
+                                          probe=2)
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):

@@ -37,7 +37,7 @@ try:  # Gluon: Triton's experimental dialect; anything missing means "not availa
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, \
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
         warpgroup_mma_init, warpgroup_mma_wait
     # cp.async of a pointer tensor: `async_load` from Triton 3.7 on, `async_copy_global_to_shared` before
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
@@ -51,6 +51,9 @@ __all__ = ["available", "supported", "mark_broken", "picks_chunk", "sparse_atten
 BH = 64     # heads per program (the GEMM's M: one wgmma row block per warpgroup)
 BN = 64     # picked keys per tile
 NBUF = 2    # tiles in the shared-memory ring (with d = 512: q 64 KB + 2 x 64 KB of keys)
+LOAD_REGS = 56      # the warp-specialized kernel's loader partition: registers a thread
+WS_MAXNREG = 168    # ... and the launch's: 12 warps x 32 x 168 fit the SM's 64 K registers; the math partition
+                    # gets the rest, (12 x 168 - 4 x LOAD_REGS) / 8 rounded down to 8: 224 at LOAD_REGS = 56
 _LOG2E = 1.4426950408889634
 
 
@@ -72,6 +75,17 @@ def picks_chunk(J1: int, J2: int, block_n: int) -> int:
     """Picks per load when a program of either core kernel counts its tiles: every pick of the longer part in one
     load (a power of two), up to 2048."""
     return min(2048, 1 << (max(J1, J2, block_n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def ws_supported(J1: int, J2: int, bn: int = BN) -> bool:
+    """The warp-specialized kernel gathers a tile as four chunks of bn / 4 rows, each a whole number of the
+    shared layout's 8-row swizzle atoms."""
+    return bn % 32 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,18 +258,286 @@ if gl is not None:
                  mask=(ho < H)[:, None] & (do < D)[None, :])
 
 
+    # ---- the warp-specialized, persistent variant ------------------------------------------------------------
+    # One program per SM walks the (query, 64-head block) items pid, pid + G, ... A loader partition (4 warps)
+    # computes each item's tile counts, gathers its tiles into the ring and loads its q; the math partition (the
+    # two warpgroups above, same math, same bits) consumes them. mbarriers hand the buffers over:
+    #   kv_full[i] / q_full: 128 arrivals, one per loader thread, each when that thread's cp.async copies landed;
+    #   kv_empty[i]: the math partition, once PV of the tile in buffer i is done; q_empty: once the item's last QK is.
+    # So the next item's q and first tiles travel while this item's last tiles, its softmax and its output store
+    # run, which the one-program-per-item kernel pays for at every item (its fixed cost: ~9 us a program).
+
+    @gluon.jit
+    def _ws_item(item, HB, S, BH: gl.constexpr):
+        bs = item // HB
+        return (bs // S).to(gl.int64), (bs % S).to(gl.int64), (item % HB) * BH
+
+    @gluon.jit
+    def _ws_counts(idx1, J1, idx2, J2, BN: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr,
+                   TWO: gl.constexpr):
+        n1 = _n_tiles(idx1, J1, BN, JC, layout)
+        n2 = n1 * 0
+        if TWO:
+            n2 = _n_tiles(idx2, J2, BN, JC, layout)
+        return n1, n1 + n2
+
+    @gluon.jit
+    def _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D: gl.constexpr, BD: gl.constexpr,
+              BH: gl.constexpr, RC: gl.constexpr, ld_l: gl.constexpr):
+        dq = gl.arange(0, BD, layout=gl.SliceLayout(0, ld_l))
+        for c in gl.static_range(BH // RC):
+            hq = h0 + c * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, ld_l))
+            _cp_async(q_smem.slice(c * RC, RC),
+                      q_ptr + b * s_q_b + s * s_q_s + hq.to(gl.int64)[:, None] * s_q_h + dq[None, :],
+                      mask=(hq < H)[:, None] & (dq < D)[None, :])
+
+    @gluon.jit
+    def _ws_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                   NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr,
+                   EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr):
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty) = a
+        # a chunk of RC rows at a time (8 pointers a thread live, not 32, in the loader's small register budget);
+        # the tile's picks go through shared memory (one load of BN picks, each thread then reads its rows)
+        RC: gl.constexpr = BN // 4
+        ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+                                              warps_per_cta=[4, 1], order=[1, 0])
+        one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
+                                               order=[0])
+        rows_l: gl.constexpr = gl.SliceLayout(1, ld_l)
+        g = 0
+        qn = 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            b, s, h0 = _ws_item(item, HB, S, BH)
+            idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
+            idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
+            kv1 = kv1_ptr + b * s_k1_b
+            kv2 = kv2_ptr + b * s_k2_b
+            n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
+            rows = _picks(0, n1, idx1, J1, idx2, J2, BN, one_l, TWO)
+            for t in range(0, nt):
+                if QFIRST and t == 0:                           # q once the last item's QKs are done with it
+                    mbarrier.wait(q_empty, (qn & 1) ^ 1)
+                    if PROBE != 4:
+                        _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
+                    cp.mbarrier_arrive(q_full, increment_count=False)
+                    qn += 1
+                slot = g % NBUF
+                pk_smem.store(rows)
+                rows = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, one_l, TWO)    # the next tile's, ahead
+                mbarrier.wait(kv_empty.index(slot), ((g // NBUF) & 1) ^ 1)
+                buf = k_smem.index(slot)
+                for c in gl.static_range(4):
+                    r = pk_smem.slice(c * RC, RC).load(rows_l)
+                    _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
+                cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
+                g += 1
+                if (not QFIRST) and t == 0:
+                    mbarrier.wait(q_empty, (qn & 1) ^ 1)
+                    if PROBE != 4:
+                        _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
+                    cp.mbarrier_arrive(q_full, increment_count=False)
+                    qn += 1
+
+    @gluon.jit
+    def _ws_picks_load(idx_row, J, JC: gl.constexpr, layout: gl.constexpr, on):
+        # a query's picks, loaded one item ahead (their count is only needed at the next item's start)
+        jj = gl.arange(0, JC, layout=layout)
+        return gl.load(idx_row + jj, mask=(jj < J) & on, other=-1)
+
+    @gluon.jit
+    def _ws_tiles(picks, BN: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
+        jj = gl.arange(0, JC, layout=layout)
+        return gl.cdiv(gl.max(gl.where(picks.to(gl.int32) >= 0, jj + 1, 0), axis=0), BN)
+
+    @gluon.jit
+    def _ws_math(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, D: gl.constexpr, BD: gl.constexpr,
+                 BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr,
+                 PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr):
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty) = a
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BN // 2, 16])
+        pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BD // 2, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pv_l, k_width=2)
+        one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8],
+                                               order=[0])
+        # the output's store: 16-byte vectors along d, a warp per row
+        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+                                              warps_per_cta=[8, 1], order=[1, 0])
+        cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
+        s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
+        G = gl.num_programs(0)
+        g = 0
+        qn = 0
+        if PREF:
+            b, s, h0 = _ws_item(gl.program_id(0), HB, S, BH)
+            pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True)
+            pf2 = pf1
+            if TWO:
+                pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True)
+        for item in range(gl.program_id(0), n_items, G):
+            b, s, h0 = _ws_item(item, HB, S, BH)
+            idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
+            idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
+            if PREF:
+                n1 = _ws_tiles(pf1, BN, JC, one_l)
+                nt = n1
+                if TWO:
+                    nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
+                nb, ns, _h = _ws_item(item + G, HB, S, BH)
+                on = item + G < n_items
+                pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on)
+                if TWO:
+                    pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on)
+            else:
+                n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
+            ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
+            hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
+            m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
+            l_i = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, qk_l))
+            acc = warpgroup_mma_init(gl.zeros([BH, BD], gl.float32, pv_l))
+            if nt > 0:
+                mbarrier.wait(q_full, qn & 1)
+            for t in range(0, nt):
+                slot = g % NBUF
+                buf = k_smem.index(slot)
+                mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
+                fence_async_shared()                                    # the copies' writes, to the async proxy
+                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
+                _cta_barrier()                                          # ... in both warpgroups
+                mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)
+                mbarrier.arrive(q_empty, pred=t == nt - 1)
+                g += 1
+                ok = ok_n
+                ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
+
+                sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                a_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))
+                p_op = gl.convert_layout(p.to(dt), p_l)
+                acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
+            o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
+            o_row = o_ptr + b * s_o_b + s * s_o_s
+            if EPI and nt > 0:
+                # through the last tile's buffer (the math partition still holds it), then 16-byte stores along
+                # d: a warp writes 512 contiguous bytes a store, where the accumulator's layout writes 8 rows x
+                # 16 bytes
+                last = k_smem.index((g + NBUF - 1) % NBUF)
+                _cta_barrier()
+                last.store(o)
+                _cta_barrier()
+                ov = last.load(st_l)
+                _cta_barrier()
+                mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
+                qn += 1
+                hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
+                ds = gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
+                if PROBE != 3:
+                    gl.store(o_row + hs.to(gl.int64)[:, None] * s_o_h + ds[None, :], ov,
+                             mask=(hs < H)[:, None] & (ds < D)[None, :])
+            else:
+                if nt > 0:
+                    _cta_barrier()
+                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
+                    qn += 1
+                ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, pv_l))
+                do = gl.arange(0, BD, layout=gl.SliceLayout(0, pv_l))
+                if PROBE != 3:
+                    gl.store(o_row + ho.to(gl.int64)[:, None] * s_o_h + do[None, :], o,
+                             mask=(ho < H)[:, None] & (do < D)[None, :])
+
+    @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items"])
+    def _sparse_core_ws(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, J1, J2, n_items,
+                        qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
+                        s_k2_b, s_k2_m, s_i2_b, s_i2_s,
+                        D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                        NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
+                        PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
+                        num_warps: gl.constexpr):
+        gl.static_assert(num_warps == 8, "two math warpgroups")
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
+        k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
+        pk_smem = gl.allocate_shared_memory(gl.int32, [BN], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_full, count=128)                # the loader's threads (4 warps), each arriving once
+        mbarrier.init(q_empty, count=1)
+        for i in gl.static_range(NBUF):
+            mbarrier.init(kv_full.index(i), count=128)
+            mbarrier.init(kv_empty.index(i), count=1)
+        HB = H // BH
+        a = (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h,
+             s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
+             q_empty, kv_full, kv_empty)
+        gl.warp_specialize([
+            (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, D, BD, BH, BN, NBUF, TWO, JC, PREF,
+                        EPI, QFIRST, PROBE)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)),
+        ], [4], [LOAD_REGS])
+
+
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True)   # the warp-specialized kernel's defaults (see _ws_opts)
+
+
+def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int) -> dict:
+    """The warp-specialized kernel's switches (benchmarks compare them): PREF, the math partition loads the next
+    item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
+    in 16-byte stores (needs out in q's dtype); QFIRST, the loader issues an item's q before its first tile. probe
+    3 (profiling, wrong results): no output store; 4: no q load."""
+    o = dict(WS_OPTS, **(opts or {}))
+    o["PREF"] = bool(o["PREF"]) and max(J1, J2) <= JC
+    o["EPI"] = bool(o["EPI"]) and out.dtype == q.dtype
+    o["QFIRST"] = bool(o["QFIRST"])
+    o["PROBE"] = probe
+    return o
+
+
 def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                            i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
-                           bn: int = BN, nbuf: int = NBUF, probe: int = 0) -> None:
+                           bn: int = BN, nbuf: int = NBUF, probe: int = 0, ws: bool | None = None,
+                           load_regs: int = LOAD_REGS, programs: int | None = None, opts: dict | None = None
+                           ) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
     per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
-    only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products."""
+    only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products. ws: the
+    warp-specialized persistent kernel (default: where ``ws_supported`` says it runs); load_regs: its loader's
+    registers a thread; programs: its grid (default: one program per SM)."""
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
+    if ws is None:
+        ws = probe == 0 and ws_supported(J1, J2, bn)
+    elif ws and probe in (1, 2):
+        raise ValueError(f"sparse_attention_gluon: probe={probe} is the one-program-per-item kernel's")
+    JC = picks_chunk(J1, J2, bn)
+    args = (S, H, J1, J2)
+    strides = (q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+               kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
+               i2.stride(1))
+    if ws:
+        n_items = B * S * (H // BH)
+        grid = min(n_items, programs or _sm_count(q.device.index))
+        _sparse_core_ws[(grid,)](
+            q, out, sinks, kv1, i1, kv2, i2, *args, n_items, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH,
+            BN=bn, NBUF=nbuf, TWO=two, JC=JC, LOAD_REGS=load_regs, num_warps=8, maxnreg=WS_MAXNREG,
+            **_ws_opts(opts, J1, J2, JC, q, out, probe))
+        return
     _sparse_core_gluon[(B * S, H // BH)](
-        q, out, sinks, kv1, i1, kv2, i2, S, H, J1, J2, float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1), kv2.stride(0), kv2.stride(1), i2.stride(0),
-        i2.stride(1), D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, PROBE=probe,
-        JC=picks_chunk(J1, J2, bn), num_warps=8)
+        q, out, sinks, kv1, i1, kv2, i2, *args, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn,
+        NBUF=nbuf, TWO=two, PROBE=probe, JC=JC, num_warps=8)
