@@ -67,7 +67,7 @@ def make(kind: str, S: int, H: int, D: int, dev, seed: int = 0, dtype=torch.bflo
 # Gluon tilings timed besides the default (keys per tile, tiles in the ring)
 GLUON_VARIANTS = ((32, 4), (32, 3))
 # the warp-specialized kernel's variants timed besides (ws/LOAD_REGS)
-WS_VARIANTS = ("ws:pref=0", "ws:qfirst=0", "ws2", "ws2:pref=0", "ws2:regs=40,mregs=232", "ws2:qfirst=0")
+WS_VARIANTS = ("ws:pref=0", "ws:epi=0", "ws:qfirst=0", "ws:pref=0,epi=0,qfirst=0", "ws:regs=40")
 # profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV
 PROBES = []
 
@@ -85,8 +85,8 @@ def run(impl: str, q, parts, sinks):
         kw = dict(kv.split("=") for kv in impl.partition(":")[2].split(",") if kv)
         out = torch.empty_like(q)
         core_gluon.sparse_attention_gluon(
-            q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, ws=2 if impl.startswith("ws2") else 1,
-            load_regs=int(kw.pop("regs", core_gluon.LOAD_REGS)), math_regs=int(kw.pop("mregs", core_gluon.MATH_REGS)), programs=int(kw.pop("programs", 0)) or None,
+            q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, ws=True,
+            load_regs=int(kw.pop("regs", core_gluon.LOAD_REGS)), programs=int(kw.pop("programs", 0)) or None,
             probe=int(kw.pop("probe", 0)), opts={k.upper(): bool(int(v)) for k, v in kw.items()})
         return out
     if impl == "gluon1":                    # the one-program-per-item Gluon kernel at its default tiling
@@ -136,8 +136,7 @@ def check(dev) -> list:
             row[f"{impl}_zero_row"] = bool(torch.equal(a[0, 0].float(), torch.zeros_like(a[0, 0].float())))
         row["gluon_vs_triton"] = round(rel(outs["gluon"], outs["triton"]), 5)
         # the warp-specialized kernel does the one-program-per-item kernel's math in the same order: same bits
-        row["ws_equals_gluon1"] = all(torch.equal(outs[k], outs["gluon1"]) for k in ("ws", *WS_VARIANTS)
-                                      if not k.startswith("ws2"))
+        row["ws_equals_gluon1"] = all(torch.equal(outs[k], outs["gluon1"]) for k in ("ws", *WS_VARIANTS))
         row["ok"] = all(row[k] < 1.5e-2 for k in row if k.endswith("_rel")) and all(
             row[k] for k in row if k.endswith("_repeat") or k.endswith("_zero_row")) and row["ws_equals_gluon1"]
         rows.append(row)

@@ -52,7 +52,6 @@ BH = 64     # heads per program (the GEMM's M: one wgmma row block per warpgroup
 BN = 64     # picked keys per tile
 NBUF = 2    # tiles in the shared-memory ring (with d = 512: q 64 KB + 2 x 64 KB of keys)
 LOAD_REGS = 56      # the warp-specialized kernel's loader partition: registers a thread
-MATH_REGS = 224     # the two-math-partition kernel (ws=2): registers a thread of its second math warpgroup
 WS_MAXNREG = 168    # ... and the launch's: 12 warps x 32 x 168 fit the SM's 64 K registers; the math partition
                     # gets the rest, (12 x 168 - 4 x LOAD_REGS) / 8 rounded down to 8: 224 at LOAD_REGS = 56
 _LOG2E = 1.4426950408889634
@@ -493,213 +492,6 @@ if gl is not None:
         ], [4], [LOAD_REGS])
 
 
-    # ---- two math partitions, one a warpgroup ---------------------------------------------------------------
-    # The same work split (QK along the keys, PV along the value channels), but each warpgroup is its own
-    # partition, so what the two exchange is explicit and small: the row maxima (a [2, 64] fp32 buffer and an
-    # mbarrier each tile), P (each writes its [64, BN / 2] half to shared memory, where PV reads it as the A
-    # operand), and the row sums once an item (each keeps the sum over its own keys). Where the tensors span both
-    # warpgroups (the kernel above), Triton's reductions and the P layout change took about a dozen CTA barriers
-    # a tile. The running max is the same, so alpha, p and the accumulator are bit for bit the kernel above's; the
-    # row sum is added in another order, so the output differs from it in the last bits (and repeats run to run).
-
-    @gluon.jit
-    def _ws2_math(a, b2, W: gl.constexpr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                  NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr,
-                  PROBE: gl.constexpr):
-        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
-         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty) = a
-        (o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, p_smem, x_smem, l_smem, x_bar, p_bar, l_bar) = b2
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        HN: gl.constexpr = BN // 2                      # this warpgroup's keys of a tile
-        HD: gl.constexpr = BD // 2                      # ... and value channels
-        qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HN, 16])
-        pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HD, 16])
-        one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
-                                               order=[0])
-        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                              warps_per_cta=[4, 1], order=[1, 0])
-        rows_l: gl.constexpr = gl.SliceLayout(1, qk_l)
-        cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
-        s_zero = gl.zeros([BH, HN], gl.float32, qk_l)
-        G = gl.num_programs(0)
-        g = 0
-        qn = 0
-        if PREF:
-            b, s, h0 = _ws_item(gl.program_id(0), HB, S, BH)
-            pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True)
-            pf2 = pf1
-            if TWO:
-                pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True)
-        for item in range(gl.program_id(0), n_items, G):
-            b, s, h0 = _ws_item(item, HB, S, BH)
-            idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
-            idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
-            if PREF:
-                n1 = _ws_tiles(pf1, BN, JC, one_l)
-                nt = n1
-                if TWO:
-                    nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
-                nb, ns, _h = _ws_item(item + G, HB, S, BH)
-                on = item + G < n_items
-                pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on)
-                if TWO:
-                    pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on)
-            else:
-                n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
-            # this warpgroup's half of tile t is half-tile 2 t + W of BN / 2 keys
-            ok_n = _picks(W, n1 * 2, idx1, J1, idx2, J2, HN, cols_l, TWO) >= 0
-            hm = h0 + gl.arange(0, BH, layout=rows_l)
-            m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
-            l_i = gl.full([BH], 1.0 - W, gl.float32, rows_l)          # the sink's term, counted once (W = 0)
-            acc = warpgroup_mma_init(gl.zeros([BH, HD], gl.float32, pv_l))
-            if nt > 0:
-                mbarrier.wait(q_full, qn & 1)
-            for t in range(0, nt):
-                slot = g % NBUF
-                buf = k_smem.index(slot)
-                x = g % 2
-                xph = (g // 2) & 1
-                mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
-                fence_async_shared()                                    # the copies' writes, to the async proxy
-                sc = warpgroup_mma(q_smem, buf.slice(W * HN, HN).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
-                _cta_barrier()                                          # ... in this warpgroup's four warps
-                mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)
-                mbarrier.arrive(q_empty, pred=t == nt - 1)
-                ok = ok_n
-                ok_n = _picks((t + 1) * 2 + W, n1 * 2, idx1, J1, idx2, J2, HN, cols_l, TWO) >= 0
-
-                sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
-                mx = gl.max(sc, axis=1)
-                x_smem.index(x * 2 + W).store(mx)                      # the row maxima, to the other warpgroup
-                _cta_barrier()
-                mbarrier.arrive(x_bar.index(x))
-                mbarrier.wait(x_bar.index(x), xph)
-                mo = x_smem.index(x * 2 + 1 - W).load(rows_l)
-                m_new = gl.maximum(m_i, gl.maximum(mx, mo))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)                   # over this warpgroup's keys
-                m_i = m_new
-                p_smem.index(x * 2 + W).store(p.to(dt))                # P's half, where both PVs read it
-                fence_async_shared()
-                _cta_barrier()
-                mbarrier.arrive(p_bar.index(x))
-                mbarrier.wait(p_bar.index(x), xph)
-                a_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))
-                acc = warpgroup_mma(p_smem.index(x * 2), buf.slice(0, HN).slice(W * HD, HD, dim=1),
-                                    acc * a_pv[:, None], is_async=True)
-                acc = warpgroup_mma(p_smem.index(x * 2 + 1), buf.slice(HN, HN).slice(W * HD, HD, dim=1), acc,
-                                    is_async=True)
-                g += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            o_row = o_ptr + b * s_o_b + s * s_o_s
-            if nt > 0:
-                l_smem.index(W).store(l_i)                              # the row sums: both halves, once
-                _cta_barrier()
-                mbarrier.arrive(l_bar)
-                mbarrier.wait(l_bar, qn & 1)
-                l_tot = l_smem.index(0).load(rows_l) + l_smem.index(1).load(rows_l)
-                l_pv = gl.convert_layout(l_tot, gl.SliceLayout(1, pv_l))
-                o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
-                if EPI:
-                    # through this warpgroup's value channels of the last tile's buffer (only its own PV read
-                    # them), then 16-byte stores along d
-                    last = k_smem.index((g + NBUF - 1) % NBUF).slice(W * HD, HD, dim=1)
-                    last.store(o)
-                    _cta_barrier()
-                    ov = last.load(st_l)
-                    _cta_barrier()
-                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
-                    hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
-                    ds = W * HD + gl.arange(0, HD, layout=gl.SliceLayout(0, st_l))
-                    if PROBE != 3:
-                        gl.store(o_row + hs.to(gl.int64)[:, None] * s_o_h + ds[None, :], ov,
-                                 mask=(hs < H)[:, None] & (ds < D)[None, :])
-                else:
-                    _cta_barrier()
-                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
-                    ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, pv_l))
-                    do = W * HD + gl.arange(0, HD, layout=gl.SliceLayout(0, pv_l))
-                    if PROBE != 3:
-                        gl.store(o_row + ho.to(gl.int64)[:, None] * s_o_h + do[None, :], o,
-                                 mask=(ho < H)[:, None] & (do < D)[None, :])
-                qn += 1
-            else:                                                       # no valid pick: the output is 0
-                ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, pv_l))
-                do = W * HD + gl.arange(0, HD, layout=gl.SliceLayout(0, pv_l))
-                gl.store(o_row + ho.to(gl.int64)[:, None] * s_o_h + do[None, :],
-                         acc.to(o_ptr.dtype.element_ty), mask=(ho < H)[:, None] & (do < D)[None, :])
-
-    @gluon.jit
-    def _ws2_math0(a, b2, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                   NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr,
-                   QFIRST: gl.constexpr, PROBE: gl.constexpr):
-        _ws2_math(a, b2, 0, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, PROBE)
-
-    @gluon.jit
-    def _ws2_math1(a, b2, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                   NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr,
-                   QFIRST: gl.constexpr, PROBE: gl.constexpr):
-        _ws2_math(a, b2, 1, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, PROBE)
-
-    @gluon.jit
-    def _ws2_loader(a, b2, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr,
-                    QFIRST: gl.constexpr, PROBE: gl.constexpr):
-        _ws_loader(a, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)
-
-    @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items"])
-    def _sparse_core_ws2(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, J1, J2, n_items,
-                         qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
-                         s_k2_b, s_k2_m, s_i2_b, s_i2_s,
-                         D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                         NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
-                         MATH_REGS: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
-                         PROBE: gl.constexpr, num_warps: gl.constexpr):
-        gl.static_assert(num_warps == 4, "one math warpgroup a partition")
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BN, element_bitwidth=16, rank=2)
-        x_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
-        k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
-        pk_smem = gl.allocate_shared_memory(gl.int32, [BN], x_sl)
-        p_smem = gl.allocate_shared_memory(dt, [4, BH, BN // 2], p_sl)       # [tile % 2 * 2 + half]
-        x_smem = gl.allocate_shared_memory(gl.float32, [4, BH], x_sl)            # [tile % 2 * 2 + half]
-        l_smem = gl.allocate_shared_memory(gl.float32, [2, BH], x_sl)
-        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_full, count=128)                # the loader's threads (4 warps), each arriving once
-        mbarrier.init(q_empty, count=2)                 # the two math partitions, each once
-        mbarrier.init(l_bar, count=2)
-        for i in gl.static_range(NBUF):
-            mbarrier.init(kv_full.index(i), count=128)
-            mbarrier.init(kv_empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(x_bar.index(i), count=2)
-            mbarrier.init(p_bar.index(i), count=2)
-        HB = H // BH
-        a = (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h,
-             s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
-             q_empty, kv_full, kv_empty)
-        b2 = (o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, p_smem, x_smem, l_smem, x_bar, p_bar, l_bar)
-        gl.warp_specialize([
-            (_ws2_math0, (a, b2, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)),
-            (_ws2_math1, (a, b2, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)),
-            (_ws2_loader, (a, b2, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)),
-        ], [4, 4], [MATH_REGS, LOAD_REGS])
-
-
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True)   # the warp-specialized kernel's defaults (see _ws_opts)
 
 
@@ -719,8 +511,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int) -
 def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                            i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
                            bn: int = BN, nbuf: int = NBUF, probe: int = 0, ws: bool | None = None,
-                           load_regs: int = LOAD_REGS, programs: int | None = None, opts: dict | None = None,
-                           math_regs: int = MATH_REGS) -> None:
+                           load_regs: int = LOAD_REGS, programs: int | None = None, opts: dict | None = None
+                           ) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
     per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
@@ -740,14 +532,11 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                i2.stride(1))
     if ws:
         n_items = B * S * (H // BH)
-        grid = (min(n_items, programs or _sm_count(q.device.index)),)
-        common = (q, out, sinks, kv1, i1, kv2, i2, *args, n_items, float(scale) * _LOG2E, *strides)
-        kw = dict(D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC, LOAD_REGS=load_regs, maxnreg=WS_MAXNREG,
-                  **_ws_opts(opts, J1, J2, JC, q, out, probe))
-        if ws == 2:
-            _sparse_core_ws2[grid](*common, MATH_REGS=math_regs, num_warps=4, **kw)
-        else:
-            _sparse_core_ws[grid](*common, num_warps=8, **kw)
+        grid = min(n_items, programs or _sm_count(q.device.index))
+        _sparse_core_ws[(grid,)](
+            q, out, sinks, kv1, i1, kv2, i2, *args, n_items, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH,
+            BN=bn, NBUF=nbuf, TWO=two, JC=JC, LOAD_REGS=load_regs, num_warps=8, maxnreg=WS_MAXNREG,
+            **_ws_opts(opts, J1, J2, JC, q, out, probe))
         return
     _sparse_core_gluon[(B * S, H // BH)](
         q, out, sinks, kv1, i1, kv2, i2, *args, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn,
