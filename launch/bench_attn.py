@@ -79,8 +79,8 @@ def make_attn(shape: str, kind: str, dev, precision: str = "bf16") -> V4Attentio
         for name, p in attn.named_parameters():
             if name.endswith(("sinks", "ape")):
                 p.normal_(0, 0.5)
-    if precision == "fp8":
-        attn.quantize_fp8()
+    if precision in ("fp8", "fp8a"):
+        attn.quantize_fp8(wo_a_fp8="auto" if precision == "fp8a" else False)
     return attn.eval()
 
 
@@ -151,7 +151,8 @@ def core_fn(attn: V4Attention, fe, pos, config: CoreConfig | None = None):
         return lambda: attn.core(fe, pos)
     from moe_wave.attention.core_kernel import sparse_attention_fused
     return lambda: sparse_attention_fused(fe.q_BSHd, fe.parts, attn.sinks, attn.cfg.head_dim ** -0.5, config=config,
-                                          fallback=False, o_rope=(pos, attn.freq_F), out_fp8=attn.o_a_fp8 is not None)
+                                          fallback=False, o_rope=(pos, attn.freq_F),
+                                          out_fp8=attn.fp8_out(pos.numel()))
 
 
 def out_fn(attn: V4Attention, fe, o, pos):
@@ -203,12 +204,12 @@ def branches(attn: V4Attention):
 
 @torch.no_grad()
 def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev, graph: bool,
-            debug: bool = False, precision: str = "bf16") -> dict:
+            debug: bool = False, precision: str = "bf16", tokens: int = CTX) -> dict:
     attn = make_attn(shape, kind, dev, precision)
     D = attn.cfg.hidden
-    S = CTX if mode == "prefill" else 1
+    S = tokens if mode == "prefill" else 1
     start = 0 if mode == "prefill" else CTX
-    cache = attn.new_cache(batch, CTX + 8)
+    cache = attn.new_cache(batch, max(CTX, S) + 8)
     if mode == "decode":
         fill_cache(cache, CTX)
     pos = (start + torch.arange(S, device=dev)).expand(batch, -1).contiguous()
@@ -399,7 +400,9 @@ def main() -> None:
                     "--quick, else 1,8,64,128)")
     ap.add_argument("--no-eager", action="store_true", help="leave out the eager prefill point")
     ap.add_argument("--precision", default="bf16,fp8", help="comma list: bf16 (the projections in bf16), fp8 (in "
-                    "the checkpoints' FP8 format, V4Attention.quantize_fp8); default both")
+                    "the checkpoints' FP8 format, V4Attention.quantize_fp8), fp8a (the same with wo_a_fp8='auto': "
+                    "the grouped FP8 wo_a from WO_A_FP8_MIN_TOKENS tokens a call on); default bf16,fp8")
+    ap.add_argument("--prefill-tokens", default=str(CTX), help=f"comma list of prefill lengths (default {CTX})")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attn: needs a CUDA/ROCm GPU")
@@ -411,9 +414,9 @@ def main() -> None:
     gemm = gemm_tflops(dev)
     precisions = [p for p in args.precision.split(",") if p]
     for p in precisions:
-        if p not in ("bf16", "fp8"):
-            sys.exit(f"bench_attn: --precision {p!r}: must be bf16 or fp8")
-    gemm8 = fp8_gemm_tflops(dev) if "fp8" in precisions and not args.core else None
+        if p not in ("bf16", "fp8", "fp8a"):
+            sys.exit(f"bench_attn: --precision {p!r}: must be bf16, fp8 or fp8a")
+    gemm8 = fp8_gemm_tflops(dev) if {"fp8", "fp8a"} & set(precisions) and not args.core else None
     print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s" + (f"; FP8 (block scales): {gemm8:.0f}" if gemm8 else ""),
           flush=True)
     if args.core:
@@ -432,12 +435,13 @@ def main() -> None:
     rows = []
     for shape in shapes:
         for kind, precision in itertools.product(TYPES, precisions):
-            points = ([] if args.no_eager else [("prefill", 1, False)]) + [("prefill", 1, True)] + [
-                ("decode", b, True) for b in batches]
-            for mode, b, graph in points:
+            lengths = [int(t) for t in args.prefill_tokens.split(",") if t]
+            points = ([] if args.no_eager else [("prefill", 1, False, CTX)]) + [
+                ("prefill", 1, True, t) for t in lengths] + [("decode", b, True, CTX) for b in batches]
+            for mode, b, graph, tokens in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph,
-                              debug=args.debug, precision=precision)
+                              debug=args.debug, precision=precision, tokens=tokens)
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -252,6 +252,27 @@ def test_attention_fp8_close_to_bf16_layer(layer_type, wo_a_fp8):
     assert not torch.allclose(got, ref, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("layer_type", list(TYPES))
+def test_attention_fp8_auto_wo_a_picks_by_token_count(layer_type, monkeypatch):
+    """wo_a_fp8="auto" keeps both wo_a products: a call of fewer than WO_A_FP8_MIN_TOKENS tokens gives the
+    wo_a_fp8=False layer's bits, a call of at least that many the wo_a_fp8=True layer's."""
+    monkeypatch.setattr("moe_wave.attention.attention.WO_A_FP8_MIN_TOKENS", 40)
+    attn = make_attn(layer_type)
+    auto = copy.deepcopy(attn).quantize_fp8(wo_a_fp8="auto")
+    dense = copy.deepcopy(attn).quantize_fp8(wo_a_fp8=False)
+    grouped = copy.deepcopy(attn).quantize_fp8(wo_a_fp8=True)
+    assert isinstance(auto.o_a_fp8, F.GroupedFP8) and torch.equal(auto.o_a_weight, dense.o_a_weight)
+    assert auto.o_a_fp8_min_tokens == 40 and not auto.fp8_out(39) and auto.fp8_out(40) and grouped.fp8_out(1)
+    with torch.no_grad():
+        for B, S in ((1, 20), (2, 20)):            # 20 tokens: below; 40: at the threshold
+            x = torch.randn(B, S, 256)
+            pos = torch.arange(S)[None].expand(B, -1)
+            want = (grouped if B * S >= 40 else dense)(x, positions=pos)
+            assert torch.equal(auto(x, positions=pos), want)
+    with pytest.raises(ValueError, match="wo_a_fp8='yes' must be False, True or 'auto'"):
+        make_attn(layer_type).quantize_fp8(wo_a_fp8="yes")
+
+
 @pytest.mark.skipif(not triton_ok("cpu", want=True) and not torch.cuda.is_available(),
                     reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("wo_a_fp8", [False, True])

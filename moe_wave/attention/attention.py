@@ -27,6 +27,9 @@ from .schedule import ScheduleConfig, is_capturing, run_frontend
 __all__ = ["AttnConfig", "V4Attention", "LAYER_TYPES"]
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+# quantize_fp8(wo_a_fp8="auto"): calls of at least this many tokens run the grouped FP8 wo_a (measured on one H200,
+# V4-Flash: the FP8 GEMMs win in prefill, the bf16 einsum at decode batches; benchmarks/README.md has the numbers)
+WO_A_FP8_MIN_TOKENS = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +110,8 @@ class V4Attention(nn.Module):
             hidden=D, q_lora_rank=L, heads=cfg.index_heads, dim=cfg.index_dim, topk=cfg.index_topk,
             ratio=cfg.ratio, eps=cfg.eps))
         self.register_buffer("freq_F", inv_freq(cfg.rope), persistent=False)
-        self.o_a_fp8: GroupedFP8 | None = None     # quantize_fp8(wo_a_fp8=True) (which drops o_a_weight)
+        self.o_a_fp8: GroupedFP8 | None = None     # quantize_fp8(wo_a_fp8=True) (which drops o_a_weight) or "auto"
+        self.o_a_fp8_min_tokens = 0                 # "auto": the FP8 wo_a from this many tokens (B * S) a call on
         nn.init.normal_(self.o_a_weight, std=0.02)
 
     @property
@@ -115,7 +119,7 @@ class V4Attention(nn.Module):
         """Whether the projections are in the FP8 format (``quantize_fp8``)."""
         return isinstance(self.o_b_proj, FP8Linear)
 
-    def quantize_fp8(self, wo_a_fp8: bool = False) -> "V4Attention":
+    def quantize_fp8(self, wo_a_fp8: bool | str = False) -> "V4Attention":
         """Store the projections as the released checkpoints do (spec section 5): wq_a, wq_b, wkv, wo_b and the
         indexer's wq_b in float8 e4m3 with one power-of-two scale per 128 x 128 block, their inputs quantised
         per (token, 128 channels) on the fly (``moe_wave.fp8``): on a Hopper GPU FP8 tensor-core GEMMs
@@ -125,20 +129,31 @@ class V4Attention(nn.Module):
         wo_a: as the official inference code does, its FP8 weight dequantised to the model dtype and the grouped
         product in that dtype (default); ``wo_a_fp8=True``: G FP8 GEMMs on the core's quantised output (as S4 /
         S5 do; measured on one H200, V4-Flash: faster in 4096-token prefill, 3x slower at decode batch 64, where
-        the G small block-scaled GEMMs cost more than the bf16 einsum). Returns self."""
+        the G small block-scaled GEMMs cost more than the bf16 einsum). ``wo_a_fp8="auto"``: both, the FP8 GEMMs
+        for calls of at least ``WO_A_FP8_MIN_TOKENS`` tokens (prefill), the dequantised bf16 product below (decode);
+        the two round differently, so a layer's prefill and decode outputs then come from two wo_a products.
+        Returns self."""
+        if wo_a_fp8 not in (False, True, "auto"):
+            raise ValueError(f"quantize_fp8: wo_a_fp8={wo_a_fp8!r} must be False, True or 'auto'")
         if self.fp8:
             return self
         for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
             setattr(self, name, FP8Linear.from_linear(getattr(self, name)))
         if wo_a_fp8:
             self.o_a_fp8 = GroupedFP8(self.o_a_weight.detach(), self.cfg.o_groups)
+        if wo_a_fp8 is True:
             self.o_a_weight = None
         else:
             with torch.no_grad():
                 self.o_a_weight.copy_(dequant_weight(*weight_quant(self.o_a_weight.detach())))
         if self.indexer is not None:
             self.indexer.q_b_proj = FP8Linear.from_linear(self.indexer.q_b_proj)
+        self.o_a_fp8_min_tokens = WO_A_FP8_MIN_TOKENS if wo_a_fp8 == "auto" else 0
         return self
+
+    def fp8_out(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` (B * S) tokens runs the FP8 wo_a (its input quantised by the core)."""
+        return self.o_a_fp8 is not None and (self.o_a_weight is None or tokens >= self.o_a_fp8_min_tokens)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -245,7 +260,7 @@ class V4Attention(nn.Module):
         """Grouped o_a then o_b of the core's output (V's RoPE already undone). [B, S, D]"""
         B, S = o_BSHd.shape[:2]
         G, Ro = self.cfg.o_groups, self.cfg.o_lora_rank
-        if self.o_a_fp8 is not None:
+        if self.fp8_out(B * S):
             o_q, s = act_quant(o_BSHd.reshape(B * S, -1))
             return self.output_q(o_q, s, B, S, o_BSHd.dtype)
         o = o_BSHd.reshape(B, S, G, -1)
@@ -302,10 +317,10 @@ class V4Attention(nn.Module):
         passes after it (``core_kernel.FUSE_MAX_WAVES``)."""
         scale, k = self.cfg.head_dim ** -0.5, self.schedule.kernels
         q, S = fe.q_BSHd, fe.q_BSHd.shape[1]
+        fp8 = self.fp8_out(q.shape[0] * S)
         if use_kernels(q, k):   # the kernel gathers nothing, so it needs no query blocks
-            return sparse_attention(q, fe.parts, self.sinks, scale, k, o_rope=(pos_BS, self.freq_F),
-                                    out_fp8=self.o_a_fp8 is not None)
+            return sparse_attention(q, fe.parts, self.sinks, scale, k, o_rope=(pos_BS, self.freq_F), out_fp8=fp8)
         core = lambda sl: sparse_attention(  # noqa: E731
             q[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, scale, k)
         o = rope_tail(self.chunked(core, S), pos_BS, self.freq_F, inverse=True, inplace=True, kernels=k)
-        return act_quant(o.reshape(-1, o.shape[2] * o.shape[3])) if self.o_a_fp8 is not None else o
+        return act_quant(o.reshape(-1, o.shape[2] * o.shape[3])) if fp8 else o
