@@ -67,7 +67,7 @@ def make(kind: str, S: int, H: int, D: int, dev, seed: int = 0, dtype=torch.bflo
 # Gluon tilings timed besides the default (keys per tile, tiles in the ring)
 GLUON_VARIANTS = ((32, 4), (32, 3))
 # the warp-specialized kernel's variants timed besides (ws/LOAD_REGS)
-WS_VARIANTS = ("ws:pref=0", "ws:epi=0", "ws:qfirst=0", "ws:pref=0,epi=0,qfirst=0", "ws:regs=40")
+WS_VARIANTS = ("ws:pref=0", "ws:qfirst=0")
 # profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV
 PROBES = []
 

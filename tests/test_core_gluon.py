@@ -13,6 +13,8 @@ import torch
 from moe_wave.attention import core_gluon
 from moe_wave.attention.core import sparse_attention
 from moe_wave.attention.core_kernel import core_impl, sparse_attention_fused
+from moe_wave.attention.kernels import norm_rope
+from moe_wave.fp8 import act_quant_torch
 from tests.test_attn_kernels import _core_case
 
 needs_gluon = pytest.mark.skipif(not core_gluon.available(), reason="needs a Hopper GPU and Triton's Gluon")
@@ -82,6 +84,41 @@ def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
 
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] % 128 == 0])
+def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
+    """The layer's steps after the core in the warp-specialized kernel's epilogue: o_rope equals norm_rope(o,
+    inverse) of the plain output bit for bit, and out_fp8 equals act_quant_torch of that (e4m3 bytes and scales),
+    with a few programs walking many items; sparse_attention_fused takes this path for a large grid."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+    two, scale = len(parts) == 2, D ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(5)
+    pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)
+    freq = torch.rand(32, device="cuda", generator=g) * 0.5
+    plain = torch.empty_like(q)
+    core_gluon.sparse_attention_gluon(q, plain, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True)
+    unrot = norm_rope(plain, pos, freq, norm=False, inverse=True)
+    for programs in (None, 3):
+        got = torch.empty_like(q)
+        core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
+                                          programs=programs, o_rope=(pos, freq))
+        assert torch.equal(got, unrot)
+        for src, rope in ((unrot, (pos, freq)), (plain, None)):
+            o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
+            s = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
+            core_gluon.sparse_attention_gluon(q, o_q.view(B, S, H, D), sinks.float(), kv1, i1, kv2, i2, scale, two,
+                                              ws=True, programs=programs, o_rope=rope, scales=s)
+            want_q, want_s = act_quant_torch(src.reshape(B * S, H * D))
+            assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    o_q, s = sparse_attention_fused(q, parts, sinks, scale, o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False,
+                                    impl="gluon")
+    want_q, want_s = act_quant_torch(unrot.reshape(B * S, H * D))
+    assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
+@needs_gluon
+@pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
     its key splits (its bits), and both stay within bf16 rounding of each other."""
@@ -125,6 +162,11 @@ def test_warp_specialized_switches_follow_their_rules():
     with pytest.raises(ValueError, match="probe=2 is the one-program-per-item kernel's"):
         core_gluon.sparse_attention_gluon(q, q, None, None, torch.zeros(1, 1, 8), None, None, 0.1, False, ws=True,
                                           probe=2)
+    with pytest.raises(ValueError, match="o_rope / scales need the warp-specialized kernel"):
+        core_gluon.sparse_attention_gluon(q, q, None, None, torch.zeros(1, 1, 8), None, None, 0.1, False, ws=False,
+                                          scales=torch.zeros(1))
+    with pytest.raises(ValueError, match="EPI=False cannot take them"):
+        core_gluon._ws_opts(dict(EPI=False), 8, 0, 8, q, q, 0, fused=True)
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):

@@ -29,7 +29,7 @@ __all__ = ["AttnConfig", "V4Attention", "LAYER_TYPES"]
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 # quantize_fp8(wo_a_fp8="auto"): calls of at least this many tokens run the grouped FP8 wo_a (measured on one H200,
 # V4-Flash: the FP8 GEMMs win in prefill, the bf16 einsum at decode batches; benchmarks/README.md has the numbers)
-WO_A_FP8_MIN_TOKENS = 1024
+WO_A_FP8_MIN_TOKENS = 2048
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -352,9 +352,10 @@ if gl is not None:
         return gl.cdiv(gl.max(gl.where(picks.to(gl.int32) >= 0, jj + 1, 0), axis=0), BN)
 
     @gluon.jit
-    def _ws_math(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, D: gl.constexpr, BD: gl.constexpr,
-                 BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr,
-                 PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr):
+    def _ws_math(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
+                 D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+                 TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
+                 PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty) = a
@@ -428,26 +429,27 @@ if gl is not None:
                 acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
-            o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
             o_row = o_ptr + b * s_o_b + s * s_o_s
-            if EPI and nt > 0:
-                # through the last tile's buffer (the math partition still holds it), then 16-byte stores along
-                # d: a warp writes 512 contiguous bytes a store, where the accumulator's layout writes 8 rows x
-                # 16 bytes
-                last = k_smem.index((g + NBUF - 1) % NBUF)
-                _cta_barrier()
-                last.store(o)
-                _cta_barrier()
-                ov = last.load(st_l)
-                _cta_barrier()
-                mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
-                qn += 1
-                hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
-                ds = gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
+            if EPI:
+                if nt > 0:
+                    # through the last tile's buffer (the math partition still holds it), then 16-byte stores
+                    # along d: a warp writes 512 contiguous bytes a store, where the accumulator's layout writes 8
+                    # rows x 16 bytes
+                    last = k_smem.index((g + NBUF - 1) % NBUF)
+                    _cta_barrier()
+                    last.store((acc / l_pv[:, None]).to(dt))
+                    _cta_barrier()
+                    ov = last.load(st_l)
+                    _cta_barrier()
+                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
+                    qn += 1
+                else:                                                   # no valid pick: the output is 0
+                    ov = gl.zeros([BH, BD], dt, st_l)
                 if PROBE != 3:
-                    gl.store(o_row + hs.to(gl.int64)[:, None] * s_o_h + ds[None, :], ov,
-                             mask=(hs < H)[:, None] & (ds < D)[None, :])
+                    _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
+                              OROPE, FP8, st_l)
             else:
+                o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
                 if nt > 0:
                     _cta_barrier()
                     mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
@@ -458,14 +460,56 @@ if gl is not None:
                     gl.store(o_row + ho.to(gl.int64)[:, None] * s_o_h + do[None, :], o,
                              mask=(ho < H)[:, None] & (do < D)[None, :])
 
-    @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items"])
-    def _sparse_core_ws(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, J1, J2, n_items,
-                        qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m, s_i1_b, s_i1_s,
-                        s_k2_b, s_k2_m, s_i2_b, s_i2_s,
+    @gluon.jit
+    def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
+                  BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, st_l: gl.constexpr):
+        # The item's output y [BH, BD] (q's dtype, 8 channels a thread) to o_row, through the layer's steps after
+        # the core as the unfused chain runs them (``core_kernel._epilogue`` is the same math, the same bits):
+        # OROPE: the inverse RoPE of the last RF channels in fp32 (the pair partner by a split / join, within the
+        # thread), rounded again; FP8: act_quant of each 128 channels: s = pow2_ceil(max(amax, 1e-4) / 448) by bit
+        # ops, e4m3(y * (1 / s)) to o_row, s to sc_ptr[(h * D / 128 + block) * M + row].
+        hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
+        ds = gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
+        omask = (hs < H)[:, None] & (ds < D)[None, :]
+        optr = o_row + hs.to(gl.int64)[:, None] * s_o_h + ds[None, :]
+        if OROPE:
+            x = y.to(gl.float32)
+            ev, od = gl.split(gl.reshape(y, [BH, BD // 2, 2]))
+            xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, BD]), st_l).to(gl.float32)
+            ct = ds - (D - RF)
+            tail = (ct >= 0) & (ds < D)
+            ang = gl.load(opos_ptr + row).to(gl.float32) * gl.load(ofreq_ptr + gl.maximum(ct, 0) // 2, mask=tail,
+                                                                    other=0.0)
+            c = gl.cos(ang)
+            sn = gl.sin(ang)
+            sn = -sn                                                    # inverse: rotate by -angle
+            sn = gl.where((ds % 2) == 0, -sn, sn)
+            y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], x * c[None, :]), x).to(y.dtype)
+        if FP8:
+            sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
+                                                  warps_per_cta=[8, 1], order=[1, 0])
+            y3 = gl.reshape(y.to(gl.float32), [BH, BD // 128, 128])
+            amax = gl.maximum(gl.max(gl.abs(y3), axis=2), 1e-4)
+            sbits = (gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+            inv = (0x7F000000 - sbits).to(gl.float32, bitcast=True)    # 1 / s, exact (s a power of two)
+            z = gl.convert_layout(gl.reshape(y3 * inv[:, :, None], [BH, BD]), st_l)
+            gl.store(optr, z.to(gl.float8e4nv, fp_downcast_rounding="rtne"), mask=omask)
+            sb = gl.convert_layout(sbits, sc_l)
+            hb = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, sc_l))
+            blk = gl.arange(0, BD // 128, layout=gl.SliceLayout(0, sc_l))
+            gl.store(sc_ptr + (hb[:, None] * (D // 128) + blk[None, :]).to(gl.int64) * M + row,
+                     sb.to(gl.float32, bitcast=True), mask=(hb < H)[:, None] & (blk < D // 128)[None, :])
+        else:
+            gl.store(optr, y, mask=omask)
+
+    @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
+    def _sparse_core_ws(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
+                        S, H, J1, J2, n_items, M, qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m,
+                        s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                         D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                         NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -486,8 +530,8 @@ if gl is not None:
              s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
              q_empty, kv_full, kv_empty)
         gl.warp_specialize([
-            (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, D, BD, BH, BN, NBUF, TWO, JC, PREF,
-                        EPI, QFIRST, PROBE)),
+            (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
+                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)),
         ], [4], [LOAD_REGS])
 
@@ -495,14 +539,18 @@ if gl is not None:
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True)   # the warp-specialized kernel's defaults (see _ws_opts)
 
 
-def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int) -> dict:
+def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
     """The warp-specialized kernel's switches (benchmarks compare them): PREF, the math partition loads the next
     item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
-    in 16-byte stores (needs out in q's dtype); QFIRST, the loader issues an item's q before its first tile. probe
-    3 (profiling, wrong results): no output store; 4: no q load."""
+    in 16-byte stores (needs out in q's dtype; always on with a fused epilogue, which runs there); QFIRST, the
+    loader issues an item's q before its first tile. probe 3 (profiling, wrong results): no output store; 4: no q
+    load."""
     o = dict(WS_OPTS, **(opts or {}))
+    if fused and not o["EPI"]:
+        raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
+                         "them")
     o["PREF"] = bool(o["PREF"]) and max(J1, J2) <= JC
-    o["EPI"] = bool(o["EPI"]) and out.dtype == q.dtype
+    o["EPI"] = fused or (bool(o["EPI"]) and out.dtype == q.dtype)
     o["QFIRST"] = bool(o["QFIRST"])
     o["PROBE"] = probe
     return o
@@ -511,20 +559,29 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int) -
 def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                            i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
                            bn: int = BN, nbuf: int = NBUF, probe: int = 0, ws: bool | None = None,
-                           load_regs: int = LOAD_REGS, programs: int | None = None, opts: dict | None = None
-                           ) -> None:
+                           load_regs: int = LOAD_REGS, programs: int | None = None, opts: dict | None = None,
+                           o_rope: tuple | None = None, scales: torch.Tensor | None = None) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
     per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
     only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products. ws: the
     warp-specialized persistent kernel (default: where ``ws_supported`` says it runs); load_regs: its loader's
-    registers a thread; programs: its grid (default: one program per SM)."""
+    registers a thread; programs: its grid (default: one program per SM).
+
+    The warp-specialized kernel also runs the layer's steps after the core in its epilogue, with the bits of the
+    unfused chain (``core_kernel._epilogue``'s math): o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the
+    last 2F channels; scales (fp32 [H*d/128, B*S]): out is e4m3 and gets ``act_quant``'s format."""
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
+    fused = o_rope is not None or scales is not None
     if ws is None:
         ws = probe == 0 and ws_supported(J1, J2, bn)
     elif ws and probe in (1, 2):
         raise ValueError(f"sparse_attention_gluon: probe={probe} is the one-program-per-item kernel's")
+    if fused and not ws:
+        raise ValueError("sparse_attention_gluon: o_rope / scales need the warp-specialized kernel (ws)")
+    if scales is not None and D % 128:
+        raise ValueError(f"sparse_attention_gluon: an FP8 output needs d={D} a multiple of 128")
     JC = picks_chunk(J1, J2, bn)
     args = (S, H, J1, J2)
     strides = (q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -533,10 +590,13 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     if ws:
         n_items = B * S * (H // BH)
         grid = min(n_items, programs or _sm_count(q.device.index))
+        opos, ofreq = o_rope if o_rope is not None else (sinks, sinks)     # (unused without o_rope)
         _sparse_core_ws[(grid,)](
-            q, out, sinks, kv1, i1, kv2, i2, *args, n_items, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH,
-            BN=bn, NBUF=nbuf, TWO=two, JC=JC, LOAD_REGS=load_regs, num_warps=8, maxnreg=WS_MAXNREG,
-            **_ws_opts(opts, J1, J2, JC, q, out, probe))
+            q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks, *args, n_items,
+            B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
+            LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
+            FP8=scales is not None, num_warps=8, maxnreg=WS_MAXNREG, **_ws_opts(opts, J1, J2, JC, q, out, probe,
+                                                                               fused))
         return
     _sparse_core_gluon[(B * S, H // BH)](
         q, out, sinks, kv1, i1, kv2, i2, *args, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn,

@@ -518,6 +518,11 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
             BH=cfg.block_h, BDV=bdv, RF=orf, OROPE=orope, FP8=fp8, INTERP=interp, num_warps=4)
 
 
+# what a Gluon launch raises before anything runs, where the kernel cannot compile here (the Triton kernel then runs)
+_GLUON_ERRORS = (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources, AttributeError,
+                 TypeError, NotImplementedError) if triton is not None else ()
+
+
 def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
                            config: CoreConfig | None = None, fallback: bool = True, *, q_rope=None, o_rope=None,
                            out_fp8: bool = False, fuse: bool | None = None, impl: str = "auto"):
@@ -573,6 +578,21 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         fuse = _fuse_inside(q, want)
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"sparse_attention_fused: impl={impl!r} must be 'auto', 'triton' or 'gluon'")
+    J = i1.shape[-1] + (i2.shape[-1] if two else 0)
+    if B * S * H and not fuse and fu.qpos is None and fu.key != (False, False, False) and \
+            _gluon_runs(q, len(srcs), J, want, config, impl, False) and \
+            core_gluon.ws_supported(i1.shape[-1], i2.shape[-1] if two else 0):
+        # the warp-specialized Gluon kernel runs the chain's steps after the core in its epilogue (same bits)
+        out, scales, result = _outputs(q, fu)
+        try:
+            core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two, ws=True,
+                                              o_rope=(fu.opos, fu.ofreq) if fu.opos is not None else None,
+                                              scales=scales)
+            return result
+        except _GLUON_ERRORS as e:                                      # raised before anything runs
+            if impl == "gluon":
+                raise
+            core_gluon.mark_broken(e)                                   # warn once; Triton from now on
     if B * S * H and not fuse and fu.key != (False, False, False):    # the unfused chain around the plain kernel
         if fu.qpos is not None:
             q = norm_rope(q, fu.qpos, fu.qfreq, eps=fu.eps)
@@ -583,24 +603,15 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if fu.fp8 and want.block_dv < 128:
         raise ValueError(f"sparse_attention_fused: out_fp8 needs CoreConfig.block_dv >= 128 (a program's value "
                          f"channels hold whole 128-channel scale blocks), got block_dv={want.block_dv}")
-    scales = None
-    if fu.fp8:
-        o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device=q.device)
-        scales = torch.empty(H * D // 128, B * S, dtype=torch.float32, device=q.device)
-        out, result = o_q.view(B, S, H, D), (o_q, scales)
-    else:
-        out = torch.empty_like(q)
-        result = out
+    out, scales, result = _outputs(q, fu)
     if B * S * H == 0:
         return result
     if impl != "triton":
-        if _gluon_runs(q, len(srcs), i1.shape[-1] + (i2.shape[-1] if two else 0), want, config, impl,
-                       fu.key != (False, False, False)):
+        if _gluon_runs(q, len(srcs), J, want, config, impl, fu.key != (False, False, False)):
             try:
                 core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
                 return result
-            except (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources,
-                    AttributeError, TypeError, NotImplementedError) as e:   # raised before anything runs
+            except _GLUON_ERRORS as e:                                  # raised before anything runs
                 if impl == "gluon":
                     raise
                 core_gluon.mark_broken(e)                               # warn once; Triton from now on
@@ -623,6 +634,17 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         _CHOSEN[key] = c
         return result
     raise AssertionError("unreachable: the ladder either launched or raised")
+
+
+def _outputs(q: torch.Tensor, fu: _Fusion):
+    """(out the kernels write [B, S, H, d], FP8 scales or None, what the call returns)."""
+    B, S, H, D = q.shape
+    if fu.fp8:
+        o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device=q.device)
+        scales = torch.empty(H * D // 128, B * S, dtype=torch.float32, device=q.device)
+        return o_q.view(B, S, H, D), scales, (o_q, scales)
+    out = torch.empty_like(q)
+    return out, None, out
 
 
 def _fuse_inside(q: torch.Tensor, want: CoreConfig) -> bool:
