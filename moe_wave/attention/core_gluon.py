@@ -355,7 +355,7 @@ if gl is not None:
     def _ws_math(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
-                 PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr):
+                 PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty) = a
@@ -367,8 +367,9 @@ if gl is not None:
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pv_l, k_width=2)
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8],
                                                order=[0])
-        # the output's store: 16-byte vectors along d, a warp per row
-        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+        # the output's store: 16-byte vectors along d, STC threads of a warp along a row (BD / 8 up to 32: no
+        # element held twice, which the epilogue's split / join of channel pairs needs)
+        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
                                               warps_per_cta=[8, 1], order=[1, 0])
         cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
         s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
@@ -509,7 +510,8 @@ if gl is not None:
                         D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                         NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
-                        RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
+                        RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
+                        num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -531,7 +533,7 @@ if gl is not None:
              q_empty, kv_full, kv_empty)
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8)),
+                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)),
         ], [4], [LOAD_REGS])
 
@@ -595,8 +597,8 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
             q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks, *args, n_items,
             B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
             LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
-            FP8=scales is not None, num_warps=8, maxnreg=WS_MAXNREG, **_ws_opts(opts, J1, J2, JC, q, out, probe,
-                                                                               fused))
+            FP8=scales is not None, STC=min(32, D // 8), num_warps=8, maxnreg=WS_MAXNREG,
+            **_ws_opts(opts, J1, J2, JC, q, out, probe, fused))
         return
     _sparse_core_gluon[(B * S, H // BH)](
         q, out, sinks, kv1, i1, kv2, i2, *args, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn,
