@@ -19,9 +19,19 @@ Everything else is as in the Triton kernel: the window part, then the compressed
 (fp32, exp2 domain), the sink as the running max's start (m = sink, l = 1), a -1 pick masked (its row is not read
 and its logit is -inf), each part's tiles up to its last valid pick, bf16/fp16 in and out, one program per
 (query, 64-head block), every output element written once in a fixed order: the same inputs give the same bits
-on every run. It takes the plain call only (no key splits, no fused prologue / epilogue): prefill's grids, where
-``core_kernel.sparse_attention_fused`` runs those steps as separate passes anyway. ``supported`` says when it
-applies; the Triton kernel runs everywhere else (and on CPU, under the interpreter, which Gluon does not have).
+on every run. It takes prefill's grids (no key splits, no q prologue). ``supported`` says when it applies; the
+Triton kernel runs everywhere else (and on CPU, under the interpreter, which Gluon does not have).
+
+Two kernels share that math and give the same bits:
+
+- ``_sparse_core_gluon``: one program per (query, head block). Each pays the fixed cost of an item: the picks'
+  count, q's load, the ring's first tiles, the output's store (about 9 us a program on an H200, against about
+  2.2-2.75 us a 64-key tile).
+- ``_sparse_core_ws`` (the default): warp-specialized and persistent, see the comment above it. A loader
+  partition prepares the next item while the math warpgroups finish this one. The output leaves through shared
+  memory in 16-byte stores, and the epilogue can run the layer's steps after the core (the output's inverse
+  RoPE, ``act_quant`` for the FP8 wo_a) as ``core_kernel._epilogue`` does. On one H200 it is 1.19-1.32 x faster
+  than the one-program kernel (``benchmarks/2026-12-01-attn-ws-1xh200-session14.md``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ Optional fusions (constexpr flags of the kernels, all off by default; ``sparse_a
 By default they run inside the kernels on small grids (decode and short chunks, where they cost less than the
 launches and passes they save) and as the unfused passes around the plain kernel on large ones (this kernel is at
 its register limit: at a 4096-token prefill the fused prologue costs more than norm_rope's pass); see
-``FUSE_MAX_WAVES``, ``fuse`` overrides:
+``FUSE_MAX_WAVES``, ``fuse`` overrides. On a large grid without ``q_rope``, Hopper's warp-specialized Gluon
+kernel (``core_gluon``) runs ``o_rope`` / ``out_fp8`` in its epilogue instead, with the same math:
 
 - ``q_rope`` (prologue): q comes raw from q_b; as a program loads its q tile it applies what ``kernels.norm_rope``
   does (per-head RMSNorm over d in fp32, then RoPE of the last 2F channels, fp32, rounded to q's dtype), so the
@@ -36,8 +37,10 @@ its register limit: at a 4096-token prefill the fused prologue costs more than n
   join of the tile, rounded again), then ``fp8.act_quant``: per (row, 128 channels) s = pow2_ceil(max(amax,
   1e-4) / 448) (bit ops), e4m3(o / s) (round to nearest even), o_q [B*S, H*d] and s [H*d/128, B*S]. These are
   the unfused chain's roundings in its order, so the result has its bits (``core -> rope_tail(inverse) ->
-  act_quant``): the rotation's multiply-add is pinned to the fma that ``norm_rope``'s kernel compiles to (the
-  compiler would otherwise contract it either way), and under the interpreter, whose float8 cast does not round
+  act_quant``): the rotation's multiply-add is pinned to the fma that ``norm_rope``'s kernel compiles to on the
+  V4 shapes (the compiler would otherwise contract it either way; ``norm_rope``'s own kernel is not pinned, and at
+  d = 128 it rounded 2-5 elements of 150 000 the other way, one ulp apart, on an H200), and under the
+  interpreter, whose float8 cast does not round
   to nearest even, the e4m3 encoding is integer ops. A program's value block (BDV >= 128) holds whole 128-channel
   scale blocks.
 
