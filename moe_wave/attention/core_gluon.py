@@ -157,6 +157,18 @@ if gl is not None:
             _cp_async(buf, kv1 + off * s_k1_m + dk[None, :], mask=ok)
 
     @gluon.jit
+    def _softmax_step(sc, ok, m_i, l_i, qk_scale, dt: gl.constexpr, pv_l: gl.constexpr, p_l: gl.constexpr):
+        # one tile of the online softmax (exp2 domain): the tile's scores sc [BH, BN] (QK, fp32), its valid keys ok
+        # [BN]; returns P as PV's A operand, alpha (the accumulator's rescale) in PV's row layout, and the new
+        # running max and sum
+        sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return gl.convert_layout(p.to(dt), p_l), gl.convert_layout(alpha, gl.SliceLayout(1, pv_l)), m_new, l_i
+
+    @gluon.jit
     def _n_tiles(idx_row, J, BN: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr):
         # BN-key tiles up to this query's last valid pick (trailing -1s cost nothing); JC picks per load (>= J on
         # the V4 shapes: one load, not a chain of dependent loads before the first tile)
@@ -245,14 +257,7 @@ if gl is not None:
             ok = ok_n
             ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
 
-            sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            a_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))
-            p_op = gl.convert_layout(p.to(dt), p_l)
+            p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l)
             if PROBE == 2:
                 acc = warpgroup_mma_init(acc * a_pv[:, None])
             else:
@@ -429,14 +434,7 @@ if gl is not None:
                 ok = ok_n
                 ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
 
-                sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                a_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))
-                p_op = gl.convert_layout(p.to(dt), p_l)
+                p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l)
                 acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
