@@ -180,6 +180,48 @@ def test_warp_specialized_switches_follow_their_rules():
         core_gluon._ws_opts(dict(EPI=False), 8, 0, 8, q, q, 0, fused=True)
 
 
+class _Launch:
+    """Stands in for a Gluon kernel (``kernel[grid](...)``): records the launch, or raises ``err``."""
+
+    def __init__(self, err=None):
+        self.err, self.calls = err, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if self.err is not None:
+                raise self.err
+            self.calls.append((grid, kw))
+        return launch
+
+
+@pytest.mark.skipif(not core_gluon.COMPILE_ERRORS, reason="needs Triton (what a failed compile raises)")
+def test_a_warp_specialized_kernel_that_does_not_compile_leaves_the_calls_to_the_one_program_kernel(monkeypatch):
+    """warp_specialize and mbarriers are the newest part of Gluon: where the persistent kernel does not compile,
+    one warning names it, the same call runs the one-program-per-item kernel, and later calls go there directly;
+    a call with the output's steps raises WSUnavailable (its caller runs them as passes); a caller that asked for
+    ws=True gets the error itself."""
+    monkeypatch.setattr(core_gluon, "_WS_BROKEN", None)
+    ws, one = _Launch(TypeError("warp_specialize() takes 3 positional arguments")), _Launch()
+    monkeypatch.setattr(core_gluon, "_sparse_core_ws", ws, raising=False)
+    monkeypatch.setattr(core_gluon, "_sparse_core_gluon", one, raising=False)
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 2, 8, dtype=torch.int32)
+    kv = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    call = (q, torch.empty_like(q), torch.zeros(64), kv, idx, kv, idx, 0.1, False)
+    with pytest.raises(TypeError, match="warp_specialize"):
+        core_gluon.sparse_attention_gluon(*call, ws=True, programs=2)
+    assert core_gluon._WS_BROKEN is None and not one.calls
+    with pytest.warns(UserWarning, match="warp-specialized Gluon sparse-attention kernel does not compile .*"
+                                         "TypeError: warp_specialize"):
+        core_gluon.sparse_attention_gluon(*call, programs=2)
+    assert len(one.calls) == 1 and one.calls[0][0] == (2, 1)            # (B * S, head blocks): the same call
+    assert not core_gluon.ws_supported(512, 128) and core_gluon._BROKEN is None
+    core_gluon.sparse_attention_gluon(*call)                            # no second warning, no second try
+    assert len(one.calls) == 2
+    with pytest.raises(core_gluon.WSUnavailable):
+        core_gluon.sparse_attention_gluon(*call, o_rope=(torch.zeros(2), torch.zeros(32)))
+
+
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):
     """Gluon's API moves between Triton releases: a compile failure warns once, naming the Triton version and the
     error, and from then on ``available`` is False (the Triton kernel runs every call)."""

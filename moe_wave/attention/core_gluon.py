@@ -56,7 +56,8 @@ try:  # Gluon: Triton's experimental dialect; anything missing means "not availa
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = None
 
-__all__ = ["available", "supported", "mark_broken", "picks_chunk", "sparse_attention_gluon", "BH", "BN", "NBUF"]
+__all__ = ["available", "supported", "ws_supported", "mark_broken", "mark_ws_broken", "picks_chunk",
+           "sparse_attention_gluon", "WSUnavailable", "COMPILE_ERRORS", "BH", "BN", "NBUF"]
 
 BH = 64     # heads per program (the GEMM's M: one wgmma row block per warpgroup)
 BN = 64     # picked keys per tile
@@ -68,6 +69,11 @@ _LOG2E = 1.4426950408889634
 
 
 _BROKEN: str | None = None   # why this install cannot compile the kernel (see mark_broken), once it failed
+_WS_BROKEN: str | None = None   # ... the warp-specialized kernel (see mark_ws_broken)
+
+
+def _reason(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
 
 
 def mark_broken(err: BaseException) -> None:
@@ -75,10 +81,22 @@ def mark_broken(err: BaseException) -> None:
     warn once and leave every later call to the Triton kernel (``available`` is False from now on)."""
     global _BROKEN
     if _BROKEN is None:
-        _BROKEN = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        _BROKEN = _reason(err)
         warnings.warn(f"moe_wave: the Gluon sparse-attention kernel does not compile with Triton "
                       f"{getattr(triton, '__version__', '?')} ({_BROKEN}); the Triton kernel runs instead",
                       stacklevel=3)
+
+
+def mark_ws_broken(err: BaseException) -> None:
+    """The warp-specialized kernel failed to compile here (``warp_specialize`` and mbarriers are the newest, most
+    moving part of Gluon): warn once and leave every later call to the one-program-per-item Gluon kernel
+    (``ws_supported`` is False from now on), with the output's steps as separate passes."""
+    global _WS_BROKEN
+    if _WS_BROKEN is None:
+        _WS_BROKEN = _reason(err)
+        warnings.warn(f"moe_wave: the warp-specialized Gluon sparse-attention kernel does not compile with Triton "
+                      f"{getattr(triton, '__version__', '?')} ({_WS_BROKEN}); the one-program-per-item Gluon "
+                      f"kernel runs instead", stacklevel=3)
 
 
 def picks_chunk(J1: int, J2: int, block_n: int) -> int:
@@ -93,9 +111,9 @@ def _sm_count(index: int) -> int:
 
 
 def ws_supported(J1: int, J2: int, bn: int = BN) -> bool:
-    """The warp-specialized kernel gathers a tile as four chunks of bn / 4 rows, each a whole number of the
-    shared layout's 8-row swizzle atoms."""
-    return bn % 32 == 0
+    """The warp-specialized kernel compiles here (see ``mark_ws_broken``), and it gathers a tile as four chunks of
+    bn / 4 rows, each a whole number of the shared layout's 8-row swizzle atoms."""
+    return _WS_BROKEN is None and bn % 32 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -566,6 +584,16 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     return o
 
 
+class WSUnavailable(RuntimeError):
+    """A call with the output's steps (o_rope / scales) and ws=None, where the warp-specialized kernel cannot run:
+    the caller runs the plain kernel and the steps as separate passes."""
+
+
+# what a Gluon launch raises before anything runs, where a kernel does not compile with this Triton
+COMPILE_ERRORS = (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources, AttributeError,
+                  TypeError, NotImplementedError) if triton is not None else ()
+
+
 def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                            i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
                            bn: int = BN, nbuf: int = NBUF, probe: int = 0, ws: bool | None = None,
@@ -575,8 +603,10 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
     per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
     only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products. ws: the
-    warp-specialized persistent kernel (default: where ``ws_supported`` says it runs); load_regs: its loader's
-    registers a thread; programs: its grid (default: one program per SM).
+    warp-specialized persistent kernel (default: where ``ws_supported`` says it runs; if it does not compile
+    there, ``mark_ws_broken`` warns once and the one-program kernel runs, or with o_rope / scales
+    ``WSUnavailable`` tells the caller to run the steps as passes); load_regs: its loader's registers a thread;
+    programs: its grid (default: one program per SM).
 
     The warp-specialized kernel also runs the layer's steps after the core in its epilogue, with the bits of the
     unfused chain (``core_kernel._epilogue``'s math): o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the
@@ -584,8 +614,11 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
     fused = o_rope is not None or scales is not None
+    default_ws = ws is None
     if ws is None:
         ws = probe == 0 and ws_supported(J1, J2, bn)
+        if fused and not ws:
+            raise WSUnavailable(_WS_BROKEN or f"bn={bn}")
     elif ws and probe in (1, 2):
         raise ValueError(f"sparse_attention_gluon: probe={probe} is the one-program-per-item kernel's")
     if fused and not ws:
@@ -601,13 +634,20 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         n_items = B * S * (H // BH)
         grid = min(n_items, programs or _sm_count(q.device.index))
         opos, ofreq = o_rope if o_rope is not None else (sinks, sinks)     # (unused without o_rope)
-        _sparse_core_ws[(grid,)](
-            q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks, *args, n_items,
-            B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
-            LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
-            FP8=scales is not None, STC=min(32, D // 8), num_warps=8, maxnreg=WS_MAXNREG,
-            **_ws_opts(opts, J1, J2, JC, q, out, probe, fused))
-        return
+        try:
+            _sparse_core_ws[(grid,)](
+                q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks, *args,
+                n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
+                LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
+                FP8=scales is not None, STC=min(32, D // 8), num_warps=8, maxnreg=WS_MAXNREG,
+                **_ws_opts(opts, J1, J2, JC, q, out, probe, fused))
+            return
+        except COMPILE_ERRORS as e:                                     # raised before anything runs
+            if not default_ws:
+                raise
+            mark_ws_broken(e)
+            if fused:                                                   # the caller runs the steps as passes
+                raise WSUnavailable(_WS_BROKEN) from e
     _sparse_core_gluon[(B * S, H // BH)](
         q, out, sinks, kv1, i1, kv2, i2, *args, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn,
         NBUF=nbuf, TWO=two, PROBE=probe, JC=JC, num_warps=8)

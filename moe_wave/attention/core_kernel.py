@@ -521,11 +521,6 @@ def _launch(cfg: CoreConfig, q, out, sinks, kv1, i1, kv2, i2, scale: float, two:
             BH=cfg.block_h, BDV=bdv, RF=orf, OROPE=orope, FP8=fp8, INTERP=interp, num_warps=4)
 
 
-# what a Gluon launch raises before anything runs, where the kernel cannot compile here (the Triton kernel then runs)
-_GLUON_ERRORS = (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources, AttributeError,
-                 TypeError, NotImplementedError) if triton is not None else ()
-
-
 def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Tensor, scale: float,
                            config: CoreConfig | None = None, fallback: bool = True, *, q_rope=None, o_rope=None,
                            out_fp8: bool = False, fuse: bool | None = None, impl: str = "auto"):
@@ -588,14 +583,12 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         # the warp-specialized Gluon kernel runs the chain's steps after the core in its epilogue (same bits)
         out, scales, result = _outputs(q, fu)
         try:
-            core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two, ws=True,
+            core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two,
                                               o_rope=(fu.opos, fu.ofreq) if fu.opos is not None else None,
                                               scales=scales)
             return result
-        except _GLUON_ERRORS as e:                                      # raised before anything runs
-            if impl == "gluon":
-                raise
-            core_gluon.mark_broken(e)                                   # warn once; Triton from now on
+        except core_gluon.WSUnavailable:        # it did not compile here (warned once): the chain below runs
+            pass
     if B * S * H and not fuse and fu.key != (False, False, False):    # the unfused chain around the plain kernel
         if fu.qpos is not None:
             q = norm_rope(q, fu.qpos, fu.qfreq, eps=fu.eps)
@@ -614,7 +607,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
             try:
                 core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
                 return result
-            except _GLUON_ERRORS as e:                                  # raised before anything runs
+            except core_gluon.COMPILE_ERRORS as e:                      # raised before anything runs
                 if impl == "gluon":
                     raise
                 core_gluon.mark_broken(e)                               # warn once; Triton from now on
