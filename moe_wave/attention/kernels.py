@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_wave.comm.triton_gate import tl, triton, triton_ok
+from moe_wave.comm.triton_gate import interpreting, tl, triton, triton_ok
 
 __all__ = ["KERNEL_MODES", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "pool_entries",
            "use_kernels"]
@@ -80,7 +80,7 @@ if triton is not None:
     def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, H, eps,
                           D: tl.constexpr, HC: tl.constexpr, BH: tl.constexpr, TC: tl.constexpr, BT: tl.constexpr,
                           HB: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
-                          HEAD: tl.constexpr):
+                          HEAD: tl.constexpr, INTERP: tl.constexpr):
         # Program (p, hb): rows p*H + hb*HB .. +HB (rows of one position share its cos/sin). A row is
         # HC leading channels (the "head", no RoPE) then TC = 2F rotated channels (the "tail"), each
         # loaded as a contiguous [HB, channels] tile. RoPE pairs (2i, 2i+1) use a second load of the
@@ -125,7 +125,14 @@ if triton is not None:
             if INVERSE:
                 s = -s
             s = tl.where((ct % 2) == 0, -s, s)          # even: x*cos - x_odd*sin; odd: x*cos + x_even*sin
-            y = xt * c[None, :] + xs * s[None, :]
+            # pinned to fma(xs, s, xt * c): left to itself the compiler contracts this expression either way, by
+            # context (seen on an H200: 2-5 elements in 150 000 the other way at d = 128), and the core's fused
+            # epilogues (core_kernel._rot, core_gluon._ws_store) round it this way; the interpreter rounds each
+            # product and the sum
+            if INTERP:
+                y = xt * c[None, :] + xs * s[None, :]
+            else:
+                y = tl.fma(xs, s[None, :], xt * c[None, :])
             tl.store(out_ptr + row + HC + ct[None, :], y.to(out_ptr.dtype.element_ty), mask=mt)
 
 
@@ -186,7 +193,8 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
     w = weight.contiguous() if weight is not None else x
     _norm_rope_kernel[(P, triton.cdiv(H, hb))](
         x, out, pos_c, freq_c, w, H, float(eps), D=d, HC=hc, BH=bh, TC=tc, BT=bt, HB=hb, NORM=bool(norm),
-        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), num_warps=NORM_ROPE_WARPS)
+        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), INTERP=interpreting(),
+        num_warps=NORM_ROPE_WARPS)
     return out
 
 
