@@ -89,10 +89,10 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
     """The layer's steps after the core in the warp-specialized kernel's epilogue, with a few programs walking
     many items and with one program per SM: out_fp8 equals act_quant_torch of the kernel's own bf16 / fp16 output
     (e4m3 bytes and scales), with and without o_rope; o_rope equals norm_rope(o, inverse) of the plain output, to
-    the last bit but where norm_rope's own kernel rounds a product differently: its compiler contracts `x * c + xs
-    * s` into one fma or the other by context (the Triton core's fused epilogue differs from it on the same few
-    elements, as measured on an H200: 2-5 of 150 000), so at most 1 in 10 000 elements, by at most one ulp;
-    sparse_attention_fused takes this path for a large grid."""
+    the last bit but on at most 1 in 10 000 elements, by at most one ulp: before norm_rope's kernel pinned its
+    `x * c + xs * s` to the epilogues' fma (996bacd), its compiler contracted it the other way on 2-5 elements of
+    150 000 here (the Triton core's fused epilogue differed from it on the same ones); the bound can go once a
+    GPU run shows them equal. sparse_attention_fused takes this path for a large grid."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]

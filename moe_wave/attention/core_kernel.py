@@ -37,10 +37,10 @@ kernel (``core_gluon``) runs ``o_rope`` / ``out_fp8`` in its epilogue instead, w
   join of the tile, rounded again), then ``fp8.act_quant``: per (row, 128 channels) s = pow2_ceil(max(amax,
   1e-4) / 448) (bit ops), e4m3(o / s) (round to nearest even), o_q [B*S, H*d] and s [H*d/128, B*S]. These are
   the unfused chain's roundings in its order, so the result has its bits (``core -> rope_tail(inverse) ->
-  act_quant``): the rotation's multiply-add is pinned to the fma that ``norm_rope``'s kernel compiles to on the
-  V4 shapes (the compiler would otherwise contract it either way; ``norm_rope``'s own kernel is not pinned, and at
-  d = 128 it rounded 2-5 elements of 150 000 the other way, one ulp apart, on an H200), and under the
-  interpreter, whose float8 cast does not round
+  act_quant``): the rotation's multiply-add is pinned to fma(x_swap, -+sin, x * cos), as in ``norm_rope``'s
+  kernel (the compiler would otherwise contract it either way: before ``norm_rope`` was pinned too, it rounded
+  2-5 elements of 150 000 the other way at d = 128 on an H200), and under the interpreter, whose float8 cast
+  does not round
   to nearest even, the e4m3 encoding is integer ops. A program's value block (BDV >= 128) holds whole 128-channel
   scale blocks.
 
