@@ -326,8 +326,8 @@ if gl is not None:
 
     @gluon.jit
     def _ws_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                   NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr,
-                   EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr):
+                   NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
+                   PROBE: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty) = a
@@ -560,7 +560,7 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC)),
-            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE)),
         ], [4], [LOAD_REGS])
 
 
