@@ -45,6 +45,7 @@ from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
+from moe_wave.attention import core_kernel  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -150,8 +151,9 @@ def core_fn(attn: V4Attention, fe, pos, config: CoreConfig | None = None):
     if config is None:
         return lambda: attn.core(fe, pos)
     from moe_wave.attention.core_kernel import sparse_attention_fused
+    q_rope = (pos, attn.freq_F, attn.cfg.eps) if fe.q_raw else None
     return lambda: sparse_attention_fused(fe.q_BSHd, fe.parts, attn.sinks, attn.cfg.head_dim ** -0.5, config=config,
-                                          fallback=False, o_rope=(pos, attn.freq_F),
+                                          fallback=False, q_rope=q_rope, o_rope=(pos, attn.freq_F),
                                           out_fp8=attn.fp8_out(pos.numel()))
 
 
@@ -169,8 +171,10 @@ def _clone(o):
 
 def branches(attn: V4Attention):
     """Each front-end chain alone: name -> fn(x, pos, cache)."""
-    def q(x, pos, cache):
-        attn.q_heads(attn.q_lora(x), pos)
+    def q(x, pos, cache):   # as run_frontend has it: the norm and RoPE left to the core where it does them
+        q = attn.q_heads(attn.q_lora(x), pos, raw=True)
+        if not attn.core_norms_q(q):
+            attn.q_norm_rope(q, pos)
 
     def kv(x, pos, cache):
         k = attn.window_kv(x, pos)
@@ -403,6 +407,9 @@ def main() -> None:
                     "the checkpoints' FP8 format, V4Attention.quantize_fp8), fp8a (the same with wo_a_fp8='auto': "
                     "the grouped FP8 wo_a from WO_A_FP8_MIN_TOKENS tokens a call on); default bf16,fp8")
     ap.add_argument("--prefill-tokens", default=str(CTX), help=f"comma list of prefill lengths (default {CTX})")
+    ap.add_argument("--q-norm", default="core", help="comma list: core (q's norm and RoPE inside the core's "
+                    "kernel where it does them, core_kernel.q_norm_inside: the default), branch (on the q branch "
+                    "everywhere, core_kernel.WS_Q_NORM = False); default core")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attn: needs a CUDA/ROCm GPU")
@@ -416,6 +423,10 @@ def main() -> None:
     for p in precisions:
         if p not in ("bf16", "fp8", "fp8a"):
             sys.exit(f"bench_attn: --precision {p!r}: must be bf16, fp8 or fp8a")
+    q_norms = [p for p in args.q_norm.split(",") if p]
+    for p in q_norms:
+        if p not in ("core", "branch"):
+            sys.exit(f"bench_attn: --q-norm {p!r}: must be core or branch")
     gemm8 = fp8_gemm_tflops(dev) if {"fp8", "fp8a"} & set(precisions) and not args.core else None
     print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s" + (f"; FP8 (block scales): {gemm8:.0f}" if gemm8 else ""),
           flush=True)
@@ -434,14 +445,19 @@ def main() -> None:
     iters = args.iters or (10 if args.quick else 30)
     rows = []
     for shape in shapes:
-        for kind, precision in itertools.product(TYPES, precisions):
+        for kind, precision, q_norm in itertools.product(TYPES, precisions, q_norms):
             lengths = [int(t) for t in args.prefill_tokens.split(",") if t]
             points = ([] if args.no_eager else [("prefill", 1, False, CTX)]) + [
                 ("prefill", 1, True, t) for t in lengths] + [("decode", b, True, CTX) for b in batches]
             for mode, b, graph, tokens in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
-                row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev, graph=graph,
-                              debug=args.debug, precision=precision, tokens=tokens)
+                core_kernel.WS_Q_NORM = q_norm == "core"
+                try:
+                    row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev,
+                                  graph=graph, debug=args.debug, precision=precision, tokens=tokens)
+                finally:
+                    core_kernel.WS_Q_NORM = True
+                row["q_norm"] = q_norm
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -451,11 +467,11 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
                             "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
-    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} "
+    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'qn':6} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} "
            f"{'layer_ser':>10} {'layer':>9} {'core':>9} {'output':>8} {'TFLOP/s':>8} {'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
               f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['output_us']:>8.1f} {r['core_tflops']:>8.1f} "
               f"{100 * r['core_vs_gemm']:>5.0f}%")

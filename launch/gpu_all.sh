@@ -112,7 +112,8 @@ for s in "${STAGES[@]}"; do
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  # the attention kernels on CUDA (each against its torch twin; the core and top-k at the V4 shapes),
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
-               # (ATTN_ARGS: bench_attn's options, default $QUICK; ATTN_CORE=0 / ATTN_PROFILE=0 leave those out)
+               # (ATTN_ARGS: bench_attn's options, default $QUICK; PROFILE_ARGS: profile_attn's, default --types csa;
+               # ATTN_CORE=0 / ATTN_PROFILE=0 leave those out)
                stage attn_tests ${T_ATTNTEST:-240} "$PY" -m pytest -q -p no:cacheprovider tests/test_attn_kernels.py \
                    tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py tests/test_core_gluon.py
                if [ "${ATTN_CORE:-1}" != 0 ]; then
@@ -127,7 +128,7 @@ raise SystemExit(not g.available())"; then
                fi
                stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py ${ATTN_ARGS:-$QUICK} --out "$RES/attn.json"
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
-                   stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py --types csa
+                   stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
         demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
                stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;

@@ -1,6 +1,7 @@
 """Where the attention layer's time goes: a kernel table per part (torch.profiler, one GPU).
 
     python launch/profile_attn.py [--shape v4-flash] [--types csa,hca,sliding] [--tokens 4096] [--rows 12]
+                                  [--precision bf16|fp8|fp8a]
     python launch/profile_attn.py --decode 64 --types csa       (a decode step, batch 64, 4096-token cache)
     python launch/profile_attn.py --micro-only                  (only each kernel alone)
 
@@ -129,12 +130,14 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, metavar="B",
                     help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
     ap.add_argument("--micro-only", action="store_true", help="only the table of each kernel alone")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),
+                    help="the projections' format, as bench_attn.py --precision (default bf16)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = []
     for kind in [] if args.micro_only else args.types.split(","):
-        attn = make_attn(args.shape, kind, dev)
+        attn = make_attn(args.shape, kind, dev, args.precision)
         B, S, start = (args.decode, 1, CTX) if args.decode else (1, args.tokens, 0)
         mode = f"decode batch {B}, cache {CTX}" if args.decode else f"prefill {S}"
 
@@ -155,7 +158,8 @@ def main() -> None:
         parts_run.update({"core": core, "output": out_fn(attn, fe, o, pos)})
         for name, fn in parts_run.items():
             table, total, count = profiled(fn, args.rows)
-            out.append(f"== {args.shape} {kind} {mode}: {name}: {total:.0f} us of kernels, {count} launches\n{table}")
+            out.append(f"== {args.shape} {kind} {args.precision} {mode}: {name}: {total:.0f} us of kernels, {count} "
+                       f"launches\n{table}")
             print(out[-1], flush=True)
         del attn, cache, fe, o, parts_run
         torch.cuda.empty_cache()

@@ -162,6 +162,24 @@ def test_overlap_switches(monkeypatch):
         A.ScheduleConfig(overlap="0")
 
 
+@pytest.mark.parametrize("i", LAYERS)
+def test_core_takes_a_raw_q(hf, i, monkeypatch):
+    """Where the core's kernel normalises q itself (Hopper prefill) the front-end hands it q raw
+    (``FrontEnd.q_raw``). Every other path must then do the norm and RoPE before the core: the torch core here gives
+    the bits of the layer's own q branch, and the layer with the front-end forced raw still matches HF."""
+    from moe_wave.attention import schedule
+    attn, x, pos = hf["attns"][i], hf["x"], hf["pos"]
+    with torch.no_grad():
+        fe = schedule.run_frontend(attn, x, pos, attn.new_cache(B, S), False)
+        assert not fe.q_raw and not attn.core_norms_q(fe.q_BSHd)            # CPU: on the q branch
+        raw = attn.q_heads(attn.q_lora(x), pos, raw=True)
+        assert not torch.equal(raw, fe.q_BSHd)
+        got = attn.core(schedule.FrontEnd(q_BSHd=raw, parts=fe.parts, q_raw=True), pos)
+        assert torch.equal(got, attn.core(fe, pos))
+        monkeypatch.setattr(A.V4Attention, "core_norms_q", lambda self, q: True)
+        assert rel(attn(x, positions=pos), hf["refs"][i]) < 2e-6
+
+
 def test_query_blocks_match_one_block(hf):
     """q_block bounds prefill memory; blocking must not change the result."""
     a = A.V4Attention.from_hf(hf["model"].layers[1].self_attn, hf["cfg"], layer_idx=1,

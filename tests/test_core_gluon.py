@@ -130,6 +130,47 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
 
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_warp_specialized_prologue_is_norm_rope(name):
+    """q's per-head RMSNorm and RoPE in the warp-specialized kernel, on each item's q in shared memory, against
+    ``norm_rope`` then the plain kernel: the same bits but where a head's sum of squares rounds differently (its
+    order differs), so within bf16 rounding, and the same bits with 3 programs as with one per SM and from run to
+    run; norm only (no frequencies) too; with the output's steps as well, that chain's output exactly (the epilogue
+    is checked above); and ``sparse_attention_fused`` takes it for a large grid."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+    two, scale, eps = len(parts) == 2, D ** -0.5, 1e-6
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)   # norms far from 1
+    pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)
+    for freq in (torch.rand(32, device="cuda", generator=g) * 0.5, torch.zeros(0, device="cuda")):
+        qn = norm_rope(q, pos, freq, eps=eps)
+        want = torch.empty_like(q)
+        core_gluon.sparse_attention_gluon(qn, want, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True)
+        runs = []
+        for programs in (None, 3, None):
+            got = torch.empty_like(q)
+            core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
+                                              programs=programs, q_rope=(pos, freq, eps))
+            runs.append(got)
+        assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+        assert rel(runs[0], want) < 2e-3, rel(runs[0], want)
+        ref = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off",
+                               q_rope=(pos.view(B, S), freq, eps))
+        assert rel(runs[0], ref) < 1.5e-2
+        if D % 128 == 0 and freq.numel():                              # the layer's prefill: all three steps
+            o_q, s = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(B, S), freq, eps),
+                                            o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False, impl="gluon")
+            plain = torch.empty_like(q)
+            core_gluon.sparse_attention_gluon(q, plain, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
+                                              q_rope=(pos, freq, eps), o_rope=(pos, freq))
+            want_q, want_s = act_quant_torch(plain.reshape(B * S, H * D))
+            assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
+@needs_gluon
+@pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
     its key splits (its bits), and both stay within bf16 rounding of each other."""

@@ -188,3 +188,37 @@ def test_topk_select_at_v4_shapes(rows, k, causal):
     v, i = s.topk(k, dim=-1)
     ref = torch.where(v == float("-inf"), torch.full_like(i, -1), i)
     assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
+
+
+@pytest.mark.parametrize("layer_type", list(TYPES))
+def test_prefill_leaves_q_norm_to_the_core_where_it_does_it(layer_type, monkeypatch):
+    """A prefill grid large enough for Hopper's warp-specialized core (64 heads, 1100 queries): the front-end leaves q
+    raw and the core applies its norm and RoPE as it loads q (``core_kernel.q_norm_inside``); the layer's output
+    equals the one with the norm on the q branch (``WS_Q_NORM = False``) within bf16 rounding (the sums of squares
+    round in another order), overlapped equals serial bit for bit, and both are bit-stable. Elsewhere (no Hopper,
+    decode) q arrives normalised."""
+    from moe_wave.attention import core_kernel
+    from moe_wave.attention.schedule import run_frontend
+    torch.manual_seed(3)
+    csa = layer_type == "compressed_sparse_attention"
+    cfg = AttnConfig(layer_type=layer_type, hidden=512, heads=64, head_dim=128, q_lora_rank=128, o_groups=2,
+                     o_lora_rank=64, window=64, ratio=TYPES[layer_type], rope=RopeConfig(dim=32, theta=10000.0),
+                     index_heads=8 if csa else 0, index_dim=64 if csa else 0, index_topk=64 if csa else 0)
+    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).cuda().to(torch.bfloat16).eval()
+    dev, S = torch.device("cuda"), 1100
+    x = torch.randn(1, S, 512, device=dev, dtype=torch.bfloat16)
+    pos = torch.arange(S, device=dev)[None]
+    with torch.no_grad():
+        fe = run_frontend(attn, x, pos, attn.new_cache(1, S), False)
+        assert fe.q_raw == core_kernel.q_norm_inside(fe.q_BSHd, len(fe.parts))
+        assert not run_frontend(attn, x[:, :1], pos[:, :1], attn.new_cache(1, S), False).q_raw   # decode
+        on = attn(x, positions=pos, overlap=True)
+        assert torch.equal(on, attn(x, positions=pos, overlap=False))
+        assert torch.equal(on, attn(x, positions=pos, overlap=True))
+        monkeypatch.setattr(core_kernel, "WS_Q_NORM", False)
+        assert not run_frontend(attn, x, pos, attn.new_cache(1, S), False).q_raw
+        off = attn(x, positions=pos)
+    if not fe.q_raw:
+        pytest.skip("the warp-specialized core does not run here (needs a Hopper GPU with Triton's Gluon)")
+    rel = ((on.float() - off.float()).norm() / off.float().norm()).item()
+    assert rel < 1e-2, rel

@@ -19,6 +19,7 @@ from ..fp8 import FP8Linear, GroupedFP8, act_quant, dequant_weight, hf_fp8_paylo
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
+from .core_kernel import q_norm_inside
 from .indexer import Indexer, IndexerConfig
 from .kernels import norm_rope, use_kernels
 from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
@@ -201,12 +202,25 @@ class V4Attention(nn.Module):
     def q_lora(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
 
-    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
-        """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail. (The core kernel can do the
-        norm and RoPE as it loads q, ``q_rope``; here they stay on the q branch, beside the other branches: the
-        measured decode layer preferred that, V4-Flash CSA batch 64 245 vs 259 us on one H200.)"""
+    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, raw: bool = False) -> torch.Tensor:
+        """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail (raw=True: wq_b's output).
+
+        ``run_frontend`` takes the raw heads and leaves the norm and RoPE to the core where its kernel applies
+        them as it loads q (``core_norms_q``: Hopper prefill, the warp-specialized Gluon kernel, which saves a
+        pass over q). Elsewhere they stay on the q branch, beside the other branches: the measured decode layer
+        preferred that, V4-Flash CSA batch 64 245 vs 259 us on one H200 (the Triton kernel's prologue)."""
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
+        return q if raw else self.q_norm_rope(q, pos_BS)
+
+    def core_norms_q(self, q_BSHd: torch.Tensor) -> bool:
+        """Whether this layer's core applies q's per-head RMSNorm and RoPE itself for a raw q like this one
+        (``core_kernel.q_norm_inside``: the fused kernels run, a large grid on Hopper)."""
+        return use_kernels(q_BSHd, self.schedule.kernels) and \
+            q_norm_inside(q_BSHd, 1 if self.compressor is None else 2)
+
+    def q_norm_rope(self, q: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+        """q [B, S, H, d] fresh from wq_b, normalised per head and its tail rotated, in place."""
         if use_kernels(q, self.schedule.kernels):   # per-head RMSNorm + RoPE in one pass, in place
             return norm_rope(q, pos_BS, self.freq_F, eps=self.cfg.eps, out=q)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
@@ -318,8 +332,12 @@ class V4Attention(nn.Module):
         scale, k = self.cfg.head_dim ** -0.5, self.schedule.kernels
         q, S = fe.q_BSHd, fe.q_BSHd.shape[1]
         fp8 = self.fp8_out(q.shape[0] * S)
+        q_rope = (pos_BS, self.freq_F, self.cfg.eps) if fe.q_raw else None
         if use_kernels(q, k):   # the kernel gathers nothing, so it needs no query blocks
-            return sparse_attention(q, fe.parts, self.sinks, scale, k, o_rope=(pos_BS, self.freq_F), out_fp8=fp8)
+            return sparse_attention(q, fe.parts, self.sinks, scale, k, q_rope=q_rope, o_rope=(pos_BS, self.freq_F),
+                                    out_fp8=fp8)
+        if fe.q_raw:
+            q = self.q_norm_rope(q, pos_BS)
         core = lambda sl: sparse_attention(  # noqa: E731
             q[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, scale, k)
         o = rope_tail(self.chunked(core, S), pos_BS, self.freq_F, inverse=True, inplace=True, kernels=k)

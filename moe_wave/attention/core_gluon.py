@@ -386,9 +386,11 @@ if gl is not None:
 
     @gluon.jit
     def _ws_math(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
+                 qpos_ptr, qfreq_ptr, q_eps,
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
-                 PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr):
+                 PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
+                 QROPE: gl.constexpr, QRF: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty) = a
@@ -431,12 +433,18 @@ if gl is not None:
                     pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on)
             else:
                 n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
+            if QROPE:                                                   # q's norm and RoPE, before any QK
+                if nt > 0:
+                    mbarrier.wait(q_full, qn & 1)
+                    _ws_q_norm(q_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF, st_l)
+                    fence_async_shared()                                # the stores, to the wgmma's async proxy
+                    _cta_barrier()                                      # ... every warp's rows
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
             l_i = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, qk_l))
             acc = warpgroup_mma_init(gl.zeros([BH, BD], gl.float32, pv_l))
-            if nt > 0:
+            if (not QROPE) and nt > 0:
                 mbarrier.wait(q_full, qn & 1)
             for t in range(0, nt):
                 slot = g % NBUF
@@ -488,6 +496,54 @@ if gl is not None:
                              mask=(ho < H)[:, None] & (do < D)[None, :])
 
     @gluon.jit
+    def _rope_cs(pos_p, freq_ptr, D: gl.constexpr, BD: gl.constexpr, RF: gl.constexpr, INVERSE: gl.constexpr,
+                 out_l: gl.constexpr):
+        # cos and signed sin [BD] of the RoPE angles pos * freq[(c - (D - RF)) // 2] of the last RF channels c (1 and
+        # 0 elsewhere), in out_l (a row's channels, the heads broadcast along them). The sign: even channels x*cos -
+        # x_odd*sin, odd ones x*cos + x_even*sin; INVERSE rotates by -angle. Computed BD / 256 channels a thread and
+        # then moved to out_l: in a row's layout each thread would hold BD / 32 of them, and cos / sin cost ~40
+        # instructions each.
+        cs_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8],
+                                              order=[0])
+        ds = gl.arange(0, BD, layout=cs_l)
+        ct = ds - (D - RF)
+        tail = (ct >= 0) & (ds < D)
+        ang = gl.load(pos_p).to(gl.float32) * gl.load(freq_ptr + gl.maximum(ct, 0) // 2, mask=tail, other=0.0)
+        c = gl.where(tail, gl.cos(ang), 1.0)
+        sn = gl.where(tail, gl.sin(ang), 0.0)
+        if INVERSE:
+            sn = -sn
+        sn = gl.where((ds % 2) == 0, -sn, sn)
+        return gl.convert_layout(c, out_l), gl.convert_layout(sn, out_l)
+
+    @gluon.jit
+    def _ws_q_norm(q_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr,
+                   RF: gl.constexpr, st_l: gl.constexpr):
+        # The item's raw q [BH, BD] in shared memory, rewritten in place as ``kernels.norm_rope(q, pos, freq,
+        # eps=eps)`` has it (``core_kernel._q_prologue``'s math): per head 1 / rms over the d channels (fp32), the
+        # channels times it, the last RF rotated by pos * freq (the pair partner by a split / join within the
+        # thread, the multiply-add pinned to fma(x_swap, -+sin, x * cos) as norm_rope pins it), rounded once to q's
+        # dtype. RC heads at a time (st_l: 8 channels a thread; the row sums are a warp's shuffles).
+        RC: gl.constexpr = 16
+        ds = gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
+        tail = (ds >= D - RF) & (ds < D)
+        c = gl.full([BD], 1.0, gl.float32, gl.SliceLayout(0, st_l))
+        sn = gl.zeros([BD], gl.float32, gl.SliceLayout(0, st_l))
+        if RF > 0:                                                      # one angle a channel, for every head
+            c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, D, BD, RF, False, gl.SliceLayout(0, st_l))
+        for k in gl.static_range(BH // RC):
+            part = q_smem.slice(k * RC, RC)
+            x = part.load(st_l)
+            xf = x.to(gl.float32)
+            inv = 1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps)
+            y = xf * inv[:, None]
+            if RF > 0:
+                ev, od = gl.split(gl.reshape(x, [RC, BD // 2, 2]))
+                xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [RC, BD]), st_l).to(gl.float32) * inv[:, None]
+                y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], y * c[None, :]), y)
+            part.store(y.to(x.dtype))
+
+    @gluon.jit
     def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
                   BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, st_l: gl.constexpr):
         # The item's output y [BH, BD] (q's dtype, 8 channels a thread) to o_row, through the layer's steps after
@@ -503,14 +559,8 @@ if gl is not None:
             x = y.to(gl.float32)
             ev, od = gl.split(gl.reshape(y, [BH, BD // 2, 2]))
             xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, BD]), st_l).to(gl.float32)
-            ct = ds - (D - RF)
-            tail = (ct >= 0) & (ds < D)
-            ang = gl.load(opos_ptr + row).to(gl.float32) * gl.load(ofreq_ptr + gl.maximum(ct, 0) // 2, mask=tail,
-                                                                    other=0.0)
-            c = gl.cos(ang)
-            sn = gl.sin(ang)
-            sn = -sn                                                    # inverse: rotate by -angle
-            sn = gl.where((ds % 2) == 0, -sn, sn)
+            tail = (ds >= D - RF) & (ds < D)
+            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, D, BD, RF, True, gl.SliceLayout(0, st_l))
             y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], x * c[None, :]), x).to(y.dtype)
         if FP8:
             sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
@@ -531,13 +581,14 @@ if gl is not None:
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
     def _sparse_core_ws(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
+                        qpos_ptr, qfreq_ptr, q_eps,
                         S, H, J1, J2, n_items, M, qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m,
                         s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                         D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                         NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        QROPE: gl.constexpr, QRF: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -558,8 +609,9 @@ if gl is not None:
              s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
              q_empty, kv_full, kv_empty)
         gl.warp_specialize([
-            (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC)),
+            (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, qpos_ptr,
+                        qfreq_ptr, q_eps, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC,
+                        QROPE, QRF)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE)),
         ], [4], [LOAD_REGS])
 
@@ -585,8 +637,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
 
 
 class WSUnavailable(RuntimeError):
-    """A call with the output's steps (o_rope / scales) and ws=None, where the warp-specialized kernel cannot run:
-    the caller runs the plain kernel and the steps as separate passes."""
+    """A call with the steps around the core (q_rope / o_rope / scales) and ws=None, where the warp-specialized
+    kernel cannot run: the caller runs the plain kernel and the steps as separate passes."""
 
 
 # what a Gluon launch raises before anything runs, where a kernel does not compile with this Triton
@@ -598,7 +650,8 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                            i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
                            bn: int = BN, nbuf: int = NBUF, probe: int = 0, ws: bool | None = None,
                            load_regs: int = LOAD_REGS, programs: int | None = None, opts: dict | None = None,
-                           o_rope: tuple | None = None, scales: torch.Tensor | None = None) -> None:
+                           o_rope: tuple | None = None, scales: torch.Tensor | None = None,
+                           q_rope: tuple | None = None) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
     per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
@@ -610,10 +663,13 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
 
     The warp-specialized kernel also runs the layer's steps after the core in its epilogue, with the bits of the
     unfused chain (``core_kernel._epilogue``'s math): o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the
-    last 2F channels; scales (fp32 [H*d/128, B*S]): out is e4m3 and gets ``act_quant``'s format."""
+    last 2F channels; scales (fp32 [H*d/128, B*S]): out is e4m3 and gets ``act_quant``'s format. And the step
+    before it, as the item's q arrives (``_ws_q_norm``): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and
+    gets ``kernels.norm_rope(q, pos, freq, eps=eps)``'s per-head RMSNorm and RoPE (its bits but for the order of
+    the sum of squares)."""
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
-    fused = o_rope is not None or scales is not None
+    fused = o_rope is not None or scales is not None or q_rope is not None
     default_ws = ws is None
     if ws is None:
         ws = probe == 0 and ws_supported(J1, J2, bn)
@@ -622,7 +678,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     elif ws and probe in (1, 2):
         raise ValueError(f"sparse_attention_gluon: probe={probe} is the one-program-per-item kernel's")
     if fused and not ws:
-        raise ValueError("sparse_attention_gluon: o_rope / scales need the warp-specialized kernel (ws)")
+        raise ValueError("sparse_attention_gluon: q_rope / o_rope / scales need the warp-specialized kernel (ws)")
     if scales is not None and D % 128:
         raise ValueError(f"sparse_attention_gluon: an FP8 output needs d={D} a multiple of 128")
     JC = picks_chunk(J1, J2, bn)
@@ -634,13 +690,17 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         n_items = B * S * (H // BH)
         grid = min(n_items, programs or _sm_count(q.device.index))
         opos, ofreq = o_rope if o_rope is not None else (sinks, sinks)     # (unused without o_rope)
+        qpos, qfreq, q_eps = q_rope if q_rope is not None else (sinks, sinks, 0.0)
+        qrf = 2 * qfreq.numel() if q_rope is not None else 0
         try:
             _sparse_core_ws[(grid,)](
-                q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks, *args,
+                q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
+                qpos, qfreq if qrf else sinks, float(q_eps), *args,
                 n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
                 LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
-                FP8=scales is not None, STC=min(32, D // 8), num_warps=8, maxnreg=WS_MAXNREG,
-                **_ws_opts(opts, J1, J2, JC, q, out, probe, fused))
+                FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, num_warps=8,
+                maxnreg=WS_MAXNREG,
+                **_ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None))
             return
         except COMPILE_ERRORS as e:                                     # raised before anything runs
             if not default_ws:

@@ -24,8 +24,9 @@ Optional fusions (constexpr flags of the kernels, all off by default; ``sparse_a
 By default they run inside the kernels on small grids (decode and short chunks, where they cost less than the
 launches and passes they save) and as the unfused passes around the plain kernel on large ones (this kernel is at
 its register limit: at a 4096-token prefill the fused prologue costs more than norm_rope's pass); see
-``FUSE_MAX_WAVES``, ``fuse`` overrides. On a large grid without ``q_rope``, Hopper's warp-specialized Gluon
-kernel (``core_gluon``) runs ``o_rope`` / ``out_fp8`` in its epilogue instead, with the same math:
+``FUSE_MAX_WAVES``, ``fuse`` overrides. On a large grid, Hopper's warp-specialized Gluon kernel (``core_gluon``)
+runs them instead, with the same math: ``q_rope`` on each item's q in shared memory before its first QK,
+``o_rope`` / ``out_fp8`` in its epilogue (``q_norm_inside`` says where; the layer then leaves q raw):
 
 - ``q_rope`` (prologue): q comes raw from q_b; as a program loads its q tile it applies what ``kernels.norm_rope``
   does (per-head RMSNorm over d in fp32, then RoPE of the last 2F channels, fp32, rounded to q's dtype), so the
@@ -577,15 +578,17 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"sparse_attention_fused: impl={impl!r} must be 'auto', 'triton' or 'gluon'")
     J = i1.shape[-1] + (i2.shape[-1] if two else 0)
-    if B * S * H and not fuse and fu.qpos is None and fu.key != (False, False, False) and \
+    if B * S * H and not fuse and fu.key != (False, False, False) and \
             _gluon_runs(q, len(srcs), J, want, config, impl, False) and \
             core_gluon.ws_supported(i1.shape[-1], i2.shape[-1] if two else 0):
-        # the warp-specialized Gluon kernel runs the chain's steps after the core in its epilogue (same bits)
+        # the warp-specialized Gluon kernel runs the chain's steps: q's norm and RoPE as an item's q arrives, the
+        # output's in its epilogue (same bits, but for the order of q's sum of squares)
         out, scales, result = _outputs(q, fu)
         try:
             core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two,
                                               o_rope=(fu.opos, fu.ofreq) if fu.opos is not None else None,
-                                              scales=scales)
+                                              scales=scales,
+                                              q_rope=(fu.qpos, fu.qfreq, fu.eps) if fu.qpos is not None else None)
             return result
         except core_gluon.WSUnavailable:        # it did not compile here (warned once): the chain below runs
             pass
@@ -658,6 +661,25 @@ def _gluon_runs(q: torch.Tensor, n_parts: int, J: int, want: CoreConfig, config:
     B, S, H, _ = q.shape
     nsplit = 1 if impl == "gluon" else _splits(want, B, S, H, J, q.device)
     return core_gluon.supported(q, n_parts, nsplit, fused_inside)
+
+
+# the layer leaves q's norm and RoPE to the warp-specialized kernel where it runs (``q_norm_inside``); False: on the q
+# branch everywhere (benchmarks compare the two)
+WS_Q_NORM = True
+
+
+def q_norm_inside(q_BSHd: torch.Tensor, n_parts: int) -> bool:
+    """Whether ``sparse_attention_fused(q_rope=...)`` of this q (raw, [B, S, H, d]) with ``n_parts`` parts and no
+    tiling of its own applies q's norm and RoPE inside Hopper's warp-specialized Gluon kernel, as an item's q
+    arrives in shared memory (a large grid: prefill). There it saves ``norm_rope``'s pass over q (a read and a
+    write of B*S*H*d elements); on small grids the chain (or the Triton kernel's prologue) runs instead, where the
+    layer prefers the norm on its q branch (``V4Attention.q_heads``). ``WS_Q_NORM = False`` says no everywhere."""
+    B, S, H, D = q_BSHd.shape
+    if not WS_Q_NORM or not B * S * H or not q_BSHd.is_cuda or triton is None:
+        return False
+    want = default_config(H, D, q_BSHd.dtype).fit(H, D)
+    return not _fuse_inside(q_BSHd, want) and _gluon_runs(q_BSHd, n_parts, 0, want, None, "auto", False) and \
+        core_gluon.ws_supported(0, 0)
 
 
 def core_impl(q_BSHd: torch.Tensor, parts: list, *, fusions: bool = False, config: CoreConfig | None = None,
