@@ -177,7 +177,19 @@ def _pad_k(x_q, s_KbM, w_q, s_w):
     return xp, sp, wp, swp
 
 
-def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype):
+_SCALED_MM_OUT_OK: dict = {}   # device -> whether torch._scaled_mm(out=) takes the 1 x 128 recipe there
+
+
+def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
+    if out is not None:                        # straight into out (a grouped projection's slice): no copy after
+        dev = x_q.device
+        if (x_q.shape[1] // BLOCK) % 4 == 0 and w_q.shape[0] % 16 == 0 and x_q.shape[0] % 4 == 0 and \
+                _SCALED_MM_OUT_OK.get(dev, True):
+            try:
+                return torch._scaled_mm(x_q, w_q.t(), scale_a=s_KbM.t(), scale_b=s_w.t(), out_dtype=out_dtype, out=out)
+            except (RuntimeError, TypeError):
+                _SCALED_MM_OUT_OK[dev] = False  # (the copy below, from now on)
+        return out.copy_(_scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype))
     if (x_q.shape[1] // BLOCK) % 4:
         x_q, s_KbM, w_q, s_w = _pad_k(x_q, s_KbM, w_q, s_w)
     N = w_q.shape[0]
@@ -195,13 +207,19 @@ def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype):
 
 
 def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x @ w^T from ``act_quant``'s and ``weight_quant``'s pairs.
 
     On CUDA: ``torch._scaled_mm`` (1 x 128 by 128 x 128 scaling). x_q may be a column slice of a wider matrix
     (unit channel stride, row stride >= K; its scales the matching rows of s). Where torch refuses that recipe
     (no cuBLAS >= 12.9, a GPU before Hopper) the device falls back, with one warning, to ``fp8_matmul_ref``.
+    out: a contiguous [M, N] tensor of ``out_dtype`` to write y into (returned); on CUDA the GEMM writes it
+    directly where torch takes ``out=`` for this recipe, else y is copied in.
     """
+    if out is not None and (tuple(out.shape) != (x_q.shape[0], w_q.shape[0]) or out.dtype != out_dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"fp8_matmul: out {tuple(out.shape)} {out.dtype} must be a contiguous "
+                         f"[M={x_q.shape[0]}, N={w_q.shape[0]}] tensor of {out_dtype}")
     M, K = x_q.shape
     N = w_q.shape[0]
     if w_q.shape[1] != K or tuple(s_KbM.shape) != (K // BLOCK, M) or s_w.shape[1] < -(-K // BLOCK) \
@@ -210,15 +228,16 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
                          f"s_w {tuple(s_w.shape)}: need s [K/128, M], w_q [N, K], s_w [ceil(N/128), ceil(K/128)]")
     dev = x_q.device
     if M == 0:
-        return torch.empty(0, N, dtype=out_dtype, device=dev)
+        return torch.empty(0, N, dtype=out_dtype, device=dev) if out is None else out
     if dev.type == "cuda" and _SCALED_MM_OK.get(dev, True):
         try:
-            return _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype)
+            return _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype, out)
         except (RuntimeError, NotImplementedError) as e:
             _SCALED_MM_OK[dev] = False
             warnings.warn(f"fp8_matmul: torch._scaled_mm refused 1x128 x 128x128 block scaling on {dev} ({e}); "
                           "running the dequantised fp32 product instead (slow)", RuntimeWarning, stacklevel=2)
-    return fp8_matmul_ref(x_q, s_KbM, w_q, s_w, out_dtype)
+    y = fp8_matmul_ref(x_q, s_KbM, w_q, s_w, out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 class _FP8Module(nn.Module):
@@ -335,8 +354,8 @@ class GroupedFP8(_FP8Module):
         M = x_q.shape[0]
         out = torch.empty(G, M, R, dtype=out_dtype, device=x_q.device)
         for g in range(G):
-            out[g] = fp8_matmul(x_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb],
-                                self.weight[g * R:(g + 1) * R], self.weight_scale[g * nb:(g + 1) * nb], out_dtype)
+            fp8_matmul(x_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb], self.weight[g * R:(g + 1) * R],
+                       self.weight_scale[g * nb:(g + 1) * nb], out_dtype, out=out[g])
         return out
 
     def forward(self, x_MGK: torch.Tensor) -> torch.Tensor:

@@ -132,11 +132,11 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_warp_specialized_prologue_is_norm_rope(name):
-    """q's per-head RMSNorm and RoPE in the warp-specialized kernel, on each item's q in shared memory, against
-    ``norm_rope`` then the plain kernel: the same bits but where a head's sum of squares rounds differently (its
-    order differs), so within bf16 rounding, and the same bits with 3 programs as with one per SM and from run to
-    run; norm only (no frequencies) too; with the output's steps as well, that chain's output exactly (the epilogue
-    is checked above); and ``sparse_attention_fused`` takes it for a large grid."""
+    """q's per-head RMSNorm and RoPE in the warp-specialized kernel, on each item's q in shared memory (the tail
+    rotated in place, the norm a factor of the head's scores, not rounded into q), against ``norm_rope`` then the
+    plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM and
+    from run to run; norm only (no frequencies) too; with the output's steps as well, the bits of that kernel's
+    output quantised (the epilogue is checked above), as ``sparse_attention_fused`` runs it for a large grid."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -155,7 +155,7 @@ def test_warp_specialized_prologue_is_norm_rope(name):
                                               programs=programs, q_rope=(pos, freq, eps))
             runs.append(got)
         assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
-        assert rel(runs[0], want) < 2e-3, rel(runs[0], want)
+        assert rel(runs[0], want) < 1e-2, rel(runs[0], want)
         ref = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off",
                                q_rope=(pos.view(B, S), freq, eps))
         assert rel(runs[0], ref) < 1.5e-2

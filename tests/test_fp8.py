@@ -187,6 +187,25 @@ def test_grouped_fp8_equals_per_group_linears():
         torch.testing.assert_close(got[g], F.FP8Linear.from_linear(lin)(x[:, g]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_fp8_matmul_writes_into_out(dev):
+    """out= (a grouped projection's slice of its [G, M, R] output) gets the bits the call returns without it, on
+    the GPU written by the GEMM itself where torch takes out= for the recipe (with M not a multiple of 4 through a
+    copy); a wrong out is refused by name."""
+    torch.manual_seed(4)
+    for M in (64, 70):
+        x_q, s = F.act_quant(torch.randn(M, 1024, device=dev, dtype=torch.bfloat16))
+        w_q, ws = F.weight_quant(torch.randn(256, 512, device=dev) * 0.02)
+        want = F.fp8_matmul(x_q[:, 512:], s[4:], w_q, ws)
+        out = torch.full((2, M, 256), float("nan"), device=dev, dtype=torch.bfloat16)
+        got = F.fp8_matmul(x_q[:, 512:], s[4:], w_q, ws, out=out[1])
+        assert got.data_ptr() == out[1].data_ptr() and torch.equal(out[1], want) and out[0].isnan().all()
+    with pytest.raises(ValueError, match=r"fp8_matmul: out \(70, 128\) torch.bfloat16 must be a contiguous "
+                                         r"\[M=70, N=256\]"):
+        F.fp8_matmul(x_q[:, 512:], s[4:], w_q, ws, out=out[0, :, :128])
+
+
 def test_fp8_needs_inputs_in_whole_blocks():
     with pytest.raises(ValueError, match="FP8Linear: in_features=64 must be a multiple of 128"):
         F.FP8Linear.from_linear(torch.nn.Linear(64, 128, bias=False))

@@ -390,7 +390,7 @@ if gl is not None:
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                 QROPE: gl.constexpr, QRF: gl.constexpr):
+                 QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, QTPC: gl.constexpr, inv_smem):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty) = a
@@ -433,12 +433,12 @@ if gl is not None:
                     pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on)
             else:
                 n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
+            qs = gl.full([BH], qk_scale, gl.float32, gl.SliceLayout(1, qk_l))   # the heads' score scales
             if QROPE:                                                   # q's norm and RoPE, before any QK
                 if nt > 0:
                     mbarrier.wait(q_full, qn & 1)
-                    _ws_q_norm(q_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF, st_l)
-                    fence_async_shared()                                # the stores, to the wgmma's async proxy
-                    _cta_barrier()                                      # ... every warp's rows
+                    qs = qk_scale * _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH,
+                                               QRF, QTW, QTPC, st_l, gl.SliceLayout(1, qk_l))
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
@@ -460,7 +460,10 @@ if gl is not None:
                 ok = ok_n
                 ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
 
-                p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l)
+                if QROPE:
+                    p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qs[:, None], dt, pv_l, p_l)
+                else:
+                    p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l)
                 acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
@@ -496,52 +499,54 @@ if gl is not None:
                              mask=(ho < H)[:, None] & (do < D)[None, :])
 
     @gluon.jit
-    def _rope_cs(pos_p, freq_ptr, D: gl.constexpr, BD: gl.constexpr, RF: gl.constexpr, INVERSE: gl.constexpr,
+    def _rope_cs(pos_p, freq_ptr, N: gl.constexpr, CT0: gl.constexpr, RF: gl.constexpr, INVERSE: gl.constexpr,
                  out_l: gl.constexpr):
-        # cos and signed sin [BD] of the RoPE angles pos * freq[(c - (D - RF)) // 2] of the last RF channels c (1 and
-        # 0 elsewhere), in out_l (a row's channels, the heads broadcast along them). The sign: even channels x*cos -
-        # x_odd*sin, odd ones x*cos + x_even*sin; INVERSE rotates by -angle. Computed BD / 256 channels a thread and
-        # then moved to out_l: in a row's layout each thread would hold BD / 32 of them, and cos / sin cost ~40
+        # cos and signed sin [N] of N consecutive channels whose first is channel CT0 of the rope tail (the last RF
+        # channels of d; CT0 < 0: before the tail), in out_l (a row's channels, the heads broadcast along them).
+        # Tail channel ct has angle pos * freq[ct // 2]; elsewhere cos 1 and sin 0. The sign: even channels x*cos -
+        # x_odd*sin, odd ones x*cos + x_even*sin; INVERSE rotates by -angle. Computed N / 256 channels a thread and
+        # then moved to out_l: in a row's layout each thread would hold up to 16 of them, and cos / sin cost ~40
         # instructions each.
         cs_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8],
                                               order=[0])
-        ds = gl.arange(0, BD, layout=cs_l)
-        ct = ds - (D - RF)
-        tail = (ct >= 0) & (ds < D)
+        ct = gl.arange(0, N, layout=cs_l) + CT0
+        tail = (ct >= 0) & (ct < RF)
         ang = gl.load(pos_p).to(gl.float32) * gl.load(freq_ptr + gl.maximum(ct, 0) // 2, mask=tail, other=0.0)
         c = gl.where(tail, gl.cos(ang), 1.0)
         sn = gl.where(tail, gl.sin(ang), 0.0)
         if INVERSE:
             sn = -sn
-        sn = gl.where((ds % 2) == 0, -sn, sn)
+        sn = gl.where((ct % 2) == 0, -sn, sn)
         return gl.convert_layout(c, out_l), gl.convert_layout(sn, out_l)
 
     @gluon.jit
-    def _ws_q_norm(q_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr,
-                   RF: gl.constexpr, st_l: gl.constexpr):
-        # The item's raw q [BH, BD] in shared memory, rewritten in place as ``kernels.norm_rope(q, pos, freq,
-        # eps=eps)`` has it (``core_kernel._q_prologue``'s math): per head 1 / rms over the d channels (fp32), the
-        # channels times it, the last RF rotated by pos * freq (the pair partner by a split / join within the
-        # thread, the multiply-add pinned to fma(x_swap, -+sin, x * cos) as norm_rope pins it), rounded once to q's
-        # dtype. RC heads at a time (st_l: 8 channels a thread; the row sums are a warp's shuffles).
+    def _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
+                   BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, TPC: gl.constexpr, st_l: gl.constexpr,
+                   out_l: gl.constexpr):
+        # The item's raw q [BH, BD] in shared memory, before its first QK: returns each head's 1 / rms over its d
+        # channels (fp32, [BH] in out_l), which the softmax multiplies into the scale of the head's scores, and
+        # rotates the last RF channels in place (RoPE by pos * freq, fp32, the multiply-add fma(x_swap, -+sin,
+        # x * cos) as norm_rope pins it, rounded once to q's dtype). That is norm_rope(q)'s math with the norm
+        # moved past the dot (a per-row factor of q is one of its scores): ~1/8 of q rewritten, not all of it.
+        # The sums: RC heads at a time (st_l: 8 channels a thread, a warp's shuffles). The rotation: the last TW
+        # channels (whole 64-channel columns of the 128-byte swizzle), TPC threads along a row.
         RC: gl.constexpr = 16
-        ds = gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
-        tail = (ds >= D - RF) & (ds < D)
-        c = gl.full([BD], 1.0, gl.float32, gl.SliceLayout(0, st_l))
-        sn = gl.zeros([BD], gl.float32, gl.SliceLayout(0, st_l))
-        if RF > 0:                                                      # one angle a channel, for every head
-            c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, D, BD, RF, False, gl.SliceLayout(0, st_l))
         for k in gl.static_range(BH // RC):
-            part = q_smem.slice(k * RC, RC)
-            x = part.load(st_l)
-            xf = x.to(gl.float32)
-            inv = 1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps)
-            y = xf * inv[:, None]
-            if RF > 0:
-                ev, od = gl.split(gl.reshape(x, [RC, BD // 2, 2]))
-                xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [RC, BD]), st_l).to(gl.float32) * inv[:, None]
-                y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], y * c[None, :]), y)
-            part.store(y.to(x.dtype))
+            xf = q_smem.slice(k * RC, RC).load(st_l).to(gl.float32)
+            inv_smem.slice(k * RC, RC).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
+        if RF > 0:
+            _cta_barrier()                                              # every sum read q before it is rotated
+            rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
+                                                  warps_per_cta=[8, 1], order=[1, 0])
+            tail = q_smem.slice(D - TW, TW, dim=1)
+            x = tail.load(rt_l)
+            c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, TW, RF - TW, RF, False, gl.SliceLayout(0, rt_l))
+            ev, od = gl.split(gl.reshape(x, [BH, TW // 2, 2]))
+            xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, TW]), rt_l).to(gl.float32)
+            tail.store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
+            fence_async_shared()                                        # the rotated q, to the wgmma's proxy
+        _cta_barrier()                                                  # the factors and the rotated q, to all
+        return inv_smem.load(out_l)
 
     @gluon.jit
     def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
@@ -560,7 +565,7 @@ if gl is not None:
             ev, od = gl.split(gl.reshape(y, [BH, BD // 2, 2]))
             xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, BD]), st_l).to(gl.float32)
             tail = (ds >= D - RF) & (ds < D)
-            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, D, BD, RF, True, gl.SliceLayout(0, st_l))
+            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, BD, RF - D, RF, True, gl.SliceLayout(0, st_l))
             y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], x * c[None, :]), x).to(y.dtype)
         if FP8:
             sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
@@ -588,13 +593,15 @@ if gl is not None:
                         NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                        QROPE: gl.constexpr, QRF: gl.constexpr, num_warps: gl.constexpr):
+                        QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, QTPC: gl.constexpr,
+                        num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
         k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
         pk_smem = gl.allocate_shared_memory(gl.int32, [BN], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        inv_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -611,7 +618,7 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, qpos_ptr,
                         qfreq_ptr, q_eps, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC,
-                        QROPE, QRF)),
+                        QROPE, QRF, QTW, QTPC, inv_smem)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE)),
         ], [4], [LOAD_REGS])
 
@@ -664,9 +671,9 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     The warp-specialized kernel also runs the layer's steps after the core in its epilogue, with the bits of the
     unfused chain (``core_kernel._epilogue``'s math): o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the
     last 2F channels; scales (fp32 [H*d/128, B*S]): out is e4m3 and gets ``act_quant``'s format. And the step
-    before it, as the item's q arrives (``_ws_q_norm``): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and
-    gets ``kernels.norm_rope(q, pos, freq, eps=eps)``'s per-head RMSNorm and RoPE (its bits but for the order of
-    the sum of squares)."""
+    before it, as the item's q arrives (``_ws_q_prep``): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and
+    gets ``kernels.norm_rope(q, pos, freq, eps=eps)``'s per-head RMSNorm and RoPE, the norm as a factor of the
+    head's scores (not rounded into q: within bf16 rounding of the chain, not its bits)."""
     B, S, H, D = q.shape
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
     fused = o_rope is not None or scales is not None or q_rope is not None
@@ -692,13 +699,15 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         opos, ofreq = o_rope if o_rope is not None else (sinks, sinks)     # (unused without o_rope)
         qpos, qfreq, q_eps = q_rope if q_rope is not None else (sinks, sinks, 0.0)
         qrf = 2 * qfreq.numel() if q_rope is not None else 0
+        qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
         try:
             _sparse_core_ws[(grid,)](
                 q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
                 qpos, qfreq if qrf else sinks, float(q_eps), *args,
                 n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
                 LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
-                FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, num_warps=8,
+                FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf,
+                QTW=qtw, QTPC=min(32, qtw // 8), num_warps=8,
                 maxnreg=WS_MAXNREG,
                 **_ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None))
             return
