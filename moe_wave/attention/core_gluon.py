@@ -295,7 +295,8 @@ if gl is not None:
     # One program per SM walks the (query, 64-head block) items pid, pid + G, ... A loader partition (4 warps)
     # computes each item's tile counts, gathers its tiles into the ring and loads its q; the math partition (the
     # two warpgroups above, same math, same bits) consumes them. mbarriers hand the buffers over:
-    #   kv_full[i] / q_full: 128 arrivals, one per loader thread, each when that thread's cp.async copies landed;
+    #   kv_full[i] / q_full: 128 arrivals, one per loader thread, each when that thread's cp.async copies landed
+    #   (with a q prologue, QROPE: q_full's 128 at once, after the loader's _ws_q_prep on the landed q);
     #   kv_empty[i]: the math partition, once PV of the tile in buffer i is done; q_empty: once the item's last QK is.
     # So the next item's q and first tiles travel while this item's last tiles, its softmax and its output store
     # run, which the one-program-per-item kernel pays for at every item (its fixed cost: ~9 us a program).
@@ -327,7 +328,8 @@ if gl is not None:
     @gluon.jit
     def _ws_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
-                   PROBE: gl.constexpr):
+                   PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
+                   QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty) = a
@@ -370,7 +372,15 @@ if gl is not None:
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
                     if PROBE != 4:
                         _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
-                    cp.mbarrier_arrive(q_full, increment_count=False)
+                    if QROPE:                                   # q's norm factors and RoPE, here, off the math's
+                        cp.commit_group()                       # path: once this thread's copies landed
+                        cp.wait_group(0)
+                        _cta_barrier()                          # ... and every loader thread's
+                        _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF, QTW,
+                                   STC)
+                        mbarrier.arrive(q_full, count=128)      # (after _ws_q_prep's barrier: all of it written)
+                    else:
+                        cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
 
     @gluon.jit
@@ -386,11 +396,10 @@ if gl is not None:
 
     @gluon.jit
     def _ws_math(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
-                 qpos_ptr, qfreq_ptr, q_eps,
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                 QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, QTPC: gl.constexpr, inv_smem):
+                 QROPE: gl.constexpr, inv_smem):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty) = a
@@ -434,11 +443,10 @@ if gl is not None:
             else:
                 n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
             qs = gl.full([BH], qk_scale, gl.float32, gl.SliceLayout(1, qk_l))   # the heads' score scales
-            if QROPE:                                                   # q's norm and RoPE, before any QK
+            if QROPE:                                                   # q's norm factors (the loader's _ws_q_prep)
                 if nt > 0:
                     mbarrier.wait(q_full, qn & 1)
-                    qs = qk_scale * _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH,
-                                               QRF, QTW, QTPC, st_l, gl.SliceLayout(1, qk_l))
+                    qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
@@ -500,14 +508,14 @@ if gl is not None:
 
     @gluon.jit
     def _rope_cs(pos_p, freq_ptr, N: gl.constexpr, CT0: gl.constexpr, RF: gl.constexpr, INVERSE: gl.constexpr,
-                 out_l: gl.constexpr):
+                 out_l: gl.constexpr, NW: gl.constexpr):
         # cos and signed sin [N] of N consecutive channels whose first is channel CT0 of the rope tail (the last RF
         # channels of d; CT0 < 0: before the tail), in out_l (a row's channels, the heads broadcast along them).
         # Tail channel ct has angle pos * freq[ct // 2]; elsewhere cos 1 and sin 0. The sign: even channels x*cos -
         # x_odd*sin, odd ones x*cos + x_even*sin; INVERSE rotates by -angle. Computed N / 256 channels a thread and
-        # then moved to out_l: in a row's layout each thread would hold up to 16 of them, and cos / sin cost ~40
-        # instructions each.
-        cs_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8],
+        # then moved to out_l (NW warps): in a row's layout each thread would hold up to 16 of them, and cos / sin
+        # cost ~40 instructions each.
+        cs_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW],
                                               order=[0])
         ct = gl.arange(0, N, layout=cs_l) + CT0
         tail = (ct >= 0) & (ct < RF)
@@ -521,32 +529,37 @@ if gl is not None:
 
     @gluon.jit
     def _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
-                   BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, TPC: gl.constexpr, st_l: gl.constexpr,
-                   out_l: gl.constexpr):
-        # The item's raw q [BH, BD] in shared memory, before its first QK: returns each head's 1 / rms over its d
-        # channels (fp32, [BH] in out_l), which the softmax multiplies into the scale of the head's scores, and
-        # rotates the last RF channels in place (RoPE by pos * freq, fp32, the multiply-add fma(x_swap, -+sin,
-        # x * cos) as norm_rope pins it, rounded once to q's dtype). That is norm_rope(q)'s math with the norm
-        # moved past the dot (a per-row factor of q is one of its scores): ~1/8 of q rewritten, not all of it.
-        # The sums: RC heads at a time (st_l: 8 channels a thread, a warp's shuffles). The rotation: the last TW
-        # channels (whole 64-channel columns of the 128-byte swizzle), TPC threads along a row.
-        RC: gl.constexpr = 16
-        for k in gl.static_range(BH // RC):
-            xf = q_smem.slice(k * RC, RC).load(st_l).to(gl.float32)
-            inv_smem.slice(k * RC, RC).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
+                   BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr):
+        # In the loader partition (4 warps), on the item's raw q [BH, BD] once it landed in shared memory: each
+        # head's 1 / rms over its d channels (fp32) to inv_smem, which the math partition multiplies into the scale
+        # of the head's scores, and the last RF channels rotated in place (RoPE by pos * freq, fp32, the multiply-
+        # add fma(x_swap, -+sin, x * cos) as norm_rope pins it, rounded once to q's dtype). That is norm_rope(q)'s
+        # math with the norm moved past the dot (a per-row factor of q is one of its scores), so ~1/8 of q is
+        # rewritten, not all of it. It runs while the math partition finishes the last item, instead of on its
+        # path. The sums: 8 channels a thread, STC threads along a row (a warp's shuffles). The rotation: the last
+        # TW channels (whole 64-channel columns of the 128-byte swizzle).
+        ss_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
+                                              warps_per_cta=[4, 1], order=[1, 0])
+        RS: gl.constexpr = 8 * (32 // STC)                             # whole 8-row swizzle atoms
+        for k in gl.static_range(BH // RS):
+            xf = q_smem.slice(k * RS, RS).load(ss_l).to(gl.float32)
+            inv_smem.slice(k * RS, RS).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
         if RF > 0:
             _cta_barrier()                                              # every sum read q before it is rotated
+            TPC: gl.constexpr = TW // 8 if TW < 256 else 32
             rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
-                                                  warps_per_cta=[8, 1], order=[1, 0])
+                                                  warps_per_cta=[4, 1], order=[1, 0])
+            RT: gl.constexpr = 4 * (32 // TPC)
+            c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, TW, RF - TW, RF, False, gl.SliceLayout(0, rt_l), 4)
             tail = q_smem.slice(D - TW, TW, dim=1)
-            x = tail.load(rt_l)
-            c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, TW, RF - TW, RF, False, gl.SliceLayout(0, rt_l))
-            ev, od = gl.split(gl.reshape(x, [BH, TW // 2, 2]))
-            xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, TW]), rt_l).to(gl.float32)
-            tail.store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
+            for k in gl.static_range(BH // RT):
+                part = tail.slice(k * RT, RT)
+                x = part.load(rt_l)
+                ev, od = gl.split(gl.reshape(x, [RT, TW // 2, 2]))
+                xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [RT, TW]), rt_l).to(gl.float32)
+                part.store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
             fence_async_shared()                                        # the rotated q, to the wgmma's proxy
-        _cta_barrier()                                                  # the factors and the rotated q, to all
-        return inv_smem.load(out_l)
+        _cta_barrier()                                                  # the factors and the rotated q, written
 
     @gluon.jit
     def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
@@ -565,7 +578,7 @@ if gl is not None:
             ev, od = gl.split(gl.reshape(y, [BH, BD // 2, 2]))
             xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, BD]), st_l).to(gl.float32)
             tail = (ds >= D - RF) & (ds < D)
-            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, BD, RF - D, RF, True, gl.SliceLayout(0, st_l))
+            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, BD, RF - D, RF, True, gl.SliceLayout(0, st_l), 8)
             y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], x * c[None, :]), x).to(y.dtype)
         if FP8:
             sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
@@ -593,8 +606,7 @@ if gl is not None:
                         NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                        QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, QTPC: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -616,21 +628,23 @@ if gl is not None:
              s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
              q_empty, kv_full, kv_empty)
         gl.warp_specialize([
-            (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, qpos_ptr,
-                        qfreq_ptr, q_eps, D, BD, BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC,
-                        QROPE, QRF, QTW, QTPC, inv_smem)),
-            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE)),
+            (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
+                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
+                          QROPE, QRF, QTW, STC)),
         ], [4], [LOAD_REGS])
 
 
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True)   # the warp-specialized kernel's defaults (see _ws_opts)
 
 
-def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
+def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False,
+             q_prep: bool = False) -> dict:
     """The warp-specialized kernel's switches (benchmarks compare them): PREF, the math partition loads the next
     item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
     in 16-byte stores (needs out in q's dtype; always on with a fused epilogue, which runs there); QFIRST, the
-    loader issues an item's q before its first tile. probe 3 (profiling, wrong results): no output store; 4: no q
+    loader issues an item's q before its first tile (off with a q prologue, q_prep: the loader's, during which the
+    first tile travels). probe 3 (profiling, wrong results): no output store; 4: no q
     load."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
@@ -638,7 +652,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
                          "them")
     o["PREF"] = bool(o["PREF"]) and max(J1, J2) <= JC
     o["EPI"] = fused or (bool(o["EPI"]) and out.dtype == q.dtype)
-    o["QFIRST"] = bool(o["QFIRST"])
+    o["QFIRST"] = bool(o["QFIRST"]) and not q_prep     # a q prologue: the item's first tile travels during it
     o["PROBE"] = probe
     return o
 
@@ -707,9 +721,10 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                 n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
                 LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                 FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf,
-                QTW=qtw, QTPC=min(32, qtw // 8), num_warps=8,
+                QTW=qtw, num_warps=8,
                 maxnreg=WS_MAXNREG,
-                **_ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None))
+                **_ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None,
+                           q_rope is not None))
             return
         except COMPILE_ERRORS as e:                                     # raised before anything runs
             if not default_ws:
