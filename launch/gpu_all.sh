@@ -112,10 +112,12 @@ for s in "${STAGES[@]}"; do
         comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  # the attention kernels on CUDA (each against its torch twin; the core and top-k at the V4 shapes),
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
-               # (ATTN_ARGS: bench_attn's options, default $QUICK; PROFILE_ARGS: profile_attn's, default --types csa;
+               # (ATTN_TESTS: pytest's arguments, default the five files below; ATTN_ARGS: bench_attn's options,
+               # default $QUICK; PROFILE_ARGS: profile_attn's, default --types csa;
                # ATTN_CORE=0 / ATTN_PROFILE=0 leave those out)
-               stage attn_tests ${T_ATTNTEST:-420} "$PY" -m pytest -q -p no:cacheprovider --durations=12 tests/test_attn_kernels.py \
-                   tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py tests/test_core_gluon.py
+               stage attn_tests ${T_ATTNTEST:-420} "$PY" -m pytest -q -p no:cacheprovider --durations=12 ${ATTN_TESTS:-\
+                   tests/test_attn_kernels.py tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py \
+                   tests/test_core_gluon.py}
                if [ "${ATTN_CORE:-1}" != 0 ]; then
                    stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
                    sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
