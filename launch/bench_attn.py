@@ -194,8 +194,8 @@ def branches(attn: V4Attention):
         kvc, sc = ix.compressor.project(x, pos)
         ix.compressor.emit(kvc, sc, pos, cache.index, attn.freq_F)
         w = ix.weights(x)
-        qI = ix.query(attn.q_lora(x), pos, attn.freq_F, rope=False)   # as run_frontend has it
-        attn.index_topk(qI, w, pos, cache, rope=True)
+        qI = ix.query(attn.q_lora(x), pos, attn.freq_F)
+        attn.index_topk(qI, w, pos, cache)
         ix.compressor.write_state(kvc, sc, pos, cache.index)
 
     out = {"q": q, "kv": kv}

@@ -102,30 +102,6 @@ def test_index_scores_matches_torch(B, S, Hh, E, N, ratio, kernel):
         assert rel(got[fin], want[fin]) < 1e-5
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-@pytest.mark.parametrize("B, S, Hh, E, F, N", [(2, 70, 3, 32, 8, 40), (1, 65, 2, 128, 32, 70), (1, 64, 2, 64, 4, 9)])
-def test_index_scores_applies_the_rope_of_a_raw_q(B, S, Hh, E, F, N, dtype):
-    """rope_freq: a raw q gets its RoPE inside the queries-on-M kernel (head channels and tail powers of two) or
-    by a pass first (2F = 8: too narrow to split the dot; the heads-on-M kernel): the scores of norm_rope(q,
-    norm=False) then index_scores, to fp32 rounding (the dot in two parts: the head channels, then the tail), and
-    the same selection."""
-    g = _gen(B, S, Hh, E, F, N)
-    q = torch.randn(B, S, Hh, E, generator=g).to(dtype)
-    w = torch.rand(B, S, Hh, generator=g)
-    k = torch.randn(B, N, E, generator=g).to(dtype)
-    pos = torch.arange(S).expand(B, -1) + torch.randint(0, 4 * N, (B, 1), generator=g)
-    freq = torch.rand(F, generator=g) * 0.3
-    qd, wd, kd, pd, fd = _dev(q, w, k, pos, freq)
-    for kernel in ("queries", "heads"):
-        want = index_scores(norm_rope(qd, pd, fd, norm=False), wd, kd, pd, 4, kernel=kernel)
-        got = index_scores(qd, wd, kd, pd, 4, kernel=kernel, rope_freq=fd)
-        fin = torch.isfinite(want)
-        assert torch.equal(torch.isfinite(got), fin) and torch.equal(got[~fin], want[~fin])
-        assert rel(got[fin], want[fin]) < 1e-6, (kernel, rel(got[fin], want[fin]))
-        assert torch.equal(topk_select(got, 5), topk_select(want, 5))
-
-
 def _core_case(B, S, H, D, parts_spec, dtype, key):
     """Random queries, sources and picks; ``parts_spec`` is [(M, J, how)], how: "random" (-1 scattered),
     "tail" (valid picks then -1s, as the window, HCA and topk_select give them) or "none" (all -1)."""

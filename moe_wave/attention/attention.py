@@ -254,16 +254,14 @@ class V4Attention(nn.Module):
         return torch.where(vis_BSN, n_N, torch.full_like(n_N, -1))
 
     def index_topk(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, pos_BS: torch.Tensor,
-                   cache: AttnCache, rope: bool = False) -> torch.Tensor:
+                   cache: AttnCache) -> torch.Tensor:
         """CSA: the indexer's picks [B, S, K] for every query (the fused kernel scores all S at once;
-        the torch ops go by query blocks to bound their [B, q_block, h, N] temporaries). rope: qI is raw
-        (``Indexer.query(rope=False)``): its RoPE runs first, inside the prefill scores kernel where it can."""
+        the torch ops go by query blocks to bound their [B, q_block, h, N] temporaries)."""
         ix, st, k = self.indexer, cache.index, self.schedule.kernels
-        f = self.freq_F if rope else None
         if use_kernels(qI_BShe, k):
-            return ix.select(qI_BShe, w_BSh, st.entries_BNd, pos_BS, st.num_slots, k, rope_freq=f)
+            return ix.select(qI_BShe, w_BSh, st.entries_BNd, pos_BS, st.num_slots, k)
         return self.chunked(lambda sl: ix.select(qI_BShe[:, sl], w_BSh[:, sl], st.entries_BNd, pos_BS[:, sl],
-                                                 st.num_slots, k, rope_freq=f), pos_BS.shape[1])
+                                                 st.num_slots, k), pos_BS.shape[1])
 
     def chunked(self, fn, S: int) -> torch.Tensor:
         """Run ``fn(slice)`` over query blocks of ``schedule.q_block`` and concatenate on dim 1."""

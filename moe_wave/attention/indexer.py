@@ -71,30 +71,24 @@ class Indexer(nn.Module):
         return self.weights_proj(x_BSD).float() * (self.cfg.heads ** -0.5 * self.cfg.dim ** -0.5)
 
     def query(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, freq_F: torch.Tensor,
-              kernels: str = "auto", rope: bool = True) -> torch.Tensor:
-        """The indexer's queries [B, S, h, e]: q_b of the q-LoRA latent, RoPE on the tail (rope=False: left
-        raw for ``select(rope_freq=...)``, which applies it as the scores load q)."""
+              kernels: str = "auto") -> torch.Tensor:
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.dim)
-        return rope_tail(q, pos_BS, freq_F, kernels=kernels) if rope else q
+        return rope_tail(q, pos_BS, freq_F, kernels=kernels)
 
     def select(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor, pos_BS: torch.Tensor,
-               num_slots: int, kernels: str = "auto", rope_freq: torch.Tensor | None = None) -> torch.Tensor:
+               num_slots: int, kernels: str = "auto") -> torch.Tensor:
         """int64 [B, S, K] entry ids (absolute, -1 = none), K = min(topk, num_slots).
 
         ``k_BNe`` may carry extra rows (the trash slot); only the first ``num_slots`` are scored.
         ``kernels``: ``ScheduleConfig.kernels``. With the kernels: ``topk.topk_select`` (the same set as
         ``torch.topk``, ties to the lowest ids, ids ascending); without: ``torch.topk`` (sorted by score).
-        ``rope_freq``: qI is raw (``query(rope=False)``); its RoPE comes first (with the kernels, inside the
-        prefill scores kernel: ``kernels.index_scores``).
         """
         k_BNe = k_BNe[:, :num_slots]
         k = min(self.cfg.topk, num_slots)
         if use_kernels(qI_BShe, kernels):   # fused scores (no [B, S, h, N] intermediate), then the selection
-            score_BSN = index_scores(qI_BShe, w_BSh, k_BNe, pos_BS, self.cfg.ratio, rope_freq=rope_freq)
+            score_BSN = index_scores(qI_BShe, w_BSh, k_BNe, pos_BS, self.cfg.ratio)
             return topk_select(score_BSN, k)   # valid ids ascending, then -1; ties: lowest ids (topk.py)
-        if rope_freq is not None:
-            qI_BShe = rope_tail(qI_BShe, pos_BS, rope_freq, kernels=kernels)
         s_BShN = torch.einsum("bshe,bne->bshn", qI_BShe, k_BNe.to(qI_BShe.dtype)).float().relu()
         score_BSN = (s_BShN * w_BSh[..., None]).sum(dim=2)
         visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]

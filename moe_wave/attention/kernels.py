@@ -219,64 +219,30 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, freq_ptr, S, N, Hh, ratio,
+    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, S, N, Hh, ratio,
                              sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_n, so_b, so_s,
-                             E: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-                             RF: tl.constexpr, INTERP: tl.constexpr):
-        # RF > 0: q is raw (fresh from the indexer's q_b) and its last RF channels get their RoPE here, as each
-        # head's q tile is loaded (the angles once a program): norm_rope(q, pos, freq, norm=False)'s math and
-        # rounding, so the scores are the unfused chain's (the dot runs as two, the head channels then the tail
-        # into the same accumulator: the k-steps of the one dot, in its order)
+                             E: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         ps = tl.program_id(0)
         pn = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
         s = ps * BS + tl.arange(0, BS)
         n = pn * BN + tl.arange(0, BN)
+        e = tl.arange(0, E)
         smask = s < S
         nmask = n < N
         pos = tl.load(pos_ptr + b * S + s, mask=smask, other=-1)
         vis = (pos + 1) // ratio                                           # entries < vis are visible
         out = tl.full((BS, BN), float("-inf"), tl.float32)
         if pn * BN < tl.max(vis, axis=0):                                  # some query of the block sees the tile
+            k = tl.load(k_ptr + b * sk_b + n[:, None] * sk_n + e[None, :], mask=nmask[:, None], other=0.0)
+            kT = tl.trans(k)
             acc = tl.zeros((BS, BN), tl.float32)
-            if RF > 0:
-                EH: tl.constexpr = E - RF
-                eh = tl.arange(0, EH)
-                et = tl.arange(0, RF)
-                kh = tl.trans(tl.load(k_ptr + b * sk_b + n[:, None] * sk_n + eh[None, :], mask=nmask[:, None],
-                                      other=0.0))
-                kt = tl.trans(tl.load(k_ptr + b * sk_b + n[:, None] * sk_n + EH + et[None, :], mask=nmask[:, None],
-                                      other=0.0))
-                ang = pos.to(tl.float32)[:, None] * tl.load(freq_ptr + et // 2)[None, :]
-                c = tl.cos(ang)
-                sn = tl.sin(ang)
-                sn = tl.where((et % 2)[None, :] == 0, -sn, sn)              # even: x*cos - x_odd*sin; odd: +
-                for h in range(0, Hh):
-                    qrow = q_ptr + b * sq_b + s[:, None] * sq_s + h * sq_h
-                    qh = tl.load(qrow + eh[None, :], mask=smask[:, None], other=0.0)
-                    xt = tl.load(qrow + EH + et[None, :], mask=smask[:, None], other=0.0)
-                    xs = tl.load(qrow + EH + (et ^ 1)[None, :], mask=smask[:, None], other=0.0).to(tl.float32)
-                    if INTERP:
-                        qt = xt.to(tl.float32) * c + xs * sn
-                    else:                                                  # as norm_rope's kernel pins it
-                        qt = tl.fma(xs, sn, xt.to(tl.float32) * c)
-                    dot = _dot(qh, kh, IEEE)
-                    if IEEE:
-                        dot = tl.dot(qt.to(xt.dtype), kt, dot, input_precision="ieee")
-                    else:
-                        dot = tl.dot(qt.to(xt.dtype), kt, dot)
-                    wh = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=smask, other=0.0)
-                    acc += wh[:, None] * tl.maximum(dot, 0.0)
-            else:
-                e = tl.arange(0, E)
-                kT = tl.trans(tl.load(k_ptr + b * sk_b + n[:, None] * sk_n + e[None, :], mask=nmask[:, None],
-                                      other=0.0))
-                for h in range(0, Hh):
-                    q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + h * sq_h + e[None, :], mask=smask[:, None],
-                                other=0.0)
-                    dot = _dot(q, kT, IEEE)
-                    wh = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=smask, other=0.0)
-                    acc += wh[:, None] * tl.maximum(dot, 0.0)
+            for h in range(0, Hh):
+                q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + h * sq_h + e[None, :], mask=smask[:, None],
+                            other=0.0)
+                dot = _dot(q, kT, IEEE)
+                wh = tl.load(w_ptr + b * sw_b + s * sw_s + h, mask=smask, other=0.0)
+                acc += wh[:, None] * tl.maximum(dot, 0.0)
             see = (n[None, :] < vis[:, None]) & nmask[None, :]
             out = tl.where(see, acc, out)
         tl.store(out_ptr + b * so_b + s[:, None] * so_s + n[None, :], out, mask=smask[:, None] & nmask[None, :])
@@ -317,10 +283,6 @@ if triton is not None:
             tl.store(out_ptr + b * so_b + s * so_s + n, out, mask=nmask)
 
 
-def _pow2_16(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 # Which scores kernel: "heads" puts a query's heads on the dot's M side (every row useful for any S); "queries" puts
 # 64 queries on M and loops over the heads (in decode 63 of its 64 rows are padding). On one H200
 # (launch/profile_attn.py, V4-Flash, 1024 entries, 64 heads): decode batch 64 13 us vs 136 us, prefill 4096 262 us vs
@@ -329,25 +291,16 @@ INDEX_QUERIES_MIN = 64
 
 
 def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor, pos_BS: torch.Tensor,
-                 ratio: int, kernel: str | None = None, rope_freq: torch.Tensor | None = None) -> torch.Tensor:
+                 ratio: int, kernel: str | None = None) -> torch.Tensor:
     """fp32 [B, S, N] indexer scores with the causal mask (-inf: not visible). See the module docstring.
 
     Args:
-        qI_BShe: indexer queries (RoPE applied, or raw with ``rope_freq``); w_BSh: fp32 head weights (scales folded
-            in); k_BNe: compressed indexer keys (only the first N slots are scored); pos_BS: positions.
+        qI_BShe: indexer queries (RoPE applied); w_BSh: fp32 head weights (scales folded in);
+        k_BNe: compressed indexer keys (only the first N slots are scored); pos_BS: positions.
         kernel: "heads" or "queries" (default: chosen by S, see ``INDEX_QUERIES_MIN``).
-        rope_freq: fp32 [F]: q is raw, its last 2F channels get ``norm_rope(q, pos, freq, norm=False)`` first
-            (``rope.rope_tail``). The queries-on-M kernel does that as it loads each head's q (prefill: no pass over
-            q) when the head channels and the tail are powers of two of at least 16 channels, with the chain's
-            bits; elsewhere the pass runs first.
     """
     B, S, Hh, E = qI_BShe.shape
     N = k_BNe.shape[1]
-    kind = kernel or ("heads" if S < INDEX_QUERIES_MIN else "queries")
-    RF = 0 if rope_freq is None else 2 * rope_freq.numel()
-    if RF and not (_direct(qI_BShe) and kind == "queries" and _pow2_16(RF) and _pow2_16(E - RF)
-                   and B * S * N):
-        qI_BShe, RF = norm_rope(qI_BShe.contiguous(), pos_BS, rope_freq, norm=False), 0   # = rope_tail's
     if not _direct(qI_BShe) or E & (E - 1) or E < 16 or B * S * N == 0:
         return index_scores_torch(qI_BShe, w_BSh, k_BNe, pos_BS, ratio)
     q = qI_BShe if qI_BShe.stride(-1) == 1 else qI_BShe.contiguous()
@@ -356,20 +309,18 @@ def index_scores(qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor
     w = w_BSh.float()
     pos = pos_BS.contiguous()
     out = torch.empty(B, S, N, dtype=torch.float32, device=q.device)
-    args = (S, N, Hh, int(ratio), q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+    args = (q, w, k, pos, out, S, N, Hh, int(ratio), q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
             k.stride(0), k.stride(1), out.stride(0), out.stride(1))
     ieee = q.dtype == torch.float32
+    kind = kernel or ("heads" if S < INDEX_QUERIES_MIN else "queries")
     if kind == "heads":
         BQ, BN = 16, 64
         _index_scores_heads_kernel[(triton.cdiv(S, BQ), triton.cdiv(N, BN), B)](
-            q, w, k, pos, out, *args, E=E, BH=min(64, max(16, triton.next_power_of_2(Hh))), BQ=BQ, BN=BN, IEEE=ieee,
-            num_warps=4)
+            *args, E=E, BH=min(64, max(16, triton.next_power_of_2(Hh))), BQ=BQ, BN=BN, IEEE=ieee, num_warps=4)
     elif kind == "queries":
         BS, BN = 64, 64
-        freq = rope_freq.float().contiguous() if RF else w                 # (unused without RF)
-        _index_scores_kernel[(triton.cdiv(S, BS), triton.cdiv(N, BN), B)](
-            q, w, k, pos, out, freq, *args, E=E, BS=BS, BN=BN, IEEE=ieee, RF=RF, INTERP=interpreting(),
-            num_warps=8 if RF else 4, num_stages=2)
+        _index_scores_kernel[(triton.cdiv(S, BS), triton.cdiv(N, BN), B)](*args, E=E, BS=BS, BN=BN, IEEE=ieee,
+                                                                           num_warps=4, num_stages=2)
     else:
         raise ValueError(f"index_scores: kernel={kind!r} must be 'heads' or 'queries'")
     return out

@@ -163,8 +163,8 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             wait(q_lora_ready)
             if hold:
                 keep_alive(qr_BSL, sc)
-            qI = ix.query(qr_BSL, pos_BS, attn.freq_F, kernels=kernels, rope=False)   # its RoPE: in the scores
-            comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache, rope=True)
+            qI = ix.query(qr_BSL, pos_BS, attn.freq_F, kernels=kernels)
+            comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache)
             idx_ready = record(sc)
             if store:
                 ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
