@@ -134,8 +134,8 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
 def test_warp_specialized_prologue_is_norm_rope(name):
     """q's per-head RMSNorm and RoPE in the warp-specialized kernel, on each item's q in shared memory (the tail
     rotated in place, the norm a factor of the head's scores, not rounded into q), against ``norm_rope`` then the
-    plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM and
-    from run to run; norm only (no frequencies) too; with the output's steps as well, the bits of that kernel's
+    plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM, with
+    the loader's q before or after the item's first tile, and from run to run; norm only (no frequencies) too; with the output's steps as well, the bits of that kernel's
     output quantised (the epilogue is checked above), as ``sparse_attention_fused`` runs it for a large grid."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
@@ -149,10 +149,10 @@ def test_warp_specialized_prologue_is_norm_rope(name):
         want = torch.empty_like(q)
         core_gluon.sparse_attention_gluon(qn, want, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True)
         runs = []
-        for programs in (None, 3, None):
+        for programs, opts in ((None, None), (3, dict(QFIRST=False)), (None, None)):   # both loader orders
             got = torch.empty_like(q)
             core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                              programs=programs, q_rope=(pos, freq, eps))
+                                              programs=programs, opts=opts, q_rope=(pos, freq, eps))
             runs.append(got)
         assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
         assert rel(runs[0], want) < 1e-2, rel(runs[0], want)

@@ -356,8 +356,11 @@ if gl is not None:
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
                     if PROBE != 4:
                         _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
-                    cp.mbarrier_arrive(q_full, increment_count=False)
-                    qn += 1
+                    if QROPE:
+                        cp.commit_group()                       # waited for after the first tile's gather
+                    else:
+                        cp.mbarrier_arrive(q_full, increment_count=False)
+                        qn += 1
                 slot = g % NBUF
                 pk_smem.store(rows)
                 rows = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, one_l, TWO)    # the next tile's, ahead
@@ -368,6 +371,12 @@ if gl is not None:
                     _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
                 cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
                 g += 1
+                if QFIRST and QROPE and t == 0:                 # q's prologue once its copies landed (the tile's
+                    cp.wait_group(0)                            # copies, not in a group, still travel)
+                    _cta_barrier()
+                    _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF, QTW, STC)
+                    mbarrier.arrive(q_full, count=128)
+                    qn += 1
                 if (not QFIRST) and t == 0:
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
                     if PROBE != 4:
@@ -638,13 +647,12 @@ if gl is not None:
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True)   # the warp-specialized kernel's defaults (see _ws_opts)
 
 
-def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False,
-             q_prep: bool = False) -> dict:
+def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
     """The warp-specialized kernel's switches (benchmarks compare them): PREF, the math partition loads the next
     item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
     in 16-byte stores (needs out in q's dtype; always on with a fused epilogue, which runs there); QFIRST, the
-    loader issues an item's q before its first tile (off with a q prologue, q_prep: the loader's, during which the
-    first tile travels). probe 3 (profiling, wrong results): no output store; 4: no q
+    loader issues an item's q before its first tile (with a q prologue, the loader's, that runs once the q
+    copies landed, after the first tile's gather is issued; else before the first tile travels). probe 3 (profiling, wrong results): no output store; 4: no q
     load."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
@@ -652,7 +660,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
                          "them")
     o["PREF"] = bool(o["PREF"]) and max(J1, J2) <= JC
     o["EPI"] = fused or (bool(o["EPI"]) and out.dtype == q.dtype)
-    o["QFIRST"] = bool(o["QFIRST"]) and not q_prep     # a q prologue: the item's first tile travels during it
+    o["QFIRST"] = bool(o["QFIRST"])
     o["PROBE"] = probe
     return o
 
@@ -723,8 +731,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                 FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf,
                 QTW=qtw, num_warps=8,
                 maxnreg=WS_MAXNREG,
-                **_ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None,
-                           q_rope is not None))
+                **_ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None))
             return
         except COMPILE_ERRORS as e:                                     # raised before anything runs
             if not default_ws:
