@@ -25,8 +25,10 @@ By default they run inside the kernels on small grids (decode and short chunks, 
 launches and passes they save) and as the unfused passes around the plain kernel on large ones (this kernel is at
 its register limit: at a 4096-token prefill the fused prologue costs more than norm_rope's pass); see
 ``FUSE_MAX_WAVES``, ``fuse`` overrides. On a large grid, Hopper's warp-specialized Gluon kernel (``core_gluon``)
-runs them instead, with the same math: ``q_rope`` on each item's q in shared memory before its first QK,
-``o_rope`` / ``out_fp8`` in its epilogue (``q_norm_inside`` says where; the layer then leaves q raw):
+runs them instead: ``q_rope`` on each item's q in shared memory before its first QK (the RoPE tail rotated in
+place, the norm a factor of each head's scores, so within bf16 rounding of the chain rather than its bits),
+``o_rope`` / ``out_fp8`` in its epilogue with the chain's bits (``q_norm_inside`` says where the layer then
+leaves q raw). The math of the steps:
 
 - ``q_rope`` (prologue): q comes raw from q_b; as a program loads its q tile it applies what ``kernels.norm_rope``
   does (per-head RMSNorm over d in fp32, then RoPE of the last 2F channels, fp32, rounded to q's dtype), so the
@@ -672,8 +674,9 @@ def q_norm_inside(q_BSHd: torch.Tensor, n_parts: int) -> bool:
     """Whether ``sparse_attention_fused(q_rope=...)`` of this q (raw, [B, S, H, d]) with ``n_parts`` parts and no
     tiling of its own applies q's norm and RoPE inside Hopper's warp-specialized Gluon kernel, as an item's q
     arrives in shared memory (a large grid: prefill). There it saves ``norm_rope``'s pass over q (a read and a
-    write of B*S*H*d elements); on small grids the chain (or the Triton kernel's prologue) runs instead, where the
-    layer prefers the norm on its q branch (``V4Attention.q_heads``). ``WS_Q_NORM = False`` says no everywhere."""
+    write of B*S*H*d elements: on one H200, V4-Flash prefill at 4096 tokens, the attention layer 104-129 us
+    faster); on small grids the chain (or the Triton kernel's prologue) runs instead, where the layer prefers the
+    norm on its q branch (``V4Attention.q_heads``). ``WS_Q_NORM = False`` says no everywhere."""
     B, S, H, D = q_BSHd.shape
     if not WS_Q_NORM or not B * S * H or not q_BSHd.is_cuda or triton is None:
         return False
