@@ -467,11 +467,13 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
                             "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
-    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'qn':6} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} {'overlap':>9} {'crit':>9} "
-           f"{'layer_ser':>10} {'layer':>9} {'core':>9} {'output':>8} {'TFLOP/s':>8} {'%gemm':>6}")
+    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'qn':6} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} "
+           f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'output':>8} {'TFLOP/s':>8} "
+           f"{'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} {r['mode']:7} {'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} {r['mode']:7} "
+              f"{'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
               f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['output_us']:>8.1f} {r['core_tflops']:>8.1f} "
               f"{100 * r['core_vs_gemm']:>5.0f}%")

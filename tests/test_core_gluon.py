@@ -134,9 +134,10 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
 def test_warp_specialized_prologue_is_norm_rope(name):
     """q's per-head RMSNorm and RoPE in the warp-specialized kernel, on each item's q in shared memory (the tail
     rotated in place, the norm a factor of the head's scores, not rounded into q), against ``norm_rope`` then the
-    plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM, with
-    the loader's q before or after the item's first tile, and from run to run; norm only (no frequencies) too; with the output's steps as well, the bits of that kernel's
-    output quantised (the epilogue is checked above), as ``sparse_attention_fused`` runs it for a large grid."""
+    plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM,
+    with the loader's q before or after the item's first tile, and from run to run; norm only (no frequencies) too;
+    with the output's steps as well, the bits of that kernel's output quantised (the epilogue is checked above), as
+    ``sparse_attention_fused`` runs it for a large grid."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]

@@ -656,8 +656,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     """The warp-specialized kernel's switches (benchmarks compare them): PREF, the math partition loads the next
     item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
     in 16-byte stores (needs out in q's dtype; always on with a fused epilogue, which runs there); QFIRST, the
-    loader issues an item's q before its first tile (with a q prologue, the loader's, that runs once the q
-    copies landed, after the first tile's gather is issued; else before the first tile travels). probe 3 (profiling, wrong results): no output store; 4: no q
+    loader issues an item's q before its first tile (with a q prologue, the loader runs it once the q copies
+    landed, after issuing the first tile's gather). probe 3 (profiling, wrong results): no output store; 4: no q
     load."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
