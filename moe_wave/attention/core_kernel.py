@@ -583,8 +583,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if B * S * H and not fuse and fu.key != (False, False, False) and \
             _gluon_runs(q, len(srcs), J, want, config, impl, False) and \
             core_gluon.ws_supported(i1.shape[-1], i2.shape[-1] if two else 0):
-        # the warp-specialized Gluon kernel runs the chain's steps: q's norm and RoPE as an item's q arrives, the
-        # output's in its epilogue (same bits, but for the order of q's sum of squares)
+        # the warp-specialized Gluon kernel runs the chain's steps: q's norm and RoPE as an item's q arrives (the
+        # norm a factor of the scores: within bf16 rounding of the chain), the output's in its epilogue (its bits)
         out, scales, result = _outputs(q, fu)
         try:
             core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two,
