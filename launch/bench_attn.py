@@ -172,9 +172,7 @@ def _clone(o):
 def branches(attn: V4Attention):
     """Each front-end chain alone: name -> fn(x, pos, cache)."""
     def q(x, pos, cache):   # as run_frontend has it: the norm and RoPE left to the core where it does them
-        q = attn.q_heads(attn.q_lora(x), pos, raw=True)
-        if not attn.core_norms_q(q):
-            attn.q_norm_rope(q, pos)
+        attn.q_branch(attn.q_lora(x), pos)
 
     def kv(x, pos, cache):
         k = attn.window_kv(x, pos)

@@ -203,15 +203,21 @@ class V4Attention(nn.Module):
         return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
 
     def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, raw: bool = False) -> torch.Tensor:
-        """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail (raw=True: wq_b's output).
-
-        ``run_frontend`` takes the raw heads and leaves the norm and RoPE to the core where its kernel applies
-        them as it loads q (``core_norms_q``: Hopper prefill, the warp-specialized Gluon kernel, which saves a
-        pass over q). Elsewhere they stay on the q branch, beside the other branches: the measured decode layer
-        preferred that, V4-Flash CSA batch 64 245 vs 259 us on one H200 (the Triton kernel's prologue)."""
+        """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail (raw=True: wq_b's output)."""
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
         return q if raw else self.q_norm_rope(q, pos_BS)
+
+    def q_branch(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The q branch's result (``run_frontend``): (q [B, S, H, d], raw). raw: q is wq_b's output and the core
+        applies the norm and RoPE as it loads q (``core_norms_q``: Hopper prefill, the warp-specialized Gluon
+        kernel, which saves a pass over q). Elsewhere they stay on the q branch, beside the other branches: the
+        measured decode layer preferred that, V4-Flash CSA batch 64 245 vs 259 us on one H200 (the Triton
+        kernel's prologue)."""
+        q = self.q_heads(qr_BSL, pos_BS, raw=True)
+        if self.core_norms_q(q):
+            return q, True
+        return self.q_norm_rope(q, pos_BS), False
 
     def core_norms_q(self, q_BSHd: torch.Tensor) -> bool:
         """Whether this layer's core applies q's per-head RMSNorm and RoPE itself for a raw q like this one

@@ -115,7 +115,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def ws_supported(J1: int, J2: int, bn: int = BN) -> bool:
+def ws_supported(J1: int = 0, J2: int = 0, bn: int = BN) -> bool:
     """The warp-specialized kernel compiles here (see ``mark_ws_broken``), and it gathers a tile as four chunks of
     bn / 4 rows, each a whole number of the shared layout's 8-row swizzle atoms."""
     return _WS_BROKEN is None and bn % 32 == 0
@@ -377,22 +377,17 @@ if gl is not None:
                 cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
                 g += 1
                 if QFIRST and QROPE and t == 0:                 # q's prologue once its copies landed (the tile's
-                    cp.wait_group(0)                            # copies, not in a group, still travel)
-                    _cta_barrier()
-                    _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF, QTW, STC)
-                    mbarrier.arrive(q_full, count=128)
+                    _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
+                                QTW, STC)                       # copies, not in a group, still travel)
                     qn += 1
                 if (not QFIRST) and t == 0:
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
                     if PROBE != 4:
                         _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
                     if QROPE:                                   # q's norm factors and RoPE, here, off the math's
-                        cp.commit_group()                       # path: once this thread's copies landed
-                        cp.wait_group(0)
-                        _cta_barrier()                          # ... and every loader thread's
-                        _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF, QTW,
-                                   STC)
-                        mbarrier.arrive(q_full, count=128)      # (after _ws_q_prep's barrier: all of it written)
+                        cp.commit_group()                       # path
+                        _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
+                                    QTW, STC)
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
@@ -540,6 +535,16 @@ if gl is not None:
             sn = -sn
         sn = gl.where((ct % 2) == 0, -sn, sn)
         return gl.convert_layout(c, out_l), gl.convert_layout(sn, out_l)
+
+    @gluon.jit
+    def _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
+                    BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr):
+        # (loader) once this thread's committed q copies landed, and every loader thread's: the prologue, then
+        # q_full's 128 arrivals at once (after _ws_q_prep's closing barrier: all of it written)
+        cp.wait_group(0)
+        _cta_barrier()
+        _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
+        mbarrier.arrive(q_full, count=128)
 
     @gluon.jit
     def _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,

@@ -580,9 +580,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"sparse_attention_fused: impl={impl!r} must be 'auto', 'triton' or 'gluon'")
     J = i1.shape[-1] + (i2.shape[-1] if two else 0)
-    if B * S * H and not fuse and fu.key != (False, False, False) and \
-            _gluon_runs(q, len(srcs), J, want, config, impl, False) and \
-            core_gluon.ws_supported(i1.shape[-1], i2.shape[-1] if two else 0):
+    if B * S * H and not fuse and fu.key != (False, False, False) and _ws_runs(q, len(srcs), J, want, config, impl):
         # the warp-specialized Gluon kernel runs the chain's steps: q's norm and RoPE as an item's q arrives (the
         # norm a factor of the scores: within bf16 rounding of the chain), the output's in its epilogue (its bits)
         out, scales, result = _outputs(q, fu)
@@ -681,8 +679,13 @@ def q_norm_inside(q_BSHd: torch.Tensor, n_parts: int) -> bool:
     if not WS_Q_NORM or not B * S * H or not q_BSHd.is_cuda or triton is None:
         return False
     want = default_config(H, D, q_BSHd.dtype).fit(H, D)
-    return not _fuse_inside(q_BSHd, want) and _gluon_runs(q_BSHd, n_parts, 0, want, None, "auto", False) and \
-        core_gluon.ws_supported(0, 0)
+    return not _fuse_inside(q_BSHd, want) and _ws_runs(q_BSHd, n_parts, 0, want, None, "auto")
+
+
+def _ws_runs(q: torch.Tensor, n_parts: int, J: int, want: CoreConfig, config: CoreConfig | None, impl: str) -> bool:
+    # a call with fused steps on a large grid (not fused inside the Triton kernel) runs the warp-specialized Gluon
+    # kernel, which does those steps itself
+    return _gluon_runs(q, n_parts, J, want, config, impl, False) and core_gluon.ws_supported()
 
 
 def core_impl(q_BSHd: torch.Tensor, parts: list, *, fusions: bool = False, config: CoreConfig | None = None,

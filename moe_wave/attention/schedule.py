@@ -5,7 +5,7 @@ Legend: B batch, S chunk length, D hidden, H heads, d head_dim, W window, K pick
 Once x exists, the front-end is independent chains joined once before the core:
 
   main (current) stream:  q_a -> q_norm --record q_lora_ready--> q_b -> head norm -> RoPE (prefill on Hopper:
-                          the core's kernel does the last two as it loads q, ``V4Attention.core_norms_q``)
+                          the core's kernel does the last two as it loads q, ``V4Attention.q_branch``)
   side a:  kv_proj -> kv_norm -> RoPE -> window source   --kv_ready-->    | ring write (deferred)
   side b:  compressor GEMMs -> pool -> entry write        --comp_ready-->  | state write (deferred)
   side c:  indexer compressor -> entry write, weights_proj, wait q_lora_ready -> q side -> top-k
@@ -93,7 +93,7 @@ class FrontEnd:
 
     q_BSHd: torch.Tensor
     parts: list
-    q_raw: bool = False     # q not yet normalised and rotated: the core does it (``V4Attention.core_norms_q``)
+    q_raw: bool = False     # q not yet normalised and rotated: the core does it (``V4Attention.q_branch``)
 
 
 def _cache_tensors(cache) -> dict:
@@ -170,10 +170,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
                 ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
                 cache.pending["index"] = record(sc)
 
-    q_BSHd = attn.q_heads(qr_BSL, pos_BS, raw=True)
-    q_raw = attn.core_norms_q(q_BSHd)
-    if not q_raw:
-        q_BSHd = attn.q_norm_rope(q_BSHd, pos_BS)
+    q_BSHd, q_raw = attn.q_branch(qr_BSL, pos_BS)
     for ev in (kv_ready, comp_ready, idx_ready):              # the single join before the core
         wait(ev)
     if attn.compressor is not None:
