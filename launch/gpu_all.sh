@@ -3,7 +3,8 @@
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
-#   streams (bench_moe with the expert stages on one stream and on two),
+#   streams (bench_moe with the expert stages on one stream and on two), trace (the sparse core's in-kernel
+#   timeline, launch/trace_core.py),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
@@ -132,6 +133,8 @@ raise SystemExit(not g.available())"; then
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
                    stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
+        trace)  # the sparse core's in-kernel timeline: each phase of an item, us (TRACE_ARGS: trace_core's options)
+               stage trace_core ${T_TRACE:-240} "$PY" launch/trace_core.py ${TRACE_ARGS:-} --out "$RES/trace_core.json" ;;
         demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
                stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
@@ -139,7 +142,7 @@ raise SystemExit(not g.available())"; then
                true ;;
         deepep_api)   # DeepEP's tests on moe-wave's deep_ep and on DeepEP (built from .deps/deepep), side by side
                stage deepep_api ${T_DEEPEP_API:-330} env RES="$RES/deepep_api" bash launch/deepep_api.sh ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts streams comm attn demo sweep deepep_api)" ;;
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts streams comm attn trace demo sweep deepep_api)" ;;
     esac
 done
 

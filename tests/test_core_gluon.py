@@ -67,11 +67,14 @@ def test_gluon_core_matches_reference(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("variant", [dict(), dict(programs=3), dict(programs=2, opts=dict(PREF=False, EPI=False)),
-                                     dict(programs=5, opts=dict(QFIRST=False), load_regs=40)])
+                                     dict(programs=5, opts=dict(QFIRST=False), load_regs=40),
+                                     dict(programs=3, opts=dict(QTMA=True)),
+                                     dict(programs=4, opts=dict(QTMA=False, ORS=False))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
-    buffers' phases must stay in step), with each of its switches off, and with the loader's other budget."""
+    buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
+    over the items), and with the loader's other budget."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -104,27 +107,28 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
     core_gluon.sparse_attention_gluon(q, plain, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True)
     unrot = norm_rope(plain, pos, freq, norm=False, inverse=True)
     rot = {}
-    for programs in (None, 3):
+    for programs, ors in ((None, True), (3, False), (3, True)):        # ORS: the RoPE on the staged tail
+        opts = dict(ORS=ors)
         got = torch.empty_like(q)
         core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                          programs=programs, o_rope=(pos, freq))
+                                          programs=programs, o_rope=(pos, freq), opts=opts)
         off = got != unrot
         ulp = (unrot.float().abs() * torch.finfo(dtype).eps).clamp_min(torch.finfo(dtype).tiny)
         assert off.sum().item() <= max(1, got.numel() // 10000)
         assert bool(((got.float() - unrot.float()).abs() <= ulp)[off].all())
         assert torch.equal(got, plain) == bool(plain.eq(0).all())      # the rotation happened (if not all 0)
-        rot[programs] = got
+        rot[programs, ors] = got
         for src, rope in ((got, (pos, freq)), (plain, None)):
             o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
             s = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
             core_gluon.sparse_attention_gluon(q, o_q.view(B, S, H, D), sinks.float(), kv1, i1, kv2, i2, scale, two,
-                                              ws=True, programs=programs, o_rope=rope, scales=s)
+                                              ws=True, programs=programs, o_rope=rope, scales=s, opts=opts)
             want_q, want_s = act_quant_torch(src.reshape(B * S, H * D))
             assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-    assert torch.equal(rot[None], rot[3])
+    assert torch.equal(rot[None, True], rot[3, False]) and torch.equal(rot[3, False], rot[3, True])
     o_q, s = sparse_attention_fused(q, parts, sinks, scale, o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False,
                                     impl="gluon")
-    want_q, want_s = act_quant_torch(rot[None].reshape(B * S, H * D))
+    want_q, want_s = act_quant_torch(rot[None, True].reshape(B * S, H * D))
     assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
 
 
@@ -135,7 +139,8 @@ def test_warp_specialized_prologue_is_norm_rope(name):
     """q's per-head RMSNorm and RoPE in the warp-specialized kernel, on each item's q in shared memory (the tail
     rotated in place, the norm a factor of the head's scores, not rounded into q), against ``norm_rope`` then the
     plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM,
-    with the loader's q before or after the item's first tile, and from run to run; norm only (no frequencies) too;
+    with the loader's q before or after the item's first tile, by TMA or by copies (a strided q takes the copies),
+    and from run to run; norm only (no frequencies) too;
     with the output's steps as well, the bits of that kernel's output quantised (the epilogue is checked above), as
     ``sparse_attention_fused`` runs it for a large grid."""
     B, S, H, D, spec, dtype = CASES[name]
@@ -150,12 +155,15 @@ def test_warp_specialized_prologue_is_norm_rope(name):
         want = torch.empty_like(q)
         core_gluon.sparse_attention_gluon(qn, want, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True)
         runs = []
-        for programs, opts in ((None, None), (3, dict(QFIRST=False)), (None, None)):   # both loader orders
+        strided = torch.empty(B, S, H, 2 * D, device="cuda", dtype=dtype)[..., :D].copy_(q)
+        for programs, opts, qq in ((None, None, q), (3, dict(QFIRST=False), q), (None, None, q),   # both orders
+                                   (5, dict(QTMA=True), q), (3, dict(QTMA=False), q),
+                                   (None, dict(QTMA=True), strided)):
             got = torch.empty_like(q)
-            core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
+            core_gluon.sparse_attention_gluon(qq, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
                                               programs=programs, opts=opts, q_rope=(pos, freq, eps))
             runs.append(got)
-        assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+        assert all(torch.equal(runs[0], r) for r in runs[1:])
         assert rel(runs[0], want) < 1e-2, rel(runs[0], want)
         ref = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off",
                                q_rope=(pos.view(B, S), freq, eps))
@@ -202,15 +210,22 @@ def test_impl_errors_name_the_rule():
 
 
 def test_warp_specialized_switches_follow_their_rules():
-    """PREF needs every part's picks in one load, EPI an output in q's dtype; the probes of the one-program kernel
-    are refused by the warp-specialized one."""
+    """PREF needs every part's picks in one load, EPI an output in q's dtype, QTMA (q by TMA) the loader's q first,
+    a contiguous q, q loaded at all (not probe 4) and Triton's TMA descriptors; the probes of the one-program
+    kernel are refused by the warp-specialized one."""
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
-    assert o == dict(PREF=True, EPI=True, QFIRST=True, PROBE=0)
+    assert o == dict(core_gluon.WS_OPTS, PROBE=0, QTMA=core_gluon.WS_OPTS["QTMA"] and core_gluon.TensorDescriptor
+                     is not None)
     assert not core_gluon._ws_opts(None, 4096, 128, 2048, q, torch.empty_like(q), 0)["PREF"]
     assert not core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q, dtype=torch.float32), 0)["EPI"]
-    assert core_gluon._ws_opts(dict(QFIRST=False), 512, 0, 512, q, q, 3) == dict(PREF=True, EPI=True, QFIRST=False,
-                                                                                   PROBE=3)
+    o = core_gluon._ws_opts(dict(QFIRST=False, QTMA=True, ORS=True), 512, 0, 512, q, q, 3)
+    assert o == dict(core_gluon.WS_OPTS, QFIRST=False, QTMA=False, ORS=True, PROBE=3)
+    tma = core_gluon.TensorDescriptor is not None
+    assert core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, q, q, 0)["QTMA"] == tma
+    assert not core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, q, q, 4)["QTMA"]            # probe 4: no q load
+    strided = torch.empty(1, 1, 64, 256, dtype=torch.bfloat16)[..., :128]
+    assert not core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, strided, q, 0)["QTMA"]
     assert core_gluon.ws_supported(512, 128) and not core_gluon.ws_supported(512, 128, bn=48)
     with pytest.raises(ValueError, match="probe=2 is the one-program-per-item kernel's"):
         core_gluon.sparse_attention_gluon(q, q, None, None, torch.zeros(1, 1, 8), None, None, 0.1, False, ws=True,

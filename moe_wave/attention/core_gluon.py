@@ -36,7 +36,10 @@ Two kernels share that math and give the same bits:
   shared memory and rotates q's RoPE tail in place while the math warpgroups finish the last item, and the
   softmax multiplies the factor into the head's score scale. The layer then skips ``norm_rope``'s pass over q
   (a read and a write of all of it): on one H200, V4-Flash prefill at 4096 tokens, each attention layer 7-9 %
-  faster (``benchmarks/2026-12-01-attn-qnorm-1xh200-session15.md``).
+  faster (``benchmarks/2026-12-01-attn-qnorm-1xh200-session15.md``). The loader issues q as one TMA copy, not
+  32 ``cp.async`` a thread, and the output's inverse RoPE runs on its staged tail in shared memory, not on every
+  channel in registers: the core 10-14 % faster in the layer, same bits (``launch/trace_core.py`` times each
+  phase of an item inside the kernel; ``benchmarks/2026-12-02-core-trace-1xh200-session16.md``).
 """
 
 from __future__ import annotations
@@ -58,8 +61,14 @@ try:  # Gluon: Triton's experimental dialect; anything missing means "not availa
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     # a CTA-wide barrier: `barrier` from Triton 3.7 on, `thread_barrier` before
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _Q_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)   # q's tile (both kernels)
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = None
+try:  # TMA for q (QTMA); without it q comes by cp.async
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except Exception:  # pragma: no cover - depends on the install
+    tma = TensorDescriptor = None
 
 __all__ = ["available", "supported", "ws_supported", "mark_broken", "mark_ws_broken", "picks_chunk",
            "sparse_attention_gluon", "WSUnavailable", "COMPILE_ERRORS", "BH", "BN", "NBUF"]
@@ -302,7 +311,8 @@ if gl is not None:
     # two warpgroups above, same math, same bits) consumes them. mbarriers hand the buffers over:
     #   kv_full[i] / q_full: 128 arrivals, one per loader thread, each when that thread's cp.async copies landed
     #   (with a q prologue, QROPE: q_full's 128 at once, after the loader's _ws_q_prep on the landed q);
-    #   kv_empty[i]: the math partition, once PV of the tile in buffer i is done; q_empty: once the item's last QK is.
+    #   kv_empty[i]: the math partition, once PV of the tile in buffer i is done; q_empty: once the item's last QK is;
+    #   q_tma (QTMA): the TMA copy of q, its bytes; the loader waits for it, then gives q_full its 128 at once.
     # So the next item's q and first tiles travel while this item's last tiles, its softmax and its output store
     # run, which the one-program-per-item kernel pays for at every item (its fixed cost: ~9 us a program).
 
@@ -310,6 +320,19 @@ if gl is not None:
     def _ws_item(item, HB, S, BH: gl.constexpr):
         bs = item // HB
         return (bs // S).to(gl.int64), (bs % S).to(gl.int64), (item % HB) * BH
+
+    @gluon.jit
+    def _ws_stamp(trace_ptr, item, col: gl.constexpr, TRACE: gl.constexpr):
+        # TRACE (profiling, same results): the SM's cycle counter (32 bits) at this point of the item's path to
+        # trace[item, col] (16 int32 columns an item: 0-7 the math partition's, 8-15 the loader's; column 7 holds
+        # the low 32 bits of the global ns timer instead, to line the SMs up)
+        if TRACE:
+            if col == 7:
+                v = gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=gl.int32,
+                                              is_pure=False, pack=1)
+            else:
+                v = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.store(trace_ptr + item * 16 + col, v)
 
     @gluon.jit
     def _ws_counts(idx1, J1, idx2, J2, BN: gl.constexpr, JC: gl.constexpr, layout: gl.constexpr,
@@ -334,10 +357,11 @@ if gl is not None:
     def _ws_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
                    PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
-                   QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr):
+                   QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
+                   q_desc, q_tma, QTMA: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty) = a
+         kv_full, kv_empty, trace_ptr) = a
         # a chunk of RC rows at a time (8 pointers a thread live, not 32, in the loader's small register budget);
         # the tile's picks go through shared memory (one load of BN picks, each thread then reads its rows)
         RC: gl.constexpr = BN // 4
@@ -349,6 +373,7 @@ if gl is not None:
         g = 0
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            _ws_stamp(trace_ptr, item, 8, TRACE)
             b, s, h0 = _ws_item(item, HB, S, BH)
             idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
             idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
@@ -359,9 +384,15 @@ if gl is not None:
             for t in range(0, nt):
                 if QFIRST and t == 0:                           # q once the last item's QKs are done with it
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
-                    if PROBE != 4:
+                    _ws_stamp(trace_ptr, item, 9, TRACE)
+                    if QTMA:                                    # q by TMA: one instruction, not 32 copies a thread
+                        mbarrier.expect(q_tma, BH * BD * 2)
+                        tma.async_copy_global_to_shared(q_desc, [(b * S + s).to(gl.int32) * H + h0, 0], q_tma, q_smem)
+                    elif PROBE != 4:
                         _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
-                    if QROPE:
+                    if QTMA:
+                        pass                                    # q_full once it landed, after the first tile's gather
+                    elif QROPE:
                         cp.commit_group()                       # waited for after the first tile's gather
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
@@ -369,17 +400,24 @@ if gl is not None:
                 slot = g % NBUF
                 pk_smem.store(rows)
                 rows = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, one_l, TWO)    # the next tile's, ahead
+                if t == 1:
+                    _ws_stamp(trace_ptr, item, 14, TRACE)
                 mbarrier.wait(kv_empty.index(slot), ((g // NBUF) & 1) ^ 1)
+                if t == 1:
+                    _ws_stamp(trace_ptr, item, 12, TRACE)
                 buf = k_smem.index(slot)
                 for c in gl.static_range(4):
                     r = pk_smem.slice(c * RC, RC).load(rows_l)
                     _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
                 cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
                 g += 1
-                if QFIRST and QROPE and t == 0:                 # q's prologue once its copies landed (the tile's
+                if t == 0:
+                    _ws_stamp(trace_ptr, item, 10, TRACE)
+                if QFIRST and (QROPE or QTMA) and t == 0:       # q's prologue once its copies landed (the tile's
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC)                       # copies, not in a group, still travel)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # copies, not in a group, still travel)
                     qn += 1
+                    _ws_stamp(trace_ptr, item, 11, TRACE)
                 if (not QFIRST) and t == 0:
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
                     if PROBE != 4:
@@ -387,10 +425,11 @@ if gl is not None:
                     if QROPE:                                   # q's norm factors and RoPE, here, off the math's
                         cp.commit_group()                       # path
                         _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                    QTW, STC)
+                                    QTW, STC, q_tma, 0, True, False)
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
+            _ws_stamp(trace_ptr, item, 13, TRACE)
 
     @gluon.jit
     def _ws_picks_load(idx_row, J, JC: gl.constexpr, layout: gl.constexpr, on):
@@ -408,10 +447,10 @@ if gl is not None:
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                 QROPE: gl.constexpr, inv_smem):
+                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty) = a
+         kv_full, kv_empty, trace_ptr) = a
         dt: gl.constexpr = q_ptr.dtype.element_ty
         qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BN // 2, 16])
@@ -436,6 +475,8 @@ if gl is not None:
             if TWO:
                 pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True)
         for item in range(gl.program_id(0), n_items, G):
+            _ws_stamp(trace_ptr, item, 7, TRACE)
+            _ws_stamp(trace_ptr, item, 0, TRACE)
             b, s, h0 = _ws_item(item, HB, S, BH)
             idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
             idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
@@ -455,6 +496,7 @@ if gl is not None:
             if QROPE:                                                   # q's norm factors (the loader's _ws_q_prep)
                 if nt > 0:
                     mbarrier.wait(q_full, qn & 1)
+                    _ws_stamp(trace_ptr, item, 1, TRACE)
                     qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
@@ -463,6 +505,7 @@ if gl is not None:
             acc = warpgroup_mma_init(gl.zeros([BH, BD], gl.float32, pv_l))
             if (not QROPE) and nt > 0:
                 mbarrier.wait(q_full, qn & 1)
+                _ws_stamp(trace_ptr, item, 1, TRACE)
             for t in range(0, nt):
                 slot = g % NBUF
                 buf = k_smem.index(slot)
@@ -470,6 +513,10 @@ if gl is not None:
                 fence_async_shared()                                    # the copies' writes, to the async proxy
                 sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
+                if t == 0:
+                    _ws_stamp(trace_ptr, item, 2, TRACE)
+                if t == nt - 1:
+                    _ws_stamp(trace_ptr, item, 6, TRACE)
                 _cta_barrier()                                          # ... in both warpgroups
                 mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)
                 mbarrier.arrive(q_empty, pred=t == nt - 1)
@@ -494,15 +541,27 @@ if gl is not None:
                     _cta_barrier()
                     last.store((acc / l_pv[:, None]).to(dt))
                     _cta_barrier()
+                    _ws_stamp(trace_ptr, item, 3, TRACE)
+                    if OROPE and ORS:                                   # the output's inverse RoPE on its tail only,
+                        TW: gl.constexpr = (RF + 63) // 64 * 64         # in shared memory (whole swizzle columns)
+                        TPC: gl.constexpr = TW // 8 if TW < 256 else 32
+                        rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
+                                                              warps_per_cta=[8, 1], order=[1, 0])
+                        c, sn = _rope_cs(opos_ptr + b * S + s, ofreq_ptr, TW, RF - TW, RF, True,
+                                         gl.SliceLayout(0, rt_l), 8)
+                        _rotate_rows(last.slice(D - TW, TW, dim=1), c, sn, BH, 8 * (32 // TPC), TW, rt_l)
+                        _cta_barrier()
                     ov = last.load(st_l)
                     _cta_barrier()
                     mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
                     qn += 1
                 else:                                                   # no valid pick: the output is 0
                     ov = gl.zeros([BH, BD], dt, st_l)
-                if PROBE != 3:
+                _ws_stamp(trace_ptr, item, 4, TRACE)
+                if PROBE != 3:                                          # (with ORS, the RoPE ran above; on
                     _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
-                              OROPE, FP8, st_l)
+                              OROPE and not (ORS and nt > 0), FP8, st_l)      # zeros, nothing to rotate)
+                _ws_stamp(trace_ptr, item, 5, TRACE)
             else:
                 o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
                 if nt > 0:
@@ -538,13 +597,31 @@ if gl is not None:
 
     @gluon.jit
     def _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
-                    BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr):
-        # (loader) once this thread's committed q copies landed, and every loader thread's: the prologue, then
-        # q_full's 128 arrivals at once (after _ws_q_prep's closing barrier: all of it written)
-        cp.wait_group(0)
-        _cta_barrier()
-        _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
+                    BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr, q_tma, q_phase,
+                    QROPE: gl.constexpr, QTMA: gl.constexpr):
+        # (loader) once q landed (QTMA: its TMA barrier's phase; else this thread's committed copies, and every
+        # loader thread's): the prologue (QROPE), then q_full's 128 arrivals at once (after _ws_q_prep's closing
+        # barrier: all of it written)
+        if QTMA:
+            mbarrier.wait(q_tma, q_phase)
+        else:
+            cp.wait_group(0)
+            _cta_barrier()
+        if QROPE:
+            _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
         mbarrier.arrive(q_full, count=128)
+
+    @gluon.jit
+    def _rotate_rows(tail, c, sn, BH: gl.constexpr, RT: gl.constexpr, TW: gl.constexpr, rt_l: gl.constexpr):
+        # RoPE in place on a shared-memory tile's last TW channels [BH, TW], RT rows at a time: the pair partner
+        # by a split / join within the thread, fma(x_swap, sn, x * c) in fp32 (as norm_rope pins it), rounded once
+        # to the tile's dtype; c / sn from _rope_cs (sn signed, INVERSE there for the inverse rotation)
+        for k in gl.static_range(BH // RT):
+            part = tail.slice(k * RT, RT)
+            x = part.load(rt_l)
+            ev, od = gl.split(gl.reshape(x, [RT, TW // 2, 2]))
+            xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [RT, TW]), rt_l).to(gl.float32)
+            part.store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
 
     @gluon.jit
     def _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
@@ -570,13 +647,7 @@ if gl is not None:
                                                   warps_per_cta=[4, 1], order=[1, 0])
             RT: gl.constexpr = 4 * (32 // TPC)
             c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, TW, RF - TW, RF, False, gl.SliceLayout(0, rt_l), 4)
-            tail = q_smem.slice(D - TW, TW, dim=1)
-            for k in gl.static_range(BH // RT):
-                part = tail.slice(k * RT, RT)
-                x = part.load(rt_l)
-                ev, od = gl.split(gl.reshape(x, [RT, TW // 2, 2]))
-                xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [RT, TW]), rt_l).to(gl.float32)
-                part.store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
+            _rotate_rows(q_smem.slice(D - TW, TW, dim=1), c, sn, BH, RT, TW, rt_l)
             fence_async_shared()                                        # the rotated q, to the wgmma's proxy
         _cta_barrier()                                                  # the factors and the rotated q, written
 
@@ -618,14 +689,15 @@ if gl is not None:
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
     def _sparse_core_ws(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
-                        qpos_ptr, qfreq_ptr, q_eps,
+                        qpos_ptr, qfreq_ptr, q_eps, trace_ptr,
                         S, H, J1, J2, n_items, M, qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b, s_k1_m,
                         s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                         D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                         NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr,
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                        QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, num_warps: gl.constexpr):
+                        QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
+                        ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -635,26 +707,29 @@ if gl is not None:
         inv_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_full, count=128)                # the loader's threads (4 warps), each arriving once
         mbarrier.init(q_empty, count=1)
+        mbarrier.init(q_tma, count=1)                   # (QTMA) the TMA's bytes
         for i in gl.static_range(NBUF):
             mbarrier.init(kv_full.index(i), count=128)
             mbarrier.init(kv_empty.index(i), count=1)
         HB = H // BH
         a = (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h,
              s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
-             q_empty, kv_full, kv_empty)
+             q_empty, kv_full, kv_empty, trace_ptr)
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem)),
+                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
+                        TRACE, ORS)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
-                          QROPE, QRF, QTW, STC)),
+                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA)),
         ], [4], [LOAD_REGS])
 
 
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True)   # the warp-specialized kernel's defaults (see _ws_opts)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True)   # the warp-specialized kernel's defaults (see _ws_opts)
 
 
 def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
@@ -662,8 +737,10 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
     in 16-byte stores (needs out in q's dtype; always on with a fused epilogue, which runs there); QFIRST, the
     loader issues an item's q before its first tile (with a q prologue, the loader runs it once the q copies
-    landed, after issuing the first tile's gather). probe 3 (profiling, wrong results): no output store; 4: no q
-    load."""
+    landed, after issuing the first tile's gather); ORS, the output's inverse RoPE runs on its staged tail in
+    shared memory (the last RF channels, rounded as before: the same bits), not on every channel in registers;
+    QTMA, the loader issues q as one TMA copy (needs QFIRST and a contiguous q; else cp.async, 32 copies a
+    thread). probe 3 (profiling, wrong results): no output store; 4: no q load."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -671,6 +748,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["PREF"] = bool(o["PREF"]) and max(J1, J2) <= JC
     o["EPI"] = fused or (bool(o["EPI"]) and out.dtype == q.dtype)
     o["QFIRST"] = bool(o["QFIRST"])
+    o["ORS"] = bool(o["ORS"])
+    o["QTMA"] = bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and TensorDescriptor is not None
     o["PROBE"] = probe
     return o
 
@@ -690,7 +769,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                            bn: int = BN, nbuf: int = NBUF, probe: int = 0, ws: bool | None = None,
                            load_regs: int = LOAD_REGS, programs: int | None = None, opts: dict | None = None,
                            o_rope: tuple | None = None, scales: torch.Tensor | None = None,
-                           q_rope: tuple | None = None) -> None:
+                           q_rope: tuple | None = None, trace: torch.Tensor | None = None) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
     q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
     per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
@@ -698,7 +777,9 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     warp-specialized persistent kernel (default: where ``ws_supported`` says it runs; if it does not compile
     there, ``mark_ws_broken`` warns once and the one-program kernel runs, or with o_rope / scales
     ``WSUnavailable`` tells the caller to run the steps as passes); load_regs: its loader's registers a thread;
-    programs: its grid (default: one program per SM).
+    programs: its grid (default: one program per SM); trace (profiling, same results; int32 [items, 16], items =
+    B * S * H / 64): the warp-specialized kernel writes each item's timeline there (``_ws_stamp``'s columns,
+    ``launch/trace_core.py`` reads them).
 
     The warp-specialized kernel also runs the layer's steps after the core in its epilogue, with the bits of the
     unfused chain (``core_kernel._epilogue``'s math): o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the
@@ -718,6 +799,11 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         raise ValueError(f"sparse_attention_gluon: probe={probe} is the one-program-per-item kernel's")
     if fused and not ws:
         raise ValueError("sparse_attention_gluon: q_rope / o_rope / scales need the warp-specialized kernel (ws)")
+    if trace is not None and not (ws and trace.dtype == torch.int32 and trace.is_contiguous()
+                                  and trace.shape == (B * S * (H // BH), 16)):
+        raise ValueError(f"sparse_attention_gluon: trace must be a contiguous int32 [{B * S * (H // BH)}, 16] tensor "
+                         f"and needs the warp-specialized kernel (ws), got {tuple(trace.shape)} {trace.dtype}, "
+                         f"ws={ws}")
     if scales is not None and D % 128:
         raise ValueError(f"sparse_attention_gluon: an FP8 output needs d={D} a multiple of 128")
     JC = picks_chunk(J1, J2, bn)
@@ -732,16 +818,16 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qpos, qfreq, q_eps = q_rope if q_rope is not None else (sinks, sinks, 0.0)
         qrf = 2 * qfreq.numel() if q_rope is not None else 0
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
+        wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None)
+        q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
         try:
             _sparse_core_ws[(grid,)](
                 q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
-                qpos, qfreq if qrf else sinks, float(q_eps), *args,
+                qpos, qfreq if qrf else sinks, float(q_eps), trace if trace is not None else sinks, *args,
                 n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
                 LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                 FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf,
-                QTW=qtw, num_warps=8,
-                maxnreg=WS_MAXNREG,
-                **_ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None))
+                QTW=qtw, TRACE=trace is not None, q_desc=q_desc, num_warps=8, maxnreg=WS_MAXNREG, **wo)
             return
         except COMPILE_ERRORS as e:                                     # raised before anything runs
             if not default_ws:
