@@ -39,7 +39,7 @@ Two kernels share that math and give the same bits:
   faster (``benchmarks/2026-12-01-attn-qnorm-1xh200-session15.md``). The loader issues q as one TMA copy, not
   32 ``cp.async`` a thread, and the output's inverse RoPE runs on its staged tail in shared memory, not on every
   channel in registers: the core 10-14 % faster in the layer, same bits (``launch/trace_core.py`` times each
-  phase of an item inside the kernel; ``benchmarks/2026-12-02-core-trace-1xh200-session16.md``).
+  phase of an item inside the kernel; ``benchmarks/2026-12-01-core-trace-1xh200-session16.md``).
 """
 
 from __future__ import annotations
