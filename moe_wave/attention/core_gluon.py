@@ -358,7 +358,7 @@ if gl is not None:
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
                    PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma, QTMA: gl.constexpr, QNM: gl.constexpr):
+                   q_desc, q_tma, QTMA: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -415,8 +415,7 @@ if gl is not None:
                     _ws_stamp(trace_ptr, item, 10, TRACE)
                 if QFIRST and (QROPE or QTMA) and t == 0:       # q's prologue once its copies landed (the tile's
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA, not QNM)  # copies, not in a group, still
-                                                                                # travel)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # copies, not in a group, still travel)
                     qn += 1
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 if (not QFIRST) and t == 0:
@@ -426,7 +425,7 @@ if gl is not None:
                     if QROPE:                                   # q's norm factors and RoPE, here, off the math's
                         cp.commit_group()                       # path
                         _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                    QTW, STC, q_tma, 0, True, False, not QNM)
+                                    QTW, STC, q_tma, 0, True, False)
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
@@ -448,7 +447,7 @@ if gl is not None:
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, q_eps, QNM: gl.constexpr):
+                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -498,8 +497,7 @@ if gl is not None:
                 if nt > 0:
                     mbarrier.wait(q_full, qn & 1)
                     _ws_stamp(trace_ptr, item, 1, TRACE)
-                    if not QNM:
-                        qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
+                    qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
@@ -514,11 +512,6 @@ if gl is not None:
                 mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
                 fence_async_shared()                                    # the copies' writes, to the async proxy
                 sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if QROPE and QNM:                                       # q's norm factors while QK(0) runs
-                    if t == 0:
-                        _inv_rms(q_smem, inv_smem, q_eps, D, BH, STC, 8)
-                        _cta_barrier()
-                        qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
@@ -605,7 +598,7 @@ if gl is not None:
     @gluon.jit
     def _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
                     BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr, q_tma, q_phase,
-                    QROPE: gl.constexpr, QTMA: gl.constexpr, SUMS: gl.constexpr):
+                    QROPE: gl.constexpr, QTMA: gl.constexpr):
         # (loader) once q landed (QTMA: its TMA barrier's phase; else this thread's committed copies, and every
         # loader thread's): the prologue (QROPE), then q_full's 128 arrivals at once (after _ws_q_prep's closing
         # barrier: all of it written)
@@ -615,7 +608,7 @@ if gl is not None:
             cp.wait_group(0)
             _cta_barrier()
         if QROPE:
-            _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC, SUMS)
+            _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
         mbarrier.arrive(q_full, count=128)
 
     @gluon.jit
@@ -631,33 +624,24 @@ if gl is not None:
             part.store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
 
     @gluon.jit
-    def _inv_rms(q_smem, inv_smem, eps, D: gl.constexpr, BH: gl.constexpr, STC: gl.constexpr, NW: gl.constexpr):
-        # each head's 1 / rms over its d channels of q [BH, d] in shared memory (fp32) to inv_smem [BH], by NW warps:
-        # 8 channels a thread, STC threads along a row (a warp's shuffles), 8 * (32 / STC) rows a pass (whole
-        # 8-row swizzle atoms)
-        ss_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
-                                              warps_per_cta=[NW, 1], order=[1, 0])
-        RS: gl.constexpr = 8 * (32 // STC)
-        for k in gl.static_range(BH // RS):
-            xf = q_smem.slice(k * RS, RS).load(ss_l).to(gl.float32)
-            inv_smem.slice(k * RS, RS).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
-
-    @gluon.jit
     def _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
-                   BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr, SUMS: gl.constexpr):
+                   BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr):
         # In the loader partition (4 warps), on the item's raw q [BH, BD] once it landed in shared memory: each
         # head's 1 / rms over its d channels (fp32) to inv_smem, which the math partition multiplies into the scale
         # of the head's scores, and the last RF channels rotated in place (RoPE by pos * freq, fp32, the multiply-
         # add fma(x_swap, -+sin, x * cos) as norm_rope pins it, rounded once to q's dtype). That is norm_rope(q)'s
         # math with the norm moved past the dot (a per-row factor of q is one of its scores), so ~1/8 of q is
         # rewritten, not all of it. It runs while the math partition finishes the last item, instead of on its
-        # path. The rotation: the last TW channels (whole 64-channel columns of the 128-byte swizzle). SUMS False
-        # (QNM): the math partition takes the sums (_inv_rms, during its first QK), from the rotated q.
-        if SUMS:
-            _inv_rms(q_smem, inv_smem, eps, D, BH, STC, 4)
+        # path. The sums: 8 channels a thread, STC threads along a row (a warp's shuffles). The rotation: the last
+        # TW channels (whole 64-channel columns of the 128-byte swizzle).
+        ss_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
+                                              warps_per_cta=[4, 1], order=[1, 0])
+        RS: gl.constexpr = 8 * (32 // STC)                             # whole 8-row swizzle atoms
+        for k in gl.static_range(BH // RS):
+            xf = q_smem.slice(k * RS, RS).load(ss_l).to(gl.float32)
+            inv_smem.slice(k * RS, RS).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
         if RF > 0:
-            if SUMS:
-                _cta_barrier()                                          # every sum read q before it is rotated
+            _cta_barrier()                                              # every sum read q before it is rotated
             TPC: gl.constexpr = TW // 8 if TW < 256 else 32
             rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
                                                   warps_per_cta=[4, 1], order=[1, 0])
@@ -713,7 +697,7 @@ if gl is not None:
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
-                        ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, QNM: gl.constexpr, num_warps: gl.constexpr):
+                        ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -739,13 +723,13 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
-                        TRACE, ORS, q_eps, QNM)),
+                        TRACE, ORS)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
-                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QNM)),
+                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA)),
         ], [4], [LOAD_REGS])
 
 
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, QNM=True)   # the warp-specialized kernel's defaults (see _ws_opts)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True)   # the warp-specialized kernel's defaults (see _ws_opts)
 
 
 def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
@@ -756,9 +740,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     landed, after issuing the first tile's gather); ORS, the output's inverse RoPE runs on its staged tail in
     shared memory (the last RF channels, rounded as before: the same bits), not on every channel in registers;
     QTMA, the loader issues q as one TMA copy (needs QFIRST and a contiguous q; else cp.async, 32 copies a
-    thread); QNM, with a q prologue, the math partition computes the heads' norm factors from the rotated q while its
-    first QK runs, and the loader only rotates (before, the loader computed them from the raw q, on q's path).
-    probe 3 (profiling, wrong results): no output store; 4: no q load."""
+    thread). probe 3 (profiling, wrong results): no output store; 4: no q load."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -767,7 +749,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["EPI"] = fused or (bool(o["EPI"]) and out.dtype == q.dtype)
     o["QFIRST"] = bool(o["QFIRST"])
     o["ORS"] = bool(o["ORS"])
-    o["QNM"] = bool(o["QNM"])
     o["QTMA"] = bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and TensorDescriptor is not None
     o["PROBE"] = probe
     return o
