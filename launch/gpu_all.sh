@@ -134,7 +134,8 @@ raise SystemExit(not g.available())"; then
                    stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
         trace)  # the sparse core's in-kernel timeline: each phase of an item, us (TRACE_ARGS: trace_core's options)
-               stage trace_core ${T_TRACE:-240} "$PY" launch/trace_core.py ${TRACE_ARGS:-} --out "$RES/trace_core.json" ;;
+               stage trace_core ${T_TRACE:-240} "$PY" launch/trace_core.py ${TRACE_ARGS:-} \
+                   --out "$RES/trace_core.json" ;;
         demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
                stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \

@@ -211,8 +211,8 @@ def test_impl_errors_name_the_rule():
 
 def test_warp_specialized_switches_follow_their_rules():
     """PREF needs every part's picks in one load, EPI an output in q's dtype, QTMA (q by TMA) the loader's q first,
-    a contiguous q, q loaded at all (not probe 4) and Triton's TMA descriptors; the probes of the one-program
-    kernel are refused by the warp-specialized one."""
+    a contiguous and 16-byte aligned q, q loaded at all (not probe 4) and Triton's TMA descriptors; the probes of
+    the one-program kernel are refused by the warp-specialized one."""
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
     assert o == dict(core_gluon.WS_OPTS, PROBE=0, QTMA=core_gluon.WS_OPTS["QTMA"] and core_gluon.TensorDescriptor
@@ -226,6 +226,8 @@ def test_warp_specialized_switches_follow_their_rules():
     assert not core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, q, q, 4)["QTMA"]            # probe 4: no q load
     strided = torch.empty(1, 1, 64, 256, dtype=torch.bfloat16)[..., :128]
     assert not core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, strided, q, 0)["QTMA"]
+    shifted = torch.empty(64 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 1, 64, 128)   # contiguous, 2 bytes off
+    assert shifted.is_contiguous() and not core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, shifted, q, 0)["QTMA"]
     assert core_gluon.ws_supported(512, 128) and not core_gluon.ws_supported(512, 128, bn=48)
     with pytest.raises(ValueError, match="probe=2 is the one-program-per-item kernel's"):
         core_gluon.sparse_attention_gluon(q, q, None, None, torch.zeros(1, 1, 8), None, None, 0.1, False, ws=True,

@@ -38,7 +38,7 @@ Two kernels share that math and give the same bits:
   (a read and a write of all of it): on one H200, V4-Flash prefill at 4096 tokens, each attention layer 7-9 %
   faster (``benchmarks/2026-12-01-attn-qnorm-1xh200-session15.md``). The loader issues q as one TMA copy, not
   32 ``cp.async`` a thread, and the output's inverse RoPE runs on its staged tail in shared memory, not on every
-  channel in registers: the core 10-14 % faster in the layer, same bits (``launch/trace_core.py`` times each
+  channel in registers: the core 8-14 % faster in the layer, same bits (``launch/trace_core.py`` times each
   phase of an item inside the kernel; ``benchmarks/2026-12-01-core-trace-1xh200-session16.md``).
 """
 
@@ -61,7 +61,8 @@ try:  # Gluon: Triton's experimental dialect; anything missing means "not availa
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     # a CTA-wide barrier: `barrier` from Triton 3.7 on, `thread_barrier` before
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _Q_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)   # q's tile (both kernels)
+    # q's tile in shared memory (the kernels' sm_l), which the TMA descriptor of q (QTMA) must name
+    _Q_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = None
 try:  # TMA for q (QTMA); without it q comes by cp.async
@@ -387,7 +388,8 @@ if gl is not None:
                     _ws_stamp(trace_ptr, item, 9, TRACE)
                     if QTMA:                                    # q by TMA: one instruction, not 32 copies a thread
                         mbarrier.expect(q_tma, BH * BD * 2)
-                        tma.async_copy_global_to_shared(q_desc, [(b * S + s).to(gl.int32) * H + h0, 0], q_tma, q_smem)
+                        row0 = (b * S + s).to(gl.int32) * H + h0        # q as [B * S * H, d]
+                        tma.async_copy_global_to_shared(q_desc, [row0, 0], q_tma, q_smem)
                     elif PROBE != 4:
                         _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
                     if QTMA:
@@ -545,8 +547,9 @@ if gl is not None:
                     if OROPE and ORS:                                   # the output's inverse RoPE on its tail only,
                         TW: gl.constexpr = (RF + 63) // 64 * 64         # in shared memory (whole swizzle columns)
                         TPC: gl.constexpr = TW // 8 if TW < 256 else 32
-                        rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
-                                                              warps_per_cta=[8, 1], order=[1, 0])
+                        rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
+                                                              threads_per_warp=[32 // TPC, TPC], warps_per_cta=[8, 1],
+                                                              order=[1, 0])
                         c, sn = _rope_cs(opos_ptr + b * S + s, ofreq_ptr, TW, RF - TW, RF, True,
                                          gl.SliceLayout(0, rt_l), 8)
                         _rotate_rows(last.slice(D - TW, TW, dim=1), c, sn, BH, 8 * (32 // TPC), TW, rt_l)
@@ -729,7 +732,7 @@ if gl is not None:
         ], [4], [LOAD_REGS])
 
 
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True)   # the warp-specialized kernel's defaults (see _ws_opts)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True)   # the warp-specialized kernel's defaults
 
 
 def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
@@ -739,8 +742,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     loader issues an item's q before its first tile (with a q prologue, the loader runs it once the q copies
     landed, after issuing the first tile's gather); ORS, the output's inverse RoPE runs on its staged tail in
     shared memory (the last RF channels, rounded as before: the same bits), not on every channel in registers;
-    QTMA, the loader issues q as one TMA copy (needs QFIRST and a contiguous q; else cp.async, 32 copies a
-    thread). probe 3 (profiling, wrong results): no output store; 4: no q load."""
+    QTMA, the loader issues q as one TMA copy (needs QFIRST and a contiguous, 16-byte aligned q; else cp.async,
+    32 copies a thread). probe 3 (profiling, wrong results): no output store; 4: no q load."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -749,7 +752,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["EPI"] = fused or (bool(o["EPI"]) and out.dtype == q.dtype)
     o["QFIRST"] = bool(o["QFIRST"])
     o["ORS"] = bool(o["ORS"])
-    o["QTMA"] = bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and TensorDescriptor is not None
+    o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
+                 and TensorDescriptor is not None)
     o["PROBE"] = probe
     return o
 
