@@ -49,25 +49,29 @@ LOADER = (("q_empty", 8, 9), ("tile 0 issue", 9, 10), ("q ready", 10, 11), ("slo
 MODES = dict(plain="", layer="qof", qrope="q", orope="o", fp8="f")
 
 
-def launch(mode: str, q, parts, sinks, trace=None, opts=None):
-    """One call of the warp-specialized core; returns (out, scales or None)."""
-    B, S, H, D = q.shape
-    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
-    steps, kw = MODES[mode], {}
+def steps(mode: str, q) -> dict:
+    """The mode's steps as ``sparse_attention_gluon``'s keywords (positions and frequencies made once, outside
+    the timed calls)."""
+    B, S = q.shape[:2]
     pos = torch.arange(B * S, device=q.device)
     freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=q.device, dtype=torch.float32) / 64))
-    if "q" in steps:
-        kw["q_rope"] = (pos, freq, 1e-6)
-    if "o" in steps:
-        kw["o_rope"] = (pos, freq)
-    if "f" in steps:
-        kw["scales"] = torch.empty(H * D // 128, B * S, device=q.device, dtype=torch.float32)
+    return {k: v for k, v in (("q_rope", (pos, freq, 1e-6)), ("o_rope", (pos, freq))) if k[0] in MODES[mode]}
+
+
+def launch(mode: str, kw: dict, q, parts, sinks, trace=None, opts=None):
+    """One call of the warp-specialized core (kw: ``steps(mode, q)``) into fresh outputs; returns (out, scales or
+    None)."""
+    B, S, H, D = q.shape
+    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+    scales = None
+    if "f" in MODES[mode]:
+        scales = torch.empty(H * D // 128, B * S, device=q.device, dtype=torch.float32)
         out = torch.empty(B, S, H, D, device=q.device, dtype=torch.float8_e4m3fn)
     else:
         out = torch.empty_like(q)
-    core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, len(parts) == 2, ws=True,
-                                      trace=trace, opts=opts, **kw)
-    return out, kw.get("scales")
+    core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, D ** -0.5, len(parts) == 2, ws=True,
+                                      trace=trace, opts=opts, scales=scales, **kw)
+    return out, scales
 
 
 def same(a, b) -> bool:
@@ -136,14 +140,14 @@ def main() -> None:
         q, parts, sinks = make(kind, args.tokens, args.heads, 512, dev)
         n_items = args.tokens * (args.heads // core_gluon.BH)
         for mode in args.modes.split(","):
-            first = None
+            first, kw = None, steps(mode, q)
             for var in args.variants.split(";"):
                 opts = {k.upper(): bool(int(v)) for k, v in (kv.split("=") for kv in var.split(",") if "=" in kv)}
                 trace = torch.zeros(n_items, 16, device=dev, dtype=torch.int32)
-                plain_us = time_alone(lambda: launch(mode, q, parts, sinks, opts=opts), args.iters)
-                traced_us = time_alone(lambda: launch(mode, q, parts, sinks, trace, opts), args.iters)
-                ref = launch(mode, q, parts, sinks, opts=opts)
-                got = launch(mode, q, parts, sinks, trace, opts)
+                plain_us = time_alone(lambda: launch(mode, kw, q, parts, sinks, opts=opts), args.iters)
+                traced_us = time_alone(lambda: launch(mode, kw, q, parts, sinks, trace, opts), args.iters)
+                ref = launch(mode, kw, q, parts, sinks, opts=opts)
+                got = launch(mode, kw, q, parts, sinks, trace, opts)
                 torch.cuda.synchronize()
                 first = first or ref
                 row = dict(kind=kind, mode=mode, variant=var, heads=args.heads, tokens=args.tokens,
@@ -152,7 +156,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.raw:
-                    np.save(os.path.join(args.raw, f"{kind}-{mode}-{var.replace(',', '+').replace('=', '')}.npy"),
+                    np.save(os.path.join(args.raw, f"{kind}-{mode}-{var.replace(',', '_').replace('=', '')}.npy"),
                             trace.cpu().numpy())
     cols = ["us", "traced_us", "item"] + [m[0] for m in MATH] + ["to next"] + [m[0] for m in LOADER] + [
         "q load+prep", "start spread p10-p90 (us)"]

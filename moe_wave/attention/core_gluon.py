@@ -392,11 +392,9 @@ if gl is not None:
                         tma.async_copy_global_to_shared(q_desc, [row0, 0], q_tma, q_smem)
                     elif PROBE != 4:
                         _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
-                    if QTMA:
-                        pass                                    # q_full once it landed, after the first tile's gather
-                    elif QROPE:
+                    if QROPE and not QTMA:                      # (QTMA: q_full once it landed, _ws_q_ready)
                         cp.commit_group()                       # waited for after the first tile's gather
-                    else:
+                    elif not QTMA:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                         qn += 1
                 slot = g % NBUF
@@ -561,9 +559,11 @@ if gl is not None:
                 else:                                                   # no valid pick: the output is 0
                     ov = gl.zeros([BH, BD], dt, st_l)
                 _ws_stamp(trace_ptr, item, 4, TRACE)
-                if PROBE != 3:                                          # (with ORS, the RoPE ran above; on
+                if PROBE != 3:
+                    # with ORS an item with picks had its RoPE above; an item with none (zeros) still takes the
+                    # rotation here, as the chain rounds it (a run-time flag: both paths are compiled)
                     _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
-                              OROPE and not (ORS and nt > 0), FP8, st_l)      # zeros, nothing to rotate)
+                              OROPE and not (ORS and nt > 0), FP8, st_l)
                 _ws_stamp(trace_ptr, item, 5, TRACE)
             else:
                 o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
