@@ -80,6 +80,19 @@ def same(a, b) -> bool:
         a[1] is None or torch.equal(a[1].view(torch.int32), b[1].view(torch.int32)))
 
 
+def rel_diff(a, b) -> float:
+    """How far output a is from b: the relative L2 norm of the difference of their values (FP8: times the
+    scales), for variants that round in another order (PAIR)."""
+    def val(o):
+        x = o[0].float()
+        if o[1] is not None:
+            B, S, H, D = x.shape
+            x = x.view(B * S, H * D // 128, 128) * o[1].t()[:, :, None]
+        return x.reshape(-1)
+    va, vb = val(a), val(b)
+    return float((va - vb).norm() / vb.norm().clamp_min(1e-30))
+
+
 def analyse(tr: np.ndarray, G: int) -> dict:
     """Phase medians (us) from the int32 stamps; the clock rate from each program's first and last ns stamps."""
     n = tr.shape[0]
@@ -152,7 +165,8 @@ def main() -> None:
                 first = first or ref
                 row = dict(kind=kind, mode=mode, variant=var, heads=args.heads, tokens=args.tokens,
                            us=round(plain_us, 1), traced_us=round(traced_us, 1), same_bits_traced=same(ref, got),
-                           same_bits_as_first=same(ref, first), **analyse(trace.cpu().numpy(), min(G, n_items)))
+                           same_bits_as_first=same(ref, first), rel_to_first=f"{rel_diff(ref, first):.1e}",
+                           **analyse(trace.cpu().numpy(), min(G, n_items)))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.raw:
@@ -165,7 +179,7 @@ def main() -> None:
         part = rows[r0:r0 + 8]
         print(f"{'':14}" + "".join(f"{r['kind'][:5] + '/' + r['mode'][:5]:>13}" for r in part))
         print(f"{'variant':14}" + "".join(f"{r['variant'][:12]:>13}" for r in part))
-        for c in cols + ["same_bits_as_first"]:
+        for c in cols + ["same_bits_as_first", "rel_to_first"]:
             print(f"{c[:14]:14}" + "".join(f"{str(r[c]):>13}" for r in part))
     if args.out:
         meta = dict(command=" ".join(sys.argv), git_sha=os.environ.get("MOE_WAVE_GIT_SHA", "unknown"),
