@@ -180,57 +180,6 @@ def test_warp_specialized_prologue_is_norm_rope(name):
 
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] == 512])
-def test_pair_kernel_matches_reference(name):
-    """The pair kernel (PAIR: two tiles a step, each math warpgroup one tile's QK, P crossing through shared
-    memory) rounds in another order than the kernels above: within bf16 rounding of the fp32 reference and of the
-    warp-specialized kernel, and the same bits with 3 or 5 programs walking many items (odd tile counts, a step
-    across the two parts, items with no valid pick: the buffers' and the exchanges' phases in step) as with one
-    per SM, with q by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps
-    (q's norm and RoPE, the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in
-    registers, act_quant's bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's
-    fused output."""
-    B, S, H, D, spec, dtype = CASES[name]
-    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
-    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
-    two, scale, eps = len(parts) == 2, D ** -0.5, 1e-6
-
-    def run(q, programs=None, opts=None, **kw):
-        out = torch.empty_like(q)
-        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                          programs=programs, opts=dict(PAIR=True, **(opts or {})), **kw)
-        return out
-
-    want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off")
-    ws = torch.empty_like(q)
-    core_gluon.sparse_attention_gluon(q, ws, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                      opts=dict(PAIR=False))
-    runs = [run(q), run(q, 3), run(q, 5, dict(QTMA=False)), run(q)]
-    assert all(torch.equal(runs[0], r) for r in runs[1:])
-    assert rel(runs[0], want) < 1.5e-2 and rel(runs[0], ws) < 1e-2, (rel(runs[0], want), rel(runs[0], ws))
-    assert torch.equal(runs[0][0, 0].float(), torch.zeros_like(runs[0][0, 0].float()))
-
-    g = torch.Generator(device="cuda").manual_seed(11)
-    q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
-    pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)
-    freq = torch.rand(32, device="cuda", generator=g) * 0.5
-    steps = dict(q_rope=(pos, freq, eps), o_rope=(pos, freq))
-    plain = run(q, **steps)
-    assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
-    ws_plain = torch.empty_like(q)
-    core_gluon.sparse_attention_gluon(q, ws_plain, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                      opts=dict(PAIR=False), **steps)
-    assert rel(plain, ws_plain) < 1e-2
-    o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
-    sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
-    core_gluon.sparse_attention_gluon(q, o_q.view(B, S, H, D), sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                      programs=3, opts=dict(PAIR=True), scales=sc, **steps)
-    want_q, want_s = act_quant_torch(plain.reshape(B * S, H * D))
-    assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
-
-
-@needs_gluon
-@pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
     its key splits (its bits), and both stay within bf16 rounding of each other."""

@@ -175,10 +175,10 @@ if gl is not None:
 
     @gluon.jit
     def _gather(T, n1, kv1, s_k1_m, kv2, s_k2_m, rows, buf, D: gl.constexpr, BD: gl.constexpr,
-                layout: gl.constexpr, TWO: gl.constexpr, C0: gl.constexpr):
-        # cp.async of tile T's picked rows, channels C0 .. C0 + BD, into `buf` (a -1 row is zero-filled: its p is 0,
-        # and 0 * its value must not be NaN); rows: [BN] in SliceLayout(1, layout)
-        dk = C0 + gl.arange(0, BD, layout=gl.SliceLayout(0, layout))
+                layout: gl.constexpr, TWO: gl.constexpr):
+        # cp.async of tile T's picked rows into `buf` (a -1 row is zero-filled: its p is 0, and 0 * its value
+        # must not be NaN); rows: [BN] in SliceLayout(1, layout)
+        dk = gl.arange(0, BD, layout=gl.SliceLayout(0, layout))
         ok = (rows >= 0)[:, None] & (dk < D)[None, :]
         off = gl.maximum(rows, 0).to(gl.int64)[:, None]
         if TWO:
@@ -264,7 +264,7 @@ if gl is not None:
         cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
         for i in gl.static_range(NBUF - 1):                             # the ring's first tiles
             r = _picks(i, n1, idx1, J1, idx2, J2, BN, rows_l, TWO)
-            _gather(i, n1, kv1, s_k1_m, kv2, s_k2_m, r, k_smem.index(i), D, BD, ld_l, TWO, 0)
+            _gather(i, n1, kv1, s_k1_m, kv2, s_k2_m, r, k_smem.index(i), D, BD, ld_l, TWO)
             cp.commit_group()
         rows_n = _picks(NBUF - 1, n1, idx1, J1, idx2, J2, BN, rows_l, TWO)   # the next tile to gather
         ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0       # tile 0's score mask
@@ -284,7 +284,7 @@ if gl is not None:
             _cta_barrier()                                         # both warpgroups: buffer (t-1) is free
             nxt = t + NBUF - 1
             if (nxt < nt) and (PROBE != 1):                             # (PROBE: profiling, see _probe)
-                _gather(nxt, n1, kv1, s_k1_m, kv2, s_k2_m, rows_n, k_smem.index(nxt % NBUF), D, BD, ld_l, TWO, 0)
+                _gather(nxt, n1, kv1, s_k1_m, kv2, s_k2_m, rows_n, k_smem.index(nxt % NBUF), D, BD, ld_l, TWO)
             cp.commit_group()                                           # (an empty group past the end)
             rows_n = _picks(nxt + 1, n1, idx1, J1, idx2, J2, BN, rows_l, TWO)
             ok = ok_n
@@ -408,7 +408,7 @@ if gl is not None:
                 buf = k_smem.index(slot)
                 for c in gl.static_range(4):
                     r = pk_smem.slice(c * RC, RC).load(rows_l)
-                    _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO, 0)
+                    _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
                 cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
                 g += 1
                 if t == 0:
@@ -563,7 +563,7 @@ if gl is not None:
                     # with ORS an item with picks had its RoPE above; an item with none (zeros) still takes the
                     # rotation here, as the chain rounds it (a run-time flag: both paths are compiled)
                     _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
-                              OROPE and not (ORS and nt > 0), FP8, st_l, 0, 8)
+                              OROPE and not (ORS and nt > 0), FP8, st_l)
                 _ws_stamp(trace_ptr, item, 5, TRACE)
             else:
                 o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
@@ -656,16 +656,14 @@ if gl is not None:
 
     @gluon.jit
     def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
-                  BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, st_l: gl.constexpr,
-                  C0: gl.constexpr, NW: gl.constexpr):
+                  BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, st_l: gl.constexpr):
         # The item's output y [BH, BD] (q's dtype, 8 channels a thread) to o_row, through the layer's steps after
         # the core as the unfused chain runs them (``core_kernel._epilogue`` is the same math, the same bits):
         # OROPE: the inverse RoPE of the last RF channels in fp32 (the pair partner by a split / join, within the
         # thread), rounded again; FP8: act_quant of each 128 channels: s = pow2_ceil(max(amax, 1e-4) / 448) by bit
-        # ops, e4m3(y * (1 / s)) to o_row, s to sc_ptr[(h * D / 128 + block) * M + row]. y holds channels C0 .. C0 + BD
-        # (the pair kernel: each warpgroup its half); NW: the warps of st_l.
+        # ops, e4m3(y * (1 / s)) to o_row, s to sc_ptr[(h * D / 128 + block) * M + row].
         hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
-        ds = C0 + gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
+        ds = gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
         omask = (hs < H)[:, None] & (ds < D)[None, :]
         optr = o_row + hs.to(gl.int64)[:, None] * s_o_h + ds[None, :]
         if OROPE:
@@ -673,11 +671,11 @@ if gl is not None:
             ev, od = gl.split(gl.reshape(y, [BH, BD // 2, 2]))
             xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, BD]), st_l).to(gl.float32)
             tail = (ds >= D - RF) & (ds < D)
-            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, BD, RF - D + C0, RF, True, gl.SliceLayout(0, st_l), NW)
+            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, BD, RF - D, RF, True, gl.SliceLayout(0, st_l), 8)
             y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], x * c[None, :]), x).to(y.dtype)
         if FP8:
             sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
-                                                  warps_per_cta=[NW, 1], order=[1, 0])
+                                                  warps_per_cta=[8, 1], order=[1, 0])
             y3 = gl.reshape(y.to(gl.float32), [BH, BD // 128, 128])
             amax = gl.maximum(gl.max(gl.abs(y3), axis=2), 1e-4)
             sbits = (gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
@@ -686,7 +684,7 @@ if gl is not None:
             gl.store(optr, z.to(gl.float8e4nv, fp_downcast_rounding="rtne"), mask=omask)
             sb = gl.convert_layout(sbits, sc_l)
             hb = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, sc_l))
-            blk = C0 // 128 + gl.arange(0, BD // 128, layout=gl.SliceLayout(0, sc_l))
+            blk = gl.arange(0, BD // 128, layout=gl.SliceLayout(0, sc_l))
             gl.store(sc_ptr + (hb[:, None] * (D // 128) + blk[None, :]).to(gl.int64) * M + row,
                      sb.to(gl.float32, bitcast=True), mask=(hb < H)[:, None] & (blk < D // 128)[None, :])
         else:
@@ -734,430 +732,10 @@ if gl is not None:
         ], [4], [LOAD_REGS])
 
 
-    # ---- the pair variant (PAIR): each math warpgroup owns a tile's QK ---------------------------------------
-    # The tile loop above runs QK(t), then the softmax with no GEMM in flight, then PV(t); its QK is split along
-    # the keys (N = 32 a warpgroup) and each tile's row max, sum and P cross between the warpgroups through shared
-    # memory (about 2.6 us a 64-key tile on an H200 against 1.2 at the tensor cores' rate). Here the two math
-    # warpgroups are separate partitions and take the tiles two at a time (a "step": tile A = 2k, tile B = 2k + 1):
-    #   - warpgroup 0 computes QK(A) [64 heads x 64 keys, all of d], warpgroup 1 QK(B): N = 64;
-    #   - warpgroup 0 publishes its running max with A's (sM0, m0_ready); warpgroup 1 takes the step's max with
-    #     B's and publishes it (sM1, m1_ready); each then runs PV on its own P from registers (warpgroup 0 at its
-    #     own max, rescaled once the step's max is known) while the other's P crosses through shared memory (sP,
-    #     p0_ready / p1_ready) for the PV of the other tile. Warpgroup 0 holds the output's channels 0 .. d/2,
-    #     warpgroup 1 the rest, as before;
-    #   - a tile lives in shared memory as two halves of d/2 channels (A_L, A_R, B_L, B_R: kv_full / kv_empty
-    #     each), so the loader refills a half as soon as its readers are done with it: A_L is read by warpgroup 0
-    #     alone (QK(A), PV of A), B_R by warpgroup 1 alone, A_R last by warpgroup 1's PV of A, B_L by warpgroup
-    #     0's PV of B;
-    #   - each warpgroup sums its own tiles' P (the sink's 1 in warpgroup 0's sum); the sums meet at the item's end.
-    # The softmax of one warpgroup runs while the other's GEMMs do. Same math (fp32 online softmax, exp2 domain,
-    # the sink as the running max's start, -1 picks masked), another order of rounding: not the bits of the
-    # kernels above, and still the same bits on every run. An odd tile count leaves the last step without B:
-    # its QK, its P and its loads are skipped. The output leaves through shared memory (EPI), each warpgroup its
-    # half through the A half it read last; the epilogue's steps (o_rope / FP8) and q's prologue are the WS
-    # kernel's.
-
-    @gluon.jit
-    def _wp_fill(empty, full, n, buf, rows_smem, T, n1, kv1, s_k1_m, kv2, s_k2_m, C0: gl.constexpr,
-                 D: gl.constexpr, BDH: gl.constexpr, BN: gl.constexpr, ld_l: gl.constexpr, TWO: gl.constexpr):
-        # (loader) half C0 .. C0 + BDH of tile T into buf, once its readers released it (n: the half's uses so far)
-        RC: gl.constexpr = BN // 4
-        mbarrier.wait(empty, (n & 1) ^ 1)
-        for c in gl.static_range(4):
-            r = rows_smem.slice(c * RC, RC).load(gl.SliceLayout(1, ld_l))
-            _gather(T, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BDH, ld_l, TWO, C0)
-        cp.mbarrier_arrive(full, increment_count=False)
-
-    @gluon.jit
-    def _wp_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, TWO: gl.constexpr,
-                   JC: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr, QRF: gl.constexpr,
-                   QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr, q_desc, q_tma, QTMA: gl.constexpr):
-        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
-         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty, trace_ptr, x) = a
-        BDH: gl.constexpr = BD // 2
-        ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                              warps_per_cta=[4, 1], order=[1, 0])
-        one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
-                                               order=[0])
-        nA = 0
-        nB = 0
-        qn = 0
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            _ws_stamp(trace_ptr, item, 8, TRACE)
-            b, s, h0 = _ws_item(item, HB, S, BH)
-            idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
-            idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
-            kv1 = kv1_ptr + b * s_k1_b
-            kv2 = kv2_ptr + b * s_k2_b
-            n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
-            rA = _picks(0, n1, idx1, J1, idx2, J2, BN, one_l, TWO)
-            rB = _picks(1, n1, idx1, J1, idx2, J2, BN, one_l, TWO)
-            for k in range(0, (nt + 1) // 2):
-                has_b = 2 * k + 1 < nt
-                pk_smem[0].store(rA)
-                pk_smem[1].store(rB)
-                rA = _picks(2 * k + 2, n1, idx1, J1, idx2, J2, BN, one_l, TWO)     # the next step's, ahead
-                rB = _picks(2 * k + 3, n1, idx1, J1, idx2, J2, BN, one_l, TWO)
-                if k == 0:                                      # q once the last item's QKs are done with it
-                    mbarrier.wait(q_empty, (qn & 1) ^ 1)
-                    _ws_stamp(trace_ptr, item, 9, TRACE)
-                    if QTMA:
-                        mbarrier.expect(q_tma, BH * BD * 2)
-                        tma.async_copy_global_to_shared(q_desc, [(b * S + s).to(gl.int32) * H + h0, 0], q_tma, q_smem)
-                    else:
-                        _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, BN // 4, ld_l)
-                        if QROPE:
-                            cp.commit_group()
-                        else:
-                            cp.mbarrier_arrive(q_full, increment_count=False)
-                            qn += 1
-                _wp_fill(kv_empty.index(0), kv_full.index(0), nA, k_smem.index(0), pk_smem[0], 2 * k, n1, kv1,
-                         s_k1_m, kv2, s_k2_m, 0, D, BDH, BN, ld_l, TWO)
-                if has_b:
-                    _wp_fill(kv_empty.index(3), kv_full.index(3), nB, k_smem.index(3), pk_smem[1], 2 * k + 1,
-                             n1, kv1, s_k1_m, kv2, s_k2_m, BDH, D, BDH, BN, ld_l, TWO)
-                if k == 0:
-                    _ws_stamp(trace_ptr, item, 10, TRACE)
-                    if QROPE or QTMA:                           # q's prologue once it landed
-                        _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                    QTW, STC, q_tma, qn & 1, QROPE, QTMA)
-                        qn += 1
-                    _ws_stamp(trace_ptr, item, 11, TRACE)
-                if k == 1:
-                    _ws_stamp(trace_ptr, item, 14, TRACE)
-                _wp_fill(kv_empty.index(1), kv_full.index(1), nA, k_smem.index(1), pk_smem[0], 2 * k, n1, kv1,
-                         s_k1_m, kv2, s_k2_m, BDH, D, BDH, BN, ld_l, TWO)
-                if k == 1:
-                    _ws_stamp(trace_ptr, item, 12, TRACE)
-                if has_b:
-                    _wp_fill(kv_empty.index(2), kv_full.index(2), nB, k_smem.index(2), pk_smem[1], 2 * k + 1,
-                             n1, kv1, s_k1_m, kv2, s_k2_m, 0, D, BDH, BN, ld_l, TWO)
-                    nB += 1
-                nA += 1
-            _ws_stamp(trace_ptr, item, 13, TRACE)
-
-    @gluon.jit
-    def _wp_begin(a, item, pf1, pf2, qk_scale, sink_ptr, inv_smem, PREF: gl.constexpr, BH: gl.constexpr,
-                  BN: gl.constexpr, JC: gl.constexpr, TWO: gl.constexpr, QROPE: gl.constexpr, qn,
-                  one_l: gl.constexpr, row_l: gl.constexpr):
-        # (both math warpgroups) an item's start: its tile counts (PREF: from the picks loaded one item ahead, and
-        # the next item's loaded), its heads' score scales (QROPE: once q_full says the factors are in), the sink
-        # as the running max's start
-        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
-         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty, trace_ptr, x) = a
-        G = gl.num_programs(0)
-        b, s, h0 = _ws_item(item, HB, S, BH)
-        idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
-        idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
-        if PREF:
-            n1 = _ws_tiles(pf1, BN, JC, one_l)
-            nt = n1
-            if TWO:
-                nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
-            nb, ns, _h = _ws_item(item + G, HB, S, BH)
-            on = item + G < n_items
-            pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on)
-            if TWO:
-                pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on)
-        else:
-            n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
-        qs = gl.full([BH], qk_scale, gl.float32, row_l)
-        if nt > 0:
-            mbarrier.wait(q_full, qn & 1)
-            if QROPE:
-                qs = qk_scale * inv_smem.load(row_l)
-        hm = h0 + gl.arange(0, BH, layout=row_l)
-        m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
-        return b, s, h0, idx1, idx2, n1, nt, pf1, pf2, qs, m_i
-
-    @gluon.jit
-    def _wp_math(a, W: gl.constexpr, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
-                 D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, TWO: gl.constexpr,
-                 JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
-                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
-        # math warpgroup W (0: tile A of each step and the output's channels 0 .. d/2; 1: tile B, d/2 .. d)
-        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
-         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty, trace_ptr, x) = a
-        (sP, sM, sL, m_ready, p_ready, l_ready) = x
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        BDH: gl.constexpr = BD // 2
-        qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 16])
-        pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BDH, 16])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pv_l, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(1, qk_l)
-        one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
-                                               order=[0])
-        # (d = 512: a warpgroup's half of a row is one warp's 32 x 8 channels)
-        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                              warps_per_cta=[4, 1], order=[1, 0])
-        cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
-        s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
-        q2 = q_smem._reinterpret(dt, [2, BH, BDH], k_smem.type.layout)     # q's channel halves (the same bytes: 64-column atoms)
-        pf1 = gl.full([JC], -1, gl.int32, one_l)
-        pf2 = pf1
-        if PREF:
-            b, s, h0 = _ws_item(gl.program_id(0), HB, S, BH)
-            pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True).to(gl.int32)
-            if TWO:
-                pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True).to(gl.int32)
-        nA = 0
-        nB = 0
-        st = 0
-        qn = 0
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            if W == 0:
-                _ws_stamp(trace_ptr, item, 7, TRACE)
-                _ws_stamp(trace_ptr, item, 0, TRACE)
-            b, s, h0, idx1, idx2, n1, nt, pf1, pf2, qs, m_i = _wp_begin(
-                a, item, pf1, pf2, qk_scale, sink_ptr, inv_smem, PREF, BH, BN, JC, TWO, QROPE, qn, one_l, row_l)
-            pf1 = pf1.to(gl.int32)
-            pf2 = pf2.to(gl.int32)
-            if W == 0:
-                _ws_stamp(trace_ptr, item, 1, TRACE)
-                l_i = gl.full([BH], 1.0, gl.float32, row_l)   # the sink's term, in warpgroup 0's sum
-            else:
-                l_i = gl.full([BH], 0.0, gl.float32, row_l)
-            if W == 0:                                         # (an async wgmma's token: PV of B stays in flight)
-                acc = warpgroup_mma_init(gl.zeros([BH, BDH], gl.float32, pv_l))
-            else:
-                acc = gl.zeros([BH, BDH], gl.float32, pv_l)
-            ok_n = _picks(W, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
-            ns = (nt + 1) // 2
-            pend = 0                                           # (warpgroup 0) B_L to release once PV of B is done
-            for k in range(0, ns):
-                has_b = 2 * k + 1 < nt
-                # the shared-memory buffers by an index the compiler cannot prove constant (st >> 30 is 0): with
-                # constant ones it hoists every wgmma's descriptors (64-bit, ~100) out of the loops, and spills them
-                dz = st >> 30
-                if W == 0:
-                    ok = ok_n
-                else:
-                    ok = ok_n & has_b
-                ok_n = _picks(2 * k + 2 + W, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
-                if W == 0:                                      # QK(A), by halves as they land
-                    mbarrier.wait(kv_full.index(0), nA & 1)
-                    fence_async_shared()
-                    sc = warpgroup_mma(q2.index(dz), k_smem.index(dz).permute((1, 0)), s_zero,
-                                       use_acc=False, is_async=True)
-                    if pend != 0:                               # the last step's PV of B is done: B_L is free
-                        acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(acc,)))
-                        _cta_barrier()
-                        mbarrier.arrive(kv_empty.index(2))
-                        pend = 0
-                    mbarrier.wait(kv_full.index(1), nA & 1)
-                    fence_async_shared()
-                    sc = warpgroup_mma(q2.index(1 + dz), k_smem.index(1 + dz).permute((1, 0)), sc,
-                                       is_async=True)
-                    acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))
-                    if k == 0:
-                        _ws_stamp(trace_ptr, item, 2, TRACE)
-                    if k == ns - 1:
-                        _ws_stamp(trace_ptr, item, 6, TRACE)
-                else:                                           # QK(B), B_R's half first
-                    sc = s_zero
-                    if has_b:
-                        mbarrier.wait(kv_full.index(3), nB & 1)
-                        fence_async_shared()
-                        sc = warpgroup_mma(q2.index(1 + dz), k_smem.index(3 + dz).permute((1, 0)), s_zero,
-                                           use_acc=False, is_async=True)
-                        mbarrier.wait(kv_full.index(2), nB & 1)
-                        fence_async_shared()
-                        sc = warpgroup_mma(q2.index(dz), k_smem.index(2 + dz).permute((1, 0)), sc,
-                                           is_async=True)
-                        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                if k == ns - 1:                                 # this warpgroup's last QK: q is free for it
-                    _cta_barrier()
-                    mbarrier.arrive(q_empty)
-                sc = gl.where(ok[None, :], sc * qs[:, None], float("-inf"))
-                if W == 0:
-                    m0 = gl.maximum(m_i, gl.max(sc, axis=1))
-                    sM[0].store(m0)
-                    _cta_barrier()
-                    mbarrier.arrive(m_ready.index(0))
-                    alpha = gl.exp2(m_i - m0)
-                    p = gl.exp2(sc - m0[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_l), k_smem.index(dz),
-                                        acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None],
-                                        is_async=True)
-                    mbarrier.wait(m_ready.index(1), st & 1)
-                    m_new = sM[1].load(row_l)
-                    f = gl.exp2(m0 - m_new)
-                    sP.index(dz).store((p * f[:, None]).to(dt))
-                    fence_async_shared()
-                    _cta_barrier()
-                    mbarrier.arrive(p_ready.index(0))
-                    l_i = l_i * f
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    if k < ns - 1:                              # A_L read (the last step's: the output's staging)
-                        _cta_barrier()
-                        mbarrier.arrive(kv_empty.index(0))
-                    acc = warpgroup_mma_init(acc * gl.convert_layout(f, gl.SliceLayout(1, pv_l))[:, None])
-                    if has_b:
-                        mbarrier.wait(p_ready.index(1), nB & 1)
-                        acc = warpgroup_mma(sP.index(1 + dz), k_smem.index(2 + dz), acc, is_async=True)
-                        pend = 1
-                else:
-                    mbarrier.wait(m_ready.index(0), st & 1)
-                    m_new = gl.maximum(sM[0].load(row_l), gl.max(sc, axis=1))
-                    sM[1].store(m_new)
-                    _cta_barrier()
-                    mbarrier.arrive(m_ready.index(1))
-                    alpha = gl.exp2(m_i - m_new)
-                    p = gl.exp2(sc - m_new[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None])
-                    if has_b:
-                        pb = p.to(dt)
-                        acc = warpgroup_mma(gl.convert_layout(pb, p_l), k_smem.index(3 + dz), acc, is_async=True)
-                        sP.index(1 + dz).store(pb)
-                        fence_async_shared()
-                        _cta_barrier()
-                        mbarrier.arrive(p_ready.index(1))
-                    mbarrier.wait(p_ready.index(0), st & 1)
-                    acc = warpgroup_mma(sP.index(dz), k_smem.index(1 + dz), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    _cta_barrier()
-                    if has_b:
-                        mbarrier.arrive(kv_empty.index(3))      # B_R read
-                    if k < ns - 1:
-                        mbarrier.arrive(kv_empty.index(1))      # A_R read (the last step's: the output's staging)
-                m_i = m_new
-                st += 1
-                nA += 1
-                if has_b:
-                    nB += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            o_row = o_ptr + b * s_o_b + s * s_o_s
-            if nt > 0:
-                if W == 0:
-                    if pend != 0:
-                        _cta_barrier()
-                        mbarrier.arrive(kv_empty.index(2))
-                # the two warpgroups' sums meet; the same l (l0 + l1) in both
-                sL[W].store(l_i)
-                _cta_barrier()
-                mbarrier.arrive(l_ready.index(W))
-                mbarrier.wait(l_ready.index(1 - W), qn & 1)
-                l_all = l_i + sL[1 - W].load(row_l)
-                stage = k_smem.index(W)                         # A_L (warpgroup 0), A_R (1): held since read
-                stage.store((acc / gl.convert_layout(l_all, gl.SliceLayout(1, pv_l))[:, None]).to(dt))
-                _cta_barrier()
-                if W == 0:
-                    _ws_stamp(trace_ptr, item, 3, TRACE)
-                if W == 1 and OROPE and ORS:                    # the output's inverse RoPE on its tail
-                    TW: gl.constexpr = (RF + 63) // 64 * 64
-                    TPC: gl.constexpr = TW // 8 if TW < 256 else 32
-                    rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
-                                                          warps_per_cta=[4, 1], order=[1, 0])
-                    c, sn = _rope_cs(opos_ptr + b * S + s, ofreq_ptr, TW, RF - TW, RF, True, gl.SliceLayout(0, rt_l), 4)
-                    _rotate_rows(stage.slice(BDH - TW, TW, dim=1), c, sn, BH, 4 * (32 // TPC), TW, rt_l)
-                    _cta_barrier()
-                qn += 1
-            # the stores, 32 heads at a time (a thread's 64 channels of 8 rows, not 128: the FP8 epilogue's registers);
-            # an item with no valid pick writes zeros (their RoPE is 0 as well)
-            BH2: gl.constexpr = BH // 2
-            for r in gl.static_range(2):
-                if nt > 0:
-                    ov = k_smem.index(W).slice(r * BH2, BH2).load(st_l)
-                    if r == 1:
-                        _cta_barrier()
-                        mbarrier.arrive(kv_empty.index(W))     # A_L / A_R free again
-                else:
-                    ov = gl.zeros([BH2, BDH], dt, st_l)
-                if W == 0 and r == 0:
-                    _ws_stamp(trace_ptr, item, 4, TRACE)
-                _ws_store(ov, o_row, h0 + r * BH2, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH, BH2, RF,
-                          OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
-            if W == 0:
-                _ws_stamp(trace_ptr, item, 5, TRACE)
-
-    @gluon.jit
-    def _wp_math0(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D: gl.constexpr,
-                  BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr,
-                  PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, QROPE: gl.constexpr,
-                  inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
-        _wp_math(a, 0, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD, BH, BN, TWO, JC,
-                 PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)
-
-    @gluon.jit
-    def _wp_math1(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D: gl.constexpr,
-                  BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr,
-                  PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, QROPE: gl.constexpr,
-                  inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
-        _wp_math(a, 1, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD, BH, BN, TWO, JC,
-                 PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)
-
-    @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
-    def _sparse_core_pair(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
-                          qpos_ptr, qfreq_ptr, q_eps, trace_ptr,
-                          S, H, J1, J2, n_items, M, qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b,
-                          s_k1_m,
-                          s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
-                          D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, TWO: gl.constexpr,
-                          JC: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr, PREF: gl.constexpr,
-                          RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                          QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
-                          ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, num_warps: gl.constexpr):
-        gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        BDH: gl.constexpr = BD // 2
-        sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        f1_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
-        k_smem = gl.allocate_shared_memory(dt, [4, BN, BDH], sm_l)         # A_L, A_R, B_L, B_R
-        sP = gl.allocate_shared_memory(dt, [2, BH, BN], sm_l)              # P of A, P of B
-        sM = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
-        sL = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
-        pk_smem = (gl.allocate_shared_memory(gl.int32, [BN], f1_l), gl.allocate_shared_memory(gl.int32, [BN], f1_l))
-        inv_smem = gl.allocate_shared_memory(gl.float32, [BH], f1_l)
-        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_full, count=128)
-        mbarrier.init(q_empty, count=2)                 # both math warpgroups, after their last QK of the item
-        mbarrier.init(q_tma, count=1)
-        for i in gl.static_range(4):
-            mbarrier.init(kv_full.index(i), count=128)
-            mbarrier.init(kv_empty.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(m_ready.index(i), count=1)
-            mbarrier.init(p_ready.index(i), count=1)
-            mbarrier.init(l_ready.index(i), count=1)
-        HB = H // BH
-        x = (sP, sM, sL, m_ready, p_ready, l_ready)
-        a = (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h,
-             s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
-             q_empty, kv_full, kv_empty, trace_ptr, x)
-        # (the partitions' arguments written out in the call: a tuple assigned first would turn the constexprs
-        # into tensors)
-        gl.warp_specialize([
-            (_wp_math0, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD, BH,
-                         BN, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)),
-            (_wp_math1, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD, BH,
-                         BN, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)),
-            (_wp_loader, (a, D, BD, BH, BN, TWO, JC, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF, QTW, STC,
-                          TRACE, q_desc, q_tma, QTMA)),
-        ], [4, 4], [MATH_REGS, LOAD_REGS])
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True)   # the warp-specialized kernel's defaults
 
 
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, PAIR=False)   # the warp-specialized kernel's
-PAIR_MATH_REGS = 224    # the pair kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
-                        # default partition) gets the rest of 12 x 168, (2016 - 4 x 224 - 4 x LOAD_REGS) / 4 = 224
-
-
-def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False,
-             bn: int = BN) -> dict:
+def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
     """The warp-specialized kernel's switches (benchmarks compare them): PREF, the math partition loads the next
     item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
     in 16-byte stores (needs out in q's dtype; always on with a fused epilogue, which runs there); QFIRST, the
@@ -1165,9 +743,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     landed, after issuing the first tile's gather); ORS, the output's inverse RoPE runs on its staged tail in
     shared memory (the last RF channels, rounded as before: the same bits), not on every channel in registers;
     QTMA, the loader issues q as one TMA copy (needs QFIRST and a contiguous, 16-byte aligned q; else cp.async,
-    32 copies a thread); PAIR, the pair kernel (``_sparse_core_pair``: each math warpgroup owns a tile's QK, two
-    tiles a step; needs d = 512, 64-key tiles, EPI and no probe; other bits than the kernels above, the same on
-    every run). probe 3 (profiling, wrong results): no output store; 4: no q load."""
+    32 copies a thread). probe 3 (profiling, wrong results): no output store; 4: no q load."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1179,7 +755,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
     o["PROBE"] = probe
-    o["PAIR"] = bool(o["PAIR"]) and o["EPI"] and probe == 0 and q.shape[-1] == 512 and bn == BN
     return o
 
 
@@ -1247,21 +822,9 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qpos, qfreq, q_eps = q_rope if q_rope is not None else (sinks, sinks, 0.0)
         qrf = 2 * qfreq.numel() if q_rope is not None else 0
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
-        wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn)
+        wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
-        pair = wo.pop("PAIR")
         try:
-            if pair:
-                _sparse_core_pair[(grid,)](
-                    q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
-                    qpos, qfreq if qrf else sinks, float(q_eps), trace if trace is not None else sinks, *args,
-                    n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, TWO=two, JC=JC,
-                    LOAD_REGS=load_regs, MATH_REGS=PAIR_MATH_REGS, PREF=wo["PREF"],
-                    RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
-                    FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
-                    TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], num_warps=4,
-                    maxnreg=WS_MAXNREG)
-                return
             _sparse_core_ws[(grid,)](
                 q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
                 qpos, qfreq if qrf else sinks, float(q_eps), trace if trace is not None else sinks, *args,
