@@ -69,8 +69,10 @@ def launch(mode: str, kw: dict, q, parts, sinks, trace=None, opts=None):
         out = torch.empty(B, S, H, D, device=q.device, dtype=torch.float8_e4m3fn)
     else:
         out = torch.empty_like(q)
+    opts = dict(opts or {})
+    probe = opts.pop("PROBE", 0)
     core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, D ** -0.5, len(parts) == 2, ws=True,
-                                      trace=trace, opts=opts, scales=scales, **kw)
+                                      trace=trace, opts=opts, scales=scales, probe=probe, **kw)
     return out, scales
 
 
@@ -137,7 +139,7 @@ def main() -> None:
     ap.add_argument("--modes", default="layer,plain", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--variants", default="base", help="semicolon list of the kernel's switches to compare, "
                     "e.g. 'base;ors=1;qpf=1' (core_gluon.WS_OPTS; base: the defaults); each is checked bit for bit "
-                    "against the first")
+                    "against the first; probe=N (3-7, profiling: core_gluon._ws_opts says what each leaves out)")
     ap.add_argument("--heads", type=int, default=64, help="64: V4-Flash, 128: V4-Pro")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
@@ -155,7 +157,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             first, kw = None, steps(mode, q)
             for var in args.variants.split(";"):
-                opts = {k.upper(): bool(int(v)) for k, v in (kv.split("=") for kv in var.split(",") if "=" in kv)}
+                opts = {k.upper(): int(v) for k, v in (kv.split("=") for kv in var.split(",") if "=" in kv)}
                 trace = torch.zeros(n_items, 16, device=dev, dtype=torch.int32)
                 plain_us = time_alone(lambda: launch(mode, kw, q, parts, sinks, opts=opts), args.iters)
                 traced_us = time_alone(lambda: launch(mode, kw, q, parts, sinks, trace, opts), args.iters)

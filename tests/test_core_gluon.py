@@ -69,20 +69,27 @@ def test_gluon_core_matches_reference(name):
 @pytest.mark.parametrize("variant", [dict(), dict(programs=3), dict(programs=2, opts=dict(PREF=False, EPI=False)),
                                      dict(programs=5, opts=dict(QFIRST=False), load_regs=40),
                                      dict(programs=3, opts=dict(QTMA=True)),
-                                     dict(programs=4, opts=dict(QTMA=False, ORS=False))])
+                                     dict(programs=4, opts=dict(QTMA=False, ORS=False)),
+                                     dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"]))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
     buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
-    over the items), and with the loader's other budget."""
+    over the items), and with the loader's other budget; with the softmax's sums kept whole or by warpgroup
+    (LSPLIT, another order of rounding: the one-program kernel takes the switch too)."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
     two = len(parts) == 2
     want, got = torch.empty_like(q), torch.empty_like(q)
-    core_gluon.sparse_attention_gluon(q, want, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=False)
+    core_gluon.sparse_attention_gluon(q, want, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=False,
+                                      opts=variant.get("opts"))
     core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=True, **variant)
     assert torch.equal(got, want)
+    if "LSPLIT" in variant.get("opts", {}):             # (the other order: within bf16 rounding of the default)
+        default = torch.empty_like(q)
+        core_gluon.sparse_attention_gluon(q, default, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=True)
+        assert rel(got, default) < 2e-3
 
 
 @needs_gluon

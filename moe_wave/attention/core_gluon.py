@@ -190,7 +190,35 @@ if gl is not None:
             _cp_async(buf, kv1 + off * s_k1_m + dk[None, :], mask=ok)
 
     @gluon.jit
-    def _softmax_step(sc, ok, m_i, l_i, qk_scale, dt: gl.constexpr, pv_l: gl.constexpr, p_l: gl.constexpr):
+    def _row_halves(x):
+        # x [BH, BN] in the QK layout (each warpgroup BN / 2 of the keys) summed over each warpgroup's keys: [BH, 2],
+        # with no exchange between the warpgroups
+        BH: gl.constexpr = x.shape[0]
+        BN: gl.constexpr = x.shape[1]
+        return gl.sum(gl.reshape(x, [BH, 2, BN // 2]), axis=2)
+
+    @gluon.jit
+    def _l_start(s_zero, LSPLIT: gl.constexpr):
+        # the running sums at an item's start, the sink's 1: LSPLIT, [BH, 2] (a column for each warpgroup's keys, the
+        # sink's 1 in column 0); else [BH]
+        if LSPLIT:
+            l_i = _row_halves(s_zero)
+            c = gl.arange(0, 2, layout=gl.SliceLayout(0, l_i.type.layout))
+            l_i = l_i + gl.where(c == 0, 1.0, 0.0)[None, :]
+        else:
+            l_i = gl.full([s_zero.shape[0]], 1.0, gl.float32, gl.SliceLayout(1, s_zero.type.layout))
+        return l_i
+
+    @gluon.jit
+    def _l_total(l_i, pv_l: gl.constexpr, LSPLIT: gl.constexpr):
+        # the sums at an item's end, in PV's row layout (LSPLIT: the warpgroups' columns meet here, once)
+        if LSPLIT:
+            l_i = gl.sum(l_i, axis=1)
+        return gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
+
+    @gluon.jit
+    def _softmax_step(sc, ok, m_i, l_i, qk_scale, dt: gl.constexpr, pv_l: gl.constexpr, p_l: gl.constexpr,
+                      LSPLIT: gl.constexpr):
         # one tile of the online softmax (exp2 domain): the tile's scores sc [BH, BN] (QK, fp32), its valid keys ok
         # [BN]; returns P as PV's A operand, alpha (the accumulator's rescale) in PV's row layout, and the new
         # running max and sum
@@ -198,7 +226,10 @@ if gl is not None:
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        if LSPLIT:      # each warpgroup's keys in its own column of l: one exchange between the warpgroups less a tile
+            l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + _row_halves(p)
+        else:
+            l_i = l_i * alpha + gl.sum(p, axis=1)
         return gl.convert_layout(p.to(dt), p_l), gl.convert_layout(alpha, gl.SliceLayout(1, pv_l)), m_new, l_i
 
     @gluon.jit
@@ -218,7 +249,7 @@ if gl is not None:
                            s_k2_b, s_k2_m, s_i2_b, s_i2_s,
                            D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                            NBUF: gl.constexpr, TWO: gl.constexpr, PROBE: gl.constexpr, JC: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           LSPLIT: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         # QK: [BH, BN] split along the keys; PV: [BH, BD] split along the value channels
@@ -271,9 +302,9 @@ if gl is not None:
 
         hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
         m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
-        l_i = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, qk_l))
-        acc = warpgroup_mma_init(gl.zeros([BH, BD], gl.float32, pv_l))      # an async wgmma's token type
         s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
+        l_i = _l_start(s_zero, LSPLIT)
+        acc = warpgroup_mma_init(gl.zeros([BH, BD], gl.float32, pv_l))      # an async wgmma's token type
         for t in range(0, nt):
             buf = k_smem.index(t % NBUF)
             cp.wait_group(NBUF - 2)                                     # tile t (and q) landed, for this thread
@@ -290,7 +321,7 @@ if gl is not None:
             ok = ok_n
             ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
 
-            p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l)
+            p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l, LSPLIT)
             if PROBE == 2:
                 acc = warpgroup_mma_init(acc * a_pv[:, None])
             else:
@@ -298,7 +329,7 @@ if gl is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
 
-        l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
+        l_pv = _l_total(l_i, pv_l, LSPLIT)
         o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
         ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, pv_l))
         do = gl.arange(0, BD, layout=gl.SliceLayout(0, pv_l))
@@ -406,9 +437,10 @@ if gl is not None:
                 if t == 1:
                     _ws_stamp(trace_ptr, item, 12, TRACE)
                 buf = k_smem.index(slot)
-                for c in gl.static_range(4):
-                    r = pk_smem.slice(c * RC, RC).load(rows_l)
-                    _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
+                if PROBE != 5:                                  # (probe 5, profiling: no gathers)
+                    for c in gl.static_range(4):
+                        r = pk_smem.slice(c * RC, RC).load(rows_l)
+                        _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
                 cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
                 g += 1
                 if t == 0:
@@ -447,7 +479,7 @@ if gl is not None:
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
+                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -501,7 +533,7 @@ if gl is not None:
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
-            l_i = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, qk_l))
+            l_i = _l_start(s_zero, LSPLIT)
             acc = warpgroup_mma_init(gl.zeros([BH, BD], gl.float32, pv_l))
             if (not QROPE) and nt > 0:
                 mbarrier.wait(q_full, qn & 1)
@@ -524,13 +556,19 @@ if gl is not None:
                 ok = ok_n
                 ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
 
-                if QROPE:
-                    p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qs[:, None], dt, pv_l, p_l)
+                if PROBE == 7:                                  # (probe 7, profiling: no softmax, P = the scores)
+                    p_op = gl.convert_layout(sc.to(dt), p_l)
+                    a_pv = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, pv_l))
+                elif QROPE:
+                    p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qs[:, None], dt, pv_l, p_l, LSPLIT)
                 else:
-                    p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l)
-                acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
+                    p_op, a_pv, m_i, l_i = _softmax_step(sc, ok, m_i, l_i, qk_scale, dt, pv_l, p_l, LSPLIT)
+                if PROBE == 6:                                  # (probe 6, profiling: no PV)
+                    acc = warpgroup_mma_init(acc * a_pv[:, None])
+                else:
+                    acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))
+            l_pv = _l_total(l_i, pv_l, LSPLIT)
             o_row = o_ptr + b * s_o_b + s * s_o_s
             if EPI:
                 if nt > 0:
@@ -700,7 +738,8 @@ if gl is not None:
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
-                        ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, num_warps: gl.constexpr):
+                        ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr,
+                        num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -726,13 +765,14 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
-                        TRACE, ORS)),
+                        TRACE, ORS, LSPLIT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
                           QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA)),
         ], [4], [LOAD_REGS])
 
 
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True)   # the warp-specialized kernel's defaults
+# the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=True)
 
 
 def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
@@ -743,7 +783,11 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     landed, after issuing the first tile's gather); ORS, the output's inverse RoPE runs on its staged tail in
     shared memory (the last RF channels, rounded as before: the same bits), not on every channel in registers;
     QTMA, the loader issues q as one TMA copy (needs QFIRST and a contiguous, 16-byte aligned q; else cp.async,
-    32 copies a thread). probe 3 (profiling, wrong results): no output store; 4: no q load."""
+    32 copies a thread); LSPLIT, the softmax's running sums kept by warpgroup (each over its half of a tile's keys)
+    and added once, at the item's end: a tile's exchanges between the warpgroups go from three to two (another
+    order of rounding; the one-program kernel takes the switch too, so that the two give the same bits). probe
+    (profiling, wrong results): 3, no output store; 4, no q load; 5, no KV gathers
+    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores)."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -752,6 +796,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["EPI"] = fused or (bool(o["EPI"]) and out.dtype == q.dtype)
     o["QFIRST"] = bool(o["QFIRST"])
     o["ORS"] = bool(o["ORS"])
+    o["LSPLIT"] = bool(o["LSPLIT"])
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
     o["PROBE"] = probe
@@ -841,4 +886,5 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                 raise WSUnavailable(_WS_BROKEN) from e
     _sparse_core_gluon[(B * S, H // BH)](
         q, out, sinks, kv1, i1, kv2, i2, *args, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn,
-        NBUF=nbuf, TWO=two, PROBE=probe, JC=JC, num_warps=8)
+        NBUF=nbuf, TWO=two, PROBE=probe, JC=JC, LSPLIT=bool((opts or {}).get("LSPLIT", WS_OPTS["LSPLIT"])),
+        num_warps=8)
