@@ -326,10 +326,10 @@ if gl is not None:
                 acc = warpgroup_mma_init(acc * a_pv[:, None])
             else:
                 acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
+        l_pv = _l_total(l_i, pv_l, LSPLIT)                              # (while the last PV runs)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
 
-        l_pv = _l_total(l_i, pv_l, LSPLIT)
         o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
         ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, pv_l))
         do = gl.arange(0, BD, layout=gl.SliceLayout(0, pv_l))
@@ -567,8 +567,8 @@ if gl is not None:
                     acc = warpgroup_mma_init(acc * a_pv[:, None])
                 else:
                     acc = warpgroup_mma(p_op, buf, acc * a_pv[:, None], is_async=True)
+            l_pv = _l_total(l_i, pv_l, LSPLIT)                          # (while the last PV runs)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            l_pv = _l_total(l_i, pv_l, LSPLIT)
             o_row = o_ptr + b * s_o_b + s * s_o_s
             if EPI:
                 if nt > 0:
@@ -772,7 +772,7 @@ if gl is not None:
 
 
 # the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=True)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False)
 
 
 def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
