@@ -187,6 +187,54 @@ def test_warp_specialized_prologue_is_norm_rope(name):
 
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] == 512])
+def test_qk1_kernel_matches_reference(name):
+    """The QK1 kernel (one math warpgroup computes every QK and the softmax, the other its half of PV, P and the
+    rescale crossing through shared memory) adds the row sums in another order than the kernels above: within bf16
+    rounding of the fp32 reference and of the warp-specialized kernel, and the same bits with 3 or 5 programs
+    walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
+    by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
+    the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
+    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+    two, scale, eps = len(parts) == 2, D ** -0.5, 1e-6
+
+    def run(q, programs=None, opts=None, out=None, **kw):
+        out = torch.empty_like(q) if out is None else out
+        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
+                                          programs=programs, opts=dict(QK1=True, **(opts or {})), **kw)
+        return out
+
+    def ws(q, **kw):
+        out = torch.empty_like(q)
+        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True, **kw)
+        return out
+
+    want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off")
+    runs = [run(q), run(q, 3), run(q, 5, dict(QTMA=False)), run(q)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    assert rel(runs[0], want) < 1.5e-2 and rel(runs[0], ws(q)) < 1e-2, (rel(runs[0], want), rel(runs[0], ws(q)))
+    assert torch.equal(runs[0][0, 0].float(), torch.zeros_like(runs[0][0, 0].float()))
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
+    pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)
+    freq = torch.rand(32, device="cuda", generator=g) * 0.5
+    steps = dict(q_rope=(pos, freq, eps), o_rope=(pos, freq))
+    plain = run(q, **steps)
+    assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
+    assert rel(plain, ws(q, **steps)) < 1e-2
+    o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
+    sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
+    run(q, 3, out=o_q.view(B, S, H, D), scales=sc, **steps)
+    want_q, want_s = act_quant_torch(plain.reshape(B * S, H * D))
+    assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
+
+
+@needs_gluon
+@pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
     its key splits (its bits), and both stay within bf16 rounding of each other."""
@@ -218,8 +266,9 @@ def test_impl_errors_name_the_rule():
 
 def test_warp_specialized_switches_follow_their_rules():
     """PREF needs every part's picks in one load, EPI an output in q's dtype, QTMA (q by TMA) the loader's q first,
-    a contiguous and 16-byte aligned q, q loaded at all (not probe 4) and Triton's TMA descriptors; the probes of
-    the one-program kernel are refused by the warp-specialized one."""
+    a contiguous and 16-byte aligned q, q loaded at all (not probe 4) and Triton's TMA descriptors, QK1 d = 512,
+    64-key tiles in a ring of two, EPI, the loader's q first and no probe; the probes of the one-program kernel are
+    refused by the warp-specialized one."""
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
     assert o == dict(core_gluon.WS_OPTS, PROBE=0, QTMA=core_gluon.WS_OPTS["QTMA"] and core_gluon.TensorDescriptor
@@ -244,6 +293,15 @@ def test_warp_specialized_switches_follow_their_rules():
                                           scales=torch.zeros(1))
     with pytest.raises(ValueError, match="EPI=False cannot take them"):
         core_gluon._ws_opts(dict(EPI=False), 8, 0, 8, q, q, 0, fused=True)
+    # QK1 (one warpgroup's QK): d = 512, 64-key tiles, a ring of two, EPI, QFIRST, no probe
+    q512 = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16)
+    assert core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 0)["QK1"]
+    assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q, q, 0)["QK1"]                      # d = 128
+    assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 0, bn=32)["QK1"]
+    assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 0, nbuf=3)["QK1"]
+    assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512.float(), 0)["QK1"]        # no EPI
+    assert not core_gluon._ws_opts(dict(QK1=True, QFIRST=False), 512, 0, 512, q512, q512, 0)["QK1"]
+    assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 3)["QK1"]
 
 
 class _Launch:

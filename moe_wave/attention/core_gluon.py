@@ -601,7 +601,7 @@ if gl is not None:
                     # with ORS an item with picks had its RoPE above; an item with none (zeros) still takes the
                     # rotation here, as the chain rounds it (a run-time flag: both paths are compiled)
                     _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
-                              OROPE and not (ORS and nt > 0), FP8, st_l)
+                              OROPE and not (ORS and nt > 0), FP8, st_l, 0, 8)
                 _ws_stamp(trace_ptr, item, 5, TRACE)
             else:
                 o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
@@ -694,14 +694,16 @@ if gl is not None:
 
     @gluon.jit
     def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
-                  BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, st_l: gl.constexpr):
+                  BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, st_l: gl.constexpr,
+                  C0: gl.constexpr, NW: gl.constexpr):
         # The item's output y [BH, BD] (q's dtype, 8 channels a thread) to o_row, through the layer's steps after
         # the core as the unfused chain runs them (``core_kernel._epilogue`` is the same math, the same bits):
         # OROPE: the inverse RoPE of the last RF channels in fp32 (the pair partner by a split / join, within the
         # thread), rounded again; FP8: act_quant of each 128 channels: s = pow2_ceil(max(amax, 1e-4) / 448) by bit
-        # ops, e4m3(y * (1 / s)) to o_row, s to sc_ptr[(h * D / 128 + block) * M + row].
+        # ops, e4m3(y * (1 / s)) to o_row, s to sc_ptr[(h * D / 128 + block) * M + row]. y holds channels C0 .. C0 + BD
+        # (the QK1 kernel: each warpgroup its half); NW: the warps of st_l.
         hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
-        ds = gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
+        ds = C0 + gl.arange(0, BD, layout=gl.SliceLayout(0, st_l))
         omask = (hs < H)[:, None] & (ds < D)[None, :]
         optr = o_row + hs.to(gl.int64)[:, None] * s_o_h + ds[None, :]
         if OROPE:
@@ -709,11 +711,11 @@ if gl is not None:
             ev, od = gl.split(gl.reshape(y, [BH, BD // 2, 2]))
             xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [BH, BD]), st_l).to(gl.float32)
             tail = (ds >= D - RF) & (ds < D)
-            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, BD, RF - D, RF, True, gl.SliceLayout(0, st_l), 8)
+            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, BD, RF - D + C0, RF, True, gl.SliceLayout(0, st_l), NW)
             y = gl.where(tail[None, :], gl.fma(xs, sn[None, :], x * c[None, :]), x).to(y.dtype)
         if FP8:
             sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
-                                                  warps_per_cta=[8, 1], order=[1, 0])
+                                                  warps_per_cta=[NW, 1], order=[1, 0])
             y3 = gl.reshape(y.to(gl.float32), [BH, BD // 128, 128])
             amax = gl.maximum(gl.max(gl.abs(y3), axis=2), 1e-4)
             sbits = (gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
@@ -722,7 +724,7 @@ if gl is not None:
             gl.store(optr, z.to(gl.float8e4nv, fp_downcast_rounding="rtne"), mask=omask)
             sb = gl.convert_layout(sbits, sc_l)
             hb = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, sc_l))
-            blk = gl.arange(0, BD // 128, layout=gl.SliceLayout(0, sc_l))
+            blk = C0 // 128 + gl.arange(0, BD // 128, layout=gl.SliceLayout(0, sc_l))
             gl.store(sc_ptr + (hb[:, None] * (D // 128) + blk[None, :]).to(gl.int64) * M + row,
                      sb.to(gl.float32, bitcast=True), mask=(hb < H)[:, None] & (blk < D // 128)[None, :])
         else:
@@ -771,11 +773,303 @@ if gl is not None:
         ], [4], [LOAD_REGS])
 
 
+    # ---- QK1: one math warpgroup computes every QK and the softmax, the other only its half of PV -------------
+    # In the kernel above both math warpgroups compute each tile's QK, each for half of the keys (N = 32): each reads
+    # all of q from shared memory (64 KB a tile each), and the row max, the row sum and P cross between them through
+    # shared memory (12 barriers from QK to PV in the SASS). Here warpgroup 0 (the default partition) computes the
+    # whole QK [64 heads x 64 keys] (N = 64, q read once), the softmax within its own rows (no exchange: a row lives in
+    # one warp) and PV for the output's channels 0 .. d/2 with P from its registers; it hands P (bf16) and the rescale
+    # alpha to warpgroup 1 through shared memory (a ring of two: p_ready / p_free), which runs PV for d/2 .. d.
+    # Warpgroup 1's PV of tile t runs while warpgroup 0 computes QK(t + 1) and its softmax. The loader is the WS
+    # kernel's (the same ring; a buffer is free once both warpgroups' PV of it are done: kv_empty counts 2). The sums
+    # l stay in warpgroup 0 and reach warpgroup 1 at the item's end (l_ready, a ring of two by item). Each warpgroup
+    # stages its half of the output in the last tile's buffer and stores it (the epilogue's steps as in the WS
+    # kernel). Same math; the row sums add in another order (the scores, P and PV are the same products), so not
+    # the WS kernel's bits, and the same bits on every run. Not yet timed on a GPU (QK1 is off by default).
+
+    @gluon.jit
+    def _q1_begin(a, item, pf1, pf2, PREF: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, JC: gl.constexpr,
+                  TWO: gl.constexpr, one_l: gl.constexpr):
+        # (both math warpgroups) an item's coordinates and tile counts (PREF: from the picks loaded one item ahead,
+        # and the next item's loaded)
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty, trace_ptr) = a
+        G = gl.num_programs(0)
+        b, s, h0 = _ws_item(item, HB, S, BH)
+        idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
+        idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
+        if PREF:
+            n1 = _ws_tiles(pf1, BN, JC, one_l)
+            nt = n1
+            if TWO:
+                nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
+            nb, ns, _h = _ws_item(item + G, HB, S, BH)
+            on = item + G < n_items
+            pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on).to(gl.int32)
+            if TWO:
+                pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on).to(gl.int32)
+        else:
+            n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
+        return b, s, h0, idx1, idx2, n1, nt, pf1, pf2
+
+    @gluon.jit
+    def _q1_picks_start(a, PREF: gl.constexpr, JC: gl.constexpr, TWO: gl.constexpr, one_l: gl.constexpr):
+        # (PREF) the first item's picks, as _ws_math loads them
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty, trace_ptr) = a
+        pf1 = gl.full([JC], -1, gl.int32, one_l)
+        pf2 = pf1
+        if PREF:
+            b, s, h0 = _ws_item(gl.program_id(0), HB, S, q_smem.shape[0])
+            pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True).to(gl.int32)
+            if TWO:
+                pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True).to(gl.int32)
+        return pf1, pf2
+
+    @gluon.jit
+    def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
+                sc_ptr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
+                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr):
+        # (math warpgroup W) its half of the item's output, staged in the last tile's buffer, to o_row: 32 heads at
+        # a time (a thread's 8 rows x 8 channels, not 16 rows: the FP8 epilogue's registers), the buffer released
+        # (this warpgroup's part) once read; an item with no valid pick writes zeros (their RoPE is 0 as well)
+        BDH: gl.constexpr = BD // 2
+        BH2: gl.constexpr = BH // 2
+        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
+                                              order=[1, 0])
+        for r in gl.static_range(2):
+            if nt > 0:
+                ov = k_smem.index(last).slice(W * BDH, BDH, dim=1).slice(r * BH2, BH2).load(st_l)
+                if r == 1:
+                    _cta_barrier()
+                    mbarrier.arrive(kv_empty.index(last))
+            else:
+                ov = gl.zeros([BH2, BDH], dt, st_l)
+            _ws_store(ov, o_row, h0 + r * BH2, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH, BH2, RF,
+                      OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
+
+    @gluon.jit
+    def _q1_math0(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
+                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
+                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
+        # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty, trace_ptr) = a
+        (sP, sA, sL, p_ready, p_free, l_ready) = x
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        BDH: gl.constexpr = BD // 2
+        qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+        pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BDH, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pv_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, qk_l)
+        cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
+        one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
+                                               order=[0])
+        s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
+        pf1, pf2 = _q1_picks_start(a, PREF, JC, TWO, one_l)
+        g = 0
+        qn = 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            _ws_stamp(trace_ptr, item, 7, TRACE)
+            _ws_stamp(trace_ptr, item, 0, TRACE)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _q1_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
+            qs = gl.full([BH], qk_scale, gl.float32, row_l)
+            if nt > 0:
+                mbarrier.wait(q_full, qn & 1)
+                _ws_stamp(trace_ptr, item, 1, TRACE)
+                if QROPE:
+                    qs = qk_scale * inv_smem.load(row_l)
+            ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
+            hm = h0 + gl.arange(0, BH, layout=row_l)
+            m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
+            l_i = gl.full([BH], 1.0, gl.float32, row_l)
+            acc = warpgroup_mma_init(gl.zeros([BH, BDH], gl.float32, pv_l))
+            for t in range(0, nt):
+                slot = g % NBUF
+                buf = k_smem.index(slot)
+                mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
+                fence_async_shared()
+                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
+                if t == 0:
+                    _ws_stamp(trace_ptr, item, 2, TRACE)
+                if t == nt - 1:
+                    _ws_stamp(trace_ptr, item, 6, TRACE)
+                _cta_barrier()
+                mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)   # this half's PV(t-1) is done
+                mbarrier.arrive(q_empty, pred=t == nt - 1)
+                ok = ok_n
+                ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
+                sc = gl.where(ok[None, :], sc * qs[:, None], float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                pb = p.to(dt)
+                pr = g % 2                                          # P and alpha to warpgroup 1, in a ring of two
+                mbarrier.wait(p_free.index(pr), ((g // 2) & 1) ^ 1)
+                sP.index(pr).store(pb)
+                if pr == 0:
+                    sA[0].store(alpha)
+                else:
+                    sA[1].store(alpha)
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(p_ready.index(pr))
+                acc = warpgroup_mma(gl.convert_layout(pb, p_l), buf.slice(0, BDH, dim=1),
+                                    acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None], is_async=True)
+                g += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            last = (g + NBUF - 1) % NBUF
+            if nt > 0:
+                if qn % 2 == 0:                                     # l to warpgroup 1 (a ring of two by item)
+                    sL[0].store(l_i)
+                else:
+                    sL[1].store(l_i)
+                _cta_barrier()
+                mbarrier.arrive(l_ready.index(qn % 2))
+                k_smem.index(last).slice(0, BDH, dim=1).store(
+                    (acc / gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))[:, None]).to(dt))
+                _cta_barrier()
+                _ws_stamp(trace_ptr, item, 3, TRACE)
+                qn += 1
+            _ws_stamp(trace_ptr, item, 4, TRACE)
+            _q1_out(k_smem, last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt)
+            _ws_stamp(trace_ptr, item, 5, TRACE)
+
+    @gluon.jit
+    def _q1_math1(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
+                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
+                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
+        # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty, trace_ptr) = a
+        (sP, sA, sL, p_ready, p_free, l_ready) = x
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        BDH: gl.constexpr = BD // 2
+        pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BDH, 16])
+        prow_l: gl.constexpr = gl.SliceLayout(1, pv_l)
+        one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
+                                               order=[0])
+        pf1, pf2 = _q1_picks_start(a, PREF, JC, TWO, one_l)
+        g = 0
+        qn = 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _q1_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
+            acc = gl.zeros([BH, BDH], gl.float32, pv_l)
+            for t in range(0, nt):
+                slot = g % NBUF
+                pr = g % 2
+                mbarrier.wait(p_ready.index(pr), (g // 2) & 1)      # (so tile t landed: warpgroup 0 waited for it)
+                fence_async_shared()
+                if pr == 0:
+                    alpha = sA[0].load(prow_l)
+                else:
+                    alpha = sA[1].load(prow_l)
+                acc = warpgroup_mma(sP.index(pr), k_smem.index(slot).slice(BDH, BDH, dim=1), acc * alpha[:, None],
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _cta_barrier()
+                mbarrier.arrive(p_free.index(pr))
+                mbarrier.arrive(kv_empty.index(slot), pred=t < nt - 1)    # (the last tile's: after the staging)
+                g += 1
+            last = (g + NBUF - 1) % NBUF
+            if nt > 0:
+                mbarrier.wait(l_ready.index(qn % 2), (qn // 2) & 1)
+                if qn % 2 == 0:
+                    l_i = sL[0].load(prow_l)
+                else:
+                    l_i = sL[1].load(prow_l)
+                stage = k_smem.index(last).slice(BDH, BDH, dim=1)
+                stage.store((acc / l_i[:, None]).to(dt))
+                _cta_barrier()
+                if OROPE and ORS:                                   # the output's inverse RoPE on its tail
+                    TW: gl.constexpr = (RF + 63) // 64 * 64
+                    TPC: gl.constexpr = TW // 8 if TW < 256 else 32
+                    rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
+                                                          warps_per_cta=[4, 1], order=[1, 0])
+                    c, sn = _rope_cs(opos_ptr + b * S + s, ofreq_ptr, TW, RF - TW, RF, True, gl.SliceLayout(0, rt_l), 4)
+                    _rotate_rows(stage.slice(BDH - TW, TW, dim=1), c, sn, BH, 4 * (32 // TPC), TW, rt_l)
+                    _cta_barrier()
+                qn += 1
+            _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt)
+
+    @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
+    def _sparse_core_qk1(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
+                         qpos_ptr, qfreq_ptr, q_eps, trace_ptr,
+                         S, H, J1, J2, n_items, M, qk_scale, s_q_b, s_q_s, s_q_h, s_o_b, s_o_s, s_o_h, s_k1_b,
+                         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s,
+                         D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+                         TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr,
+                         PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
+                         STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
+                         TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, num_warps: gl.constexpr):
+        gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        f1_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
+        k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
+        pk_smem = gl.allocate_shared_memory(gl.int32, [BN], f1_l)
+        inv_smem = gl.allocate_shared_memory(gl.float32, [BH], f1_l)
+        sP = gl.allocate_shared_memory(dt, [2, BH, BN], sm_l)
+        sA = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
+        sL = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_full, count=128)
+        mbarrier.init(q_empty, count=1)                 # warpgroup 0, after its last QK of the item
+        mbarrier.init(q_tma, count=1)
+        for i in gl.static_range(NBUF):
+            mbarrier.init(kv_full.index(i), count=128)
+            mbarrier.init(kv_empty.index(i), count=2)   # both math warpgroups' PV of the tile done
+        for i in gl.static_range(2):
+            mbarrier.init(p_ready.index(i), count=1)
+            mbarrier.init(p_free.index(i), count=1)
+            mbarrier.init(l_ready.index(i), count=1)
+        HB = H // BH
+        x = (sP, sA, sL, p_ready, p_free, l_ready)
+        a = (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h,
+             s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
+             q_empty, kv_full, kv_empty, trace_ptr)
+        # (the partitions' arguments written out in the call: a tuple of them assigned to a name first would turn
+        # the constexprs into tensors)
+        gl.warp_specialize([
+            (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)),
+            (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA)),
+        ], [4, 4], [MATH_REGS, LOAD_REGS])
+
+
 # the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=False)
+QK1_MATH_REGS = 224     # the QK1 kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
+                        # default partition) gets the rest of 12 x 168, (2016 - 4 x 224 - 4 x LOAD_REGS) / 4 = 224
 
 
-def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False) -> dict:
+def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False,
+             bn: int = BN, nbuf: int = NBUF) -> dict:
     """The warp-specialized kernel's switches (benchmarks compare them): PREF, the math partition loads the next
     item's picks during this item (one load a part: needs J <= JC); EPI, the output goes out through shared memory
     in 16-byte stores (needs out in q's dtype; always on with a fused epilogue, which runs there); QFIRST, the
@@ -787,7 +1081,10 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     and added once, at the item's end: a tile's exchanges between the warpgroups go from three to two (another
     order of rounding; the one-program kernel takes the switch too, so that the two give the same bits). probe
     (profiling, wrong results): 3, no output store; 4, no q load; 5, no KV gathers
-    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores)."""
+    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores). QK1, the QK1 kernel
+    (``_sparse_core_qk1``: one math warpgroup computes every QK and the softmax, the other its half of PV; needs
+    d = 512, 64-key tiles, a ring of two, EPI, QFIRST and no probe; the row sums add in another order than the
+    kernels above, the same bits on every run; not yet timed on a GPU)."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -797,6 +1094,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QFIRST"] = bool(o["QFIRST"])
     o["ORS"] = bool(o["ORS"])
     o["LSPLIT"] = bool(o["LSPLIT"])
+    o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
+                and nbuf == 2)
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
     o["PROBE"] = probe
@@ -867,9 +1166,21 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qpos, qfreq, q_eps = q_rope if q_rope is not None else (sinks, sinks, 0.0)
         qrf = 2 * qfreq.numel() if q_rope is not None else 0
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
-        wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None)
+        wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
+        qk1 = wo.pop("QK1")
         try:
+            if qk1:
+                _sparse_core_qk1[(grid,)](
+                    q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
+                    qpos, qfreq if qrf else sinks, float(q_eps), trace if trace is not None else sinks, *args,
+                    n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two,
+                    JC=JC, LOAD_REGS=load_regs, MATH_REGS=QK1_MATH_REGS, PREF=wo["PREF"],
+                    RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
+                    FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
+                    TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], num_warps=4,
+                    maxnreg=WS_MAXNREG)
+                return
             _sparse_core_ws[(grid,)](
                 q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
                 qpos, qfreq if qrf else sinks, float(q_eps), trace if trace is not None else sinks, *args,
