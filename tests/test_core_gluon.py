@@ -70,13 +70,15 @@ def test_gluon_core_matches_reference(name):
                                      dict(programs=5, opts=dict(QFIRST=False), load_regs=40),
                                      dict(programs=3, opts=dict(QTMA=True)),
                                      dict(programs=4, opts=dict(QTMA=False, ORS=False)),
-                                     dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"]))])
+                                     dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"])),
+                                     dict(programs=2, opts=dict(QDZ=not core_gluon.WS_OPTS["QDZ"]))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
     buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
     over the items), and with the loader's other budget; with the softmax's sums kept whole or by warpgroup
-    (LSPLIT, another order of rounding: the one-program kernel takes the switch too)."""
+    (LSPLIT, another order of rounding: the one-program kernel takes the switch too); with q's tile named by a
+    run-time index (QDZ)."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]

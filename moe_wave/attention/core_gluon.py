@@ -479,7 +479,8 @@ if gl is not None:
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr):
+                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr,
+                 QDZ: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -543,7 +544,10 @@ if gl is not None:
                 buf = k_smem.index(slot)
                 mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
                 fence_async_shared()                                    # the copies' writes, to the async proxy
-                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                q_t = q_smem
+                if QDZ:     # q by an index the compiler cannot prove constant (g >> 30 is 0): the QK's descriptors
+                    q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)    # not hoisted
+                sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
@@ -740,7 +744,7 @@ if gl is not None:
                         PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr, PROBE: gl.constexpr,
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
-                        ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr,
+                        ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr, QDZ: gl.constexpr,
                         num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
@@ -767,7 +771,7 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
-                        TRACE, ORS, LSPLIT)),
+                        TRACE, ORS, LSPLIT, QDZ)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
                           QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA)),
         ], [4], [LOAD_REGS])
@@ -855,7 +859,9 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
-        # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2
+        # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
+        # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
+        # loop spilled 49 values; without them 5)
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -872,13 +878,13 @@ if gl is not None:
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                order=[0])
         s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
-        pf1, pf2 = _q1_picks_start(a, PREF, JC, TWO, one_l)
+        pf1, pf2 = _q1_picks_start(a, False, JC, TWO, one_l)
         g = 0
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             _ws_stamp(trace_ptr, item, 7, TRACE)
             _ws_stamp(trace_ptr, item, 0, TRACE)
-            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _q1_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _q1_begin(a, item, pf1, pf2, False, BH, BN, JC, TWO, one_l)
             qs = gl.full([BH], qk_scale, gl.float32, row_l)
             if nt > 0:
                 mbarrier.wait(q_full, qn & 1)
@@ -895,7 +901,10 @@ if gl is not None:
                 buf = k_smem.index(slot)
                 mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
                 fence_async_shared()
-                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                # q by an index the compiler cannot prove constant (g >> 30 is 0): with a constant one it hoists the
+                # QK's 32 descriptors (64-bit) out of the loops and spills them
+                q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
+                sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
@@ -1063,7 +1072,7 @@ if gl is not None:
 
 
 # the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=False)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=False, QDZ=False)
 QK1_MATH_REGS = 224     # the QK1 kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
                         # default partition) gets the rest of 12 x 168, (2016 - 4 x 224 - 4 x LOAD_REGS) / 4 = 224
 
@@ -1081,7 +1090,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     and added once, at the item's end: a tile's exchanges between the warpgroups go from three to two (another
     order of rounding; the one-program kernel takes the switch too, so that the two give the same bits). probe
     (profiling, wrong results): 3, no output store; 4, no q load; 5, no KV gathers
-    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores). QK1, the QK1 kernel
+    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores). QDZ (profiling the
+    registers): q's tile named by an index the compiler cannot prove constant, so that the QK's 32 descriptors
+    are not hoisted out of the loops (spill stores 88 to 52 in the SASS; the same bits). QK1, the QK1 kernel
     (``_sparse_core_qk1``: one math warpgroup computes every QK and the softmax, the other its half of PV; needs
     d = 512, 64-key tiles, a ring of two, EPI, QFIRST and no probe; the row sums add in another order than the
     kernels above, the same bits on every run; not yet timed on a GPU)."""
@@ -1094,6 +1105,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QFIRST"] = bool(o["QFIRST"])
     o["ORS"] = bool(o["ORS"])
     o["LSPLIT"] = bool(o["LSPLIT"])
+    o["QDZ"] = bool(o["QDZ"])
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
                 and nbuf == 2)
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
