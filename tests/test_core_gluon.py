@@ -190,14 +190,16 @@ def test_warp_specialized_prologue_is_norm_rope(name):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] == 512])
-def test_qk1_kernel_matches_reference(name):
+@pytest.mark.parametrize("w1out", [False, True])
+def test_qk1_kernel_matches_reference(name, w1out):
     """The QK1 kernel (one math warpgroup computes every QK and the softmax, the other its half of PV, P and the
     rescale crossing through shared memory) adds the row sums in another order than the kernels above: within bf16
     rounding of the fp32 reference and of the warp-specialized kernel, and the same bits with 3 or 5 programs
     walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
     by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
     the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
-    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output."""
+    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
+    (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -205,8 +207,9 @@ def test_qk1_kernel_matches_reference(name):
 
     def run(q, programs=None, opts=None, out=None, **kw):
         out = torch.empty_like(q) if out is None else out
+        opts = {"QK1": True, "W1OUT": w1out, **(opts or {})}
         core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                          programs=programs, opts=dict(QK1=True, **(opts or {})), **kw)
+                                          programs=programs, opts=opts, **kw)
         return out
 
     def ws(q, **kw):
@@ -219,6 +222,8 @@ def test_qk1_kernel_matches_reference(name):
     assert all(torch.equal(runs[0], r) for r in runs[1:])
     assert rel(runs[0], want) < 1.5e-2 and rel(runs[0], ws(q)) < 1e-2, (rel(runs[0], want), rel(runs[0], ws(q)))
     assert torch.equal(runs[0][0, 0].float(), torch.zeros_like(runs[0][0, 0].float()))
+    if w1out:                                           # the same bits as warpgroup 0 storing its half
+        assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
 
     g = torch.Generator(device="cuda").manual_seed(11)
     q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)

@@ -835,30 +835,43 @@ if gl is not None:
     @gluon.jit
     def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
                 sc_ptr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr):
+                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr):
         # (math warpgroup W) its half of the item's output, staged in the last tile's buffer, to o_row: 32 heads at
         # a time (a thread's 8 rows x 8 channels, not 16 rows: the FP8 epilogue's registers), the buffer released
-        # (this warpgroup's part) once read; an item with no valid pick writes zeros (their RoPE is 0 as well)
+        # (this warpgroup's part) once read; an item with no valid pick writes zeros (their RoPE is 0 as well).
+        # FULL (W1OUT, warpgroup 1): both halves, 16 heads at a time, the buffer released for both warpgroups.
         BDH: gl.constexpr = BD // 2
-        BH2: gl.constexpr = BH // 2
         st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
                                               order=[1, 0])
-        for r in gl.static_range(2):
-            if nt > 0:
-                ov = k_smem.index(last).slice(W * BDH, BDH, dim=1).slice(r * BH2, BH2).load(st_l)
-                if r == 1:
-                    _cta_barrier()
-                    mbarrier.arrive(kv_empty.index(last))
-            else:
-                ov = gl.zeros([BH2, BDH], dt, st_l)
-            _ws_store(ov, o_row, h0 + r * BH2, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH, BH2, RF,
-                      OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
+        if FULL:
+            for r in gl.static_range(4):
+                if nt > 0:
+                    ov = k_smem.index(last).slice(r * (BH // 4), BH // 4).load(st_l)
+                    if r == 3:
+                        _cta_barrier()
+                        mbarrier.arrive(kv_empty.index(last), count=2)
+                else:
+                    ov = gl.zeros([BH // 4, BD], dt, st_l)
+                _ws_store(ov, o_row, h0 + r * (BH // 4), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD,
+                          BH // 4, RF, OROPE and not ORS, FP8, st_l, 0, 4)
+        else:
+            for r in gl.static_range(2):
+                if nt > 0:
+                    ov = k_smem.index(last).slice(W * BDH, BDH, dim=1).slice(r * (BH // 2), BH // 2).load(st_l)
+                    if r == 1:
+                        _cta_barrier()
+                        mbarrier.arrive(kv_empty.index(last))
+                else:
+                    ov = gl.zeros([BH // 2, BDH], dt, st_l)
+                _ws_store(ov, o_row, h0 + r * (BH // 2), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH,
+                          BH // 2, RF, OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
 
     @gluon.jit
     def _q1_math0(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
+                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
+                  W1OUT: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
@@ -942,23 +955,28 @@ if gl is not None:
                     sL[0].store(l_i)
                 else:
                     sL[1].store(l_i)
-                _cta_barrier()
-                mbarrier.arrive(l_ready.index(qn % 2))
+                if not W1OUT:                                       # (W1OUT: once this half is staged as well)
+                    _cta_barrier()
+                    mbarrier.arrive(l_ready.index(qn % 2))
                 k_smem.index(last).slice(0, BDH, dim=1).store(
                     (acc / gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))[:, None]).to(dt))
                 _cta_barrier()
+                if W1OUT:
+                    mbarrier.arrive(l_ready.index(qn % 2))
                 _ws_stamp(trace_ptr, item, 3, TRACE)
                 qn += 1
             _ws_stamp(trace_ptr, item, 4, TRACE)
-            _q1_out(k_smem, last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt)
+            if not W1OUT:                                           # (W1OUT: warpgroup 1 stores the whole output)
+                _q1_out(k_smem, last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
+                        opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, False)
             _ws_stamp(trace_ptr, item, 5, TRACE)
 
     @gluon.jit
     def _q1_math1(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr):
+                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
+                  W1OUT: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -1013,7 +1031,7 @@ if gl is not None:
                     _cta_barrier()
                 qn += 1
             _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt)
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT)
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
     def _sparse_core_qk1(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
@@ -1024,7 +1042,8 @@ if gl is not None:
                          TWO: gl.constexpr, JC: gl.constexpr, LOAD_REGS: gl.constexpr, MATH_REGS: gl.constexpr,
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
-                         TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, num_warps: gl.constexpr):
+                         TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
+                         num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1063,16 +1082,17 @@ if gl is not None:
         # the constexprs into tensors)
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
                           QTW, STC, TRACE, q_desc, q_tma, QTMA)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
 # the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=False, QDZ=False)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=False, QDZ=False,
+               W1OUT=False)
 QK1_MATH_REGS = 224     # the QK1 kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
                         # default partition) gets the rest of 12 x 168, (2016 - 4 x 224 - 4 x LOAD_REGS) / 4 = 224
 
@@ -1095,7 +1115,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     are not hoisted out of the loops (spill stores 88 to 52 in the SASS; the same bits). QK1, the QK1 kernel
     (``_sparse_core_qk1``: one math warpgroup computes every QK and the softmax, the other its half of PV; needs
     d = 512, 64-key tiles, a ring of two, EPI, QFIRST and no probe; the row sums add in another order than the
-    kernels above, the same bits on every run; not yet timed on a GPU)."""
+    kernels above, the same bits on every run; not yet timed on a GPU); W1OUT (with QK1), warpgroup 1 stores the
+    whole output (warpgroup 0 stages its half and goes on to the next item; the same bits)."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1106,6 +1127,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["ORS"] = bool(o["ORS"])
     o["LSPLIT"] = bool(o["LSPLIT"])
     o["QDZ"] = bool(o["QDZ"])
+    o["W1OUT"] = bool(o["W1OUT"])
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
                 and nbuf == 2)
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
@@ -1181,6 +1203,8 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
         qk1 = wo.pop("QK1")
+        if not qk1:
+            wo.pop("W1OUT")
         try:
             if qk1:
                 _sparse_core_qk1[(grid,)](
@@ -1190,8 +1214,8 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     JC=JC, LOAD_REGS=load_regs, MATH_REGS=QK1_MATH_REGS, PREF=wo["PREF"],
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
-                    TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], num_warps=4,
-                    maxnreg=WS_MAXNREG)
+                    TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
+                    num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
                 q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
