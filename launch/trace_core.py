@@ -19,6 +19,8 @@ Math partition, per item: ``q wait`` (until the loader's q_full), ``tile 0`` (it
 buffer released), ``store`` (the epilogue's math and global stores), ``to next`` (to the next item's start).
 Loader, per item: ``q_empty`` (the wait for the math's last QK of the item before), ``tile 0 issue``, ``q ready``
 (q's copies landed, its prologue), ``slot wait`` (tile 1's buffer, held by the item before's output staging).
+With the QK1 kernel (``--variants "qk1=1"``) the math phases are warpgroup 0's, and ``w1 end`` is from warpgroup 0's
+start of an item to warpgroup 1's end of it (with W1OUT: its stores of the whole output).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from moe_wave.attention import core_gluon  # noqa: E402
 MATH = (("q wait", 0, 1), ("tile 0", 1, 2), ("tiles", 2, 6), ("last PV", 6, 3), ("stage", 3, 4),
         ("store", 4, 5))
 LOADER = (("q_empty", 8, 9), ("tile 0 issue", 9, 10), ("q ready", 10, 11), ("slot wait", 14, 12),
-          ("rest", 12, 13))
+          ("rest", 12, 13), ("w1 end", 0, 15))
 
 
 # the steps around the core that each mode fuses: q's norm and RoPE, the output's inverse RoPE, act_quant

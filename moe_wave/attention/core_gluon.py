@@ -356,8 +356,9 @@ if gl is not None:
     @gluon.jit
     def _ws_stamp(trace_ptr, item, col: gl.constexpr, TRACE: gl.constexpr):
         # TRACE (profiling, same results): the SM's cycle counter (32 bits) at this point of the item's path to
-        # trace[item, col] (16 int32 columns an item: 0-7 the math partition's, 8-15 the loader's; column 7 holds
-        # the low 32 bits of the global ns timer instead, to line the SMs up)
+        # trace[item, col] (16 int32 columns an item: 0-7 the math partition's (QK1: warpgroup 0's), 8-14 the
+        # loader's, 15 QK1's warpgroup 1's end of the item; column 7 holds the low 32 bits of the global ns timer
+        # instead, to line the SMs up)
         if TRACE:
             if col == 7:
                 v = gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=gl.int32,
@@ -1032,6 +1033,7 @@ if gl is not None:
                 qn += 1
             _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
                     opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT)
+            _ws_stamp(trace_ptr, item, 15, TRACE)                   # (warpgroup 1's end of the item)
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
     def _sparse_core_qk1(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
