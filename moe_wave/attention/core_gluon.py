@@ -476,6 +476,48 @@ if gl is not None:
         return gl.cdiv(gl.max(gl.where(picks.to(gl.int32) >= 0, jj + 1, 0), axis=0), BN)
 
     @gluon.jit
+    def _ws_begin(a, item, pf1, pf2, PREF: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, JC: gl.constexpr,
+                  TWO: gl.constexpr, one_l: gl.constexpr):
+        # (the math partition; QK1: both math warpgroups) an item's coordinates and tile counts (PREF: from the picks
+        # loaded one item ahead, and the next item's loaded)
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty, trace_ptr) = a
+        G = gl.num_programs(0)
+        b, s, h0 = _ws_item(item, HB, S, BH)
+        idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
+        idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
+        if PREF:
+            n1 = _ws_tiles(pf1, BN, JC, one_l)
+            nt = n1
+            if TWO:
+                nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
+            nb, ns, _h = _ws_item(item + G, HB, S, BH)
+            on = item + G < n_items
+            pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on)
+            if TWO:
+                pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on)
+        else:
+            n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
+        return b, s, h0, idx1, idx2, n1, nt, pf1, pf2
+
+    @gluon.jit
+    def _ws_picks_start(a, PREF: gl.constexpr, BH: gl.constexpr, JC: gl.constexpr, TWO: gl.constexpr,
+                        one_l: gl.constexpr):
+        # (PREF) the first item's picks; without PREF, placeholders _ws_begin passes through
+        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
+         kv_full, kv_empty, trace_ptr) = a
+        pf1 = gl.full([JC], -1, gl.int32, one_l)
+        pf2 = pf1
+        if PREF:
+            b, s, h0 = _ws_item(gl.program_id(0), HB, S, BH)
+            pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True)
+            if TWO:
+                pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True)
+        return pf1, pf2
+
+    @gluon.jit
     def _ws_math(a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
@@ -502,30 +544,11 @@ if gl is not None:
         G = gl.num_programs(0)
         g = 0
         qn = 0
-        if PREF:
-            b, s, h0 = _ws_item(gl.program_id(0), HB, S, BH)
-            pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True)
-            pf2 = pf1
-            if TWO:
-                pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True)
+        pf1, pf2 = _ws_picks_start(a, PREF, BH, JC, TWO, one_l)
         for item in range(gl.program_id(0), n_items, G):
             _ws_stamp(trace_ptr, item, 7, TRACE)
             _ws_stamp(trace_ptr, item, 0, TRACE)
-            b, s, h0 = _ws_item(item, HB, S, BH)
-            idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
-            idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
-            if PREF:
-                n1 = _ws_tiles(pf1, BN, JC, one_l)
-                nt = n1
-                if TWO:
-                    nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
-                nb, ns, _h = _ws_item(item + G, HB, S, BH)
-                on = item + G < n_items
-                pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on)
-                if TWO:
-                    pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on)
-            else:
-                n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
             qs = gl.full([BH], qk_scale, gl.float32, gl.SliceLayout(1, qk_l))   # the heads' score scales
             if QROPE:                                                   # q's norm factors (the loader's _ws_q_prep)
                 if nt > 0:
@@ -793,47 +816,6 @@ if gl is not None:
     # the WS kernel's bits, and the same bits on every run. Not yet timed on a GPU (QK1 is off by default).
 
     @gluon.jit
-    def _q1_begin(a, item, pf1, pf2, PREF: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, JC: gl.constexpr,
-                  TWO: gl.constexpr, one_l: gl.constexpr):
-        # (both math warpgroups) an item's coordinates and tile counts (PREF: from the picks loaded one item ahead,
-        # and the next item's loaded)
-        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
-         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty, trace_ptr) = a
-        G = gl.num_programs(0)
-        b, s, h0 = _ws_item(item, HB, S, BH)
-        idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
-        idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
-        if PREF:
-            n1 = _ws_tiles(pf1, BN, JC, one_l)
-            nt = n1
-            if TWO:
-                nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
-            nb, ns, _h = _ws_item(item + G, HB, S, BH)
-            on = item + G < n_items
-            pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on).to(gl.int32)
-            if TWO:
-                pf2 = _ws_picks_load(idx2_ptr + nb * s_i2_b + ns * s_i2_s, J2, JC, one_l, on).to(gl.int32)
-        else:
-            n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
-        return b, s, h0, idx1, idx2, n1, nt, pf1, pf2
-
-    @gluon.jit
-    def _q1_picks_start(a, PREF: gl.constexpr, JC: gl.constexpr, TWO: gl.constexpr, one_l: gl.constexpr):
-        # (PREF) the first item's picks, as _ws_math loads them
-        (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
-         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
-         kv_full, kv_empty, trace_ptr) = a
-        pf1 = gl.full([JC], -1, gl.int32, one_l)
-        pf2 = pf1
-        if PREF:
-            b, s, h0 = _ws_item(gl.program_id(0), HB, S, q_smem.shape[0])
-            pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True).to(gl.int32)
-            if TWO:
-                pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True).to(gl.int32)
-        return pf1, pf2
-
-    @gluon.jit
     def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
                 sc_ptr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                 FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr):
@@ -892,13 +874,13 @@ if gl is not None:
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                order=[0])
         s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
-        pf1, pf2 = _q1_picks_start(a, False, JC, TWO, one_l)
+        pf1, pf2 = _ws_picks_start(a, False, BH, JC, TWO, one_l)
         g = 0
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             _ws_stamp(trace_ptr, item, 7, TRACE)
             _ws_stamp(trace_ptr, item, 0, TRACE)
-            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _q1_begin(a, item, pf1, pf2, False, BH, BN, JC, TWO, one_l)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, False, BH, BN, JC, TWO, one_l)
             qs = gl.full([BH], qk_scale, gl.float32, row_l)
             if nt > 0:
                 mbarrier.wait(q_full, qn & 1)
@@ -990,11 +972,11 @@ if gl is not None:
         prow_l: gl.constexpr = gl.SliceLayout(1, pv_l)
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                order=[0])
-        pf1, pf2 = _q1_picks_start(a, PREF, JC, TWO, one_l)
+        pf1, pf2 = _ws_picks_start(a, PREF, BH, JC, TWO, one_l)
         g = 0
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _q1_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
             acc = gl.zeros([BH, BDH], gl.float32, pv_l)
             for t in range(0, nt):
                 slot = g % NBUF
