@@ -86,11 +86,13 @@ def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     want, got = torch.empty_like(q), torch.empty_like(q)
     core_gluon.sparse_attention_gluon(q, want, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=False,
                                       opts=variant.get("opts"))
-    core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=True, **variant)
+    ws = dict(variant, opts={"QK1": False, **variant.get("opts", {})})      # (QK1 adds in another order)
+    core_gluon.sparse_attention_gluon(q, got, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=True, **ws)
     assert torch.equal(got, want)
     if "LSPLIT" in variant.get("opts", {}):             # (the other order: within bf16 rounding of the default)
         default = torch.empty_like(q)
-        core_gluon.sparse_attention_gluon(q, default, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=True)
+        core_gluon.sparse_attention_gluon(q, default, sinks.float(), kv1, i1, kv2, i2, D ** -0.5, two, ws=True,
+                                          opts=dict(QK1=False))
         assert rel(got, default) < 2e-3
 
 
@@ -168,9 +170,10 @@ def test_warp_specialized_prologue_is_norm_rope(name):
         for programs, opts, qq in ((None, None, q), (3, dict(QFIRST=False), q), (None, None, q),   # both orders
                                    (5, dict(QTMA=True), q), (3, dict(QTMA=False), q),
                                    (None, dict(QTMA=True), strided)):
-            got = torch.empty_like(q)
+            got = torch.empty_like(q)           # (the WS kernel's: QK1, which needs QFIRST, has its own test)
             core_gluon.sparse_attention_gluon(qq, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                              programs=programs, opts=opts, q_rope=(pos, freq, eps))
+                                              programs=programs, opts=dict(opts or {}, QK1=False),
+                                              q_rope=(pos, freq, eps))
             runs.append(got)
         assert all(torch.equal(runs[0], r) for r in runs[1:])
         assert rel(runs[0], want) < 1e-2, rel(runs[0], want)
@@ -214,7 +217,8 @@ def test_qk1_kernel_matches_reference(name, w1out):
 
     def ws(q, **kw):
         out = torch.empty_like(q)
-        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True, **kw)
+        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
+                                          opts=dict(QK1=False), **kw)
         return out
 
     want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off")
@@ -279,11 +283,11 @@ def test_warp_specialized_switches_follow_their_rules():
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
     assert o == dict(core_gluon.WS_OPTS, PROBE=0, QTMA=core_gluon.WS_OPTS["QTMA"] and core_gluon.TensorDescriptor
-                     is not None)
+                     is not None, QK1=False)                                                         # d = 128
     assert not core_gluon._ws_opts(None, 4096, 128, 2048, q, torch.empty_like(q), 0)["PREF"]
     assert not core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q, dtype=torch.float32), 0)["EPI"]
     o = core_gluon._ws_opts(dict(QFIRST=False, QTMA=True, ORS=True), 512, 0, 512, q, q, 3)
-    assert o == dict(core_gluon.WS_OPTS, QFIRST=False, QTMA=False, ORS=True, PROBE=3)
+    assert o == dict(core_gluon.WS_OPTS, QFIRST=False, QTMA=False, ORS=True, PROBE=3, QK1=False)
     tma = core_gluon.TensorDescriptor is not None
     assert core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, q, q, 0)["QTMA"] == tma
     assert not core_gluon._ws_opts(dict(QTMA=True), 512, 0, 512, q, q, 4)["QTMA"]            # probe 4: no q load
@@ -309,6 +313,14 @@ def test_warp_specialized_switches_follow_their_rules():
     assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512.float(), 0)["QK1"]        # no EPI
     assert not core_gluon._ws_opts(dict(QK1=True, QFIRST=False), 512, 0, 512, q512, q512, 0)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 3)["QK1"]
+    # by default (None) where an item can have QK1_MIN_TILES 64-key tiles or more, counting both parts
+    n = core_gluon.QK1_MIN_TILES
+    assert core_gluon.WS_OPTS["QK1"] is None
+    assert core_gluon._ws_opts(None, 64 * n, 0, 64 * n, q512, q512, 0)["QK1"]
+    assert not core_gluon._ws_opts(None, 64 * (n - 1), 0, 512, q512, q512, 0)["QK1"]
+    assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
+    assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
+    assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
 
 
 class _Launch:

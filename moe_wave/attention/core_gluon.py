@@ -813,7 +813,8 @@ if gl is not None:
     # l stay in warpgroup 0 and reach warpgroup 1 at the item's end (l_ready, a ring of two by item). Each warpgroup
     # stages its half of the output in the last tile's buffer and stores it (the epilogue's steps as in the WS
     # kernel). Same math; the row sums add in another order (the scores, P and PV are the same products), so not
-    # the WS kernel's bits, and the same bits on every run. Not yet timed on a GPU (QK1 is off by default).
+    # the WS kernel's bits, and the same bits on every run. The default for items of QK1_MIN_TILES tiles or more
+    # (with W1OUT: V4-Flash's CSA core 795.7 against 874.4 us for the WS kernel, session 18).
 
     @gluon.jit
     def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
@@ -1075,8 +1076,13 @@ if gl is not None:
 
 
 # the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
-WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=False, QDZ=False,
-               W1OUT=False)
+# (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
+# benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
+WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
+               W1OUT=True)
+QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
+                        # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
+                        # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
 QK1_MATH_REGS = 224     # the QK1 kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
                         # default partition) gets the rest of 12 x 168, (2016 - 4 x 224 - 4 x LOAD_REGS) / 4 = 224
 
@@ -1094,13 +1100,14 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     and added once, at the item's end: a tile's exchanges between the warpgroups go from three to two (another
     order of rounding; the one-program kernel takes the switch too, so that the two give the same bits). probe
     (profiling, wrong results): 3, no output store; 4, no q load; 5, no KV gathers
-    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores). QDZ (profiling the
-    registers): q's tile named by an index the compiler cannot prove constant, so that the QK's 32 descriptors
-    are not hoisted out of the loops (spill stores 88 to 52 in the SASS; the same bits). QK1, the QK1 kernel
+    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores). QDZ: q's tile
+    named by an index the compiler cannot prove constant, so that the QK's 32 descriptors are not hoisted out of
+    the loops (spill stores 88 to 52 in the SASS; the same bits, 7-9 % faster on the H200). QK1, the QK1 kernel
     (``_sparse_core_qk1``: one math warpgroup computes every QK and the softmax, the other its half of PV; needs
     d = 512, 64-key tiles, a ring of two, EPI, QFIRST and no probe; the row sums add in another order than the
-    kernels above, the same bits on every run; not yet timed on a GPU); W1OUT (with QK1), warpgroup 1 stores the
-    whole output (warpgroup 0 stages its half and goes on to the next item; the same bits)."""
+    kernels above, the same bits on every run); None (the default) takes it where an item can have
+    QK1_MIN_TILES key tiles or more, counting every part. W1OUT (with QK1), warpgroup 1 stores the whole output
+    (warpgroup 0 stages its half and goes on to the next item; the same bits)."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1112,6 +1119,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["LSPLIT"] = bool(o["LSPLIT"])
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
+    if o["QK1"] is None:
+        o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
                 and nbuf == 2)
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
