@@ -71,14 +71,15 @@ def test_gluon_core_matches_reference(name):
                                      dict(programs=3, opts=dict(QTMA=True)),
                                      dict(programs=4, opts=dict(QTMA=False, ORS=False)),
                                      dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"])),
-                                     dict(programs=2, opts=dict(QDZ=not core_gluon.WS_OPTS["QDZ"]))])
+                                     dict(programs=2, opts=dict(QDZ=not core_gluon.WS_OPTS["QDZ"])),
+                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"]))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
     buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
     over the items), and with the loader's other budget; with the softmax's sums kept whole or by warpgroup
     (LSPLIT, another order of rounding: the one-program kernel takes the switch too); with q's tile named by a
-    run-time index (QDZ)."""
+    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO)."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -150,7 +151,8 @@ def test_warp_specialized_prologue_is_norm_rope(name):
     """q's per-head RMSNorm and RoPE in the warp-specialized kernel, on each item's q in shared memory (the tail
     rotated in place, the norm a factor of the head's scores, not rounded into q), against ``norm_rope`` then the
     plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM,
-    with the loader's q before or after the item's first tile, by TMA or by copies (a strided q takes the copies),
+    with the loader's q before or after the item's first tile, its prologue before or after that tile's gather
+    (QPRO), by TMA or by copies (a strided q takes the copies),
     and from run to run; norm only (no frequencies) too;
     with the output's steps as well, the bits of that kernel's output quantised (the epilogue is checked above), as
     ``sparse_attention_fused`` runs it for a large grid."""
@@ -169,6 +171,8 @@ def test_warp_specialized_prologue_is_norm_rope(name):
         strided = torch.empty(B, S, H, 2 * D, device="cuda", dtype=dtype)[..., :D].copy_(q)
         for programs, opts, qq in ((None, None, q), (3, dict(QFIRST=False), q), (None, None, q),   # both orders
                                    (5, dict(QTMA=True), q), (3, dict(QTMA=False), q),
+                                   (4, dict(QPRO=not core_gluon.WS_OPTS["QPRO"]), q),
+                                   (3, dict(QPRO=not core_gluon.WS_OPTS["QPRO"], QTMA=False), q),
                                    (None, dict(QTMA=True), strided)):
             got = torch.empty_like(q)           # (the WS kernel's: QK1, which needs QFIRST, has its own test)
             core_gluon.sparse_attention_gluon(qq, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
@@ -228,6 +232,8 @@ def test_qk1_kernel_matches_reference(name, w1out):
     assert torch.equal(runs[0][0, 0].float(), torch.zeros_like(runs[0][0, 0].float()))
     if w1out:                                           # the same bits as warpgroup 0 storing its half
         assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
+    qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])    # q's prologue before or after the first tile's gather
+    assert torch.equal(runs[0], run(q, 5, qpro))
 
     g = torch.Generator(device="cuda").manual_seed(11)
     q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
@@ -236,6 +242,7 @@ def test_qk1_kernel_matches_reference(name, w1out):
     steps = dict(q_rope=(pos, freq, eps), o_rope=(pos, freq))
     plain = run(q, **steps)
     assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
+    assert torch.equal(plain, run(q, 5, qpro, **steps))
     assert rel(plain, ws(q, **steps)) < 1e-2
     o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
     sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")

@@ -391,7 +391,7 @@ if gl is not None:
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
                    PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma, QTMA: gl.constexpr):
+                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -429,6 +429,11 @@ if gl is not None:
                     elif not QTMA:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                         qn += 1
+                if QPRO and QFIRST and (QROPE or QTMA) and t == 0:     # q's prologue before the first tile waits
+                    _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # for its slot (QK1: held by warpgroup
+                    qn += 1                                             # 1's output store)
+                    _ws_stamp(trace_ptr, item, 11, TRACE)
                 slot = g % NBUF
                 pk_smem.store(rows)
                 rows = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, one_l, TWO)    # the next tile's, ahead
@@ -446,9 +451,9 @@ if gl is not None:
                 g += 1
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 10, TRACE)
-                if QFIRST and (QROPE or QTMA) and t == 0:       # q's prologue once its copies landed (the tile's
+                if (not QPRO) and QFIRST and (QROPE or QTMA) and t == 0:   # q's prologue once its copies landed
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # copies, not in a group, still travel)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # (the tile's copies, not in a group, travel)
                     qn += 1
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 if (not QFIRST) and t == 0:
@@ -769,7 +774,7 @@ if gl is not None:
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
                         ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr, QDZ: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -797,7 +802,7 @@ if gl is not None:
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
                         TRACE, ORS, LSPLIT, QDZ)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
-                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA)),
+                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4], [LOAD_REGS])
 
 
@@ -1028,7 +1033,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1071,7 +1076,7 @@ if gl is not None:
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                          BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA)),
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1079,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True)
+               W1OUT=True, QPRO=False)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1107,7 +1112,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     d = 512, 64-key tiles, a ring of two, EPI, QFIRST and no probe; the row sums add in another order than the
     kernels above, the same bits on every run); None (the default) takes it where an item can have
     QK1_MIN_TILES key tiles or more, counting every part. W1OUT (with QK1), warpgroup 1 stores the whole output
-    (warpgroup 0 stages its half and goes on to the next item; the same bits)."""
+    (warpgroup 0 stages its half and goes on to the next item; the same bits). QPRO (with QFIRST): the loader runs
+    q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
+    issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits)."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1119,6 +1126,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["LSPLIT"] = bool(o["LSPLIT"])
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
+    o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
@@ -1208,6 +1216,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
+                    QPRO=wo["QPRO"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
