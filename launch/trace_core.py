@@ -18,7 +18,8 @@ Math partition, per item: ``q wait`` (until the loader's q_full), ``tile 0`` (it
 (up to the last QK), ``last PV`` (its softmax, PV and the output written to shared memory), ``stage`` (read back,
 buffer released), ``store`` (the epilogue's math and global stores), ``to next`` (to the next item's start).
 Loader, per item: ``q_empty`` (the wait for the math's last QK of the item before), ``tile 0 issue``, ``q ready``
-(q's copies landed, its prologue), ``slot wait`` (tile 1's buffer, held by the item before's output staging).
+(q's copies landed, its prologue; negative with ``qpro=1``, which runs it before tile 0's issue), ``slot wait``
+(tile 1's buffer, held by the item before's output staging).
 With the QK1 kernel (``--variants "qk1=1"``) the math phases are warpgroup 0's, and ``w1 end`` is from warpgroup 0's
 start of an item to warpgroup 1's end of it (with W1OUT: its stores of the whole output).
 """
@@ -101,7 +102,8 @@ def analyse(tr: np.ndarray, G: int) -> dict:
     """Phase medians (us) from the int32 stamps; the clock rate from each program's first and last ns stamps."""
     n = tr.shape[0]
     tr = tr.astype(np.int64)
-    d = lambda a, b: (b - a) % (1 << 32)                               # noqa: E731  (32-bit counters wrap)
+    # (32-bit counters wrap; a phase may be negative: with QPRO q is ready before tile 0 is issued)
+    d = lambda a, b: (b - a + (1 << 31)) % (1 << 32) - (1 << 31)       # noqa: E731
     items = np.arange(n)
     prog, k = items % G, items // G
     last_k = np.array([(n - 1 - p) // G for p in range(G)])
