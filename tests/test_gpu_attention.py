@@ -222,3 +222,44 @@ def test_prefill_leaves_q_norm_to_the_core_where_it_does_it(layer_type, monkeypa
         pytest.skip("the warp-specialized core does not run here (needs a Hopper GPU with Triton's Gluon)")
     rel = ((on.float() - off.float()).norm() / off.float().norm()).item()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("layer_type", ["compressed_sparse_attention", "heavily_compressed_attention"])
+def test_prefill_at_head_dim_512_takes_the_qk1_core(layer_type, monkeypatch):
+    """At V4's head_dim (512) and 64 heads, with items of 3 key tiles or more (a 128-key window and 128 top-k picks,
+    or HCA's compressed entries), the layer's prefill runs the QK1 kernel in the core's fused form (q's norm and
+    RoPE in, the output's inverse RoPE out): overlapped equals serial bit for bit, repeats its bits, and is within
+    bf16 rounding of the same layer with the warp-specialized kernel (``WS_OPTS["QK1"] = False``: the row sums add
+    in another order)."""
+    from moe_wave.attention import core_gluon
+    torch.manual_seed(4)
+    csa = layer_type == "compressed_sparse_attention"
+    cfg = AttnConfig(layer_type=layer_type, hidden=512, heads=64, head_dim=512, q_lora_rank=128, o_groups=2,
+                     o_lora_rank=64, window=128, ratio=TYPES[layer_type], rope=RopeConfig(dim=64, theta=10000.0),
+                     index_heads=8 if csa else 0, index_dim=64 if csa else 0, index_topk=128 if csa else 0)
+    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).cuda().to(torch.bfloat16).eval()
+    dev, S = torch.device("cuda"), 1100
+    x = torch.randn(1, S, 512, device=dev, dtype=torch.bfloat16)
+    pos = torch.arange(S, device=dev)[None]
+    chosen = []
+    ws_opts = core_gluon._ws_opts
+
+    def spy(*a, **kw):
+        o = ws_opts(*a, **kw)
+        chosen.append(o["QK1"])
+        return o
+
+    monkeypatch.setattr(core_gluon, "_ws_opts", spy)
+    with torch.no_grad():
+        on = attn(x, positions=pos, overlap=True)
+        if not chosen:
+            pytest.skip("the warp-specialized core does not run here (needs a Hopper GPU with Triton's Gluon)")
+        assert all(chosen), chosen
+        assert torch.equal(on, attn(x, positions=pos, overlap=False))
+        assert torch.equal(on, attn(x, positions=pos, overlap=True))
+        monkeypatch.setitem(core_gluon.WS_OPTS, "QK1", False)
+        chosen.clear()
+        ws = attn(x, positions=pos, overlap=True)
+        assert chosen and not any(chosen), chosen
+    rel = ((on.float() - ws.float()).norm() / ws.float().norm()).item()
+    assert rel < 1e-2, rel
