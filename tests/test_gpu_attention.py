@@ -190,6 +190,21 @@ def test_topk_select_at_v4_shapes(rows, k, causal):
     assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
 
 
+def _prefill_layer(layer_type: str, seed: int, head_dim: int, window: int, topk: int, rope_dim: int):
+    """A bf16 layer with 64 heads on the GPU and a 1100-token prefill input (a grid large enough for Hopper's
+    warp-specialized core): (attn, x [1, 1100, 512], positions [1, 1100]). topk: CSA's index_topk."""
+    torch.manual_seed(seed)
+    csa = layer_type == "compressed_sparse_attention"
+    cfg = AttnConfig(layer_type=layer_type, hidden=512, heads=64, head_dim=head_dim, q_lora_rank=128, o_groups=2,
+                     o_lora_rank=64, window=window, ratio=TYPES[layer_type],
+                     rope=RopeConfig(dim=rope_dim, theta=10000.0), index_heads=8 if csa else 0,
+                     index_dim=64 if csa else 0, index_topk=topk if csa else 0)
+    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).cuda().to(torch.bfloat16).eval()
+    dev, S = torch.device("cuda"), 1100
+    x = torch.randn(1, S, 512, device=dev, dtype=torch.bfloat16)
+    return attn, x, torch.arange(S, device=dev)[None]
+
+
 @pytest.mark.parametrize("layer_type", list(TYPES))
 def test_prefill_leaves_q_norm_to_the_core_where_it_does_it(layer_type, monkeypatch):
     """A prefill grid large enough for Hopper's warp-specialized core (64 heads, 1100 queries): the front-end leaves q
@@ -199,15 +214,8 @@ def test_prefill_leaves_q_norm_to_the_core_where_it_does_it(layer_type, monkeypa
     decode) q arrives normalised."""
     from moe_wave.attention import core_kernel
     from moe_wave.attention.schedule import run_frontend
-    torch.manual_seed(3)
-    csa = layer_type == "compressed_sparse_attention"
-    cfg = AttnConfig(layer_type=layer_type, hidden=512, heads=64, head_dim=128, q_lora_rank=128, o_groups=2,
-                     o_lora_rank=64, window=64, ratio=TYPES[layer_type], rope=RopeConfig(dim=32, theta=10000.0),
-                     index_heads=8 if csa else 0, index_dim=64 if csa else 0, index_topk=64 if csa else 0)
-    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).cuda().to(torch.bfloat16).eval()
-    dev, S = torch.device("cuda"), 1100
-    x = torch.randn(1, S, 512, device=dev, dtype=torch.bfloat16)
-    pos = torch.arange(S, device=dev)[None]
+    attn, x, pos = _prefill_layer(layer_type, 3, head_dim=128, window=64, topk=64, rope_dim=32)
+    S = x.shape[1]
     with torch.no_grad():
         fe = run_frontend(attn, x, pos, attn.new_cache(1, S), False)
         assert fe.q_raw == core_kernel.q_norm_inside(fe.q_BSHd, len(fe.parts))
@@ -232,15 +240,7 @@ def test_prefill_at_head_dim_512_takes_the_qk1_core(layer_type, monkeypatch):
     bf16 rounding of the same layer with the warp-specialized kernel (``WS_OPTS["QK1"] = False``: the row sums add
     in another order)."""
     from moe_wave.attention import core_gluon
-    torch.manual_seed(4)
-    csa = layer_type == "compressed_sparse_attention"
-    cfg = AttnConfig(layer_type=layer_type, hidden=512, heads=64, head_dim=512, q_lora_rank=128, o_groups=2,
-                     o_lora_rank=64, window=128, ratio=TYPES[layer_type], rope=RopeConfig(dim=64, theta=10000.0),
-                     index_heads=8 if csa else 0, index_dim=64 if csa else 0, index_topk=128 if csa else 0)
-    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).cuda().to(torch.bfloat16).eval()
-    dev, S = torch.device("cuda"), 1100
-    x = torch.randn(1, S, 512, device=dev, dtype=torch.bfloat16)
-    pos = torch.arange(S, device=dev)[None]
+    attn, x, pos = _prefill_layer(layer_type, 4, head_dim=512, window=128, topk=128, rope_dim=64)
     chosen = []
     ws_opts = core_gluon._ws_opts
 
