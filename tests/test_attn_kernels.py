@@ -16,7 +16,8 @@ from moe_wave.attention.compressor import Compressor, CompressorConfig, Compress
 from moe_wave.attention.core import sparse_attention
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, _splits, default_config, sparse_attention_fused
 from moe_wave.attention.topk import topk_select, topk_select_torch
-from moe_wave.attention.kernels import index_scores, index_scores_torch, norm_rope, norm_rope_torch, use_kernels
+from moe_wave.attention.kernels import (index_scores, index_scores_torch, norm_rope, norm_rope_torch, picks,
+                                       prefix_picks_torch, use_kernels, window_picks_torch)
 from moe_wave.comm.triton_gate import triton, triton_ok
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,6 +233,8 @@ def test_topk_select_matches_torch_topk(kind, R, N, k):
     got = topk_select(s.to(DEVICE)[None], k)[0].cpu()
     assert got.shape == (R, k) and got.dtype == torch.int64
     assert torch.equal(got, topk_select_torch(s, k))
+    got32 = topk_select(s.to(DEVICE)[None], k, torch.int32)[0].cpu()    # the layer's picks: the same ids, int32
+    assert got32.dtype == torch.int32 and torch.equal(got32.long(), got)
     tv, ti = s.topk(k, dim=-1)
     for r in range(R):
         ids = got[r][got[r] >= 0]
@@ -252,6 +255,55 @@ def test_topk_select_tie_rule():
     if triton_ok(DEVICE, want=True):
         assert torch.equal(topk_select(s.to(DEVICE), 4).cpu(), want)
     assert topk_select(s, 0).shape == (3, 0)
+    assert topk_select(s, 0, torch.int32).dtype == torch.int32
+    assert torch.equal(topk_select(s, 4, torch.int32), want.int())         # the torch path casts as well
+    with pytest.raises(ValueError, match=r"topk_select: dtype=torch.float32: must be torch.int32 or torch.int64"):
+        topk_select(s, 4, torch.float32)
+
+
+def _window_rows_by_hand(pos, W):
+    """The window's rows one query at a time, as ``V4Attention.window_source`` lays out its key source: ring rows
+    0 .. W-1 (position p at p mod W), then the chunk from row W (its first position p0 at row W)."""
+    out = torch.full((*pos.shape, W), -1, dtype=torch.int64)
+    for b in range(pos.shape[0]):
+        p0 = int(pos[b, 0])
+        for s in range(pos.shape[1]):
+            for w in range(W):
+                k = int(pos[b, s]) - w
+                if k >= 0:
+                    out[b, s, w] = W + k - p0 if k >= p0 else k % W
+    return out
+
+
+@pytest.mark.parametrize("starts, S, W", [((0, 0), 7, 4), ((5, 130), 9, 8), ((3,), 1, 128), ((0, 1, 40), 33, 16)])
+def test_window_and_prefix_picks_match_their_definitions(starts, S, W):
+    """The picks kernel (and its torch twin) against the window's rows worked out query by query, for fresh rows
+    (p0 = 0), continued ones (p0 > 0: older keys in the ring), decode (S = 1), W a power of two or not; and HCA's
+    prefix picks (entry n once its window of m tokens is complete), int32 and int64."""
+    pos = torch.stack([torch.arange(p0, p0 + S) for p0 in starts])
+    want = _window_rows_by_hand(pos, W)
+    assert torch.equal(window_picks_torch(pos, W), want)
+    N, m = 11, 3
+    want_hca = torch.tensor([[[n if n < (int(t) + 1) // m else -1 for n in range(N)] for t in row] for row in pos])
+    assert torch.equal(prefix_picks_torch(pos, N, m), want_hca)
+    for dtype in (torch.int32, torch.int64):
+        got = picks(pos.to(DEVICE), window=W, dtype=dtype)
+        assert got.dtype == dtype and torch.equal(got.cpu().long(), want)
+        got = picks(pos.to(DEVICE), slots=N, ratio=m, dtype=dtype)
+        assert got.dtype == dtype and torch.equal(got.cpu().long(), want_hca)
+    odd = picks(pos.to(DEVICE), window=W + 3)                               # W not a power of two
+    assert torch.equal(odd.cpu().long(), _window_rows_by_hand(pos, W + 3))
+
+
+def test_picks_bad_input():
+    pos = torch.arange(4)[None]
+    for kw, msg in [(dict(), r"window=0, slots=0: give exactly one of them > 0"),
+                    (dict(window=4, slots=3), r"window=4, slots=3: give exactly one"),
+                    (dict(slots=3, ratio=0), r"ratio=0 must be > 0")]:
+        with pytest.raises(ValueError, match=msg):
+            picks(pos, **kw)
+    with pytest.raises(ValueError, match=r"picks: pos_BS \(4,\) must be \[B, S\]"):
+        picks(pos[0], window=4)
 
 
 @needs_kernels

@@ -271,6 +271,35 @@ def test_attention_fp8_close_to_bf16_layer(layer_type, wo_a_fp8):
     assert not torch.allclose(got, ref, rtol=1e-3, atol=1e-3)
 
 
+def test_attention_fp8_quantises_x_once_for_wq_a_and_wkv(monkeypatch):
+    """The front-end quantises x once (``x_quant``) and both FP8 projections that read it take that: the same
+    bits as each quantising x itself, one act_quant of x a call instead of two; a bf16 layer has none."""
+    import moe_wave.attention.attention as attn_mod
+
+    attn = make_attn("sliding_attention")
+    q8 = copy.deepcopy(attn).quantize_fp8()
+    x = torch.randn(2, 20, 256)
+    pos = torch.arange(20)[None].expand(2, -1)
+    with torch.no_grad():
+        xq = q8.x_quant(x)
+        assert attn.x_quant(x) is None and xq[0].dtype == F.FP8 and xq[0].shape == (40, 256)
+        assert torch.equal(q8.q_lora(x, xq), q8.q_lora(x))
+        assert torch.equal(q8.window_kv(x, pos, xq), q8.window_kv(x, pos))
+        want = copy.deepcopy(q8)(x, positions=pos, overlap=False)
+        seen = []
+        real = F.act_quant
+
+        def spy(t, *a, **k):                    # which act_quant calls get x (wo_b's input has x's shape here)
+            seen.append(t.shape == (40, 256) and torch.equal(t, x.reshape(40, 256)))
+            return real(t, *a, **k)
+
+        monkeypatch.setattr(F, "act_quant", spy)                 # (FP8Linear.forward's)
+        monkeypatch.setattr(attn_mod, "act_quant", spy)          # (x_quant's, project_out's)
+        got = q8(x, positions=pos, overlap=False)
+    assert sum(seen) == 1 and len(seen) >= 3, seen               # x once; q_lora's output, z, ...
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("layer_type", list(TYPES))
 def test_attention_fp8_auto_wo_a_picks_by_token_count(layer_type, monkeypatch):
     """wo_a_fp8="auto" keeps both wo_a products: a call of fewer than WO_A_FP8_MIN_TOKENS tokens gives the

@@ -21,7 +21,7 @@ from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
 from .core_kernel import q_norm_inside
 from .indexer import Indexer, IndexerConfig
-from .kernels import norm_rope, use_kernels
+from .kernels import norm_rope, picks, prefix_picks_torch, use_kernels, window_picks_torch
 from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
 from .schedule import ScheduleConfig, is_capturing, run_frontend
 
@@ -199,8 +199,20 @@ class V4Attention(nn.Module):
                          device=device if device is not None else w.device, dtype=dtype if dtype is not None else w.dtype)
 
     # ------------------------------------------------------------------------------ branch math
-    def q_lora(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return rms_norm(self.q_a_proj(x_BSD), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
+    def x_quant(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x in the FP8 format (``act_quant``), once for the two FP8 projections that read it (wq_a and wkv,
+        which would each quantise it: the same bits); None for a bf16 layer."""
+        return act_quant(x_BSD.reshape(-1, self.cfg.hidden)) if self.fp8 else None
+
+    @staticmethod
+    def _proj(lin, x_BSD: torch.Tensor, xq: tuple | None) -> torch.Tensor:
+        """``lin(x)``, or with x already quantised (``x_quant``) the FP8 GEMM on it."""
+        if xq is None:
+            return lin(x_BSD)
+        return lin.forward_q(*xq, x_BSD.dtype).view(*x_BSD.shape[:-1], lin.out_features)
+
+    def q_lora(self, x_BSD: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        return rms_norm(self._proj(self.q_a_proj, x_BSD, xq), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
 
     def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, raw: bool = False) -> torch.Tensor:
         """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail (raw=True: wq_b's output)."""
@@ -232,8 +244,8 @@ class V4Attention(nn.Module):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
         return rope_tail(q, pos_BS, self.freq_F, inplace=True, kernels=self.schedule.kernels)   # q is fresh
 
-    def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
-        kv = self.kv_proj(x_BSD)
+    def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        kv = self._proj(self.kv_proj, x_BSD, xq)
         if use_kernels(kv, self.schedule.kernels):   # RMSNorm(kv_norm) + RoPE in one pass, in place
             return norm_rope(kv, pos_BS, self.freq_F, weight=self.kv_norm, eps=self.cfg.eps, out=kv)
         k = self.schedule.kernels
@@ -241,12 +253,8 @@ class V4Attention(nn.Module):
 
     def window_source(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache):
         """Key source ``[ring | chunk]`` [B, W+S, d] and each query's W window rows [B, S, W] (-1: none)."""
-        W = self.cfg.window
         src_BMd = torch.cat([cache.win_BWd, kv_BSd.to(cache.win_BWd.dtype)], dim=1)
-        q_BSW = pos_BS[..., None] - torch.arange(W, device=pos_BS.device)   # key positions t, t-1, ..
-        p0_B11 = pos_BS[:, :1, None]
-        idx_BSW = torch.where(q_BSW >= p0_B11, W + q_BSW - p0_B11, q_BSW % W)
-        return src_BMd, torch.where(q_BSW >= 0, idx_BSW, torch.full_like(idx_BSW, -1))
+        return src_BMd, self._picks(pos_BS, window=self.cfg.window)
 
     def window_write(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache) -> None:
         k = min(kv_BSd.shape[1], self.cfg.window)
@@ -255,9 +263,16 @@ class V4Attention(nn.Module):
 
     def hca_index(self, pos_BS: torch.Tensor, cache: AttnCache) -> torch.Tensor:
         """HCA: every slot, the ones not yet complete for the query masked to -1. [B, S, N]"""
-        n_N = torch.arange(cache.comp.num_slots, device=pos_BS.device)
-        vis_BSN = n_N < ((pos_BS + 1) // self.cfg.ratio)[..., None]
-        return torch.where(vis_BSN, n_N, torch.full_like(n_N, -1))
+        return self._picks(pos_BS, slots=cache.comp.num_slots, ratio=self.cfg.ratio)
+
+    def _picks(self, pos_BS: torch.Tensor, **part) -> torch.Tensor:
+        """A part's per-query rows (``kernels.picks``): with the kernels one launch, int32 (the core kernels read
+        int32 picks with fewer registers than int64); else the torch ops, int64."""
+        if use_kernels(pos_BS, self.schedule.kernels):
+            return picks(pos_BS, dtype=torch.int32, **part)
+        if "window" in part:
+            return window_picks_torch(pos_BS, part["window"])
+        return prefix_picks_torch(pos_BS, part["slots"], part["ratio"])
 
     def index_topk(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, pos_BS: torch.Tensor,
                    cache: AttnCache) -> torch.Tensor:

@@ -78,7 +78,8 @@ class Indexer(nn.Module):
 
     def select(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor, pos_BS: torch.Tensor,
                num_slots: int, kernels: str = "auto") -> torch.Tensor:
-        """int64 [B, S, K] entry ids (absolute, -1 = none), K = min(topk, num_slots).
+        """[B, S, K] entry ids (absolute, -1 = none), K = min(topk, num_slots): int32 with the kernels (what the
+        core kernels read), else int64.
 
         ``k_BNe`` may carry extra rows (the trash slot); only the first ``num_slots`` are scored.
         ``kernels``: ``ScheduleConfig.kernels``. With the kernels: ``topk.topk_select`` (the same set as
@@ -88,7 +89,7 @@ class Indexer(nn.Module):
         k = min(self.cfg.topk, num_slots)
         if use_kernels(qI_BShe, kernels):   # fused scores (no [B, S, h, N] intermediate), then the selection
             score_BSN = index_scores(qI_BShe, w_BSh, k_BNe, pos_BS, self.cfg.ratio)
-            return topk_select(score_BSN, k)   # valid ids ascending, then -1; ties: lowest ids (topk.py)
+            return topk_select(score_BSN, k, torch.int32)   # valid ids ascending, then -1; ties: lowest ids (topk.py)
         s_BShN = torch.einsum("bshe,bne->bshn", qI_BShe, k_BNe.to(qI_BShe.dtype)).float().relu()
         score_BSN = (s_BShN * w_BSh[..., None]).sum(dim=2)
         visible_BSN = torch.arange(num_slots, device=pos_BS.device) < ((pos_BS + 1) // self.cfg.ratio)[..., None]

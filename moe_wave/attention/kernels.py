@@ -9,6 +9,7 @@ h indexer heads, e indexer head dim, N compressed-entry slots.
 * ``pool_entries``: the compressor's gated pooling of every window a chunk touches, from the ring
   and the chunk, with its RMSNorm and RoPE, written into the entry cache: one launch instead of ~30
   torch ops (gathers of [n, R, C] fp32 tiles, softmax, norm, rope, scatter).
+* ``picks``: each query's rows of the sliding window (or HCA's visible entries) in one launch, int32.
 * ``index_scores``: the lightning indexer's ``sum_h w[t,h] * ReLU(q[t,h] . k[j])`` with the causal
   visibility mask, one [BS, BN] tile per program looping over heads, without the [S, h, N]
   intermediate; tiles that no query of the block can see are skipped.
@@ -28,8 +29,8 @@ import torch
 
 from moe_wave.comm.triton_gate import interpreting, tl, triton, triton_ok
 
-__all__ = ["KERNEL_MODES", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "pool_entries",
-           "use_kernels"]
+__all__ = ["KERNEL_MODES", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "picks",
+           "pool_entries", "prefix_picks_torch", "use_kernels", "window_picks_torch"]
 
 KERNEL_MODES = ("auto", "on", "off")
 _WANT = {"auto": None, "on": True, "off": False}
@@ -427,3 +428,72 @@ def pool_entries(kv_BSC: torch.Tensor, score_BSC: torch.Tensor, ring_kv_BRC: tor
                          rkv.stride(0), rkv.stride(1), entries_BNd.stride(0), entries_BNd.stride(1),
                          DIM=d, CM=mult, PAIRS=pairs, BLOCK=triton.next_power_of_2(pairs), F=freq_F.numel(),
                          J=J, BJ=BJ, num_warps=8)
+
+
+# ----------------------------------------------------------------------------------- picks
+def window_picks_torch(pos_BS: torch.Tensor, window: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Reference of ``picks(pos, window=W)``: each query's W window rows [B, S, W] in the key source ``[ring |
+    chunk]`` (``V4Attention.window_source``): key position t - w (w = 0 .. W-1) at row W + (t - w - p0) when it is
+    in the chunk (p0 = the row's first position), at its ring row (t - w) mod W when older, -1 before position 0."""
+    q_BSW = pos_BS[..., None] - torch.arange(window, device=pos_BS.device)    # key positions t, t-1, ..
+    p0_B11 = pos_BS[:, :1, None]
+    idx_BSW = torch.where(q_BSW >= p0_B11, window + q_BSW - p0_B11, q_BSW % window)
+    return torch.where(q_BSW >= 0, idx_BSW, torch.full_like(idx_BSW, -1)).to(dtype)
+
+
+def prefix_picks_torch(pos_BS: torch.Tensor, slots: int, ratio: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Reference of ``picks(pos, slots=N, ratio=m)``: HCA's compressed entries for each query [B, S, N], entry n
+    where its window is complete at the query (n < (t + 1) // m), else -1."""
+    n_N = torch.arange(slots, device=pos_BS.device)
+    vis_BSN = n_N < ((pos_BS + 1) // ratio)[..., None]
+    return torch.where(vis_BSN, n_N, torch.full_like(n_N, -1)).to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _picks_kernel(pos_ptr, out_ptr, rows, S, W, ratio, BR: tl.constexpr, BW: tl.constexpr,
+                      PREFIX: tl.constexpr):
+        # BR query rows (b * S + s) of W picks each, a program. Window (PREFIX off): key position t - w at row
+        # W + (t - w - p0) from the chunk's start p0 on, else (t - w) mod W in the ring (t - w >= 0 there: C's
+        # and torch's remainders agree), -1 below 0. PREFIX: entry w if w < (t + 1) // ratio, else -1.
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        rmask = r < rows
+        w = tl.arange(0, BW)
+        t = tl.load(pos_ptr + r, mask=rmask, other=0)
+        if PREFIX:
+            idx = tl.where(w[None, :] < ((t + 1) // ratio)[:, None], w[None, :], -1)
+        else:
+            p0 = tl.load(pos_ptr + (r // S) * S, mask=rmask, other=0)
+            kp = t[:, None] - w[None, :]
+            idx = tl.where(kp >= p0[:, None], W + kp - p0[:, None], kp % W)
+            idx = tl.where(kp >= 0, idx, -1)
+        tl.store(out_ptr + r[:, None] * W + w[None, :], idx.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (w[None, :] < W))
+
+
+def picks(pos_BS: torch.Tensor, *, window: int = 0, slots: int = 0, ratio: int = 1,
+          dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Each query's rows of a key part in one launch, instead of ~10 torch ops on [B, S, W] int64 tensors:
+    ``window=W``: the sliding window's W rows in the source ``[ring | chunk]`` (``window_picks_torch``);
+    ``slots=N, ratio=m``: HCA's N compressed entries, the incomplete ones -1 (``prefix_picks_torch``).
+    pos_BS: int64 [B, S], each row's positions consecutive from its first. Returns [B, S, W or N] in ``dtype``
+    (int32: what the core kernels read with the fewest registers). Triton wherever it runs, else the torch ops."""
+    if (window > 0) == (slots > 0):
+        raise ValueError(f"picks: window={window}, slots={slots}: give exactly one of them > 0")
+    if ratio <= 0:
+        raise ValueError(f"picks: ratio={ratio} must be > 0")
+    if pos_BS.dim() != 2:
+        raise ValueError(f"picks: pos_BS {tuple(pos_BS.shape)} must be [B, S]")
+    if not (_direct(pos_BS) and pos_BS.numel()):
+        if window:
+            return window_picks_torch(pos_BS, window, dtype)
+        return prefix_picks_torch(pos_BS, slots, ratio, dtype)
+    B, S = pos_BS.shape
+    W = window or slots
+    out = torch.empty(B, S, W, dtype=dtype, device=pos_BS.device)
+    bw = triton.next_power_of_2(W)
+    br = max(1, min(64, 4096 // bw))
+    _picks_kernel[(triton.cdiv(B * S, br),)](pos_BS.contiguous(), out, B * S, S, W, ratio, BR=br, BW=bw,
+                                            PREFIX=slots > 0, num_warps=4)
+    return out

@@ -2,11 +2,13 @@
 
 Legend: B batch, S chunk length, D hidden, H heads, d head_dim, W window, K picked entries.
 
-Once x exists, the front-end is independent chains joined once before the core:
+Once x exists (an FP8 layer: quantised once, on the main stream, for wq_a and wkv), the front-end is independent
+chains joined once before the core:
 
   main (current) stream:  q_a -> q_norm --record q_lora_ready--> q_b -> head norm -> RoPE (prefill on Hopper:
                           the core's kernel does the last two as it loads q, ``V4Attention.q_branch``)
   side a:  kv_proj -> kv_norm -> RoPE -> window source   --kv_ready-->    | ring write (deferred)
+           (the window's picks: one kernel, ``kernels.picks``)
   side b:  compressor GEMMs -> pool -> entry write        --comp_ready-->  | state write (deferred)
   side c:  indexer compressor -> entry write, weights_proj, wait q_lora_ready -> q side -> top-k
            --idx_ready-->                                                  | state write (deferred)
@@ -116,6 +118,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     sa, sb, sc = side_streams(dev) if overlap else (None, None, None)
     main = current_stream(dev) if overlap else None
     hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
+    xq = attn.x_quant(x_BSD)      # FP8 layers: x quantised once for wq_a (main) and wkv (side a)
     fork = record(main)
     if hold and overlap:
         # Side streams write into the cache (entries before the join, rings after it): should the
@@ -124,12 +127,14 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
         for s, key in ((sa, "win"), (sb, "comp"), (sc, "index")):
             keep_alive(x_BSD, s)
             keep_alive(pos_BS, s)
+            for t in xq or ():
+                keep_alive(t, s)
             for t in owned.get(key, ()):
                 keep_alive(t, s)
 
     with on(sa):                                              # (a) window kv
         wait(fork)
-        kv_BSd = attn.window_kv(x_BSD, pos_BS)
+        kv_BSd = attn.window_kv(x_BSD, pos_BS, xq)
         win_src, win_idx = attn.window_source(kv_BSd, pos_BS, cache)
         kv_ready = record(sa)
         if store:
@@ -149,7 +154,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
                 attn.compressor.write_state(ckv, csc, pos_BS, cache.comp)
                 cache.pending["comp"] = record(sb)
 
-    qr_BSL = attn.q_lora(x_BSD)                               # main: q chain
+    qr_BSL = attn.q_lora(x_BSD, xq)                           # main: q chain
     q_lora_ready = record(main)
 
     idx_ready = None

@@ -72,26 +72,29 @@ if triton is not None:
         tie_rank = tl.cumsum(eq.to(tl.int32), axis=0) - eq.to(tl.int32)  # equal entries before this one
         sel = gt | (eq & (tie_rank < need))
         slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + r * o_row + slot, n.to(tl.int64), mask=sel)
+        tl.store(out_ptr + r * o_row + slot, n.to(out_ptr.dtype.element_ty), mask=sel)
         kk = tl.arange(0, KB)
-        tl.store(out_ptr + r * o_row + kk, tl.full((KB,), -1, tl.int64), mask=(kk >= kv) & (kk < K))
+        tl.store(out_ptr + r * o_row + kk, tl.full((KB,), -1, out_ptr.dtype.element_ty), mask=(kk >= kv) & (kk < K))
 
 
-def topk_select(score_BSN: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 [B, S, k] ids of the k largest finite scores per row (see the module docstring for the order and
-    the tie rule). Triton where it runs (and N <= MAX_N), else ``topk_select_torch``."""
+def topk_select(score_BSN: torch.Tensor, k: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[B, S, k] ids of the k largest finite scores per row (see the module docstring for the order and the tie
+    rule), int64 or ``dtype`` (int32: what the core kernels read with the fewest registers). Triton where it runs
+    (and N <= MAX_N), else ``topk_select_torch``."""
     *lead, N = score_BSN.shape
     k = int(k)
     if k < 0:
         raise ValueError(f"topk_select: k={k}: must be >= 0")
+    if dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_select: dtype={dtype}: must be torch.int32 or torch.int64")
     if k == 0:
-        return torch.empty(*lead, 0, dtype=torch.int64, device=score_BSN.device)
+        return torch.empty(*lead, 0, dtype=dtype, device=score_BSN.device)
     if not triton_ok(score_BSN.device, want=True) or N > MAX_N or N == 0 or score_BSN.numel() == 0:
-        return topk_select_torch(score_BSN, k)
+        return topk_select_torch(score_BSN, k).to(dtype)
     s = score_BSN.reshape(-1, N)
     s = s if s.stride(-1) == 1 else s.contiguous()
     R = s.shape[0]
-    out = torch.empty(R, k, dtype=torch.int64, device=s.device)
+    out = torch.empty(R, k, dtype=dtype, device=s.device)
     block = max(16, triton.next_power_of_2(N))
     _topk_kernel[(R,)](s, out, N, k, s.stride(0), out.stride(0), BLOCK=block,
                        KB=max(16, triton.next_power_of_2(k)), num_warps=4 if block <= 2048 else 8)
