@@ -15,6 +15,7 @@ iterations, CUDA events, after warm-up, fresh random inputs each iteration):
   critical_path_us   the longest branch timed alone (q chain, window kv, compressor, indexer incl. q_lora)
   layer_serial_us / layer_us   the whole attention layer (front-end + core + output projection)
   core_us / output_us          the sparse core alone / the output projection alone (on the front-end's result)
+  core_int64_picks_us          the same core on the parts' picks as int64 (the front-end makes int32)
   core_tflops        the core's useful FLOPs (4 * H * d per valid pick: QK and PV) per second, against
                      gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio);
                      fp8_gemm_tflops: the same GEMM in the FP8 format (block scales), the projections' yardstick
@@ -240,8 +241,11 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
     o = _clone(core())
     output = out_fn(attn, fe, o, pos)
     useful, _ = core_flops(attn.cfg.heads, attn.cfg.head_dim, [idx for _, idx in fe.parts])   # HOST SYNC (setup)
+    # the same core on int64 picks (what the front-end made before kernels.picks and topk_select's int32)
+    core64 = core_fn(attn, replace(fe, parts=[(src, idx.long()) for src, idx in fe.parts]), pos)
     fns = {"serial": frontend(False), "overlapped": frontend(True), "layer_serial": layer(False),
-           "layer": layer(True), "core": lambda x, p, c: core(), "output": lambda x, p, c: output()}
+           "layer": layer(True), "core": lambda x, p, c: core(), "core_int64": lambda x, p, c: core64(),
+           "output": lambda x, p, c: output()}
     fns.update({f"branch_{k}": v for k, v in branches(attn).items()})
     res = {}
     if graph:
@@ -258,7 +262,8 @@ def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: in
                cuda_graph=graph, serial_us=round(res["serial"], 2),
                overlapped_us=round(res["overlapped"], 2), critical_path_us=round(crit, 2),
                layer_serial_us=round(res["layer_serial"], 2), layer_us=round(res["layer"], 2),
-               core_us=round(res["core"], 2), output_us=round(res["output"], 2), core_gflop=round(useful / 1e9, 2),
+               core_us=round(res["core"], 2), core_int64_picks_us=round(res["core_int64"], 2),
+               output_us=round(res["output"], 2), core_gflop=round(useful / 1e9, 2),
                core_tflops=round(useful / res["core"] / 1e6, 1))
     row.update({f"{k}_us": round(v, 2) for k, v in res.items() if k.startswith("branch_")})
     del attn, cache, pool, fe, o, output
@@ -472,14 +477,15 @@ def main() -> None:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
                             "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
     hdr = (f"{'shape':9} {'type':7} {'prec':4} {'qn':6} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} "
-           f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'output':>8} {'TFLOP/s':>8} "
-           f"{'%gemm':>6}")
+           f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'core64':>8} {'output':>8} "
+           f"{'TFLOP/s':>8} {'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
         print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} {r['mode']:7} "
               f"{'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
-              f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['output_us']:>8.1f} {r['core_tflops']:>8.1f} "
+              f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['core_int64_picks_us']:>8.1f} {r['output_us']:>8.1f} "
+              f"{r['core_tflops']:>8.1f} "
               f"{100 * r['core_vs_gemm']:>5.0f}%")
     print(f"recommended ScheduleConfig.decode_overlap_min_batch: {policy}")
 
