@@ -294,6 +294,7 @@ def topk_point(dev, rows: int, n: int, k: int, causal: bool, iters: int) -> dict
     ours, ref = topk_select(s, k), torch_topk()
     same = bool(torch.equal(ours.sort(-1).values, ref.sort(-1).values))   # HOST SYNC (check)
     return dict(rows=rows, n=n, k=k, causal=causal, topk_select_us=round(time_alone(lambda: topk_select(s, k), iters), 2),
+                topk_select_int32_us=round(time_alone(lambda: topk_select(s, k, torch.int32), iters), 2),
                 torch_topk_us=round(time_alone(torch_topk, iters), 2), same_set=same)
 
 
@@ -369,7 +370,8 @@ def print_core(res: dict, gemm: float) -> None:
         print(f"  {t['shape']} csa {t['mode']}, {t['config']}: {t['core_us']:.1f} us, {t['tflops']:.1f} TFLOP/s")
     for t in res["topk"]:
         print(f"top-k {t['k']} of {t['n']}, {t['rows']} rows{' (causal)' if t['causal'] else ''}: topk_select "
-              f"{t['topk_select_us']:.1f} us, torch.topk {t['torch_topk_us']:.1f} us, same set: {t['same_set']}")
+              f"{t['topk_select_us']:.1f} us (int32 ids {t['topk_select_int32_us']:.1f}), torch.topk "
+              f"{t['torch_topk_us']:.1f} us, same set: {t['same_set']}")
 
 
 def decode_policy(rows) -> dict:
