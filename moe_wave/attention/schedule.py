@@ -120,8 +120,8 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
     fork = record(main)
     # FP8 layers: x quantised once for wq_a (main) and wkv (side a). Only side a waits for it: the other sides fork
-    # before it, as without it (with every side behind the quantisation, HCA's overlapped front-end measured
-    # 484.4 us against 446.8 on one H200: the compressor's kernels no longer ran beside the q chain's GEMMs)
+    # before it (with every side behind it, V4-Flash HCA's overlapped prefill front-end took 484.4 us on one H200,
+    # its serial one 484.0; with only side a, 454.0: benchmarks/2026-12-02-frontend-picks-1xh200-session19.md)
     xq = attn.x_quant(x_BSD)
     xq_ready = record(main) if xq is not None else fork
     if hold and overlap:
