@@ -341,6 +341,15 @@ def test_warp_specialized_switches_follow_their_rules():
     assert not core_gluon._ws_opts(dict(Q2=True, QK1=False), 4 * bq, 0, 512, q512, q512, 0, bn=bq)["Q2"]
 
 
+def _stub_call(D: int, J: int, M: int) -> tuple:
+    """The positional arguments of a ``sparse_attention_gluon`` call on CPU tensors (for the stubbed kernels): B = 1,
+    S = 2, 64 heads of d = D, both parts J picks into M rows, bf16."""
+    q = torch.zeros(1, 2, 64, D, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 2, J, dtype=torch.int32)
+    kv = torch.zeros(1, M, D, dtype=torch.bfloat16)
+    return (q, torch.empty_like(q), torch.zeros(64), kv, idx, kv, idx, 0.1, False)
+
+
 class _Launch:
     """Stands in for a Gluon kernel (``kernel[grid](...)``): records the launch, or raises ``err``."""
 
@@ -365,10 +374,7 @@ def test_a_warp_specialized_kernel_that_does_not_compile_leaves_the_calls_to_the
     ws, one = _Launch(TypeError("warp_specialize() takes 3 positional arguments")), _Launch()
     monkeypatch.setattr(core_gluon, "_sparse_core_ws", ws, raising=False)
     monkeypatch.setattr(core_gluon, "_sparse_core_gluon", one, raising=False)
-    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    idx = torch.zeros(1, 2, 8, dtype=torch.int32)
-    kv = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
-    call = (q, torch.empty_like(q), torch.zeros(64), kv, idx, kv, idx, 0.1, False)
+    call = _stub_call(128, 8, 4)
     with pytest.raises(TypeError, match="warp_specialize"):
         core_gluon.sparse_attention_gluon(*call, ws=True, programs=2)
     assert core_gluon._WS_BROKEN is None and not one.calls
@@ -393,10 +399,7 @@ def test_q2_launches_the_qk1_kernel_on_its_own_tiles(monkeypatch):
     monkeypatch.setattr(core_gluon, "_WS_BROKEN", None)
     monkeypatch.setattr(core_gluon, "_sparse_core_qk1", qk1, raising=False)
     monkeypatch.setattr(core_gluon, "_sparse_core_ws", ws, raising=False)
-    q = torch.zeros(1, 2, 64, 512, dtype=torch.bfloat16)
-    idx = torch.zeros(1, 2, 128, dtype=torch.int32)
-    kv = torch.zeros(1, 256, 512, dtype=torch.bfloat16)
-    call = (q, torch.empty_like(q), torch.zeros(64), kv, idx, kv, idx, 0.1, False)
+    call = _stub_call(512, 128, 256)
     core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(Q2=True))
     (grid, kw), = qk1.calls
     assert kw["Q2"] and kw["BN"] == core_gluon.Q2_BN and kw["MATH_REGS"] == core_gluon.Q2_MATH_REGS

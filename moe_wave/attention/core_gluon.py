@@ -1279,15 +1279,14 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qrf = 2 * qfreq.numel() if q_rope is not None else 0
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
         fused_steps = o_rope is not None or scales is not None
-        wo = None
-        if bn == BN and {**WS_OPTS, **(opts or {})}["Q2"]:           # Q2 runs with its own tile size
-            wo = _ws_opts(opts, J1, J2, picks_chunk(J1, J2, Q2_BN), q, out, probe, fused_steps, Q2_BN, nbuf)
-            if wo["Q2"]:
-                bn, JC = Q2_BN, picks_chunk(J1, J2, Q2_BN)
-            else:                                                       # (it cannot run here: as without it)
-                wo, opts = None, {**(opts or {}), "Q2": False}
-        if wo is None:
-            wo = _ws_opts(opts, J1, J2, JC, q, out, probe, fused_steps, bn, nbuf)
+        q2_tiles = bn == BN and {**WS_OPTS, **(opts or {})}["Q2"]    # Q2 runs on its own tile size
+        wo = _ws_opts(opts, J1, J2, picks_chunk(J1, J2, Q2_BN), q, out, probe, fused_steps, Q2_BN,
+                      nbuf) if q2_tiles else None
+        if wo is not None and wo["Q2"]:
+            bn, JC = Q2_BN, picks_chunk(J1, J2, Q2_BN)
+        else:                                                           # (where Q2 cannot run: the call without it)
+            wo = _ws_opts({**(opts or {}), "Q2": False} if q2_tiles else opts, J1, J2, JC, q, out, probe,
+                          fused_steps, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
         qk1, q2, mregs = wo.pop("QK1"), wo.pop("Q2"), wo.pop("MREGS")
         if not qk1:
