@@ -74,7 +74,9 @@ class Indexer(nn.Module):
               kernels: str = "auto") -> torch.Tensor:
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.dim)
-        return rope_tail(q, pos_BS, freq_F, kernels=kernels)
+        # in place: the GEMM's output is fresh, so only the rotated tail is read and written (half of the channels
+        # at e = 128, rope 64), not every channel copied into a new tensor
+        return rope_tail(q, pos_BS, freq_F, inplace=True, kernels=kernels)
 
     def select(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, k_BNe: torch.Tensor, pos_BS: torch.Tensor,
                num_slots: int, kernels: str = "auto") -> torch.Tensor:
