@@ -306,23 +306,35 @@ def test_picks_bad_input():
         picks(pos[0], window=4)
 
 
-@needs_kernels
-@pytest.mark.parametrize("ratio, overlap, d, S, p0", [(4, True, 16, 13, 6), (4, False, 8, 5, 3), (8, False, 16, 19, 0),
-                                                      (4, True, 16, 1, 9)])
-def test_pool_entries_matches_torch(ratio, overlap, d, S, p0):
-    """Compressor.emit with the kernels on vs off: chunks at any offset, the ring in use."""
+def _compressor_case(ratio, overlap, d, S, p0, B=2, max_len=48):
+    """A compressor with random weights (model dtype fp32), a state whose rings and entries hold random values
+    (untouched rows must keep them), a chunk of S tokens from position p0, and random rope frequencies."""
     g = _gen(ratio, overlap, d, S, p0)
     comp = Compressor(CompressorConfig(hidden=12, dim=d, ratio=ratio, overlap=overlap))
     with torch.no_grad():
         for prm in comp.parameters():
             prm.normal_(0, 0.5, generator=g)
-    B, max_len = 2, 48
     st = CompressorState.empty(comp.cfg, B, max_len, "cpu", torch.float32)
     for t in (st.kv_BRC, st.score_BRC, st.entries_BNd):
         t.normal_(generator=g)
     x = torch.randn(B, S, 12, generator=g)
     pos = (p0 + torch.arange(S)).expand(B, -1).contiguous()
-    freq = torch.rand(2, generator=g)
+    return comp, st, x, pos, torch.rand(2, generator=g)
+
+
+@needs_kernels
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("ratio, overlap, d, S, p0", [(4, True, 16, 13, 6), (4, False, 8, 5, 3), (8, False, 16, 19, 0),
+                                                      (4, True, 16, 1, 9), (16, False, 16, 21, 5)])
+def test_pool_entries_matches_torch(ratio, overlap, d, S, p0, split, monkeypatch):
+    """Compressor.emit with the kernels on vs off: chunks at any offset, the ring in use; each entry pooled by one
+    program, or (split) its channels over several programs (2 pairs each here: 2-4 of them) and then normalised
+    by the second kernel; the cache rows the chunk does not touch keep their values."""
+    from moe_wave.attention import kernels as K
+    monkeypatch.setattr(K, "POOL_SPLIT_PAIRS", 2)
+    monkeypatch.setattr(K, "POOL_SPLIT_MIN_SLOTS", 1 if split else 10 ** 9)
+    comp, st, x, pos, freq = _compressor_case(ratio, overlap, d, S, p0)
+    before = st.entries_BNd.clone()                     # (on CPU the kernels' state below is st itself)
     want = CompressorState(st.kv_BRC.clone(), st.score_BRC.clone(), st.entries_BNd.clone())
     with torch.no_grad():
         kv, gate = comp.project(x, pos)
@@ -332,7 +344,37 @@ def test_pool_entries_matches_torch(ratio, overlap, d, S, p0):
         kv_d, gate_d = comp_d.project(x.to(DEVICE), pos.to(DEVICE))
         comp_d.emit(kv_d, gate_d, pos.to(DEVICE), got, freq.to(DEVICE), kernels="on")
     N = st.num_slots
-    assert rel(got.entries_BNd[:, :N], want.entries_BNd[:, :N]) < 1e-5
+    touched = torch.zeros(N + 1, dtype=torch.bool)
+    touched[p0 // ratio:min(N, (p0 + S - 1) // ratio + 1)] = True
+    touched[N] = True                                   # the trash row: the torch ops write it, the kernels not
+    assert touched.any() and not touched.all()
+    assert rel(got.entries_BNd[:, :N][:, touched[:N]], want.entries_BNd[:, :N][:, touched[:N]]) < 1e-5
+    assert torch.equal(got.entries_BNd[:, ~touched].cpu(), before[:, ~touched])
+    assert torch.equal(want.entries_BNd[:, ~touched], before[:, ~touched])
+
+
+@needs_kernels
+@pytest.mark.parametrize("ratio, overlap, S, p0", [(4, True, 13, 6), (4, True, 3, 9), (8, False, 5, 0),
+                                                   (4, False, 1, 17)])
+def test_ring_write_equals_torch(ratio, overlap, S, p0):
+    """Compressor.write_state with the kernel (``kernels.ring_write``) against the torch ops: the same fp32 bits in
+    the rows of the chunk's last min(S, R) tokens (S above and below R, any offset, decode), the other rows as
+    they were."""
+    comp, st, x, pos, _ = _compressor_case(ratio, overlap, 16, S, p0)
+    before = st.kv_BRC.clone()                          # (on CPU the kernel's state below is st itself)
+    want = CompressorState(st.kv_BRC.clone(), st.score_BRC.clone(), st.entries_BNd.clone())
+    with torch.no_grad():
+        kv, gate = comp.project(x, pos)
+        comp.write_state(kv, gate, pos, want, kernels="off")
+        got = CompressorState(*_dev(st.kv_BRC, st.score_BRC, st.entries_BNd))
+        comp.to(DEVICE).write_state(*_dev(kv, gate, pos), got, kernels="on")
+    R = comp.cfg.state_rows
+    written = torch.zeros(R, dtype=torch.bool)
+    written[pos[0, -min(S, R):] % R] = True
+    assert not torch.equal(want.kv_BRC[:, written], before[:, written])        # the chunk did write
+    assert torch.equal(want.kv_BRC[:, ~written], before[:, ~written])
+    for g_, w_ in ((got.kv_BRC, want.kv_BRC), (got.score_BRC, want.score_BRC)):
+        assert torch.equal(g_.cpu(), w_)
 
 
 def test_norm_rope_torch_is_rmsnorm_then_rope():

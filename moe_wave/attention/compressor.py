@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..fp8 import hf_weight
-from .kernels import norm_rope, pool_entries, use_kernels
+from .kernels import norm_rope, pool_entries, ring_write, use_kernels
 from .rope import rope_tail
 
 __all__ = ["CompressorConfig", "Compressor", "CompressorState", "rms_norm"]
@@ -129,7 +129,7 @@ class Compressor(nn.Module):
 
         Reads the ring (older tokens) and the chunk; does not modify the ring (``write_state`` does,
         and may run later on another stream, before this layer's next step). Where
-        ``use_kernels(kv, kernels)`` it is one kernel (``kernels.pool_entries``).
+        ``use_kernels(kv, kernels)`` it is one kernel, two for HCA's long windows (``kernels.pool_entries``).
         """
         cfg = self.cfg
         if use_kernels(kv_BSC, kernels):
@@ -169,8 +169,12 @@ class Compressor(nn.Module):
         state.entries_BNd.scatter_(1, dst_Bn[..., None].expand(-1, -1, d), out_Bnd)
 
     def write_state(self, kv_BSC: torch.Tensor, gate_BSC: torch.Tensor, pos_BS: torch.Tensor,
-                    state: CompressorState) -> None:
-        """Store the chunk's last ``min(S, R)`` tokens in the ring (distinct rows: no scatter races)."""
+                    state: CompressorState, kernels: str = "auto") -> None:
+        """Store the chunk's last ``min(S, R)`` tokens in the ring (distinct rows: no scatter races). Where
+        ``use_kernels(kv, kernels)`` one kernel (``kernels.ring_write``, the same fp32 values)."""
+        if use_kernels(kv_BSC, kernels):
+            ring_write(kv_BSC, gate_BSC, self.ape, pos_BS, state.kv_BRC, state.score_BRC, self.cfg.ratio)
+            return
         R = self.cfg.state_rows
         k = min(kv_BSC.shape[1], R)
         kv_Bk, score_Bk = self._fp32(kv_BSC[:, -k:], gate_BSC[:, -k:], pos_BS[:, -k:])

@@ -155,7 +155,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             comp_idx = attn.hca_index(pos_BS, cache) if attn.indexer is None else None
             comp_ready = record(sb)
             if store:
-                attn.compressor.write_state(ckv, csc, pos_BS, cache.comp)
+                attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)
                 cache.pending["comp"] = record(sb)
 
     qr_BSL = attn.q_lora(x_BSD, xq)                           # main: q chain
@@ -176,7 +176,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache)
             idx_ready = record(sc)
             if store:
-                ix.compressor.write_state(ikv, isc, pos_BS, cache.index)
+                ix.compressor.write_state(ikv, isc, pos_BS, cache.index, kernels=kernels)
                 cache.pending["index"] = record(sc)
 
     q_BSHd, q_raw = attn.q_branch(qr_BSL, pos_BS)
