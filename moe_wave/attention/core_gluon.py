@@ -1155,9 +1155,10 @@ WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=Fal
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
-QK1_MATH_REGS = 224     # the QK1 kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
-                        # default partition) gets the rest of 12 x 168, (2016 - 4 x 224 - 4 x LOAD_REGS) / 4 = 224
-                        # (compile_sm90, Triton 3.6: spill stores 28 at 224, 12 at 192-208; not measured on a GPU)
+QK1_MATH_REGS = 200     # the QK1 kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
+                        # default partition) gets the rest of 12 x 168, (2016 - 4 x 200 - 4 x LOAD_REGS) / 4 = 248
+                        # (compile_sm90, Triton 3.6: spill stores 28 at 224, 12 at 192-208; one H200, trace_core
+                        # layer mode, session 20: CSA's core 787.2 against 790.4 us at 224, HCA's 423.1 / 427.9)
 Q2_BN = 32              # Q2's keys a tile: two 64 KB q buffers, two 32 KB tiles and P fit in shared memory (207 KB)
 Q2_MATH_REGS = 192      # Q2's warpgroup 1 (warpgroup 0 then 248): spill stores 35 against 67 at 224 (compile_sm90)
 
@@ -1188,8 +1189,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). Q2 (with QK1, W1OUT and QTMA;
     needs bn = Q2_BN, which ``sparse_attention_gluon`` takes for it): two q buffers, so that the next item's q
     arrives and gets its prologue while this item runs, 32-key tiles (shared memory holds q twice, two tiles and P),
-    the output staged in the item's q buffer (written in session 19 without a GPU: compiled for sm_90, not yet run;
-    off). MREGS: the QK1 kernel's registers for warpgroup 1 (None: QK1_MATH_REGS, with Q2 Q2_MATH_REGS)."""
+    the output staged in the item's q buffer (session 20, one H200, trace_core layer mode: its GPU tests pass, but
+    it is slower everywhere, core 405.7 against 348.8 us sliding, 941.7 / 790.4 CSA, 457.4 / 427.9 HCA: the
+    32-key tiles double the tile loop's synchronisation, and the math waited longer for q, not less; off). MREGS: the QK1 kernel's registers for warpgroup 1 (None: QK1_MATH_REGS, with Q2 Q2_MATH_REGS)."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
