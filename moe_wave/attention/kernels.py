@@ -86,8 +86,9 @@ if triton is not None:
                           HEAD: tl.constexpr, INTERP: tl.constexpr):
         # Program (p, hb): rows p*H + hb*HB .. +HB (rows of one position share its cos/sin). A row is
         # HC leading channels (the "head", no RoPE) then TC = 2F rotated channels (the "tail"), each
-        # loaded as a contiguous [HB, channels] tile. RoPE pairs (2i, 2i+1) use a second load of the
-        # tail with the pair swapped (channel c ^ 1; same cache lines): y = x*cos -+ x_swap*sin.
+        # loaded as a contiguous [HB, channels] tile. RoPE pairs (2i, 2i+1) are split out of the tail's tile
+        # in registers (not a second load with the pair swapped, channel c ^ 1: Triton made that 2-byte loads,
+        # 32 a thread at d = 128): y_even = x_even*cos - x_odd*sin, y_odd = x_odd*cos + x_even*sin.
         p = tl.program_id(0)
         h = tl.program_id(1) * HB + tl.arange(0, HB)
         hmask = h < H
@@ -104,7 +105,6 @@ if triton is not None:
             tmask = ct < TC
             mt = hmask[:, None] & tmask[None, :]
             xt = tl.load(x_ptr + row + HC + ct[None, :], mask=mt, other=0.0).to(tl.float32)
-            xs = tl.load(x_ptr + row + HC + (ct ^ 1)[None, :], mask=mt, other=0.0).to(tl.float32)
             if NORM:
                 ss += tl.sum(xt * xt, axis=1)
         if NORM:
@@ -118,24 +118,26 @@ if triton is not None:
         if TC > 0:
             if NORM:
                 xt = xt * inv
-                xs = xs * inv
                 if WEIGHT:
                     xt = xt * tl.load(w_ptr + HC + ct, mask=tmask, other=0.0).to(tl.float32)[None, :]
-                    xs = xs * tl.load(w_ptr + HC + (ct ^ 1), mask=tmask, other=0.0).to(tl.float32)[None, :]
-            ang = tl.load(pos_ptr + p).to(tl.float32) * tl.load(freq_ptr + ct // 2, mask=tmask, other=0.0)
-            c = tl.cos(ang)
-            s = tl.sin(ang)
+            xe, xo = tl.split(tl.reshape(xt, (HB, BT // 2, 2)))  # pair i: channels 2i, 2i + 1 (from one load)
+            fi = tl.arange(0, BT // 2)
+            ang = tl.load(pos_ptr + p).to(tl.float32) * tl.load(freq_ptr + fi, mask=fi < TC // 2, other=0.0)
+            c = tl.cos(ang)[None, :]
+            s = tl.sin(ang)[None, :]
             if INVERSE:
                 s = -s
-            s = tl.where((ct % 2) == 0, -s, s)          # even: x*cos - x_odd*sin; odd: x*cos + x_even*sin
-            # pinned to fma(xs, s, xt * c): left to itself the compiler contracts this expression either way, by
-            # context (seen on an H200: 2-5 elements in 150 000 the other way at d = 128), and the core's fused
-            # epilogues (core_kernel._rot, core_gluon._ws_store) round it this way; the interpreter rounds each
-            # product and the sum
+            # pinned to fma(x_odd, -sin, x_even * cos) and fma(x_even, sin, x_odd * cos): left to itself the
+            # compiler contracts these either way, by context (seen on an H200: 2-5 elements in 150 000 the other way
+            # at d = 128), and the core's fused epilogues (core_kernel._rot, core_gluon._ws_store) round them this
+            # way; the interpreter rounds each product and the sum
             if INTERP:
-                y = xt * c[None, :] + xs * s[None, :]
+                ye = xe * c - xo * s
+                yo = xo * c + xe * s
             else:
-                y = tl.fma(xs, s[None, :], xt * c[None, :])
+                ye = tl.fma(xo, -s, xe * c)
+                yo = tl.fma(xe, s, xo * c)
+            y = tl.reshape(tl.join(ye, yo), (HB, BT))
             tl.store(out_ptr + row + HC + ct[None, :], y.to(out_ptr.dtype.element_ty), mask=mt)
 
 
