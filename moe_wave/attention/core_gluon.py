@@ -1191,7 +1191,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     arrives and gets its prologue while this item runs, 32-key tiles (shared memory holds q twice, two tiles and P),
     the output staged in the item's q buffer (session 20, one H200, trace_core layer mode: its GPU tests pass, but
     it is slower everywhere, core 405.7 against 348.8 us sliding, 941.7 / 790.4 CSA, 457.4 / 427.9 HCA: the
-    32-key tiles double the tile loop's synchronisation, and the math waited longer for q, not less; off). MREGS: the QK1 kernel's registers for warpgroup 1 (None: QK1_MATH_REGS, with Q2 Q2_MATH_REGS)."""
+    32-key tiles double the tile loop's synchronisation, and the math waited longer for q, not less; off). MREGS:
+    the QK1 kernel's registers for warpgroup 1 (None: QK1_MATH_REGS, with Q2 Q2_MATH_REGS)."""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "

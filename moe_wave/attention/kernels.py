@@ -476,7 +476,8 @@ def pool_entries(kv_BSC: torch.Tensor, score_BSC: torch.Tensor, ring_kv_BRC: tor
     R = ring_kv_BRC.shape[1]
     J = mult * ratio
     if C != mult * d or R != J or S == 0:
-        raise ValueError(f"pool_entries: C={C}, R={R}, S={S}: need C = mult*d = {mult * d}, R = mult*ratio = {J}, S > 0")
+        raise ValueError(f"pool_entries: C={C}, R={R}, S={S}: need C = mult*d = {mult * d}, R = mult*ratio = {J}, "
+                         "S > 0")
     kv = kv_BSC if kv_BSC.stride(-1) == 1 else kv_BSC.contiguous()
     sc = score_BSC if score_BSC.stride(-1) == 1 else score_BSC.contiguous()
     rkv, rsc = ring_kv_BRC.contiguous(), ring_score_BRC.contiguous()
