@@ -377,6 +377,15 @@ def test_ring_write_equals_torch(ratio, overlap, S, p0):
         assert torch.equal(g_.cpu(), w_)
 
 
+def test_ring_write_bad_rings():
+    from moe_wave.attention.kernels import ring_write
+    kv = torch.zeros(1, 3, 8)
+    ring = torch.zeros(1, 4, 8)
+    with pytest.raises(ValueError, match=r"ring strides \(32, 8, 1\) \(kv\) and \(32, 1, 4\) \(score\): the two rings "
+                                         r"must have the same strides"):
+        ring_write(kv, kv, torch.zeros(4, 8), torch.arange(3)[None], ring, torch.zeros(1, 8, 4).transpose(1, 2), 4)
+
+
 def test_norm_rope_torch_is_rmsnorm_then_rope():
     """The fallback itself, against the two separate reference ops (no Triton involved)."""
     from moe_wave.attention.compressor import rms_norm

@@ -510,7 +510,8 @@ def ring_write(kv_BSC: torch.Tensor, score_BSC: torch.Tensor, ape_mC: torch.Tens
     R = ring_kv_BRC.shape[1]
     K = min(S, R)
     if ring_kv_BRC.stride(-1) != 1 or ring_score_BRC.stride(-1) != 1 or ring_kv_BRC.stride() != ring_score_BRC.stride():
-        raise ValueError("ring_write: the two rings must have the same strides, the channels contiguous")
+        raise ValueError(f"ring_write: ring strides {ring_kv_BRC.stride()} (kv) and {ring_score_BRC.stride()} "
+                         "(score): the two rings must have the same strides, the channels contiguous (stride 1)")
     if K == 0:
         return
     kv = kv_BSC if kv_BSC.stride(-1) == 1 else kv_BSC.contiguous()
