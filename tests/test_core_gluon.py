@@ -197,8 +197,8 @@ def test_warp_specialized_prologue_is_norm_rope(name):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] == 512])
-@pytest.mark.parametrize("w1out, q2", [(False, False), (True, False), (True, True)])
-def test_qk1_kernel_matches_reference(name, w1out, q2):
+@pytest.mark.parametrize("w1out", [False, True])
+def test_qk1_kernel_matches_reference(name, w1out):
     """The QK1 kernel (one math warpgroup computes every QK and the softmax, the other its half of PV, P and the
     rescale crossing through shared memory) adds the row sums in another order than the kernels above: within bf16
     rounding of the fp32 reference and of the warp-specialized kernel, and the same bits with 3 or 5 programs
@@ -206,9 +206,7 @@ def test_qk1_kernel_matches_reference(name, w1out, q2):
     by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
     the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
     bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
-    (warpgroup 1 stores the whole output): the same bits as without. Q2 (two q buffers, 32-key tiles, the output
-    staged in q's buffer; session 19, not yet run on a GPU when written): the same checks, its own bits (its online
-    softmax steps by 32 keys)."""
+    (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -216,7 +214,7 @@ def test_qk1_kernel_matches_reference(name, w1out, q2):
 
     def run(q, programs=None, opts=None, out=None, **kw):
         out = torch.empty_like(q) if out is None else out
-        opts = {"QK1": True, "W1OUT": w1out, "Q2": q2, **(opts or {})}
+        opts = {"QK1": True, "W1OUT": w1out, **(opts or {})}
         core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
                                           programs=programs, opts=opts, **kw)
         return out
@@ -228,11 +226,11 @@ def test_qk1_kernel_matches_reference(name, w1out, q2):
         return out
 
     want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off")
-    runs = [run(q), run(q, 3), run(q, 5, None if q2 else dict(QTMA=False)), run(q)]    # (Q2 needs QTMA)
+    runs = [run(q), run(q, 3), run(q, 5, dict(QTMA=False)), run(q)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
     assert rel(runs[0], want) < 1.5e-2 and rel(runs[0], ws(q)) < 1e-2, (rel(runs[0], want), rel(runs[0], ws(q)))
     assert torch.equal(runs[0][0, 0].float(), torch.zeros_like(runs[0][0, 0].float()))
-    if w1out and not q2:                                # the same bits as warpgroup 0 storing its half
+    if w1out:                                           # the same bits as warpgroup 0 storing its half
         assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
     qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])    # q's prologue before or after the first tile's gather
     assert torch.equal(runs[0], run(q, 5, qpro))
@@ -330,15 +328,6 @@ def test_warp_specialized_switches_follow_their_rules():
     assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
     assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
-    # Q2 (two q buffers): with QK1, W1OUT and QTMA, on Q2_BN-key tiles (QK1 then counts tiles of that size)
-    bq = core_gluon.Q2_BN
-    assert core_gluon.WS_OPTS["Q2"] is False
-    o = core_gluon._ws_opts(dict(Q2=True), 4 * bq, 0, 512, q512, q512, 0, bn=bq)
-    assert o["Q2"] == tma and o["QK1"] == tma
-    assert not core_gluon._ws_opts(dict(Q2=True), 4 * bq, 0, 512, q512, q512, 0)["QK1"]              # 64-key tiles
-    assert not core_gluon._ws_opts(dict(Q2=True, W1OUT=False), 4 * bq, 0, 512, q512, q512, 0, bn=bq)["Q2"]
-    assert not core_gluon._ws_opts(dict(Q2=True, QTMA=False), 4 * bq, 0, 512, q512, q512, 0, bn=bq)["Q2"]
-    assert not core_gluon._ws_opts(dict(Q2=True, QK1=False), 4 * bq, 0, 512, q512, q512, 0, bn=bq)["Q2"]
 
 
 def _stub_call(D: int, J: int, M: int) -> tuple:
@@ -389,27 +378,22 @@ def test_a_warp_specialized_kernel_that_does_not_compile_leaves_the_calls_to_the
         core_gluon.sparse_attention_gluon(*call, o_rope=(torch.zeros(2), torch.zeros(32)))
 
 
-@pytest.mark.skipif(not core_gluon.COMPILE_ERRORS or core_gluon.TensorDescriptor is None,
-                    reason="needs Triton with Gluon's TMA descriptors")
-def test_q2_launches_the_qk1_kernel_on_its_own_tiles(monkeypatch):
-    """Q2 (off by default) launches the QK1 kernel with Q2_BN-key tiles, the picks chunk of that size and
-    Q2_MATH_REGS; where it cannot run (W1OUT off here), the call is the one without Q2: 64-key tiles, and for a
-    sliding window of 128 keys (2 tiles) the warp-specialized kernel."""
+@pytest.mark.skipif(not core_gluon.COMPILE_ERRORS, reason="needs Triton (the kernels' launch path)")
+def test_mregs_sets_the_qk1_kernels_registers(monkeypatch):
+    """MREGS: the QK1 kernel's warpgroup-1 registers (default QK1_MATH_REGS); the warp-specialized kernel, which
+    sliding's 128-key window (2 tiles) gets by default, takes no such argument."""
     qk1, ws = _Launch(), _Launch()
     monkeypatch.setattr(core_gluon, "_WS_BROKEN", None)
     monkeypatch.setattr(core_gluon, "_sparse_core_qk1", qk1, raising=False)
     monkeypatch.setattr(core_gluon, "_sparse_core_ws", ws, raising=False)
     call = _stub_call(512, 128, 256)
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(Q2=True))
-    (grid, kw), = qk1.calls
-    assert kw["Q2"] and kw["BN"] == core_gluon.Q2_BN and kw["MATH_REGS"] == core_gluon.Q2_MATH_REGS
-    assert kw["JC"] == core_gluon.picks_chunk(128, 0, core_gluon.Q2_BN) and grid == (2,)
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(Q2=True, W1OUT=False))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2)
-    assert len(qk1.calls) == 1 and len(ws.calls) == 2
-    assert all(kw["BN"] == 64 and "Q2" not in kw and "MREGS" not in kw for _, kw in ws.calls)
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True, MREGS=200))
-    assert qk1.calls[-1][1]["MATH_REGS"] == 200 and not qk1.calls[-1][1]["Q2"] and qk1.calls[-1][1]["BN"] == 64
+    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True))
+    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True, MREGS=192))
+    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(MREGS=192))
+    assert [kw["MATH_REGS"] for _, kw in qk1.calls] == [core_gluon.QK1_MATH_REGS, 192]
+    assert all(grid == (2,) and kw["BN"] == 64 for grid, kw in qk1.calls)
+    (grid, kw), = ws.calls
+    assert grid == (2,) and "MREGS" not in kw and "MATH_REGS" not in kw
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):

@@ -276,20 +276,3 @@ def test_prefill_at_head_dim_512_takes_the_qk1_core(layer_type, monkeypatch):
         assert chosen and not any(chosen), chosen
     rel = ((on.float() - ws.float()).norm() / ws.float().norm()).item()
     assert rel < 1e-2, rel
-
-
-@pytest.mark.parametrize("layer_type", list(TYPES))
-def test_prefill_with_q2_takes_it_and_agrees(layer_type, monkeypatch):
-    """``WS_OPTS["Q2"]`` (off by default; session 19 wrote it without a GPU): at head_dim 512 and 64 heads the
-    layer's prefill core runs the QK1 kernel with two q buffers on 32-key tiles (every type: a 128-key window is 4
-    such tiles); overlapped equals serial bit for bit and repeats its bits, within bf16 rounding of the layer
-    without Q2."""
-    from moe_wave.attention import core_gluon
-    attn, x, pos = _prefill_layer(layer_type, 5, head_dim=512, window=128, topk=128, rope_dim=64)
-    with torch.no_grad():
-        without = attn(x, positions=pos, overlap=True)
-        chosen = _spy_ws_opts(monkeypatch, "Q2")
-        monkeypatch.setitem(core_gluon.WS_OPTS, "Q2", True)
-        on = _takes_it_and_repeats(attn, x, pos, chosen)
-    rel = ((on.float() - without.float()).norm() / without.float().norm()).item()
-    assert rel < 1e-2, rel

@@ -387,32 +387,13 @@ if gl is not None:
                       mask=(hq < H)[:, None] & (dq < D)[None, :])
 
     @gluon.jit
-    def _q_buf(q_smem, inv_smem, q_full, q_empty, qn, Q2: gl.constexpr):
-        # the q buffer of the qn-th item with picks, its norm factors and barriers: Q2 (the QK1 kernel with two q
-        # buffers) buffer qn % 2; else the one buffer (the same objects: the kernels without Q2 do not change)
-        if Q2:
-            b = qn % 2
-            return q_smem.index(b), inv_smem.index(b), q_full.index(b), q_empty.index(b)
-        else:
-            return q_smem, inv_smem, q_full, q_empty
-
-    @gluon.jit
-    def _q_ph(qn, Q2: gl.constexpr):
-        # the phase of the qn-th item's q barriers (Q2: each buffer's barriers see every other item)
-        if Q2:
-            return (qn // 2) & 1
-        else:
-            return qn & 1
-
-    @gluon.jit
     def _ws_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
-                   PROBE: gl.constexpr, inv_all, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
+                   PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma_all, QTMA: gl.constexpr, QPRO: gl.constexpr, Q2: gl.constexpr = False):
-        # (inv_all, q_tma_all and a's q buffer and barriers: Q2's two of each; an item's are named inside the loop)
+                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
-         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_all, k_smem, pk_smem, q_full_all, q_empty_all,
+         s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
         # a chunk of RC rows at a time (8 pointers a thread live, not 32, in the loader's small register budget);
         # the tile's picks go through shared memory (one load of BN picks, each thread then reads its rows)
@@ -433,11 +414,9 @@ if gl is not None:
             kv2 = kv2_ptr + b * s_k2_b
             n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
             rows = _picks(0, n1, idx1, J1, idx2, J2, BN, one_l, TWO)
-            q_smem, inv_smem, q_full, q_empty = _q_buf(q_all, inv_all, q_full_all, q_empty_all, qn, Q2)
-            q_tma = q_tma_all.index(qn % 2) if Q2 else q_tma_all
             for t in range(0, nt):
-                if QFIRST and t == 0:                           # q once the last item's QKs are done with it (Q2:
-                    mbarrier.wait(q_empty, _q_ph(qn, Q2) ^ 1)   # the item before the last's output was stored)
+                if QFIRST and t == 0:                           # q once the last item's QKs are done with it
+                    mbarrier.wait(q_empty, (qn & 1) ^ 1)
                     _ws_stamp(trace_ptr, item, 9, TRACE)
                     if QTMA:                                    # q by TMA: one instruction, not 32 copies a thread
                         mbarrier.expect(q_tma, BH * BD * 2)
@@ -452,8 +431,8 @@ if gl is not None:
                         qn += 1
                 if QPRO and QFIRST and (QROPE or QTMA) and t == 0:     # q's prologue before the first tile waits
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, _q_ph(qn, Q2), QROPE, QTMA)   # for its slot (QK1: held by
-                    qn += 1                                             # warpgroup 1's output store)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # for its slot (QK1: held by warpgroup
+                    qn += 1                                             # 1's output store)
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 slot = g % NBUF
                 pk_smem.store(rows)
@@ -474,8 +453,8 @@ if gl is not None:
                     _ws_stamp(trace_ptr, item, 10, TRACE)
                 if (not QPRO) and QFIRST and (QROPE or QTMA) and t == 0:   # q's prologue once its copies landed
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, _q_ph(qn, Q2), QROPE, QTMA)   # (the tile's copies, not in a
-                    qn += 1                                                     # group, travel)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # (the tile's copies, not in a group, travel)
+                    qn += 1
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 if (not QFIRST) and t == 0:
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
@@ -845,30 +824,21 @@ if gl is not None:
     @gluon.jit
     def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
                 sc_ptr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr, Q2: gl.constexpr = False,
-                q_stage=None, q_free=None):
+                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr):
         # (math warpgroup W) its half of the item's output, staged in the last tile's buffer, to o_row: 32 heads at
         # a time (a thread's 8 rows x 8 channels, not 16 rows: the FP8 epilogue's registers), the buffer released
         # (this warpgroup's part) once read; an item with no valid pick writes zeros (their RoPE is 0 as well).
         # FULL (W1OUT, warpgroup 1): both halves, 16 heads at a time, the buffer released for both warpgroups.
-        # Q2 (with FULL): staged in the item's q buffer q_stage instead, q_free (its empty barrier) arrived once.
         BDH: gl.constexpr = BD // 2
         st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
                                               order=[1, 0])
         if FULL:
             for r in gl.static_range(4):
                 if nt > 0:
-                    if Q2:
-                        ov = q_stage.slice(r * (BH // 4), BH // 4).load(st_l)
-                    else:
-                        ov = k_smem.index(last).slice(r * (BH // 4), BH // 4).load(st_l)
+                    ov = k_smem.index(last).slice(r * (BH // 4), BH // 4).load(st_l)
                     if r == 3:
                         _cta_barrier()
-                        if Q2:                                  # (the q buffer's next writer is the loader's TMA)
-                            fence_async_shared()
-                            mbarrier.arrive(q_free)
-                        else:
-                            mbarrier.arrive(kv_empty.index(last), count=2)
+                        mbarrier.arrive(kv_empty.index(last), count=2)
                 else:
                     ov = gl.zeros([BH // 4, BD], dt, st_l)
                 _ws_store(ov, o_row, h0 + r * (BH // 4), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD,
@@ -890,7 +860,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, Q2: gl.constexpr = False):
+                  W1OUT: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
@@ -917,13 +887,12 @@ if gl is not None:
             _ws_stamp(trace_ptr, item, 7, TRACE)
             _ws_stamp(trace_ptr, item, 0, TRACE)
             b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, False, BH, BN, JC, TWO, one_l)
-            q_s, inv_s, q_f, q_e = _q_buf(q_smem, inv_smem, q_full, q_empty, qn, Q2)
             qs = gl.full([BH], qk_scale, gl.float32, row_l)
             if nt > 0:
-                mbarrier.wait(q_f, _q_ph(qn, Q2))
+                mbarrier.wait(q_full, qn & 1)
                 _ws_stamp(trace_ptr, item, 1, TRACE)
                 if QROPE:
-                    qs = qk_scale * inv_s.load(row_l)
+                    qs = qk_scale * inv_smem.load(row_l)
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=row_l)
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
@@ -935,11 +904,8 @@ if gl is not None:
                 mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
                 fence_async_shared()
                 # q by an index the compiler cannot prove constant (g >> 30 is 0): with a constant one it hoists the
-                # QK's 32 descriptors (64-bit) out of the loops and spills them (Q2: the buffer's index is one)
-                if Q2:
-                    q_t = q_s
-                else:
-                    q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
+                # QK's 32 descriptors (64-bit) out of the loops and spills them
+                q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
                 sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
                 if t == 0:
@@ -948,8 +914,7 @@ if gl is not None:
                     _ws_stamp(trace_ptr, item, 6, TRACE)
                 _cta_barrier()
                 mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)   # this half's PV(t-1) is done
-                if not Q2:                                          # (Q2: q's buffer holds the staged output next;
-                    mbarrier.arrive(q_e, pred=t == nt - 1)          # warpgroup 1 frees it once it stored it)
+                mbarrier.arrive(q_empty, pred=t == nt - 1)
                 ok = ok_n
                 ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
                 sc = gl.where(ok[None, :], sc * qs[:, None], float("-inf"))
@@ -982,15 +947,9 @@ if gl is not None:
                 if not W1OUT:                                       # (W1OUT: once this half is staged as well)
                     _cta_barrier()
                     mbarrier.arrive(l_ready.index(qn % 2))
-                if Q2:                                              # staged in the item's q buffer (its QKs are
-                    q_s.slice(0, BDH, dim=1).store(                 # done)
-                        (acc / gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))[:, None]).to(dt))
-                else:
-                    k_smem.index(last).slice(0, BDH, dim=1).store(
-                        (acc / gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))[:, None]).to(dt))
+                k_smem.index(last).slice(0, BDH, dim=1).store(
+                    (acc / gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))[:, None]).to(dt))
                 _cta_barrier()
-                if Q2:                                              # this half's last PV is done: its slot is free
-                    mbarrier.arrive(kv_empty.index(last))
                 if W1OUT:
                     mbarrier.arrive(l_ready.index(qn % 2))
                 _ws_stamp(trace_ptr, item, 3, TRACE)
@@ -1006,7 +965,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, Q2: gl.constexpr = False):
+                  W1OUT: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -1024,7 +983,6 @@ if gl is not None:
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
-            q_s, inv_s, q_f, q_e = _q_buf(q_smem, inv_smem, q_full, q_empty, qn, Q2)
             acc = gl.zeros([BH, BDH], gl.float32, pv_l)
             for t in range(0, nt):
                 slot = g % NBUF
@@ -1040,10 +998,7 @@ if gl is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _cta_barrier()
                 mbarrier.arrive(p_free.index(pr))
-                if Q2:                                              # (Q2: the output is staged in q's buffer)
-                    mbarrier.arrive(kv_empty.index(slot))
-                else:
-                    mbarrier.arrive(kv_empty.index(slot), pred=t < nt - 1)    # (the last tile's: after the staging)
+                mbarrier.arrive(kv_empty.index(slot), pred=t < nt - 1)    # (the last tile's: after the staging)
                 g += 1
             last = (g + NBUF - 1) % NBUF
             if nt > 0:
@@ -1052,10 +1007,7 @@ if gl is not None:
                     l_i = sL[0].load(prow_l)
                 else:
                     l_i = sL[1].load(prow_l)
-                if Q2:
-                    stage = q_s.slice(BDH, BDH, dim=1)
-                else:
-                    stage = k_smem.index(last).slice(BDH, BDH, dim=1)
+                stage = k_smem.index(last).slice(BDH, BDH, dim=1)
                 stage.store((acc / l_i[:, None]).to(dt))
                 _cta_barrier()
                 if OROPE and ORS:                                   # the output's inverse RoPE on its tail
@@ -1068,7 +1020,7 @@ if gl is not None:
                     _cta_barrier()
                 qn += 1
             _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT, Q2, q_s, q_e)
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT)
             _ws_stamp(trace_ptr, item, 15, TRACE)                   # (warpgroup 1's end of the item)
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
@@ -1081,48 +1033,29 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, num_warps: gl.constexpr, Q2: gl.constexpr = False):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
-        gl.static_assert(not Q2 or W1OUT, "Q2 stages the output in q's buffer for warpgroup 1's store (W1OUT)")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BN), element_bitwidth=16, rank=2)
         f1_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        if Q2:                                          # two q buffers (and their factors), an item's q arriving
-            q_smem = gl.allocate_shared_memory(dt, [2, BH, BD], sm_l)   # while the item before runs
-        else:
-            q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
+        q_smem = gl.allocate_shared_memory(dt, [BH, BD], sm_l)
         k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
         pk_smem = gl.allocate_shared_memory(gl.int32, [BN], f1_l)
-        if Q2:
-            inv_smem = gl.allocate_shared_memory(gl.float32, [2, BH], f1_l)
-        else:
-            inv_smem = gl.allocate_shared_memory(gl.float32, [BH], f1_l)
-        sP = gl.allocate_shared_memory(dt, [2, BH, BN], p_sl)
+        inv_smem = gl.allocate_shared_memory(gl.float32, [BH], f1_l)
+        sP = gl.allocate_shared_memory(dt, [2, BH, BN], sm_l)
         sA = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
         sL = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
-        if Q2:
-            q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            q_tma = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        else:
-            q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        if Q2:
-            for i in gl.static_range(2):
-                mbarrier.init(q_full.index(i), count=128)
-                mbarrier.init(q_empty.index(i), count=1)     # warpgroup 1, once it read the output staged there
-                mbarrier.init(q_tma.index(i), count=1)
-        else:
-            mbarrier.init(q_full, count=128)
-            mbarrier.init(q_empty, count=1)                 # warpgroup 0, after its last QK of the item
-            mbarrier.init(q_tma, count=1)
+        mbarrier.init(q_full, count=128)
+        mbarrier.init(q_empty, count=1)                 # warpgroup 0, after its last QK of the item
+        mbarrier.init(q_tma, count=1)
         for i in gl.static_range(NBUF):
             mbarrier.init(kv_full.index(i), count=128)
             mbarrier.init(kv_empty.index(i), count=2)   # both math warpgroups' PV of the tile done
@@ -1139,11 +1072,11 @@ if gl is not None:
         # the constexprs into tensors)
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, Q2)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, Q2)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, Q2)),
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1151,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, Q2=False, MREGS=None)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1159,8 +1092,6 @@ QK1_MATH_REGS = 200     # the QK1 kernel's math warpgroup 1 (a worker partition)
                         # default partition) gets the rest of 12 x 168, (2016 - 4 x 200 - 4 x LOAD_REGS) / 4 = 248
                         # (compile_sm90, Triton 3.6: spill stores 28 at 224, 12 at 192-208; one H200, trace_core
                         # layer mode, session 20: CSA's core 787.2 against 790.4 us at 224, HCA's 423.1 / 427.9)
-Q2_BN = 32              # Q2's keys a tile: two 64 KB q buffers, two 32 KB tiles and P fit in shared memory (207 KB)
-Q2_MATH_REGS = 192      # Q2's warpgroup 1 (warpgroup 0 then 248): spill stores 35 against 67 at 224 (compile_sm90)
 
 
 def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False,
@@ -1186,13 +1117,10 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     (warpgroup 0 stages its half and goes on to the next item; the same bits). QPRO (with QFIRST): the loader runs
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
-    measured in session 18: CSA's core -1.3 %, the others within noise, so off). Q2 (with QK1, W1OUT and QTMA;
-    needs bn = Q2_BN, which ``sparse_attention_gluon`` takes for it): two q buffers, so that the next item's q
-    arrives and gets its prologue while this item runs, 32-key tiles (shared memory holds q twice, two tiles and P),
-    the output staged in the item's q buffer (session 20, one H200, trace_core layer mode: its GPU tests pass, but
-    it is slower everywhere, core 405.7 against 348.8 us sliding, 941.7 / 790.4 CSA, 457.4 / 427.9 HCA: the
-    32-key tiles double the tile loop's synchronisation, and the math waited longer for q, not less; off). MREGS:
-    the QK1 kernel's registers for warpgroup 1 (None: QK1_MATH_REGS, with Q2 Q2_MATH_REGS)."""
+    measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
+    benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1205,14 +1133,12 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
-                 and TensorDescriptor is not None)
-    q2 = bool(o["Q2"]) and o["W1OUT"] and o["QTMA"]
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
-    o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512
-                and bn == (Q2_BN if q2 else 64) and nbuf == 2)
-    o["Q2"] = q2 and o["QK1"]
+    o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
+                and nbuf == 2)
+    o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
+                 and TensorDescriptor is not None)
     o["PROBE"] = probe
     return o
 
@@ -1281,17 +1207,9 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qpos, qfreq, q_eps = q_rope if q_rope is not None else (sinks, sinks, 0.0)
         qrf = 2 * qfreq.numel() if q_rope is not None else 0
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
-        fused_steps = o_rope is not None or scales is not None
-        q2_tiles = bn == BN and {**WS_OPTS, **(opts or {})}["Q2"]    # Q2 runs on its own tile size
-        wo = _ws_opts(opts, J1, J2, picks_chunk(J1, J2, Q2_BN), q, out, probe, fused_steps, Q2_BN,
-                      nbuf) if q2_tiles else None
-        if wo is not None and wo["Q2"]:
-            bn, JC = Q2_BN, picks_chunk(J1, J2, Q2_BN)
-        else:                                                           # (where Q2 cannot run: the call without it)
-            wo = _ws_opts({**(opts or {}), "Q2": False} if q2_tiles else opts, J1, J2, JC, q, out, probe,
-                          fused_steps, bn, nbuf)
+        wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
-        qk1, q2, mregs = wo.pop("QK1"), wo.pop("Q2"), wo.pop("MREGS")
+        qk1, mregs = wo.pop("QK1"), wo.pop("MREGS")
         if not qk1:
             wo.pop("W1OUT")
         try:
@@ -1300,12 +1218,11 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
                     qpos, qfreq if qrf else sinks, float(q_eps), trace if trace is not None else sinks, *args,
                     n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two,
-                    JC=JC, LOAD_REGS=load_regs, MATH_REGS=mregs or (Q2_MATH_REGS if q2 else QK1_MATH_REGS),
-                    PREF=wo["PREF"],
+                    JC=JC, LOAD_REGS=load_regs, MATH_REGS=mregs or QK1_MATH_REGS, PREF=wo["PREF"],
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"], Q2=q2,
+                    QPRO=wo["QPRO"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
