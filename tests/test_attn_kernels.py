@@ -306,9 +306,10 @@ def test_picks_bad_input():
         picks(pos[0], window=4)
 
 
-def _compressor_case(ratio, overlap, d, S, p0, B=2, max_len=48):
+def _compressor_case(ratio, overlap, d, S, p0, B=2, max_len=96):
     """A compressor with random weights (model dtype fp32), a state whose rings and entries hold random values
-    (untouched rows must keep them), a chunk of S tokens from position p0, and random rope frequencies."""
+    (untouched rows must keep them), a chunk of S tokens from position p0 in batch row 0 and from p0 + b * (ratio +
+    1) in row b (each row its own offset), and random rope frequencies."""
     g = _gen(ratio, overlap, d, S, p0)
     comp = Compressor(CompressorConfig(hidden=12, dim=d, ratio=ratio, overlap=overlap))
     with torch.no_grad():
@@ -318,7 +319,7 @@ def _compressor_case(ratio, overlap, d, S, p0, B=2, max_len=48):
     for t in (st.kv_BRC, st.score_BRC, st.entries_BNd):
         t.normal_(generator=g)
     x = torch.randn(B, S, 12, generator=g)
-    pos = (p0 + torch.arange(S)).expand(B, -1).contiguous()
+    pos = p0 + torch.arange(B)[:, None] * (ratio + 1) + torch.arange(S)
     return comp, st, x, pos, torch.rand(2, generator=g)
 
 
@@ -344,13 +345,15 @@ def test_pool_entries_matches_torch(ratio, overlap, d, S, p0, split, monkeypatch
         kv_d, gate_d = comp_d.project(x.to(DEVICE), pos.to(DEVICE))
         comp_d.emit(kv_d, gate_d, pos.to(DEVICE), got, freq.to(DEVICE), kernels="on")
     N = st.num_slots
-    touched = torch.zeros(N + 1, dtype=torch.bool)
-    touched[p0 // ratio:min(N, (p0 + S - 1) // ratio + 1)] = True
-    touched[N] = True                                   # the trash row: the torch ops write it, the kernels not
-    assert touched.any() and not touched.all()
-    assert rel(got.entries_BNd[:, :N][:, touched[:N]], want.entries_BNd[:, :N][:, touched[:N]]) < 1e-5
-    assert torch.equal(got.entries_BNd[:, ~touched].cpu(), before[:, ~touched])
-    assert torch.equal(want.entries_BNd[:, ~touched], before[:, ~touched])
+    touched = torch.zeros(pos.shape[0], N + 1, dtype=torch.bool)        # [B, N + 1]
+    for b, row in enumerate(pos):
+        touched[b, int(row[0]) // ratio:min(N, int(row[-1]) // ratio + 1)] = True
+    live = touched.clone()
+    touched[:, N] = True                                # the trash row: the torch ops write it, the kernels not
+    assert live.any() and not touched.all()
+    assert rel(got.entries_BNd[live], want.entries_BNd[live]) < 1e-5
+    assert torch.equal(got.entries_BNd[~touched].cpu(), before[~touched])
+    assert torch.equal(want.entries_BNd[~touched], before[~touched])
 
 
 @needs_kernels
@@ -369,10 +372,11 @@ def test_ring_write_equals_torch(ratio, overlap, S, p0):
         got = CompressorState(*_dev(st.kv_BRC, st.score_BRC, st.entries_BNd))
         comp.to(DEVICE).write_state(*_dev(kv, gate, pos), got, kernels="on")
     R = comp.cfg.state_rows
-    written = torch.zeros(R, dtype=torch.bool)
-    written[pos[0, -min(S, R):] % R] = True
-    assert not torch.equal(want.kv_BRC[:, written], before[:, written])        # the chunk did write
-    assert torch.equal(want.kv_BRC[:, ~written], before[:, ~written])
+    written = torch.zeros(pos.shape[0], R, dtype=torch.bool)            # [B, R]
+    for b, row in enumerate(pos):
+        written[b, row[-min(S, R):] % R] = True
+    assert not torch.equal(want.kv_BRC[written], before[written])        # the chunk did write
+    assert torch.equal(want.kv_BRC[~written], before[~written])
     for g_, w_ in ((got.kv_BRC, want.kv_BRC), (got.score_BRC, want.score_BRC)):
         assert torch.equal(g_.cpu(), w_)
 
