@@ -21,7 +21,7 @@ from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
 from .core_kernel import q_norm_inside
 from .indexer import Indexer, IndexerConfig
-from .kernels import norm_rope, picks, prefix_picks_torch, use_kernels, window_picks_torch
+from .kernels import norm_rope, picks, use_kernels
 from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
 from .schedule import ScheduleConfig, is_capturing, run_frontend
 
@@ -268,11 +268,8 @@ class V4Attention(nn.Module):
     def _picks(self, pos_BS: torch.Tensor, **part) -> torch.Tensor:
         """A part's per-query rows (``kernels.picks``): with the kernels one launch, int32 (the core kernels read
         int32 picks with fewer registers than int64); else the torch ops, int64."""
-        if use_kernels(pos_BS, self.schedule.kernels):
-            return picks(pos_BS, dtype=torch.int32, **part)
-        if "window" in part:
-            return window_picks_torch(pos_BS, part["window"])
-        return prefix_picks_torch(pos_BS, part["slots"], part["ratio"])
+        on = use_kernels(pos_BS, self.schedule.kernels)
+        return picks(pos_BS, dtype=torch.int32 if on else torch.int64, kernel=on, **part)
 
     def index_topk(self, qI_BShe: torch.Tensor, w_BSh: torch.Tensor, pos_BS: torch.Tensor,
                    cache: AttnCache) -> torch.Tensor:

@@ -570,12 +570,13 @@ if triton is not None:
 
 
 def picks(pos_BS: torch.Tensor, *, window: int = 0, slots: int = 0, ratio: int = 1,
-          dtype: torch.dtype = torch.int32) -> torch.Tensor:
+          dtype: torch.dtype = torch.int32, kernel: bool | None = None) -> torch.Tensor:
     """Each query's rows of a key part in one launch, instead of ~10 torch ops on [B, S, W] int64 tensors:
     ``window=W``: the sliding window's W rows in the source ``[ring | chunk]`` (``window_picks_torch``);
     ``slots=N, ratio=m``: HCA's N compressed entries, the incomplete ones -1 (``prefix_picks_torch``).
     pos_BS: int64 [B, S], each row's positions consecutive from its first. Returns [B, S, W or N] in ``dtype``
-    (int32: what the core kernels read with the fewest registers). Triton wherever it runs, else the torch ops."""
+    (int32: what the core kernels read with the fewest registers). ``kernel``: None, Triton wherever it runs, else
+    the torch ops; False, the torch ops (a caller's ``use_kernels``)."""
     if (window > 0) == (slots > 0):
         raise ValueError(f"picks: window={window}, slots={slots}: give exactly one of them > 0")
     if ratio <= 0:
@@ -584,7 +585,7 @@ def picks(pos_BS: torch.Tensor, *, window: int = 0, slots: int = 0, ratio: int =
         raise ValueError(f"picks: pos_BS {tuple(pos_BS.shape)} must be [B, S]")
     if pos_BS.numel() >= 2 ** 31:
         raise ValueError(f"picks: {pos_BS.numel()} query rows: the kernel counts rows in int32 (< 2^31)")
-    if not (_direct(pos_BS) and pos_BS.numel()):
+    if not (kernel is not False and _direct(pos_BS) and pos_BS.numel()):
         if window:
             return window_picks_torch(pos_BS, window, dtype)
         return prefix_picks_torch(pos_BS, slots, ratio, dtype)
