@@ -232,32 +232,6 @@ def test_prefill_leaves_q_norm_to_the_core_where_it_does_it(layer_type, monkeypa
     assert rel < 1e-2, rel
 
 
-def _spy_ws_opts(monkeypatch, key: str) -> list:
-    """Record ``core_gluon._ws_opts(...)[key]`` of every warp-specialized core launch from now on (a list)."""
-    from moe_wave.attention import core_gluon
-    chosen, ws_opts = [], core_gluon._ws_opts
-
-    def spy(*a, **kw):
-        o = ws_opts(*a, **kw)
-        chosen.append(o[key])
-        return o
-
-    monkeypatch.setattr(core_gluon, "_ws_opts", spy)
-    return chosen
-
-
-def _takes_it_and_repeats(attn, x, pos, chosen: list) -> torch.Tensor:
-    """The layer's overlapped prefill output, after which every choice ``_spy_ws_opts`` recorded must be true;
-    overlapped equals serial bit for bit and repeats its bits. Skips where the warp-specialized core does not run."""
-    on = attn(x, positions=pos, overlap=True)
-    if not chosen:
-        pytest.skip("the warp-specialized core does not run here (needs a Hopper GPU with Triton's Gluon)")
-    assert all(chosen), chosen
-    assert torch.equal(on, attn(x, positions=pos, overlap=False))
-    assert torch.equal(on, attn(x, positions=pos, overlap=True))
-    return on
-
-
 @pytest.mark.parametrize("layer_type", ["compressed_sparse_attention", "heavily_compressed_attention"])
 def test_prefill_at_head_dim_512_takes_the_qk1_core(layer_type, monkeypatch):
     """At V4's head_dim (512) and 64 heads, with items of 3 key tiles or more (a 128-key window and 128 top-k picks,
@@ -267,9 +241,22 @@ def test_prefill_at_head_dim_512_takes_the_qk1_core(layer_type, monkeypatch):
     in another order)."""
     from moe_wave.attention import core_gluon
     attn, x, pos = _prefill_layer(layer_type, 4, head_dim=512, window=128, topk=128, rope_dim=64)
-    chosen = _spy_ws_opts(monkeypatch, "QK1")
+    chosen = []
+    ws_opts = core_gluon._ws_opts
+
+    def spy(*a, **kw):
+        o = ws_opts(*a, **kw)
+        chosen.append(o["QK1"])
+        return o
+
+    monkeypatch.setattr(core_gluon, "_ws_opts", spy)
     with torch.no_grad():
-        on = _takes_it_and_repeats(attn, x, pos, chosen)
+        on = attn(x, positions=pos, overlap=True)
+        if not chosen:
+            pytest.skip("the warp-specialized core does not run here (needs a Hopper GPU with Triton's Gluon)")
+        assert all(chosen), chosen
+        assert torch.equal(on, attn(x, positions=pos, overlap=False))
+        assert torch.equal(on, attn(x, positions=pos, overlap=True))
         monkeypatch.setitem(core_gluon.WS_OPTS, "QK1", False)
         chosen.clear()
         ws = attn(x, positions=pos, overlap=True)
