@@ -86,6 +86,25 @@ def test_inv_freq_matches_hf(hf):
                                    rtol=0, atol=0)
 
 
+def test_rope_frequencies_stay_fp32_through_casts(hf):
+    """``.to(bf16)`` casts the layer's parameters and buffers, but its RoPE frequencies stay the fp32 values (as the
+    official code keeps them; in bf16 a frequency is off by up to 2^-9 of itself, which at position 4096 moves an
+    angle by radians), and ``.double()`` / ``.half()`` keep them fp32 too."""
+    attn = A.V4Attention.from_hf(hf["model"].layers[1].self_attn, hf["cfg"], layer_idx=1)
+    want = inv_freq(attn.cfg.rope)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.double(), lambda m: m.half(), lambda m: m.float()):
+        attn = cast(attn)
+        assert attn.freq_F.dtype == torch.float32 and torch.equal(attn.freq_F, want)
+    assert attn.sinks.dtype == torch.float32 and attn.q_a_norm.dtype == torch.float32      # the rest was cast
+    bf = attn.to(torch.bfloat16)
+    assert bf.sinks.dtype == torch.bfloat16 and torch.equal(bf.freq_F, want)
+    # why: with V4's 64 rotated channels (theta 1e4), bf16 frequencies put some pair's angle more than a radian off
+    # at position 4096
+    from moe_wave.attention.rope import RopeConfig
+    v4 = inv_freq(RopeConfig(dim=64, theta=10000.0))
+    assert (4096 * (v4 - v4.bfloat16().float())).abs().max() > 1.0
+
+
 # "on": the fused Triton kernels, on CPU under the interpreter that tests/conftest.py turns on
 KERNELS = ["off", pytest.param("on", marks=pytest.mark.skipif(
     not triton_ok("cuda" if torch.cuda.is_available() else "cpu", want=True),

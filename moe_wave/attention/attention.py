@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from ..config import require_hf
-from ..fp8 import FP8Linear, GroupedFP8, act_quant, dequant_weight, hf_fp8_payload, hf_weight, weight_quant
+from ..fp8 import FP8Linear, GroupedFP8, QAct, act_quant, dequant_weight, hf_fp8_payload, hf_weight, weight_quant
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
 from .core_kernel import q_norm_inside
 from .indexer import Indexer, IndexerConfig
-from .kernels import norm_rope, picks, use_kernels
+from .kernels import norm_rope, picks, rms_norm_quant, use_kernels
 from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
 from .schedule import ScheduleConfig, is_capturing, run_frontend
 
@@ -110,10 +110,19 @@ class V4Attention(nn.Module):
         self.indexer = None if not csa else Indexer(IndexerConfig(
             hidden=D, q_lora_rank=L, heads=cfg.index_heads, dim=cfg.index_dim, topk=cfg.index_topk,
             ratio=cfg.ratio, eps=cfg.eps))
-        self.register_buffer("freq_F", inv_freq(cfg.rope), persistent=False)
+        self.register_buffer("freq_F", inv_freq(cfg.rope), persistent=False)     # fp32 always (see _apply)
         self.o_a_fp8: GroupedFP8 | None = None     # quantize_fp8(wo_a_fp8=True) (which drops o_a_weight) or "auto"
         self.o_a_fp8_min_tokens = 0                 # "auto": the FP8 wo_a from this many tokens (B * S) a call on
         nn.init.normal_(self.o_a_weight, std=0.02)
+
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)`` casts every floating buffer; the RoPE frequencies stay fp32 (the official code keeps them
+        fp32; in bf16 the angle of a late position drifts by whole radians, and the kernels, which read fp32
+        frequencies, would copy them on every call): recomputed, not cast back."""
+        out = super()._apply(fn, recurse)
+        if self.freq_F.dtype != torch.float32:
+            self.freq_F = inv_freq(self.cfg.rope, device=self.freq_F.device)
+        return out
 
     @property
     def fp8(self) -> bool:
@@ -211,16 +220,24 @@ class V4Attention(nn.Module):
             return lin(x_BSD)
         return lin.forward_q(*xq, x_BSD.dtype).view(*x_BSD.shape[:-1], lin.out_features)
 
-    def q_lora(self, x_BSD: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
-        return rms_norm(self._proj(self.q_a_proj, x_BSD, xq), self.q_a_norm, self.cfg.eps, self.schedule.kernels)
+    def q_lora(self, x_BSD: torch.Tensor, xq: tuple | None = None) -> torch.Tensor | QAct:
+        """wq_a and q_norm: [B, S, L]. Where every projection that reads it is FP8 (wq_b, the indexer's wq_b) and
+        the kernels run, the normalised rows leave already quantised, as the ``QAct`` both take (one pass for the
+        norm and the quantisation, once for the two): the same bits as each quantising the bf16 tensor."""
+        qa = self._proj(self.q_a_proj, x_BSD, xq)
+        k = self.schedule.kernels
+        readers = [self.q_b_proj] + ([self.indexer.q_b_proj] if self.indexer is not None else [])
+        if use_kernels(qa, k) and all(isinstance(r, FP8Linear) for r in readers):
+            return rms_norm_quant(qa, self.q_a_norm, self.cfg.eps)
+        return rms_norm(qa, self.q_a_norm, self.cfg.eps, k)
 
-    def q_heads(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, raw: bool = False) -> torch.Tensor:
+    def q_heads(self, qr_BSL: torch.Tensor | QAct, pos_BS: torch.Tensor, raw: bool = False) -> torch.Tensor:
         """The query heads [B, S, H, d]: wq_b, per-head RMSNorm, RoPE on the tail (raw=True: wq_b's output)."""
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.head_dim)
         return q if raw else self.q_norm_rope(q, pos_BS)
 
-    def q_branch(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def q_branch(self, qr_BSL: torch.Tensor | QAct, pos_BS: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The q branch's result (``run_frontend``): (q [B, S, H, d], raw). raw: q is wq_b's output and the core
         applies the norm and RoPE as it loads q (``core_norms_q``: Hopper prefill, the warp-specialized Gluon
         kernel, which saves a pass over q). Elsewhere they stay on the q branch, beside the other branches: the

@@ -1160,8 +1160,9 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                            o_rope: tuple | None = None, scales: torch.Tensor | None = None,
                            q_rope: tuple | None = None, trace: torch.Tensor | None = None) -> None:
     """Launch on checked, last-dim-contiguous tensors (``core_kernel.sparse_attention_fused`` prepares them):
-    q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks fp32 [H]. bn / nbuf: keys
-    per tile and tiles in the ring (benchmarks; q and the ring must fit in shared memory). probe (profiling
+    q / out [B, S, H, d], kv [B, M, d] in q's dtype, idx [B, S, J] (integers), sinks [H] (fp32, bf16 or fp16,
+    read widened). bn / nbuf: keys per tile and tiles in the ring (benchmarks; q and the ring must fit in shared
+    memory). probe (profiling
     only, wrong results): 1 skips the gathers after the first tiles, 2 the PV products. ws: the
     warp-specialized persistent kernel (default: where ``ws_supported`` says it runs; if it does not compile
     there, ``mark_ws_broken`` warns once and the one-program kernel runs, or with o_rope / scales

@@ -65,7 +65,7 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 from moe_wave.fp8 import act_quant
 
 if triton is not None:
-    from moe_wave.fp8 import pow2_scale_bits
+    from moe_wave.fp8 import e4m3_rne as _e4m3_rne, pow2_scale_bits
 
 from . import core_gluon
 from .kernels import norm_rope
@@ -209,23 +209,6 @@ if triton is not None:
             x = tl.load(q_row + dk[None, :], mask=hmask[:, None] & (dk[None, :] < D), other=0.0).to(tl.float32)
             ss += tl.sum(x * x, axis=1)
         return 1.0 / tl.sqrt(ss / D + eps)
-
-    @triton.jit
-    def _e4m3_rne(x):
-        # float8e4nv of fp32 x (|x| <= 448), round to nearest even, by integer ops: the interpreter's float8 cast
-        # rounds ties away and drops the mantissa's carry into the exponent (the GPU casts in hardware instead)
-        bits = x.to(tl.int32, bitcast=True)
-        a = bits & 0x7FFFFFFF
-        e = a >> 23
-        nrm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)     # normal: 3 mantissa bits, exponent rebiased
-        m = (a & 0x7FFFFF) | 0x800000
-        sh = tl.minimum(tl.maximum(141 - e, 21), 31)                    # subnormal: round(m * 2^(e - 141))
-        q = m >> sh
-        rem = m - (q << sh)
-        half = (rem * 0 + 1) << (sh - 1)
-        q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-        code = tl.where(e >= 121, nrm, q) | ((bits >> 24) & 0x80)
-        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
     def _epilogue(o, o_ptr, o_off, omask, odt_ptr, sc_ptr, pos_ptr, freq_ptr, row, M, h, hmask, dv0,
@@ -573,7 +556,9 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         srcs.append((kv, idx if idx.stride(-1) == 1 else idx.contiguous()))
     two = len(srcs) == 2
     (kv1, i1), (kv2, i2) = srcs[0], srcs[1] if two else srcs[0]
-    sinks = sinks_H.float().contiguous()
+    # the kernels read the sinks in their dtype and widen them (no fp32 copy a call: a launch of its own)
+    wide = sinks_H.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    sinks = (sinks_H if wide else sinks_H.float()).contiguous()
     want = (config or default_config(H, D, q.dtype)).fit(H, D)
     if fuse is None:
         fuse = _fuse_inside(q, want)
