@@ -9,7 +9,8 @@ For each layer type it runs each front-end branch alone (the chains ``bench_attn
 q, window kv, compressor, indexer incl. q_lora), then the sparse core and the output projection alone on the
 front-end's result, each under torch.profiler after warm-up, and prints the kernels sorted by total device
 time, with the part's total and the count of kernels. Last, each Triton kernel alone on the V4-Flash prefill
-shapes (the core with the achieved TFLOP/s, the top-k against torch.topk). The same tables go to
+shapes: the small ones and their variants from CUDA graphs (``small``; ``--small-only`` only those), then the
+larger ones (the core with the achieved TFLOP/s, the top-k against torch.topk). The same tables go to
 $OUT/profile_attn.txt when OUT is set.
 """
 
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attn import (CTX, _clone, branches, core_fn, core_parts, fill_cache, make_attn, out_fn,  # noqa: E402
-                        time_eager)
+                        time_alone, time_eager)
 from launch_common import out_path  # noqa: E402
 
 
@@ -116,6 +117,63 @@ def micro(dev) -> str:
     return "\n".join(lines)
 
 
+def small(dev) -> str:
+    """The front-end's small kernels and their variants, each alone from a CUDA graph (median of 20 replays: no
+    launch cost in the time), V4-Flash prefill shapes: q_lora's norm and quantisation (chained / fused), the window
+    kv's norm and RoPE (rows a program), the compressors' pooling (HCA's split by channel pairs a program)."""
+    from moe_wave.attention import kernels as K
+    from moe_wave.fp8 import act_quant
+
+    def t(fn):
+        return time_alone(fn, 20)
+
+    def with_(mod, name, value, fn):
+        def run():
+            old = getattr(mod, name)
+            setattr(mod, name, value)
+            try:
+                fn()
+            finally:
+                setattr(mod, name, old)
+        return run
+
+    S = 4096
+    pos = torch.arange(S, device=dev)[None]
+    freq = torch.rand(32, device=dev)
+    ql = torch.randn(1, S, 1024, device=dev, dtype=torch.bfloat16)
+    qw = torch.rand(1024, device=dev) + 0.5
+    kv = torch.randn(1, S, 512, device=dev, dtype=torch.bfloat16)
+    kw = torch.rand(512, device=dev) + 0.5
+    rows = [("q_lora norm then act_quant (two kernels) [4096, 1024]",
+             lambda: act_quant(K.norm_rope(ql, weight=qw).view(S, 1024))),
+            ("q_lora rms_norm_quant (one kernel)", lambda: K.rms_norm_quant(ql, qw))]
+    for n in (1, K.NORM_ROPE_ROWPOS_ROWS, 16):
+        rows.append((f"window kv norm+rope in place [4096, 512], {n} rows a program",
+                     with_(K, "NORM_ROPE_ROWPOS_ROWS", n,
+                           lambda: K.norm_rope(kv, pos, freq, weight=kw, out=kv))))
+    for kind, ratio, mult in (("HCA", 128, 1), ("CSA", 4, 2)):
+        C, J = 512 * mult, ratio * mult
+        ck = torch.randn(1, S, C, device=dev, dtype=torch.bfloat16)
+        cs = torch.randn(1, S, C, device=dev, dtype=torch.bfloat16)
+        rk = torch.randn(1, J, C, device=dev)
+        rs = torch.randn(1, J, C, device=dev)
+        ape = torch.randn(ratio, C, device=dev, dtype=torch.bfloat16)
+        ent = torch.zeros(1, S // ratio + 2, 512, device=dev, dtype=torch.bfloat16)
+
+        def pool(ck=ck, cs=cs, rk=rk, rs=rs, ape=ape, ent=ent, ratio=ratio, mult=mult):
+            K.pool_entries(ck, cs, rk, rs, ape, pos, kw, freq, ent, ratio=ratio, mult=mult, eps=1e-6)
+        if kind == "CSA":
+            rows.append((f"{kind} pool_entries [4096, {C}]", pool))
+            continue
+        for pairs in (K.POOL_SPLIT_PAIRS, 16, 8):
+            rows.append((f"{kind} pool_entries [4096, {C}], split {pairs} pairs a program",
+                         with_(K, "POOL_SPLIT_PAIRS", pairs, pool)))
+    lines = ["== small kernels alone, from a CUDA graph (V4-Flash prefill 4096)"]
+    for name, fn in rows:
+        lines.append(f"    {t(fn):8.1f} us  {name}")
+    return "\n".join(lines)
+
+
 # norm_rope's (channels per program, warps) timed against the default in the micro table
 NORM_ROPE_CHOICES = ((8192, 4), (8192, 8), (16384, 8), (2048, 4))
 
@@ -129,14 +187,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--decode", type=int, default=0, metavar="B",
                     help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
-    ap.add_argument("--micro-only", action="store_true", help="only the table of each kernel alone")
+    ap.add_argument("--micro-only", action="store_true", help="only the tables of each kernel alone")
+    ap.add_argument("--small-only", action="store_true",
+                    help="of the kernels alone, only the small ones' table (graph replays; with --types '' alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),
                     help="the projections' format, as bench_attn.py --precision (default bf16)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = []
-    for kind in [] if args.micro_only else args.types.split(","):
+    for kind in [] if args.micro_only else [t for t in args.types.split(",") if t]:
         attn = make_attn(args.shape, kind, dev, args.precision)
         B, S, start = (args.decode, 1, CTX) if args.decode else (1, args.tokens, 0)
         mode = f"decode batch {B}, cache {CTX}" if args.decode else f"prefill {S}"
@@ -168,8 +228,11 @@ def main() -> None:
             with open(out_path("profile_attn_decode.txt"), "w") as f:
                 f.write("\n".join(out) + "\n")
         return
-    out.append(micro(dev))
+    out.append(small(dev))
     print(out[-1], flush=True)
+    if not args.small_only:
+        out.append(micro(dev))
+        print(out[-1], flush=True)
     if out_path("profile_attn.txt"):
         with open(out_path("profile_attn.txt"), "w") as f:
             f.write("\n".join(out) + "\n")

@@ -22,6 +22,7 @@ in fp32 (``fp8_matmul_ref``), which is also the tests' oracle.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -29,7 +30,8 @@ from torch import nn
 from .comm.triton_gate import tl, triton, triton_ok
 
 __all__ = ["BLOCK", "FP8_MAX", "pow2_ceil", "act_quant", "act_quant_torch", "weight_quant", "dequant_weight",
-           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "FP8Linear", "GroupedFP8", "hf_fp8_payload", "hf_weight"]
+           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "QAct", "FP8Linear", "GroupedFP8", "hf_fp8_payload",
+           "hf_weight"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -98,6 +100,23 @@ if triton is not None:
         # amax = 448 * 2^k gives s = 2^k. The one definition for every kernel that writes this format.
         sbits = (tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
         return sbits, 0x7F000000 - sbits
+
+    @triton.jit
+    def e4m3_rne(x):
+        # float8e4nv of fp32 x (|x| <= 448), round to nearest even, by integer ops: the interpreter's float8 cast
+        # rounds ties away and drops the mantissa's carry into the exponent (the GPU casts in hardware instead)
+        bits = x.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        e = a >> 23
+        nrm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)     # normal: 3 mantissa bits, exponent rebiased
+        m = (a & 0x7FFFFF) | 0x800000
+        sh = tl.minimum(tl.maximum(141 - e, 21), 31)                    # subnormal: round(m * 2^(e - 141))
+        q = m >> sh
+        rem = m - (q << sh)
+        half = (rem * 0 + 1) << (sh - 1)
+        q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+        code = tl.where(e >= 121, nrm, q) | ((bits >> 24) & 0x80)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, s_xm, s_xg, NPG: tl.constexpr, BM: tl.constexpr):
@@ -277,6 +296,17 @@ def hf_weight(hf_linear: nn.Module) -> torch.Tensor:
     return hf_linear.weight.detach() if payload is None else dequant_weight(*payload)
 
 
+class QAct(NamedTuple):
+    """Activations already in the FP8 format, standing for the tensor of ``shape`` and ``dtype`` (the output's):
+    ``FP8Linear`` takes one in place of that tensor and skips its ``act_quant`` (the step before quantised, e.g.
+    ``attention.kernels.rms_norm_quant``; two projections of one input then share one quantisation)."""
+
+    q: torch.Tensor         # [M, K] e4m3, M = prod(shape[:-1])
+    s: torch.Tensor         # [K/128, M] fp32
+    shape: torch.Size       # [..., K]
+    dtype: torch.dtype
+
+
 class FP8Linear(_FP8Module):
     """``nn.Linear`` without bias, its weight in the FP8 format: ``y = x @ W^T``, x quantised per call.
 
@@ -317,8 +347,13 @@ class FP8Linear(_FP8Module):
         payload = hf_fp8_payload(hf_linear)
         return cls.from_quantized(*(payload if payload is not None else weight_quant(hf_linear.weight.detach())))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QAct) -> torch.Tensor:
         lead = x.shape[:-1]
+        if isinstance(x, QAct):
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"FP8Linear: QAct of shape {tuple(x.shape)}: its last dim must be in_features="
+                                 f"{self.in_features}")
+            return self.forward_q(x.q, x.s, x.dtype).view(*lead, self.out_features)
         x_q, s = act_quant(x.reshape(-1, self.in_features))
         return self.forward_q(x_q, s, x.dtype).view(*lead, self.out_features)
 

@@ -17,7 +17,7 @@ from moe_wave.attention.core import sparse_attention
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, _splits, default_config, sparse_attention_fused
 from moe_wave.attention.topk import topk_select, topk_select_torch
 from moe_wave.attention.kernels import (index_scores, index_scores_torch, norm_rope, norm_rope_torch, picks,
-                                       prefix_picks_torch, use_kernels, window_picks_torch)
+                                       prefix_picks_torch, rms_norm_quant, use_kernels, window_picks_torch)
 from moe_wave.comm.triton_gate import triton, triton_ok
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,7 +48,8 @@ def test_use_kernels_follows_the_mode():
 
 
 NORM_ROPE = [(shape, norm, wt, inv) for shape, norm, wt, inv in itertools.product(
-    [(2, 5, 3, 24, 4), (1, 7, 1, 10, 5), (3, 2, 2, 64, 0)], [True, False], [True, False], [True, False])
+    [(2, 5, 3, 24, 4), (1, 7, 1, 10, 5), (2, 13, 1, 24, 4), (3, 2, 2, 64, 0)], [True, False], [True, False],
+    [True, False])
     if norm or not wt]
 
 
@@ -70,6 +71,21 @@ def test_norm_rope_matches_torch(shape, norm, wt, inv):
     same = xd.clone()
     assert norm_rope(same, pd, fd, norm=norm, weight=wd, inverse=inv, out=same) is same
     assert torch.equal(same, got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("H", [1, 3])
+def test_norm_rope_rows_do_not_depend_on_the_chunk(H):
+    """A row's bits do not depend on how many positions the call has (one row a position: programs of several
+    positions, their count fixed by the shape): the window's kv of a chunked prefill is that of the whole one."""
+    g = _gen("chunk", H)
+    x, pos, freq, w = _dev(torch.randn(2, 21, H, 40, generator=g).bfloat16(),
+                           torch.randint(0, 9000, (2, 21), generator=g), torch.rand(8, generator=g),
+                           torch.randn(40, generator=g))
+    whole = norm_rope(x, pos, freq, weight=w)
+    for a, b in ((0, 5), (5, 6), (6, 21)):
+        part = norm_rope(x[:, a:b].contiguous(), pos[:, a:b].contiguous(), freq, weight=w)
+        assert torch.equal(part, whole[:, a:b])
 
 
 @needs_kernels
@@ -402,6 +418,36 @@ def test_norm_rope_torch_is_rmsnorm_then_rope():
     freq = torch.rand(8, generator=g)
     want = rope_tail(rms_norm(x, w, 1e-6), pos, freq)
     torch.testing.assert_close(norm_rope_torch(x, pos, freq, weight=w), want, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape, wt", [((2, 5, 1024), True), ((3, 384), True), ((7, 256), False), ((1, 1, 128), True)])
+def test_rms_norm_quant_equals_norm_then_act_quant(shape, wt):
+    """The fused norm + quantisation (V4's q_lora, read by two FP8 projections) gives the chain's bits: the e4m3
+    codes and the scales of ``act_quant(norm_rope(x, weight))`` (its rows a program, its sums), for K not a power
+    of two (a 128-block of the tile masked), one row, rows spanning 32 x in magnitude."""
+    from moe_wave.fp8 import FP8, act_quant
+    g = _gen("rms_norm_quant", shape, wt)
+    K = shape[-1]
+    x = (torch.randn(*shape, generator=g) * torch.logspace(-1.5, 1.5, K)).to(torch.bfloat16)
+    w = torch.randn(K, generator=g) if wt else None
+    xd, = _dev(x)
+    wd = None if w is None else w.to(DEVICE)
+    got = rms_norm_quant(xd, wd, 1e-6)
+    want_q, want_s = act_quant(norm_rope(xd, weight=wd, eps=1e-6).reshape(-1, K))
+    assert got.q.dtype == FP8 and got.shape == x.shape and got.dtype == torch.bfloat16
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.s, want_s) and got.s.shape == (K // 128, x.numel() // K)
+    # and the chain is the norm (not a no-op): its dequantised rows are the torch RMSNorm's to e4m3's rounding
+    deq = got.q.float() * got.s.t().repeat_interleave(128, 1)
+    assert rel(deq, norm_rope_torch(x.float(), weight=w).reshape(-1, K)) < 0.05
+
+
+def test_rms_norm_quant_bad_input():
+    with pytest.raises(ValueError, match="last dim 200 must be a multiple of 128"):
+        rms_norm_quant(torch.randn(2, 200), None)
+    with pytest.raises(ValueError, match="weight has 4 elements, must equal the last dim 256"):
+        rms_norm_quant(torch.randn(2, 256), torch.ones(4))
 
 
 def test_norm_rope_bad_input():

@@ -340,6 +340,49 @@ def test_attention_fp8_fused_core_matches_unfused(layer_type, wo_a_fp8):
     assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.skipif(not triton_ok("cpu", want=True) and not torch.cuda.is_available(),
+                    reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "compressed_sparse_attention"])
+def test_attention_fp8_q_lora_leaves_quantised_once(layer_type, monkeypatch):
+    """With the kernels, an FP8 layer's q_norm writes q_lora already quantised (``kernels.rms_norm_quant``) and
+    wq_b and the indexer's wq_b both take that ``QAct``: the same bits as each quantising the normalised tensor,
+    the whole layer too; no act_quant of q_lora's output is left."""
+    import moe_wave.attention.attention as attn_mod
+    from moe_wave.attention.compressor import rms_norm
+
+    on = make_attn(layer_type, kernels="on").quantize_fp8(wo_a_fp8=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    on = on.to(dev)
+    x = torch.randn(2, 20, 256, device=dev)
+    pos = torch.arange(20, device=dev)[None].expand(2, -1)
+    with torch.no_grad():
+        xq = on.x_quant(x)
+        qa = on.q_lora(x, xq)
+        dense = rms_norm(on.q_a_proj.forward_q(*xq, x.dtype).view(2, 20, -1), on.q_a_norm, on.cfg.eps, "on")
+        assert isinstance(qa, F.QAct) and qa.shape == dense.shape and qa.dtype == x.dtype
+        assert torch.equal(on.q_heads(qa, pos, raw=True), on.q_heads(dense, pos, raw=True))
+        if on.indexer is not None:
+            ix = on.indexer
+            assert torch.equal(ix.query(qa, pos, on.freq_F, "on"), ix.query(dense, pos, on.freq_F, "on"))
+        got = on(x, positions=pos, overlap=False)
+        seen = []
+        real = F.act_quant
+
+        def spy(t, *a, **k):
+            seen.append(tuple(t.shape))
+            return real(t, *a, **k)
+
+        monkeypatch.setattr(F, "act_quant", spy)                              # (FP8Linear.forward's)
+        assert on.q_b_proj(qa).shape == (2, 20, on.cfg.heads * on.cfg.head_dim) and not seen
+        monkeypatch.setattr(attn_mod.V4Attention, "q_lora", lambda self, x_BSD, xq=None: rms_norm(
+            self._proj(self.q_a_proj, x_BSD, xq), self.q_a_norm, self.cfg.eps, "on"))
+        want = on(x, positions=pos, overlap=False)
+    assert (40, 128) in seen                                                  # the unfused chain's
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"QAct of shape \(2, 20, 256\): its last dim must be in_features=128"):
+        on.q_b_proj(F.QAct(qa.q, qa.s, torch.Size([2, 20, 256]), x.dtype))
+
+
 def test_attention_fp8_decode_continues_prefill():
     """The cache path with FP8 projections: prefill then decode == one pass (same quantised weights; the
     activations of a row are quantised per row, so splitting the sequence changes nothing)."""

@@ -70,8 +70,9 @@ class Indexer(nn.Module):
         """fp32 [B, S, h] head weights, scaled by h^-1/2 and e^-1/2 (folded here, not in the scores)."""
         return self.weights_proj(x_BSD).float() * (self.cfg.heads ** -0.5 * self.cfg.dim ** -0.5)
 
-    def query(self, qr_BSL: torch.Tensor, pos_BS: torch.Tensor, freq_F: torch.Tensor,
+    def query(self, qr_BSL, pos_BS: torch.Tensor, freq_F: torch.Tensor,
               kernels: str = "auto") -> torch.Tensor:
+        """The index heads' queries [B, S, h, e] from q_lora [B, S, L] (or its ``fp8.QAct``, for an FP8 wq_b)."""
         B, S, _ = qr_BSL.shape
         q = self.q_b_proj(qr_BSL).view(B, S, self.cfg.heads, self.cfg.dim)
         # in place: the GEMM's output is fresh, so only the rotated tail is read and written (half of the channels

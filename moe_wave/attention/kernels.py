@@ -30,9 +30,13 @@ from __future__ import annotations
 import torch
 
 from moe_wave.comm.triton_gate import interpreting, tl, triton, triton_ok
+from moe_wave.fp8 import BLOCK, FP8, QAct, act_quant
+
+if triton is not None:
+    from moe_wave.fp8 import e4m3_rne, pow2_scale_bits
 
 __all__ = ["KERNEL_MODES", "index_scores", "index_scores_torch", "norm_rope", "norm_rope_torch", "picks",
-           "pool_entries", "prefix_picks_torch", "ring_write", "use_kernels", "window_picks_torch"]
+           "pool_entries", "prefix_picks_torch", "ring_write", "rms_norm_quant", "use_kernels", "window_picks_torch"]
 
 KERNEL_MODES = ("auto", "on", "off")
 _WANT = {"auto": None, "on": True, "off": False}
@@ -80,19 +84,28 @@ def norm_rope_torch(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: to
 if triton is not None:
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, H, eps,
+    def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, sc_ptr, H, eps,
                           D: tl.constexpr, HC: tl.constexpr, BH: tl.constexpr, TC: tl.constexpr, BT: tl.constexpr,
                           HB: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
-                          HEAD: tl.constexpr, INTERP: tl.constexpr):
+                          HEAD: tl.constexpr, QUANT: tl.constexpr, ROWPOS: tl.constexpr, INTERP: tl.constexpr):
         # Program (p, hb): rows p*H + hb*HB .. +HB (rows of one position share its cos/sin). A row is
         # HC leading channels (the "head", no RoPE) then TC = 2F rotated channels (the "tail"), each
         # loaded as a contiguous [HB, channels] tile. RoPE pairs (2i, 2i+1) are split out of the tail's tile
         # in registers (not a second load with the pair swapped, channel c ^ 1: Triton made that 2-byte loads,
         # 32 a thread at d = 128): y_even = x_even*cos - x_odd*sin, y_odd = x_odd*cos + x_even*sin.
+        # QUANT (no RoPE, HC a multiple of 128): the normalised rows, rounded to x's dtype, leave in act_quant's
+        # format instead: e4m3 to out_ptr, the scales to sc_ptr [HC/128, rows] (fp8.act_quant's bits).
+        # ROWPOS (one row a position, e.g. the window's kv): program p takes rows p*HB .. +HB of the H rows, each
+        # at its own position (its own cos/sin; the same values and roundings).
         p = tl.program_id(0)
-        h = tl.program_id(1) * HB + tl.arange(0, HB)
-        hmask = h < H
-        row = (p.to(tl.int64) * H + h)[:, None] * D
+        if ROWPOS:
+            h = p * HB + tl.arange(0, HB)
+            hmask = h < H
+            row = h.to(tl.int64)[:, None] * D
+        else:
+            h = tl.program_id(1) * HB + tl.arange(0, HB)
+            hmask = h < H
+            row = (p.to(tl.int64) * H + h)[:, None] * D
         ss = tl.zeros((HB,), tl.float32)
         if HEAD:
             ch = tl.arange(0, BH)
@@ -114,7 +127,22 @@ if triton is not None:
                 xh = xh * inv
                 if WEIGHT:
                     xh = xh * tl.load(w_ptr + ch, mask=ch < HC, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + row + ch[None, :], xh.to(out_ptr.dtype.element_ty), mask=mh)
+            if QUANT:
+                y3 = tl.reshape(xh.to(x_ptr.dtype.element_ty).to(tl.float32), (HB, BH // 128, 128))
+                amax = tl.maximum(tl.max(tl.abs(y3), axis=2), 1e-4)
+                sbits, ibits = pow2_scale_bits(amax)
+                z = tl.reshape(y3 * ibits.to(tl.float32, bitcast=True)[:, :, None], (HB, BH))
+                if INTERP:                                  # the interpreter's float8 cast is off
+                    zq = e4m3_rne(z)
+                else:
+                    zq = z.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                tl.store(out_ptr + row + ch[None, :], zq, mask=mh)
+                blk = tl.arange(0, BH // 128)
+                rid = (p * H + h).to(tl.int64)
+                tl.store(sc_ptr + blk[None, :].to(tl.int64) * (tl.num_programs(0) * H) + rid[:, None],
+                         sbits.to(tl.float32, bitcast=True), mask=hmask[:, None] & (blk < HC // 128)[None, :])
+            else:
+                tl.store(out_ptr + row + ch[None, :], xh.to(out_ptr.dtype.element_ty), mask=mh)
         if TC > 0:
             if NORM:
                 xt = xt * inv
@@ -122,9 +150,15 @@ if triton is not None:
                     xt = xt * tl.load(w_ptr + HC + ct, mask=tmask, other=0.0).to(tl.float32)[None, :]
             xe, xo = tl.split(tl.reshape(xt, (HB, BT // 2, 2)))  # pair i: channels 2i, 2i + 1 (from one load)
             fi = tl.arange(0, BT // 2)
-            ang = tl.load(pos_ptr + p).to(tl.float32) * tl.load(freq_ptr + fi, mask=fi < TC // 2, other=0.0)
-            c = tl.cos(ang)[None, :]
-            s = tl.sin(ang)[None, :]
+            f = tl.load(freq_ptr + fi, mask=fi < TC // 2, other=0.0)
+            if ROWPOS:
+                ang = tl.load(pos_ptr + h, mask=hmask, other=0).to(tl.float32)[:, None] * f[None, :]
+                c = tl.cos(ang)
+                s = tl.sin(ang)
+            else:
+                ang = tl.load(pos_ptr + p).to(tl.float32) * f
+                c = tl.cos(ang)[None, :]
+                s = tl.sin(ang)[None, :]
             if INVERSE:
                 s = -s
             # pinned to fma(x_odd, -sin, x_even * cos) and fma(x_even, sin, x_odd * cos): left to itself the
@@ -145,6 +179,9 @@ if triton is not None:
 # warps (launch/profile_attn.py --micro-only times the choices)
 NORM_ROPE_TILE = 4096
 NORM_ROPE_WARPS = 4
+# one row a position (the window's kv, [B*S, 512]): this many rows (positions) a program, a power of two (a row a
+# program took 7.0 us for V4-Flash's 4096-token prefill on one H200: 4096 programs of 576 channels)
+NORM_ROPE_ROWPOS_ROWS = 8
 
 
 def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Tensor | None = None, *,
@@ -193,14 +230,48 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
     bh = triton.next_power_of_2(max(hc, 1))
     bt = triton.next_power_of_2(max(tc, 1))
     width = (bh if head else 0) + (bt if tc else 0)
-    hb = max(1, min(triton.next_power_of_2(H), NORM_ROPE_TILE // width))
-    hb = 1 << (hb.bit_length() - 1)           # a power of two
+    rowpos = bool(F) and H == 1      # one row a position: programs of several positions (HB by the shape alone)
+    hb = NORM_ROPE_ROWPOS_ROWS if rowpos else _rows_tile(H, width)
     w = weight.contiguous() if weight is not None else x
-    _norm_rope_kernel[(P, triton.cdiv(H, hb))](
-        x, out, pos_c, freq_c, w, H, float(eps), D=d, HC=hc, BH=bh, TC=tc, BT=bt, HB=hb, NORM=bool(norm),
-        WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), INTERP=interpreting(),
-        num_warps=NORM_ROPE_WARPS)
+    _norm_rope_kernel[(triton.cdiv(P, hb), 1) if rowpos else (P, triton.cdiv(H, hb))](
+        x, out, pos_c, freq_c, w, x, P if rowpos else H, float(eps), D=d, HC=hc, BH=bh, TC=tc, BT=bt, HB=hb,
+        NORM=bool(norm), WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), QUANT=False,
+        ROWPOS=rowpos, INTERP=interpreting(), num_warps=NORM_ROPE_WARPS)
     return out
+
+
+def _rows_tile(rows: int, width: int) -> int:
+    """``_norm_rope_kernel``'s rows a program (HB, a power of two): up to ``NORM_ROPE_TILE`` channels of a tile
+    ``width`` wide, and no more than ``rows`` rounded up (one definition: a row's sum's bits depend on HB)."""
+    hb = max(1, min(triton.next_power_of_2(rows), NORM_ROPE_TILE // width))
+    return 1 << (hb.bit_length() - 1)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> QAct:
+    """``act_quant(rms_norm(x, weight, eps))`` in one pass: the rows of x [..., K] (K a multiple of 128) normalised
+    (fp32, times weight), rounded to x's dtype, then quantised to the FP8 format, with the same bits as that chain
+    (``norm_rope``'s program and sums, then ``fp8.act_quant``'s scale and rounding). Returns the ``QAct`` that
+    ``FP8Linear`` takes in place of the normalised tensor (V4's q_lora feeds two FP8 projections: wq_b and the
+    indexer's). Triton wherever it runs (a GPU, or CPU under the interpreter), else the chain's torch ops."""
+    K = x.shape[-1]
+    if K % BLOCK:
+        raise ValueError(f"rms_norm_quant: last dim {K} must be a multiple of {BLOCK}")
+    if weight is not None and weight.numel() != K:
+        raise ValueError(f"rms_norm_quant: weight has {weight.numel()} elements, must equal the last dim {K}")
+    M = x.numel() // K if K else 0
+    if not (_direct(x) and x.is_contiguous() and M):
+        q, s = act_quant(norm_rope(x, weight=weight, eps=eps).reshape(M, K))
+        return QAct(q, s, x.shape, x.dtype)
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    s = torch.empty(K // BLOCK, M, dtype=torch.float32, device=x.device)
+    bh = triton.next_power_of_2(K)
+    hb = _rows_tile(M, bh)
+    w = weight.contiguous() if weight is not None else x
+    _norm_rope_kernel[(1, triton.cdiv(M, hb))](
+        x, q, x, x, w, s, M, float(eps), D=K, HC=K, BH=bh, TC=0, BT=1, HB=hb, NORM=True,
+        WEIGHT=weight is not None, INVERSE=False, HEAD=True, QUANT=True, ROWPOS=False, INTERP=interpreting(),
+        num_warps=NORM_ROPE_WARPS)
+    return QAct(q, s, x.shape, x.dtype)
 
 
 # ----------------------------------------------------------------------------------- indexer

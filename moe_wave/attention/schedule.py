@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_wave.comm.streams import Streams, current_stream, keep_alive, on, record, wait
+from moe_wave.fp8 import QAct
 
 from .kernels import KERNEL_MODES
 
@@ -171,7 +172,8 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             w_BSh = ix.weights(x_BSD)
             wait(q_lora_ready)
             if hold:
-                keep_alive(qr_BSL, sc)
+                for t in (qr_BSL.q, qr_BSL.s) if isinstance(qr_BSL, QAct) else (qr_BSL,):
+                    keep_alive(t, sc)
             qI = ix.query(qr_BSL, pos_BS, attn.freq_F, kernels=kernels)
             comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache)
             idx_ready = record(sc)
