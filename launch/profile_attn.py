@@ -9,7 +9,7 @@ For each layer type it runs each front-end branch alone (the chains ``bench_attn
 q, window kv, compressor, indexer incl. q_lora), then the sparse core and the output projection alone on the
 front-end's result, each under torch.profiler after warm-up, and prints the kernels sorted by total device
 time, with the part's total and the count of kernels. Last, each Triton kernel alone on the V4-Flash prefill
-shapes: the small ones and their variants from CUDA graphs (``small``; ``--small-only`` only those), then the
+shapes: the small ones and their variants by device time (``small``; ``--small-only`` only those), then the
 larger ones (the core with the achieved TFLOP/s, the top-k against torch.topk). The same tables go to
 $OUT/profile_attn.txt when OUT is set.
 """
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attn import (CTX, _clone, branches, core_fn, core_parts, fill_cache, make_attn, out_fn,  # noqa: E402
-                        time_alone, time_eager)
+                        time_eager)
 from launch_common import out_path  # noqa: E402
 
 
@@ -40,15 +40,21 @@ def kernel_table(prof, rows: int) -> tuple[str, float, int]:
     return "\n".join(lines), total, count
 
 
-def profiled(fn, rows: int) -> tuple[str, float, int]:
-    """``fn()`` under torch.profiler after three warm-up calls: the kernel table (see ``kernel_table``)."""
+def _profile(fn, n: int = 1):
+    """torch.profiler over n calls of ``fn()`` after three warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()   # HOST SYNC: the warm-up stays out of the profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(n):
+            fn()
         torch.cuda.synchronize()   # HOST SYNC: the profile ends with the kernels it launched
-    return kernel_table(prof, rows)
+    return prof
+
+
+def profiled(fn, rows: int) -> tuple[str, float, int]:
+    """``fn()`` under torch.profiler after three warm-up calls: the kernel table (see ``kernel_table``)."""
+    return kernel_table(_profile(fn), rows)
 
 
 def micro(dev) -> str:
@@ -117,15 +123,21 @@ def micro(dev) -> str:
     return "\n".join(lines)
 
 
+def kernel_us(fn, n: int = 10) -> float:
+    """Device time of ``fn``'s kernels a call (torch.profiler's kernel times over n calls after three warm-up calls:
+    no launch cost or gap in it, which for a kernel of a few us is most of an event-timed call)."""
+    evs = [e for e in _profile(fn, n).key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in evs) / n
+
+
 def small(dev) -> str:
-    """The front-end's small kernels and their variants, each alone from a CUDA graph (median of 20 replays: no
-    launch cost in the time), V4-Flash prefill shapes: q_lora's norm and quantisation (chained / fused), the window
-    kv's norm and RoPE (rows a program), the compressors' pooling (HCA's split by channel pairs a program)."""
+    """The front-end's small kernels and their variants, each alone (``kernel_us``: the kernels' device time),
+    V4-Flash prefill shapes: q_lora's norm and quantisation (chained / fused), the window kv's norm and RoPE (rows a
+    program), the compressors' pooling (HCA's split by channel pairs a program)."""
     from moe_wave.attention import kernels as K
     from moe_wave.fp8 import act_quant
 
-    def t(fn):
-        return time_alone(fn, 20)
+    t = kernel_us
 
     def with_(mod, name, value, fn):
         def run():
@@ -165,10 +177,10 @@ def small(dev) -> str:
         if kind == "CSA":
             rows.append((f"{kind} pool_entries [4096, {C}]", pool))
             continue
-        for pairs in (K.POOL_SPLIT_PAIRS, 16, 8):
+        for pairs in (32, 16, 8, 4):
             rows.append((f"{kind} pool_entries [4096, {C}], split {pairs} pairs a program",
                          with_(K, "POOL_SPLIT_PAIRS", pairs, pool)))
-    lines = ["== small kernels alone, from a CUDA graph (V4-Flash prefill 4096)"]
+    lines = ["== small kernels alone, their device time (V4-Flash prefill 4096)"]
     for name, fn in rows:
         lines.append(f"    {t(fn):8.1f} us  {name}")
     return "\n".join(lines)
@@ -189,7 +201,7 @@ def main() -> None:
                     help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
     ap.add_argument("--micro-only", action="store_true", help="only the tables of each kernel alone")
     ap.add_argument("--small-only", action="store_true",
-                    help="of the kernels alone, only the small ones' table (graph replays; with --types '' alone)")
+                    help="of the kernels alone, only the small ones' table (with --types '': that table alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),
                     help="the projections' format, as bench_attn.py --precision (default bf16)")
     args = ap.parse_args()
