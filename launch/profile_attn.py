@@ -4,6 +4,7 @@
                                   [--precision bf16|fp8|fp8a]
     python launch/profile_attn.py --decode 64 --types csa       (a decode step, batch 64, 4096-token cache)
     python launch/profile_attn.py --micro-only                  (only each kernel alone)
+    python launch/profile_attn.py --whole --shape v4-pro        (the whole layer from a CUDA graph, overlap off / on)
 
 For each layer type it runs each front-end branch alone (the chains ``bench_attn.py`` times:
 q, window kv, compressor, indexer incl. q_lora), then the sparse core and the output projection alone on the
@@ -130,6 +131,34 @@ def kernel_us(fn, n: int = 10) -> float:
     return sum(e.self_device_time_total for e in evs) / n
 
 
+def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10) -> str:
+    """The whole layer replayed from a CUDA graph, overlap off and on: each replay's time (CUDA events, median)
+    and each kernel's device time a replay in both, the kernels that differ most first (where an overlapped
+    layer loses what its front-end gained: a kernel slowed by the side streams' work beside it)."""
+    from moe_wave.timing import as_graph, iteration_us
+
+    times, kern = {}, {}
+    for overlap in (False, True):
+        def fn(i, overlap=overlap):
+            attn(x, positions=pos, cache=cache, validate=False, overlap=overlap)
+            cache.join()
+        replay, _ = as_graph(fn, x.device, warmup=3)
+        times[overlap] = sorted(iteration_us(replay, reps, 3, device="cuda"))[reps // 2]
+        evs = [e for e in _profile(lambda: replay(0), reps).key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+        kern[overlap] = {e.key: (e.self_device_time_total / reps, e.count // reps) for e in evs}
+    names = sorted(set(kern[False]) | set(kern[True]),
+                   key=lambda k: -abs(kern[True].get(k, (0, 0))[0] - kern[False].get(k, (0, 0))[0]))
+    tot = {o: sum(v[0] for v in kern[o].values()) for o in kern}
+    lines = [f"    replay (median of {reps}): serial {times[False]:.1f} us, overlapped {times[True]:.1f} us; kernels "
+             f"a replay: {tot[False]:.1f} / {tot[True]:.1f} us",
+             f"    {'serial':>9} {'overl.':>9} {'diff':>8} {'calls':>5}  kernel"]
+    for k in names[:rows]:
+        a, b = kern[False].get(k, (0.0, 0)), kern[True].get(k, (0.0, 0))
+        lines.append(f"    {a[0]:9.1f} {b[0]:9.1f} {b[0] - a[0]:8.1f} {max(a[1], b[1]):5d}  {k[:100]}")
+    return "\n".join(lines)
+
+
 def small(dev) -> str:
     """The front-end's small kernels and their variants, each alone (``kernel_us``: the kernels' device time),
     V4-Flash prefill shapes: q_lora's norm and quantisation (chained / fused), the window kv's norm and RoPE (rows a
@@ -200,6 +229,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, metavar="B",
                     help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
     ap.add_argument("--micro-only", action="store_true", help="only the tables of each kernel alone")
+    ap.add_argument("--whole", action="store_true",
+                    help="instead of the parts, the whole layer from a CUDA graph with overlap off and on (each "
+                         "replay's time, each kernel's device time in both)")
     ap.add_argument("--small-only", action="store_true",
                     help="of the kernels alone, only the small ones' table (with --types '': that table alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),
@@ -221,6 +253,11 @@ def main() -> None:
 
         x = torch.randn(B, S, attn.cfg.hidden, device=dev, dtype=torch.bfloat16)
         pos = (start + torch.arange(S, device=dev)).expand(B, -1).contiguous()
+        if args.whole:
+            out.append(f"== {args.shape} {kind} {args.precision} {mode}: the whole layer from a CUDA graph\n"
+                       + whole_layer(attn, x, pos, cache_for(), args.rows))
+            print(out[-1], flush=True)
+            continue
         parts_run = {f"branch {name}": (lambda fn=fn, c=cache_for(): fn(x, pos, c))
                      for name, fn in branches(attn).items()}
         cache = cache_for()
@@ -235,9 +272,10 @@ def main() -> None:
             print(out[-1], flush=True)
         del attn, cache, fe, o, parts_run
         torch.cuda.empty_cache()
-    if args.decode:
-        if out_path("profile_attn_decode.txt"):
-            with open(out_path("profile_attn_decode.txt"), "w") as f:
+    if args.decode or args.whole:
+        name = "profile_attn_whole.txt" if args.whole else "profile_attn_decode.txt"
+        if out_path(name):
+            with open(out_path(name), "w") as f:
                 f.write("\n".join(out) + "\n")
         return
     out.append(small(dev))
