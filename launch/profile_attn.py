@@ -132,30 +132,32 @@ def kernel_us(fn, n: int = 10) -> float:
 
 
 def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10) -> str:
-    """The whole layer replayed from a CUDA graph, overlap off and on: each replay's time (CUDA events, median)
-    and each kernel's device time a replay in both, the kernels that differ most first (where an overlapped
+    """The whole layer replayed from a CUDA graph: overlap off, on, and on without a cache (nothing deferred to
+    the side streams after the join: the ring writes): each replay's time (CUDA events, median) and each kernel's
+    device time a replay in all three, the kernels that differ most between off and on first (where an overlapped
     layer loses what its front-end gained: a kernel slowed by the side streams' work beside it)."""
     from moe_wave.timing import as_graph, iteration_us
 
+    runs = {"serial": (False, cache), "overl.": (True, cache), "no cache": (True, None)}
     times, kern = {}, {}
-    for overlap in (False, True):
-        def fn(i, overlap=overlap):
-            attn(x, positions=pos, cache=cache, validate=False, overlap=overlap)
-            cache.join()
+    for name, (overlap, c) in runs.items():
+        def fn(i, overlap=overlap, c=c):
+            attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
+            if c is not None:
+                c.join()
         replay, _ = as_graph(fn, x.device, warmup=3)
-        times[overlap] = sorted(iteration_us(replay, reps, 3, device="cuda"))[reps // 2]
+        times[name] = sorted(iteration_us(replay, reps, 3, device="cuda"))[reps // 2]
         evs = [e for e in _profile(lambda: replay(0), reps).key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA]
-        kern[overlap] = {e.key: (e.self_device_time_total / reps, e.count // reps) for e in evs}
-    names = sorted(set(kern[False]) | set(kern[True]),
-                   key=lambda k: -abs(kern[True].get(k, (0, 0))[0] - kern[False].get(k, (0, 0))[0]))
-    tot = {o: sum(v[0] for v in kern[o].values()) for o in kern}
-    lines = [f"    replay (median of {reps}): serial {times[False]:.1f} us, overlapped {times[True]:.1f} us; kernels "
-             f"a replay: {tot[False]:.1f} / {tot[True]:.1f} us",
-             f"    {'serial':>9} {'overl.':>9} {'diff':>8} {'calls':>5}  kernel"]
-    for k in names[:rows]:
-        a, b = kern[False].get(k, (0.0, 0)), kern[True].get(k, (0.0, 0))
-        lines.append(f"    {a[0]:9.1f} {b[0]:9.1f} {b[0] - a[0]:8.1f} {max(a[1], b[1]):5d}  {k[:100]}")
+        kern[name] = {e.key: (e.self_device_time_total / reps, e.count // reps) for e in evs}
+    keys = sorted(set().union(*kern.values()),
+                  key=lambda k: -abs(kern["overl."].get(k, (0, 0))[0] - kern["serial"].get(k, (0, 0))[0]))
+    lines = [f"    replay (median of {reps}): " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items())
+             + "; kernels a replay: " + " / ".join(f"{sum(v[0] for v in kern[n].values()):.1f}" for n in runs),
+             "    " + " ".join(f"{n:>9}" for n in runs) + f" {'calls':>5}  kernel"]
+    for k in keys[:rows]:
+        vals = [kern[n].get(k, (0.0, 0)) for n in runs]
+        lines.append("    " + " ".join(f"{v[0]:9.1f}" for v in vals) + f" {max(v[1] for v in vals):5d}  {k[:100]}")
     return "\n".join(lines)
 
 
@@ -230,8 +232,8 @@ def main() -> None:
                     help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
     ap.add_argument("--micro-only", action="store_true", help="only the tables of each kernel alone")
     ap.add_argument("--whole", action="store_true",
-                    help="instead of the parts, the whole layer from a CUDA graph with overlap off and on (each "
-                         "replay's time, each kernel's device time in both)")
+                    help="instead of the parts, the whole layer from a CUDA graph with overlap off, on, and on "
+                         "without a cache (each replay's time, each kernel's device time in all three)")
     ap.add_argument("--small-only", action="store_true",
                     help="of the kernels alone, only the small ones' table (with --types '': that table alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),
