@@ -444,8 +444,10 @@ def test_rms_norm_quant_equals_norm_then_act_quant(shape, wt):
 
 
 def test_rms_norm_quant_bad_input():
-    with pytest.raises(ValueError, match="last dim 200 must be a multiple of 128"):
+    with pytest.raises(ValueError, match="last dim 200 must be a positive multiple of 128"):
         rms_norm_quant(torch.randn(2, 200), None)
+    with pytest.raises(ValueError, match="last dim 0 must be a positive multiple of 128"):
+        rms_norm_quant(torch.randn(2, 0), None)
     with pytest.raises(ValueError, match="weight has 4 elements, must equal the last dim 256"):
         rms_norm_quant(torch.randn(2, 256), torch.ones(4))
 

@@ -253,12 +253,12 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e
     (``norm_rope``'s program and sums, then ``fp8.act_quant``'s scale and rounding). Returns the ``QAct`` that
     ``FP8Linear`` takes in place of the normalised tensor (V4's q_lora feeds two FP8 projections: wq_b and the
     indexer's). Triton wherever it runs (a GPU, or CPU under the interpreter), else the chain's torch ops."""
-    K = x.shape[-1]
-    if K % BLOCK:
-        raise ValueError(f"rms_norm_quant: last dim {K} must be a multiple of {BLOCK}")
+    K = x.shape[-1] if x.dim() else 0
+    if K <= 0 or K % BLOCK:
+        raise ValueError(f"rms_norm_quant: last dim {K} must be a positive multiple of {BLOCK}")
     if weight is not None and weight.numel() != K:
         raise ValueError(f"rms_norm_quant: weight has {weight.numel()} elements, must equal the last dim {K}")
-    M = x.numel() // K if K else 0
+    M = x.numel() // K
     if not (_direct(x) and x.is_contiguous() and M):
         q, s = act_quant(norm_rope(x, weight=weight, eps=eps).reshape(M, K))
         return QAct(q, s, x.shape, x.dtype)
