@@ -132,17 +132,25 @@ def kernel_us(fn, n: int = 10) -> float:
 
 
 def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10) -> str:
-    """The whole layer replayed from a CUDA graph: overlap off, on, and on without a cache (nothing deferred to
-    the side streams after the join: the ring writes): each replay's time (CUDA events, median) and each kernel's
-    device time a replay in all three, the kernels that differ most between off and on first (where an overlapped
-    layer loses what its front-end gained: a kernel slowed by the side streams' work beside it)."""
+    """The whole layer replayed from a CUDA graph: overlap off, on, on without a cache (no ring writes), and on with
+    the ring writes before the ready events (``schedule.DEFER_WRITES = False``: nothing of the layer beside the core):
+    each replay's time (CUDA events, median) and each kernel's device time a replay in each, the kernels that differ
+    most between off and on first (where an overlapped layer loses what its front-end gained). Kernel times of
+    concurrent kernels include their waits for SMs; the replay times are what counts."""
     from moe_wave.timing import as_graph, iteration_us
 
-    runs = {"serial": (False, cache), "overl.": (True, cache), "no cache": (True, None)}
+    from moe_wave.attention import schedule
+
+    runs = {"serial": (False, cache, True), "overl.": (True, cache, True), "no cache": (True, None, True),
+            "writes 1st": (True, cache, False)}
     times, kern = {}, {}
-    for name, (overlap, c) in runs.items():
-        def fn(i, overlap=overlap, c=c):
-            attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
+    for name, (overlap, c, defer) in runs.items():
+        def fn(i, overlap=overlap, c=c, defer=defer):
+            old, schedule.DEFER_WRITES = schedule.DEFER_WRITES, defer
+            try:
+                attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
+            finally:
+                schedule.DEFER_WRITES = old
             if c is not None:
                 c.join()
         replay, _ = as_graph(fn, x.device, warmup=3)
@@ -232,8 +240,8 @@ def main() -> None:
                     help="profile a decode step of batch B on a CTX-token cache instead of a prefill")
     ap.add_argument("--micro-only", action="store_true", help="only the tables of each kernel alone")
     ap.add_argument("--whole", action="store_true",
-                    help="instead of the parts, the whole layer from a CUDA graph with overlap off, on, and on "
-                         "without a cache (each replay's time, each kernel's device time in all three)")
+                    help="instead of the parts, the whole layer from a CUDA graph with overlap off, on, on without a "
+                         "cache, on with the ring writes first (each replay's time, each kernel's device time)")
     ap.add_argument("--small-only", action="store_true",
                     help="of the kernels alone, only the small ones' table (with --types '': that table alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),

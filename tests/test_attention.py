@@ -164,6 +164,34 @@ def test_overlap_on_off_identical(hf, i):
     assert torch.equal(on, off)
 
 
+@pytest.mark.parametrize("i", LAYERS)
+def test_ring_writes_before_the_ready_events_change_nothing(hf, i, monkeypatch):
+    """``schedule.DEFER_WRITES = False`` (the ring writes before each branch's ready event, not beside the core):
+    a chunked prefill then decode steps give the same outputs and leave the same cache, bit for bit (the writes
+    still come after every read of the rings in the call), with nothing left pending."""
+    from moe_wave.attention import schedule
+
+    attn, x, pos = hf["attns"][i], hf["x"], hf["pos"]
+
+    def run():
+        cache = attn.new_cache(B, 32)
+        with torch.no_grad():
+            outs = [attn(x[:, a:b], positions=pos[:, a:b], cache=cache) for a, b in ((0, 9), (9, 20), (20, 21),
+                                                                                      (21, S))]
+        return torch.cat(outs, 1), cache
+
+    want, c_want = run()
+    monkeypatch.setattr(schedule, "DEFER_WRITES", False)
+    got, c_got = run()
+    assert torch.equal(got, want) and rel(got, hf["refs"][i]) < 2e-6
+    assert torch.equal(c_got.win_BWd, c_want.win_BWd)
+    for st, st_want in ((c_got.comp, c_want.comp), (c_got.index, c_want.index)):
+        if st is not None:
+            for name in ("kv_BRC", "score_BRC", "entries_BNd"):
+                assert torch.equal(getattr(st, name), getattr(st_want, name)), name
+    assert not c_got.pending and "win" in c_want.pending          # the switch did move the writes
+
+
 def test_overlap_switches(monkeypatch):
     monkeypatch.setenv("MOE_WAVE_ATTN_OVERLAP", "0")   # read by the CLI only (moe_wave.env), never here
     assert A.ScheduleConfig().overlap is True and A.ScheduleConfig().kernels == "auto"

@@ -15,7 +15,8 @@ chains joined once before the core:
   main:    wait kv_ready, comp_ready, idx_ready -> core -> output projection
 
 The deferred writes are read only by the same layer's next step, so they overlap the core and the
-next layer; their events go to ``cache.pending`` and are waited on at the start of the next call.
+next layer; their events go to ``cache.pending`` and are waited on at the start of the next call
+(``DEFER_WRITES = False`` issues them before the ready events instead).
 Under CUDA-graph capture every side stream is joined before the call returns.
 
 Switches: ``ScheduleConfig.overlap`` (default on; the CLI maps ``MOE_WAVE_ATTN_OVERLAP`` onto it) and
@@ -72,6 +73,13 @@ class ScheduleConfig:
     def use_overlap(self, batch: int, seq: int) -> bool:
         return self.overlap and not (seq == 1 and batch < self.decode_overlap_min_batch)
 
+
+# the ring writes that only a next step reads (the window ring, the compressors' rings) run on their side streams
+# after the branch's ready event, beside the core and into the next layer (True); False: before it, so that the core
+# waits for them (nothing of the layer's runs beside the core). A benchmark switch: ``launch/profile_attn.py --whole``
+# compares the two (V4-Pro's overlapped prefill layer ran up to 9 % behind its serial one with them deferred, not
+# without a cache: benchmarks/2026-12-02-qlora-quant-1xh200-session21.md). The results are the same either way.
+DEFER_WRITES = True
 
 _SIDE: dict[torch.device, Streams] = {}
 
@@ -141,8 +149,10 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
         wait(xq_ready)
         kv_BSd = attn.window_kv(x_BSD, pos_BS, xq)
         win_src, win_idx = attn.window_source(kv_BSd, pos_BS, cache)
+        if store and not DEFER_WRITES:
+            attn.window_write(kv_BSd, pos_BS, cache)
         kv_ready = record(sa)
-        if store:
+        if store and DEFER_WRITES:
             attn.window_write(kv_BSd, pos_BS, cache)
             cache.pending["win"] = record(sa)
     parts = [(win_src, win_idx)]
@@ -154,8 +164,10 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             ckv, csc = attn.compressor.project(x_BSD, pos_BS)
             attn.compressor.emit(ckv, csc, pos_BS, cache.comp, attn.freq_F, kernels=kernels)
             comp_idx = attn.hca_index(pos_BS, cache) if attn.indexer is None else None
+            if store and not DEFER_WRITES:
+                attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)
             comp_ready = record(sb)
-            if store:
+            if store and DEFER_WRITES:
                 attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)
                 cache.pending["comp"] = record(sb)
 
@@ -176,8 +188,10 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
                     keep_alive(t, sc)
             qI = ix.query(qr_BSL, pos_BS, attn.freq_F, kernels=kernels)
             comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache)
+            if store and not DEFER_WRITES:
+                ix.compressor.write_state(ikv, isc, pos_BS, cache.index, kernels=kernels)
             idx_ready = record(sc)
-            if store:
+            if store and DEFER_WRITES:
                 ix.compressor.write_state(ikv, isc, pos_BS, cache.index, kernels=kernels)
                 cache.pending["index"] = record(sc)
 
