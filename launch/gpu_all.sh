@@ -3,7 +3,8 @@
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
-#   streams (bench_moe with the expert stages on one stream and on two), trace (the sparse core's in-kernel
+#   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
+#   graph with overlap off / on / ring writes first: profile_attn --whole), trace (the sparse core's in-kernel
 #   timeline, launch/trace_core.py),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
@@ -133,6 +134,13 @@ raise SystemExit(not g.available())"; then
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
                    stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
+        whole)  # the whole attention layer from a CUDA graph, overlap off / on / on without a cache / on with the ring
+                # writes first (schedule.DEFER_WRITES = False): V4-Pro's overlapped prefill layer ran behind its serial
+                # one in session 21 (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
+               for shape in $(echo "${WHOLE_SHAPES:-v4-pro,v4-flash}" | tr ',' ' '); do
+                   stage whole_$shape ${T_WHOLE:-150} "$PY" launch/profile_attn.py --whole --shape "$shape" \
+                       --types sliding,csa,hca --precision fp8a --rows 10
+               done ;;
         trace)  # the sparse core's in-kernel timeline: each phase of an item, us (TRACE_ARGS: trace_core's options)
                stage trace_core ${T_TRACE:-240} "$PY" launch/trace_core.py ${TRACE_ARGS:-} \
                    --out "$RES/trace_core.json" ;;
@@ -143,7 +151,8 @@ raise SystemExit(not g.available())"; then
                true ;;
         deepep_api)   # DeepEP's tests on moe-wave's deep_ep and on DeepEP (built from .deps/deepep), side by side
                stage deepep_api ${T_DEEPEP_API:-330} env RES="$RES/deepep_api" bash launch/deepep_api.sh ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts streams comm attn trace demo sweep deepep_api)" ;;
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts streams comm attn whole trace demo" \
+               "sweep deepep_api)" ;;
     esac
 done
 
