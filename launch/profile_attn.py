@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -109,12 +110,8 @@ def micro(dev) -> str:
                     lambda: norm_rope(o, pos, freq, norm=False, inverse=True, out=o), o.nbytes // 4, 0))
     for tile, warps in NORM_ROPE_CHOICES:
         def tuned(tile=tile, warps=warps):
-            old = K.NORM_ROPE_TILE, K.NORM_ROPE_WARPS
-            K.NORM_ROPE_TILE, K.NORM_ROPE_WARPS = tile, warps
-            try:
+            with mock.patch.object(K, "NORM_ROPE_TILE", tile), mock.patch.object(K, "NORM_ROPE_WARPS", warps):
                 norm_rope(q, pos, freq, out=q)
-            finally:
-                K.NORM_ROPE_TILE, K.NORM_ROPE_WARPS = old
         rows.insert(1, (f"q heads norm+rope, {tile} channels / program, {warps} warps", tuned, 2 * q.nbytes, 0))
     lines = ["== kernels alone (V4-Flash prefill 4096)"]
     for name, fn, nbytes, flop in rows:
@@ -124,11 +121,17 @@ def micro(dev) -> str:
     return "\n".join(lines)
 
 
-def kernel_us(fn, n: int = 10) -> float:
-    """Device time of ``fn``'s kernels a call (torch.profiler's kernel times over n calls after three warm-up calls:
-    no launch cost or gap in it, which for a kernel of a few us is most of an event-timed call)."""
+def kernel_times(fn, n: int = 10) -> dict:
+    """Each kernel's device time a call of ``fn`` and its calls a call: {name: (us, calls)} (torch.profiler over n
+    calls after three warm-up calls: no launch cost or gap in it, which for a kernel of a few us is most of an
+    event-timed call)."""
     evs = [e for e in _profile(fn, n).key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.self_device_time_total for e in evs) / n
+    return {e.key: (e.self_device_time_total / n, e.count // n) for e in evs}
+
+
+def kernel_us(fn, n: int = 10) -> float:
+    """The device time of ``fn``'s kernels a call (``kernel_times`` summed)."""
+    return sum(us for us, _ in kernel_times(fn, n).values())
 
 
 def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10) -> str:
@@ -146,18 +149,13 @@ def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10) -> str:
     times, kern = {}, {}
     for name, (overlap, c, defer) in runs.items():
         def fn(i, overlap=overlap, c=c, defer=defer):
-            old, schedule.DEFER_WRITES = schedule.DEFER_WRITES, defer
-            try:
+            with mock.patch.object(schedule, "DEFER_WRITES", defer):
                 attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
-            finally:
-                schedule.DEFER_WRITES = old
             if c is not None:
                 c.join()
         replay, _ = as_graph(fn, x.device, warmup=3)
         times[name] = sorted(iteration_us(replay, reps, 3, device="cuda"))[reps // 2]
-        evs = [e for e in _profile(lambda: replay(0), reps).key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-        kern[name] = {e.key: (e.self_device_time_total / reps, e.count // reps) for e in evs}
+        kern[name] = kernel_times(lambda: replay(0), reps)
     keys = sorted(set().union(*kern.values()),
                   key=lambda k: -abs(kern["overl."].get(k, (0, 0))[0] - kern["serial"].get(k, (0, 0))[0]))
     lines = [f"    replay (median of {reps}): " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items())
@@ -176,16 +174,10 @@ def small(dev) -> str:
     from moe_wave.attention import kernels as K
     from moe_wave.fp8 import act_quant
 
-    t = kernel_us
-
     def with_(mod, name, value, fn):
         def run():
-            old = getattr(mod, name)
-            setattr(mod, name, value)
-            try:
+            with mock.patch.object(mod, name, value):
                 fn()
-            finally:
-                setattr(mod, name, old)
         return run
 
     S = 4096
@@ -221,7 +213,7 @@ def small(dev) -> str:
                          with_(K, "POOL_SPLIT_PAIRS", pairs, pool)))
     lines = ["== small kernels alone, their device time (V4-Flash prefill 4096)"]
     for name, fn in rows:
-        lines.append(f"    {t(fn):8.1f} us  {name}")
+        lines.append(f"    {kernel_us(fn):8.1f} us  {name}")
     return "\n".join(lines)
 
 

@@ -116,6 +116,18 @@ def _cache_tensors(cache) -> dict:
     return out
 
 
+def _ready(stream, cache, key: str, write) -> object:
+    """A branch's ready event on ``stream``, with its ring write (``write``, or False: none): deferred after the
+    event, its own event in ``cache.pending[key]`` (``DEFER_WRITES``), else before it."""
+    if write and not DEFER_WRITES:
+        write()
+    ev = record(stream)
+    if write and DEFER_WRITES:
+        write()
+        cache.pending[key] = record(stream)
+    return ev
+
+
 def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap: bool,
                  store: bool = True) -> FrontEnd:
     """Issue the front-end of ``attn`` (a ``V4Attention``) on its streams; returns after the join.
@@ -149,12 +161,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
         wait(xq_ready)
         kv_BSd = attn.window_kv(x_BSD, pos_BS, xq)
         win_src, win_idx = attn.window_source(kv_BSd, pos_BS, cache)
-        if store and not DEFER_WRITES:
-            attn.window_write(kv_BSd, pos_BS, cache)
-        kv_ready = record(sa)
-        if store and DEFER_WRITES:
-            attn.window_write(kv_BSd, pos_BS, cache)
-            cache.pending["win"] = record(sa)
+        kv_ready = _ready(sa, cache, "win", store and (lambda: attn.window_write(kv_BSd, pos_BS, cache)))
     parts = [(win_src, win_idx)]
 
     comp_ready = None
@@ -164,12 +171,8 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             ckv, csc = attn.compressor.project(x_BSD, pos_BS)
             attn.compressor.emit(ckv, csc, pos_BS, cache.comp, attn.freq_F, kernels=kernels)
             comp_idx = attn.hca_index(pos_BS, cache) if attn.indexer is None else None
-            if store and not DEFER_WRITES:
-                attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)
-            comp_ready = record(sb)
-            if store and DEFER_WRITES:
-                attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)
-                cache.pending["comp"] = record(sb)
+            comp_ready = _ready(sb, cache, "comp", store and (
+                lambda: attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)))
 
     qr_BSL = attn.q_lora(x_BSD, xq)                           # main: q chain
     q_lora_ready = record(main)
@@ -188,12 +191,8 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
                     keep_alive(t, sc)
             qI = ix.query(qr_BSL, pos_BS, attn.freq_F, kernels=kernels)
             comp_idx = attn.index_topk(qI, w_BSh, pos_BS, cache)
-            if store and not DEFER_WRITES:
-                ix.compressor.write_state(ikv, isc, pos_BS, cache.index, kernels=kernels)
-            idx_ready = record(sc)
-            if store and DEFER_WRITES:
-                ix.compressor.write_state(ikv, isc, pos_BS, cache.index, kernels=kernels)
-                cache.pending["index"] = record(sc)
+            idx_ready = _ready(sc, cache, "index", store and (
+                lambda: ix.compressor.write_state(ikv, isc, pos_BS, cache.index, kernels=kernels)))
 
     q_BSHd, q_raw = attn.q_branch(qr_BSL, pos_BS)
     for ev in (kv_ready, comp_ready, idx_ready):              # the single join before the core
