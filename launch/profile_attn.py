@@ -134,36 +134,48 @@ def kernel_us(fn, n: int = 10) -> float:
     return sum(us for us, _ in kernel_times(fn, n).values())
 
 
-def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10) -> str:
-    """The whole layer replayed from a CUDA graph: overlap off, on, on without a cache (no ring writes), and on with
-    the ring writes before the ready events (``schedule.DEFER_WRITES = False``: nothing of the layer beside the core):
-    each replay's time (CUDA events, median) and each kernel's device time a replay in each, the kernels that differ
-    most between off and on first (where an overlapped layer loses what its front-end gained). Kernel times of
-    concurrent kernels include their waits for SMs; the replay times are what counts."""
+def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10, rounds: int = 3, decode: bool = False) -> str:
+    """The whole layer replayed from a CUDA graph: overlap off, on, on without a cache (no ring writes), on with the
+    ring writes before the ready events (``schedule.DEFER_WRITES = False``: nothing of the layer beside the core),
+    and on with the side streams at a high priority (``schedule.SIDE_PRIORITY = -1``), alone and with the writes
+    first: each replay's time (CUDA events; the median of ``rounds`` rounds of ``reps`` replays, the graphs taking
+    turns, so that a drift of the clocks reaches them all) and each kernel's device time a replay in each, the
+    kernels that differ most between off and on first (where an overlapped layer loses what its front-end gained).
+    Kernel times of concurrent kernels include their waits for SMs; the replay times are what counts. A decode step
+    (``decode``) has no run without a cache."""
     from moe_wave.timing import as_graph, iteration_us
 
     from moe_wave.attention import schedule
 
-    runs = {"serial": (False, cache, True), "overl.": (True, cache, True), "no cache": (True, None, True),
-            "writes 1st": (True, cache, False)}
-    times, kern = {}, {}
-    for name, (overlap, c, defer) in runs.items():
-        def fn(i, overlap=overlap, c=c, defer=defer):
-            with mock.patch.object(schedule, "DEFER_WRITES", defer):
+    # name: (overlap, cache, DEFER_WRITES, SIDE_PRIORITY)
+    runs = {"serial": (False, cache, True, 0), "overl.": (True, cache, True, 0), "no cache": (True, None, True, 0),
+            "writes 1st": (True, cache, False, 0), "hi prio": (True, cache, True, -1),
+            "hi+1st": (True, cache, False, -1)}
+    if decode:
+        del runs["no cache"]
+    replays, samples, kern = {}, {n: [] for n in runs}, {}
+    for name, (overlap, c, defer, prio) in runs.items():
+        def fn(i, overlap=overlap, c=c, defer=defer, prio=prio):
+            with mock.patch.object(schedule, "DEFER_WRITES", defer), \
+                    mock.patch.object(schedule, "SIDE_PRIORITY", prio):
                 attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
             if c is not None:
                 c.join()
-        replay, _ = as_graph(fn, x.device, warmup=3)
-        times[name] = sorted(iteration_us(replay, reps, 3, device="cuda"))[reps // 2]
+        replays[name], _ = as_graph(fn, x.device, warmup=3)
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            samples[name] += iteration_us(replay, reps, 3, device="cuda")
+    times = {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+    for name, replay in replays.items():
         kern[name] = kernel_times(lambda: replay(0), reps)
     keys = sorted(set().union(*kern.values()),
                   key=lambda k: -abs(kern["overl."].get(k, (0, 0))[0] - kern["serial"].get(k, (0, 0))[0]))
-    lines = [f"    replay (median of {reps}): " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items())
+    lines = [f"    replay (median of {rounds} x {reps}): " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items())
              + "; kernels a replay: " + " / ".join(f"{sum(v[0] for v in kern[n].values()):.1f}" for n in runs),
-             "    " + " ".join(f"{n:>9}" for n in runs) + f" {'calls':>5}  kernel"]
+             "    " + " ".join(f"{n:>10}" for n in runs) + f" {'calls':>5}  kernel"]
     for k in keys[:rows]:
         vals = [kern[n].get(k, (0.0, 0)) for n in runs]
-        lines.append("    " + " ".join(f"{v[0]:9.1f}" for v in vals) + f" {max(v[1] for v in vals):5d}  {k[:100]}")
+        lines.append("    " + " ".join(f"{v[0]:10.1f}" for v in vals) + f" {max(v[1] for v in vals):5d}  {k[:90]}")
     return "\n".join(lines)
 
 
@@ -233,7 +245,8 @@ def main() -> None:
     ap.add_argument("--micro-only", action="store_true", help="only the tables of each kernel alone")
     ap.add_argument("--whole", action="store_true",
                     help="instead of the parts, the whole layer from a CUDA graph with overlap off, on, on without a "
-                         "cache, on with the ring writes first (each replay's time, each kernel's device time)")
+                         "cache, on with the ring writes first, on with high-priority side streams (each replay's time, "
+                         "each kernel's device time)")
     ap.add_argument("--small-only", action="store_true",
                     help="of the kernels alone, only the small ones' table (with --types '': that table alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),
@@ -257,7 +270,7 @@ def main() -> None:
         pos = (start + torch.arange(S, device=dev)).expand(B, -1).contiguous()
         if args.whole:
             out.append(f"== {args.shape} {kind} {args.precision} {mode}: the whole layer from a CUDA graph\n"
-                       + whole_layer(attn, x, pos, cache_for(), args.rows))
+                       + whole_layer(attn, x, pos, cache_for(), args.rows, decode=bool(args.decode)))
             print(out[-1], flush=True)
             continue
         parts_run = {f"branch {name}": (lambda fn=fn, c=cache_for(): fn(x, pos, c))

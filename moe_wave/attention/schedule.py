@@ -81,17 +81,24 @@ class ScheduleConfig:
 # without a cache: benchmarks/2026-12-02-qlora-quant-1xh200-session21.md). The results are the same either way.
 DEFER_WRITES = True
 
-_SIDE: dict[torch.device, Streams] = {}
+# the side streams' priority (CUDA: lower is higher; 0 is the default stream's). A benchmark switch for now:
+# ``launch/profile_attn.py --whole`` compares 0 with -1, where the side branches' blocks are dispatched ahead of the
+# q chain's GEMM blocks still waiting for an SM. PyTorch instantiates its graphs with the node priorities
+# (cudaGraphInstantiateFlagUseNodePriority), so a replay keeps them.
+SIDE_PRIORITY = 0
+
+_SIDE: dict[tuple, Streams] = {}
 
 
 def side_streams(device: torch.device) -> tuple:
-    """Three side streams per device, shared by all layers (None on CPU)."""
+    """Three side streams per device (at ``SIDE_PRIORITY``), shared by all layers (None on CPU)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _SIDE:
-        _SIDE[device] = Streams.for_device(device, num_extra=3)
-    return _SIDE[device].extra
+    key = (device, SIDE_PRIORITY)
+    if key not in _SIDE:
+        _SIDE[key] = Streams.for_device(device, num_extra=3, priority=SIDE_PRIORITY)
+    return _SIDE[key].extra
 
 
 def is_capturing(device: torch.device) -> bool:
