@@ -4,7 +4,7 @@
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
-#   graph with overlap off / on / ring writes first: profile_attn --whole), trace (the sparse core's in-kernel
+#   graph with overlap off / on / its switches: profile_attn --whole), trace (the sparse core's in-kernel
 #   timeline, launch/trace_core.py),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
@@ -135,8 +135,9 @@ raise SystemExit(not g.available())"; then
                    stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
         whole)  # the whole attention layer from a CUDA graph, overlap off / on / on without a cache / on with the ring
-                # writes first (schedule.DEFER_WRITES = False): V4-Pro's overlapped prefill layer ran behind its serial
-                # one in session 21 (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
+                # writes deferred or first (schedule.DEFER_WRITES) / on with high-priority side streams
+                # (schedule.SIDE_PRIORITY): V4-Pro's overlapped prefill layer ran behind its serial one with the
+                # writes deferred (sessions 21-22) (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
                for shape in $(echo "${WHOLE_SHAPES:-v4-pro,v4-flash}" | tr ',' ' '); do
                    stage whole_$shape ${T_WHOLE:-150} "$PY" launch/profile_attn.py --whole --shape "$shape" \
                        --types sliding,csa,hca --precision fp8a --rows 10

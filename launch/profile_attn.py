@@ -18,6 +18,7 @@ $OUT/profile_attn.txt when OUT is set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from unittest import mock
@@ -135,29 +136,27 @@ def kernel_us(fn, n: int = 10) -> float:
 
 
 def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10, rounds: int = 3, decode: bool = False) -> str:
-    """The whole layer replayed from a CUDA graph: overlap off, on, on without a cache (no ring writes), on with the
-    ring writes before the ready events (``schedule.DEFER_WRITES = False``: nothing of the layer beside the core),
-    and on with the side streams at a high priority (``schedule.SIDE_PRIORITY = -1``), alone and with the writes
-    first: each replay's time (CUDA events; the median of ``rounds`` rounds of ``reps`` replays, the graphs taking
-    turns, so that a drift of the clocks reaches them all) and each kernel's device time a replay in each, the
-    kernels that differ most between off and on first (where an overlapped layer loses what its front-end gained).
-    Kernel times of concurrent kernels include their waits for SMs; the replay times are what counts. A decode step
-    (``decode``) has no run without a cache."""
+    """The whole layer replayed from a CUDA graph: overlap off, on (the schedule's defaults), on without a cache (no
+    ring writes), on with the ring writes deferred beside the core (``schedule.DEFER_WRITES = True``, the default
+    until session 22), and on with the side streams at a high priority (``schedule.SIDE_PRIORITY = -1``): each
+    replay's time (CUDA events; the median of ``rounds`` rounds of ``reps`` replays, the graphs taking turns, so that
+    a drift of the clocks reaches them all) and each kernel's device time a replay in each, the kernels that differ
+    most between off and on first (where an overlapped layer loses what its front-end gained). Kernel times of
+    concurrent kernels include their waits for SMs; the replay times are what counts. A decode step (``decode``) has
+    no run without a cache."""
     from moe_wave.timing import as_graph, iteration_us
 
     from moe_wave.attention import schedule
 
-    # name: (overlap, cache, DEFER_WRITES, SIDE_PRIORITY)
-    runs = {"serial": (False, cache, True, 0), "overl.": (True, cache, True, 0), "no cache": (True, None, True, 0),
-            "writes 1st": (True, cache, False, 0), "hi prio": (True, cache, True, -1),
-            "hi+1st": (True, cache, False, -1)}
+    # name: (overlap, cache, the schedule's switches)
+    runs = {"serial": (False, cache, {}), "overl.": (True, cache, {}), "no cache": (True, None, {}),
+            "deferred": (True, cache, {"DEFER_WRITES": True}), "hi prio": (True, cache, {"SIDE_PRIORITY": -1})}
     if decode:
         del runs["no cache"]
     replays, samples, kern = {}, {n: [] for n in runs}, {}
-    for name, (overlap, c, defer, prio) in runs.items():
-        def fn(i, overlap=overlap, c=c, defer=defer, prio=prio):
-            with mock.patch.object(schedule, "DEFER_WRITES", defer), \
-                    mock.patch.object(schedule, "SIDE_PRIORITY", prio):
+    for name, (overlap, c, switches) in runs.items():
+        def fn(i, overlap=overlap, c=c, switches=switches):
+            with mock.patch.multiple(schedule, **switches) if switches else contextlib.nullcontext():
                 attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
             if c is not None:
                 c.join()
@@ -245,8 +244,8 @@ def main() -> None:
     ap.add_argument("--micro-only", action="store_true", help="only the tables of each kernel alone")
     ap.add_argument("--whole", action="store_true",
                     help="instead of the parts, the whole layer from a CUDA graph with overlap off, on, on without a "
-                         "cache, on with the ring writes first, on with high-priority side streams (each replay's time, "
-                         "each kernel's device time)")
+                         "cache, on with the ring writes deferred, on with high-priority side streams (each replay's "
+                         "time, each kernel's device time)")
     ap.add_argument("--small-only", action="store_true",
                     help="of the kernels alone, only the small ones' table (with --types '': that table alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),

@@ -165,10 +165,11 @@ def test_overlap_on_off_identical(hf, i):
 
 
 @pytest.mark.parametrize("i", LAYERS)
-def test_ring_writes_before_the_ready_events_change_nothing(hf, i, monkeypatch):
-    """``schedule.DEFER_WRITES = False`` (the ring writes before each branch's ready event, not beside the core):
-    a chunked prefill then decode steps give the same outputs and leave the same cache, bit for bit (the writes
-    still come after every read of the rings in the call), with nothing left pending."""
+def test_ring_writes_before_or_after_the_ready_events_agree(hf, i, monkeypatch):
+    """``schedule.DEFER_WRITES``, False (the default: the ring writes before each branch's ready event) and True
+    (after it, beside the core, joined at the next call): a chunked prefill then decode steps give the same outputs
+    and leave the same cache, bit for bit (the writes come after every read of the rings in the call either way),
+    with nothing left pending by the first."""
     from moe_wave.attention import schedule
 
     attn, x, pos = hf["attns"][i], hf["x"], hf["pos"]
@@ -180,6 +181,7 @@ def test_ring_writes_before_the_ready_events_change_nothing(hf, i, monkeypatch):
                                                                                       (21, S))]
         return torch.cat(outs, 1), cache
 
+    monkeypatch.setattr(schedule, "DEFER_WRITES", True)
     want, c_want = run()
     monkeypatch.setattr(schedule, "DEFER_WRITES", False)
     got, c_got = run()

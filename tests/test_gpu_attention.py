@@ -49,8 +49,12 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
+@pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_streams_match_serial_and_cpu(layer_type):
+def test_streams_match_serial_and_cpu(layer_type, defer, monkeypatch):
+    from moe_wave.attention import schedule
+
+    monkeypatch.setattr(schedule, "DEFER_WRITES", defer)   # the ring writes before / after the ready events
     attn = make_attn(layer_type)
     x = torch.randn(B, S, 256)
     pos = torch.arange(S).expand(B, -1)
@@ -60,7 +64,7 @@ def test_streams_match_serial_and_cpu(layer_type):
         xg, pg = x.cuda(), pos.cuda()
         on = g(xg, positions=pg, overlap=True)
         off = g(xg, positions=pg, overlap=False)
-        # chunked prefill with overlap: deferred ring/state writes must be joined before the next chunk
+        # chunked prefill with overlap: the ring/state writes (deferred: joined at the next call) before the next chunk
         cache = g.new_cache(B, MAXLEN)
         chunks = torch.cat([g(xg[:, a:b], positions=pg[:, a:b], cache=cache) for a, b in ((0, 37), (37, 38), (38, S))], 1)
     torch.cuda.synchronize()

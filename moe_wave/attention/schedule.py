@@ -7,16 +7,17 @@ chains joined once before the core:
 
   main (current) stream:  q_a -> q_norm --record q_lora_ready--> q_b -> head norm -> RoPE (prefill on Hopper:
                           the core's kernel does the last two as it loads q, ``V4Attention.q_branch``)
-  side a:  kv_proj -> kv_norm -> RoPE -> window source   --kv_ready-->    | ring write (deferred)
+  side a:  kv_proj -> kv_norm -> RoPE -> window source -> ring write      --kv_ready-->
            (the window's picks: one kernel, ``kernels.picks``)
-  side b:  compressor GEMMs -> pool -> entry write        --comp_ready-->  | state write (deferred)
-  side c:  indexer compressor -> entry write, weights_proj, wait q_lora_ready -> q side -> top-k
-           --idx_ready-->                                                  | state write (deferred)
+  side b:  compressor GEMMs -> pool -> entry write -> state write        --comp_ready-->
+  side c:  indexer compressor -> entry write, weights_proj, wait q_lora_ready -> q side -> top-k -> state write
+           --idx_ready-->
   main:    wait kv_ready, comp_ready, idx_ready -> core -> output projection
 
-The deferred writes are read only by the same layer's next step, so they overlap the core and the
-next layer; their events go to ``cache.pending`` and are waited on at the start of the next call
-(``DEFER_WRITES = False`` issues them before the ready events instead).
+The ring and state writes are read only by the same layer's next step. ``DEFER_WRITES = True`` issues them after
+the ready events instead, beside the core: their events go to ``cache.pending`` and are waited on at the start of
+the next call (under capture, before the output projection). That was the default until session 22; it measured
+slower (see ``DEFER_WRITES``).
 Under CUDA-graph capture every side stream is joined before the call returns.
 
 Switches: ``ScheduleConfig.overlap`` (default on; the CLI maps ``MOE_WAVE_ATTN_OVERLAP`` onto it) and
@@ -75,11 +76,13 @@ class ScheduleConfig:
 
 
 # the ring writes that only a next step reads (the window ring, the compressors' rings) run on their side streams
-# after the branch's ready event, beside the core and into the next layer (True); False: before it, so that the core
-# waits for them (nothing of the layer's runs beside the core). A benchmark switch: ``launch/profile_attn.py --whole``
-# compares the two (V4-Pro's overlapped prefill layer ran up to 9 % behind its serial one with them deferred, not
-# without a cache: benchmarks/2026-12-02-qlora-quant-1xh200-session21.md). The results are the same either way.
-DEFER_WRITES = True
+# before the branch's ready event, so that nothing of the layer runs beside the core (False); True: after it, beside
+# the core and into the next layer. The results are the same either way (tested). On one H200, the layer replayed
+# from a CUDA graph (``launch/profile_attn.py --whole``, 4096-token prefill, FP8), V4-Pro's overlapped HCA layer took
+# 3103 / 3498 us with the writes deferred and 3045 / 3356 with them first (two runs; serial 3001 / 3314); the other
+# Pro and Flash layers and Flash decode at batch 64 moved within +-1.5 % either way
+# (benchmarks/2026-12-02-defer-writes-1xh200-session22.md).
+DEFER_WRITES = False
 
 # the side streams' priority (CUDA: lower is higher; 0 is the default stream's). A benchmark switch for now:
 # ``launch/profile_attn.py --whole`` compares 0 with -1, where the side branches' blocks are dispatched ahead of the
@@ -139,8 +142,8 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
                  store: bool = True) -> FrontEnd:
     """Issue the front-end of ``attn`` (a ``V4Attention``) on its streams; returns after the join.
 
-    ``store=False`` skips the deferred writes that only a next step reads (the window ring and the
-    compressor rings): for a throw-away cache (a call without one).
+    ``store=False`` skips the writes that only a next step reads (the window ring and the compressor rings): for a
+    throw-away cache (a call without one).
     """
     dev, kernels = x_BSD.device, attn.schedule.kernels
     sa, sb, sc = side_streams(dev) if overlap else (None, None, None)
