@@ -135,7 +135,26 @@ def kernel_us(fn, n: int = 10) -> float:
     return sum(us for us, _ in kernel_times(fn, n).values())
 
 
-def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10, rounds: int = 3, decode: bool = False) -> str:
+def timeline(fn, width: int = 60) -> list[str]:
+    """One call of ``fn``'s kernels in the order they started: start and end (us from the first start), duration,
+    the stream (the profiler's resource id) and the name; idle stretches of the GPU (no kernel running) marked."""
+    evs = sorted((e for e in _profile(fn, 1).events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    if not evs:
+        return []
+    t0, busy_to, out = evs[0].time_range.start, evs[0].time_range.start, []
+    for e in evs:
+        a, b = e.time_range.start, e.time_range.end
+        if a > busy_to + 1:
+            out.append(f"      {'':>8} {'':>8} {a - busy_to:7.1f}  idle")
+        busy_to = max(busy_to, b)
+        out.append(f"      {a - t0:8.1f} {b - t0:8.1f} {b - a:7.1f}  s{getattr(e, 'device_resource_id', '?')!s:<4} "
+                   f"{e.name[:width]}")
+    return out
+
+
+def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10, rounds: int = 3, decode: bool = False,
+                show_timeline: bool = False) -> str:
     """The whole layer replayed from a CUDA graph: overlap off, on (the schedule's defaults), on without a cache (no
     ring writes), on with the ring writes deferred beside the core (``schedule.DEFER_WRITES = True``, the default
     until session 22), and on with the side streams at a high priority (``schedule.SIDE_PRIORITY = -1``): each
@@ -143,7 +162,8 @@ def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10, rounds: int = 3,
     a drift of the clocks reaches them all) and each kernel's device time a replay in each, the kernels that differ
     most between off and on first (where an overlapped layer loses what its front-end gained). Kernel times of
     concurrent kernels include their waits for SMs; the replay times are what counts. A decode step (``decode``) has
-    no run without a cache."""
+    no run without a cache. ``show_timeline``: each run's kernels of one replay in the order they started
+    (``timeline``)."""
     from moe_wave.timing import as_graph, iteration_us
 
     from moe_wave.attention import schedule
@@ -175,6 +195,9 @@ def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10, rounds: int = 3,
     for k in keys[:rows]:
         vals = [kern[n].get(k, (0.0, 0)) for n in runs]
         lines.append("    " + " ".join(f"{v[0]:10.1f}" for v in vals) + f" {max(v[1] for v in vals):5d}  {k[:90]}")
+    if show_timeline:
+        for name, replay in replays.items():
+            lines += [f"    timeline, {name}: start, end, us; stream; kernel"] + timeline(lambda: replay(0))
     return "\n".join(lines)
 
 
@@ -246,6 +269,8 @@ def main() -> None:
                     help="instead of the parts, the whole layer from a CUDA graph with overlap off, on, on without a "
                          "cache, on with the ring writes deferred, on with high-priority side streams (each replay's "
                          "time, each kernel's device time)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --whole: each run's kernels of one replay in the order they started, idle gaps marked")
     ap.add_argument("--small-only", action="store_true",
                     help="of the kernels alone, only the small ones' table (with --types '': that table alone)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8a"),
@@ -269,7 +294,8 @@ def main() -> None:
         pos = (start + torch.arange(S, device=dev)).expand(B, -1).contiguous()
         if args.whole:
             out.append(f"== {args.shape} {kind} {args.precision} {mode}: the whole layer from a CUDA graph\n"
-                       + whole_layer(attn, x, pos, cache_for(), args.rows, decode=bool(args.decode)))
+                       + whole_layer(attn, x, pos, cache_for(), args.rows, decode=bool(args.decode),
+                                     show_timeline=args.timeline))
             print(out[-1], flush=True)
             continue
         parts_run = {f"branch {name}": (lambda fn=fn, c=cache_for(): fn(x, pos, c))
