@@ -119,20 +119,25 @@ def test_once_kernels_under_interpreter(ranks):
     _check([_once_parity(EPGroup.single(), TOKENS, few, "triton")], len(few))
 
 
-def _padded(ep: EPGroup) -> tuple:
-    """Padding (num_valid): the valid rows equal the unpadded call bit for bit."""
+def _padded(ep: EPGroup) -> float:
+    """Padding (num_valid): the valid rows' largest error against the unpadded call, relative to its largest
+    output. Not bit for bit: the shared expert's down_proj runs in row chunks cut by the row count, and a CPU GEMM
+    need not give a row the same bits at another row count (MKL on an AVX-512 EPYC does not below 12 rows)."""
     cfg, blocks = hf_model()
     x, _ = _tokens(ep.rank, 13)
     wave = WaveConfig(num_waves=3, sends="once", backend="symm", symm=SymmOptions(capacity=32, kernels="torch"))
     moe = WaveMoE.from_hf(blocks[1], cfg, ep=ep, wave=wave, layer_idx=1)
-    xp = torch.cat([x, torch.randn(5, x.shape[1])])
+    xp = torch.cat([x, 100 * torch.randn(5, x.shape[1])])    # a pad that would show, should a valid row read it
     y = moe(x)
     yp = moe(xp, num_valid=torch.tensor(13))
-    return torch.equal(y, yp[:13])
+    return float((yp[:13] - y).abs().max() / y.abs().max())
 
 
 def test_once_padding(ranks):
-    assert ranks(2).run(_padded) == [True, True]
+    """The pad changes no valid row beyond fp32 rounding (a few ulps; a row that read the pad would be off by
+    orders of magnitude more)."""
+    errs = ranks(2).run(_padded)
+    assert all(e <= 1e-6 for e in errs), errs
 
 
 def test_once_errors():
