@@ -32,8 +32,13 @@ from bench_attn import (CTX, _clone, branches, core_fn, core_parts, fill_cache, 
 from launch_common import out_path  # noqa: E402
 
 
+def _on_gpu(events) -> list:
+    """The profiler's events (or averages) that ran on the GPU: the kernels, memsets and copies."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def kernel_table(prof, rows: int) -> tuple[str, float, int]:
-    evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evs = _on_gpu(prof.key_averages())
     evs.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in evs)
     count = sum(e.count for e in evs)
@@ -111,7 +116,7 @@ def micro(dev) -> str:
                     lambda: norm_rope(o, pos, freq, norm=False, inverse=True, out=o), o.nbytes // 4, 0))
     for tile, warps in NORM_ROPE_CHOICES:
         def tuned(tile=tile, warps=warps):
-            with mock.patch.object(K, "NORM_ROPE_TILE", tile), mock.patch.object(K, "NORM_ROPE_WARPS", warps):
+            with mock.patch.multiple(K, NORM_ROPE_TILE=tile, NORM_ROPE_WARPS=warps):
                 norm_rope(q, pos, freq, out=q)
         rows.insert(1, (f"q heads norm+rope, {tile} channels / program, {warps} warps", tuned, 2 * q.nbytes, 0))
     lines = ["== kernels alone (V4-Flash prefill 4096)"]
@@ -126,7 +131,7 @@ def kernel_times(fn, n: int = 10) -> dict:
     """Each kernel's device time a call of ``fn`` and its calls a call: {name: (us, calls)} (torch.profiler over n
     calls after three warm-up calls: no launch cost or gap in it, which for a kernel of a few us is most of an
     event-timed call)."""
-    evs = [e for e in _profile(fn, n).key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evs = _on_gpu(_profile(fn, n).key_averages())
     return {e.key: (e.self_device_time_total / n, e.count // n) for e in evs}
 
 
@@ -138,8 +143,7 @@ def kernel_us(fn, n: int = 10) -> float:
 def timeline(fn, width: int = 60) -> list[str]:
     """One call of ``fn``'s kernels in the order they started: start and end (us from the first start), duration,
     the stream (the profiler's resource id) and the name; idle stretches of the GPU (no kernel running) marked."""
-    evs = sorted((e for e in _profile(fn, 1).events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    evs = sorted(_on_gpu(_profile(fn, 1).events()), key=lambda e: e.time_range.start)
     if not evs:
         return []
     t0, busy_to, out = evs[0].time_range.start, evs[0].time_range.start, []
