@@ -207,8 +207,8 @@ def test_qk1_kernel_matches_reference(name, w1out):
     rescale crossing through shared memory) adds the row sums in another order than the kernels above: within bf16
     rounding of the fp32 reference and of the warp-specialized kernel, and the same bits with 3 or 5 programs
     walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
-    by copies, with KSPLIT and SNAKE flipped, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
-    the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
+    by copies, with KSPLIT and SNAKE flipped, and run to run; a query whose every pick is masked gets 0. With the
+    layer's steps (q's norm and RoPE, the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
     bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
     (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
@@ -293,8 +293,8 @@ def test_impl_errors_name_the_rule():
 def test_warp_specialized_switches_follow_their_rules():
     """PREF needs every part's picks in one load, EPI an output in q's dtype, QTMA (q by TMA) the loader's q first,
     a contiguous and 16-byte aligned q, q loaded at all (not probe 4) and Triton's TMA descriptors, QK1 d = 512,
-    64-key tiles in a ring of two, EPI, the loader's q first and no probe, KSPLIT d >= 128; the probes of the one-program kernel are
-    refused by the warp-specialized one."""
+    64-key tiles in a ring of two, EPI, the loader's q first and no probe, KSPLIT d >= 128; the probes of the
+    one-program kernel are refused by the warp-specialized one."""
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
     assert o == dict(core_gluon.WS_OPTS, PROBE=0, QTMA=core_gluon.WS_OPTS["QTMA"] and core_gluon.TensorDescriptor
