@@ -208,9 +208,10 @@ def test_qk1_kernel_matches_reference(name, w1out):
     rounding of the fp32 reference and of the warp-specialized kernel, and the same bits with 3 or 5 programs
     walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
     by copies, with KSPLIT and SNAKE flipped, and run to run; a query whose every pick is masked gets 0. With the
-    layer's steps (q's norm and RoPE, the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
-    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
-    (warpgroup 1 stores the whole output): the same bits as without."""
+    layer's steps (q's norm and RoPE, the output's inverse RoPE, FP8): the same bits with the RoPE on the staged
+    tail or in registers, act_quant's bytes of its own bf16 output, and within bf16 rounding of the
+    warp-specialized kernel's fused output. W1OUT (warpgroup 1 stores the whole output): the same bits as
+    without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
