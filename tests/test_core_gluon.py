@@ -72,18 +72,14 @@ def test_gluon_core_matches_reference(name):
                                      dict(programs=4, opts=dict(QTMA=False, ORS=False)),
                                      dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"])),
                                      dict(programs=2, opts=dict(QDZ=not core_gluon.WS_OPTS["QDZ"])),
-                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"])),
-                                     dict(programs=3, opts=dict(KSPLIT=not core_gluon.WS_OPTS["KSPLIT"],
-                                                                SNAKE=not core_gluon.WS_OPTS["SNAKE"]))])
+                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"]))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
     buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
     over the items), and with the loader's other budget; with the softmax's sums kept whole or by warpgroup
     (LSPLIT, another order of rounding: the one-program kernel takes the switch too); with q's tile named by a
-    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO); with each tile's QK in
-    two halves of d behind the two halves of its gather or in one (KSPLIT), and the items walked in either order
-    (SNAKE: 3 programs, so full rounds walked backwards and a last round of fewer items)."""
+    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO)."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -207,11 +203,10 @@ def test_qk1_kernel_matches_reference(name, w1out):
     rescale crossing through shared memory) adds the row sums in another order than the kernels above: within bf16
     rounding of the fp32 reference and of the warp-specialized kernel, and the same bits with 3 or 5 programs
     walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
-    by copies, with KSPLIT and SNAKE flipped, and run to run; a query whose every pick is masked gets 0. With the
-    layer's steps (q's norm and RoPE, the output's inverse RoPE, FP8): the same bits with the RoPE on the staged
-    tail or in registers, act_quant's bytes of its own bf16 output, and within bf16 rounding of the
-    warp-specialized kernel's fused output. W1OUT (warpgroup 1 stores the whole output): the same bits as
-    without."""
+    by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
+    the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
+    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
+    (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -239,9 +234,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
         assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
     qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])    # q's prologue before or after the first tile's gather
     assert torch.equal(runs[0], run(q, 5, qpro))
-    # QK in two halves of d or one, the items in either order
-    ks = dict(KSPLIT=not core_gluon.WS_OPTS["KSPLIT"], SNAKE=not core_gluon.WS_OPTS["SNAKE"])
-    assert torch.equal(runs[0], run(q, 5, ks))
 
     g = torch.Generator(device="cuda").manual_seed(11)
     q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
@@ -251,7 +243,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
     plain = run(q, **steps)
     assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
     assert torch.equal(plain, run(q, 5, qpro, **steps))
-    assert torch.equal(plain, run(q, 3, ks, **steps))
     assert rel(plain, ws(q, **steps)) < 1e-2
     o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
     sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
@@ -294,8 +285,8 @@ def test_impl_errors_name_the_rule():
 def test_warp_specialized_switches_follow_their_rules():
     """PREF needs every part's picks in one load, EPI an output in q's dtype, QTMA (q by TMA) the loader's q first,
     a contiguous and 16-byte aligned q, q loaded at all (not probe 4) and Triton's TMA descriptors, QK1 d = 512,
-    64-key tiles in a ring of two, EPI, the loader's q first and no probe, KSPLIT d >= 128; the probes of the
-    one-program kernel are refused by the warp-specialized one."""
+    64-key tiles in a ring of two, EPI, the loader's q first and no probe; the probes of the one-program kernel are
+    refused by the warp-specialized one."""
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
     assert o == dict(core_gluon.WS_OPTS, PROBE=0, QTMA=core_gluon.WS_OPTS["QTMA"] and core_gluon.TensorDescriptor
@@ -337,10 +328,6 @@ def test_warp_specialized_switches_follow_their_rules():
     assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
     assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
-    # KSPLIT (QK in two halves of d): halves of whole 64-channel swizzle columns, d >= 128
-    q64 = torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
-    assert core_gluon._ws_opts(dict(KSPLIT=True), 512, 0, 512, q, q, 0)["KSPLIT"]
-    assert not core_gluon._ws_opts(dict(KSPLIT=True), 512, 0, 512, q64, q64, 0)["KSPLIT"]
 
 
 def _stub_call(D: int, J: int, M: int) -> tuple:

@@ -349,17 +349,7 @@ if gl is not None:
     # run, which the one-program-per-item kernel pays for at every item (its fixed cost: ~9 us a program).
 
     @gluon.jit
-    def _ws_item(item, HB, S, BH: gl.constexpr, n_items, SNAKE: gl.constexpr):
-        # loop index `item` (program item % G walks pid, pid + G, ...) to (b, s, first head). SNAKE: the last items
-        # (the latest queries: the most keys in causal prefill) first, and every other full round of G programs
-        # walked backwards, so that the one program left with the round of fewer than G items takes the lightest
-        # ones and the rounds' small differences cancel in pairs; each item's math is the same either way
-        if SNAKE:
-            G = gl.num_programs(0)
-            k = item // G
-            if ((k % 2) == 1) & ((k + 1) * G <= n_items):
-                item = k * G + (G - 1) - (item - k * G)
-            item = n_items - 1 - item
+    def _ws_item(item, HB, S, BH: gl.constexpr):
         bs = item // HB
         return (bs // S).to(gl.int64), (bs % S).to(gl.int64), (item % HB) * BH
 
@@ -401,8 +391,7 @@ if gl is not None:
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
                    PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr, kv_half, KSPLIT: gl.constexpr,
-                   SNAKE: gl.constexpr):
+                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -418,7 +407,7 @@ if gl is not None:
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             _ws_stamp(trace_ptr, item, 8, TRACE)
-            b, s, h0 = _ws_item(item, HB, S, BH, n_items, SNAKE)
+            b, s, h0 = _ws_item(item, HB, S, BH)
             idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
             idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
             kv1 = kv1_ptr + b * s_k1_b
@@ -454,22 +443,10 @@ if gl is not None:
                 if t == 1:
                     _ws_stamp(trace_ptr, item, 12, TRACE)
                 buf = k_smem.index(slot)
-                if KSPLIT:                                      # channels 0 .. d/2 of every row, kv_half, the rest
-                    BDH: gl.constexpr = BD // 2
-                    for hf in gl.static_range(2):
-                        if PROBE != 5:
-                            for c in gl.static_range(4):
-                                r = pk_smem.slice(c * RC, RC).load(rows_l)
-                                _gather(t, n1, kv1 + hf * BDH, s_k1_m, kv2 + hf * BDH, s_k2_m, r,
-                                        buf.slice(c * RC, RC).slice(hf * BDH, BDH, dim=1), D - hf * BDH, BDH, ld_l,
-                                        TWO)
-                        if hf == 0:
-                            cp.mbarrier_arrive(kv_half.index(slot), increment_count=False)
-                else:
-                    if PROBE != 5:                              # (probe 5, profiling: no gathers)
-                        for c in gl.static_range(4):
-                            r = pk_smem.slice(c * RC, RC).load(rows_l)
-                            _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
+                if PROBE != 5:                                  # (probe 5, profiling: no gathers)
+                    for c in gl.static_range(4):
+                        r = pk_smem.slice(c * RC, RC).load(rows_l)
+                        _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
                 cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
                 g += 1
                 if t == 0:
@@ -504,36 +481,15 @@ if gl is not None:
         return gl.cdiv(gl.max(gl.where(picks.to(gl.int32) >= 0, jj + 1, 0), axis=0), BN)
 
     @gluon.jit
-    def _ws_qk(q_t, buf, s_zero, kv_full, kv_half, slot, phase, KSPLIT: gl.constexpr):
-        # issue a tile's QK (async) once its keys landed. KSPLIT: the product over channels 0 .. d/2 as soon as the
-        # loader's first half of the gather landed (kv_half), the rest once all of it did: the same k-steps in the
-        # same order, so the same bits, with the first half's GEMM under the second half's copies
-        if KSPLIT:
-            BDH: gl.constexpr = buf.shape[1] // 2
-            mbarrier.wait(kv_half.index(slot), phase)
-            fence_async_shared()
-            sc = warpgroup_mma(q_t.slice(0, BDH, dim=1), buf.slice(0, BDH, dim=1).permute((1, 0)), s_zero,
-                               use_acc=False, is_async=True)
-            mbarrier.wait(kv_full.index(slot), phase)
-            fence_async_shared()
-            sc = warpgroup_mma(q_t.slice(BDH, BDH, dim=1), buf.slice(BDH, BDH, dim=1).permute((1, 0)), sc,
-                               is_async=True)
-        else:
-            mbarrier.wait(kv_full.index(slot), phase)
-            fence_async_shared()                                    # the copies' writes, to the async proxy
-            sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        return sc
-
-    @gluon.jit
     def _ws_begin(a, item, pf1, pf2, PREF: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, JC: gl.constexpr,
-                  TWO: gl.constexpr, one_l: gl.constexpr, SNAKE: gl.constexpr):
+                  TWO: gl.constexpr, one_l: gl.constexpr):
         # (the math partition; QK1: both math warpgroups) an item's coordinates and tile counts (PREF: from the picks
         # loaded one item ahead, and the next item's loaded)
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
         G = gl.num_programs(0)
-        b, s, h0 = _ws_item(item, HB, S, BH, n_items, SNAKE)
+        b, s, h0 = _ws_item(item, HB, S, BH)
         idx1 = idx1_ptr + b * s_i1_b + s * s_i1_s
         idx2 = idx2_ptr + b * s_i2_b + s * s_i2_s
         if PREF:
@@ -541,7 +497,7 @@ if gl is not None:
             nt = n1
             if TWO:
                 nt = n1 + _ws_tiles(pf2, BN, JC, one_l)
-            nb, ns, _h = _ws_item(item + G, HB, S, BH, n_items, SNAKE)
+            nb, ns, _h = _ws_item(item + G, HB, S, BH)
             on = item + G < n_items
             pf1 = _ws_picks_load(idx1_ptr + nb * s_i1_b + ns * s_i1_s, J1, JC, one_l, on)
             if TWO:
@@ -552,7 +508,7 @@ if gl is not None:
 
     @gluon.jit
     def _ws_picks_start(a, PREF: gl.constexpr, BH: gl.constexpr, JC: gl.constexpr, TWO: gl.constexpr,
-                        one_l: gl.constexpr, SNAKE: gl.constexpr):
+                        one_l: gl.constexpr):
         # (PREF) the first item's picks; without PREF, placeholders _ws_begin passes through
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -560,7 +516,7 @@ if gl is not None:
         pf1 = gl.full([JC], -1, gl.int32, one_l)
         pf2 = pf1
         if PREF:
-            b, s, h0 = _ws_item(gl.program_id(0), HB, S, BH, n_items, SNAKE)
+            b, s, h0 = _ws_item(gl.program_id(0), HB, S, BH)
             pf1 = _ws_picks_load(idx1_ptr + b * s_i1_b + s * s_i1_s, J1, JC, one_l, True)
             if TWO:
                 pf2 = _ws_picks_load(idx2_ptr + b * s_i2_b + s * s_i2_s, J2, JC, one_l, True)
@@ -572,7 +528,7 @@ if gl is not None:
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                  QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr,
-                 QDZ: gl.constexpr, kv_half, KSPLIT: gl.constexpr, SNAKE: gl.constexpr):
+                 QDZ: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -593,11 +549,11 @@ if gl is not None:
         G = gl.num_programs(0)
         g = 0
         qn = 0
-        pf1, pf2 = _ws_picks_start(a, PREF, BH, JC, TWO, one_l, SNAKE)
+        pf1, pf2 = _ws_picks_start(a, PREF, BH, JC, TWO, one_l)
         for item in range(gl.program_id(0), n_items, G):
             _ws_stamp(trace_ptr, item, 7, TRACE)
             _ws_stamp(trace_ptr, item, 0, TRACE)
-            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l, SNAKE)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
             qs = gl.full([BH], qk_scale, gl.float32, gl.SliceLayout(1, qk_l))   # the heads' score scales
             if QROPE:                                                   # q's norm factors (the loader's _ws_q_prep)
                 if nt > 0:
@@ -615,10 +571,12 @@ if gl is not None:
             for t in range(0, nt):
                 slot = g % NBUF
                 buf = k_smem.index(slot)
+                mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
+                fence_async_shared()                                    # the copies' writes, to the async proxy
                 q_t = q_smem
                 if QDZ:     # q by an index the compiler cannot prove constant (g >> 30 is 0): the QK's descriptors
                     q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)    # not hoisted
-                sc = _ws_qk(q_t, buf, s_zero, kv_full, kv_half, slot, (g // NBUF) & 1, KSPLIT)
+                sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
@@ -816,7 +774,7 @@ if gl is not None:
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
                         ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr, QDZ: gl.constexpr,
-                        QPRO: gl.constexpr, KSPLIT: gl.constexpr, SNAKE: gl.constexpr, num_warps: gl.constexpr):
+                        QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -828,14 +786,12 @@ if gl is not None:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        kv_half = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())     # (KSPLIT)
         kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_full, count=128)                # the loader's threads (4 warps), each arriving once
         mbarrier.init(q_empty, count=1)
         mbarrier.init(q_tma, count=1)                   # (QTMA) the TMA's bytes
         for i in gl.static_range(NBUF):
             mbarrier.init(kv_full.index(i), count=128)
-            mbarrier.init(kv_half.index(i), count=128)
             mbarrier.init(kv_empty.index(i), count=1)
         HB = H // BH
         a = (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h,
@@ -844,9 +800,9 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
-                        TRACE, ORS, LSPLIT, QDZ, kv_half, KSPLIT, SNAKE)),
+                        TRACE, ORS, LSPLIT, QDZ)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
-                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, kv_half, KSPLIT, SNAKE)),
+                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4], [LOAD_REGS])
 
 
@@ -904,14 +860,14 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, KSPLIT: gl.constexpr, SNAKE: gl.constexpr):
+                  W1OUT: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
-        (sP, sA, sL, p_ready, p_free, l_ready, kv_half) = x
+        (sP, sA, sL, p_ready, p_free, l_ready) = x
         dt: gl.constexpr = q_ptr.dtype.element_ty
         BDH: gl.constexpr = BD // 2
         qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -924,13 +880,13 @@ if gl is not None:
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                order=[0])
         s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
-        pf1, pf2 = _ws_picks_start(a, False, BH, JC, TWO, one_l, SNAKE)
+        pf1, pf2 = _ws_picks_start(a, False, BH, JC, TWO, one_l)
         g = 0
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             _ws_stamp(trace_ptr, item, 7, TRACE)
             _ws_stamp(trace_ptr, item, 0, TRACE)
-            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, False, BH, BN, JC, TWO, one_l, SNAKE)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, False, BH, BN, JC, TWO, one_l)
             qs = gl.full([BH], qk_scale, gl.float32, row_l)
             if nt > 0:
                 mbarrier.wait(q_full, qn & 1)
@@ -945,10 +901,12 @@ if gl is not None:
             for t in range(0, nt):
                 slot = g % NBUF
                 buf = k_smem.index(slot)
+                mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
+                fence_async_shared()
                 # q by an index the compiler cannot prove constant (g >> 30 is 0): with a constant one it hoists the
                 # QK's 32 descriptors (64-bit) out of the loops and spills them
                 q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
-                sc = _ws_qk(q_t, buf, s_zero, kv_full, kv_half, slot, (g // NBUF) & 1, KSPLIT)
+                sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
@@ -1007,12 +965,12 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, KSPLIT: gl.constexpr, SNAKE: gl.constexpr):
+                  W1OUT: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
-        (sP, sA, sL, p_ready, p_free, l_ready, kv_half) = x
+        (sP, sA, sL, p_ready, p_free, l_ready) = x
         dt: gl.constexpr = q_ptr.dtype.element_ty
         BDH: gl.constexpr = BD // 2
         pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1020,11 +978,11 @@ if gl is not None:
         prow_l: gl.constexpr = gl.SliceLayout(1, pv_l)
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                order=[0])
-        pf1, pf2 = _ws_picks_start(a, PREF, BH, JC, TWO, one_l, SNAKE)
+        pf1, pf2 = _ws_picks_start(a, PREF, BH, JC, TWO, one_l)
         g = 0
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l, SNAKE)
+            b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
             acc = gl.zeros([BH, BDH], gl.float32, pv_l)
             for t in range(0, nt):
                 slot = g % NBUF
@@ -1075,7 +1033,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, KSPLIT: gl.constexpr, SNAKE: gl.constexpr, num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1091,7 +1049,6 @@ if gl is not None:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        kv_half = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())     # (KSPLIT)
         kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -1101,14 +1058,13 @@ if gl is not None:
         mbarrier.init(q_tma, count=1)
         for i in gl.static_range(NBUF):
             mbarrier.init(kv_full.index(i), count=128)
-            mbarrier.init(kv_half.index(i), count=128)
             mbarrier.init(kv_empty.index(i), count=2)   # both math warpgroups' PV of the tile done
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
             mbarrier.init(p_free.index(i), count=1)
             mbarrier.init(l_ready.index(i), count=1)
         HB = H // BH
-        x = (sP, sA, sL, p_ready, p_free, l_ready, kv_half)
+        x = (sP, sA, sL, p_ready, p_free, l_ready)
         a = (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h,
              s_k1_b, s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full,
              q_empty, kv_full, kv_empty, trace_ptr)
@@ -1116,13 +1072,11 @@ if gl is not None:
         # the constexprs into tensors)
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, KSPLIT,
-                         SNAKE)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, KSPLIT,
-                         SNAKE)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, kv_half, KSPLIT, SNAKE)),
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1130,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, KSPLIT=False, SNAKE=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1164,12 +1118,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
-    for warpgroup 1 (None: QK1_MATH_REGS). KSPLIT (d >= 128): the loader gathers a tile's channels 0 .. d/2 for
-    every key first and signals them (kv_half), and the math issues that half of the tile's QK before the rest has
-    landed (the same k-steps in the same order: the same bits). SNAKE: the items walked from the last (the latest
-    queries, with the most keys in causal prefill) and every other full round of the programs backwards, so the
-    programs with one item more than the others take the lightest ones (the same bits: each item's math is the
-    same). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
     measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
     benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
@@ -1184,8 +1133,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["KSPLIT"] = bool(o["KSPLIT"]) and q.shape[-1] >= 128
-    o["SNAKE"] = bool(o["SNAKE"])
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
@@ -1276,7 +1223,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"], KSPLIT=wo["KSPLIT"], SNAKE=wo["SNAKE"],
+                    QPRO=wo["QPRO"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
