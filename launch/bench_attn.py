@@ -46,7 +46,7 @@ from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
-from moe_wave.attention import core_kernel  # noqa: E402
+from moe_wave.attention import core_gluon, core_kernel  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -392,6 +392,20 @@ def decode_policy(rows) -> dict:
     return out
 
 
+def parse_core_opts(text: str) -> dict:
+    """--core-opts: "EARLY=1,QPRO=0" to {"EARLY": 1, "QPRO": 0}; each name one of core_gluon.WS_OPTS, each value an
+    integer."""
+    opts = {}
+    for item in (t for t in text.split(",") if t):
+        name, sep, value = item.partition("=")
+        name = name.strip().upper()
+        if not sep or name not in core_gluon.WS_OPTS or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--core-opts {item!r}: must be NAME=INTEGER with NAME one of "
+                             f"{', '.join(sorted(core_gluon.WS_OPTS))}")
+        opts[name] = int(value)
+    return opts
+
+
 def meta(args) -> dict:
     sha = git_sha()
     n = torch.cuda.device_count()
@@ -421,7 +435,13 @@ def main() -> None:
     ap.add_argument("--q-norm", default="core", help="comma list: core (q's norm and RoPE inside the core's "
                     "kernel where it does them, core_kernel.q_norm_inside: the default), branch (on the q branch "
                     "everywhere, core_kernel.WS_Q_NORM = False); default core")
+    ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
+                    "for this run (core_gluon.WS_OPTS, e.g. EARLY=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
+    try:
+        core_gluon.WS_OPTS.update(parse_core_opts(args.core_opts))
+    except ValueError as e:
+        sys.exit(f"bench_attn: {e}")
     if not torch.cuda.is_available():
         sys.exit("bench_attn: needs a CUDA/ROCm GPU")
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 measures
