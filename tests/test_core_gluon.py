@@ -72,16 +72,14 @@ def test_gluon_core_matches_reference(name):
                                      dict(programs=4, opts=dict(QTMA=False, ORS=False)),
                                      dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"])),
                                      dict(programs=2, opts=dict(QDZ=not core_gluon.WS_OPTS["QDZ"])),
-                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"])),
-                                     dict(programs=3, opts=dict(EARLY=not core_gluon.WS_OPTS["EARLY"]))])
+                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"]))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
     buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
     over the items), and with the loader's other budget; with the softmax's sums kept whole or by warpgroup
     (LSPLIT, another order of rounding: the one-program kernel takes the switch too); with q's tile named by a
-    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO); with a tile's buffer
-    handed back once its PV is done or once the next QK is done too (EARLY)."""
+    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO)."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -205,10 +203,10 @@ def test_qk1_kernel_matches_reference(name, w1out):
     rescale crossing through shared memory) adds the row sums in another order than the kernels above: within bf16
     rounding of the fp32 reference and of the warp-specialized kernel, and the same bits with 3 or 5 programs
     walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
-    by copies, with EARLY flipped, and run to run; a query whose every pick is masked gets 0. With the layer's
-    steps (q's norm and RoPE, the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or
-    in registers, act_quant's bytes of its own bf16 output, and within bf16 rounding of the warp-specialized
-    kernel's fused output. W1OUT (warpgroup 1 stores the whole output): the same bits as without."""
+    by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
+    the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
+    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
+    (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -236,8 +234,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
         assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
     qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])    # q's prologue before or after the first tile's gather
     assert torch.equal(runs[0], run(q, 5, qpro))
-    early = dict(EARLY=not core_gluon.WS_OPTS["EARLY"])     # a buffer back once its PV is done, or after the next QK
-    assert torch.equal(runs[0], run(q, 3, early))
 
     g = torch.Generator(device="cuda").manual_seed(11)
     q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
@@ -247,7 +243,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
     plain = run(q, **steps)
     assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
     assert torch.equal(plain, run(q, 5, qpro, **steps))
-    assert torch.equal(plain, run(q, 5, early, **steps))
     assert rel(plain, ws(q, **steps)) < 1e-2
     o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
     sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
