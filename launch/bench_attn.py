@@ -393,7 +393,7 @@ def decode_policy(rows) -> dict:
 
 
 def parse_core_opts(text: str) -> dict:
-    """--core-opts: "EARLY=1,QPRO=0" to {"EARLY": 1, "QPRO": 0}; each name one of core_gluon.WS_OPTS, each value an
+    """--core-opts: "QPRO=1,W1OUT=0" to {"QPRO": 1, "W1OUT": 0}; each name one of core_gluon.WS_OPTS, each value an
     integer."""
     opts = {}
     for item in (t for t in text.split(",") if t):
@@ -436,7 +436,7 @@ def main() -> None:
                     "kernel where it does them, core_kernel.q_norm_inside: the default), branch (on the q branch "
                     "everywhere, core_kernel.WS_Q_NORM = False); default core")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
-                    "for this run (core_gluon.WS_OPTS, e.g. EARLY=1; a benchmark compares them); default: as they are")
+                    "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
     try:
         core_gluon.WS_OPTS.update(parse_core_opts(args.core_opts))

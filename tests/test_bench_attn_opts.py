@@ -15,7 +15,7 @@ def test_core_opts_are_the_cores_switches():
     """Names are core_gluon.WS_OPTS' (any case), values integers; an unknown name, a missing value or a non-integer
     is refused with the item and the names it may take."""
     assert bench_attn.parse_core_opts("") == {}
-    assert bench_attn.parse_core_opts("early=1,QPRO=0") == {"EARLY": 1, "QPRO": 0}
-    for bad in ("EARLY", "NOPE=1", "EARLY=yes"):
-        with pytest.raises(ValueError, match=f"--core-opts '{bad}': must be NAME=INTEGER with NAME one of .*EARLY"):
+    assert bench_attn.parse_core_opts("qpro=1,W1OUT=0") == {"QPRO": 1, "W1OUT": 0}
+    for bad in ("QPRO", "NOPE=1", "QPRO=yes"):
+        with pytest.raises(ValueError, match=f"--core-opts '{bad}': must be NAME=INTEGER with NAME one of .*QPRO"):
             bench_attn.parse_core_opts(bad)
