@@ -72,16 +72,14 @@ def test_gluon_core_matches_reference(name):
                                      dict(programs=4, opts=dict(QTMA=False, ORS=False)),
                                      dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"])),
                                      dict(programs=2, opts=dict(QDZ=not core_gluon.WS_OPTS["QDZ"])),
-                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"])),
-                                     dict(programs=5, opts=dict(LDOUT=not core_gluon.WS_OPTS["LDOUT"]))])
+                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"]))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
     buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
     over the items), and with the loader's other budget; with the softmax's sums kept whole or by warpgroup
     (LSPLIT, another order of rounding: the one-program kernel takes the switch too); with q's tile named by a
-    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO); with the output stored
-    by the math partition or by the loader (LDOUT)."""
+    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO)."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -109,8 +107,7 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
     the last bit but on at most 1 in 10 000 elements, by at most one ulp: before norm_rope's kernel pinned its
     `x * c + xs * s` to the epilogues' fma (996bacd), its compiler contracted it the other way on 2-5 elements of
     150 000 here (the Triton core's fused epilogue differed from it on the same ones); the bound can go once a
-    GPU run shows them equal. sparse_attention_fused takes this path for a large grid. With the loader storing the
-    output (LDOUT): the same bytes and scales as the math partition storing it."""
+    GPU run shows them equal. sparse_attention_fused takes this path for a large grid."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -145,24 +142,6 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
                                     impl="gluon")
     want_q, want_s = act_quant_torch(rot[None, True].reshape(B * S, H * D))
     assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-    # LDOUT: the loader stores what the math partition staged (the warp-specialized kernel): the same bytes and
-    # scales as the math partition storing it, with each of the steps, 3 programs and one per SM
-    for programs in (3, None):
-        for steps in (dict(), dict(o_rope=(pos, freq)), dict(o_rope=(pos, freq), q_rope=(pos, freq, 1e-6)),
-                      dict(o_rope=(pos, freq), q_rope=(pos, freq, 1e-6), scales=True)):
-            outs = []
-            for ld in (False, True):
-                kw = dict(steps)
-                if kw.pop("scales", False):
-                    o = torch.empty(B, S, H, D, dtype=torch.float8_e4m3fn, device="cuda")
-                    kw["scales"] = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
-                else:
-                    o = torch.empty_like(q)
-                core_gluon.sparse_attention_gluon(q, o, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                                  programs=programs, opts=dict(QK1=False, LDOUT=ld), **kw)
-                outs.append((o.view(torch.uint8), kw.get("scales")))
-            assert torch.equal(outs[0][0], outs[1][0]), (programs, list(steps))
-            assert outs[0][1] is None or torch.equal(outs[0][1], outs[1][1])
 
 
 @needs_gluon
@@ -306,8 +285,7 @@ def test_impl_errors_name_the_rule():
 def test_warp_specialized_switches_follow_their_rules():
     """PREF needs every part's picks in one load, EPI an output in q's dtype, QTMA (q by TMA) the loader's q first,
     a contiguous and 16-byte aligned q, q loaded at all (not probe 4) and Triton's TMA descriptors, QK1 d = 512,
-    64-key tiles in a ring of two, EPI, the loader's q first and no probe, LDOUT EPI, no probe and a ring of two;
-    the probes of the one-program kernel are
+    64-key tiles in a ring of two, EPI, the loader's q first and no probe; the probes of the one-program kernel are
     refused by the warp-specialized one."""
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
@@ -350,12 +328,6 @@ def test_warp_specialized_switches_follow_their_rules():
     assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
     assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
-    # LDOUT (the loader stores the output): needs EPI, no probe, a ring of two
-    assert core_gluon._ws_opts(dict(LDOUT=True), 512, 0, 512, q, q, 0)["LDOUT"]
-    assert not core_gluon._ws_opts(dict(LDOUT=True), 512, 0, 512, q, torch.empty_like(q, dtype=torch.float32),
-                                   0)["LDOUT"]
-    assert not core_gluon._ws_opts(dict(LDOUT=True), 512, 0, 512, q, q, 3)["LDOUT"]
-    assert not core_gluon._ws_opts(dict(LDOUT=True), 512, 0, 512, q, q, 0, nbuf=3)["LDOUT"]
 
 
 def _stub_call(D: int, J: int, M: int) -> tuple:

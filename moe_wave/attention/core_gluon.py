@@ -387,42 +387,11 @@ if gl is not None:
                       mask=(hq < H)[:, None] & (dq < D)[None, :])
 
     @gluon.jit
-    def _ld_out(k_smem, pslot, o_ready, phase, kv_empty, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr,
-                D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                FP8: gl.constexpr, ORS: gl.constexpr, STC: gl.constexpr):
-        # (LDOUT, in the loader: 4 warps) an item's output, which the math partition staged in buffer pslot and
-        # signalled on o_ready, to o_row through the epilogue's steps (the math partition's code and rounding: the
-        # same bits), a few rows at a time (the loader's small register budget); then the buffer is free again
-        mbarrier.wait(o_ready, phase)
-        stage = k_smem.index(pslot)
-        if OROPE and ORS:                                       # the inverse RoPE on the staged tail
-            TW: gl.constexpr = (RF + 63) // 64 * 64
-            TPC: gl.constexpr = TW // 8 if TW < 256 else 32
-            rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
-                                                  warps_per_cta=[4, 1], order=[1, 0])
-            c, sn = _rope_cs(opos_ptr + row, ofreq_ptr, TW, RF - TW, RF, True, gl.SliceLayout(0, rt_l), 4)
-            _rotate_rows(stage.slice(D - TW, TW, dim=1), c, sn, BH, 4 * (32 // TPC), TW, rt_l)
-            _cta_barrier()
-        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
-                                              warps_per_cta=[4, 1], order=[1, 0])
-        RB: gl.constexpr = 8 if 4 * (32 // STC) < 8 else 4 * (32 // STC)     # whole 8-row swizzle atoms
-        CW: gl.constexpr = BD // 2 if BD >= 256 else BD                       # and 128-channel blocks
-        for r in gl.static_range(BH // RB):
-            for c in gl.static_range(BD // CW):
-                ov = stage.slice(r * RB, RB).slice(c * CW, CW, dim=1).load(st_l)
-                _ws_store(ov, o_row, h0 + r * RB, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, CW, RB, RF,
-                          OROPE and not ORS, FP8, st_l, c * CW, 4)
-        _cta_barrier()
-        mbarrier.arrive(kv_empty.index(pslot))
-
-    @gluon.jit
     def _ws_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
                    PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr, LDOUT: gl.constexpr, o_ready, o_ptr,
-                   s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, RF: gl.constexpr, OROPE: gl.constexpr,
-                   FP8: gl.constexpr, ORS: gl.constexpr):
+                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -436,18 +405,6 @@ if gl is not None:
         rows_l: gl.constexpr = gl.SliceLayout(1, ld_l)
         g = 0
         qn = 0
-        # (LDOUT) by buffer (a ring of two): an item whose output the math stages there and this partition has yet
-        # to store (pend), its coordinates; on counts the outputs stored (o_ready's phase)
-        on = 0
-        pend0 = 0
-        pend1 = 0
-        zb = gl.program_id(0).to(gl.int64) * 0
-        b0 = zb
-        s0 = zb
-        hh0 = 0
-        b1 = zb
-        s1 = zb
-        hh1 = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             _ws_stamp(trace_ptr, item, 8, TRACE)
             b, s, h0 = _ws_item(item, HB, S, BH)
@@ -482,24 +439,6 @@ if gl is not None:
                 rows = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, one_l, TWO)    # the next tile's, ahead
                 if t == 1:
                     _ws_stamp(trace_ptr, item, 14, TRACE)
-                if LDOUT:                                       # the buffer holds an output still to store: the
-                    if slot == 0:                               # oldest one (outputs are staged in item order in
-                        fp = pend0                              # the ring's order)
-                        fb = b0
-                        fs = s0
-                        fh = hh0
-                        pend0 = 0
-                    else:
-                        fp = pend1
-                        fb = b1
-                        fs = s1
-                        fh = hh1
-                        pend1 = 0
-                    if fp == 1:
-                        _ld_out(k_smem, slot, o_ready, on & 1, kv_empty, o_ptr + fb * s_o_b + fs * s_o_s, fh, H,
-                                s_o_h, fb * S + fs, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS,
-                                STC)
-                        on += 1
                 mbarrier.wait(kv_empty.index(slot), ((g // NBUF) & 1) ^ 1)
                 if t == 1:
                     _ws_stamp(trace_ptr, item, 12, TRACE)
@@ -528,36 +467,7 @@ if gl is not None:
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
-            if LDOUT:
-                if nt > 0:                                      # this item's output: staged in its last tile's
-                    if (g + NBUF - 1) % NBUF == 0:              # buffer
-                        pend0 = 1
-                        b0 = b
-                        s0 = s
-                        hh0 = h0
-                    else:
-                        pend1 = 1
-                        b1 = b
-                        s1 = s
-                        hh1 = h0
             _ws_stamp(trace_ptr, item, 13, TRACE)
-        if LDOUT:                                               # the last ones, oldest first
-            for x in range(0, 2):
-                slot = (g + x) % NBUF
-                if slot == 0:
-                    fp = pend0
-                    fb = b0
-                    fs = s0
-                    fh = hh0
-                else:
-                    fp = pend1
-                    fb = b1
-                    fs = s1
-                    fh = hh1
-                if fp == 1:
-                    _ld_out(k_smem, slot, o_ready, on & 1, kv_empty, o_ptr + fb * s_o_b + fs * s_o_s, fh, H, s_o_h,
-                            fb * S + fs, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, STC)
-                    on += 1
 
     @gluon.jit
     def _ws_picks_load(idx_row, J, JC: gl.constexpr, layout: gl.constexpr, on):
@@ -618,7 +528,7 @@ if gl is not None:
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                  QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr,
-                 QDZ: gl.constexpr, LDOUT: gl.constexpr, o_ready):
+                 QDZ: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -703,9 +613,7 @@ if gl is not None:
                     last.store((acc / l_pv[:, None]).to(dt))
                     _cta_barrier()
                     _ws_stamp(trace_ptr, item, 3, TRACE)
-                    if LDOUT:                                   # the loader takes it from here (_ld_out)
-                        mbarrier.arrive(o_ready)
-                    elif OROPE and ORS:                                   # the output's inverse RoPE on its tail only,
+                    if OROPE and ORS:                                   # the output's inverse RoPE on its tail only,
                         TW: gl.constexpr = (RF + 63) // 64 * 64         # in shared memory (whole swizzle columns)
                         TPC: gl.constexpr = TW // 8 if TW < 256 else 32
                         rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
@@ -715,17 +623,14 @@ if gl is not None:
                                          gl.SliceLayout(0, rt_l), 8)
                         _rotate_rows(last.slice(D - TW, TW, dim=1), c, sn, BH, 8 * (32 // TPC), TW, rt_l)
                         _cta_barrier()
-                    if not LDOUT:
-                        ov = last.load(st_l)
-                        _cta_barrier()
-                        mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
-                    else:
-                        ov = gl.zeros([BH, BD], dt, st_l)               # (not stored here)
+                    ov = last.load(st_l)
+                    _cta_barrier()
+                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
                     qn += 1
                 else:                                                   # no valid pick: the output is 0
                     ov = gl.zeros([BH, BD], dt, st_l)
                 _ws_stamp(trace_ptr, item, 4, TRACE)
-                if (PROBE != 3) and ((not LDOUT) or (nt == 0)):
+                if PROBE != 3:
                     # with ORS an item with picks had its RoPE above; an item with none (zeros) still takes the
                     # rotation here, as the chain rounds it (a run-time flag: both paths are compiled)
                     _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
@@ -869,7 +774,7 @@ if gl is not None:
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
                         ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr, QDZ: gl.constexpr,
-                        QPRO: gl.constexpr, LDOUT: gl.constexpr, num_warps: gl.constexpr):
+                        QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -882,8 +787,6 @@ if gl is not None:
         q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        o_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(o_ready, count=1)                 # (LDOUT) an item's output staged, for the loader
         mbarrier.init(q_full, count=128)                # the loader's threads (4 warps), each arriving once
         mbarrier.init(q_empty, count=1)
         mbarrier.init(q_tma, count=1)                   # (QTMA) the TMA's bytes
@@ -897,10 +800,9 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
-                        TRACE, ORS, LSPLIT, QDZ, LDOUT, o_ready)),
+                        TRACE, ORS, LSPLIT, QDZ)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
-                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, LDOUT, o_ready, o_ptr, s_o_b, s_o_s,
-                          s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, RF, OROPE, FP8, ORS)),
+                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4], [LOAD_REGS])
 
 
@@ -1174,8 +1076,7 @@ if gl is not None:
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                          BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, False, q_tma, o_ptr, s_o_b, s_o_s, s_o_h,
-                          opos_ptr, ofreq_ptr, sc_ptr, M, RF, OROPE, FP8, ORS)),
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1183,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, LDOUT=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1217,14 +1118,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
-    for warpgroup 1 (None: QK1_MATH_REGS). LDOUT (the warp-specialized kernel; EPI, no probe, a ring of two): the
-    math partition stages an item's output in its last tile's buffer and goes on to the next item; the loader
-    stores it (the epilogue's steps, the same code and bits, 8 rows x 256 channels at a time) before it gathers into
-    that buffer again. (KSPLIT, a tile's QK in two halves of d behind two halves of its gather, SNAKE, the items
-    walked from the latest queries in alternating rounds, and EARLY, a tile's buffer back while the next QK runs,
-    were built and measured in session 23: the same bits, slower; git f8f2ea3 and eaf70e2 have them.) (Q2, a QK1
-    kernel with two q buffers on 32-key tiles, was built and measured in session 20: correct, slower everywhere,
-    removed; git 56eb3dd has it, benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
+    benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1237,7 +1133,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["LDOUT"] = bool(o["LDOUT"]) and o["EPI"] and probe == 0 and nbuf == 2
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
@@ -1318,8 +1213,6 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qk1, mregs = wo.pop("QK1"), wo.pop("MREGS")
         if not qk1:
             wo.pop("W1OUT")
-        else:
-            wo.pop("LDOUT")
         try:
             if qk1:
                 _sparse_core_qk1[(grid,)](
