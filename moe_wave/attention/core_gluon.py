@@ -1146,9 +1146,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     in), so the loader gathers into it sooner (the same bits). (KSPLIT, a tile's QK in two halves of d behind two
     halves of its gather, SNAKE, the items walked from the latest queries in alternating rounds, EARLY, a tile's
     buffer back while the next QK runs, and LDOUT, the loader storing the output, were built and measured in
-    session 23: the same bits, slower; git f8f2ea3, eaf70e2 and 9faa741 have them.) (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
-    measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
-    benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
+    session 23: the same bits, slower; git f8f2ea3, eaf70e2 and 9faa741 have them.) (Q2, a QK1 kernel with two q
+    buffers on 32-key tiles, was built and measured in session 20: correct, slower everywhere, removed; git 56eb3dd
+    has it, benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
