@@ -824,7 +824,7 @@ if gl is not None:
     @gluon.jit
     def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
                 sc_ptr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr, EREL: gl.constexpr):
+                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr):
         # (math warpgroup W) its half of the item's output, staged in the last tile's buffer, to o_row: 32 heads at
         # a time (a thread's 8 rows x 8 channels, not 16 rows: the FP8 epilogue's registers), the buffer released
         # (this warpgroup's part) once read; an item with no valid pick writes zeros (their RoPE is 0 as well).
@@ -832,30 +832,7 @@ if gl is not None:
         BDH: gl.constexpr = BD // 2
         st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
                                               order=[1, 0])
-        if FULL and EREL:   # the whole output read into registers first, the buffer released, then the stores
-            R4: gl.constexpr = BH // 4
-            if nt > 0:
-                stg = k_smem.index(last)
-                ov0 = stg.slice(0, R4).load(st_l)
-                ov1 = stg.slice(R4, R4).load(st_l)
-                ov2 = stg.slice(2 * R4, R4).load(st_l)
-                ov3 = stg.slice(3 * R4, R4).load(st_l)
-                _cta_barrier()
-                mbarrier.arrive(kv_empty.index(last), count=2)
-            else:
-                ov0 = gl.zeros([R4, BD], dt, st_l)
-                ov1 = ov0
-                ov2 = ov0
-                ov3 = ov0
-            _ws_store(ov0, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, R4, RF,
-                      OROPE and not ORS, FP8, st_l, 0, 4)
-            _ws_store(ov1, o_row, h0 + R4, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, R4, RF,
-                      OROPE and not ORS, FP8, st_l, 0, 4)
-            _ws_store(ov2, o_row, h0 + 2 * R4, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, R4, RF,
-                      OROPE and not ORS, FP8, st_l, 0, 4)
-            _ws_store(ov3, o_row, h0 + 3 * R4, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, R4, RF,
-                      OROPE and not ORS, FP8, st_l, 0, 4)
-        elif FULL:
+        if FULL:
             for r in gl.static_range(4):
                 if nt > 0:
                     ov = k_smem.index(last).slice(r * (BH // 4), BH // 4).load(st_l)
@@ -883,7 +860,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, EREL: gl.constexpr):
+                  W1OUT: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
@@ -980,7 +957,7 @@ if gl is not None:
             _ws_stamp(trace_ptr, item, 4, TRACE)
             if not W1OUT:                                           # (W1OUT: warpgroup 1 stores the whole output)
                 _q1_out(k_smem, last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                        opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, False, False)
+                        opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, False)
             _ws_stamp(trace_ptr, item, 5, TRACE)
 
     @gluon.jit
@@ -988,7 +965,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, EREL: gl.constexpr):
+                  W1OUT: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -1043,7 +1020,7 @@ if gl is not None:
                     _cta_barrier()
                 qn += 1
             _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT, EREL)
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT)
             _ws_stamp(trace_ptr, item, 15, TRACE)                   # (warpgroup 1's end of the item)
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
@@ -1056,7 +1033,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, EREL: gl.constexpr, num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1095,9 +1072,9 @@ if gl is not None:
         # the constexprs into tensors)
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, EREL)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, EREL)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
                           QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
@@ -1107,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, EREL=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1141,14 +1118,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
-    for warpgroup 1 (None: QK1_MATH_REGS). EREL (QK1 with W1OUT): warpgroup 1 reads the whole staged output into
-    registers, releases the buffer, then stores (not: releases it after the fourth of four reads, three stores
-    in), so the loader gathers into it sooner (the same bits). (KSPLIT, a tile's QK in two halves of d behind two
-    halves of its gather, SNAKE, the items walked from the latest queries in alternating rounds, EARLY, a tile's
-    buffer back while the next QK runs, and LDOUT, the loader storing the output, were built and measured in
-    session 23: the same bits, slower; git f8f2ea3, eaf70e2 and 9faa741 have them.) (Q2, a QK1 kernel with two q
-    buffers on 32-key tiles, was built and measured in session 20: correct, slower everywhere, removed; git 56eb3dd
-    has it, benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
+    benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1161,7 +1133,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["EREL"] = bool(o["EREL"])
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
@@ -1242,7 +1213,6 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qk1, mregs = wo.pop("QK1"), wo.pop("MREGS")
         if not qk1:
             wo.pop("W1OUT")
-            wo.pop("EREL")
         try:
             if qk1:
                 _sparse_core_qk1[(grid,)](
@@ -1253,7 +1223,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"], EREL=wo["EREL"],
+                    QPRO=wo["QPRO"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
