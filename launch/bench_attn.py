@@ -392,16 +392,16 @@ def decode_policy(rows) -> dict:
     return out
 
 
-def parse_core_opts(text: str) -> dict:
-    """--core-opts: "QPRO=1,W1OUT=0" to {"QPRO": 1, "W1OUT": 0}; each name one of core_gluon.WS_OPTS, each value an
-    integer."""
+def parse_core_opts(text: str, extra: tuple = (), flag: str = "--core-opts") -> dict:
+    """--core-opts: "QPRO=1,W1OUT=0" to {"QPRO": 1, "W1OUT": 0}; each name one of core_gluon.WS_OPTS (or of
+    ``extra``: trace_core's PROBE), each value an integer; ``flag`` names the option in the error."""
+    names = sorted({*core_gluon.WS_OPTS, *extra})
     opts = {}
     for item in (t for t in text.split(",") if t):
         name, sep, value = item.partition("=")
         name = name.strip().upper()
-        if not sep or name not in core_gluon.WS_OPTS or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"--core-opts {item!r}: must be NAME=INTEGER with NAME one of "
-                             f"{', '.join(sorted(core_gluon.WS_OPTS))}")
+        if not sep or name not in names or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"{flag} {item!r}: must be NAME=INTEGER with NAME one of {', '.join(names)}")
         opts[name] = int(value)
     return opts
 

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_attn import time_alone  # noqa: E402
+from bench_attn import parse_core_opts, time_alone  # noqa: E402
 from bench_core import make  # noqa: E402
 
 from moe_wave.attention import core_gluon  # noqa: E402
@@ -155,13 +155,17 @@ def main() -> None:
     dev = torch.device("cuda")
     rows, t_start = [], time.time()
     G = torch.cuda.get_device_properties(dev).multi_processor_count
+    try:                # each variant's switches (its items without "=", such as "base", name it only)
+        variants = [(var, parse_core_opts(",".join(kv for kv in var.split(",") if "=" in kv), ("PROBE",),
+                                          "--variants")) for var in args.variants.split(";")]
+    except ValueError as e:
+        sys.exit(f"trace_core: {e}")
     for kind in args.kinds.split(","):
         q, parts, sinks = make(kind, args.tokens, args.heads, 512, dev)
         n_items = args.tokens * (args.heads // core_gluon.BH)
         for mode in args.modes.split(","):
             first, kw = None, steps(mode, q)
-            for var in args.variants.split(";"):
-                opts = {k.upper(): int(v) for k, v in (kv.split("=") for kv in var.split(",") if "=" in kv)}
+            for var, opts in variants:
                 trace = torch.zeros(n_items, 16, device=dev, dtype=torch.int32)
                 plain_us = time_alone(lambda: launch(mode, kw, q, parts, sinks, opts=opts), args.iters)
                 traced_us = time_alone(lambda: launch(mode, kw, q, parts, sinks, trace, opts), args.iters)
