@@ -251,6 +251,77 @@ def test_qk1_kernel_matches_reference(name, w1out):
     assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
 
 
+# sliding's shape (T128): one part of 128 picks (the window, -1 before the sequence's start), and of 100 (not a
+# multiple of the tile) with V4-Pro's two head blocks
+T128_CASES = {
+    "flash window of 128, -1 tails": (2, 5, 64, 512, [(300, 128, "tail")], torch.bfloat16),
+    "pro 100 random picks": (1, 4, 128, 512, [(200, 100, "random")], torch.bfloat16),
+}
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(T128_CASES))
+def test_t128_one_tile_of_128_keys(name):
+    """T128 (an item of one part with 64 < J <= 128 picks as one 128-key tile in a ring of one): within bf16
+    rounding of the fp32 reference and of the 64-key tiling, whose two online-softmax steps round otherwise (its
+    bits differ: were they equal, T128 would not have run); the same bits with 3 or 5 programs walking many items
+    (the ring of one's phases in step), with q by copies, with q's prologue before or after the gather (QPRO), and
+    run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE, the output's
+    inverse RoPE on the staged rows, FP8): the same bits with the RoPE in shared memory or registers, and act_quant's
+    bytes of its own bf16 output."""
+    B, S, H, D, spec, dtype = T128_CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    ((kv, idx),) = parts
+    scale, eps = D ** -0.5, 1e-6
+    qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])
+
+    def run(q, t128=True, programs=None, opts=None, out=None, **kw):
+        out = torch.empty_like(q) if out is None else out
+        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv, idx, kv, idx, scale, False, ws=True,
+                                          programs=programs, opts={"T128": t128, **(opts or {})}, **kw)
+        return out
+
+    want = sparse_attention(q.float(), [(kv.float(), idx)], sinks, scale, kernels="off")
+    runs = [run(q), run(q, programs=3), run(q, programs=5, opts=dict(QTMA=False)), run(q, programs=4, opts=qpro),
+            run(q)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    tiled = run(q, t128=False)
+    assert rel(runs[0], want) < 1.5e-2 and rel(runs[0], tiled) < 4e-3, (rel(runs[0], want), rel(runs[0], tiled))
+    assert not torch.equal(runs[0], tiled)
+    assert torch.equal(runs[0][0, 0].float(), torch.zeros_like(runs[0][0, 0].float()))
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
+    pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)
+    freq = torch.rand(32, device="cuda", generator=g) * 0.5
+    steps = dict(q_rope=(pos, freq, eps), o_rope=(pos, freq))
+    plain = run(q, **steps)
+    assert torch.equal(plain, run(q, programs=3, opts=dict(ORS=False), **steps))
+    assert torch.equal(plain, run(q, programs=5, opts=qpro, **steps))
+    assert rel(plain, run(q, t128=False, **steps)) < 4e-3
+    o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
+    sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
+    run(q, programs=3, out=o_q.view(B, S, H, D), scales=sc, **steps)
+    want_q, want_s = act_quant_torch(plain.reshape(B * S, H * D))
+    assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
+
+
+def test_t128_takes_sliding_items_only():
+    """T128 applies to one part of 64 < J <= 128 picks from the default tiling (64-key tiles, a ring of two), with
+    the switch on; never to two parts (CSA, HCA), nor to J <= 64 (one 64-key tile already) or J > 128."""
+    on = dict(T128=True)
+    assert core_gluon._t128(on, 128, False, core_gluon.BN, core_gluon.NBUF)
+    assert core_gluon._t128(on, 65, False, core_gluon.BN, core_gluon.NBUF)
+    assert not core_gluon._t128(on, 64, False, core_gluon.BN, core_gluon.NBUF)
+    assert not core_gluon._t128(on, 129, False, core_gluon.BN, core_gluon.NBUF)
+    assert not core_gluon._t128(on, 128, True, core_gluon.BN, core_gluon.NBUF)
+    assert not core_gluon._t128(on, 128, False, 32, core_gluon.NBUF)
+    assert not core_gluon._t128(on, 128, False, core_gluon.BN, 3)
+    assert not core_gluon._t128(dict(T128=False), 128, False, core_gluon.BN, core_gluon.NBUF)
+    assert core_gluon._t128(None, 128, False, core_gluon.BN, core_gluon.NBUF) == bool(core_gluon.WS_OPTS["T128"])
+
+
 @needs_gluon
 @pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
