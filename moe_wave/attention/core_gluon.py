@@ -397,7 +397,7 @@ if gl is not None:
          kv_full, kv_empty, trace_ptr) = a
         # a chunk of RC rows at a time (8 pointers a thread live, not 32, in the loader's small register budget);
         # the tile's picks go through shared memory (one load of BN picks, each thread then reads its rows)
-        RC: gl.constexpr = 16
+        RC: gl.constexpr = BN // 4
         ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
                                               warps_per_cta=[4, 1], order=[1, 0])
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
@@ -444,7 +444,7 @@ if gl is not None:
                     _ws_stamp(trace_ptr, item, 12, TRACE)
                 buf = k_smem.index(slot)
                 if PROBE != 5:                                  # (probe 5, profiling: no gathers)
-                    for c in gl.static_range(BN // RC):
+                    for c in gl.static_range(4):
                         r = pk_smem.slice(c * RC, RC).load(rows_l)
                         _gather(t, n1, kv1, s_k1_m, kv2, s_k2_m, r, buf.slice(c * RC, RC), D, BD, ld_l, TWO)
                 cp.mbarrier_arrive(kv_full.index(slot), increment_count=False)
@@ -609,8 +609,6 @@ if gl is not None:
                     # along d: a warp writes 512 contiguous bytes a store, where the accumulator's layout writes 8
                     # rows x 16 bytes
                     last = k_smem.index((g + NBUF - 1) % NBUF)
-                    if BN != BH:                                        # (W1T: the first BH rows of the tile)
-                        last = last.slice(0, BH)
                     _cta_barrier()
                     last.store((acc / l_pv[:, None]).to(dt))
                     _cta_barrier()
@@ -1086,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, T128=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1145,15 +1143,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     return o
 
 
-def _t128(opts: dict | None, J1: int, two: bool, bn: int, nbuf: int) -> bool:
-    """T128: an item of one part with BN < J <= 2 BN picks (sliding's window of 128) as one tile of 2 BN keys in a
-    ring of one (q 64 KB + the tile 128 KB of shared memory at d = 512): one QK of N = 64 a warpgroup, in place of
-    two of N = 32 and two online-softmax steps. The ring of one holds an item's only tile, so the loader gathers the
-    next item's keys once this item's output is staged (while it is stored). Only from the default tiling."""
-    return (bool(dict(WS_OPTS, **(opts or {}))["T128"]) and not two and BN < J1 <= 2 * BN and bn == BN
-            and nbuf == NBUF)
-
-
 class WSUnavailable(RuntimeError):
     """A call with the steps around the core (q_rope / o_rope / scales) and ws=None, where the warp-specialized
     kernel cannot run: the caller runs the plain kernel and the steps as separate passes."""
@@ -1200,8 +1189,6 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         raise ValueError(f"sparse_attention_gluon: probe={probe} is the one-program-per-item kernel's")
     if fused and not ws:
         raise ValueError("sparse_attention_gluon: q_rope / o_rope / scales need the warp-specialized kernel (ws)")
-    if ws and _t128(opts, J1, two, bn, nbuf):
-        bn, nbuf = 2 * BN, 1
     if trace is not None and not (ws and trace.dtype == torch.int32 and trace.is_contiguous()
                                   and trace.shape == (B * S * (H // BH), 16)):
         raise ValueError(f"sparse_attention_gluon: trace must be a contiguous int32 [{B * S * (H // BH)}, 16] tensor "
@@ -1224,7 +1211,6 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
         qk1, mregs = wo.pop("QK1"), wo.pop("MREGS")
-        wo.pop("T128")
         if not qk1:
             wo.pop("W1OUT")
         try:
