@@ -391,7 +391,7 @@ if gl is not None:
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
                    PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr, QSUM: gl.constexpr):
+                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -431,8 +431,8 @@ if gl is not None:
                         qn += 1
                 if QPRO and QFIRST and (QROPE or QTMA) and t == 0:     # q's prologue before the first tile waits
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA, QSUM)     # for its slot (QK1: held by
-                    qn += 1                                             # warpgroup 1's output store)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # for its slot (QK1: held by warpgroup
+                    qn += 1                                             # 1's output store)
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 slot = g % NBUF
                 pk_smem.store(rows)
@@ -453,8 +453,8 @@ if gl is not None:
                     _ws_stamp(trace_ptr, item, 10, TRACE)
                 if (not QPRO) and QFIRST and (QROPE or QTMA) and t == 0:   # q's prologue once its copies landed
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA, QSUM)     # (the tile's copies, not in a
-                    qn += 1                                                         # group, travel)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # (the tile's copies, not in a group, travel)
+                    qn += 1
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 if (not QFIRST) and t == 0:
                     mbarrier.wait(q_empty, (qn & 1) ^ 1)
@@ -463,7 +463,7 @@ if gl is not None:
                     if QROPE:                                   # q's norm factors and RoPE, here, off the math's
                         cp.commit_group()                       # path
                         _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                    QTW, STC, q_tma, 0, True, False, QSUM)
+                                    QTW, STC, q_tma, 0, True, False)
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
@@ -672,7 +672,7 @@ if gl is not None:
     @gluon.jit
     def _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
                     BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr, q_tma, q_phase,
-                    QROPE: gl.constexpr, QTMA: gl.constexpr, QSUM: gl.constexpr):
+                    QROPE: gl.constexpr, QTMA: gl.constexpr):
         # (loader) once q landed (QTMA: its TMA barrier's phase; else this thread's committed copies, and every
         # loader thread's): the prologue (QROPE), then q_full's 128 arrivals at once (after _ws_q_prep's closing
         # barrier: all of it written)
@@ -682,7 +682,7 @@ if gl is not None:
             cp.wait_group(0)
             _cta_barrier()
         if QROPE:
-            _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC, QSUM)
+            _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
         mbarrier.arrive(q_full, count=128)
 
     @gluon.jit
@@ -699,7 +699,7 @@ if gl is not None:
 
     @gluon.jit
     def _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
-                   BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr, QSUM: gl.constexpr):
+                   BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr):
         # In the loader partition (4 warps), on the item's raw q [BH, BD] once it landed in shared memory: each
         # head's 1 / rms over its d channels (fp32) to inv_smem, which the math partition multiplies into the scale
         # of the head's scores, and the last RF channels rotated in place (RoPE by pos * freq, fp32, the multiply-
@@ -708,26 +708,12 @@ if gl is not None:
         # rewritten, not all of it. It runs while the math partition finishes the last item, instead of on its
         # path. The sums: 8 channels a thread, STC threads along a row (a warp's shuffles). The rotation: the last
         # TW channels (whole 64-channel columns of the 128-byte swizzle).
-        if QSUM and BD % 64 == 0:
-            # (QSUM) 8 threads a row, 16 rows a pass: each thread squares and adds its 8 channels of every 64-channel
-            # column (independent 16-byte loads, the sum in registers), then 8 values and 3 shuffle levels a row,
-            # where the default spreads a row over a warp (5 levels, one pass of 8 rows at a time)
-            sq_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                  warps_per_cta=[4, 1], order=[1, 0])
-            for k in gl.static_range(BH // 16):
-                rows = q_smem.slice(k * 16, 16)
-                sq = gl.zeros([16, 64], gl.float32, sq_l)
-                for c in gl.static_range(BD // 64):
-                    x = rows.slice(c * 64, 64, dim=1).load(sq_l).to(gl.float32)
-                    sq += x * x
-                inv_smem.slice(k * 16, 16).store(1.0 / gl.sqrt(gl.sum(sq, axis=1) / D + eps))
-        else:
-            ss_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
-                                                  warps_per_cta=[4, 1], order=[1, 0])
-            RS: gl.constexpr = 8 * (32 // STC)                         # whole 8-row swizzle atoms
-            for k in gl.static_range(BH // RS):
-                xf = q_smem.slice(k * RS, RS).load(ss_l).to(gl.float32)
-                inv_smem.slice(k * RS, RS).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
+        ss_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
+                                              warps_per_cta=[4, 1], order=[1, 0])
+        RS: gl.constexpr = 8 * (32 // STC)                             # whole 8-row swizzle atoms
+        for k in gl.static_range(BH // RS):
+            xf = q_smem.slice(k * RS, RS).load(ss_l).to(gl.float32)
+            inv_smem.slice(k * RS, RS).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
         if RF > 0:
             _cta_barrier()                                              # every sum read q before it is rotated
             TPC: gl.constexpr = TW // 8 if TW < 256 else 32
@@ -788,7 +774,7 @@ if gl is not None:
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
                         ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr, QDZ: gl.constexpr,
-                        QPRO: gl.constexpr, QSUM: gl.constexpr, num_warps: gl.constexpr):
+                        QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -816,7 +802,7 @@ if gl is not None:
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
                         TRACE, ORS, LSPLIT, QDZ)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
-                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, QSUM)),
+                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4], [LOAD_REGS])
 
 
@@ -1047,7 +1033,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, QSUM: gl.constexpr, num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1090,7 +1076,7 @@ if gl is not None:
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                          BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, QSUM)),
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1098,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, QSUM=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1132,11 +1118,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
-    for warpgroup 1 (None: QK1_MATH_REGS). QSUM: the loader's q prologue sums each head's squares with 8 threads a
-    row in registers (3 shuffle levels) instead of a warp (5): another order of rounding of the norm factor (within
-    bf16 rounding of the chain, as the default is; the same bits on every run). (Q2, a QK1 kernel with two q
-    buffers on 32-key tiles, was built and measured in session 20: correct, slower everywhere, removed; git 56eb3dd
-    has it, benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
+    benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1149,7 +1133,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["QSUM"] = bool(o["QSUM"])
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
@@ -1240,7 +1223,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"], QSUM=wo["QSUM"],
+                    QPRO=wo["QPRO"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
