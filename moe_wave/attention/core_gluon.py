@@ -862,9 +862,9 @@ if gl is not None:
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
                   W1OUT: gl.constexpr, QKO: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2 (QKO: no PV; warpgroups 1 and 2 run both
-        # halves, and warpgroup 0 goes on to the next tile's QK while they do). It counts an item's tiles at the item's start
-        # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
-        # loop spilled 49 values; without them 7)
+        # halves, and warpgroup 0 goes on to the next tile's QK while they do). It counts an item's tiles at the
+        # item's start (PREF off here: the next item's picks held in registers through an item took 16 of them,
+        # and the tile loop spilled 49 values; without them 7)
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
