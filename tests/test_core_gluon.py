@@ -253,48 +253,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
 
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] == 512])
-def test_qko_kernel_has_the_qk1_kernels_bits(name):
-    """QKO (warpgroup 0 only QK and the softmax, warpgroups 1 and 2 PV on one half of d each, each storing its half
-    of the output) does the QK1 kernel's math in the same order: the same bits, with 3 or 5 programs walking many
-    items (items with no valid pick among them: the three partitions' rings in step), with q by copies, with the
-    layer's steps (q's norm and RoPE, the output's inverse RoPE on the staged tail or in registers, the FP8 output
-    and its scales), with other register budgets, and run to run; the output is written whole (no NaN left)."""
-    B, S, H, D, spec, dtype = CASES[name]
-    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
-    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
-    two, scale, eps = len(parts) == 2, D ** -0.5, 1e-6
-
-    def run(q, qko, programs=None, opts=None, out=None, **kw):
-        out = torch.full_like(q, float("nan")) if out is None else out
-        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
-                                          programs=programs, opts={"QK1": True, "QKO": qko, **(opts or {})}, **kw)
-        return out
-
-    want = run(q, False)
-    assert not want.isnan().any()
-    for programs, opts in ((None, None), (3, None), (5, dict(QTMA=False)), (None, None),
-                           (3, dict(MREGS=168, LREGS=56))):
-        assert torch.equal(run(q, True, programs, opts), want), (programs, opts)
-    g = torch.Generator(device="cuda").manual_seed(13)
-    q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
-    pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)
-    freq = torch.rand(32, device="cuda", generator=g) * 0.5
-    steps = dict(q_rope=(pos, freq, eps), o_rope=(pos, freq))
-    plain = run(q, False, **steps)
-    assert torch.equal(run(q, True, **steps), plain)
-    assert torch.equal(run(q, True, 3, dict(ORS=False), **steps), plain)
-    for qko in (False, True):
-        o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
-        sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
-        run(q, qko, 3 if qko else None, out=o_q.view(B, S, H, D), scales=sc, **steps)
-        if not qko:
-            want_q, want_s = o_q, sc
-    assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
-
-
-@needs_gluon
-@pytest.mark.gpu
 def test_auto_takes_gluon_on_prefill_and_triton_on_decode():
     """impl="auto": a prefill-sized grid runs the Gluon kernel (its bits), a decode-sized grid the Triton kernel with
     its key splits (its bits), and both stay within bf16 rounding of each other."""
@@ -370,14 +328,6 @@ def test_warp_specialized_switches_follow_their_rules():
     assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
     assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
-    # QKO (a third math warpgroup) runs in the QK1 kernel: it takes that kernel where QK1 is None, whatever the
-    # tiles, and is off wherever that kernel cannot run or was switched off
-    assert core_gluon.WS_OPTS["QKO"] is False
-    o = core_gluon._ws_opts(dict(QKO=True), 64, 0, 64, q512, q512, 0)
-    assert o["QK1"] and o["QKO"]
-    assert not core_gluon._ws_opts(dict(QKO=True, QK1=False), 64 * n, 0, 512, q512, q512, 0)["QKO"]
-    assert not core_gluon._ws_opts(dict(QKO=True), 512, 0, 512, q, q, 0)["QKO"]                        # d = 128
-    assert not core_gluon._ws_opts(dict(QKO=True), 512, 0, 512, q512, q512, 0, bn=32)["QKO"]
 
 
 def _stub_call(D: int, J: int, M: int) -> tuple:
@@ -444,31 +394,6 @@ def test_mregs_sets_the_qk1_kernels_registers(monkeypatch):
     assert all(grid == (2,) and kw["BN"] == 64 for grid, kw in qk1.calls)
     (grid, kw), = ws.calls
     assert grid == (2,) and "MREGS" not in kw and "MATH_REGS" not in kw
-
-
-@pytest.mark.skipif(not core_gluon.COMPILE_ERRORS, reason="needs Triton (the kernels' launch path)")
-def test_qko_launches_sixteen_warps_within_the_register_file(monkeypatch):
-    """QKO: the QK1 kernel with 16 warps at QKO_MAXNREG registers, warpgroups 1 and 2 at QKO_REGS[0] (or MREGS),
-    the loader at QKO_REGS[1] (or LREGS); warpgroup 0 gets what is left, which must be a positive multiple of 8
-    within the 64 K registers (setmaxnreg's rule). Without QKO the launch is the QK1 kernel's as before, and LREGS
-    sets the loader's registers of either kernel."""
-    qk1, ws = _Launch(), _Launch()
-    monkeypatch.setattr(core_gluon, "_WS_BROKEN", None)
-    monkeypatch.setattr(core_gluon, "_sparse_core_qk1", qk1, raising=False)
-    monkeypatch.setattr(core_gluon, "_sparse_core_ws", ws, raising=False)
-    call = _stub_call(512, 128, 256)
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QKO=True))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QKO=True, MREGS=168, LREGS=56))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True, LREGS=40))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(LREGS=48))
-    regs = [(kw["QKO"], kw["MATH_REGS"], kw["LOAD_REGS"], kw["maxnreg"]) for _, kw in qk1.calls]
-    assert regs == [(True, *core_gluon.QKO_REGS, core_gluon.QKO_MAXNREG), (True, 168, 56, core_gluon.QKO_MAXNREG),
-                    (False, core_gluon.QK1_MATH_REGS, 40, core_gluon.WS_MAXNREG)]
-    for qko, mregs, lregs, maxnreg in regs[:2]:
-        rest = 4 * maxnreg - 2 * mregs - lregs          # warpgroup 0's, with 4 warpgroups of 4 warps
-        assert 16 * 32 * maxnreg <= 65536 and rest > 0 and rest % 8 == 0 and mregs % 8 == 0 and lregs % 8 == 0
-    (grid, kw), = ws.calls
-    assert kw["LOAD_REGS"] == 48 and "QKO" not in kw and "LREGS" not in kw
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):

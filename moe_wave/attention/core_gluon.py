@@ -860,11 +860,10 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, QKO: gl.constexpr):
-        # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2 (QKO: no PV; warpgroups 1 and 2 run both
-        # halves, and warpgroup 0 goes on to the next tile's QK while they do). It counts an item's tiles at the
-        # item's start (PREF off here: the next item's picks held in registers through an item took 16 of them,
-        # and the tile loop spilled 49 values; without them 7)
+                  W1OUT: gl.constexpr):
+        # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
+        # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
+        # loop spilled 49 values; without them 7)
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -898,8 +897,7 @@ if gl is not None:
             hm = h0 + gl.arange(0, BH, layout=row_l)
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
             l_i = gl.full([BH], 1.0, gl.float32, row_l)
-            if not QKO:
-                acc = warpgroup_mma_init(gl.zeros([BH, BDH], gl.float32, pv_l))
+            acc = warpgroup_mma_init(gl.zeros([BH, BDH], gl.float32, pv_l))
             for t in range(0, nt):
                 slot = g % NBUF
                 buf = k_smem.index(slot)
@@ -909,17 +907,13 @@ if gl is not None:
                 # QK's 32 descriptors (64-bit) out of the loops and spills them
                 q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
                 sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if QKO:
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                else:
-                    acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
+                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
                 if t == nt - 1:
                     _ws_stamp(trace_ptr, item, 6, TRACE)
                 _cta_barrier()
-                if not QKO:
-                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)   # this half's PV(t-1) done
+                mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)   # this half's PV(t-1) is done
                 mbarrier.arrive(q_empty, pred=t == nt - 1)
                 ok = ok_n
                 ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
@@ -940,24 +934,12 @@ if gl is not None:
                 fence_async_shared()
                 _cta_barrier()
                 mbarrier.arrive(p_ready.index(pr))
-                if not QKO:
-                    acc = warpgroup_mma(gl.convert_layout(pb, p_l), buf.slice(0, BDH, dim=1),
-                                        acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None],
-                                        is_async=True)
+                acc = warpgroup_mma(gl.convert_layout(pb, p_l), buf.slice(0, BDH, dim=1),
+                                    acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None], is_async=True)
                 g += 1
-            if not QKO:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             last = (g + NBUF - 1) % NBUF
-            if QKO and nt > 0:                                      # l to warpgroups 1 and 2 (a ring of two by item)
-                if qn % 2 == 0:
-                    sL[0].store(l_i)
-                else:
-                    sL[1].store(l_i)
-                _cta_barrier()
-                mbarrier.arrive(l_ready.index(qn % 2))
-                _ws_stamp(trace_ptr, item, 3, TRACE)
-                qn += 1
-            if (not QKO) and nt > 0:
+            if nt > 0:
                 if qn % 2 == 0:                                     # l to warpgroup 1 (a ring of two by item)
                     sL[0].store(l_i)
                 else:
@@ -973,7 +955,7 @@ if gl is not None:
                 _ws_stamp(trace_ptr, item, 3, TRACE)
                 qn += 1
             _ws_stamp(trace_ptr, item, 4, TRACE)
-            if not (W1OUT or QKO):                                  # (W1OUT: warpgroup 1 stores the whole output)
+            if not W1OUT:                                           # (W1OUT: warpgroup 1 stores the whole output)
                 _q1_out(k_smem, last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
                         opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, False)
             _ws_stamp(trace_ptr, item, 5, TRACE)
@@ -983,20 +965,16 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, QKO: gl.constexpr, W: gl.constexpr):
-        # math warpgroup 1 (W = 1): PV for channels d/2 .. d, with warpgroup 0's P and alpha; with QKO, warpgroup 2
-        # too (W = 0: channels 0 .. d/2), each storing its half of the output
+                  W1OUT: gl.constexpr):
+        # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
         (sP, sA, sL, p_ready, p_free, l_ready) = x
         dt: gl.constexpr = q_ptr.dtype.element_ty
         BDH: gl.constexpr = BD // 2
-        # (QKO: 16 warps at 128 registers a thread at launch; ptxas compiles each instruction within that, and a
-        # 64 x 256 wgmma's accumulator alone is 128 registers: two of 64 x 128 each k step)
-        PVN: gl.constexpr = 128 if QKO and BDH > 128 else BDH
         pv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, PVN, 16])
+                                                       instr_shape=[16, BDH, 16])
         prow_l: gl.constexpr = gl.SliceLayout(1, pv_l)
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                order=[0])
@@ -1015,8 +993,8 @@ if gl is not None:
                     alpha = sA[0].load(prow_l)
                 else:
                     alpha = sA[1].load(prow_l)
-                acc = warpgroup_mma(sP.index(pr), k_smem.index(slot).slice(W * BDH, BDH, dim=1),
-                                    acc * alpha[:, None], is_async=True)
+                acc = warpgroup_mma(sP.index(pr), k_smem.index(slot).slice(BDH, BDH, dim=1), acc * alpha[:, None],
+                                    is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _cta_barrier()
                 mbarrier.arrive(p_free.index(pr))
@@ -1029,10 +1007,10 @@ if gl is not None:
                     l_i = sL[0].load(prow_l)
                 else:
                     l_i = sL[1].load(prow_l)
-                stage = k_smem.index(last).slice(W * BDH, BDH, dim=1)
+                stage = k_smem.index(last).slice(BDH, BDH, dim=1)
                 stage.store((acc / l_i[:, None]).to(dt))
                 _cta_barrier()
-                if OROPE and ORS and W == 1:                                   # the output's inverse RoPE on its tail
+                if OROPE and ORS:                                   # the output's inverse RoPE on its tail
                     TW: gl.constexpr = (RF + 63) // 64 * 64
                     TPC: gl.constexpr = TW // 8 if TW < 256 else 32
                     rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
@@ -1041,10 +1019,9 @@ if gl is not None:
                     _rotate_rows(stage.slice(BDH - TW, TW, dim=1), c, sn, BH, 4 * (32 // TPC), TW, rt_l)
                     _cta_barrier()
                 qn += 1
-            _q1_out(k_smem, last, kv_empty, nt, W, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT and not QKO)
-            if W == 1:
-                _ws_stamp(trace_ptr, item, 15, TRACE)               # (warpgroup 1's end of the item)
+            _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT)
+            _ws_stamp(trace_ptr, item, 15, TRACE)                   # (warpgroup 1's end of the item)
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
     def _sparse_core_qk1(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
@@ -1056,7 +1033,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, QKO: gl.constexpr, num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1081,10 +1058,10 @@ if gl is not None:
         mbarrier.init(q_tma, count=1)
         for i in gl.static_range(NBUF):
             mbarrier.init(kv_full.index(i), count=128)
-            mbarrier.init(kv_empty.index(i), count=2)   # both PV warpgroups' PV of the tile done
+            mbarrier.init(kv_empty.index(i), count=2)   # both math warpgroups' PV of the tile done
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
-            mbarrier.init(p_free.index(i), count=2 if QKO else 1)
+            mbarrier.init(p_free.index(i), count=1)
             mbarrier.init(l_ready.index(i), count=1)
         HB = H // BH
         x = (sP, sA, sL, p_ready, p_free, l_ready)
@@ -1093,38 +1070,21 @@ if gl is not None:
              q_empty, kv_full, kv_empty, trace_ptr)
         # (the partitions' arguments written out in the call: a tuple of them assigned to a name first would turn
         # the constexprs into tensors)
-        if QKO:                                         # warpgroup 0 QK and softmax only, 1 and 2 PV and the output
-            gl.warp_specialize([
-                (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D,
-                             BD, BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT,
-                             QKO)),
-                (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D,
-                             BD, BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT,
-                             QKO, 1)),
-                (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D,
-                             BD, BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT,
-                             QKO, 0)),
-                (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE,
-                              QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
-            ], [4, 4, 4], [MATH_REGS, MATH_REGS, LOAD_REGS])
-        else:
-            gl.warp_specialize([
-                (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D,
-                             BD, BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT,
-                             QKO)),
-                (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D,
-                             BD, BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT,
-                             QKO, 1)),
-                (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE,
-                              QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
-            ], [4, 4], [MATH_REGS, LOAD_REGS])
+        gl.warp_specialize([
+            (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
+            (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
+        ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
 # the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, QKO=False, LREGS=None)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1132,10 +1092,6 @@ QK1_MATH_REGS = 200     # the QK1 kernel's math warpgroup 1 (a worker partition)
                         # default partition) gets the rest of 12 x 168, (2016 - 4 x 200 - 4 x LOAD_REGS) / 4 = 248
                         # (compile_sm90, Triton 3.6: spill stores 28 at 224, 12 at 192-208; one H200, trace_core
                         # layer mode, session 20: CSA's core 787.2 against 790.4 us at 224, HCA's 423.1 / 427.9)
-QKO_REGS = (184, 48)    # QKO's registers a thread (PV warpgroups 1 and 2, the loader): 16 warps at 128 at launch,
-                        # warpgroup 0 the rest, 4 x 128 - 2 x 184 - 48 = 96 (compile_sm90, Triton 3.6, spill
-                        # stores: warpgroup 0 12, warpgroups 1 / 2 12, the loader 44)
-QKO_MAXNREG = 128       # 16 warps x 32 x 128 = the SM's 64 K registers
 
 
 def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, fused: bool = False,
@@ -1162,11 +1118,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
-    for warpgroup 1 (None: QK1_MATH_REGS; with QKO, warpgroups 1 and 2: QKO_REGS[0]). QKO (QK1 where QK1 is None):
-    the QK1 kernel with a third math warpgroup. Warpgroup 0 runs only each tile's QK and the softmax and goes on to
-    the next tile while warpgroups 1 and 2 run PV on one half of d each and store their half of the output (the
-    same bits as QK1). The launch is 16 warps at QKO_MAXNREG registers; LREGS sets the loader's (None:
-    QKO_REGS[1]; QK1 / WS: the call's load_regs). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
     measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
     benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
@@ -1181,12 +1133,10 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["QKO"] = bool(o["QKO"])
     if o["QK1"] is None:
-        o["QK1"] = o["QKO"] or -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
+        o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
                 and nbuf == 2)
-    o["QKO"] = o["QKO"] and o["QK1"]
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
     o["PROBE"] = probe
@@ -1260,11 +1210,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
         wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
-        qk1, mregs, qko, lregs = wo.pop("QK1"), wo.pop("MREGS"), wo.pop("QKO"), wo.pop("LREGS")
-        if qko:
-            mregs, load_regs = mregs or QKO_REGS[0], lregs or QKO_REGS[1]
-        elif lregs:
-            load_regs = lregs
+        qk1, mregs = wo.pop("QK1"), wo.pop("MREGS")
         if not qk1:
             wo.pop("W1OUT")
         try:
@@ -1277,8 +1223,8 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"], QKO=qko,
-                    num_warps=4, maxnreg=QKO_MAXNREG if qko else WS_MAXNREG)
+                    QPRO=wo["QPRO"],
+                    num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
                 q, out, sinks, kv1, i1, kv2, i2, opos, ofreq, scales if scales is not None else sinks,
