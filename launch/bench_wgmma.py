@@ -3,12 +3,11 @@ cost with nothing else in the kernel (no gathers, no softmax, no barriers betwee
 
     python launch/bench_wgmma.py [--tiles 4000] [--iters 5] [--out PATH]
 
-The sparse core's item is 64 heads (M) of one query against 64-key tiles, d = 512 (K = V). Its
-QK1 kernel's
+The sparse core's item is 64 heads (M) of one query against 64-key tiles, d = 512 (K = V). Its QK1 kernel's
 warpgroup 0 computes each tile's QK as 32 wgmma steps of m64n64k16 with q and the keys both in shared memory
-(SS), then PV for half of d from P in registers (m64n256k16, 4 steps). These kernels repeat one step over
-the same shared-memory tiles (two buffers, alternating; one of 128 keys), one warpgroup a program and one program an SM, so that the
-time a tile is what the tensor cores and shared memory give that step:
+(SS), then PV for half of d from P in registers (m64n256k16, 4 steps). These kernels repeat one step over the
+same shared-memory tiles (two buffers, alternating; one of 128 keys), one warpgroup a program and one program an
+SM, so that the time a tile is what the tensor cores and shared memory give that step:
 
 - qk_ss64: QK as the core runs it (SS, N = 64); qk_ss128: a 128-key tile (N = 128); qk_rs64: q from registers
   (RS, N = 64: only the keys stream from shared memory);
