@@ -206,8 +206,7 @@ def test_qk1_kernel_matches_reference(name, w1out):
     by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
     the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
     bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
-    (warpgroup 1 stores the whole output): the same bits as without. LATE (each tile's PV issued behind the next
-    tile's QK, waited for after the next softmax): the same bits, with and without the layer's steps."""
+    (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -235,8 +234,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
         assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
     qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])    # q's prologue before or after the first tile's gather
     assert torch.equal(runs[0], run(q, 5, qpro))
-    late = not core_gluon.WS_OPTS["LATE"]
-    assert torch.equal(runs[0], run(q, None, dict(LATE=late))) and torch.equal(runs[0], run(q, 3, dict(LATE=late)))
 
     g = torch.Generator(device="cuda").manual_seed(11)
     q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
@@ -246,7 +243,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
     plain = run(q, **steps)
     assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
     assert torch.equal(plain, run(q, 5, qpro, **steps))
-    assert torch.equal(plain, run(q, 5, dict(LATE=late), **steps))
     assert rel(plain, ws(q, **steps)) < 1e-2
     o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
     sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
@@ -385,8 +381,7 @@ def test_a_warp_specialized_kernel_that_does_not_compile_leaves_the_calls_to_the
 @pytest.mark.skipif(not core_gluon.COMPILE_ERRORS, reason="needs Triton (the kernels' launch path)")
 def test_mregs_sets_the_qk1_kernels_registers(monkeypatch):
     """MREGS: the QK1 kernel's warpgroup-1 registers (default QK1_MATH_REGS); the warp-specialized kernel, which
-    sliding's 128-key window (2 tiles) gets by default, takes no such argument; nor LATE, which only the QK1
-    kernel has."""
+    sliding's 128-key window (2 tiles) gets by default, takes no such argument."""
     qk1, ws = _Launch(), _Launch()
     monkeypatch.setattr(core_gluon, "_WS_BROKEN", None)
     monkeypatch.setattr(core_gluon, "_sparse_core_qk1", qk1, raising=False)
@@ -394,13 +389,11 @@ def test_mregs_sets_the_qk1_kernels_registers(monkeypatch):
     call = _stub_call(512, 128, 256)
     core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True))
     core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True, MREGS=192))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(MREGS=192, LATE=True))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True, LATE=True))
-    assert [kw["MATH_REGS"] for _, kw in qk1.calls] == [core_gluon.QK1_MATH_REGS, 192, core_gluon.QK1_MATH_REGS]
-    assert [kw["LATE"] for _, kw in qk1.calls] == [core_gluon.WS_OPTS["LATE"]] * 2 + [True]
+    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(MREGS=192))
+    assert [kw["MATH_REGS"] for _, kw in qk1.calls] == [core_gluon.QK1_MATH_REGS, 192]
     assert all(grid == (2,) and kw["BN"] == 64 for grid, kw in qk1.calls)
     (grid, kw), = ws.calls
-    assert grid == (2,) and "MREGS" not in kw and "MATH_REGS" not in kw and "LATE" not in kw
+    assert grid == (2,) and "MREGS" not in kw and "MATH_REGS" not in kw
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):
