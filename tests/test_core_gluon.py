@@ -206,12 +206,7 @@ def test_qk1_kernel_matches_reference(name, w1out):
     by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
     the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
     bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
-    (warpgroup 1 stores the whole output): the same bits as without. LATE (each tile's PV issued behind the next
-    tile's QK, waited for after the next softmax): the same bits, with and without the layer's steps. R4 (32-key
-    tiles in a ring of four, in LATE's order; an odd tile count padded with an all-masked tile; the output staged
-    over the last two tiles' buffers): another order of rounding, so within bf16 rounding of the QK1 kernel and the
-    reference, its own bits with 3 or 5 programs and run to run, 0 for a query with no valid pick, and with the
-    layer's steps act_quant's bytes of its own bf16 output, the RoPE on the staged tail or in registers alike."""
+    (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -239,13 +234,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
         assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
     qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])    # q's prologue before or after the first tile's gather
     assert torch.equal(runs[0], run(q, 5, qpro))
-    late = not core_gluon.WS_OPTS["LATE"]
-    assert torch.equal(runs[0], run(q, None, dict(LATE=late))) and torch.equal(runs[0], run(q, 3, dict(LATE=late)))
-    if w1out:
-        r4 = [run(q, None, dict(R4=True)), run(q, 3, dict(R4=True)), run(q, 5, dict(R4=True, QTMA=False))]
-        assert all(torch.equal(r4[0], r) for r in r4[1:])
-        assert rel(r4[0], want) < 1.5e-2 and rel(r4[0], runs[0]) < 1e-2, (rel(r4[0], want), rel(r4[0], runs[0]))
-        assert torch.equal(r4[0][0, 0].float(), torch.zeros_like(r4[0][0, 0].float()))
 
     g = torch.Generator(device="cuda").manual_seed(11)
     q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
@@ -255,22 +243,12 @@ def test_qk1_kernel_matches_reference(name, w1out):
     plain = run(q, **steps)
     assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
     assert torch.equal(plain, run(q, 5, qpro, **steps))
-    assert torch.equal(plain, run(q, 5, dict(LATE=late), **steps))
     assert rel(plain, ws(q, **steps)) < 1e-2
     o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
     sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
     run(q, 3, out=o_q.view(B, S, H, D), scales=sc, **steps)
     want_q, want_s = act_quant_torch(plain.reshape(B * S, H * D))
     assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
-    if w1out:
-        r4 = dict(R4=True)
-        plain4 = run(q, None, r4, **steps)
-        assert torch.equal(plain4, run(q, 3, dict(r4, ORS=False), **steps)) and rel(plain4, plain) < 1e-2
-        o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
-        sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
-        run(q, 5, r4, out=o_q.view(B, S, H, D), scales=sc, **steps)
-        want_q, want_s = act_quant_torch(plain4.reshape(B * S, H * D))
-        assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sc, want_s)
 
 
 @needs_gluon
@@ -403,8 +381,7 @@ def test_a_warp_specialized_kernel_that_does_not_compile_leaves_the_calls_to_the
 @pytest.mark.skipif(not core_gluon.COMPILE_ERRORS, reason="needs Triton (the kernels' launch path)")
 def test_mregs_sets_the_qk1_kernels_registers(monkeypatch):
     """MREGS: the QK1 kernel's warpgroup-1 registers (default QK1_MATH_REGS); the warp-specialized kernel, which
-    sliding's 128-key window (2 tiles) gets by default, takes no such argument; nor LATE, which only the QK1
-    kernel has."""
+    sliding's 128-key window (2 tiles) gets by default, takes no such argument."""
     qk1, ws = _Launch(), _Launch()
     monkeypatch.setattr(core_gluon, "_WS_BROKEN", None)
     monkeypatch.setattr(core_gluon, "_sparse_core_qk1", qk1, raising=False)
@@ -412,23 +389,11 @@ def test_mregs_sets_the_qk1_kernels_registers(monkeypatch):
     call = _stub_call(512, 128, 256)
     core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True))
     core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True, MREGS=192))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(MREGS=192, LATE=True))
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(QK1=True, LATE=True))
-    assert [kw["MATH_REGS"] for _, kw in qk1.calls] == [core_gluon.QK1_MATH_REGS, 192, core_gluon.QK1_MATH_REGS]
-    assert [kw["LATE"] for _, kw in qk1.calls] == [core_gluon.WS_OPTS["LATE"]] * 2 + [True]
-    assert all(grid == (2,) and kw["BN"] == 64 and kw["NBUF"] == 2 and not kw["PAIR"] for grid, kw in qk1.calls)
-    # R4: the QK1 kernel (where QK1 is None, whatever the tiles) on 32-key tiles in a ring of four, in LATE's order,
-    # staging over tile pairs; it needs W1OUT and is off where the QK1 kernel is
-    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(R4=True))
-    grid, kw = qk1.calls[-1]
-    assert (kw["BN"], kw["NBUF"], kw["PAIR"], kw["LATE"], kw["W1OUT"]) == (32, 4, True, True, True)
-    q512 = call[0]
-    assert core_gluon._ws_opts(dict(R4=True), 64, 0, 64, q512, q512, 0)["R4"]
-    assert not core_gluon._ws_opts(dict(R4=True, W1OUT=False), 64, 0, 64, q512, q512, 0)["R4"]
-    assert not core_gluon._ws_opts(dict(R4=True, QK1=False), 512, 0, 512, q512, q512, 0)["R4"]
-    assert not core_gluon._ws_opts(dict(R4=True), 512, 0, 512, q512, q512, 3)["R4"]             # a probe
+    core_gluon.sparse_attention_gluon(*call, ws=True, programs=2, opts=dict(MREGS=192))
+    assert [kw["MATH_REGS"] for _, kw in qk1.calls] == [core_gluon.QK1_MATH_REGS, 192]
+    assert all(grid == (2,) and kw["BN"] == 64 for grid, kw in qk1.calls)
     (grid, kw), = ws.calls
-    assert grid == (2,) and "MREGS" not in kw and "MATH_REGS" not in kw and "LATE" not in kw
+    assert grid == (2,) and "MREGS" not in kw and "MATH_REGS" not in kw
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_calls_to_triton(monkeypatch):

@@ -391,7 +391,7 @@ if gl is not None:
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
                    PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr, PAIR: gl.constexpr = False):
+                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -413,8 +413,6 @@ if gl is not None:
             kv1 = kv1_ptr + b * s_k1_b
             kv2 = kv2_ptr + b * s_k2_b
             n1, nt = _ws_counts(idx1, J1, idx2, J2, BN, JC, one_l, TWO)
-            if PAIR:                                            # (R4) an even count: a padded tile is all -1
-                nt = (nt + 1) // 2 * 2
             rows = _picks(0, n1, idx1, J1, idx2, J2, BN, one_l, TWO)
             for t in range(0, nt):
                 if QFIRST and t == 0:                           # q once the last item's QKs are done with it
@@ -824,27 +822,9 @@ if gl is not None:
     # (with W1OUT: V4-Flash's CSA core 795.7 against 874.4 us for the WS kernel, session 18).
 
     @gluon.jit
-    def _q1_stage(k_smem, last, BN: gl.constexpr, NBUF: gl.constexpr, PAIR: gl.constexpr):
-        # where an item's output is staged: the last tile's buffer, or (PAIR: BN = BH / 2) the last two tiles'
-        # buffers as one [2 BN, d] buffer (their bytes; only the staging's writers and readers use this view)
-        if PAIR:
-            buf = k_smem._reinterpret(k_smem.dtype, [NBUF // 2, 2 * BN, k_smem.shape[2]],
-                                      k_smem.type.layout).index(last // 2)
-        else:
-            buf = k_smem.index(last)
-        return buf
-
-    @gluon.jit
-    def _q1_release(kv_empty, last, count: gl.constexpr, PAIR: gl.constexpr):
-        # the staging's buffers back to the loader (PAIR: the last two)
-        mbarrier.arrive(kv_empty.index(last), count=count)
-        if PAIR:
-            mbarrier.arrive(kv_empty.index(last - 1), count=count)
-
-    @gluon.jit
-    def _q1_out(stage, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
+    def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
                 sc_ptr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr, PAIR: gl.constexpr):
+                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr):
         # (math warpgroup W) its half of the item's output, staged in the last tile's buffer, to o_row: 32 heads at
         # a time (a thread's 8 rows x 8 channels, not 16 rows: the FP8 epilogue's registers), the buffer released
         # (this warpgroup's part) once read; an item with no valid pick writes zeros (their RoPE is 0 as well).
@@ -855,10 +835,10 @@ if gl is not None:
         if FULL:
             for r in gl.static_range(4):
                 if nt > 0:
-                    ov = stage.slice(r * (BH // 4), BH // 4).load(st_l)
+                    ov = k_smem.index(last).slice(r * (BH // 4), BH // 4).load(st_l)
                     if r == 3:
                         _cta_barrier()
-                        _q1_release(kv_empty, last, 2, PAIR)
+                        mbarrier.arrive(kv_empty.index(last), count=2)
                 else:
                     ov = gl.zeros([BH // 4, BD], dt, st_l)
                 _ws_store(ov, o_row, h0 + r * (BH // 4), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD,
@@ -866,58 +846,22 @@ if gl is not None:
         else:
             for r in gl.static_range(2):
                 if nt > 0:
-                    ov = stage.slice(W * BDH, BDH, dim=1).slice(r * (BH // 2), BH // 2).load(st_l)
+                    ov = k_smem.index(last).slice(W * BDH, BDH, dim=1).slice(r * (BH // 2), BH // 2).load(st_l)
                     if r == 1:
                         _cta_barrier()
-                        _q1_release(kv_empty, last, 1, PAIR)
+                        mbarrier.arrive(kv_empty.index(last))
                 else:
                     ov = gl.zeros([BH // 2, BDH], dt, st_l)
                 _ws_store(ov, o_row, h0 + r * (BH // 2), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH,
                           BH // 2, RF, OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
 
     @gluon.jit
-    def _q1_give_p(pb, alpha, g, sP, sA, p_ready, p_free):
-        # (LATE) tile g's P and alpha to warpgroup 1, in a ring of two
-        pr = g % 2
-        mbarrier.wait(p_free.index(pr), ((g // 2) & 1) ^ 1)
-        sP.index(pr).store(pb)
-        if pr == 0:
-            sA[0].store(alpha)
-        else:
-            sA[1].store(alpha)
-        fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(p_ready.index(pr))
-
-    @gluon.jit
-    def _q1_qk_done(trace_ptr, item, t, nt, q_empty, TRACE: gl.constexpr):
-        # (LATE) QK(t) has landed: the trace's stamps, and q released after the item's last QK
-        if t == 0:
-            _ws_stamp(trace_ptr, item, 2, TRACE)
-        if t == nt - 1:
-            _ws_stamp(trace_ptr, item, 6, TRACE)
-        _cta_barrier()
-        mbarrier.arrive(q_empty, pred=t == nt - 1)
-
-    @gluon.jit
-    def _q1_softmax(sc, ok, qs, m_i, l_i):
-        # (LATE) one tile's online softmax step (exp2 domain), as warpgroup 0's loop writes it inline
-        sc = gl.where(ok[None, :], sc * qs[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        return p, alpha, m_new, l_i
-
-    @gluon.jit
     def _q1_math0(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, LATE: gl.constexpr, PAIR: gl.constexpr):
-        # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2 (LATE: a tile's P goes to warpgroup 1 and
-        # into this half's PV only once the next tile's QK is issued, so that both halves' PV run during the next
-        # softmax, not after it). It counts an item's tiles at the item's start
+                  W1OUT: gl.constexpr):
+        # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
@@ -943,8 +887,6 @@ if gl is not None:
             _ws_stamp(trace_ptr, item, 7, TRACE)
             _ws_stamp(trace_ptr, item, 0, TRACE)
             b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, False, BH, BN, JC, TWO, one_l)
-            if PAIR:
-                nt = (nt + 1) // 2 * 2
             qs = gl.full([BH], qk_scale, gl.float32, row_l)
             if nt > 0:
                 mbarrier.wait(q_full, qn & 1)
@@ -955,88 +897,47 @@ if gl is not None:
             hm = h0 + gl.arange(0, BH, layout=row_l)
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
             l_i = gl.full([BH], 1.0, gl.float32, row_l)
-            if LATE:
-                acc = gl.zeros([BH, BDH], gl.float32, pv_l)
-                pb_l = gl.zeros([BH, BN], dt, qk_l)             # the last tile's P and alpha, held
-                al_l = gl.zeros([BH], gl.float32, row_l)
-                for t in range(0, nt):
-                    slot = g % NBUF
-                    buf = k_smem.index(slot)
-                    mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
-                    fence_async_shared()
-                    q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)   # (as below)
-                    s0 = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    ok = ok_n
-                    ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
-                    if t > 0:                                   # P(t-1) out now: both halves' PV(t-1) queue
-                        prev = (g + NBUF - 1) % NBUF            # behind QK(t) and run during softmax(t)
-                        _q1_give_p(pb_l, al_l, g - 1, sP, sA, p_ready, p_free)
-                        pv = warpgroup_mma(gl.convert_layout(pb_l, p_l), k_smem.index(prev).slice(0, BDH, dim=1),
-                                           acc, is_async=True)
-                        sc = warpgroup_mma_wait(num_outstanding=1, deps=(s0,))
-                        _q1_qk_done(trace_ptr, item, t, nt, q_empty, TRACE)
-                        p, alpha, m_i, l_i = _q1_softmax(sc, ok, qs, m_i, l_i)
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                        _cta_barrier()
-                        if PAIR:                                # (the last two tiles' buffers: after the staging)
-                            mbarrier.arrive(kv_empty.index(prev), pred=t < nt - 1)
-                        else:
-                            mbarrier.arrive(kv_empty.index(prev))   # this half's PV(t-1) is done
-                    else:
-                        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s0,))
-                        _q1_qk_done(trace_ptr, item, t, nt, q_empty, TRACE)
-                        p, alpha, m_i, l_i = _q1_softmax(sc, ok, qs, m_i, l_i)
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None]
-                    pb_l = p.to(dt)
-                    al_l = alpha
-                    g += 1
-                if nt > 0:                                      # the last tile's P and PV
-                    _q1_give_p(pb_l, al_l, g - 1, sP, sA, p_ready, p_free)
-                    pv = warpgroup_mma(gl.convert_layout(pb_l, p_l),
-                                       k_smem.index((g + NBUF - 1) % NBUF).slice(0, BDH, dim=1), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            else:
-                acc = warpgroup_mma_init(gl.zeros([BH, BDH], gl.float32, pv_l))
-                for t in range(0, nt):
-                    slot = g % NBUF
-                    buf = k_smem.index(slot)
-                    mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
-                    fence_async_shared()
-                    # q by an index the compiler cannot prove constant (g >> 30 is 0): with a constant one it hoists the
-                    # QK's 32 descriptors (64-bit) out of the loops and spills them
-                    q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
-                    sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
-                    if t == 0:
-                        _ws_stamp(trace_ptr, item, 2, TRACE)
-                    if t == nt - 1:
-                        _ws_stamp(trace_ptr, item, 6, TRACE)
-                    _cta_barrier()
-                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)   # this half's PV(t-1) is done
-                    mbarrier.arrive(q_empty, pred=t == nt - 1)
-                    ok = ok_n
-                    ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
-                    sc = gl.where(ok[None, :], sc * qs[:, None], float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                    alpha = gl.exp2(m_i - m_new)
-                    p = gl.exp2(sc - m_new[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
-                    pb = p.to(dt)
-                    pr = g % 2                                          # P and alpha to warpgroup 1, in a ring of two
-                    mbarrier.wait(p_free.index(pr), ((g // 2) & 1) ^ 1)
-                    sP.index(pr).store(pb)
-                    if pr == 0:
-                        sA[0].store(alpha)
-                    else:
-                        sA[1].store(alpha)
-                    fence_async_shared()
-                    _cta_barrier()
-                    mbarrier.arrive(p_ready.index(pr))
-                    acc = warpgroup_mma(gl.convert_layout(pb, p_l), buf.slice(0, BDH, dim=1),
-                                        acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None], is_async=True)
-                    g += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma_init(gl.zeros([BH, BDH], gl.float32, pv_l))
+            for t in range(0, nt):
+                slot = g % NBUF
+                buf = k_smem.index(slot)
+                mbarrier.wait(kv_full.index(slot), (g // NBUF) & 1)
+                fence_async_shared()
+                # q by an index the compiler cannot prove constant (g >> 30 is 0): with a constant one it hoists the
+                # QK's 32 descriptors (64-bit) out of the loops and spills them
+                q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
+                sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
+                if t == 0:
+                    _ws_stamp(trace_ptr, item, 2, TRACE)
+                if t == nt - 1:
+                    _ws_stamp(trace_ptr, item, 6, TRACE)
+                _cta_barrier()
+                mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF), pred=t > 0)   # this half's PV(t-1) is done
+                mbarrier.arrive(q_empty, pred=t == nt - 1)
+                ok = ok_n
+                ok_n = _picks(t + 1, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
+                sc = gl.where(ok[None, :], sc * qs[:, None], float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                pb = p.to(dt)
+                pr = g % 2                                          # P and alpha to warpgroup 1, in a ring of two
+                mbarrier.wait(p_free.index(pr), ((g // 2) & 1) ^ 1)
+                sP.index(pr).store(pb)
+                if pr == 0:
+                    sA[0].store(alpha)
+                else:
+                    sA[1].store(alpha)
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(p_ready.index(pr))
+                acc = warpgroup_mma(gl.convert_layout(pb, p_l), buf.slice(0, BDH, dim=1),
+                                    acc * gl.convert_layout(alpha, gl.SliceLayout(1, pv_l))[:, None], is_async=True)
+                g += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             last = (g + NBUF - 1) % NBUF
             if nt > 0:
                 if qn % 2 == 0:                                     # l to warpgroup 1 (a ring of two by item)
@@ -1046,9 +947,7 @@ if gl is not None:
                 if not W1OUT:                                       # (W1OUT: once this half is staged as well)
                     _cta_barrier()
                     mbarrier.arrive(l_ready.index(qn % 2))
-                if PAIR:                                            # the staging overlays both halves of the
-                    mbarrier.wait(p_free.index((g - 1) % 2), ((g - 1) // 2) & 1)    # last two tiles: warpgroup 1's
-                _q1_stage(k_smem, last, BN, NBUF, PAIR).slice(0, BDH, dim=1).store(   # PV of them done first
+                k_smem.index(last).slice(0, BDH, dim=1).store(
                     (acc / gl.convert_layout(l_i, gl.SliceLayout(1, pv_l))[:, None]).to(dt))
                 _cta_barrier()
                 if W1OUT:
@@ -1057,9 +956,8 @@ if gl is not None:
                 qn += 1
             _ws_stamp(trace_ptr, item, 4, TRACE)
             if not W1OUT:                                           # (W1OUT: warpgroup 1 stores the whole output)
-                _q1_out(_q1_stage(k_smem, last, BN, NBUF, PAIR), last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s,
-                        h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt,
-                        False, PAIR)
+                _q1_out(k_smem, last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
+                        opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, False)
             _ws_stamp(trace_ptr, item, 5, TRACE)
 
     @gluon.jit
@@ -1067,7 +965,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, PAIR: gl.constexpr):
+                  W1OUT: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -1085,8 +983,6 @@ if gl is not None:
         qn = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             b, s, h0, idx1, idx2, n1, nt, pf1, pf2 = _ws_begin(a, item, pf1, pf2, PREF, BH, BN, JC, TWO, one_l)
-            if PAIR:
-                nt = (nt + 1) // 2 * 2
             acc = gl.zeros([BH, BDH], gl.float32, pv_l)
             for t in range(0, nt):
                 slot = g % NBUF
@@ -1102,10 +998,7 @@ if gl is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _cta_barrier()
                 mbarrier.arrive(p_free.index(pr))
-                if PAIR:                                            # (the last two tiles': after the staging)
-                    mbarrier.arrive(kv_empty.index(slot), pred=t < nt - 2)
-                else:
-                    mbarrier.arrive(kv_empty.index(slot), pred=t < nt - 1)    # (the last tile's: after the staging)
+                mbarrier.arrive(kv_empty.index(slot), pred=t < nt - 1)    # (the last tile's: after the staging)
                 g += 1
             last = (g + NBUF - 1) % NBUF
             if nt > 0:
@@ -1114,7 +1007,7 @@ if gl is not None:
                     l_i = sL[0].load(prow_l)
                 else:
                     l_i = sL[1].load(prow_l)
-                stage = _q1_stage(k_smem, last, BN, NBUF, PAIR).slice(BDH, BDH, dim=1)
+                stage = k_smem.index(last).slice(BDH, BDH, dim=1)
                 stage.store((acc / l_i[:, None]).to(dt))
                 _cta_barrier()
                 if OROPE and ORS:                                   # the output's inverse RoPE on its tail
@@ -1126,9 +1019,8 @@ if gl is not None:
                     _rotate_rows(stage.slice(BDH - TW, TW, dim=1), c, sn, BH, 4 * (32 // TPC), TW, rt_l)
                     _cta_barrier()
                 qn += 1
-            _q1_out(_q1_stage(k_smem, last, BN, NBUF, PAIR), last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s,
-                    h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT,
-                    PAIR)
+            _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT)
             _ws_stamp(trace_ptr, item, 15, TRACE)                   # (warpgroup 1's end of the item)
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
@@ -1141,7 +1033,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, LATE: gl.constexpr, PAIR: gl.constexpr, num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1150,8 +1042,7 @@ if gl is not None:
         k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
         pk_smem = gl.allocate_shared_memory(gl.int32, [BN], f1_l)
         inv_smem = gl.allocate_shared_memory(gl.float32, [BH], f1_l)
-        sp_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BN), element_bitwidth=16, rank=2)
-        sP = gl.allocate_shared_memory(dt, [2, BH, BN], sp_l)              # (BN = 32: rows of 64 bytes)
+        sP = gl.allocate_shared_memory(dt, [2, BH, BN], sm_l)
         sA = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
         sL = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
         q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1181,12 +1072,11 @@ if gl is not None:
         # the constexprs into tensors)
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, LATE,
-                         PAIR)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, PAIR)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, PAIR)),
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1194,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, LATE=False, R4=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1228,16 +1118,9 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
-    for warpgroup 1 (None: QK1_MATH_REGS). LATE (with QK1): warpgroup 0 hands a tile's P to warpgroup 1 and
-    issues its own half of PV only after the next tile's QK is issued, and waits for that QK alone, so that both
-    halves of PV(t) run on the tensor cores during softmax(t + 1) rather than after it (the same bits). R4 (QK1
-    where QK1 is None; needs W1OUT): the QK1 kernel on 32-key tiles in a ring of four (the same 128 KB), in LATE's
-    order, so that a slot is gathered again two tiles before it is needed; an item's tile count is rounded up to
-    even (a padded tile is all -1) so that its last two tiles' buffers hold the 64-head output's staging
-    (another order of rounding than 64-key tiles). (Q2, a
-    QK1 kernel with two q buffers on 32-key tiles, was built and measured in session 20: correct, slower
-    everywhere, removed; git 56eb3dd has it, benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its
-    numbers.)"""
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
+    benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1250,13 +1133,10 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["LATE"] = bool(o["LATE"])
-    o["R4"] = bool(o["R4"])
     if o["QK1"] is None:
-        o["QK1"] = o["R4"] or -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
+        o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
                 and nbuf == 2)
-    o["R4"] = o["R4"] and o["QK1"] and o["W1OUT"]
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
     o["PROBE"] = probe
@@ -1330,13 +1210,9 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
         wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
-        qk1, mregs, r4 = wo.pop("QK1"), wo.pop("MREGS"), wo.pop("R4")
-        if r4:                                          # 32-key tiles in a ring of four, in LATE's order
-            bn, nbuf, JC = 32, 4, picks_chunk(J1, J2, 32)
-            wo["LATE"] = True
+        qk1, mregs = wo.pop("QK1"), wo.pop("MREGS")
         if not qk1:
             wo.pop("W1OUT")
-            wo.pop("LATE")
         try:
             if qk1:
                 _sparse_core_qk1[(grid,)](
@@ -1347,7 +1223,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"], LATE=wo["LATE"], PAIR=r4,
+                    QPRO=wo["QPRO"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
