@@ -16,8 +16,9 @@ SM, so that the time a tile is what the tensor cores and shared memory give that
 - qk_ss64x2: two warpgroups, each qk_ss64 on its own 64 rows of q against the same key tile (M = 128: two
   queries' heads sharing a tile, or two wgmma streams in one SM).
 
-Each row gives us a tile and TFLOP/s over all SMs, against a dense bf16 GEMM (8192^3, torch.matmul) timed in the
-same run. A JSON of the rows goes to --out (default $OUT/wgmma.json).
+Each row gives us a tile and TFLOP/s over all SMs (median of --iters CUDA-graph replays,
+``bench_attn.time_alone``), against the dense bf16 GEMM timed in the same run (``bench_attn.gemm_tflops``,
+8192^3). A JSON of the rows goes to --out (default $OUT/wgmma.json).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attn import gemm_tflops, time_alone  # noqa: E402
 from launch_common import out_path  # noqa: E402
 from moe_wave.attention import core_gluon  # noqa: E402
 
@@ -138,32 +140,9 @@ def run_mode(name: str, tiles: int, iters: int, dev: torch.device) -> dict:
         launch = lambda: _tile_steps_m128[(n_sm,)](q, k, out, tiles, BN=bn, D=512, num_warps=8)  # noqa: E731
     else:
         launch = lambda: _tile_steps[(n_sm,)](q, k, out, tiles, MODE=mode, BN=bn, D=512, num_warps=4)  # noqa: E731
-    launch()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        launch()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    us = sorted(times)[len(times) // 2]
+    us = time_alone(launch, iters)
     return dict(name=name, us_a_tile=us / tiles, tflops=n_sm * tiles * flop / (us * 1e-6) / 1e12, sms=n_sm,
                 tiles=tiles, flop_a_tile=flop, finite=bool(out.isfinite().all()))
-
-
-def dense_rate(dev: torch.device, n: int = 8192, iters: int = 10) -> float:
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    torch.matmul(a, b)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        torch.matmul(a, b)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * n ** 3 * iters / (s.elapsed_time(e) * 1e-3) / 1e12
 
 
 def main() -> None:
@@ -176,7 +155,7 @@ def main() -> None:
     if gluon is None or not torch.cuda.is_available():
         raise SystemExit("bench_wgmma: needs a Hopper GPU and Triton's Gluon")
     dev = torch.device("cuda")
-    dense = dense_rate(dev)
+    dense = gemm_tflops(dev)
     rows = [run_mode(m, args.tiles, args.iters, dev) for m in args.modes.split(",")]
     print(f"dense bf16 GEMM 8192^3: {dense:.0f} TFLOP/s")
     print(f"{'step':<10} {'us a tile':>10} {'TFLOP/s':>9} {'of GEMM':>8}")
