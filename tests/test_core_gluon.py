@@ -175,10 +175,10 @@ def test_warp_specialized_prologue_is_norm_rope(name):
                                    (4, dict(QPRO=not core_gluon.WS_OPTS["QPRO"]), q),
                                    (3, dict(QPRO=not core_gluon.WS_OPTS["QPRO"], QTMA=False), q),
                                    (None, dict(QTMA=True), strided),
-                                   (3, dict(QSPLIT=int(not core_gluon.WS_OPTS["QSPLIT"])), q),
-                                   (None, dict(QSPLIT=int(not core_gluon.WS_OPTS["QSPLIT"]), QFIRST=False), q),
-                                   (4, dict(QSPLIT=int(not core_gluon.WS_OPTS["QSPLIT"]), QTMA=False), q),
-                                   (None, dict(QSPLIT=int(not core_gluon.WS_OPTS["QSPLIT"]), QTMA=True), strided)):
+                                   (3, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"]), q),
+                                   (None, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"], QFIRST=False), q),
+                                   (4, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"], QTMA=False), q),
+                                   (None, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"], QTMA=True), strided)):
             got = torch.empty_like(q)           # (the WS kernel's: QK1, which needs QFIRST, has its own test)
             core_gluon.sparse_attention_gluon(qq, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
                                               programs=programs, opts=dict(opts or {}, QK1=False),
@@ -211,8 +211,7 @@ def test_qk1_kernel_matches_reference(name, w1out):
     by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
     the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
     bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output; the same
-    bits with q's prologue split and the loader's norm sums (QSPLIT 1), within bf16 rounding and its own bits with
-    warpgroup 0's sums (QSPLIT 2). W1OUT (warpgroup 1 stores the whole output): the same bits as without."""
+    bits with q's prologue split (QSPLIT). W1OUT (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -249,12 +248,9 @@ def test_qk1_kernel_matches_reference(name, w1out):
     plain = run(q, **steps)
     assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
     assert torch.equal(plain, run(q, 5, qpro, **steps))
-    # q's tail in its own buffer: the loader's sums after it (QSPLIT 1) give the bits of no split (0); warpgroup 0's
-    # sums (2) round in another order: within bf16 rounding, its own bits over 3 or 5 programs, with QPRO
-    split = {v: run(q, 3, dict(QSPLIT=v), **steps) for v in (0, 1, 2)}
-    assert torch.equal(split[0], split[1]) and torch.equal(split[1], run(q, 5, dict(qpro, QSPLIT=1), **steps))
-    assert torch.equal(split[2], run(q, 5, dict(qpro, QSPLIT=2), **steps)) and rel(split[2], split[0]) < 2e-3
-    assert torch.equal(plain, split[core_gluon.WS_OPTS["QSPLIT"]])
+    qsplit = dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"])    # q's tail in its own buffer, the norms after it
+    assert torch.equal(plain, run(q, 3, qsplit, **steps))
+    assert torch.equal(plain, run(q, 5, dict(qsplit, **qpro), **steps))
     assert rel(plain, ws(q, **steps)) < 1e-2
     o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
     sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
@@ -340,12 +336,6 @@ def test_warp_specialized_switches_follow_their_rules():
     assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
     assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
-    # QSPLIT 2 (warpgroup 0 sums q's norms) is the QK1 kernel's; the WS kernel takes the loader's sums (1) for it
-    assert core_gluon._ws_opts(dict(QSPLIT=2, QK1=True), 512, 0, 512, q512, q512, 0)["QSPLIT"] == 2
-    assert core_gluon._ws_opts(dict(QSPLIT=2, QK1=False), 512, 0, 512, q512, q512, 0)["QSPLIT"] == 1
-    assert core_gluon._ws_opts(dict(QSPLIT=2, QK1=True), 512, 0, 512, q, q, 0)["QSPLIT"] == 1       # d = 128
-    with pytest.raises(ValueError, match="QSPLIT=3 must be 0 .off., 1 .the loader's norm sums. or 2"):
-        core_gluon._ws_opts(dict(QSPLIT=3), 512, 0, 512, q512, q512, 0)
 
 
 def _stub_call(D: int, J: int, M: int) -> tuple:

@@ -589,7 +589,7 @@ if gl is not None:
                 if nt > 0:
                     mbarrier.wait(q_full, qn & 1)
                     _ws_stamp(trace_ptr, item, 1, TRACE)
-                    if QSPLIT == 0:                                     # (QSPLIT: after the first QK)
+                    if not QSPLIT:                                      # (QSPLIT: after the first QK)
                         qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
@@ -607,9 +607,9 @@ if gl is not None:
                 q_t = q_smem
                 if QDZ:     # q by an index the compiler cannot prove constant (g >> 30 is 0): the QK's descriptors
                     q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)    # not hoisted
-                sc = _qk(q_t, qt_smem, buf, s_zero, g, D, BD, BH, QTW, QROPE and QSPLIT > 0)
+                sc = _qk(q_t, qt_smem, buf, s_zero, g, D, BD, BH, QTW, QROPE and QSPLIT)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
-                if QROPE and QSPLIT > 0:
+                if QROPE and QSPLIT:
                     if t == 0:                                          # the norm factors, for the first softmax
                         mbarrier.wait(n_full, qn & 1)
                         qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
@@ -712,21 +712,19 @@ if gl is not None:
         # (loader) once q landed (QTMA: its TMA barrier's phase; else this thread's committed copies, and every
         # loader thread's): the prologue (QROPE), then q_full's 128 arrivals at once (after _ws_q_prep's closing
         # barrier: all of it written). QSPLIT: the tail rotated into its own buffer (qx[1]) and q_full, so that the
-        # math's first QK starts; then (1) the norm factors from the raw q (the same sums), and n_full (qx[2]), or
-        # (2, the QK1 kernel) warpgroup 0 sums them itself beside its first QK
+        # math's first QK starts; then the norm factors from the raw q (the same sums), and n_full (qx[2])
         inv_smem, qt_smem, n_full = qx
         if QTMA:
             mbarrier.wait(q_tma, q_phase)
         else:
             cp.wait_group(0)
             _cta_barrier()
-        if QROPE and QSPLIT > 0:
+        if QROPE and QSPLIT:
             _ws_q_rot(q_smem, qt_smem, qpos_ptr, qfreq_ptr, row, D, BH, RF, TW)
             mbarrier.arrive(q_full, count=128)
-            if QSPLIT == 1:
-                _ws_q_sums(q_smem, inv_smem, eps, D, BH, STC)
-                _cta_barrier()
-                mbarrier.arrive(n_full, count=128)
+            _ws_q_sums(q_smem, inv_smem, eps, D, BH, STC)
+            _cta_barrier()
+            mbarrier.arrive(n_full, count=128)
         else:
             if QROPE:
                 _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
@@ -772,19 +770,6 @@ if gl is not None:
         for k in gl.static_range(BH // RS):
             xf = q_smem.slice(k * RS, RS).load(ss_l).to(gl.float32)
             inv_smem.slice(k * RS, RS).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
-
-    @gluon.jit
-    def _q_inv(q_smem, eps, D: gl.constexpr, BH: gl.constexpr, out_l: gl.constexpr):
-        # (QSPLIT 2: the QK1 kernel's warpgroup 0, beside its first QK) each head's 1 / rms over the raw q's d
-        # channels, in out_l: two threads a row, 64 channels a pass (four 16-byte loads a thread, independent
-        # across passes), one shuffle a pass; another order of rounding than the loader's sums
-        sl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[16, 2], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        ssum = gl.zeros([BH], gl.float32, gl.SliceLayout(1, sl))
-        for k in gl.static_range(D // 64):
-            xf = q_smem.slice(k * 64, 64, dim=1).load(sl).to(gl.float32)
-            ssum += gl.sum(xf * xf, axis=1)
-        return gl.convert_layout(1.0 / gl.sqrt(ssum / D + eps), out_l)
 
     @gluon.jit
     def _ws_q_rot(q_smem, dst, qpos_ptr, qfreq_ptr, row, D: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr,
@@ -870,7 +855,7 @@ if gl is not None:
         k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
         pk_smem = gl.allocate_shared_memory(gl.int32, [BN], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         inv_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        qx = _qx_alloc(inv_smem, dt, BH, QTW, sm_l, QROPE and QSPLIT > 0)
+        qx = _qx_alloc(inv_smem, dt, BH, QTW, sm_l, QROPE and QSPLIT)
         q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -949,7 +934,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, qx, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, QTW: gl.constexpr, QSPLIT: gl.constexpr, q_eps):
+                  W1OUT: gl.constexpr, QTW: gl.constexpr, QSPLIT: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
@@ -981,7 +966,7 @@ if gl is not None:
             if nt > 0:
                 mbarrier.wait(q_full, qn & 1)
                 _ws_stamp(trace_ptr, item, 1, TRACE)
-                if QROPE and QSPLIT == 0:                               # (QSPLIT: at the first QK)
+                if QROPE and not QSPLIT:                                # (QSPLIT: after the first QK)
                     qs = qk_scale * inv_smem.load(row_l)
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=row_l)
@@ -996,12 +981,9 @@ if gl is not None:
                 # q by an index the compiler cannot prove constant (g >> 30 is 0): with a constant one it hoists the
                 # QK's 32 descriptors (64-bit) out of the loops and spills them
                 q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
-                sc = _qk(q_t, qt_smem, buf, s_zero, g, D, BD, BH, QTW, QROPE and QSPLIT > 0)
-                if QROPE and QSPLIT == 2:
-                    if t == 0:                                          # the norm factors, while QK(0) runs
-                        qs = qk_scale * _q_inv(q_smem, q_eps, D, BH, row_l)
+                sc = _qk(q_t, qt_smem, buf, s_zero, g, D, BD, BH, QTW, QROPE and QSPLIT)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
-                if QROPE and QSPLIT == 1:
+                if QROPE and QSPLIT:
                     if t == 0:                                          # the norm factors, for the first softmax
                         mbarrier.wait(n_full, qn & 1)
                         qs = qk_scale * inv_smem.load(row_l)
@@ -1062,7 +1044,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, qx, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, QTW: gl.constexpr, QSPLIT: gl.constexpr, q_eps):
+                  W1OUT: gl.constexpr, QTW: gl.constexpr, QSPLIT: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -1140,7 +1122,7 @@ if gl is not None:
         k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
         pk_smem = gl.allocate_shared_memory(gl.int32, [BN], f1_l)
         inv_smem = gl.allocate_shared_memory(gl.float32, [BH], f1_l)
-        qx = _qx_alloc(inv_smem, dt, BH, QTW, sm_l, QROPE and QSPLIT > 0)
+        qx = _qx_alloc(inv_smem, dt, BH, QTW, sm_l, QROPE and QSPLIT)
         sP = gl.allocate_shared_memory(dt, [2, BH, BN], sm_l)
         sA = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
         sL = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
@@ -1172,10 +1154,10 @@ if gl is not None:
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                          BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, qx, TRACE, ORS, W1OUT, QTW,
-                         QSPLIT, q_eps)),
+                         QSPLIT)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                          BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, qx, TRACE, ORS, W1OUT, QTW,
-                         QSPLIT, q_eps)),
+                         QSPLIT)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, qx, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
                           QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, QSPLIT)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
@@ -1185,7 +1167,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, QSPLIT=0)
+               W1OUT=True, QPRO=False, MREGS=None, QSPLIT=False)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1234,16 +1216,11 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["QSPLIT"] = int(o["QSPLIT"])
-    if o["QSPLIT"] not in (0, 1, 2):
-        raise ValueError(f"sparse_attention_gluon: QSPLIT={o['QSPLIT']} must be 0 (off), 1 (the loader's norm sums) "
-                         "or 2 (the QK1 kernel's warpgroup 0 sums them)")
+    o["QSPLIT"] = bool(o["QSPLIT"])
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
                 and nbuf == 2)
-    if o["QSPLIT"] == 2 and not o["QK1"]:       # the WS kernel's math partitions take the loader's sums
-        o["QSPLIT"] = 1
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
     o["PROBE"] = probe
