@@ -152,8 +152,7 @@ def test_warp_specialized_prologue_is_norm_rope(name):
     rotated in place, the norm a factor of the head's scores, not rounded into q), against ``norm_rope`` then the
     plain kernel and the fp32 reference: within bf16 rounding; the same bits with 3 programs as with one per SM,
     with the loader's q before or after the item's first tile, its prologue before or after that tile's gather
-    (QPRO), by TMA or by copies (a strided q takes the copies), with the rotated tail in its own buffer and the norm
-    factors signalled after it (QSPLIT: the first QK issued over the raw channels and that buffer, the same k-steps),
+    (QPRO), by TMA or by copies (a strided q takes the copies),
     and from run to run; norm only (no frequencies) too;
     with the output's steps as well, the bits of that kernel's output quantised (the epilogue is checked above), as
     ``sparse_attention_fused`` runs it for a large grid."""
@@ -174,11 +173,7 @@ def test_warp_specialized_prologue_is_norm_rope(name):
                                    (5, dict(QTMA=True), q), (3, dict(QTMA=False), q),
                                    (4, dict(QPRO=not core_gluon.WS_OPTS["QPRO"]), q),
                                    (3, dict(QPRO=not core_gluon.WS_OPTS["QPRO"], QTMA=False), q),
-                                   (None, dict(QTMA=True), strided),
-                                   (3, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"]), q),
-                                   (None, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"], QFIRST=False), q),
-                                   (4, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"], QTMA=False), q),
-                                   (None, dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"], QTMA=True), strided)):
+                                   (None, dict(QTMA=True), strided)):
             got = torch.empty_like(q)           # (the WS kernel's: QK1, which needs QFIRST, has its own test)
             core_gluon.sparse_attention_gluon(qq, got, sinks.float(), kv1, i1, kv2, i2, scale, two, ws=True,
                                               programs=programs, opts=dict(opts or {}, QK1=False),
@@ -210,8 +205,8 @@ def test_qk1_kernel_matches_reference(name, w1out):
     walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
     by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
     the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
-    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output; the same
-    bits with q's prologue split (QSPLIT). W1OUT (warpgroup 1 stores the whole output): the same bits as without."""
+    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
+    (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -248,9 +243,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
     plain = run(q, **steps)
     assert torch.equal(plain, run(q, 3, dict(ORS=False), **steps))
     assert torch.equal(plain, run(q, 5, qpro, **steps))
-    qsplit = dict(QSPLIT=not core_gluon.WS_OPTS["QSPLIT"])    # q's tail in its own buffer, the norms after it
-    assert torch.equal(plain, run(q, 3, qsplit, **steps))
-    assert torch.equal(plain, run(q, 5, dict(qsplit, **qpro), **steps))
     assert rel(plain, ws(q, **steps)) < 1e-2
     o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
     sc = torch.full((H * D // 128, B * S), float("nan"), device="cuda")

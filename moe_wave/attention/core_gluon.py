@@ -387,40 +387,11 @@ if gl is not None:
                       mask=(hq < H)[:, None] & (dq < D)[None, :])
 
     @gluon.jit
-    def _qk(q_t, qt_smem, buf, s_zero, g, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, QTW: gl.constexpr,
-            SPLIT: gl.constexpr):
-        # a tile's QK, issued (async): q [BH, BD] against the tile's keys [BN, BD]; SPLIT (QSPLIT with q's
-        # prologue): the raw q's channels before the rotated tail, then the tail from its own buffer (the same
-        # k-steps in the same order as one dot over the rotated q: the same bits)
-        if SPLIT:
-            # the raw channels 0 .. D - QTW in power-of-two pieces (a shared-memory view's shape must be one)
-            qt_t = qt_smem._reinterpret(qt_smem.dtype, [1, BH, QTW], qt_smem.type.layout).index(g >> 30)
-            R: gl.constexpr = D - QTW
-            C0: gl.constexpr = R & 256
-            C1: gl.constexpr = R & 128
-            C2: gl.constexpr = R & 64
-            sc = s_zero
-            if C0 > 0:
-                sc = warpgroup_mma(q_t.slice(0, C0, dim=1), buf.slice(0, C0, dim=1).permute((1, 0)), sc,
-                                   use_acc=False, is_async=True)
-            if C1 > 0:
-                sc = warpgroup_mma(q_t.slice(C0, C1, dim=1), buf.slice(C0, C1, dim=1).permute((1, 0)), sc,
-                                   use_acc=C0 > 0, is_async=True)
-            if C2 > 0:
-                sc = warpgroup_mma(q_t.slice(C0 + C1, C2, dim=1), buf.slice(C0 + C1, C2, dim=1).permute((1, 0)), sc,
-                                   use_acc=C0 + C1 > 0, is_async=True)
-            gl.static_assert(C0 + C1 + C2 == R, "QSPLIT: d - QTW in 64-channel pieces up to 448")
-            sc = warpgroup_mma(qt_t, buf.slice(R, QTW, dim=1).permute((1, 0)), sc, use_acc=R > 0, is_async=True)
-        else:
-            sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        return sc
-
-    @gluon.jit
     def _ws_loader(a, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                    NBUF: gl.constexpr, TWO: gl.constexpr, JC: gl.constexpr, QFIRST: gl.constexpr,
-                   PROBE: gl.constexpr, qx, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
+                   PROBE: gl.constexpr, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE: gl.constexpr,
                    QRF: gl.constexpr, QTW: gl.constexpr, STC: gl.constexpr, TRACE: gl.constexpr,
-                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr, QSPLIT: gl.constexpr):
+                   q_desc, q_tma, QTMA: gl.constexpr, QPRO: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -459,8 +430,8 @@ if gl is not None:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                         qn += 1
                 if QPRO and QFIRST and (QROPE or QTMA) and t == 0:     # q's prologue before the first tile waits
-                    _ws_q_ready(q_smem, qx, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA, QSPLIT)   # for its slot (QK1: held by warpgroup
+                    _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # for its slot (QK1: held by warpgroup
                     qn += 1                                             # 1's output store)
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 slot = g % NBUF
@@ -481,8 +452,8 @@ if gl is not None:
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 10, TRACE)
                 if (not QPRO) and QFIRST and (QROPE or QTMA) and t == 0:   # q's prologue once its copies landed
-                    _ws_q_ready(q_smem, qx, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,  # (the
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA, QSPLIT)   # tile's copies, not in a group, travel)
+                    _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # (the tile's copies, not in a group, travel)
                     qn += 1
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 if (not QFIRST) and t == 0:
@@ -491,8 +462,8 @@ if gl is not None:
                         _ws_q(q_smem, q_ptr, b, s, h0, H, s_q_b, s_q_s, s_q_h, D, BD, BH, RC, ld_l)
                     if QROPE:                                   # q's norm factors and RoPE, here, off the math's
                         cp.commit_group()                       # path
-                        _ws_q_ready(q_smem, qx, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                    QTW, STC, q_tma, 0, True, False, QSPLIT)
+                        _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
+                                    QTW, STC, q_tma, 0, True, False)
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
@@ -556,8 +527,8 @@ if gl is not None:
                  D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
-                 QROPE: gl.constexpr, qx, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr,
-                 QDZ: gl.constexpr, QTW: gl.constexpr, QSPLIT: gl.constexpr):
+                 QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr,
+                 QDZ: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -575,7 +546,6 @@ if gl is not None:
                                               warps_per_cta=[8, 1], order=[1, 0])
         cols_l: gl.constexpr = gl.SliceLayout(0, qk_l)
         s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
-        inv_smem, qt_smem, n_full = qx
         G = gl.num_programs(0)
         g = 0
         qn = 0
@@ -589,8 +559,7 @@ if gl is not None:
                 if nt > 0:
                     mbarrier.wait(q_full, qn & 1)
                     _ws_stamp(trace_ptr, item, 1, TRACE)
-                    if not QSPLIT:                                      # (QSPLIT: after the first QK)
-                        qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
+                    qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, qk_l))
             m_i = gl.load(sink_ptr + hm, mask=hm < H, other=0.0).to(gl.float32) * 1.4426950408889634
@@ -607,12 +576,8 @@ if gl is not None:
                 q_t = q_smem
                 if QDZ:     # q by an index the compiler cannot prove constant (g >> 30 is 0): the QK's descriptors
                     q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)    # not hoisted
-                sc = _qk(q_t, qt_smem, buf, s_zero, g, D, BD, BH, QTW, QROPE and QSPLIT)
+                sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) and QK(t) done
-                if QROPE and QSPLIT:
-                    if t == 0:                                          # the norm factors, for the first softmax
-                        mbarrier.wait(n_full, qn & 1)
-                        qs = qk_scale * inv_smem.load(gl.SliceLayout(1, qk_l))
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
                 if t == nt - 1:
@@ -656,8 +621,7 @@ if gl is not None:
                                                               order=[1, 0])
                         c, sn = _rope_cs(opos_ptr + b * S + s, ofreq_ptr, TW, RF - TW, RF, True,
                                          gl.SliceLayout(0, rt_l), 8)
-                        _rotate_rows(last.slice(D - TW, TW, dim=1), c, sn, BH, 8 * (32 // TPC), TW, rt_l,
-                                     last.slice(D - TW, TW, dim=1))
+                        _rotate_rows(last.slice(D - TW, TW, dim=1), c, sn, BH, 8 * (32 // TPC), TW, rt_l)
                         _cta_barrier()
                     ov = last.load(st_l)
                     _cta_barrier()
@@ -706,41 +670,32 @@ if gl is not None:
         return gl.convert_layout(c, out_l), gl.convert_layout(sn, out_l)
 
     @gluon.jit
-    def _ws_q_ready(q_smem, qx, q_full, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
+    def _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
                     BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr, q_tma, q_phase,
-                    QROPE: gl.constexpr, QTMA: gl.constexpr, QSPLIT: gl.constexpr):
+                    QROPE: gl.constexpr, QTMA: gl.constexpr):
         # (loader) once q landed (QTMA: its TMA barrier's phase; else this thread's committed copies, and every
         # loader thread's): the prologue (QROPE), then q_full's 128 arrivals at once (after _ws_q_prep's closing
-        # barrier: all of it written). QSPLIT: the tail rotated into its own buffer (qx[1]) and q_full, so that the
-        # math's first QK starts; then the norm factors from the raw q (the same sums), and n_full (qx[2])
-        inv_smem, qt_smem, n_full = qx
+        # barrier: all of it written)
         if QTMA:
             mbarrier.wait(q_tma, q_phase)
         else:
             cp.wait_group(0)
             _cta_barrier()
-        if QROPE and QSPLIT:
-            _ws_q_rot(q_smem, qt_smem, qpos_ptr, qfreq_ptr, row, D, BH, RF, TW)
-            mbarrier.arrive(q_full, count=128)
-            _ws_q_sums(q_smem, inv_smem, eps, D, BH, STC)
-            _cta_barrier()
-            mbarrier.arrive(n_full, count=128)
-        else:
-            if QROPE:
-                _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
-            mbarrier.arrive(q_full, count=128)
+        if QROPE:
+            _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
+        mbarrier.arrive(q_full, count=128)
 
     @gluon.jit
-    def _rotate_rows(tail, c, sn, BH: gl.constexpr, RT: gl.constexpr, TW: gl.constexpr, rt_l: gl.constexpr, dst):
-        # RoPE on a shared-memory tile's last TW channels [BH, TW], RT rows at a time, written to dst (the same
-        # view: in place; QSPLIT: q's tail buffer): the pair partner by a split / join within the thread,
-        # fma(x_swap, sn, x * c) in fp32 (as norm_rope pins it), rounded once to the tile's dtype; c / sn from
-        # _rope_cs (sn signed, INVERSE there for the inverse rotation)
+    def _rotate_rows(tail, c, sn, BH: gl.constexpr, RT: gl.constexpr, TW: gl.constexpr, rt_l: gl.constexpr):
+        # RoPE in place on a shared-memory tile's last TW channels [BH, TW], RT rows at a time: the pair partner
+        # by a split / join within the thread, fma(x_swap, sn, x * c) in fp32 (as norm_rope pins it), rounded once
+        # to the tile's dtype; c / sn from _rope_cs (sn signed, INVERSE there for the inverse rotation)
         for k in gl.static_range(BH // RT):
-            x = tail.slice(k * RT, RT).load(rt_l)
+            part = tail.slice(k * RT, RT)
+            x = part.load(rt_l)
             ev, od = gl.split(gl.reshape(x, [RT, TW // 2, 2]))
             xs = gl.convert_layout(gl.reshape(gl.join(od, ev), [RT, TW]), rt_l).to(gl.float32)
-            dst.slice(k * RT, RT).store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
+            part.store(gl.fma(xs, sn[None, :], x.to(gl.float32) * c[None, :]).to(x.dtype))
 
     @gluon.jit
     def _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
@@ -753,37 +708,22 @@ if gl is not None:
         # rewritten, not all of it. It runs while the math partition finishes the last item, instead of on its
         # path. The sums: 8 channels a thread, STC threads along a row (a warp's shuffles). The rotation: the last
         # TW channels (whole 64-channel columns of the 128-byte swizzle).
-        _ws_q_sums(q_smem, inv_smem, eps, D, BH, STC)
-        if RF > 0:
-            _cta_barrier()                                              # every sum read q before it is rotated
-            _ws_q_rot(q_smem, q_smem.slice(D - TW, TW, dim=1), qpos_ptr, qfreq_ptr, row, D, BH, RF, TW)
-        else:
-            _cta_barrier()                                              # the factors, written
-
-    @gluon.jit
-    def _ws_q_sums(q_smem, inv_smem, eps, D: gl.constexpr, BH: gl.constexpr, STC: gl.constexpr):
-        # (loader) each head's 1 / rms over the raw q's d channels to inv_smem: 8 channels a thread, STC threads
-        # along a row (a warp's shuffles), 8-row swizzle atoms at a time
         ss_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // STC, STC],
                                               warps_per_cta=[4, 1], order=[1, 0])
         RS: gl.constexpr = 8 * (32 // STC)                             # whole 8-row swizzle atoms
         for k in gl.static_range(BH // RS):
             xf = q_smem.slice(k * RS, RS).load(ss_l).to(gl.float32)
             inv_smem.slice(k * RS, RS).store(1.0 / gl.sqrt(gl.sum(xf * xf, axis=1) / D + eps))
-
-    @gluon.jit
-    def _ws_q_rot(q_smem, dst, qpos_ptr, qfreq_ptr, row, D: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr,
-                  TW: gl.constexpr):
-        # (loader) RoPE of q's last TW channels (the tail's RF and whole swizzle columns before them) to dst [BH,
-        # TW] (q's own tail, in place, or QSPLIT's buffer), fenced for the wgmma's proxy, every thread's written
-        TPC: gl.constexpr = TW // 8 if TW < 256 else 32
-        rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
-                                              warps_per_cta=[4, 1], order=[1, 0])
-        RT: gl.constexpr = 4 * (32 // TPC)
-        c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, TW, RF - TW, RF, False, gl.SliceLayout(0, rt_l), 4)
-        _rotate_rows(q_smem.slice(D - TW, TW, dim=1), c, sn, BH, RT, TW, rt_l, dst)
-        fence_async_shared()                                            # the rotated q, to the wgmma's proxy
-        _cta_barrier()
+        if RF > 0:
+            _cta_barrier()                                              # every sum read q before it is rotated
+            TPC: gl.constexpr = TW // 8 if TW < 256 else 32
+            rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
+                                                  warps_per_cta=[4, 1], order=[1, 0])
+            RT: gl.constexpr = 4 * (32 // TPC)
+            c, sn = _rope_cs(qpos_ptr + row, qfreq_ptr, TW, RF - TW, RF, False, gl.SliceLayout(0, rt_l), 4)
+            _rotate_rows(q_smem.slice(D - TW, TW, dim=1), c, sn, BH, RT, TW, rt_l)
+            fence_async_shared()                                        # the rotated q, to the wgmma's proxy
+        _cta_barrier()                                                  # the factors and the rotated q, written
 
     @gluon.jit
     def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
@@ -823,19 +763,6 @@ if gl is not None:
         else:
             gl.store(optr, y, mask=omask)
 
-    @gluon.jit
-    def _qx_alloc(inv_smem, dt: gl.constexpr, BH: gl.constexpr, QTW: gl.constexpr, sm_l: gl.constexpr,
-                  SPLIT: gl.constexpr):
-        # q's prologue's outputs besides q: (the norm factors, QSPLIT's rotated tail [BH, QTW] and its n_full);
-        # without QSPLIT the tail is q's own and n_full an unused barrier
-        n_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(n_full, count=128)                # the loader's threads, once the factors are written
-        if SPLIT:
-            qt_smem = gl.allocate_shared_memory(dt, [BH, QTW], sm_l)
-        else:
-            qt_smem = inv_smem
-        return inv_smem, qt_smem, n_full
-
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
     def _sparse_core_ws(q_ptr, o_ptr, sink_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, opos_ptr, ofreq_ptr, sc_ptr,
                         qpos_ptr, qfreq_ptr, q_eps, trace_ptr,
@@ -847,7 +774,7 @@ if gl is not None:
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
                         ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr, QDZ: gl.constexpr,
-                        QPRO: gl.constexpr, QSPLIT: gl.constexpr, num_warps: gl.constexpr):
+                        QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -855,7 +782,6 @@ if gl is not None:
         k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
         pk_smem = gl.allocate_shared_memory(gl.int32, [BN], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         inv_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        qx = _qx_alloc(inv_smem, dt, BH, QTW, sm_l, QROPE and QSPLIT)
         q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_tma = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -873,10 +799,10 @@ if gl is not None:
              q_empty, kv_full, kv_empty, trace_ptr)
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, qx,
-                        TRACE, ORS, LSPLIT, QDZ, QTW, QSPLIT)),
-            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, qx, qpos_ptr, qfreq_ptr, q_eps,
-                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, QSPLIT)),
+                        BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
+                        TRACE, ORS, LSPLIT, QDZ)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
+                          QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4], [LOAD_REGS])
 
 
@@ -933,8 +859,8 @@ if gl is not None:
     def _q1_math0(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                  FP8: gl.constexpr, QROPE: gl.constexpr, qx, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, QTW: gl.constexpr, QSPLIT: gl.constexpr):
+                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
+                  W1OUT: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
@@ -954,7 +880,6 @@ if gl is not None:
         one_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                order=[0])
         s_zero = gl.zeros([BH, BN], gl.float32, qk_l)
-        inv_smem, qt_smem, n_full = qx
         pf1, pf2 = _ws_picks_start(a, False, BH, JC, TWO, one_l)
         g = 0
         qn = 0
@@ -966,7 +891,7 @@ if gl is not None:
             if nt > 0:
                 mbarrier.wait(q_full, qn & 1)
                 _ws_stamp(trace_ptr, item, 1, TRACE)
-                if QROPE and not QSPLIT:                                # (QSPLIT: after the first QK)
+                if QROPE:
                     qs = qk_scale * inv_smem.load(row_l)
             ok_n = _picks(0, n1, idx1, J1, idx2, J2, BN, cols_l, TWO) >= 0
             hm = h0 + gl.arange(0, BH, layout=row_l)
@@ -981,12 +906,8 @@ if gl is not None:
                 # q by an index the compiler cannot prove constant (g >> 30 is 0): with a constant one it hoists the
                 # QK's 32 descriptors (64-bit) out of the loops and spills them
                 q_t = q_smem._reinterpret(dt, [1, BH, BD], q_smem.type.layout).index(g >> 30)
-                sc = _qk(q_t, qt_smem, buf, s_zero, g, D, BD, BH, QTW, QROPE and QSPLIT)
+                sc = warpgroup_mma(q_t, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))   # PV(t-1) of this half, QK(t)
-                if QROPE and QSPLIT:
-                    if t == 0:                                          # the norm factors, for the first softmax
-                        mbarrier.wait(n_full, qn & 1)
-                        qs = qk_scale * inv_smem.load(row_l)
                 if t == 0:
                     _ws_stamp(trace_ptr, item, 2, TRACE)
                 if t == nt - 1:
@@ -1043,8 +964,8 @@ if gl is not None:
     def _q1_math1(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                  FP8: gl.constexpr, QROPE: gl.constexpr, qx, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr, QTW: gl.constexpr, QSPLIT: gl.constexpr):
+                  FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
+                  W1OUT: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -1095,8 +1016,7 @@ if gl is not None:
                     rt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPC, TPC],
                                                           warps_per_cta=[4, 1], order=[1, 0])
                     c, sn = _rope_cs(opos_ptr + b * S + s, ofreq_ptr, TW, RF - TW, RF, True, gl.SliceLayout(0, rt_l), 4)
-                    _rotate_rows(stage.slice(BDH - TW, TW, dim=1), c, sn, BH, 4 * (32 // TPC), TW, rt_l,
-                                 stage.slice(BDH - TW, TW, dim=1))
+                    _rotate_rows(stage.slice(BDH - TW, TW, dim=1), c, sn, BH, 4 * (32 // TPC), TW, rt_l)
                     _cta_barrier()
                 qn += 1
             _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
@@ -1113,7 +1033,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, QSPLIT: gl.constexpr, num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1122,7 +1042,6 @@ if gl is not None:
         k_smem = gl.allocate_shared_memory(dt, [NBUF, BN, BD], sm_l)
         pk_smem = gl.allocate_shared_memory(gl.int32, [BN], f1_l)
         inv_smem = gl.allocate_shared_memory(gl.float32, [BH], f1_l)
-        qx = _qx_alloc(inv_smem, dt, BH, QTW, sm_l, QROPE and QSPLIT)
         sP = gl.allocate_shared_memory(dt, [2, BH, BN], sm_l)
         sA = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
         sL = (gl.allocate_shared_memory(gl.float32, [BH], f1_l), gl.allocate_shared_memory(gl.float32, [BH], f1_l))
@@ -1153,13 +1072,11 @@ if gl is not None:
         # the constexprs into tensors)
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, qx, TRACE, ORS, W1OUT, QTW,
-                         QSPLIT)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, qx, TRACE, ORS, W1OUT, QTW,
-                         QSPLIT)),
-            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, qx, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO, QSPLIT)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
+                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1167,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, QSPLIT=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1216,7 +1133,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QDZ"] = bool(o["QDZ"])
     o["W1OUT"] = bool(o["W1OUT"])
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
-    o["QSPLIT"] = bool(o["QSPLIT"])
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
     o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
@@ -1307,7 +1223,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"], QSPLIT=wo["QSPLIT"],
+                    QPRO=wo["QPRO"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
