@@ -72,16 +72,14 @@ def test_gluon_core_matches_reference(name):
                                      dict(programs=4, opts=dict(QTMA=False, ORS=False)),
                                      dict(programs=3, opts=dict(LSPLIT=not core_gluon.WS_OPTS["LSPLIT"])),
                                      dict(programs=2, opts=dict(QDZ=not core_gluon.WS_OPTS["QDZ"])),
-                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"])),
-                                     dict(programs=9, opts=dict(STAGGER=3, SPERIOD=30000))])
+                                     dict(programs=3, opts=dict(QPRO=not core_gluon.WS_OPTS["QPRO"]))])
 def test_warp_specialized_kernel_equals_one_program_per_item(name, variant):
     """The persistent warp-specialized kernel does the one-program-per-item kernel's math in the same order, so it
     gives the same bits: with a few programs each walking many items (items with no valid pick among them, whose
     buffers' phases must stay in step), with each of its switches off, with q by TMA (its barrier's phase in step
     over the items), and with the loader's other budget; with the softmax's sums kept whole or by warpgroup
     (LSPLIT, another order of rounding: the one-program kernel takes the switch too); with q's tile named by a
-    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO); with the programs'
-    starts staggered (STAGGER)."""
+    run-time index (QDZ); with q's prologue before or after the first tile's gather (QPRO)."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -207,8 +205,7 @@ def test_qk1_kernel_matches_reference(name, w1out):
     walking many items (items with no valid pick among them: the rings' phases in step) as with one per SM, with q
     by copies, and run to run; a query whose every pick is masked gets 0. With the layer's steps (q's norm and RoPE,
     the output's inverse RoPE, FP8): the same bits with the RoPE on the staged tail or in registers, act_quant's
-    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output; the
-    same bits with the programs' starts staggered (STAGGER). W1OUT
+    bytes of its own bf16 output, and within bf16 rounding of the warp-specialized kernel's fused output. W1OUT
     (warpgroup 1 stores the whole output): the same bits as without."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
@@ -237,7 +234,6 @@ def test_qk1_kernel_matches_reference(name, w1out):
         assert torch.equal(runs[0], run(q, 3, dict(W1OUT=False)))
     qpro = dict(QPRO=not core_gluon.WS_OPTS["QPRO"])    # q's prologue before or after the first tile's gather
     assert torch.equal(runs[0], run(q, 5, qpro))
-    assert torch.equal(runs[0], run(q, 9, dict(STAGGER=3, SPERIOD=30000)))     # the programs' starts staggered
 
     g = torch.Generator(device="cuda").manual_seed(11)
     q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)
@@ -332,8 +328,6 @@ def test_warp_specialized_switches_follow_their_rules():
     assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
     assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
-    with pytest.raises(ValueError, match="STAGGER=-1 and SPERIOD=20000 must be >= 0"):
-        core_gluon._ws_opts(dict(STAGGER=-1), 512, 0, 512, q512, q512, 0)
 
 
 def _stub_call(D: int, J: int, M: int) -> tuple:
