@@ -107,8 +107,7 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
     the last bit but on at most 1 in 10 000 elements, by at most one ulp: before norm_rope's kernel pinned its
     `x * c + xs * s` to the epilogues' fma (996bacd), its compiler contracted it the other way on 2-5 elements of
     150 000 here (the Triton core's fused epilogue differed from it on the same ones); the bound can go once a
-    GPU run shows them equal. sparse_attention_fused takes this path for a large grid. OTMA (the FP8 block staged in
-    shared memory and sent by a TMA store) gives the same bytes and scales."""
+    GPU run shows them equal. sparse_attention_fused takes this path for a large grid."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
@@ -139,17 +138,6 @@ def test_warp_specialized_epilogue_has_the_unfused_chains_bits(name):
             want_q, want_s = act_quant_torch(src.reshape(B * S, H * D))
             assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
     assert torch.equal(rot[None, True], rot[3, False]) and torch.equal(rot[3, False], rot[3, True])
-    for programs in (None, 3):          # OTMA (the WS kernel): the FP8 bytes by a TMA store, the same bytes
-        for rope in ((pos, freq), None):
-            outs = []
-            for otma in (False, True):
-                o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
-                s = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
-                core_gluon.sparse_attention_gluon(q, o_q.view(B, S, H, D), sinks.float(), kv1, i1, kv2, i2, scale,
-                                                  two, ws=True, programs=programs, o_rope=rope, scales=s,
-                                                  opts=dict(OTMA=otma, QK1=False))
-                outs.append((o_q.view(torch.uint8), s))
-            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     o_q, s = sparse_attention_fused(q, parts, sinks, scale, o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False,
                                     impl="gluon")
     want_q, want_s = act_quant_torch(rot[None, True].reshape(B * S, H * D))
@@ -340,16 +328,6 @@ def test_warp_specialized_switches_follow_their_rules():
     assert core_gluon._ws_opts(None, 64 * (n - 2) + 1, 1, 512, q512, q512, 0)["QK1"]             # a tail a part
     assert not core_gluon._ws_opts(None, 64 * n, 0, 512, q512, q512, 0, bn=32)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=False), 64 * n, 64, 512, q512, q512, 0)["QK1"]
-    # OTMA: the WS kernel's FP8 output (contiguous, 16-byte aligned) through its staging (EPI, ORS)
-    o8 = torch.empty(1, 1, 64, 512, dtype=torch.float8_e4m3fn)
-    tma = core_gluon.TensorDescriptor is not None
-    assert core_gluon._ws_opts(dict(OTMA=True, QK1=False), 512, 0, 512, q512, o8, 0, fused=True)["OTMA"] == tma
-    assert not core_gluon._ws_opts(dict(OTMA=True, QK1=True), 512, 0, 512, q512, o8, 0, fused=True)["OTMA"]
-    assert not core_gluon._ws_opts(dict(OTMA=True, QK1=False), 512, 0, 512, q512, q512, 0)["OTMA"]     # bf16 out
-    assert not core_gluon._ws_opts(dict(OTMA=True, QK1=False, ORS=False), 512, 0, 512, q512, o8, 0,
-                                   fused=True)["OTMA"]
-    o8s = torch.empty(1, 1, 64, 1024, dtype=torch.float8_e4m3fn)[..., :512]
-    assert not core_gluon._ws_opts(dict(OTMA=True, QK1=False), 512, 0, 512, q512, o8s, 0, fused=True)["OTMA"]
 
 
 def _stub_call(D: int, J: int, M: int) -> tuple:

@@ -63,8 +63,6 @@ try:  # Gluon: Triton's experimental dialect; anything missing means "not availa
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     # q's tile in shared memory (the kernels' sm_l), which the TMA descriptor of q (QTMA) must name
     _Q_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    # the FP8 output's block in shared memory (OTMA's TMA store)
-    _O_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = None
 try:  # TMA for q (QTMA); without it q comes by cp.async
@@ -530,7 +528,7 @@ if gl is not None:
                  TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, EPI: gl.constexpr, QFIRST: gl.constexpr,
                  PROBE: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                  QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr, LSPLIT: gl.constexpr,
-                 QDZ: gl.constexpr, o_desc, OTMA: gl.constexpr):
+                 QDZ: gl.constexpr):
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
          kv_full, kv_empty, trace_ptr) = a
@@ -627,34 +625,16 @@ if gl is not None:
                         _cta_barrier()
                     ov = last.load(st_l)
                     _cta_barrier()
-                    if not OTMA:                                        # (OTMA: once its TMA store read it)
-                        mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
+                    mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
                     qn += 1
                 else:                                                   # no valid pick: the output is 0
                     ov = gl.zeros([BH, BD], dt, st_l)
                 _ws_stamp(trace_ptr, item, 4, TRACE)
-                if OTMA:
-                    if nt > 0:
-                        # the FP8 bytes into the first 32 KB of the buffer just read, then one TMA store of the
-                        # [BH, d] block (the same bytes as the stores below); the buffer goes back once it is read
-                        o8 = k_smem.index((g + NBUF - 1) % NBUF)._reinterpret(gl.float8e4nv, [BH, BD], o_desc.layout)
-                        if PROBE != 3:
-                            _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH,
-                                      RF, OROPE and not ORS, FP8, st_l, 0, 8, True, o8)
-                            fence_async_shared()
-                            _cta_barrier()
-                            tma.async_copy_shared_to_global(o_desc, [((b * S + s) * H + h0).to(gl.int32), 0], o8)
-                            tma.store_wait(0)
-                            _cta_barrier()
-                        mbarrier.arrive(kv_empty.index((g + NBUF - 1) % NBUF))
-                    elif PROBE != 3:
-                        _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
-                                  OROPE, FP8, st_l, 0, 8, False, k_smem)
-                elif PROBE != 3:
+                if PROBE != 3:
                     # with ORS an item with picks had its RoPE above; an item with none (zeros) still takes the
                     # rotation here, as the chain rounds it (a run-time flag: both paths are compiled)
                     _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
-                              OROPE and not (ORS and nt > 0), FP8, st_l, 0, 8, False, k_smem)
+                              OROPE and not (ORS and nt > 0), FP8, st_l, 0, 8)
                 _ws_stamp(trace_ptr, item, 5, TRACE)
             else:
                 o = (acc / l_pv[:, None]).to(o_ptr.dtype.element_ty)
@@ -748,7 +728,7 @@ if gl is not None:
     @gluon.jit
     def _ws_store(y, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D: gl.constexpr, BD: gl.constexpr,
                   BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, st_l: gl.constexpr,
-                  C0: gl.constexpr, NW: gl.constexpr, OTMA: gl.constexpr, o8):
+                  C0: gl.constexpr, NW: gl.constexpr):
         # The item's output y [BH, BD] (q's dtype, 8 channels a thread) to o_row, through the layer's steps after
         # the core as the unfused chain runs them (``core_kernel._epilogue`` is the same math, the same bits):
         # OROPE: the inverse RoPE of the last RF channels in fp32 (the pair partner by a split / join, within the
@@ -774,10 +754,7 @@ if gl is not None:
             sbits = (gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
             inv = (0x7F000000 - sbits).to(gl.float32, bitcast=True)    # 1 / s, exact (s a power of two)
             z = gl.convert_layout(gl.reshape(y3 * inv[:, :, None], [BH, BD]), st_l)
-            if OTMA:                # (the caller sends o8 by a TMA store: whole [BH, BD] blocks, no mask)
-                o8.store(z.to(gl.float8e4nv, fp_downcast_rounding="rtne"))
-            else:
-                gl.store(optr, z.to(gl.float8e4nv, fp_downcast_rounding="rtne"), mask=omask)
+            gl.store(optr, z.to(gl.float8e4nv, fp_downcast_rounding="rtne"), mask=omask)
             sb = gl.convert_layout(sbits, sc_l)
             hb = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, sc_l))
             blk = C0 // 128 + gl.arange(0, BD // 128, layout=gl.SliceLayout(0, sc_l))
@@ -797,7 +774,7 @@ if gl is not None:
                         RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr, STC: gl.constexpr,
                         QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr, TRACE: gl.constexpr,
                         ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, LSPLIT: gl.constexpr, QDZ: gl.constexpr,
-                        QPRO: gl.constexpr, o_desc, OTMA: gl.constexpr, num_warps: gl.constexpr):
+                        QPRO: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 8, "two math warpgroups")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -823,7 +800,7 @@ if gl is not None:
         gl.warp_specialize([
             (_ws_math, (a, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
                         BH, BN, NBUF, TWO, JC, PREF, EPI, QFIRST, PROBE, RF, OROPE, FP8, STC, QROPE, inv_smem,
-                        TRACE, ORS, LSPLIT, QDZ, o_desc, OTMA)),
+                        TRACE, ORS, LSPLIT, QDZ)),
             (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, QFIRST, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps,
                           QROPE, QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4], [LOAD_REGS])
@@ -865,7 +842,7 @@ if gl is not None:
                 else:
                     ov = gl.zeros([BH // 4, BD], dt, st_l)
                 _ws_store(ov, o_row, h0 + r * (BH // 4), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD,
-                          BH // 4, RF, OROPE and not ORS, FP8, st_l, 0, 4, False, k_smem)
+                          BH // 4, RF, OROPE and not ORS, FP8, st_l, 0, 4)
         else:
             for r in gl.static_range(2):
                 if nt > 0:
@@ -876,7 +853,7 @@ if gl is not None:
                 else:
                     ov = gl.zeros([BH // 2, BDH], dt, st_l)
                 _ws_store(ov, o_row, h0 + r * (BH // 2), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH,
-                          BH // 2, RF, OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4, False, k_smem)
+                          BH // 2, RF, OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
 
     @gluon.jit
     def _q1_math0(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
@@ -1107,7 +1084,7 @@ if gl is not None:
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
 # benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
-               W1OUT=True, QPRO=False, MREGS=None, OTMA=False)
+               W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
@@ -1141,9 +1118,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
     issuing that tile's gather (with QK1 and W1OUT the slot is held by warpgroup 1's output store; the same bits;
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
-    for warpgroup 1 (None: QK1_MATH_REGS). OTMA (the WS kernel with an FP8 output, contiguous and 16-byte aligned;
-    EPI, ORS): the FP8 block is written into the staging buffer and sent by one TMA store, the buffer released once
-    the store read it (the same bytes). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
+    for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
     measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
     benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
@@ -1164,8 +1139,6 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
                 and nbuf == 2)
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
-    o["OTMA"] = (bool(o["OTMA"]) and not o["QK1"] and o["EPI"] and o["ORS"] and out.dtype == torch.float8_e4m3fn
-                 and out.is_contiguous() and out.data_ptr() % 16 == 0 and TensorDescriptor is not None)
     o["PROBE"] = probe
     return o
 
@@ -1237,11 +1210,8 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
         qtw = min(D, -(-max(qrf, 1) // 64) * 64)       # the rotated channels: whole 64-channel swizzle columns
         wo = _ws_opts(opts, J1, J2, JC, q, out, probe, o_rope is not None or scales is not None, bn, nbuf)
         q_desc = TensorDescriptor.from_tensor(q.view(B * S * H, D), [BH, D], _Q_SMEM) if wo["QTMA"] else None
-        o_desc = TensorDescriptor.from_tensor(out.view(B * S * H, D), [BH, D], _O_SMEM) if wo["OTMA"] else None
         qk1, mregs = wo.pop("QK1"), wo.pop("MREGS")
-        if qk1:
-            wo.pop("OTMA")
-        else:
+        if not qk1:
             wo.pop("W1OUT")
         try:
             if qk1:
@@ -1262,8 +1232,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                 n_items, B * S, float(scale) * _LOG2E, *strides, D=D, BD=D, BH=BH, BN=bn, NBUF=nbuf, TWO=two, JC=JC,
                 LOAD_REGS=load_regs, RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                 FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf,
-                QTW=qtw, TRACE=trace is not None, q_desc=q_desc, o_desc=o_desc, num_warps=8, maxnreg=WS_MAXNREG,
-                **wo)
+                QTW=qtw, TRACE=trace is not None, q_desc=q_desc, num_warps=8, maxnreg=WS_MAXNREG, **wo)
             return
         except COMPILE_ERRORS as e:                                     # raised before anything runs
             if not default_ws:
