@@ -77,28 +77,22 @@ if gluon is not None:
         tot = gl.zeros([64, BN], gl.float32, qk_l)
         acc = gl.zeros([64, DH], gl.float32, pv_l)
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pv_l, k_width=2)
+        qa = q_smem                                         # QK's A: q in shared memory, or (MODE 1) registers
         if MODE == 1:
             qa = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=qk_l, k_width=2))
         if MODE == 2:
             pa = q_smem.slice(0, 64, dim=1).load(p_l)
         for t in range(T):
             buf = k_smem.index(t % NB)
-            if MODE == 0:
-                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                tot += sc
-            elif MODE == 1:
+            if MODE != 2:                                   # QK (modes 0, 1, 3)
                 sc = warpgroup_mma(qa, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                tot += sc
-            elif MODE == 2:
+                if MODE == 3:                               # its result as PV's P (qk_pv)
+                    pa = gl.convert_layout((sc * 0.001).to(gl.bfloat16), p_l)
+                else:
+                    tot += sc
+            if MODE >= 2:                                   # PV on half of d (modes 2, 3)
                 acc = warpgroup_mma(pa, buf.slice(0, DH, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            else:
-                sc = warpgroup_mma(q_smem, buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                acc = warpgroup_mma(gl.convert_layout((sc * 0.001).to(gl.bfloat16), p_l), buf.slice(0, DH, dim=1),
-                                    acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         total = gl.sum(gl.sum(tot, axis=1), axis=0) + gl.sum(gl.sum(acc, axis=1), axis=0)
         gl.store(out_ptr + gl.program_id(0), total)
