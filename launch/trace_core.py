@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--modes", default="layer,plain", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--variants", default="base", help="semicolon list of the kernel's switches to compare, "
                     "e.g. 'base;ors=1;qpf=1' (core_gluon.WS_OPTS; base: the defaults); each is checked bit for bit "
-                    "against the first; probe=N (3-7, profiling: core_gluon._ws_opts says what each leaves out)")
+                    "against the first; probe=N (3-9, profiling: core_gluon._ws_opts says what each leaves out)")
     ap.add_argument("--heads", type=int, default=64, help="64: V4-Flash, 128: V4-Pro")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)

@@ -431,7 +431,7 @@ if gl is not None:
                         qn += 1
                 if QPRO and QFIRST and (QROPE or QTMA) and t == 0:     # q's prologue before the first tile waits
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # for its slot (QK1: held by warpgroup
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA, PROBE)    # for its slot (QK1: held by warpgroup
                     qn += 1                                             # 1's output store)
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 slot = g % NBUF
@@ -453,7 +453,8 @@ if gl is not None:
                     _ws_stamp(trace_ptr, item, 10, TRACE)
                 if (not QPRO) and QFIRST and (QROPE or QTMA) and t == 0:   # q's prologue once its copies landed
                     _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                QTW, STC, q_tma, qn & 1, QROPE, QTMA)   # (the tile's copies, not in a group, travel)
+                                QTW, STC, q_tma, qn & 1, QROPE, QTMA, PROBE)    # (the tile's copies, not in a group,
+                                                                                # travel)
                     qn += 1
                     _ws_stamp(trace_ptr, item, 11, TRACE)
                 if (not QFIRST) and t == 0:
@@ -463,7 +464,7 @@ if gl is not None:
                     if QROPE:                                   # q's norm factors and RoPE, here, off the math's
                         cp.commit_group()                       # path
                         _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, q_eps, b * S + s, D, BD, BH, QRF,
-                                    QTW, STC, q_tma, 0, True, False)
+                                    QTW, STC, q_tma, 0, True, False, PROBE)
                     else:
                         cp.mbarrier_arrive(q_full, increment_count=False)
                     qn += 1
@@ -630,7 +631,7 @@ if gl is not None:
                 else:                                                   # no valid pick: the output is 0
                     ov = gl.zeros([BH, BD], dt, st_l)
                 _ws_stamp(trace_ptr, item, 4, TRACE)
-                if PROBE != 3:
+                if PROBE != 3 and PROBE != 9:
                     # with ORS an item with picks had its RoPE above; an item with none (zeros) still takes the
                     # rotation here, as the chain rounds it (a run-time flag: both paths are compiled)
                     _ws_store(ov, o_row, h0, H, s_o_h, b * S + s, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF,
@@ -644,7 +645,7 @@ if gl is not None:
                     qn += 1
                 ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, pv_l))
                 do = gl.arange(0, BD, layout=gl.SliceLayout(0, pv_l))
-                if PROBE != 3:
+                if PROBE != 3 and PROBE != 9:
                     gl.store(o_row + ho.to(gl.int64)[:, None] * s_o_h + do[None, :], o,
                              mask=(ho < H)[:, None] & (do < D)[None, :])
 
@@ -672,16 +673,19 @@ if gl is not None:
     @gluon.jit
     def _ws_q_ready(q_smem, inv_smem, q_full, qpos_ptr, qfreq_ptr, eps, row, D: gl.constexpr, BD: gl.constexpr,
                     BH: gl.constexpr, RF: gl.constexpr, TW: gl.constexpr, STC: gl.constexpr, q_tma, q_phase,
-                    QROPE: gl.constexpr, QTMA: gl.constexpr):
+                    QROPE: gl.constexpr, QTMA: gl.constexpr, PROBE: gl.constexpr):
         # (loader) once q landed (QTMA: its TMA barrier's phase; else this thread's committed copies, and every
         # loader thread's): the prologue (QROPE), then q_full's 128 arrivals at once (after _ws_q_prep's closing
-        # barrier: all of it written)
+        # barrier: all of it written). (probes 8 and 9, profiling: no prologue, every head's factor 1)
         if QTMA:
             mbarrier.wait(q_tma, q_phase)
         else:
             cp.wait_group(0)
             _cta_barrier()
-        if QROPE:
+        if QROPE and (PROBE == 8 or PROBE == 9):
+            inv_smem.store(gl.full([BH], 1.0, gl.float32, gl.BlockedLayout([1], [32], [4], [0])))
+            _cta_barrier()
+        elif QROPE:
             _ws_q_prep(q_smem, inv_smem, qpos_ptr, qfreq_ptr, eps, row, D, BD, BH, RF, TW, STC)
         mbarrier.arrive(q_full, count=128)
 
@@ -1107,7 +1111,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     and added once, at the item's end: a tile's exchanges between the warpgroups go from three to two (another
     order of rounding; the one-program kernel takes the switch too, so that the two give the same bits). probe
     (profiling, wrong results): 3, no output store; 4, no q load; 5, no KV gathers
-    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores). QDZ: q's tile
+    (the loader only signals the tiles); 6, no PV; 7, no softmax (P is the scores); 8, no q prologue (the
+    loader's sums and RoPE of q: every head's factor 1); 9, 3 and 8 together. QDZ: q's tile
     named by an index the compiler cannot prove constant, so that the QK's 32 descriptors are not hoisted out of
     the loops (spill stores 88 to 52 in the SASS; the same bits, 7-9 % faster on the H200). QK1, the QK1 kernel
     (``_sparse_core_qk1``: one math warpgroup computes every QK and the softmax, the other its half of PV; needs
