@@ -285,8 +285,8 @@ def test_impl_errors_name_the_rule():
 def test_warp_specialized_switches_follow_their_rules():
     """PREF needs every part's picks in one load, EPI an output in q's dtype, QTMA (q by TMA) the loader's q first,
     a contiguous and 16-byte aligned q, q loaded at all (not probe 4) and Triton's TMA descriptors, QK1 d = 512,
-    64-key tiles in a ring of two, EPI, the loader's q first and no probe; the probes of the one-program kernel are
-    refused by the warp-specialized one."""
+    64-key tiles in a ring of two, EPI, the loader's q first and no probe but 3, 8 or 9; the probes of the
+    one-program kernel are refused by the warp-specialized one."""
     q = torch.empty(1, 1, 64, 128, dtype=torch.bfloat16)
     o = core_gluon._ws_opts(None, 512, 128, 512, q, torch.empty_like(q), 0)
     assert o == dict(core_gluon.WS_OPTS, PROBE=0, QTMA=core_gluon.WS_OPTS["QTMA"] and core_gluon.TensorDescriptor
@@ -311,7 +311,7 @@ def test_warp_specialized_switches_follow_their_rules():
                                           scales=torch.zeros(1))
     with pytest.raises(ValueError, match="EPI=False cannot take them"):
         core_gluon._ws_opts(dict(EPI=False), 8, 0, 8, q, q, 0, fused=True)
-    # QK1 (one warpgroup's QK): d = 512, 64-key tiles, a ring of two, EPI, QFIRST, no probe
+    # QK1 (one warpgroup's QK): d = 512, 64-key tiles, a ring of two, EPI, QFIRST, no probe but 3, 8, 9
     q512 = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16)
     assert core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 0)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q, q, 0)["QK1"]                      # d = 128
@@ -319,7 +319,10 @@ def test_warp_specialized_switches_follow_their_rules():
     assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 0, nbuf=3)["QK1"]
     assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512.float(), 0)["QK1"]        # no EPI
     assert not core_gluon._ws_opts(dict(QK1=True, QFIRST=False), 512, 0, 512, q512, q512, 0)["QK1"]
-    assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, 3)["QK1"]
+    for probe in (4, 5, 6, 7):                                  # the probes it has: 3, 8, 9 (its loader's)
+        assert not core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, probe)["QK1"]
+    for probe in (3, 8, 9):
+        assert core_gluon._ws_opts(dict(QK1=True), 512, 0, 512, q512, q512, probe)["QK1"]
     # by default (None) where an item can have QK1_MIN_TILES 64-key tiles or more, counting both parts
     n = core_gluon.QK1_MIN_TILES
     assert core_gluon.WS_OPTS["QK1"] is None

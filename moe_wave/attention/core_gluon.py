@@ -828,7 +828,7 @@ if gl is not None:
     @gluon.jit
     def _q1_out(k_smem, last, kv_empty, nt, W: gl.constexpr, o_row, h0, H, s_o_h, row, M, opos_ptr, ofreq_ptr,
                 sc_ptr, D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
-                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr):
+                FP8: gl.constexpr, ORS: gl.constexpr, dt: gl.constexpr, FULL: gl.constexpr, PROBE: gl.constexpr):
         # (math warpgroup W) its half of the item's output, staged in the last tile's buffer, to o_row: 32 heads at
         # a time (a thread's 8 rows x 8 channels, not 16 rows: the FP8 epilogue's registers), the buffer released
         # (this warpgroup's part) once read; an item with no valid pick writes zeros (their RoPE is 0 as well).
@@ -845,8 +845,9 @@ if gl is not None:
                         mbarrier.arrive(kv_empty.index(last), count=2)
                 else:
                     ov = gl.zeros([BH // 4, BD], dt, st_l)
-                _ws_store(ov, o_row, h0 + r * (BH // 4), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD,
-                          BH // 4, RF, OROPE and not ORS, FP8, st_l, 0, 4)
+                if PROBE != 3 and PROBE != 9:                   # (probes 3 and 9, profiling: no output store)
+                    _ws_store(ov, o_row, h0 + r * (BH // 4), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BD,
+                              BH // 4, RF, OROPE and not ORS, FP8, st_l, 0, 4)
         else:
             for r in gl.static_range(2):
                 if nt > 0:
@@ -856,15 +857,16 @@ if gl is not None:
                         mbarrier.arrive(kv_empty.index(last))
                 else:
                     ov = gl.zeros([BH // 2, BDH], dt, st_l)
-                _ws_store(ov, o_row, h0 + r * (BH // 2), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH,
-                          BH // 2, RF, OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
+                if PROBE != 3 and PROBE != 9:
+                    _ws_store(ov, o_row, h0 + r * (BH // 2), H, s_o_h, row, M, opos_ptr, ofreq_ptr, sc_ptr, D, BDH,
+                              BH // 2, RF, OROPE and (W == 1) and not ORS, FP8, st_l, W * BDH, 4)
 
     @gluon.jit
     def _q1_math0(a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M,
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr):
+                  W1OUT: gl.constexpr, PROBE: gl.constexpr):
         # math warpgroup 0: QK, the softmax, PV for channels 0 .. d/2. It counts an item's tiles at the item's start
         # (PREF off here: the next item's picks held in registers through an item took 16 of them, and the tile
         # loop spilled 49 values; without them 7)
@@ -961,7 +963,7 @@ if gl is not None:
             _ws_stamp(trace_ptr, item, 4, TRACE)
             if not W1OUT:                                           # (W1OUT: warpgroup 1 stores the whole output)
                 _q1_out(k_smem, last, kv_empty, nt, 0, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                        opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, False)
+                        opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, False, PROBE)
             _ws_stamp(trace_ptr, item, 5, TRACE)
 
     @gluon.jit
@@ -969,7 +971,7 @@ if gl is not None:
                   D: gl.constexpr, BD: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                   TWO: gl.constexpr, JC: gl.constexpr, PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr,
                   FP8: gl.constexpr, QROPE: gl.constexpr, inv_smem, TRACE: gl.constexpr, ORS: gl.constexpr,
-                  W1OUT: gl.constexpr):
+                  W1OUT: gl.constexpr, PROBE: gl.constexpr):
         # math warpgroup 1: PV for channels d/2 .. d, with warpgroup 0's P and alpha
         (q_ptr, kv1_ptr, idx1_ptr, kv2_ptr, idx2_ptr, S, H, HB, n_items, J1, J2, s_q_b, s_q_s, s_q_h, s_k1_b,
          s_k1_m, s_i1_b, s_i1_s, s_k2_b, s_k2_m, s_i2_b, s_i2_s, q_smem, k_smem, pk_smem, q_full, q_empty,
@@ -1024,7 +1026,7 @@ if gl is not None:
                     _cta_barrier()
                 qn += 1
             _q1_out(k_smem, last, kv_empty, nt, 1, o_ptr + b * s_o_b + s * s_o_s, h0, H, s_o_h, b * S + s, M,
-                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT)
+                    opos_ptr, ofreq_ptr, sc_ptr, D, BD, BH, RF, OROPE, FP8, ORS, dt, W1OUT, PROBE)
             _ws_stamp(trace_ptr, item, 15, TRACE)                   # (warpgroup 1's end of the item)
 
     @gluon.jit(do_not_specialize=["S", "H", "J1", "J2", "n_items", "M"])
@@ -1037,7 +1039,7 @@ if gl is not None:
                          PREF: gl.constexpr, RF: gl.constexpr, OROPE: gl.constexpr, FP8: gl.constexpr,
                          STC: gl.constexpr, QROPE: gl.constexpr, QRF: gl.constexpr, QTW: gl.constexpr,
                          TRACE: gl.constexpr, ORS: gl.constexpr, q_desc, QTMA: gl.constexpr, W1OUT: gl.constexpr,
-                         QPRO: gl.constexpr, num_warps: gl.constexpr):
+                         QPRO: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "the default partition is math warpgroup 0")
         dt: gl.constexpr = q_ptr.dtype.element_ty
         sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1076,11 +1078,11 @@ if gl is not None:
         # the constexprs into tensors)
         gl.warp_specialize([
             (_q1_math0, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, PROBE)),
             (_q1_math1, (a, x, o_ptr, sink_ptr, qk_scale, s_o_b, s_o_s, s_o_h, opos_ptr, ofreq_ptr, sc_ptr, M, D, BD,
-                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT)),
-            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, 0, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE, QRF,
-                          QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
+                         BH, BN, NBUF, TWO, JC, PREF, RF, OROPE, FP8, QROPE, inv_smem, TRACE, ORS, W1OUT, PROBE)),
+            (_ws_loader, (a, D, BD, BH, BN, NBUF, TWO, JC, True, PROBE, inv_smem, qpos_ptr, qfreq_ptr, q_eps, QROPE,
+                          QRF, QTW, STC, TRACE, q_desc, q_tma, QTMA, QPRO)),
         ], [4, 4], [MATH_REGS, LOAD_REGS])
 
 
@@ -1116,8 +1118,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     named by an index the compiler cannot prove constant, so that the QK's 32 descriptors are not hoisted out of
     the loops (spill stores 88 to 52 in the SASS; the same bits, 7-9 % faster on the H200). QK1, the QK1 kernel
     (``_sparse_core_qk1``: one math warpgroup computes every QK and the softmax, the other its half of PV; needs
-    d = 512, 64-key tiles, a ring of two, EPI, QFIRST and no probe; the row sums add in another order than the
-    kernels above, the same bits on every run); None (the default) takes it where an item can have
+    d = 512, 64-key tiles, a ring of two, EPI, QFIRST and no probe but 3, 8 or 9; the row sums add in another
+    order than the kernels above, the same bits on every run); None (the default) takes it where an item can have
     QK1_MIN_TILES key tiles or more, counting every part. W1OUT (with QK1), warpgroup 1 stores the whole output
     (warpgroup 0 stages its half and goes on to the next item; the same bits). QPRO (with QFIRST): the loader runs
     q's prologue (its TMA's wait, the norm and RoPE) before it waits for the item's first tile slot, not after
@@ -1140,8 +1142,8 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     o["QPRO"] = bool(o["QPRO"]) and o["QFIRST"]
     if o["QK1"] is None:
         o["QK1"] = -(-J1 // bn) + -(-J2 // bn) >= QK1_MIN_TILES
-    o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe == 0 and q.shape[-1] == 512 and bn == 64
-                and nbuf == 2)
+    o["QK1"] = (bool(o["QK1"]) and o["EPI"] and o["QFIRST"] and probe in (0, 3, 8, 9) and q.shape[-1] == 512
+                and bn == 64 and nbuf == 2)
     o["QTMA"] = (bool(o["QTMA"]) and o["QFIRST"] and probe != 4 and q.is_contiguous() and q.data_ptr() % 16 == 0
                  and TensorDescriptor is not None)
     o["PROBE"] = probe
@@ -1228,7 +1230,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
                     RF=2 * ofreq.numel() if o_rope is not None else 0, OROPE=o_rope is not None,
                     FP8=scales is not None, STC=min(32, D // 8), QROPE=q_rope is not None, QRF=qrf, QTW=qtw,
                     TRACE=trace is not None, ORS=wo["ORS"], q_desc=q_desc, QTMA=wo["QTMA"], W1OUT=wo["W1OUT"],
-                    QPRO=wo["QPRO"],
+                    QPRO=wo["QPRO"], PROBE=wo["PROBE"],
                     num_warps=4, maxnreg=WS_MAXNREG)
                 return
             _sparse_core_ws[(grid,)](
