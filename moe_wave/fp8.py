@@ -200,6 +200,10 @@ _SCALED_MM_OUT_OK: dict = {}   # device -> whether torch._scaled_mm(out=) takes 
 
 
 def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
+    if s_KbM.stride(1) != 1 or s_KbM.stride(0) != s_KbM.shape[1]:
+        # a block of rows of a bigger activation: its scales are a column slice of [K/128, M_all], which
+        # torch._scaled_mm refuses (the 1 x 128 recipe wants them outer-dim-major: stride (1, M) as [M, K/128])
+        s_KbM = s_KbM.contiguous()
     if out is not None:                        # straight into out (a grouped projection's slice): no copy after
         dev = x_q.device
         if (x_q.shape[1] // BLOCK) % 4 == 0 and w_q.shape[0] % 16 == 0 and x_q.shape[0] % 4 == 0 and \
@@ -230,7 +234,8 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
     """y [M, N] = x @ w^T from ``act_quant``'s and ``weight_quant``'s pairs.
 
     On CUDA: ``torch._scaled_mm`` (1 x 128 by 128 x 128 scaling). x_q may be a column slice of a wider matrix
-    (unit channel stride, row stride >= K; its scales the matching rows of s). Where torch refuses that recipe
+    (unit channel stride, row stride >= K; its scales the matching rows of s), or a block of its rows (its scales
+    a column slice of s, which is copied: a few KB). Where torch refuses that recipe
     (no cuBLAS >= 12.9, a GPU before Hopper) the device falls back, with one warning, to ``fp8_matmul_ref``.
     out: a contiguous [M, N] tensor of ``out_dtype`` to write y into (returned); on CUDA the GEMM writes it
     directly where torch takes ``out=`` for this recipe, else y is copied in.

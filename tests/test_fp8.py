@@ -159,6 +159,34 @@ def test_k_padding_keeps_the_product():
                                F.fp8_matmul_ref(x_q, s, w_q, ws, torch.float32), rtol=1e-6, atol=1e-5)
 
 
+def test_scaled_mm_gets_row_block_scales_outer_dim_major(monkeypatch):
+    """A block of an activation's rows (its scales a column slice of [K/128, M]) reaches torch._scaled_mm with
+    scale_a outer-dim-major ([M, K/128] with strides (1, M)), as its 1 x 128 recipe requires: passed as a slice,
+    torch refused it and fp8_matmul then fell back to the dequantised product for every later call on the device
+    (found by launch/bench_fp8_shapes.py on an H200). Checked on CPU with torch._scaled_mm replaced by a stand-in
+    that applies torch's stride rule and returns the reference product."""
+    torch.manual_seed(8)
+    x_q, s = F.act_quant_torch(torch.randn(64, 512))
+    w_q, ws = F.weight_quant(torch.randn(256, 512))
+    seen = []
+
+    def fake(a, b, scale_a, scale_b, out_dtype, out=None):
+        M, kb = scale_a.shape
+        if scale_a.stride() != (1, M):
+            raise RuntimeError(f"Invalid scaling configuration: scale_a.stride()={scale_a.stride()}")
+        seen.append(M)
+        y = F.fp8_matmul_ref(a, scale_a.t(), b.t(), scale_b.t(), out_dtype)
+        return y if out is None else out.copy_(y)
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    for lo, hi in ((0, 32), (32, 64), (16, 48)):
+        got = F._scaled_mm(x_q[lo:hi], s[:, lo:hi], w_q, ws, torch.float32)
+        assert torch.equal(got, F.fp8_matmul_ref(x_q, s, w_q, ws, torch.float32)[lo:hi])
+        out = torch.empty(hi - lo, 256)
+        assert F._scaled_mm(x_q[lo:hi], s[:, lo:hi], w_q, ws, torch.float32, out=out).data_ptr() == out.data_ptr()
+        assert torch.equal(out, got)
+    assert seen == [32] * 6
+
+
 def test_fp8_linear_exact_on_representable_inputs():
     """Representable weights and activations (each 128-block amax = 448 * a power of two): the product of the
     format equals the fp64 product of the originals, so every scale sat on its block."""
