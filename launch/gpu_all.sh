@@ -116,10 +116,10 @@ for s in "${STAGES[@]}"; do
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
                # (ATTN_TESTS: pytest's arguments, default the five files below; ATTN_ARGS: bench_attn's options,
                # default $QUICK; PROFILE_ARGS: profile_attn's, default --types csa;
-               # ATTN_CORE=0 / ATTN_PROFILE=0 leave those out)
+               # ATTN_CORE=0 / ATTN_PROFILE=0 / ATTN_FP8=0 leave those out)
                stage attn_tests ${T_ATTNTEST:-420} "$PY" -m pytest -q -p no:cacheprovider --durations=12 ${ATTN_TESTS:-\
                    tests/test_attn_kernels.py tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py \
-                   tests/test_core_gluon.py}
+                   tests/test_core_gluon.py tests/test_bench_fp8_shapes.py}
                if [ "${ATTN_CORE:-1}" != 0 ]; then
                    stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
                    sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
@@ -131,6 +131,10 @@ raise SystemExit(not g.available())"; then
                    fi
                fi
                stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py ${ATTN_ARGS:-$QUICK} --out "$RES/attn.json"
+               # the FP8 projections alone at the layer's shapes against the square FP8 GEMM (ATTN_FP8=0: not)
+               if [ "${ATTN_FP8:-1}" != 0 ]; then
+                   stage fp8_shapes ${T_FP8:-120} "$PY" launch/bench_fp8_shapes.py --out "$RES/fp8_shapes.json"
+               fi
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
                    stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
