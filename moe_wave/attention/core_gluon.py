@@ -79,10 +79,10 @@ BN = 64     # picked keys per tile
 NBUF = 2    # tiles in the shared-memory ring (with d = 512: q 64 KB + 2 x 64 KB of keys)
 LOAD_REGS = 56      # the warp-specialized kernel's loader partition: registers a thread
 WS_MAXNREG = 168    # ... and the launch's: 12 warps x 32 x 168 fit the SM's 64 K registers; the math partition
-                    # gets the rest at run time, (12 x 168 - 4 x LOAD_REGS) / 8 rounded down to 8: 224 at LOAD_REGS
-                    # = 56, but ptxas compiles the default partition within the launch's 168 (its spills; as a
-                    # worker partition it gets 224 and ptxas serialises every wgmma: benchmarks/2026-12-02-core-
-                    # floor-1xh200-session27.md)
+                    # gets the rest, (12 x 168 - 4 x LOAD_REGS) / 8 rounded down to 8: 224 at LOAD_REGS = 56 (ptxas
+                    # allocates each partition within its share, but needs every instruction's registers within the
+                    # launch's: PV's wgmma takes 158, so 16 warps at 128 cannot compile; LOAD_REGS 48-168 all spill
+                    # more than 56: benchmarks/2026-12-02-core-floor-1xh200-session27.md)
 _LOG2E = 1.4426950408889634
 
 
@@ -1098,8 +1098,7 @@ QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key ti
                         # part): V4-Flash 4096, CSA's 10 tiles 795.7 against 874.4 us, HCA's 3 432.5 / 436.1,
                         # sliding's 2 371.7 / 352.7 (the WS kernel with QDZ; trace_core, layer mode)
 QK1_MATH_REGS = 200     # the QK1 kernel's math warpgroup 1 (a worker partition): registers a thread; warpgroup 0 (the
-                        # default partition) gets the rest of 12 x 168, (2016 - 4 x 200 - 4 x LOAD_REGS) / 4 = 248, at
-                        # run time (ptxas compiles it within the launch's 168)
+                        # default partition) gets the rest of 12 x 168, (2016 - 4 x 200 - 4 x LOAD_REGS) / 4 = 248
                         # (compile_sm90, Triton 3.6: spill stores 28 at 224, 12 at 192-208; one H200, trace_core
                         # layer mode, session 20: CSA's core 787.2 against 790.4 us at 224, HCA's 423.1 / 427.9)
 
