@@ -229,6 +229,21 @@ def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
     return y[:M] if Mp != M else y
 
 
+def _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
+    """``_scaled_mm``, and where torch refuses it once more with every operand contiguous: (y, None), or (None, the
+    first refusal) where both are refused (the recipe itself: the caller falls back for the device). A layout torch
+    does not take then costs a copy, not the device's GEMMs."""
+    try:
+        return _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype, out), None
+    except (RuntimeError, NotImplementedError) as e:
+        first = e
+    try:
+        return _scaled_mm(x_q.contiguous(), s_KbM.contiguous(), w_q.contiguous(), s_w.contiguous(), out_dtype,
+                          out), None
+    except (RuntimeError, NotImplementedError):
+        return None, first
+
+
 def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
                out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x @ w^T from ``act_quant``'s and ``weight_quant``'s pairs.
@@ -254,12 +269,12 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
     if M == 0:
         return torch.empty(0, N, dtype=out_dtype, device=dev) if out is None else out
     if dev.type == "cuda" and _SCALED_MM_OK.get(dev, True):
-        try:
-            return _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype, out)
-        except (RuntimeError, NotImplementedError) as e:
-            _SCALED_MM_OK[dev] = False
-            warnings.warn(f"fp8_matmul: torch._scaled_mm refused 1x128 x 128x128 block scaling on {dev} ({e}); "
-                          "running the dequantised fp32 product instead (slow)", RuntimeWarning, stacklevel=2)
+        y, e = _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out)
+        if e is None:
+            return y
+        _SCALED_MM_OK[dev] = False
+        warnings.warn(f"fp8_matmul: torch._scaled_mm refused 1x128 x 128x128 block scaling on {dev} ({e}); "
+                      "running the dequantised fp32 product instead (slow)", RuntimeWarning, stacklevel=2)
     y = fp8_matmul_ref(x_q, s_KbM, w_q, s_w, out_dtype)
     return y if out is None else out.copy_(y)
 

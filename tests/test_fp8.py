@@ -187,6 +187,33 @@ def test_scaled_mm_gets_row_block_scales_outer_dim_major(monkeypatch):
     assert seen == [32] * 6
 
 
+def test_a_refused_layout_is_retried_contiguous(monkeypatch):
+    """Where torch._scaled_mm refuses a call, fp8_matmul's GPU path tries once more with every operand contiguous
+    and only a second refusal (the recipe itself) sends the device to the dequantised product: a layout torch does
+    not take costs a copy, not every later GEMM. Checked on CPU with a stand-in that refuses a strided x."""
+    torch.manual_seed(9)
+    x_q, s = F.act_quant_torch(torch.randn(32, 1024))
+    w_q, ws = F.weight_quant(torch.randn(128, 512))
+    calls = []
+
+    def picky(a, b, scale_a, scale_b, out_dtype, out=None):
+        calls.append(a.is_contiguous())
+        if not a.is_contiguous():
+            raise RuntimeError("Invalid scaling configuration (a stand-in's refusal)")
+        y = F.fp8_matmul_ref(a, scale_a.t(), b.t(), scale_b.t(), out_dtype)
+        return y if out is None else out.copy_(y)
+    monkeypatch.setattr(torch, "_scaled_mm", picky)
+    y, err = F._scaled_mm_retry(x_q[:, 512:], s[4:], w_q, ws, torch.float32)
+    assert err is None and calls == [False, True]
+    assert torch.equal(y, F.fp8_matmul_ref(x_q[:, 512:], s[4:], w_q, ws, torch.float32))
+
+    def refuse(*a, **k):
+        raise RuntimeError("Invalid scaling configuration (the recipe)")
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    y, err = F._scaled_mm_retry(x_q[:, 512:], s[4:], w_q, ws, torch.float32)
+    assert y is None and "the recipe" in str(err)
+
+
 def test_fp8_linear_exact_on_representable_inputs():
     """Representable weights and activations (each 128-block amax = 448 * a power of two): the product of the
     format equals the fp64 product of the originals, so every scale sat on its block."""
