@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_attn import SHAPES, fp8_gemm_tflops, meta, time_alone  # noqa: E402
 
-from moe_wave.fp8 import act_quant, fp8_matmul, weight_quant  # noqa: E402
+from moe_wave.fp8 import GroupedFP8, act_quant, fp8_matmul, weight_quant  # noqa: E402
 
 
 def cases(M: int, hidden: int, heads: int, head_dim: int, q_lora: int, groups: int, o_rank: int, dev):
@@ -34,6 +34,15 @@ def cases(M: int, hidden: int, heads: int, head_dim: int, q_lora: int, groups: i
     def wt(n, k):
         return weight_quant(torch.randn(n, k, device=dev) * k ** -0.5)
 
+    def by_rows(xq, w, y, parts):              # each block's output rows are a contiguous slice of y
+        r = M // parts
+
+        def fn():
+            for i in range(parts):
+                fp8_matmul(xq[0][i * r:(i + 1) * r], xq[1][:, i * r:(i + 1) * r], *w, out=y[i * r:(i + 1) * r])
+            return y
+        return fn
+
     out = []
     x = act(M, hidden)
     for name, n in (("wq_a", q_lora), ("wkv", head_dim)):
@@ -44,14 +53,8 @@ def cases(M: int, hidden: int, heads: int, head_dim: int, q_lora: int, groups: i
     wb = wt(N, q_lora)
     y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
     out.append((f"wq_b [{M}x{q_lora}] -> {N}", 2 * M * q_lora * N, lambda: fp8_matmul(*qr, *wb, out=y)))
-    for parts in (2, 4):                       # by rows: each part's output rows are a contiguous slice of y
-        r = M // parts
-
-        def rows(parts=parts, r=r):
-            for i in range(parts):
-                fp8_matmul(qr[0][i * r:(i + 1) * r], qr[1][:, i * r:(i + 1) * r], *wb, out=y[i * r:(i + 1) * r])
-            return y
-        out.append((f"wq_b by {parts} row blocks", 2 * M * q_lora * N, rows))
+    for parts in (2, 4):
+        out.append((f"wq_b by {parts} row blocks", 2 * M * q_lora * N, by_rows(qr, wb, y, parts)))
     for parts in (2, 4):                       # by output columns (into separate tensors)
         c = N // parts
         ws = [(wb[0][i * c:(i + 1) * c], wb[1][i * c // 128:(i + 1) * c // 128]) for i in range(parts)]
@@ -62,26 +65,22 @@ def cases(M: int, hidden: int, heads: int, head_dim: int, q_lora: int, groups: i
                 fp8_matmul(*qr, *w, out=o)
             return outs
         out.append((f"wq_b by {parts} column blocks", 2 * M * q_lora * N, cols))
-    # the grouped wo_a: group g's input is the column slice g of the core's [M, H*d] output
+    # the grouped wo_a as the layer runs it (GroupedFP8: group g's input is the column slice g of the core's
+    # [M, H*d] output), and the same groups with their inputs copied out contiguous beforehand
     kg = N // groups
     o_q, o_s = act(M, N)
-    wa = wt(groups * o_rank, kg)
+    wa = GroupedFP8(torch.randn(groups * o_rank, kg, device=dev) * kg ** -0.5, groups)
+    flop_a = 2 * M * kg * o_rank * groups
+    out.append((f"wo_a {groups} x [{M}x{kg}] -> {o_rank} (strided)", flop_a,
+                lambda: wa.forward_q(o_q, o_s, torch.bfloat16)))
     z = torch.empty(groups, M, o_rank, device=dev, dtype=torch.bfloat16)
     kb, nb = kg // 128, o_rank // 128
-
-    def wo_a(src=o_q):
-        for g in range(groups):
-            fp8_matmul(src[:, g * kg:(g + 1) * kg], o_s[g * kb:(g + 1) * kb], wa[0][g * o_rank:(g + 1) * o_rank],
-                       wa[1][g * nb:(g + 1) * nb], out=z[g])
-        return z
-    flop_a = 2 * M * kg * o_rank * groups
-    out.append((f"wo_a {groups} x [{M}x{kg}] -> {o_rank} (strided)", flop_a, wo_a))
     o_g = [o_q[:, g * kg:(g + 1) * kg].contiguous() for g in range(groups)]
 
     def wo_a_contig():
         for g in range(groups):
-            fp8_matmul(o_g[g], o_s[g * kb:(g + 1) * kb], wa[0][g * o_rank:(g + 1) * o_rank],
-                       wa[1][g * nb:(g + 1) * nb], out=z[g])
+            fp8_matmul(o_g[g], o_s[g * kb:(g + 1) * kb], wa.weight[g * o_rank:(g + 1) * o_rank],
+                       wa.weight_scale[g * nb:(g + 1) * nb], out=z[g])
         return z
     out.append(("wo_a, inputs contiguous", flop_a, wo_a_contig))
     zq = act(M, groups * o_rank)
@@ -89,14 +88,7 @@ def cases(M: int, hidden: int, heads: int, head_dim: int, q_lora: int, groups: i
     yo = torch.empty(M, hidden, device=dev, dtype=torch.bfloat16)
     flop_b = 2 * M * groups * o_rank * hidden
     out.append((f"wo_b [{M}x{groups * o_rank}] -> {hidden}", flop_b, lambda: fp8_matmul(*zq, *wbo, out=yo)))
-    for parts in (2,):
-        r = M // parts
-
-        def rows_b(parts=parts, r=r):
-            for i in range(parts):
-                fp8_matmul(zq[0][i * r:(i + 1) * r], zq[1][:, i * r:(i + 1) * r], *wbo, out=yo[i * r:(i + 1) * r])
-            return yo
-        out.append((f"wo_b by {parts} row blocks", flop_b, rows_b))
+    out.append(("wo_b by 2 row blocks", flop_b, by_rows(zq, wbo, yo, 2)))
     return out
 
 

@@ -200,10 +200,9 @@ _SCALED_MM_OUT_OK: dict = {}   # device -> whether torch._scaled_mm(out=) takes 
 
 
 def _scaled_mm(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
-    if s_KbM.stride(1) != 1 or s_KbM.stride(0) != s_KbM.shape[1]:
-        # a block of rows of a bigger activation: its scales are a column slice of [K/128, M_all], which
-        # torch._scaled_mm refuses (the 1 x 128 recipe wants them outer-dim-major: stride (1, M) as [M, K/128])
-        s_KbM = s_KbM.contiguous()
+    # (a block of rows of a bigger activation has its scales as a column slice of [K/128, M_all], which
+    # torch._scaled_mm refuses: the 1 x 128 recipe wants them outer-dim-major, stride (1, M) as [M, K/128])
+    s_KbM = s_KbM.contiguous()
     if out is not None:                        # straight into out (a grouped projection's slice): no copy after
         dev = x_q.device
         if (x_q.shape[1] // BLOCK) % 4 == 0 and w_q.shape[0] % 16 == 0 and x_q.shape[0] % 4 == 0 and \
@@ -238,8 +237,7 @@ def _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
     except (RuntimeError, NotImplementedError) as e:
         first = e
     try:
-        return _scaled_mm(x_q.contiguous(), s_KbM.contiguous(), w_q.contiguous(), s_w.contiguous(), out_dtype,
-                          out), None
+        return _scaled_mm(x_q.contiguous(), s_KbM, w_q.contiguous(), s_w.contiguous(), out_dtype, out), None
     except (RuntimeError, NotImplementedError):
         return None, first
 

@@ -159,6 +159,18 @@ def test_k_padding_keeps_the_product():
                                F.fp8_matmul_ref(x_q, s, w_q, ws, torch.float32), rtol=1e-6, atol=1e-5)
 
 
+def _scaled_mm_stand_in(refuse):
+    """A CPU stand-in for torch._scaled_mm: raises RuntimeError where refuse(a, scale_a) names a reason, else the
+    reference product (into out when given)."""
+    def fake(a, b, scale_a, scale_b, out_dtype, out=None):
+        why = refuse(a, scale_a)
+        if why:
+            raise RuntimeError(f"Invalid scaling configuration: {why}")
+        y = F.fp8_matmul_ref(a, scale_a.t(), b.t(), scale_b.t(), out_dtype)
+        return y if out is None else out.copy_(y)
+    return fake
+
+
 def test_scaled_mm_gets_row_block_scales_outer_dim_major(monkeypatch):
     """A block of an activation's rows (its scales a column slice of [K/128, M]) reaches torch._scaled_mm with
     scale_a outer-dim-major ([M, K/128] with strides (1, M)), as its 1 x 128 recipe requires: passed as a slice,
@@ -170,14 +182,11 @@ def test_scaled_mm_gets_row_block_scales_outer_dim_major(monkeypatch):
     w_q, ws = F.weight_quant(torch.randn(256, 512))
     seen = []
 
-    def fake(a, b, scale_a, scale_b, out_dtype, out=None):
-        M, kb = scale_a.shape
-        if scale_a.stride() != (1, M):
-            raise RuntimeError(f"Invalid scaling configuration: scale_a.stride()={scale_a.stride()}")
-        seen.append(M)
-        y = F.fp8_matmul_ref(a, scale_a.t(), b.t(), scale_b.t(), out_dtype)
-        return y if out is None else out.copy_(y)
-    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    def rule(a, scale_a):
+        if scale_a.stride() != (1, scale_a.shape[0]):
+            return f"scale_a.stride()={scale_a.stride()}"
+        seen.append(scale_a.shape[0])
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_stand_in(rule))
     for lo, hi in ((0, 32), (32, 64), (16, 48)):
         got = F._scaled_mm(x_q[lo:hi], s[:, lo:hi], w_q, ws, torch.float32)
         assert torch.equal(got, F.fp8_matmul_ref(x_q, s, w_q, ws, torch.float32)[lo:hi])
@@ -196,20 +205,15 @@ def test_a_refused_layout_is_retried_contiguous(monkeypatch):
     w_q, ws = F.weight_quant(torch.randn(128, 512))
     calls = []
 
-    def picky(a, b, scale_a, scale_b, out_dtype, out=None):
+    def strided_x(a, scale_a):
         calls.append(a.is_contiguous())
-        if not a.is_contiguous():
-            raise RuntimeError("Invalid scaling configuration (a stand-in's refusal)")
-        y = F.fp8_matmul_ref(a, scale_a.t(), b.t(), scale_b.t(), out_dtype)
-        return y if out is None else out.copy_(y)
-    monkeypatch.setattr(torch, "_scaled_mm", picky)
+        return None if a.is_contiguous() else "a stand-in's refusal of a strided x"
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_stand_in(strided_x))
     y, err = F._scaled_mm_retry(x_q[:, 512:], s[4:], w_q, ws, torch.float32)
     assert err is None and calls == [False, True]
     assert torch.equal(y, F.fp8_matmul_ref(x_q[:, 512:], s[4:], w_q, ws, torch.float32))
 
-    def refuse(*a, **k):
-        raise RuntimeError("Invalid scaling configuration (the recipe)")
-    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_stand_in(lambda a, scale_a: "the recipe"))
     y, err = F._scaled_mm_retry(x_q[:, 512:], s[4:], w_q, ws, torch.float32)
     assert y is None and "the recipe" in str(err)
 
