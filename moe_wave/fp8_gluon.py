@@ -52,9 +52,11 @@ BN = 128        # output columns a tile: one weight block, so one w scale a k-bl
 BK = 128        # channels a k-block: one scale block of x and of w
 STAGES = 5      # ring of (x, w) tiles: 5 x 32 KB, plus 32 KB for the bf16 output tile
 GROUP_M = 8     # tiles walked GROUP_M row blocks at a time (L2 reuse of w)
-LOAD_REGS = 40  # the loader warp's registers a thread
-MATH_REGS = 200  # the worker math warpgroup's
-MAXNREG = 224   # the launch's: 9 warps x 32 x 224 fit the SM's 64 K registers; the default partition gets the rest
+LOAD_REGS = 40  # the loader's registers a thread (its warp and Triton's three padding warps: a warpgroup)
+MATH_REGS = 200  # the worker math warpgroup's (the default partition's warpgroup gets 256; 4 x (256 + 200 + 40)
+                 # warp-registers fit the launch's 12 x 168)
+MAXNREG = 168   # the launch's: 12 warps (Triton pads the partitions to whole warpgroups) x 32 x 168 fit the SM's
+                # 64 K registers; ptxas needs every instruction within it (the math fits: 0 spills)
 
 _BROKEN: str | None = None     # why this install cannot compile the kernel, once it failed
 
