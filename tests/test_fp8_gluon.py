@@ -41,9 +41,9 @@ def operands(M: int, N: int, K: int, dev: str = "cuda", seed: int = 0, groups: i
 
 def close(got: torch.Tensor, want: torch.Tensor, rtol: float = 4e-3) -> None:
     """Both add products of the same blocks; they differ by the order of the sums, the tensor core's own precision
-    within a k-block (a bound of 2e-4 of each row's largest value) and out's rounding (rtol: bf16's half ulp)."""
+    within a k-block (a bound of 1e-3 of each row's largest value) and out's rounding (rtol: bf16's half ulp)."""
     err = (got.float() - want).abs()
-    bound = rtol * want.abs() + 2e-4 * want.abs().amax(dim=-1, keepdim=True)
+    bound = rtol * want.abs() + 1e-3 * want.abs().amax(dim=-1, keepdim=True)
     assert bool((err <= bound).all()), f"max err {err.max().item():.3g}, worst ratio {(err / bound).max().item():.3g}"
 
 
