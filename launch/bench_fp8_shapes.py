@@ -98,6 +98,9 @@ def cases(M: int, hidden: int, heads: int, head_dim: int, q_lora: int, groups: i
     return out
 
 
+GLUON_OPTS = ("WIDE", "STAGES", "WIDE_STAGES", "GROUP_M", "LOAD_REGS", "MATH_REGS", "WIDE_MATH_REGS")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="v4-flash", choices=list(SHAPES))
@@ -106,7 +109,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="cublas", help="comma-separated FP8 GEMM kernels (fp8.set_gemm_kernel), "
                     "each case run with each on the same inputs (default: cublas)")
     ap.add_argument("--gluon-opts", default="", help="comma list NAME=VALUE of fp8_gluon's tiling constants for "
-                    "this run (STAGES, GROUP_M, LOAD_REGS, MATH_REGS; a benchmark compares them)")
+                    f"this run ({', '.join(GLUON_OPTS)}; a benchmark compares them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.quick = False
@@ -114,8 +117,8 @@ def main() -> None:
         sys.exit("bench_fp8_shapes: needs a CUDA GPU")
     for kv in filter(None, args.gluon_opts.split(",")):
         k, v = kv.split("=")
-        if k not in ("STAGES", "GROUP_M", "LOAD_REGS", "MATH_REGS"):
-            sys.exit(f"bench_fp8_shapes: --gluon-opts {k} is not one of STAGES, GROUP_M, LOAD_REGS, MATH_REGS")
+        if k not in GLUON_OPTS:
+            sys.exit(f"bench_fp8_shapes: --gluon-opts {k} is not one of {', '.join(GLUON_OPTS)}")
         setattr(fp8_gluon, k, int(v))
     dev = torch.device("cuda")
     s = SHAPES[args.shape]

@@ -55,6 +55,9 @@ GROUP_M = 8     # tiles walked GROUP_M row blocks at a time (L2 reuse of w)
 LOAD_REGS = 40  # the loader's registers a thread (its warp and Triton's three padding warps: a warpgroup)
 MATH_REGS = 200  # the worker math warpgroup's (the default partition's warpgroup gets 256; 4 x (256 + 200 + 40)
                  # warp-registers fit the launch's 12 x 168)
+WIDE = True     # 128 x 256 tiles where N allows (the kernel after _fp8_gemm_kernel)
+WIDE_STAGES = 3   # its ring: 3 x 48 KB, plus 64 KB for the output tile
+WIDE_MATH_REGS = 216   # its worker warpgroup's; the launch: 8 warps at 255
 MAXNREG = 168   # the launch's: 12 warps (Triton pads the partitions to whole warpgroups) x 32 x 168 fit the SM's
                 # 64 K registers; ptxas needs every instruction within it (the math fits: 0 spills)
 
@@ -199,6 +202,112 @@ if gluon is not None:
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
+    # ---- WIDE: 128 x 256 tiles, 8 warps ----------------------------------------------------------------------
+    # The kernel above reads 32 KB from L2 per 4.2 MFLOP (128 x 128 tiles): at cuBLAS's rate that is ~10 TB/s, more
+    # than L2 gives. 128 x 256 tiles read 48 KB per 8.4 MFLOP. Each warpgroup then holds 64 x 256 fp32 (128
+    # registers) plus a 64 x 128 product, more than the 168 registers a thread that a launch of 12 warps allows
+    # (Triton pads a one-warp loader to a warpgroup). So no loader partition: warpgroup 0 issues the TMA copies
+    # itself, STAGES - 1 k-blocks ahead, and the launch is 8 warps (up to 255 registers). A k-block's 256 columns
+    # are two weight blocks: two wgmma of 64 x 128 each, each promoted with its own scale.
+
+    @gluon.jit
+    def _wide_load(p, n_mine, x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, MT, NT, KB,
+                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+        # the copies of this program's k-iteration p (its tile p // KB, k-block p % KB), if it has one
+        if p < n_mine * KB:
+            s = p % STAGES
+            g, pm, pn = _tile(gl.program_id(0) + (p // KB) * gl.num_programs(0), MT, NT, GROUP)
+            kb = p % KB
+            mbarrier.wait(empty.index(s), ((p // STAGES) & 1) ^ 1)         # both warpgroups released the slot
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [pm * BM, g * K + kb * BK], ready.index(s), x_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [g * N + pn * BN, kb * BK], ready.index(s), w_bufs.index(s))
+
+    @gluon.jit
+    def _wide_math(W: gl.constexpr, x_desc, w_desc, c_desc, sx_ptr, sw_ptr, x_bufs, w_bufs, ready, empty, c_smem,
+                   M, N, K, n_tiles, s_sx, s_sw, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                   STAGES: gl.constexpr, GROUP: gl.constexpr):
+        HM: gl.constexpr = BM // 2
+        HN: gl.constexpr = BN // 2
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HN, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
+        MT = gl.cdiv(M, BM)
+        NT = N // BN
+        KB = K // BK
+        n_mine = gl.cdiv(n_tiles - gl.program_id(0), gl.num_programs(0))
+        zero = gl.zeros([HM, HN], gl.float32, mma_l)
+        rows = gl.arange(0, HM, layout=row_l) + W * HM
+        c0 = c_smem.index(2 * W)
+        c1 = c_smem.index(2 * W + 1)
+        if W == 0:
+            for p in gl.static_range(STAGES - 1):
+                _wide_load(p, n_mine, x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, MT, NT, KB, BM, BN,
+                           BK, STAGES, GROUP)
+        cnt = 0
+        for i in range(n_mine):
+            g, pm, pn = _tile(gl.program_id(0) + i * gl.num_programs(0), MT, NT, GROUP)
+            m = pm * BM + rows
+            ok = m < M
+            sx_row = sx_ptr + (g * KB).to(gl.int64) * s_sx + m           # s_x[g*KB + kb, m]
+            sw_row = sw_ptr + ((g * N + pn * BN) // BK).to(gl.int64) * s_sw  # s_w[(g*N + n0)/128 (+1), kb]
+            sx = gl.load(sx_row, mask=ok, other=0.0)
+            f0 = sx * gl.load(sw_row)
+            f1 = sx * gl.load(sw_row + s_sw)
+            acc0 = gl.zeros([HM, HN], gl.float32, mma_l)
+            acc1 = gl.zeros([HM, HN], gl.float32, mma_l)
+            for kb in range(KB):
+                if W == 0:                                                 # the copies STAGES - 1 ahead
+                    _wide_load(cnt + STAGES - 1, n_mine, x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K,
+                               MT, NT, KB, BM, BN, BK, STAGES, GROUP)
+                s = cnt % STAGES
+                mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
+                xa = x_bufs.index(s).slice(W * HM, HM, dim=0)
+                tok = warpgroup_mma(xa, w_bufs.index(s).slice(0, HN, dim=0).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                nk = gl.minimum(kb + 1, KB - 1)                            # the next k-block's scales, meanwhile
+                sx = gl.load(sx_row + nk * s_sx, mask=ok, other=0.0)
+                s0 = gl.load(sw_row + nk)
+                s1 = gl.load(sw_row + s_sw + nk)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                acc0 = acc0 + part * f0[:, None]
+                tok = warpgroup_mma(xa, w_bufs.index(s).slice(HN, HN, dim=0).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                mbarrier.arrive(empty.index(s))
+                acc1 = acc1 + part * f1[:, None]
+                f0 = sx * s0
+                f1 = sx * s1
+                cnt += 1
+            tma.store_wait(pendings=0)                                     # the last tile's stores left c0, c1
+            c0.store(acc0.to(c_desc.dtype))
+            c1.store(acc1.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [g * M + pm * BM + W * HM, pn * BN], c0)
+            tma.async_copy_shared_to_global(c_desc, [g * M + pm * BM + W * HM, pn * BN + HN], c1)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _fp8_gemm_wide(x_desc, w_desc, c_desc, sx_ptr, sw_ptr, M, N, K, n_tiles, s_sx, s_sw,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       GROUP: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
+        gl.static_assert(num_warps == 4, "one math warpgroup in the default partition, one in a worker")
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [4, BM // 2, BN // 2], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_wide_math, (0, x_desc, w_desc, c_desc, sx_ptr, sw_ptr, x_bufs, w_bufs, ready, empty, c_smem, M, N, K,
+                          n_tiles, s_sx, s_sw, BM, BN, BK, STAGES, GROUP)),
+            (_wide_math, (1, x_desc, w_desc, c_desc, sx_ptr, sw_ptr, x_bufs, w_bufs, ready, empty, c_smem, M, N, K,
+                          n_tiles, s_sx, s_sw, BM, BN, BK, STAGES, GROUP)),
+        ], [4], [MATH_REGS])
+
+
 # what a launch raises before anything runs, where the kernel does not compile with this Triton
 COMPILE_ERRORS = (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources, AttributeError,
                   TypeError, NotImplementedError) if triton is not None else ()
@@ -222,15 +331,22 @@ def fp8_gemm_gluon(x_q: torch.Tensor, s_x: torch.Tensor, w_q: torch.Tensor, s_w:
     M = x_q.shape[0]
     GN, K = w_q.shape
     N = GN // groups
-    n_tiles = groups * triton.cdiv(M, BM) * (N // BN)
+    wide = WIDE and N % (2 * BN) == 0
+    bn = 2 * BN if wide else BN
+    n_tiles = groups * triton.cdiv(M, BM) * (N // bn)
     x_desc = _desc(x_q, [BM, BK])
-    w_desc = _desc(w_q, [BN, BK])
-    c_desc = _desc(out.view(groups * M, N), [BM // 2, BN])     # each warpgroup stores its half
+    w_desc = _desc(w_q, [bn, BK])
+    c_desc = _desc(out.view(groups * M, N), [BM // 2, BN])     # each warpgroup stores its half (in halves)
     grid = min(n_tiles, programs or _sm_count(x_q.device.index if x_q.device.index is not None else 0))
     try:
-        _fp8_gemm_kernel[(grid,)](x_desc, w_desc, c_desc, s_x, s_w, M, N, K, n_tiles, s_x.stride(0), s_w.stride(0),
-                                  BM=BM, BN=BN, BK=BK, STAGES=STAGES, GROUP=GROUP_M, LOAD_REGS=LOAD_REGS,
-                                  MATH_REGS=MATH_REGS, num_warps=4, maxnreg=MAXNREG)
+        if wide:
+            _fp8_gemm_wide[(grid,)](x_desc, w_desc, c_desc, s_x, s_w, M, N, K, n_tiles, s_x.stride(0),
+                                    s_w.stride(0), BM=BM, BN=bn, BK=BK, STAGES=WIDE_STAGES, GROUP=GROUP_M,
+                                    MATH_REGS=WIDE_MATH_REGS, num_warps=4, maxnreg=255)
+        else:
+            _fp8_gemm_kernel[(grid,)](x_desc, w_desc, c_desc, s_x, s_w, M, N, K, n_tiles, s_x.stride(0),
+                                      s_w.stride(0), BM=BM, BN=BN, BK=BK, STAGES=STAGES, GROUP=GROUP_M,
+                                      LOAD_REGS=LOAD_REGS, MATH_REGS=MATH_REGS, num_warps=4, maxnreg=MAXNREG)
     except COMPILE_ERRORS as e:                                         # raised before anything runs
         _BROKEN = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         raise

@@ -70,9 +70,12 @@ def test_cpu_products_ignore_the_setting(kernel):
 
 # ------------------------------------------------------------------------------------------------ GPU
 @needs_hopper
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("M", [1, 100, 128, 1000])
 @pytest.mark.parametrize("N,K", [(128, 128), (256, 640), (1024, 4096), (4096, 1024)])
-def test_gpu_gluon_gemm_matches_dequantised_product(M, N, K):
+def test_gpu_gluon_gemm_matches_dequantised_product(M, N, K, wide, monkeypatch):
+    """Both kernels (WIDE: 128 x 256 tiles where N is a multiple of 256)."""
+    monkeypatch.setattr(G, "WIDE", wide)
     (x_q, s), (w_q, ws) = operands(M, N, K, seed=M + N + K)
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     assert G.supported(x_q, s, w_q, ws, out) is None
@@ -81,10 +84,12 @@ def test_gpu_gluon_gemm_matches_dequantised_product(M, N, K):
 
 
 @needs_hopper
-def test_gpu_gluon_gemm_fp32_out_and_few_programs():
-    """fp32 out (no rounding to hide behind) and a grid of 3 programs, each walking many tiles and k-blocks."""
-    (x_q, s), (w_q, ws) = operands(384, 640, 1024, seed=7)
-    out = torch.empty(384, 640, device="cuda", dtype=torch.float32)
+@pytest.mark.parametrize("N", [640, 768])
+def test_gpu_gluon_gemm_fp32_out_and_few_programs(N):
+    """fp32 out (no rounding to hide behind) and a grid of 3 programs, each walking many tiles and k-blocks (N =
+    768: the wide kernel, its copies running ahead across tiles)."""
+    (x_q, s), (w_q, ws) = operands(384, N, 1024, seed=7)
+    out = torch.empty(384, N, device="cuda", dtype=torch.float32)
     G.fp8_gemm_gluon(x_q, s, w_q, ws, out, programs=3)
     close(out, F.fp8_matmul_ref(x_q, s, w_q, ws, torch.float32), rtol=1e-4)
 
