@@ -149,7 +149,8 @@ def main() -> None:
     print("square FP8 GEMM [8192^3]: " + ", ".join(f"{k} {v:.1f}" for k, v in squares.items()) + " TFLOP/s")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"meta": dict(meta(args), context=args.tokens, kernels=kernels, gluon_opts=args.gluon_opts,
+            json.dump({"meta": dict(meta(args), context=args.tokens, fp8_gemm=None, kernels=kernels,
+                                    gluon_opts=args.gluon_opts,
                                     square_fp8_tflops=round(squares[kernels[0]], 1),
                                     square_fp8_tflops_by_kernel={k: round(v, 1) for k, v in squares.items()}),
                        "rows": rows}, f, indent=1)
