@@ -1,17 +1,12 @@
 """The attention layer's FP8 projections alone, at their own shapes, against the square FP8 GEMM of the same run.
 
-    python launch/bench_fp8_shapes.py [--shape v4-flash] [--tokens 4096] [--iters 20] [--kernels cublas,gluon]
-        [--out PATH]
+    python launch/bench_fp8_shapes.py [--shape v4-flash] [--tokens 4096] [--iters 20] [--out PATH]
 
 Each product is ``fp8.fp8_matmul`` (``torch._scaled_mm``, 1 x 128 activation by 128 x 128 weight block scales,
 what the layer runs), its inputs quantised beforehand, timed from a CUDA graph (median of ``--iters`` replays).
 Besides the layer's own calls it times the same work cut another way (by rows or by output columns, the grouped
 wo_a with its inputs contiguous), to see whether cuBLAS's choice for a shape leaves speed on the table. Prints a
 table (us, TFLOP/s, fraction of the square GEMM's rate) and writes JSON with ``--out``.
-
-``--kernels`` runs every case once per FP8 GEMM kernel (``fp8.set_gemm_kernel``: cublas, gluon, auto) on the same
-inputs, times the square GEMM with each, and reports each case's time against the first kernel's and the largest
-difference of its output from the first kernel's (relative to the output's largest value).
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_attn import SHAPES, fp8_gemm_tflops, meta, time_alone  # noqa: E402
 
-from moe_wave import fp8 as F, fp8_gluon  # noqa: E402
 from moe_wave.fp8 import GroupedFP8, act_quant, fp8_matmul, weight_quant  # noqa: E402
 
 
@@ -98,61 +92,30 @@ def cases(M: int, hidden: int, heads: int, head_dim: int, q_lora: int, groups: i
     return out
 
 
-GLUON_OPTS = ("WIDE", "STAGES", "WIDE_STAGES", "GROUP_M", "LOAD_REGS", "MATH_REGS", "WIDE_MATH_REGS")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="v4-flash", choices=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--kernels", default="cublas", help="comma-separated FP8 GEMM kernels (fp8.set_gemm_kernel), "
-                    "each case run with each on the same inputs (default: cublas)")
-    ap.add_argument("--gluon-opts", default="", help="comma list NAME=VALUE of fp8_gluon's tiling constants for "
-                    f"this run ({', '.join(GLUON_OPTS)}; a benchmark compares them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.quick = False
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_shapes: needs a CUDA GPU")
-    for kv in filter(None, args.gluon_opts.split(",")):
-        k, v = kv.split("=")
-        if k not in GLUON_OPTS:
-            sys.exit(f"bench_fp8_shapes: --gluon-opts {k} is not one of {', '.join(GLUON_OPTS)}")
-        setattr(fp8_gluon, k, int(v))
     dev = torch.device("cuda")
     s = SHAPES[args.shape]
-    kernels = [k for k in args.kernels.split(",") if k]
-    rows, squares, first = [], {}, {}
-    for kernel in kernels:
-        F.set_gemm_kernel(kernel)
-        squares[kernel] = square = fp8_gemm_tflops(dev)
-        print(f"--- {kernel}: square FP8 GEMM [8192^3] {square:.1f} TFLOP/s", flush=True)
-        torch.manual_seed(0)                        # the same inputs for every kernel
-        for name, flop, fn in cases(args.tokens, s["hidden"], s["heads"], 512, s["q_lora_rank"], s["o_groups"],
-                                    1024, dev):
-            us = time_alone(fn, args.iters)
-            got = fn()
-            got = torch.cat([g.reshape(-1) for g in got]) if isinstance(got, list) else got.reshape(-1)
-            row = dict(kernel=kernel, name=name, us=round(us, 1), tflops=round(flop / us / 1e6, 1),
-                       vs_square=round(flop / us / 1e6 / squares[kernels[0]], 3))
-            if name in first:
-                ref_us, ref = first[name]
-                row["vs_first"] = round(ref_us / us, 3)
-                row["max_diff"] = float(((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
-            else:
-                first[name] = (us, got.clone())
-            rows.append(row)
-            extra = f"  x{row['vs_first']:.2f} of {kernels[0]}, diff {row['max_diff']:.1e}" if "vs_first" in row \
-                else ""
-            print(f"{us:9.1f} us  {flop / us / 1e6:7.1f} TFLOP/s  {row['vs_square']:5.2f}  {name}{extra}", flush=True)
-    print("square FP8 GEMM [8192^3]: " + ", ".join(f"{k} {v:.1f}" for k, v in squares.items()) + " TFLOP/s")
+    square = fp8_gemm_tflops(dev)
+    rows = []
+    for name, flop, fn in cases(args.tokens, s["hidden"], s["heads"], 512, s["q_lora_rank"], s["o_groups"], 1024,
+                                dev):
+        us = time_alone(fn, args.iters)
+        rows.append(dict(name=name, us=round(us, 1), tflops=round(flop / us / 1e6, 1),
+                         vs_square=round(flop / us / 1e6 / square, 3)))
+        print(f"{us:9.1f} us  {flop / us / 1e6:7.1f} TFLOP/s  {flop / us / 1e6 / square:5.2f}  {name}", flush=True)
+    print(f"square FP8 GEMM [8192^3]: {square:.1f} TFLOP/s")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"meta": dict(meta(args), context=args.tokens, fp8_gemm=None, kernels=kernels,
-                                    gluon_opts=args.gluon_opts,
-                                    square_fp8_tflops=round(squares[kernels[0]], 1),
-                                    square_fp8_tflops_by_kernel={k: round(v, 1) for k, v in squares.items()}),
+            json.dump({"meta": dict(meta(args), context=args.tokens, square_fp8_tflops=round(square, 1)),
                        "rows": rows}, f, indent=1)
 
 

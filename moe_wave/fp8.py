@@ -15,9 +15,8 @@ Format, as the official inference code and the checkpoints have it:
 reference here, the Triton kernel and the sparse core's fused epilogue give the same bits.
 
 On a Hopper GPU the product is ``torch._scaled_mm`` with 1 x 128 (activations) by 128 x 128 (weights) scaling
-(cuBLAS, CUDA >= 12.9), or ``fp8_gluon``'s persistent kernel (``set_gemm_kernel``); elsewhere (CPU, or a GPU
-whose torch refuses that recipe) the same math runs dequantised in fp32 (``fp8_matmul_ref``), which is also the
-tests' oracle.
+(cuBLAS, CUDA >= 12.9); elsewhere (CPU, or a GPU whose torch refuses that recipe) the same math runs dequantised
+in fp32 (``fp8_matmul_ref``), which is also the tests' oracle.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ from torch import nn
 
 from .comm.triton_gate import tl, triton, triton_ok
 
-__all__ = ["BLOCK", "FP8_MAX", "set_gemm_kernel", "gemm_kernel", "GEMM_KERNELS", "pow2_ceil", "act_quant",
-           "act_quant_torch", "weight_quant", "dequant_weight", "dequant_act", "fp8_matmul", "fp8_matmul_ref", "QAct",
-           "FP8Linear", "GroupedFP8", "hf_fp8_payload", "hf_weight"]
+__all__ = ["BLOCK", "FP8_MAX", "pow2_ceil", "act_quant", "act_quant_torch", "weight_quant", "dequant_weight",
+           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "QAct", "FP8Linear", "GroupedFP8", "hf_fp8_payload",
+           "hf_weight"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -243,41 +242,6 @@ def _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
         return None, first
 
 
-GEMM_KERNELS = ("auto", "gluon", "cublas")
-_GEMM = {"kernel": "cublas"}
-GLUON_MIN_M = 256    # "auto": fewer rows (decode) stay with cuBLAS, whose small-M kernels this one does not match
-
-
-def set_gemm_kernel(kernel: str) -> None:
-    """Which kernel runs the FP8 products on a Hopper GPU: "cublas" (``torch._scaled_mm``), "gluon"
-    (``fp8_gluon``, wherever its ``supported`` allows, else cuBLAS) or "auto" (gluon from GLUON_MIN_M rows up).
-    Both compute the same block-scaled product in fp32; their bits differ (the order of the sums)."""
-    if kernel not in GEMM_KERNELS:
-        raise ValueError(f"set_gemm_kernel: kernel={kernel!r} must be one of {GEMM_KERNELS}")
-    _GEMM["kernel"] = kernel
-
-
-def gemm_kernel() -> str:
-    return _GEMM["kernel"]
-
-
-def _gluon_gemm(x_q, s_KbM, w_q, s_w, out, groups: int = 1) -> bool:
-    """Run the product with ``fp8_gluon`` into out where the setting and the operands allow: True if it ran."""
-    kernel = _GEMM["kernel"]
-    if kernel == "cublas" or x_q.device.type != "cuda" or (kernel == "auto" and x_q.shape[0] < GLUON_MIN_M):
-        return False
-    from . import fp8_gluon
-    if fp8_gluon.supported(x_q, s_KbM, w_q, s_w, out, groups) is not None:
-        return False
-    try:
-        fp8_gluon.fp8_gemm_gluon(x_q, s_KbM, w_q, s_w, out, groups)
-    except fp8_gluon.COMPILE_ERRORS as e:                    # raised before anything ran: cuBLAS from now on
-        warnings.warn(f"fp8_matmul: the Gluon FP8 GEMM does not compile here ({e}); cuBLAS runs instead",
-                      RuntimeWarning, stacklevel=3)
-        return False
-    return True
-
-
 def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
                out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x @ w^T from ``act_quant``'s and ``weight_quant``'s pairs.
@@ -302,10 +266,6 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
     dev = x_q.device
     if M == 0:
         return torch.empty(0, N, dtype=out_dtype, device=dev) if out is None else out
-    if dev.type == "cuda" and _GEMM["kernel"] != "cublas":
-        y = out if out is not None else torch.empty(M, N, dtype=out_dtype, device=dev)
-        if _gluon_gemm(x_q, s_KbM, w_q, s_w, y):
-            return y
     if dev.type == "cuda" and _SCALED_MM_OK.get(dev, True):
         y, e = _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out)
         if e is None:
@@ -446,8 +406,6 @@ class GroupedFP8(_FP8Module):
         nb, kb = R // BLOCK, Kg // BLOCK
         M = x_q.shape[0]
         out = torch.empty(G, M, R, dtype=out_dtype, device=x_q.device)
-        if _gluon_gemm(x_q, s_KbM, self.weight, self.weight_scale, out, G):   # every group in one launch
-            return out
         for g in range(G):
             fp8_matmul(x_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb], self.weight[g * R:(g + 1) * R],
                        self.weight_scale[g * nb:(g + 1) * nb], out_dtype, out=out[g])
