@@ -89,13 +89,8 @@ DEFER_WRITES = False
 # q chain's GEMM blocks still waiting for an SM. PyTorch instantiates its graphs with the node priorities
 # (cudaGraphInstantiateFlagUseNodePriority), so a replay keeps them.
 SIDE_PRIORITY = 0
-# the q chain's (q_a .. q_branch): 0 runs it on the caller's stream, as always; -1 (a benchmark switch for now) on a
-# stream of that priority, so that its GEMMs' blocks are dispatched ahead of the side branches' where both wait for
-# an SM (the q chain is the critical path of the sliding and HCA front-ends)
-Q_PRIORITY = 0
 
 _SIDE: dict[tuple, Streams] = {}
-_Q: dict[tuple, object] = {}
 
 
 def side_streams(device: torch.device) -> tuple:
@@ -107,19 +102,6 @@ def side_streams(device: torch.device) -> tuple:
     if key not in _SIDE:
         _SIDE[key] = Streams.for_device(device, num_extra=3, priority=SIDE_PRIORITY)
     return _SIDE[key].extra
-
-
-def q_stream(device: torch.device):
-    """The q chain's stream at ``Q_PRIORITY`` (None: the caller's; always None on CPU)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not Q_PRIORITY:
-        return None
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, Q_PRIORITY)
-    if key not in _Q:
-        _Q[key] = torch.cuda.Stream(device=device, priority=Q_PRIORITY)
-    return _Q[key]
 
 
 def is_capturing(device: torch.device) -> bool:
@@ -166,7 +148,6 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     dev, kernels = x_BSD.device, attn.schedule.kernels
     sa, sb, sc = side_streams(dev) if overlap else (None, None, None)
     main = current_stream(dev) if overlap else None
-    sq = q_stream(dev) if overlap else None                   # the q chain's, or None: main's
     hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
     fork = record(main)
     # FP8 layers: x quantised once for wq_a (main) and wkv (side a). Only side a waits for it: the other sides fork
@@ -185,9 +166,6 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
                 keep_alive(t, s)
         for t in xq or ():
             keep_alive(t, sa)
-            keep_alive(t, sq)
-        keep_alive(x_BSD, sq)
-        keep_alive(pos_BS, sq)
 
     with on(sa):                                              # (a) window kv
         wait(xq_ready)
@@ -206,11 +184,8 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             comp_ready = _ready(sb, cache, "comp", store and (
                 lambda: attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)))
 
-    with on(sq):                                              # main (or sq): q chain
-        if sq is not None:
-            wait(xq_ready)
-        qr_BSL = attn.q_lora(x_BSD, xq)
-        q_lora_ready = record(sq if sq is not None else main)
+    qr_BSL = attn.q_lora(x_BSD, xq)                           # main: q chain
+    q_lora_ready = record(main)
 
     idx_ready = None
     if attn.indexer is not None:                              # (c) indexer
@@ -229,13 +204,9 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             idx_ready = _ready(sc, cache, "index", store and (
                 lambda: ix.compressor.write_state(ikv, isc, pos_BS, cache.index, kernels=kernels)))
 
-    with on(sq):
-        q_BSHd, q_raw = attn.q_branch(qr_BSL, pos_BS)
-        q_ready = record(sq) if sq is not None else None
-    for ev in (q_ready, kv_ready, comp_ready, idx_ready):     # the single join before the core
+    q_BSHd, q_raw = attn.q_branch(qr_BSL, pos_BS)
+    for ev in (kv_ready, comp_ready, idx_ready):              # the single join before the core
         wait(ev)
-    if hold and sq is not None:
-        keep_alive(q_BSHd, main)                              # made on sq, read on main
     if attn.compressor is not None:
         parts.append((cache.comp.entries_BNd, comp_idx))
     if hold:
