@@ -51,7 +51,6 @@ from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us  # noqa: E402
-from moe_wave.fp8 import GEMM_KERNELS, gemm_kernel, set_gemm_kernel  # noqa: E402
 
 SHAPES = {  # hidden, heads, q_lora, o_groups, index_topk (spec 1.1)
     "v4-flash": dict(hidden=4096, heads=64, q_lora_rank=1024, o_groups=8, index_topk=512),
@@ -415,7 +414,7 @@ def meta(args) -> dict:
                 gpus=f"1 x {torch.cuda.get_device_name(0)} (of {n})", torch=torch.__version__,
                 cuda=torch.version.cuda, hip=torch.version.hip,
                 nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl), world_size=1,
-                quick=args.quick, context=CTX, dtype="bfloat16", fp8_gemm=gemm_kernel())
+                quick=args.quick, context=CTX, dtype="bfloat16")
 
 
 def main() -> None:
@@ -438,11 +437,7 @@ def main() -> None:
                     "everywhere, core_kernel.WS_Q_NORM = False); default core")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
                     "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
-    ap.add_argument("--fp8-gemm", default=None, choices=list(GEMM_KERNELS),
-                    help="the FP8 projections' kernel for this run (fp8.set_gemm_kernel); default: the library's")
     args = ap.parse_args()
-    if args.fp8_gemm:
-        set_gemm_kernel(args.fp8_gemm)
     try:
         core_gluon.WS_OPTS.update(parse_core_opts(args.core_opts))
     except ValueError as e:
