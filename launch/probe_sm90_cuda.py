@@ -14,6 +14,9 @@ Each check runs a small kernel and compares its result with torch:
   table says which give torch's product (the descriptor's leading and stride byte offsets are the easiest thing
   to get wrong) and that the accumulator fragment is laid out as assumed (row = 16 warp + lane / 4 + 8 (i / 2 % 2),
   column = 8 (i / 4) + 2 (lane % 4) + i % 2).
+- **QK / PV as a core runs them**: q and a key tile K-major in the 128-byte swizzle (what TMA writes), K = 64 in
+  four k-steps; P from registers in the accumulator's own fragment layout (no shuffle from S to P) against V
+  stored as it comes (channels contiguous: MN-major, trans-b), with four descriptor encodings tried.
 - **smem**: 200 KB of dynamic shared memory in one CTA (the attribute set through the driver).
 - **graph**: the cluster and wgmma kernels captured in a CUDA graph and replayed.
 
@@ -105,6 +108,97 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(const bf16_t *A, c
     }
 }
 
+#define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_D32_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// byte offset of element (r, c) of a [rows, 64] bf16 tile in the 128-byte swizzle: 128-byte rows, the 16-byte
+// chunks of row r permuted by r % 8 (what TMA's SWIZZLE_128B writes; the tile 1024-byte aligned)
+__device__ __forceinline__ unsigned sw128(int r, int c) {
+    return r * 128 + ((((c * 2) >> 4) ^ (r & 7)) << 4) + ((c * 2) & 15);
+}
+
+// 128-byte swizzle descriptors: layout type 1 in bits 62-63, SBO = 1024 (8 rows of 128 bytes), LBO unused (1)
+__device__ __forceinline__ u64 sw128_desc(const void *p) {
+    return smem_desc(p, 16, 1024) | (1ull << 62);
+}
+
+// QK as the core runs it: A [64, 64] (q: heads x channels) and B [64, 64] (keys x channels), both K-major in the
+// 128-byte swizzle; D = A @ B^T over K = 64 in four k-steps of 16, each advancing both descriptors by 32 bytes.
+extern "C" __global__ void __launch_bounds__(128) qk_sw128_probe(const bf16_t *A, const bf16_t *B, float *D) {
+    __shared__ __align__(1024) bf16_t sa[64 * 64];
+    __shared__ __align__(1024) bf16_t sb[64 * 64];
+    for (int e = threadIdx.x; e < 64 * 64; e += 128) {
+        int r = e / 64, c = e % 64;
+        sa[sw128(r, c) / 2] = A[e];
+        sb[sw128(r, c) / 2] = B[e];
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u64 da = sw128_desc(sa) + 2 * k, db = sw128_desc(sb) + 2 * k;     // + 32 bytes (the address is >> 4)
+        asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+            : WGMMA_D32_OUT(d) : "l"(da), "l"(db), "r"(k));
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        D[(16 * w + l / 4 + 8 * ((i / 2) % 2)) * 64 + 8 * (i / 4) + 2 * (l % 4) + i % 2] = d[i];
+}
+
+// PV as the core runs it: P [64, 64] (heads x keys) from registers, in the accumulator's fragment layout (k-step s
+// takes the fragment's registers 8 s .. 8 s + 7, two bf16 to a register), and V [64, 64] (keys x channels) as
+// stored: channels contiguous, so B is MN-major (trans-b = 1) in the 128-byte swizzle, SBO = 1024 (8 keys), each
+// k-step 16 keys = 2048 bytes further. D = P @ V. (lbo, sbo): the descriptor's offsets, tried both ways.
+extern "C" __global__ void __launch_bounds__(128) pv_sw128_probe(const float *P, const bf16_t *V, float *D, int lbo,
+                                                                  int sbo) {
+    __shared__ __align__(1024) bf16_t sv[64 * 64];
+    for (int e = threadIdx.x; e < 64 * 64; e += 128) sv[sw128(e / 64, e % 64) / 2] = V[e];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    float p[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        p[i] = P[(16 * w + l / 4 + 8 * ((i / 2) % 2)) * 64 + 8 * (i / 4) + 2 * (l % 4) + i % 2];
+    unsigned a[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {                                      // two fp32 -> one bf16x2 (round to nearest)
+        unsigned r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(p[2 * j + 1]), "f"(p[2 * j]));
+        a[j] = r;
+    }
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u64 db = (smem_desc(sv, lbo, sbo) | (1ull << 62)) + 128 * k;     // + 2048 bytes
+        asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, "
+            "1, 1, 1;\n}"
+            : WGMMA_D32_OUT(d)
+            : "r"(a[4 * k]), "r"(a[4 * k + 1]), "r"(a[4 * k + 2]), "r"(a[4 * k + 3]), "l"(db), "r"(k));
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        D[(16 * w + l / 4 + 8 * ((i / 2) % 2)) * 64 + 8 * (i / 4) + 2 * (l % 4) + i % 2] = d[i];
+}
+
 extern "C" __global__ void smem_probe(float *out, int n) {
     extern __shared__ float buf[];
     for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = (float)i;
@@ -169,6 +263,25 @@ def run() -> list[dict]:
         err = (D - want).abs().max().item()
         modes[mode] = bool(err < 1e-3)
         rows.append(dict(check=f"wgmma m64n64k16 mode {mode} ({what})", ok=modes[mode], max_err=err))
+
+    kq, kp = _compile("qk_sw128_probe"), _compile("pv_sw128_probe")
+    A = torch.randn(64, 64, device=dev).to(torch.bfloat16)
+    B = torch.randn(64, 64, device=dev).to(torch.bfloat16)
+    D = torch.full((64, 64), float("nan"), device=dev)
+    kq(grid=(1, 1, 1), block=(128, 1, 1), args=[A, B, D])
+    torch.cuda.synchronize()
+    err = (D - A.float() @ B.float().t()).abs().max().item()
+    rows.append(dict(check="QK: wgmma K = 64 in 4 k-steps, q and keys K-major in the 128-byte swizzle (SBO 1024)",
+                     ok=bool(err < 1e-3), max_err=err))
+    P = torch.randn(64, 64, device=dev)
+    want = P.to(torch.bfloat16).float() @ B.float()
+    for lbo, sbo in ((16, 1024), (1024, 16), (1024, 1024), (2048, 1024)):
+        D = torch.full((64, 64), float("nan"), device=dev)
+        kp(grid=(1, 1, 1), block=(128, 1, 1), args=[P, B, D, lbo, sbo])
+        torch.cuda.synchronize()
+        err = (D - want).abs().max().item()
+        rows.append(dict(check=f"PV: P from registers, V MN-major in the 128-byte swizzle, LBO {lbo}, SBO {sbo}",
+                         ok=bool(err < 1e-3), max_err=err))
 
     n = SMEM_BYTES // 4
     _allow_smem(ks, SMEM_BYTES)
