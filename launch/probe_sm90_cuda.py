@@ -228,7 +228,7 @@ def _allow_smem(kernel, nbytes: int) -> None:
         raise RuntimeError(f"cuFuncSetAttribute: CUresult {rc}")
 
 
-def check_cluster(k, out):
+def launch_cluster(k, out):
     k(grid=(8, 1, 1), block=(128, 1, 1), args=[out])
 
 
@@ -244,23 +244,23 @@ def run() -> list[dict]:
     kc, kw, ks = _compile("cluster_probe"), _compile("wgmma_probe"), _compile("smem_probe")
 
     out = torch.zeros(8 * 32, device=dev)
-    check_cluster(kc, out)
+    launch_cluster(kc, out)
     torch.cuda.synchronize()
     ok = torch.equal(out.cpu(), want_cluster())
     rows.append(dict(check="cluster: each CTA reads its peer's shared memory", ok=ok))
 
     torch.manual_seed(0)
-    A = torch.randn(64, 16, device=dev).to(torch.bfloat16)
-    B = torch.randn(64, 16, device=dev).to(torch.bfloat16)
-    want = A.float() @ B.float().t()
+    a16 = torch.randn(64, 16, device=dev).to(torch.bfloat16)
+    b16 = torch.randn(64, 16, device=dev).to(torch.bfloat16)
+    want16 = a16.float() @ b16.float().t()
     modes = {}
     for mode, what in ((0, "K 128 B apart, rows 256: LBO 128, SBO 256"), (1, "K 1024 B apart, rows 128: LBO 1024, "
                                                                                "SBO 128"),
                        (2, "K 128 B apart, rows 256: LBO 256, SBO 128 (swapped)")):
         D = torch.full((64, 64), float("nan"), device=dev)
-        kw(grid=(1, 1, 1), block=(128, 1, 1), args=[A, B, D, mode])
+        kw(grid=(1, 1, 1), block=(128, 1, 1), args=[a16, b16, D, mode])
         torch.cuda.synchronize()
-        err = (D - want).abs().max().item()
+        err = (D - want16).abs().max().item()
         modes[mode] = bool(err < 1e-3)
         rows.append(dict(check=f"wgmma m64n64k16 mode {mode} ({what})", ok=modes[mode], max_err=err))
 
@@ -296,12 +296,12 @@ def run() -> list[dict]:
     D = torch.zeros(64, 64, device=dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        check_cluster(kc, out)
-        kw(grid=(1, 1, 1), block=(128, 1, 1), args=[A, B, D, good])
+        launch_cluster(kc, out)
+        kw(grid=(1, 1, 1), block=(128, 1, 1), args=[a16, b16, D, good])
     graph.replay()
     torch.cuda.synchronize()
     rows.append(dict(check="graph: both kernels captured and replayed", ok=bool(
-        torch.equal(out.cpu(), want_cluster()) and (D - want).abs().max().item() < 1e-3) if modes[good] else False))
+        torch.equal(out.cpu(), want_cluster()) and (D - want16).abs().max().item() < 1e-3) if modes[good] else False))
     return rows
 
 
