@@ -66,6 +66,22 @@ __device__ __forceinline__ u64 smem_desc(const void *p, unsigned lbo, unsigned s
     return (u64)((a >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32);
 }
 
+#define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_D32_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// the m64n64 fp32 accumulator fragment to D [64, 64]: register i of thread (warp w, lane l) is row
+// 16 w + l / 4 + 8 (i / 2 % 2), column 8 (i / 4) + 2 (l % 4) + i % 2
+__device__ __forceinline__ void store_d64(float *D, const float *d) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        D[(16 * w + l / 4 + 8 * ((i / 2) % 2)) * 64 + 8 * (i / 4) + 2 * (l % 4) + i % 2] = d[i];
+}
+
 // A [64, 16] and B [64, 16] (N x K), both K-major, row-major in global memory; D [64, 64] = A @ B^T in fp32.
 // mode 0: core matrices along K 128 bytes apart, along M/N 256 apart; descriptor LBO = 128, SBO = 256.
 // mode 1: along K 1024 apart, along M/N 128 apart; descriptor LBO = 1024, SBO = 128.
@@ -89,31 +105,13 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(const bf16_t *A, c
     for (int i = 0; i < 32; ++i) d[i] = 0.0f;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+        : WGMMA_D32_OUT(d)
         : "l"(da), "l"(db), "r"(0));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        int row = 16 * w + l / 4 + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * (l % 4) + i % 2;
-        D[row * 64 + col] = d[i];
-    }
+    store_d64(D, d);
 }
-
-#define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define WGMMA_D32_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
-    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
-    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
 // byte offset of element (r, c) of a [rows, 64] bf16 tile in the 128-byte swizzle: 128-byte rows, the 16-byte
 // chunks of row r permuted by r % 8 (what TMA's SWIZZLE_128B writes; the tile 1024-byte aligned)
@@ -151,10 +149,7 @@ extern "C" __global__ void __launch_bounds__(128) qk_sw128_probe(const bf16_t *A
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < 32; ++i)
-        D[(16 * w + l / 4 + 8 * ((i / 2) % 2)) * 64 + 8 * (i / 4) + 2 * (l % 4) + i % 2] = d[i];
+    store_d64(D, d);
 }
 
 // PV as the core runs it: P [64, 64] (heads x keys) from registers, in the accumulator's fragment layout (k-step s
@@ -194,9 +189,7 @@ extern "C" __global__ void __launch_bounds__(128) pv_sw128_probe(const float *P,
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < 32; ++i)
-        D[(16 * w + l / 4 + 8 * ((i / 2) % 2)) * 64 + 8 * (i / 4) + 2 * (l % 4) + i % 2] = d[i];
+    store_d64(D, d);
 }
 
 extern "C" __global__ void smem_probe(float *out, int n) {
