@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_attn import gemm_tflops, time_alone  # noqa: E402  (the attention benchmarks' yardstick and timer)
 
-from moe_wave.attention import core_gluon  # noqa: E402
+from moe_wave.attention import core_cuda, core_gluon  # noqa: E402
 from moe_wave.attention.core import sparse_attention  # noqa: E402
 from moe_wave.attention.core_kernel import core_flops, sparse_attention_fused  # noqa: E402
 
@@ -89,6 +89,10 @@ def run(impl: str, q, parts, sinks):
             load_regs=int(kw.pop("regs", core_gluon.LOAD_REGS)), programs=int(kw.pop("programs", 0)) or None,
             probe=int(kw.pop("probe", 0)), opts={k.upper(): bool(int(v)) for k, v in kw.items()})
         return out
+    if impl == "cuda":                      # the CUDA C++ kernel: a cluster of two CTAs splitting d
+        out = torch.empty_like(q)
+        core_cuda.sparse_attention_cuda(q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2)
+        return out
     if impl == "gluon1":                    # the one-program-per-item Gluon kernel at its default tiling
         return run("gluon/64/2", q, parts, sinks)
     return sparse_attention_fused(q, parts, sinks, scale, impl=impl)
@@ -127,7 +131,8 @@ def check(dev) -> list:
         want = sparse_attention(q.float(), [(kv.float(), i) for kv, i in parts], sinks, D ** -0.5, kernels="off")
         row = dict(case=name)
         outs = {}
-        for impl in ("triton", "gluon", "gluon1", "ws", *WS_VARIANTS,
+        cuda = ["cuda"] if core_cuda.supported(q, len(parts)) else []
+        for impl in ("triton", "gluon", "gluon1", "ws", *cuda, *WS_VARIANTS,
                      *(f"gluon/{bn}/{nb}" for bn, nb in GLUON_VARIANTS)):
             a, b = run(impl, q, parts, sinks), run(impl, q, parts, sinks)
             outs[impl] = a
@@ -153,7 +158,7 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
             q, parts, sinks = make(kind, S, H, 512, dev)
             useful, _ = core_flops(H, 512, [idx for _, idx in parts])
             row = dict(shape=shape, layer_type=kind, tokens=S, gflop=round(useful / 1e9, 2))
-            for impl in ("triton", "gluon1", "ws"):
+            for impl in ("triton", "gluon1", "ws", "cuda"):
                 if impls and impl not in impls:
                     row[f"{impl}_us"] = row[f"{impl}_tflops"] = row[f"{impl}_vs_gemm"] = float("nan")
                     continue
@@ -167,6 +172,7 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
                 row[f"{impl}_us"] = round(us, 1)
             row["ws_vs_gluon1"] = round(row["gluon1_us"] / row["ws_us"], 2) if row["ws_us"] == row["ws_us"] \
                 else float("nan")
+            row["cuda_vs_ws"] = round(row["ws_us"] / row["cuda_us"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -195,11 +201,12 @@ def main() -> None:
     rows = bench(dev, args.tokens, args.iters, gemm, args.only, args.impls.split(",") if args.impls else None)
     print(f"\ndense bf16 GEMM {gemm:.0f} TFLOP/s; correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok")
     print(f"{'shape':9} {'type':8} {'GFLOP':>6} {'triton_us':>10} {'%gemm':>6} {'gluon1_us':>9} {'%gemm':>6} "
-          f"{'ws_us':>8} {'%gemm':>6} {'x':>5}")
+          f"{'ws_us':>8} {'%gemm':>6} {'x':>5} {'cuda_us':>8} {'%gemm':>6} {'x ws':>5}")
     for r in rows:
         print(f"{r['shape']:9} {r['layer_type']:8} {r['gflop']:>6.1f} {r['triton_us']:>10.1f} "
               f"{100 * r['triton_vs_gemm']:>5.0f}% {r['gluon1_us']:>9.1f} {100 * r['gluon1_vs_gemm']:>5.0f}% "
-              f"{r['ws_us']:>8.1f} {100 * r['ws_vs_gemm']:>5.0f}% {r['ws_vs_gluon1']:>5.2f}  "
+              f"{r['ws_us']:>8.1f} {100 * r['ws_vs_gemm']:>5.0f}% {r['ws_vs_gluon1']:>5.2f} "
+              f"{r['cuda_us']:>8.1f} {100 * r['cuda_vs_gemm']:>5.0f}% {r['cuda_vs_ws']:>5.2f}  "
               + " ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if "/" in k or ":" in k))
     if args.out:
         meta = dict(command=" ".join(sys.argv), git_sha=os.environ.get("MOE_WAVE_GIT_SHA", "unknown"),

@@ -1,0 +1,410 @@
+"""The sparse attention core's prefill kernel for Hopper in CUDA C++: a pair of CTAs splitting d, two pairs an SM.
+
+The math is ``core.sparse_attention``'s (one query's 64 heads against 64-key tiles of its picks, the window part
+then the compressed part in one online softmax, fp32 in the exp2 domain, the sink as the running max's start,
+-1 picks masked). What differs from the Gluon kernels (``core_gluon``) is who holds what:
+
+- **A cluster of two CTAs holds one item** (a query's 64-head block), each CTA one half of d = 512: q's half
+  (32 KB), a ring of two 64-key tiles of the keys' half (2 x 32 KB) and the output's half as a 64 x 256 fp32
+  accumulator in one math warpgroup. QK over a half of d gives a partial score; each CTA writes its partial into
+  its peer's shared memory (``st.shared::cluster``), both add the two (the same fp32 sum on both sides: the
+  same bits), run the same softmax and multiply P into their own half of V.
+- **Two items an SM.** A CTA needs 112 KB of shared memory and 256 threads (the math warpgroup at 200 registers,
+  a copy warpgroup at 56), so two CTAs of different items share an SM and one's softmax runs while the other's
+  GEMMs use the tensor cores. With one item an SM (the Gluon kernels: q 64 KB, two 64 KB tiles and a 64 x 512
+  accumulator fill it) the tensor cores idle through each tile's softmax.
+- The copy warpgroup gathers the picked rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing
+  and is zero-filled) and signals an mbarrier; QK and PV are ``wgmma`` from shared-memory descriptors, P from
+  registers in the accumulator's own layout.
+
+The kernel is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a): no build step.
+It takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16, no fusions; every output element is
+written once in a fixed order, so the bits repeat from run to run. ``supported`` says when it applies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import torch
+
+__all__ = ["available", "supported", "sparse_attention_cuda", "SMEM_BYTES", "PV_LBO", "PV_SBO"]
+
+D_FULL = 512                # head_dim the kernel takes (V4's)
+BH = 64                     # heads an item (the GEMMs' M)
+THREADS = 256               # a math warpgroup, a copy warpgroup
+SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 64     # q half, ring of two key-half tiles, the peer's partial, barriers
+# The PV descriptor of V (MN-major, the 128-byte swizzle): LBO = the step between 64-channel swizzle columns along
+# N (64 keys x 128 B apart), SBO = the step between 8-key groups along K (8 x 128 B). (cute's canonical
+# ``((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))`` for SWIZZLE_128B MN-major.)
+PV_LBO, PV_SBO = 8192, 1024
+
+SRC = r"""
+typedef unsigned long long u64;
+
+#define HALF 256
+#define Q_OFF 0
+#define K_OFF 32768
+#define T_BYTES 32768
+#define X_OFF 98304
+#define B_OFF 114688
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) {
+    unsigned a;
+    asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n}" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+                 "@!p bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {   // the peer CTA arrived
+    asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t"
+                 "@!p bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_peer(unsigned cluster_addr) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ unsigned peer_addr(unsigned a, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void *src, unsigned src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// byte offset of (row r, 16-byte chunk c of a 256-channel half row) in a [4 swizzle columns][rows][128 B] tile
+__device__ __forceinline__ unsigned sw_off(int r, int c) {
+    return (c >> 3) * (64 * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+__device__ __forceinline__ u64 desc(unsigned a, unsigned lbo, unsigned sbo) {      // 128-byte swizzle
+    return (u64)((a >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32)
+        | (1ull << 62);
+}
+
+#define D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define D32_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+__device__ __forceinline__ void wgmma_ss(float *d, u64 da, u64 db, int acc) {      // m64n64k16, both K-major
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+        : D32_OUT(d) : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void wgmma_rs(float *d, const unsigned *a, u64 db) {    // A from registers, B MN-major
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+        : D32_OUT(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+struct Args {
+    const unsigned short *q; unsigned short *out; const float *sinks;
+    const unsigned short *kv1; const unsigned short *kv2;
+    int S, H, J1, J2, two;
+    float qk_scale;
+    long long s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_k1b, s_k1m, s_i1b, s_i1s, s_k2b, s_k2m, s_i2b, s_i2s;
+    unsigned pv_lbo, pv_sbo;
+};
+
+template <typename I>
+__device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int tid = threadIdx.x;
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const int item = blockIdx.x >> 1, HB = a.H / 64;
+    const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
+    const unsigned base = smem_u32(smem);
+    const unsigned q_full = base + B_OFF, kv_full = q_full + 8, kv_empty = q_full + 24, x_full = q_full + 40,
+                   x_free = q_full + 48;
+    int *last = (int *)(smem + B_OFF + 56);
+    const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
+    const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
+    if (tid == 0) {
+        if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
+        mbar_init(q_full, 128);
+        mbar_init(kv_full, 128); mbar_init(kv_full + 8, 128);
+        mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
+        mbar_init(x_full, 128); mbar_init(x_free, 128);
+        last[0] = -1; last[1] = -1;
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    // each part's tiles run up to its last valid pick (both CTAs count the same)
+    int m1 = -1, m2 = -1;
+    for (int j = tid; j < a.J1; j += 256) if (idx1[j] >= 0) m1 = j;
+    if (a.two) for (int j = tid; j < a.J2; j += 256) if (idx2[j] >= 0) m2 = j;
+    if (m1 >= 0) atomicMax(&last[0], m1);
+    if (m2 >= 0) atomicMax(&last[1], m2);
+    cluster_sync();                                     // barriers initialised on both sides, counts complete
+    const int n1 = (last[0] + 64) / 64, nt = n1 + (last[1] + 64) / 64;
+    const unsigned peer = rank ^ 1u;
+
+    if (tid >= 128) {                                   // the copy warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        const int p = tid - 128, w = p >> 5, c = p & 31;
+        const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + rank * HALF + c * 8;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int r = w + 4 * i;
+            cp_async16(base + Q_OFF + sw_off(r, c), qs + r * a.s_qh, 16);
+        }
+        cp_async_arrive(q_full);
+        for (int t = 0; t < nt; ++t) {
+            const int slot = t & 1;
+            const bool one = t < n1;
+            const I *ip = one ? idx1 : idx2;
+            const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+            const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
+            const long long sm = one ? a.s_k1m : a.s_k2m;
+            int id[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int j = j0 + w + 4 * i;
+                id[i] = j < J ? (int)ip[j] : -1;
+            }
+            mbar_wait(kv_empty + 8 * slot, ((t >> 1) & 1) ^ 1);
+            const unsigned dst = base + K_OFF + slot * T_BYTES;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int r = w + 4 * i;
+                cp_async16(dst + sw_off(r, c), kv + (long long)(id[i] < 0 ? 0 : id[i]) * sm + rank * HALF + c * 8,
+                           id[i] < 0 ? 0 : 16);
+            }
+            cp_async_arrive(kv_full + 8 * slot);
+        }
+    } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
+        const int w = tid >> 5, l = tid & 31;
+        const int rA = 16 * w + (l >> 2), cq = 2 * (l & 3);
+        const float LOG2E = 1.4426950408889634f;
+        float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
+        float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
+        float o[4][32];
+#pragma unroll
+        for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+            for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
+        const unsigned px = peer_addr(base + X_OFF, peer), pfull = peer_addr(x_full, peer),
+                       pfree = peer_addr(x_free, peer);
+        mbar_wait(q_full, 0);
+        for (int t = 0; t < nt; ++t) {
+            const int slot = t & 1;
+            const bool one = t < n1;
+            const I *ip = one ? idx1 : idx2;
+            const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+            unsigned valid = 0;
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = j0 + 8 * jj + cq + e;
+                    valid |= (unsigned)(j < J && ip[j] >= 0) << (2 * jj + e);
+                }
+            mbar_wait(kv_full + 8 * slot, (t >> 1) & 1);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
+            const unsigned kt = base + K_OFF + slot * T_BYTES;
+            float sc[32];
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+                const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
+                wgmma_ss(sc, desc(base + Q_OFF + off, 16, 1024), desc(kt + off, 16, 1024), k);
+            }
+            wgmma_commit_wait();
+            // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
+            mbar_wait_cluster(x_free, (t & 1) ^ 1);
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+                asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
+                             :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
+                                "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]) : "memory");
+            mbar_arrive_peer(pfull);
+            mbar_wait_cluster(x_full, t & 1);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                float x0, x1, x2, x3;
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                             : "=f"(x0), "=f"(x1), "=f"(x2), "=f"(x3) : "r"(base + X_OFF + (k * 128 + tid) * 16)
+                             : "memory");
+                sc[4 * k] += x0; sc[4 * k + 1] += x1; sc[4 * k + 2] += x2; sc[4 * k + 3] += x3;
+            }
+            mbar_arrive_peer(pfree);
+            // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others
+            float xA = NEG_INF, xB = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const float v = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? sc[i] * a.qk_scale : NEG_INF;
+                sc[i] = v;
+                if ((i >> 1) & 1) xB = fmaxf(xB, v); else xA = fmaxf(xA, v);
+            }
+            xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 1)); xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 2));
+            xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 1)); xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 2));
+            const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+            const float aA = ex2(mA - nA), aB = ex2(mB - nB);
+            mA = nA; mB = nB;
+            float sA = 0.0f, sB = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const bool rowB = (i >> 1) & 1;
+                const float pv = ex2(sc[i] - (rowB ? nB : nA));
+                sc[i] = pv;
+                if (rowB) sB += pv; else sA += pv;
+            }
+            lA = lA * aA + sA; lB = lB * aB + sB;
+            unsigned pa[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
+#pragma unroll
+            for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+                    wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, a.pv_lbo, a.pv_sbo));
+            wgmma_commit_wait();
+            mbar_arrive(kv_empty + 8 * slot);
+        }
+        lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
+        lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
+        const float fA = 1.0f / lA, fB = 1.0f / lB;
+        unsigned short *oA = a.out + b * a.s_ob + s * a.s_os + (long long)(h0 + rA) * a.s_oh + rank * HALF + cq;
+        unsigned short *oB = oA + 8 * a.s_oh;
+#pragma unroll
+        for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                *(unsigned *)(oA + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
+                *(unsigned *)(oB + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
+            }
+    }
+    cluster_sync();                                     // the peer no longer writes into this CTA's memory
+}
+
+#define KERNEL(name, I) \
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256, 2) name(Args a, const I *i1, \
+                                                                                  const I *i2) { core<I>(a, i1, i2); }
+KERNEL(sparse_core_pair_i32, int)
+KERNEL(sparse_core_pair_i64, long long)
+"""
+
+
+class _Args(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "out", "sinks", "kv1", "kv2")]
+                + [(n, ctypes.c_int) for n in ("S", "H", "J1", "J2", "two")] + [("qk_scale", ctypes.c_float)]
+                + [(n, ctypes.c_longlong) for n in ("s_qb", "s_qs", "s_qh", "s_ob", "s_os", "s_oh", "s_k1b", "s_k1m",
+                                                    "s_i1b", "s_i1s", "s_k2b", "s_k2m", "s_i2b", "s_i2s")]
+                + [("pv_lbo", ctypes.c_uint), ("pv_sbo", ctypes.c_uint)])
+
+
+_BROKEN: str | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int, idx_bits: int):
+    with torch.cuda.device(device_index):
+        k = torch.cuda._compile_kernel(SRC, f"sparse_core_pair_i{idx_bits}", compute_capability="90a")
+        k.set_shared_memory_config(SMEM_BYTES)
+    return k
+
+
+def available() -> bool:
+    """A Hopper GPU is current, torch can compile CUDA C++ at run time, and the kernel has not failed here."""
+    if _BROKEN is not None or not torch.cuda.is_available() or torch.version.hip is not None:
+        return False
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+def supported(q: torch.Tensor, n_parts: int, nsplit: int = 1, fused: bool = False) -> bool:
+    """True when this kernel runs the call: Hopper, bf16, d = 512, whole 64-head blocks, one or two parts, no key
+    splits, no fusions."""
+    if fused or nsplit != 1 or not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16:
+        return False
+    return q.shape[-1] == D_FULL and q.shape[-2] % BH == 0 and available()
+
+
+def mark_broken(err: BaseException) -> None:
+    """The kernel failed to compile or launch here: warn once; ``available`` is False from now on."""
+    global _BROKEN
+    if _BROKEN is None:
+        _BROKEN = f"{type(err).__name__}: {err}"
+        warnings.warn(f"moe_wave: the CUDA C++ sparse-attention kernel does not run here ({_BROKEN}); the Gluon "
+                      f"kernels run instead", stacklevel=3)
+
+
+def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
+                          i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
+                          pv_lbo: int = PV_LBO, pv_sbo: int = PV_SBO) -> None:
+    """Launch on checked tensors (``sparse_attention_gluon``'s contract): q / out [B, S, H, 512] bf16 with the
+    last dim contiguous, kv [B, M, 512] bf16 rows contiguous, idx [B, S, J] int32 or int64 with the last dim
+    contiguous, sinks fp32 [H]. pv_lbo / pv_sbo: V's descriptor offsets (for the probe that checks them)."""
+    B, S, H, D = q.shape
+    if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
+        raise ValueError(f"sparse_attention_cuda: q must be bf16 [B, S, H, {D_FULL}] with H a multiple of {BH}, "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    for name, t in (("q", q), ("out", out), ("kv1", kv1), ("kv2", kv2), ("i1", i1), ("i2", i2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"sparse_attention_cuda: {name}'s last dim must be contiguous, strides {t.stride()}")
+    if i1.dtype != i2.dtype or i1.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse_attention_cuda: the picks must both be int32 or int64, got {i1.dtype} / {i2.dtype}")
+    if sinks.dtype != torch.float32 or not sinks.is_contiguous():
+        sinks = sinks.float().contiguous()
+    J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
+    a = _Args(q.data_ptr(), out.data_ptr(), sinks.data_ptr(), kv1.data_ptr(), kv2.data_ptr(), S, H, J1, J2, int(two),
+              float(scale) * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), out.stride(0),
+              out.stride(1), out.stride(2), kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1),
+              kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo)
+    k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64)
+    _launch(k, 2 * B * S * (H // BH), a, i1, i2)
+
+
+def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor) -> None:
+    """cuLaunchKernel with the argument struct by value (torch's launcher passes ints and doubles only)."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    p1, p2 = ctypes.c_void_p(i1.data_ptr()), ctypes.c_void_p(i2.data_ptr())
+    params = (ctypes.c_void_p * 3)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p),
+                                   ctypes.cast(ctypes.byref(p1), ctypes.c_void_p),
+                                   ctypes.cast(ctypes.byref(p2), ctypes.c_void_p))
+    stream = torch.cuda.current_stream()
+    rc = lib.cuLaunchKernel(k.func, n_ctas, 1, 1, 256, 1, 1, SMEM_BYTES, stream._as_parameter_, params, None)
+    if rc != 0:
+        raise RuntimeError(f"sparse_attention_cuda: cuLaunchKernel returned CUresult {rc}")
