@@ -35,7 +35,7 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "SMEM_BYTES", "PV_
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 64     # q half, ring of two key-half tiles, the peer's partial, barriers
+SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 144    # q half, ring of two key-half tiles, the peer's partial, barriers
 # The PV descriptor of V (MN-major, the 128-byte swizzle): LBO = the step between 64-channel swizzle columns along
 # N (64 keys x 128 B apart), SBO = the step between 8-key groups along K (8 x 128 B). (cute's canonical
 # ``((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))`` for SWIZZLE_128B MN-major.)
@@ -134,7 +134,7 @@ __device__ __forceinline__ void wgmma_commit_wait() {
 struct Args {
     const unsigned short *q; unsigned short *out; const float *sinks;
     const unsigned short *kv1; const unsigned short *kv2;
-    int S, H, J1, J2, two;
+    int S, H, J1, J2, two, n_items;
     float qk_scale;
     long long s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_k1b, s_k1m, s_i1b, s_i1s, s_k2b, s_k2m, s_i2b, s_i2s;
     unsigned pv_lbo, pv_sbo;
@@ -146,174 +146,201 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     const int tid = threadIdx.x;
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    const int item = blockIdx.x >> 1, HB = a.H / 64;
-    const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
+    const int HB = a.H / 64, first = blockIdx.x >> 1, stride = gridDim.x >> 1;
     const unsigned base = smem_u32(smem);
-    const unsigned q_full = base + B_OFF, kv_full = q_full + 8, kv_empty = q_full + 24, x_full = q_full + 40,
-                   x_free = q_full + 48;
-    int *last = (int *)(smem + B_OFF + 56);
-    const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
-    const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
+    const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
+                   x_full = q_full + 48, x_free = q_full + 56;
+    volatile int *info = (volatile int *)(smem + B_OFF + 64);      // the item's tile counts, producer -> math
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
-        mbar_init(q_full, 128);
+        mbar_init(q_full, 129);                         // 128 copy threads' cp.async, + 1 plain arrive (info)
+        mbar_init(q_empty, 128);
         mbar_init(kv_full, 128); mbar_init(kv_full + 8, 128);
         mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
         mbar_init(x_full, 128); mbar_init(x_free, 128);
-        last[0] = -1; last[1] = -1;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
-    // each part's tiles run up to its last valid pick (both CTAs count the same)
-    int m1 = -1, m2 = -1;
-    for (int j = tid; j < a.J1; j += 256) if (idx1[j] >= 0) m1 = j;
-    if (a.two) for (int j = tid; j < a.J2; j += 256) if (idx2[j] >= 0) m2 = j;
-    if (m1 >= 0) atomicMax(&last[0], m1);
-    if (m2 >= 0) atomicMax(&last[1], m2);
-    cluster_sync();                                     // barriers initialised on both sides, counts complete
-    const int n1 = (last[0] + 64) / 64, nt = n1 + (last[1] + 64) / 64;
-    const unsigned peer = rank ^ 1u;
+    cluster_sync();                                     // barriers initialised on both sides
 
-    if (tid >= 128) {                                   // the copy warpgroup
+    if (tid >= 128) {                                   // the copy warpgroup: q, the counts, the tiles, ahead
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-        const int p = tid - 128, w = p >> 5, c = p & 31;
-        const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + rank * HALF + c * 8;
+        // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 4) of a 256-channel half row: a warp
+        // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
+        const int p = tid - 128, rg = p >> 3, cg = p & 7;
+        int g = 0, it = 0;
+        for (int item = first; item < a.n_items; item += stride, ++it) {
+            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
+            const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
+            const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
+            // each part's tiles run up to its last valid pick (both CTAs count the same)
+            int m1 = -1, m2 = -1;
+            for (int j = p; j < a.J1; j += 128) if (idx1[j] >= 0) m1 = j;
+            if (a.two) for (int j = p; j < a.J2; j += 128) if (idx2[j] >= 0) m2 = j;
+            m1 = __reduce_max_sync(0xffffffff, m1);
+            m2 = __reduce_max_sync(0xffffffff, m2);
+            int *red = (int *)(smem + B_OFF + 72) + 8 * (it & 1);    // two sets: no barrier before the next write
+            if ((p & 31) == 0) { red[p >> 5] = m1; red[4 + (p >> 5)] = m2; }
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+            m1 = max(max(red[0], red[1]), max(red[2], red[3]));
+            m2 = max(max(red[4], red[5]), max(red[6], red[7]));
+            const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
+            mbar_wait(q_empty, (it & 1) ^ 1);           // the last item's QKs are done with q
+            if (p == 0) { info[0] = n1; info[1] = nt; }
+            const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + rank * HALF + cg * 8;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int r = w + 4 * i;
-            cp_async16(base + Q_OFF + sw_off(r, c), qs + r * a.s_qh, 16);
-        }
-        cp_async_arrive(q_full);
-        for (int t = 0; t < nt; ++t) {
-            const int slot = t & 1;
-            const bool one = t < n1;
-            const I *ip = one ? idx1 : idx2;
-            const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
-            const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
-            const long long sm = one ? a.s_k1m : a.s_k2m;
-            int id[16];
+            for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int j = j0 + w + 4 * i;
-                id[i] = j < J ? (int)ip[j] : -1;
+                for (int k = 0; k < 4; ++k) {
+                    const int r = rg + 16 * i;
+                    cp_async16(base + Q_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
+                }
+            cp_async_arrive(q_full);
+            if (p == 0) mbar_arrive(q_full);
+            for (int t = 0; t < nt; ++t, ++g) {
+                const int slot = g & 1;
+                const bool one = t < n1;
+                const I *ip = one ? idx1 : idx2;
+                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+                const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
+                const long long sm = one ? a.s_k1m : a.s_k2m;
+                int id[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = j0 + rg + 16 * i;
+                    id[i] = j < J ? (int)ip[j] : -1;
+                }
+                mbar_wait(kv_empty + 8 * slot, ((g >> 1) & 1) ^ 1);
+                const unsigned dst = base + K_OFF + slot * T_BYTES;
+                const unsigned short *kvc = kv + rank * HALF + cg * 8;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
+                    const unsigned n = id[i] < 0 ? 0 : 16;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
+                }
+                cp_async_arrive(kv_full + 8 * slot);
             }
-            mbar_wait(kv_empty + 8 * slot, ((t >> 1) & 1) ^ 1);
-            const unsigned dst = base + K_OFF + slot * T_BYTES;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int r = w + 4 * i;
-                cp_async16(dst + sw_off(r, c), kv + (long long)(id[i] < 0 ? 0 : id[i]) * sm + rank * HALF + c * 8,
-                           id[i] < 0 ? 0 : 16);
-            }
-            cp_async_arrive(kv_full + 8 * slot);
         }
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
         asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
         const int w = tid >> 5, l = tid & 31;
         const int rA = 16 * w + (l >> 2), cq = 2 * (l & 3);
         const float LOG2E = 1.4426950408889634f;
-        float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
-        float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
-        float o[4][32];
-#pragma unroll
-        for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-            for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
+        const unsigned peer = rank ^ 1u;
         const unsigned px = peer_addr(base + X_OFF, peer), pfull = peer_addr(x_full, peer),
                        pfree = peer_addr(x_free, peer);
-        mbar_wait(q_full, 0);
-        for (int t = 0; t < nt; ++t) {
-            const int slot = t & 1;
-            const bool one = t < n1;
-            const I *ip = one ? idx1 : idx2;
-            const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
-            unsigned valid = 0;
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = j0 + 8 * jj + cq + e;
-                    valid |= (unsigned)(j < J && ip[j] >= 0) << (2 * jj + e);
-                }
-            mbar_wait(kv_full + 8 * slot, (t >> 1) & 1);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
-            const unsigned kt = base + K_OFF + slot * T_BYTES;
-            float sc[32];
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < 16; ++k) {
-                const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
-                wgmma_ss(sc, desc(base + Q_OFF + off, 16, 1024), desc(kt + off, 16, 1024), k);
-            }
-            wgmma_commit_wait();
-            // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
-            mbar_wait_cluster(x_free, (t & 1) ^ 1);
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-                asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
-                             :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
-                                "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]) : "memory");
-            mbar_arrive_peer(pfull);
-            mbar_wait_cluster(x_full, t & 1);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                float x0, x1, x2, x3;
-                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                             : "=f"(x0), "=f"(x1), "=f"(x2), "=f"(x3) : "r"(base + X_OFF + (k * 128 + tid) * 16)
-                             : "memory");
-                sc[4 * k] += x0; sc[4 * k + 1] += x1; sc[4 * k + 2] += x2; sc[4 * k + 3] += x3;
-            }
-            mbar_arrive_peer(pfree);
-            // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others
-            float xA = NEG_INF, xB = NEG_INF;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                const float v = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? sc[i] * a.qk_scale : NEG_INF;
-                sc[i] = v;
-                if ((i >> 1) & 1) xB = fmaxf(xB, v); else xA = fmaxf(xA, v);
-            }
-            xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 1)); xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 2));
-            xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 1)); xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 2));
-            const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
-            const float aA = ex2(mA - nA), aB = ex2(mB - nB);
-            mA = nA; mB = nB;
-            float sA = 0.0f, sB = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                const bool rowB = (i >> 1) & 1;
-                const float pv = ex2(sc[i] - (rowB ? nB : nA));
-                sc[i] = pv;
-                if (rowB) sB += pv; else sA += pv;
-            }
-            lA = lA * aA + sA; lB = lB * aB + sB;
-            unsigned pa[16];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
+        int g = 0, it = 0;
+        for (int item = first; item < a.n_items; item += stride, ++it) {
+            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
+            const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
+            const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
+            float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
+            float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
+            float o[4][32];
 #pragma unroll
             for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
-            wgmma_fence();
+                for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
+            mbar_wait(q_full, it & 1);
+            const int n1 = info[0], nt = info[1];
+            if (nt == 0) mbar_arrive(q_empty);
+            for (int t = 0; t < nt; ++t, ++g) {
+                const int slot = g & 1;
+                const bool one = t < n1;
+                const I *ip = one ? idx1 : idx2;
+                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+                unsigned valid = 0;
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
+                for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = j0 + 8 * jj + cq + e;
+                        valid |= (unsigned)(j < J && ip[j] >= 0) << (2 * jj + e);
+                    }
+                mbar_wait(kv_full + 8 * slot, (g >> 1) & 1);
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
+                const unsigned kt = base + K_OFF + slot * T_BYTES;
+                float sc[32];
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < 16; ++k) {
+                    const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
+                    wgmma_ss(sc, desc(base + Q_OFF + off, 16, 1024), desc(kt + off, 16, 1024), k);
+                }
+                wgmma_commit_wait();
+                if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
+                // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
+                mbar_wait_cluster(x_free, (g & 1) ^ 1);
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
+                                 :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
+                                    "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]) : "memory");
+                mbar_arrive_peer(pfull);
+                mbar_wait_cluster(x_full, g & 1);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    float x0, x1, x2, x3;
+                    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                 : "=f"(x0), "=f"(x1), "=f"(x2), "=f"(x3) : "r"(base + X_OFF + (k * 128 + tid) * 16)
+                                 : "memory");
+                    sc[4 * k] += x0; sc[4 * k + 1] += x1; sc[4 * k + 2] += x2; sc[4 * k + 3] += x3;
+                }
+                mbar_arrive_peer(pfree);
+                // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others
+                float xA = NEG_INF, xB = NEG_INF;
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const float v = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? sc[i] * a.qk_scale : NEG_INF;
+                    sc[i] = v;
+                    if ((i >> 1) & 1) xB = fmaxf(xB, v); else xA = fmaxf(xA, v);
+                }
+                xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 1));
+                xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 2));
+                xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 1));
+                xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 2));
+                const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+                const float aA = ex2(mA - nA), aB = ex2(mB - nB);
+                mA = nA; mB = nB;
+                float sA = 0.0f, sB = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const bool rowB = (i >> 1) & 1;
+                    const float pv = ex2(sc[i] - (rowB ? nB : nA));
+                    sc[i] = pv;
+                    if (rowB) sB += pv; else sA += pv;
+                }
+                lA = lA * aA + sA; lB = lB * aB + sB;
+                unsigned pa[16];
+#pragma unroll
+                for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
 #pragma unroll
                 for (int cb = 0; cb < 4; ++cb)
-                    wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, a.pv_lbo, a.pv_sbo));
-            wgmma_commit_wait();
-            mbar_arrive(kv_empty + 8 * slot);
-        }
-        lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
-        lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
-        const float fA = 1.0f / lA, fB = 1.0f / lB;
-        unsigned short *oA = a.out + b * a.s_ob + s * a.s_os + (long long)(h0 + rA) * a.s_oh + rank * HALF + cq;
-        unsigned short *oB = oA + 8 * a.s_oh;
 #pragma unroll
-        for (int cb = 0; cb < 4; ++cb)
+                    for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
+                wgmma_fence();
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                *(unsigned *)(oA + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
-                *(unsigned *)(oB + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int cb = 0; cb < 4; ++cb)
+                        wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, a.pv_lbo, a.pv_sbo));
+                wgmma_commit_wait();
+                mbar_arrive(kv_empty + 8 * slot);
             }
+            lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
+            lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
+            const float fA = 1.0f / lA, fB = 1.0f / lB;
+            unsigned short *oA = a.out + b * a.s_ob + s * a.s_os + (long long)(h0 + rA) * a.s_oh + rank * HALF + cq;
+            unsigned short *oB = oA + 8 * a.s_oh;
+#pragma unroll
+            for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj) {
+                    *(unsigned *)(oA + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
+                    *(unsigned *)(oB + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
+                }
+        }
     }
     cluster_sync();                                     // the peer no longer writes into this CTA's memory
 }
@@ -328,7 +355,7 @@ KERNEL(sparse_core_pair_i64, long long)
 
 class _Args(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "out", "sinks", "kv1", "kv2")]
-                + [(n, ctypes.c_int) for n in ("S", "H", "J1", "J2", "two")] + [("qk_scale", ctypes.c_float)]
+                + [(n, ctypes.c_int) for n in ("S", "H", "J1", "J2", "two", "n_items")] + [("qk_scale", ctypes.c_float)]
                 + [(n, ctypes.c_longlong) for n in ("s_qb", "s_qs", "s_qh", "s_ob", "s_os", "s_oh", "s_k1b", "s_k1m",
                                                     "s_i1b", "s_i1s", "s_k2b", "s_k2m", "s_i2b", "s_i2s")]
                 + [("pv_lbo", ctypes.c_uint), ("pv_sbo", ctypes.c_uint)])
@@ -389,12 +416,25 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     if sinks.dtype != torch.float32 or not sinks.is_contiguous():
         sinks = sinks.float().contiguous()
     J1, J2 = i1.shape[-1], (i2.shape[-1] if two else 0)
+    n_items = B * S * (H // BH)
     a = _Args(q.data_ptr(), out.data_ptr(), sinks.data_ptr(), kv1.data_ptr(), kv2.data_ptr(), S, H, J1, J2, int(two),
-              float(scale) * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), out.stride(0),
+              n_items, float(scale) * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), out.stride(0),
               out.stride(1), out.stride(2), kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1),
               kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo)
     k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64)
-    _launch(k, 2 * B * S * (H // BH), a, i1, i2)
+    _launch(k, 2 * min(n_items, pairs_resident(q.device.index)), a, i1, i2)
+
+
+@functools.lru_cache(maxsize=None)
+def pairs_resident(device_index: int) -> int:
+    """CTA pairs the GPU holds at once (the persistent grid): SMs x CTAs an SM (the driver's occupancy for 256
+    threads and SMEM_BYTES; 2 on an H200) / 2."""
+    k = _kernel(device_index, 32)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    n = ctypes.c_int(0)
+    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), k.func, THREADS, ctypes.c_size_t(SMEM_BYTES))
+    per_sm = n.value if rc == 0 and n.value > 0 else 1
+    return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count * per_sm // 2)
 
 
 def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor) -> None:
