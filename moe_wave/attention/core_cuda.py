@@ -51,6 +51,15 @@ typedef unsigned long long u64;
 #define X_OFF 98304
 #define B_OFF 114688
 #define NEG_INF (-__int_as_float(0x7f800000))
+#ifndef TRACE
+#define TRACE 0
+#endif
+#ifndef PROBE
+#define PROBE 0     // profiling only, wrong results: 1 no exchange of partial scores, 2 no tile copies
+#endif
+// TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
+// a.trace[CTA][16]; STAMP(k) closes phase k (the cycles since the last stamp)
+#define STAMP(k) do { if (TRACE && tr) { long long _n = clock64(); tr[k] += _n - t0; t0 = _n; } } while (0)
 
 __device__ __forceinline__ unsigned smem_u32(const void *p) {
     unsigned a;
@@ -138,6 +147,7 @@ struct Args {
     float qk_scale;
     long long s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_k1b, s_k1m, s_i1b, s_i1s, s_k2b, s_k2m, s_i2b, s_i2s;
     unsigned pv_lbo, pv_sbo;
+    long long *trace;
 };
 
 template <typename I>
@@ -167,6 +177,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 4) of a 256-channel half row: a warp
         // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
         const int p = tid - 128, rg = p >> 3, cg = p & 7;
+        long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 16 : nullptr, t0 = TRACE ? clock64() : 0;
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
@@ -184,7 +195,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             m1 = max(max(red[0], red[1]), max(red[2], red[3]));
             m2 = max(max(red[4], red[5]), max(red[6], red[7]));
             const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
+            STAMP(8);
             mbar_wait(q_empty, (it & 1) ^ 1);           // the last item's QKs are done with q
+            STAMP(9);
             if (p == 0) { info[0] = n1; info[1] = nt; }
             const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + rank * HALF + cg * 8;
 #pragma unroll
@@ -209,7 +222,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     const int j = j0 + rg + 16 * i;
                     id[i] = j < J ? (int)ip[j] : -1;
                 }
+                STAMP(10);
                 mbar_wait(kv_empty + 8 * slot, ((g >> 1) & 1) ^ 1);
+                STAMP(11);
                 const unsigned dst = base + K_OFF + slot * T_BYTES;
                 const unsigned short *kvc = kv + rank * HALF + cg * 8;
 #pragma unroll
@@ -217,9 +232,10 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
                     const unsigned n = id[i] < 0 ? 0 : 16;
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
+                    for (int k = 0; k < 4; ++k) if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
                 }
                 cp_async_arrive(kv_full + 8 * slot);
+                STAMP(12);
             }
         }
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
@@ -230,11 +246,18 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         const unsigned peer = rank ^ 1u;
         const unsigned px = peer_addr(base + X_OFF, peer), pfull = peer_addr(x_full, peer),
                        pfree = peer_addr(x_free, peer);
+        long long *tr = TRACE && a.trace && tid == 0 ? a.trace + blockIdx.x * 16 : nullptr, t0 = TRACE ? clock64() : 0;
+        if (TRACE && tr) {
+            unsigned sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            tr[13] = sm;
+        }
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
             const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
+            if (TRACE && tr) tr[14] += 1;
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
             float o[4][32];
@@ -242,7 +265,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
+            STAMP(6);
             mbar_wait(q_full, it & 1);
+            STAMP(0);
             const int n1 = info[0], nt = info[1];
             if (nt == 0) mbar_arrive(q_empty);
             for (int t = 0; t < nt; ++t, ++g) {
@@ -258,7 +283,10 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         const int j = j0 + 8 * jj + cq + e;
                         valid |= (unsigned)(j < J && ip[j] >= 0) << (2 * jj + e);
                     }
+                STAMP(7);
                 mbar_wait(kv_full + 8 * slot, (g >> 1) & 1);
+                STAMP(1);
+                if (TRACE && tr) tr[15] += 1;
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
                 const unsigned kt = base + K_OFF + slot * T_BYTES;
                 float sc[32];
@@ -269,8 +297,10 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     wgmma_ss(sc, desc(base + Q_OFF + off, 16, 1024), desc(kt + off, 16, 1024), k);
                 }
                 wgmma_commit_wait();
+                STAMP(2);
                 if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
                 // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
+                if (!(PROBE & 1)) {
                 mbar_wait_cluster(x_free, (g & 1) ^ 1);
 #pragma unroll
                 for (int k = 0; k < 8; ++k)
@@ -288,6 +318,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     sc[4 * k] += x0; sc[4 * k + 1] += x1; sc[4 * k + 2] += x2; sc[4 * k + 3] += x3;
                 }
                 mbar_arrive_peer(pfree);
+                }
+                STAMP(3);
                 // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others
                 float xA = NEG_INF, xB = NEG_INF;
 #pragma unroll
@@ -319,6 +351,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                     for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
+                STAMP(4);
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < 4; ++k)
@@ -326,6 +359,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     for (int cb = 0; cb < 4; ++cb)
                         wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, a.pv_lbo, a.pv_sbo));
                 wgmma_commit_wait();
+                STAMP(5);
                 mbar_arrive(kv_empty + 8 * slot);
             }
             lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
@@ -358,16 +392,16 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_int) for n in ("S", "H", "J1", "J2", "two", "n_items")] + [("qk_scale", ctypes.c_float)]
                 + [(n, ctypes.c_longlong) for n in ("s_qb", "s_qs", "s_qh", "s_ob", "s_os", "s_oh", "s_k1b", "s_k1m",
                                                     "s_i1b", "s_i1s", "s_k2b", "s_k2m", "s_i2b", "s_i2s")]
-                + [("pv_lbo", ctypes.c_uint), ("pv_sbo", ctypes.c_uint)])
+                + [("pv_lbo", ctypes.c_uint), ("pv_sbo", ctypes.c_uint), ("trace", ctypes.c_void_p)])
 
 
 _BROKEN: str | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, idx_bits: int):
+def _kernel(device_index: int, idx_bits: int, defines: str = ""):
     with torch.cuda.device(device_index):
-        k = torch.cuda._compile_kernel(SRC, f"sparse_core_pair_i{idx_bits}", compute_capability="90a")
+        k = torch.cuda._compile_kernel(defines + SRC, f"sparse_core_pair_i{idx_bits}", compute_capability="90a")
         k.set_shared_memory_config(SMEM_BYTES)
     return k
 
@@ -400,10 +434,16 @@ def mark_broken(err: BaseException) -> None:
 
 def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                           i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
-                          pv_lbo: int = PV_LBO, pv_sbo: int = PV_SBO) -> None:
+                          pv_lbo: int = PV_LBO, pv_sbo: int = PV_SBO, trace: torch.Tensor | None = None,
+                          probe: int = 0) -> None:
     """Launch on checked tensors (``sparse_attention_gluon``'s contract): q / out [B, S, H, 512] bf16 with the
     last dim contiguous, kv [B, M, 512] bf16 rows contiguous, idx [B, S, J] int32 or int64 with the last dim
-    contiguous, sinks fp32 [H]. pv_lbo / pv_sbo: V's descriptor offsets (for the probe that checks them)."""
+    contiguous, sinks fp32 [H]. pv_lbo / pv_sbo: V's descriptor offsets (for the probe that checks them).
+    trace (profiling, same results): a zeroed int64 [CTAs, 16] tensor (CTAs = ``2 * pairs_resident``); a kernel
+    compiled with TRACE adds into it, per CTA, the clock cycles of the math warpgroup's phases (0 q wait, 1 tile
+    wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output, 7 the tile's mask loads) and the copy warpgroup's (8 counts,
+    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles. probe (profiling, wrong results):
+    1 skips the exchange of partial scores, 2 the tiles' copies."""
     B, S, H, D = q.shape
     if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_attention_cuda: q must be bf16 [B, S, H, {D_FULL}] with H a multiple of {BH}, "
@@ -420,9 +460,14 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     a = _Args(q.data_ptr(), out.data_ptr(), sinks.data_ptr(), kv1.data_ptr(), kv2.data_ptr(), S, H, J1, J2, int(two),
               n_items, float(scale) * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), out.stride(0),
               out.stride(1), out.stride(2), kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1),
-              kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo)
-    k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64)
-    _launch(k, 2 * min(n_items, pairs_resident(q.device.index)), a, i1, i2)
+              kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo,
+              trace.data_ptr() if trace is not None else None)
+    n_ctas = 2 * min(n_items, pairs_resident(q.device.index))
+    if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= 16 * n_ctas):
+        raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {16 * n_ctas} elements")
+    defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "")
+    k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
+    _launch(k, n_ctas, a, i1, i2)
 
 
 @functools.lru_cache(maxsize=None)

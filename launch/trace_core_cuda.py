@@ -1,0 +1,77 @@
+"""Where the CUDA C++ sparse core's time goes: its phases in clock cycles, per tile and per item, on bench_core's
+V4 prefill picks, plus the core's time with parts of the work left out (probes, wrong results).
+
+    python launch/trace_core_cuda.py [--kinds sliding,csa,hca] [--heads 64] [--tokens 4096] [--out PATH]
+
+Phases (``core_cuda.sparse_attention_cuda``'s trace): the math warpgroup's thread 0 and the copy warpgroup's
+thread 0 of every CTA add the cycles between stamps; the table shows each phase's cycles per tile (per item for
+the q and output phases), averaged over all CTAs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_attn import time_alone  # noqa: E402
+from bench_core import make  # noqa: E402
+from launch_common import git_sha  # noqa: E402
+
+from moe_wave.attention import core_cuda  # noqa: E402
+
+PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "exchange", 4: "softmax", 5: "PV", 6: "output", 7: "mask loads",
+          8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue"}
+PER_ITEM = {0, 6, 8, 9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", default="sliding,csa,hca")
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for kind in args.kinds.split(","):
+        q, parts, sinks = make(kind, args.tokens, args.heads, 512, dev)
+        (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+        out = torch.empty_like(q)
+        scale, two = 512 ** -0.5, len(parts) == 2
+        row = dict(kind=kind, heads=args.heads, tokens=args.tokens)
+        for probe in (0, 1, 2, 3):
+            row[f"probe{probe}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
+                q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe), args.iters), 1)
+        n = 2 * core_cuda.pairs_resident(dev.index or 0)
+        tr = torch.zeros(n, 16, dtype=torch.int64, device=dev)
+        core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr)
+        sm = tr[:, 13].view(-1, 2)
+        row["pairs_on_one_sm"] = int((sm[:, 0] == sm[:, 1]).sum())
+        row["pairs"] = sm.shape[0]
+        tot = tr.sum(0).tolist()
+        items, tiles = max(tot[14], 1), max(tot[15], 1)
+        row.update(items=tot[14], tiles=tot[15])
+        row["cycles"] = {PHASES[k]: round(tot[k] / (items if k in PER_ITEM else tiles)) for k in PHASES}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'kind':8} " + " ".join(f"{'probe' + str(p):>8}" for p in range(4)) + "   cycles a tile (q / output /"
+          " counts / q slot: an item)")
+    for r in rows:
+        print(f"{r['kind']:8} " + " ".join(f"{r[f'probe{p}_us']:>8.1f}" for p in range(4)) + "   "
+              + ", ".join(f"{k} {v}" for k, v in r["cycles"].items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=dict(git_sha=git_sha(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                     command=" ".join(sys.argv)), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
