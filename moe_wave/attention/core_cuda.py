@@ -35,7 +35,8 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "SMEM_BYTES", "PV_
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 144    # q half, ring of two key-half tiles, the peer's partial, barriers
+SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 272    # q half, a ring of two key-half tiles, the peer's partial, barriers,
+#                                                 # and the tiles' valid flags
 # The PV descriptor of V (MN-major, the 128-byte swizzle): LBO = the step between 64-channel swizzle columns along
 # N (64 keys x 128 B apart), SBO = the step between 8-key groups along K (8 x 128 B). (cute's canonical
 # ``((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))`` for SWIZZLE_128B MN-major.)
@@ -161,11 +162,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
                    x_full = q_full + 48, x_free = q_full + 56;
     volatile int *info = (volatile int *)(smem + B_OFF + 64);      // the item's tile counts, producer -> math
+    volatile unsigned char *flags = smem + B_OFF + 144;             // [2 slots][64 rows]: the pick is valid
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
         mbar_init(q_full, 129);                         // 128 copy threads' cp.async, + 1 plain arrive (info)
         mbar_init(q_empty, 128);
-        mbar_init(kv_full, 128); mbar_init(kv_full + 8, 128);
+        mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
         mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
         mbar_init(x_full, 128); mbar_init(x_free, 128);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -234,6 +236,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                     for (int k = 0; k < 4; ++k) if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
                 }
+                if (cg == 0) {                          // the rows' valid flags, for the math's mask
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) flags[64 * slot + rg + 16 * i] = id[i] >= 0;
+                    mbar_arrive(kv_full + 8 * slot);    // (release: the flags before the phase completes)
+                }
                 cp_async_arrive(kv_full + 8 * slot);
                 STAMP(12);
             }
@@ -255,8 +262,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
-            const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
-            const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
             if (TRACE && tr) tr[14] += 1;
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
@@ -272,20 +277,15 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             if (nt == 0) mbar_arrive(q_empty);
             for (int t = 0; t < nt; ++t, ++g) {
                 const int slot = g & 1;
-                const bool one = t < n1;
-                const I *ip = one ? idx1 : idx2;
-                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
-                unsigned valid = 0;
-#pragma unroll
-                for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int j = j0 + 8 * jj + cq + e;
-                        valid |= (unsigned)(j < J && ip[j] >= 0) << (2 * jj + e);
-                    }
                 STAMP(7);
                 mbar_wait(kv_full + 8 * slot, (g >> 1) & 1);
                 STAMP(1);
+                unsigned valid = 0;
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj) {
+                    const unsigned short f = *(volatile unsigned short *)(flags + 64 * slot + 8 * jj + cq);
+                    valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
+                }
                 if (TRACE && tr) tr[15] += 1;
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
                 const unsigned kt = base + K_OFF + slot * T_BYTES;
@@ -360,20 +360,40 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, a.pv_lbo, a.pv_sbo));
                 wgmma_commit_wait();
                 STAMP(5);
-                mbar_arrive(kv_empty + 8 * slot);
+                if (t < nt - 1) mbar_arrive(kv_empty + 8 * slot);  // (the last tile's slot stages the output)
             }
             lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
             lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
             const float fA = 1.0f / lA, fB = 1.0f / lB;
-            unsigned short *oA = a.out + b * a.s_ob + s * a.s_os + (long long)(h0 + rA) * a.s_oh + rank * HALF + cq;
-            unsigned short *oB = oA + 8 * a.s_oh;
+            unsigned short *orow = a.out + b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh + rank * HALF;
+            if (nt == 0) {                              // nothing picked: zeros (the sink took all), no slot held
+                for (int e = tid; e < 64 * 32; e += 128)
+                    *(uint4 *)(orow + (e >> 5) * a.s_oh + (e & 31) * 8) = make_uint4(0, 0, 0, 0);
+            } else {
+                // through the last tile's slot (its keys are used up): each 16-byte chunk of a row at chunk ^ row % 8
+                // (no bank conflicts either way), then 16-byte stores, a warp a row's 512 contiguous bytes
+                const int slot = (g - 1) & 1;
+                unsigned char *st = smem + K_OFF + slot * T_BYTES;
 #pragma unroll
-            for (int cb = 0; cb < 4; ++cb)
+                for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                for (int jj = 0; jj < 8; ++jj) {
-                    *(unsigned *)(oA + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
-                    *(unsigned *)(oB + cb * 64 + 8 * jj) = pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int ch = cb * 8 + (jj ^ (rA & 7));     // rA + 8 has the same row % 8
+                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) =
+                            pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
+                        *(unsigned *)(st + (rA + 8) * 512 + ch * 16 + 2 * cq) =
+                            pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
+                    }
+                asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tid & 31;
+#pragma unroll 4
+                for (int i = 0; i < 16; ++i) {
+                    const int r = (tid >> 5) + 4 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 512 + ((c & ~7) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh + c * 8) = v;
                 }
+                mbar_arrive(kv_empty + 8 * slot);
+            }
         }
     }
     cluster_sync();                                     // the peer no longer writes into this CTA's memory
@@ -451,6 +471,13 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     for name, t in (("q", q), ("out", out), ("kv1", kv1), ("kv2", kv2), ("i1", i1), ("i2", i2)):
         if t.stride(-1) != 1:
             raise ValueError(f"sparse_attention_cuda: {name}'s last dim must be contiguous, strides {t.stride()}")
+    for name, t in (("q", q), ("out", out), ("kv1", kv1), ("kv2", kv2)):     # 16-byte copies and stores
+        if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
+            raise ValueError(f"sparse_attention_cuda: {name} must be 16-byte aligned with strides that are multiples "
+                             f"of 8 elements, got strides {t.stride()} at address {t.data_ptr():#x}")
+    if out.dtype != torch.bfloat16 or out.shape != q.shape or kv1.dtype != q.dtype or kv2.dtype != q.dtype:
+        raise ValueError(f"sparse_attention_cuda: out must be q's shape and every tensor bf16, got out {out.dtype} "
+                         f"{tuple(out.shape)}, kv {kv1.dtype} / {kv2.dtype}")
     if i1.dtype != i2.dtype or i1.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_attention_cuda: the picks must both be int32 or int64, got {i1.dtype} / {i2.dtype}")
     if sinks.dtype != torch.float32 or not sinks.is_contiguous():
