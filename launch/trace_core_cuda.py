@@ -26,8 +26,9 @@ from launch_common import git_sha  # noqa: E402
 
 from moe_wave.attention import core_cuda  # noqa: E402
 
-PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "exchange", 4: "softmax", 5: "PV", 6: "output", 7: "mask loads",
-          8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue"}
+PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "x reads", 4: "softmax", 5: "PV", 6: "output", 7: "mask loads",
+          8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue", 16: "x free wait",
+          17: "x stores", 18: "x partial wait"}
 PER_ITEM = {0, 6, 8, 9}
 
 
@@ -51,7 +52,7 @@ def main() -> None:
             row[f"probe{probe}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe), args.iters), 1)
         n = 2 * core_cuda.pairs_resident(dev.index or 0)
-        tr = torch.zeros(n, 16, dtype=torch.int64, device=dev)
+        tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
         core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr)
         sm = tr[:, 13].view(-1, 2)
         row["pairs_on_one_sm"] = int((sm[:, 0] == sm[:, 1]).sum())

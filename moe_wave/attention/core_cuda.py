@@ -59,7 +59,7 @@ typedef unsigned long long u64;
 #define PROBE 0     // profiling only, wrong results: 1 no exchange of partial scores, 2 no tile copies
 #endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
-// a.trace[CTA][16]; STAMP(k) closes phase k (the cycles since the last stamp)
+// a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
 #define STAMP(k) do { if (TRACE && tr) { long long _n = clock64(); tr[k] += _n - t0; t0 = _n; } } while (0)
 
 __device__ __forceinline__ unsigned smem_u32(const void *p) {
@@ -179,7 +179,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 4) of a 256-channel half row: a warp
         // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
         const int p = tid - 128, rg = p >> 3, cg = p & 7;
-        long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 16 : nullptr, t0 = TRACE ? clock64() : 0;
+        long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
@@ -253,7 +253,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         const unsigned peer = rank ^ 1u;
         const unsigned px = peer_addr(base + X_OFF, peer), pfull = peer_addr(x_full, peer),
                        pfree = peer_addr(x_free, peer);
-        long long *tr = TRACE && a.trace && tid == 0 ? a.trace + blockIdx.x * 16 : nullptr, t0 = TRACE ? clock64() : 0;
+        long long *tr = TRACE && a.trace && tid == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
         if (TRACE && tr) {
             unsigned sm;
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
@@ -302,13 +302,16 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
                 if (!(PROBE & 1)) {
                 mbar_wait_cluster(x_free, (g & 1) ^ 1);
+                STAMP(16);
 #pragma unroll
                 for (int k = 0; k < 8; ++k)
                     asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
                                  :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
                                     "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]) : "memory");
                 mbar_arrive_peer(pfull);
+                STAMP(17);
                 mbar_wait_cluster(x_full, g & 1);
+                STAMP(18);
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
                     float x0, x1, x2, x3;
@@ -459,10 +462,11 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     """Launch on checked tensors (``sparse_attention_gluon``'s contract): q / out [B, S, H, 512] bf16 with the
     last dim contiguous, kv [B, M, 512] bf16 rows contiguous, idx [B, S, J] int32 or int64 with the last dim
     contiguous, sinks fp32 [H]. pv_lbo / pv_sbo: V's descriptor offsets (for the probe that checks them).
-    trace (profiling, same results): a zeroed int64 [CTAs, 16] tensor (CTAs = ``2 * pairs_resident``); a kernel
+    trace (profiling, same results): a zeroed int64 [CTAs, 32] tensor (CTAs = ``2 * pairs_resident``); a kernel
     compiled with TRACE adds into it, per CTA, the clock cycles of the math warpgroup's phases (0 q wait, 1 tile
     wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output, 7 the tile's mask loads) and the copy warpgroup's (8 counts,
-    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles. probe (profiling, wrong results):
+    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles; the exchange (3) split
+    as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads. probe (profiling, wrong results):
     1 skips the exchange of partial scores, 2 the tiles' copies."""
     B, S, H, D = q.shape
     if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
@@ -490,8 +494,8 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
               kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo,
               trace.data_ptr() if trace is not None else None)
     n_ctas = 2 * min(n_items, pairs_resident(q.device.index))
-    if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= 16 * n_ctas):
-        raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {16 * n_ctas} elements")
+    if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= 32 * n_ctas):
+        raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
     defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "")
     k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
     _launch(k, n_ctas, a, i1, i2)
