@@ -466,7 +466,8 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     compiled with TRACE adds into it, per CTA, the clock cycles of the math warpgroup's phases (0 q wait, 1 tile
     wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output, 7 a tile's top) and the copy warpgroup's (8 counts,
     9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles; the exchange (3) split
-    as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads. probe (profiling, wrong results):
+    as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads.
+    probe (profiling, wrong results):
     1 skips the exchange of partial scores, 2 the tiles' copies."""
     B, S, H, D = q.shape
     if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
