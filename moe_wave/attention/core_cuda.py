@@ -234,7 +234,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
                     const unsigned n = id[i] < 0 ? 0 : 16;
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
+                    for (int k = 0; k < 4; ++k)
+                        if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
                 }
                 if (cg == 0) {                          // the rows' valid flags, for the math's mask
 #pragma unroll
@@ -495,7 +496,8 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
               kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo,
               trace.data_ptr() if trace is not None else None)
     n_ctas = 2 * min(n_items, pairs_resident(q.device.index))
-    if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= 32 * n_ctas):
+    if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous()
+                                  and trace.numel() >= 32 * n_ctas):
         raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
     defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "")
     k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
