@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--variants", default="XSYNC 1", help="compile variants also timed: '|'-separated, each a "
+                    "';'-separated list of defines (core_cuda.sparse_attention_cuda's defines)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -51,6 +53,9 @@ def main() -> None:
         for probe in (0, 1, 2, 3):
             row[f"probe{probe}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe), args.iters), 1)
+        for v in filter(None, args.variants.split("|")):
+            row[f"{v}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
+                q, out, sinks, kv1, i1, kv2, i2, scale, two, defines=v), args.iters), 1)
         n = 2 * core_cuda.pairs_resident(dev.index or 0)
         tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
         core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr)
@@ -67,6 +72,8 @@ def main() -> None:
           " counts / q slot: an item)")
     for r in rows:
         print(f"{r['kind']:8} " + " ".join(f"{r[f'probe{p}_us']:>8.1f}" for p in range(4)) + "   "
+              + " ".join(f"{k[:-3]}: {v}" for k, v in r.items() if k.endswith("_us") and not k.startswith("probe"))
+              + "   "
               + ", ".join(f"{k} {v}" for k, v in r["cycles"].items()))
     if args.out:
         with open(args.out, "w") as f:

@@ -55,6 +55,9 @@ typedef unsigned long long u64;
 #ifndef TRACE
 #define TRACE 0
 #endif
+#ifndef XSYNC
+#define XSYNC 0     // 1: the partial scores by plain remote stores and release arrives (before st.async)
+#endif
 #ifndef PROBE
 #define PROBE 0     // profiling only, wrong results: 1 no exchange of partial scores, 2 no tile copies
 #endif
@@ -82,6 +85,12 @@ __device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity)
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {      // arrive, and expect bytes
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_peer_relaxed(unsigned cluster_addr) {   // orders nothing before it
+    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_peer(unsigned cluster_addr) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr) : "memory");
@@ -169,7 +178,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         mbar_init(q_empty, 128);
         mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
         mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
-        mbar_init(x_full, 128); mbar_init(x_free, 128);
+        mbar_init(x_full, XSYNC ? 128 : 1);             // (st.async: this CTA's expect_tx, + the peer's bytes)
+        mbar_init(x_free, 128);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_sync();                                     // barriers initialised on both sides
@@ -302,16 +312,29 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
                 // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
                 if (!(PROBE & 1)) {
-                mbar_wait_cluster(x_free, (g & 1) ^ 1);
+                if (XSYNC) mbar_wait_cluster(x_free, (g & 1) ^ 1);
+                else mbar_wait(x_free, (g & 1) ^ 1);
                 STAMP(16);
+                if (XSYNC) {
 #pragma unroll
-                for (int k = 0; k < 8; ++k)
-                    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
-                                 :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
-                                    "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]) : "memory");
-                mbar_arrive_peer(pfull);
+                    for (int k = 0; k < 8; ++k)
+                        asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
+                                     :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
+                                        "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]) : "memory");
+                    mbar_arrive_peer(pfull);
+                } else {
+                    // asynchronous remote stores that count their bytes on the peer's barrier (no release fence)
+#pragma unroll
+                    for (int k = 0; k < 8; ++k)
+                        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], "
+                                     "{%1, %2, %3, %4}, [%5];"
+                                     :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
+                                        "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]), "r"(pfull) : "memory");
+                    if (tid == 0) mbar_expect_tx(x_full, 128 * 32 * 4);     // this tile's phase: the peer's bytes
+                }
                 STAMP(17);
-                mbar_wait_cluster(x_full, g & 1);
+                if (XSYNC) mbar_wait_cluster(x_full, g & 1);
+                else mbar_wait(x_full, g & 1);
                 STAMP(18);
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
@@ -321,7 +344,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                                  : "memory");
                     sc[4 * k] += x0; sc[4 * k + 1] += x1; sc[4 * k + 2] += x2; sc[4 * k + 3] += x3;
                 }
-                mbar_arrive_peer(pfree);
+                // (relaxed: the reads above are consumed by the adds, which issue before this arrive)
+                if (XSYNC) mbar_arrive_peer(pfree);
+                else mbar_arrive_peer_relaxed(pfree);
                 }
                 STAMP(3);
                 // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others
@@ -459,7 +484,7 @@ def mark_broken(err: BaseException) -> None:
 def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                           i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
                           pv_lbo: int = PV_LBO, pv_sbo: int = PV_SBO, trace: torch.Tensor | None = None,
-                          probe: int = 0) -> None:
+                          probe: int = 0, defines: str = "") -> None:
     """Launch on checked tensors (``sparse_attention_gluon``'s contract): q / out [B, S, H, 512] bf16 with the
     last dim contiguous, kv [B, M, 512] bf16 rows contiguous, idx [B, S, J] int32 or int64 with the last dim
     contiguous, sinks fp32 [H]. pv_lbo / pv_sbo: V's descriptor offsets (for the probe that checks them).
@@ -469,7 +494,8 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles; the exchange (3) split
     as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads.
     probe (profiling, wrong results):
-    1 skips the exchange of partial scores, 2 the tiles' copies."""
+    1 skips the exchange of partial scores, 2 the tiles' copies. defines (profiling): more ``#define`` lines for the
+    compile (e.g. ``XSYNC 1``, ``;``-separated)."""
     B, S, H, D = q.shape
     if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_attention_cuda: q must be bf16 [B, S, H, {D_FULL}] with H a multiple of {BH}, "
@@ -499,7 +525,8 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous()
                                   and trace.numel() >= 32 * n_ctas):
         raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
-    defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "")
+    defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "") \
+        + "".join(f"#define {d.strip()}\n" for d in defines.split(";") if d.strip())
     k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
     _launch(k, n_ctas, a, i1, i2)
 
