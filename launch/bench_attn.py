@@ -328,7 +328,8 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                 out_us = time_alone(out_fn(attn, fe, o, pos), iters)
                 cfg = default_config(H, d, q.dtype)
                 # the layer's core call has o_rope: at prefill a plain call (Gluon on Hopper), at decode fused
-                label = "gluon (core_gluon)" if core_impl(q, parts, fusions=True) == "gluon" else tiling(cfg)
+                impl = core_impl(q, parts, fusions=True)
+                label = {"gluon": "gluon (core_gluon)", "cuda": "cuda (core_cuda)"}.get(impl) or tiling(cfg)
                 rows.append(dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S,
                                  core_us=round(us, 2), output_us=round(out_us, 2), gflop=round(useful / 1e9, 2),
                                  gflop_nominal=round(nominal / 1e9, 2), tflops=round(useful / us / 1e6, 1),

@@ -119,7 +119,7 @@ for s in "${STAGES[@]}"; do
                # ATTN_CORE=0 / ATTN_PROFILE=0 / ATTN_FP8=0 leave those out)
                stage attn_tests ${T_ATTNTEST:-420} "$PY" -m pytest -q -p no:cacheprovider --durations=12 ${ATTN_TESTS:-\
                    tests/test_attn_kernels.py tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py \
-                   tests/test_core_gluon.py tests/test_bench_fp8_shapes.py}
+                   tests/test_core_gluon.py tests/test_core_cuda.py tests/test_bench_fp8_shapes.py}
                if [ "${ATTN_CORE:-1}" != 0 ]; then
                    stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
                    sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"

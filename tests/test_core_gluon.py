@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_wave.attention import core_gluon
+from moe_wave.attention import core_cuda, core_gluon
 from moe_wave.attention.core import sparse_attention
 from moe_wave.attention.core_kernel import core_impl, sparse_attention_fused
 from moe_wave.attention.kernels import norm_rope
@@ -18,6 +18,13 @@ from moe_wave.fp8 import act_quant_torch
 from tests.test_attn_kernels import _core_case
 
 needs_gluon = pytest.mark.skipif(not core_gluon.available(), reason="needs a Hopper GPU and Triton's Gluon")
+
+
+@pytest.fixture(autouse=True)
+def _gluon_not_cuda(monkeypatch):
+    """These tests are the Gluon kernels': impl="auto" must not hand their calls to the CUDA C++ kernel
+    (``core_cuda``, tested in tests/test_gpu_attention.py)."""
+    monkeypatch.setattr(core_cuda, "ENABLED", False)
 
 
 def rel(a, b):

@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import warnings
 
 import torch
 
-__all__ = ["available", "supported", "sparse_attention_cuda", "SMEM_BYTES", "PV_LBO", "PV_SBO"]
+__all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ENABLED", "SMEM_BYTES",
+           "PV_LBO", "PV_SBO"]
 
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 272    # q half, a ring of two key-half tiles, the peer's partial, barriers,
-#                                                 # and the tiles' valid flags
+SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
+#                                                 # the tiles' valid flags, q's norm factors and the peer's sums
 # The PV descriptor of V (MN-major, the 128-byte swizzle): LBO = the step between 64-channel swizzle columns along
 # N (64 keys x 128 B apart), SBO = the step between 8-key groups along K (8 x 128 B). (cute's canonical
 # ``((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))`` for SWIZZLE_128B MN-major.)
@@ -54,6 +56,27 @@ typedef unsigned long long u64;
 #define NEG_INF (-__int_as_float(0x7f800000))
 #ifndef TRACE
 #define TRACE 0
+#endif
+// the layer's steps around the core (compile-time, from the Python side): QROPE q arrives raw, gets each head's
+// RMSNorm (as a factor of its scores) and RoPE of its last QRF channels; OROPE the output's last ORF channels get
+// the inverse RoPE; FP8 the output leaves as act_quant's e4m3 and scales; POS_T the positions' type
+#ifndef QROPE
+#define QROPE 0
+#endif
+#ifndef QRF
+#define QRF 0
+#endif
+#ifndef OROPE
+#define OROPE 0
+#endif
+#ifndef ORF
+#define ORF 0
+#endif
+#ifndef FP8
+#define FP8 0
+#endif
+#ifndef POS_T
+#define POS_T long long
 #endif
 #ifndef XSYNC
 #define XSYNC 0     // 1: the partial scores by plain remote stores and release arrives (before st.async)
@@ -114,6 +137,22 @@ __device__ __forceinline__ float ex2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+__device__ __forceinline__ float bf16r(float x) {       // x rounded to bf16 (nearest even), as fp32
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return __int_as_float((unsigned)h << 16);
+}
+__device__ __forceinline__ unsigned short pack_e4m3(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void st_async_f32(unsigned cluster_addr, float v, unsigned cluster_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+                 :: "r"(cluster_addr), "f"(v), "r"(cluster_bar) : "memory");
+}
+__device__ __forceinline__ float bf16_lo(unsigned v) { return __int_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned v) { return __int_as_float(v & 0xffff0000u); }
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -158,6 +197,9 @@ struct Args {
     long long s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_k1b, s_k1m, s_i1b, s_i1s, s_k2b, s_k2m, s_i2b, s_i2s;
     unsigned pv_lbo, pv_sbo;
     long long *trace;
+    const POS_T *qpos; const float *qfreq; float eps;      // QROPE
+    const POS_T *opos; const float *ofreq;                 // OROPE
+    float *scales; int M;                                  // FP8: scales [H * 512 / 128, M], M = B * S
 };
 
 template <typename I>
@@ -169,12 +211,16 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     const int HB = a.H / 64, first = blockIdx.x >> 1, stride = gridDim.x >> 1;
     const unsigned base = smem_u32(smem);
     const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
-                   x_full = q_full + 48, x_free = q_full + 56;
-    volatile int *info = (volatile int *)(smem + B_OFF + 64);      // the item's tile counts, producer -> math
+                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64;
+    volatile int *info = (volatile int *)(smem + B_OFF + 72);      // the item's tile counts, producer -> math
     volatile unsigned char *flags = smem + B_OFF + 144;             // [2 slots][64 rows]: the pick is valid
+    volatile float *inv_s = (volatile float *)(smem + B_OFF + 272); // QROPE: each head's 1 / rms
+    volatile float *ssx = (volatile float *)(smem + B_OFF + 528);   // QROPE: the peer's half sums of squares
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
-        mbar_init(q_full, 129);                         // 128 copy threads' cp.async, + 1 plain arrive (info)
+        mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
+                                                        // after the prologue), + 1 plain arrive (info)
+        mbar_init(ss_full, 1);                          // QROPE: this CTA's expect_tx + the peer's 256 bytes
         mbar_init(q_empty, 128);
         mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
         mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
@@ -201,7 +247,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             if (a.two) for (int j = p; j < a.J2; j += 128) if (idx2[j] >= 0) m2 = j;
             m1 = __reduce_max_sync(0xffffffff, m1);
             m2 = __reduce_max_sync(0xffffffff, m2);
-            int *red = (int *)(smem + B_OFF + 72) + 8 * (it & 1);    // two sets: no barrier before the next write
+            int *red = (int *)(smem + B_OFF + 80) + 8 * (it & 1);    // two sets: no barrier before the next write
             if ((p & 31) == 0) { red[p >> 5] = m1; red[4 + (p >> 5)] = m2; }
             asm volatile("bar.sync 1, 128;" ::: "memory");
             m1 = max(max(red[0], red[1]), max(red[2], red[3]));
@@ -219,8 +265,62 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     const int r = rg + 16 * i;
                     cp_async16(base + Q_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
+#if QROPE
+            // q's prologue while the math finishes the last item: each head's sum of squares over this half (2
+            // threads a head), the peer's half by st.async, the RoPE tail turned in place (the CTA holding it)
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
+            float ss = 0.0f;
+#pragma unroll 4
+            for (int k = 0; k < 16; ++k) {
+                const uint4 v = *(const uint4 *)(smem + Q_OFF + sw_off(p >> 1, (p & 1) * 16 + k));
+                const unsigned w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float x0 = bf16_lo(w4[e]), x1 = bf16_hi(w4[e]);
+                    ss = fmaf(x0, x0, ss);
+                    ss = fmaf(x1, x1, ss);
+                }
+            }
+            ss += __shfl_xor_sync(0xffffffff, ss, 1);
+            if (p == 0) mbar_expect_tx(ss_full, 64 * 4);
+            if ((p & 1) == 0) st_async_f32(peer_addr(base + B_OFF + 528 + 2 * p, rank ^ 1u), ss,
+                                           peer_addr(ss_full, rank ^ 1u));
+#if QRF > 0
+            asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
+            if (rank == 1) {
+                // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, so its 4 angles once
+                constexpr int NC = QRF / 8;
+                const int pc = p % NC;
+                const float pos = (float)a.qpos[bs];
+                float cs[4], sn[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float ang = pos * a.qfreq[pc * 4 + j];
+                    cs[j] = cosf(ang);
+                    sn[j] = sinf(ang);
+                }
+                for (int r = p / NC; r < 64; r += 128 / NC) {
+                    uint4 *ptr = (uint4 *)(smem + Q_OFF + sw_off(r, 32 - NC + pc));
+                    uint4 v = *ptr;
+                    unsigned *w4 = (unsigned *)&v;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {       // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
+                        const float x = bf16_lo(w4[j]), y = bf16_hi(w4[j]);
+                        w4[j] = pack_bf16(fmaf(y, -sn[j], x * cs[j]), fmaf(x, sn[j], y * cs[j]));
+                    }
+                    *ptr = v;
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the turned q, to wgmma's proxy
+            }
+#endif
+            mbar_wait(ss_full, it & 1);
+            if ((p & 1) == 0) inv_s[p >> 1] = 1.0f / sqrtf((ss + ssx[p >> 1]) / 512.0f + a.eps);
+            mbar_arrive(q_full);                        // (release: the factors and the turned q)
+#else
             cp_async_arrive(q_full);
             if (p == 0) mbar_arrive(q_full);
+#endif
             for (int t = 0; t < nt; ++t, ++g) {
                 const int slot = g & 1;
                 const bool one = t < n1;
@@ -309,6 +409,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 }
                 wgmma_commit_wait();
                 STAMP(2);
+#if QROPE       // q's norm, a factor of each head's scores (read a tile, before q_empty lets the factors change)
+                const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
+#else
+                const float scA = a.qk_scale, scB = a.qk_scale;
+#endif
                 if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
                 // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
                 if (!(PROBE & 1)) {
@@ -349,11 +454,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 else mbar_arrive_peer_relaxed(pfree);
                 }
                 STAMP(3);
-                // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others
+                // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others. The scale
+                // (> 0) goes into one FFMA a score: the max runs on the raw scores, masked ones -inf
                 float xA = NEG_INF, xB = NEG_INF;
 #pragma unroll
                 for (int i = 0; i < 32; ++i) {
-                    const float v = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? sc[i] * a.qk_scale : NEG_INF;
+                    const float v = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? sc[i] : NEG_INF;
                     sc[i] = v;
                     if ((i >> 1) & 1) xB = fmaxf(xB, v); else xA = fmaxf(xA, v);
                 }
@@ -361,14 +467,15 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 2));
                 xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 1));
                 xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 2));
-                const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+                const float nA = fmaxf(mA, xA * scA), nB = fmaxf(mB, xB * scB);
                 const float aA = ex2(mA - nA), aB = ex2(mB - nB);
+                const bool moved = mA != nA || mB != nB;
                 mA = nA; mB = nB;
                 float sA = 0.0f, sB = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 32; ++i) {
                     const bool rowB = (i >> 1) & 1;
-                    const float pv = ex2(sc[i] - (rowB ? nB : nA));
+                    const float pv = ex2(fmaf(sc[i], rowB ? scB : scA, rowB ? -nB : -nA));
                     sc[i] = pv;
                     if (rowB) sB += pv; else sA += pv;
                 }
@@ -376,10 +483,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 unsigned pa[16];
 #pragma unroll
                 for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
+                if (__any_sync(0xffffffff, moved)) {    // (an unmoved max has a = 1 exactly: the same bits)
 #pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
+                    for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                    for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
+                        for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
+                }
                 STAMP(4);
                 wgmma_fence();
 #pragma unroll
@@ -394,24 +503,96 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
             lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
             const float fA = 1.0f / lA, fB = 1.0f / lB;
-            unsigned short *orow = a.out + b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh + rank * HALF;
+            constexpr int OB = FP8 ? 1 : 2, ROWB = HALF * OB;     // output bytes an element, a row's half
+            unsigned char *orow = (unsigned char *)a.out + (b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh
+                                                            + rank * HALF) * OB;
             if (nt == 0) {                              // nothing picked: zeros (the sink took all), no slot held
-                for (int e = tid; e < 64 * 32; e += 128)
-                    *(uint4 *)(orow + (e >> 5) * a.s_oh + (e & 31) * 8) = make_uint4(0, 0, 0, 0);
+                for (int e = tid; e < 64 * ROWB / 16; e += 128)
+                    *(uint4 *)(orow + (e / (ROWB / 16)) * a.s_oh * OB + (e % (ROWB / 16)) * 16) =
+                        make_uint4(0, 0, 0, 0);
+#if FP8
+                const unsigned sb = (__float_as_uint(__fdiv_rn(1e-4f, 448.0f)) + 0x7FFFFF) & 0x7F800000;
+                a.scales[((h0 + (tid >> 1)) * 4 + rank * 2 + (tid & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
+#endif
             } else {
-                // through the last tile's slot (its keys are used up): each 16-byte chunk of a row at chunk ^ row % 8
-                // (no bank conflicts either way), then 16-byte stores, a warp a row's 512 contiguous bytes
+                // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
+                // them (core_kernel._epilogue's math, its roundings in its order)
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) o[cb][i] = bf16r(o[cb][i] * (((i >> 1) & 1) ? fB : fA));
+#if OROPE
+                if (rank == 1) {                        // the tail (ORF a multiple of 64, <= 256): this CTA's last
+                    const float pos = (float)a.opos[bs];    // ORF / 64 swizzle columns
+#pragma unroll
+                    for (int cb = 4 - ORF / 64; cb < 4; ++cb)
+#pragma unroll
+                        for (int jj = 0; jj < 8; ++jj) {
+                            const int ct = cb * 64 + 8 * jj + cq - (HALF - ORF);   // (even)
+                            const float ang = pos * a.ofreq[ct >> 1], c = cosf(ang), sn = sinf(ang);
+#pragma unroll
+                            for (int rr = 0; rr < 2; ++rr) {      // the inverse turn: (x cos + y sin, y cos - x sin)
+                                const int i0 = 4 * jj + 2 * rr;
+                                const float x = o[cb][i0], y = o[cb][i0 + 1];
+                                o[cb][i0] = bf16r(fmaf(y, sn, x * c));
+                                o[cb][i0 + 1] = bf16r(fmaf(x, -sn, y * c));
+                            }
+                        }
+                }
+#endif
+                // staged in the last tile's slot (its keys are used up): each 16-byte chunk of a row at chunk ^ row
+                // % 8 (no bank conflicts either way), then 16-byte stores, a warp whole rows
                 const int slot = (g - 1) & 1;
                 unsigned char *st = smem + K_OFF + slot * T_BYTES;
+#if FP8
+                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+#pragma unroll
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        float m = 0.0f;
+#pragma unroll
+                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+#pragma unroll
+                            for (int jj = 0; jj < 8; ++jj)
+                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]), fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                        const unsigned sb = (__float_as_uint(__fdiv_rn(m, 448.0f)) + 0x7FFFFF) & 0x7F800000;
+                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                        if ((l & 3) == 0)
+                            a.scales[((h0 + rA + 8 * rr) * 4 + rank * 2 + k) * (long long)a.M + bs] =
+                                __uint_as_float(sb);
+                    }
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                  + (jj & 1) * 8 + cq;
+                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                        *(unsigned short *)(st + rA * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                    }
+                asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tid & 15;
+#pragma unroll 4
+                for (int i = 0; i < 8; ++i) {
+                    const int r = (tid >> 4) + 8 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                }
+#else
 #pragma unroll
                 for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                     for (int jj = 0; jj < 8; ++jj) {
                         const int ch = cb * 8 + (jj ^ (rA & 7));     // rA + 8 has the same row % 8
-                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) =
-                            pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
+                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) = pack_bf16(o[cb][4 * jj], o[cb][4 * jj + 1]);
                         *(unsigned *)(st + (rA + 8) * 512 + ch * 16 + 2 * cq) =
-                            pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
+                            pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
                 asm volatile("bar.sync 2, 128;" ::: "memory");
                 const int c = tid & 31;
@@ -419,8 +600,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 for (int i = 0; i < 16; ++i) {
                     const int r = (tid >> 5) + 4 * i;
                     const uint4 v = *(const uint4 *)(st + r * 512 + ((c & ~7) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh + c * 8) = v;
+                    *(uint4 *)(orow + r * a.s_oh * 2 + c * 16) = v;
                 }
+#endif
                 mbar_arrive(kv_empty + 8 * slot);
             }
         }
@@ -441,10 +623,16 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_int) for n in ("S", "H", "J1", "J2", "two", "n_items")] + [("qk_scale", ctypes.c_float)]
                 + [(n, ctypes.c_longlong) for n in ("s_qb", "s_qs", "s_qh", "s_ob", "s_os", "s_oh", "s_k1b", "s_k1m",
                                                     "s_i1b", "s_i1s", "s_k2b", "s_k2m", "s_i2b", "s_i2s")]
-                + [("pv_lbo", ctypes.c_uint), ("pv_sbo", ctypes.c_uint), ("trace", ctypes.c_void_p)])
+                + [("pv_lbo", ctypes.c_uint), ("pv_sbo", ctypes.c_uint), ("trace", ctypes.c_void_p),
+                   ("qpos", ctypes.c_void_p), ("qfreq", ctypes.c_void_p), ("eps", ctypes.c_float),
+                   ("opos", ctypes.c_void_p), ("ofreq", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                   ("M", ctypes.c_int)])
 
 
 _BROKEN: str | None = None
+# where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
+# MOE_WAVE_CORE_CUDA=0 in the environment (or False here) keeps the Gluon kernels
+ENABLED = os.environ.get("MOE_WAVE_CORE_CUDA", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -464,10 +652,13 @@ def available() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
-def supported(q: torch.Tensor, n_parts: int, nsplit: int = 1, fused: bool = False) -> bool:
-    """True when this kernel runs the call: Hopper, bf16, d = 512, whole 64-head blocks, one or two parts, no key
-    splits, no fusions."""
-    if fused or nsplit != 1 or not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16:
+def supported(q: torch.Tensor, n_parts: int, qrf: int = 0, orf: int = 0) -> bool:
+    """True when this kernel runs the call: Hopper, bf16, d = 512, whole 64-head blocks, one or two parts; with the
+    layer's steps, q's RoPE tail qrf (channels) 0, 64, 128 or 256 and the output's orf a multiple of 64 up to 256
+    (V4: 64), both inside the second half of d."""
+    if not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16:
+        return False
+    if qrf not in (0, 64, 128, 256) or orf % 64 or not 0 <= orf <= 256:
         return False
     return q.shape[-1] == D_FULL and q.shape[-2] % BH == 0 and available()
 
@@ -484,7 +675,8 @@ def mark_broken(err: BaseException) -> None:
 def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                           i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
                           pv_lbo: int = PV_LBO, pv_sbo: int = PV_SBO, trace: torch.Tensor | None = None,
-                          probe: int = 0, defines: str = "") -> None:
+                          probe: int = 0, defines: str = "", q_rope: tuple | None = None,
+                          o_rope: tuple | None = None, scales: torch.Tensor | None = None) -> None:
     """Launch on checked tensors (``sparse_attention_gluon``'s contract): q / out [B, S, H, 512] bf16 with the
     last dim contiguous, kv [B, M, 512] bf16 rows contiguous, idx [B, S, J] int32 or int64 with the last dim
     contiguous, sinks fp32 [H]. pv_lbo / pv_sbo: V's descriptor offsets (for the probe that checks them).
@@ -495,7 +687,14 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads.
     probe (profiling, wrong results):
     1 skips the exchange of partial scores, 2 the tiles' copies. defines (profiling): more ``#define`` lines for the
-    compile (e.g. ``XSYNC 1``, ``;``-separated)."""
+    compile (e.g. ``XSYNC 1``, ``;``-separated).
+
+    The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
+    contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
+    RMSNorm (a factor of the head's scores: within bf16 rounding of the chain) and RoPE of its last 2F channels (in
+    shared memory as it arrives); o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the output's last 2F
+    channels; scales (fp32 [H*d/128, B*S]): out is e4m3 [B, S, H, d] and gets ``fp8.act_quant``'s format. The
+    output's steps have the unfused chain's bits (``core_kernel._epilogue``'s roundings in its order)."""
     B, S, H, D = q.shape
     if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_attention_cuda: q must be bf16 [B, S, H, {D_FULL}] with H a multiple of {BH}, "
@@ -507,9 +706,27 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
         if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
             raise ValueError(f"sparse_attention_cuda: {name} must be 16-byte aligned with strides that are multiples "
                              f"of 8 elements, got strides {t.stride()} at address {t.data_ptr():#x}")
-    if out.dtype != torch.bfloat16 or out.shape != q.shape or kv1.dtype != q.dtype or kv2.dtype != q.dtype:
-        raise ValueError(f"sparse_attention_cuda: out must be q's shape and every tensor bf16, got out {out.dtype} "
-                         f"{tuple(out.shape)}, kv {kv1.dtype} / {kv2.dtype}")
+    odt = torch.float8_e4m3fn if scales is not None else torch.bfloat16
+    if out.dtype != odt or out.shape != q.shape or kv1.dtype != q.dtype or kv2.dtype != q.dtype:
+        raise ValueError(f"sparse_attention_cuda: out must be q's shape in {odt} (scales given: FP8) and kv bf16, got "
+                         f"out {out.dtype} {tuple(out.shape)}, kv {kv1.dtype} / {kv2.dtype}")
+    if scales is not None and not (scales.dtype == torch.float32 and scales.is_contiguous()
+                                   and tuple(scales.shape) == (H * D // 128, B * S)):
+        raise ValueError(f"sparse_attention_cuda: scales must be contiguous fp32 [{H * D // 128}, {B * S}], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    qrf = 2 * q_rope[1].numel() if q_rope is not None else 0
+    orf = 2 * o_rope[1].numel() if o_rope is not None else 0
+    if qrf not in (0, 64, 128, 256) or orf % 64 or orf > 256:
+        raise ValueError(f"sparse_attention_cuda: RoPE tails of q ({qrf} channels) / the output ({orf}) must be 0, 64, "
+                         f"128 or 256 / a multiple of 64 up to 256")
+    pos = [t[0] for t in (q_rope, o_rope) if t is not None]
+    if any(p.numel() != B * S or not p.is_contiguous() or p.dtype not in (torch.int32, torch.int64) for p in pos) \
+            or len({p.dtype for p in pos}) > 1:
+        raise ValueError(f"sparse_attention_cuda: positions must be contiguous int32 / int64 [{B * S}] of one dtype, "
+                         f"got {[(p.dtype, tuple(p.shape)) for p in pos]}")
+    for name, t in (("q_rope", q_rope), ("o_rope", o_rope)):
+        if t is not None and not (t[1].dtype == torch.float32 and t[1].is_contiguous()):
+            raise ValueError(f"sparse_attention_cuda: {name}'s frequencies must be contiguous fp32")
     if i1.dtype != i2.dtype or i1.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_attention_cuda: the picks must both be int32 or int64, got {i1.dtype} / {i2.dtype}")
     if sinks.dtype != torch.float32 or not sinks.is_contiguous():
@@ -520,13 +737,24 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
               n_items, float(scale) * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), out.stride(0),
               out.stride(1), out.stride(2), kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1),
               kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo,
-              trace.data_ptr() if trace is not None else None)
+              trace.data_ptr() if trace is not None else None,
+              q_rope[0].data_ptr() if q_rope else None, q_rope[1].data_ptr() if q_rope else None,
+              float(q_rope[2]) if q_rope else 0.0, o_rope[0].data_ptr() if o_rope else None,
+              o_rope[1].data_ptr() if o_rope else None, scales.data_ptr() if scales is not None else None, B * S)
     n_ctas = 2 * min(n_items, pairs_resident(q.device.index))
     if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous()
                                   and trace.numel() >= 32 * n_ctas):
         raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
     defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "") \
         + "".join(f"#define {d.strip()}\n" for d in defines.split(";") if d.strip())
+    if q_rope is not None:
+        defines += f"#define QROPE 1\n#define QRF {qrf}\n"
+    if o_rope is not None:
+        defines += f"#define OROPE 1\n#define ORF {orf}\n"
+    if scales is not None:
+        defines += "#define FP8 1\n"
+    if pos and pos[0].dtype == torch.int32:
+        defines += "#define POS_T int\n"
     k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
     _launch(k, n_ctas, a, i1, i2)
 

@@ -67,7 +67,7 @@ from moe_wave.fp8 import act_quant
 if triton is not None:
     from moe_wave.fp8 import e4m3_rne as _e4m3_rne, pow2_scale_bits
 
-from . import core_gluon
+from . import core_cuda, core_gluon
 from .kernels import norm_rope
 
 __all__ = ["CoreConfig", "default_config", "FALLBACKS", "FUSE_MAX_WAVES", "sparse_attention_fused", "check_fusion",
@@ -534,7 +534,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         impl: which kernel runs a plain call (no fusion inside, one program per query and head block):
             "gluon": ``core_gluon`` (Hopper; an error where ``core_gluon.supported`` says no), "triton": this
             module's kernel, "auto" (default): Gluon where supported (prefill on an H100 / H200) and no ``config`` is
-            given, else Triton.
+            given, else Triton; and where Gluon would run, ``core_cuda``'s CUDA C++ kernel if it takes the call
+            (d = 512, bf16, V4's RoPE tails) and ``core_cuda.ENABLED``, with or without the fused steps.
             The two agree to bf16 rounding, not bit for bit (their sums run in different orders); each repeats
             its own bits. ``config`` tiles the Triton kernel only.
     Returns:
@@ -567,8 +568,12 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     J = i1.shape[-1] + (i2.shape[-1] if two else 0)
     if B * S * H and not fuse and fu.key != (False, False, False) and _ws_runs(q, len(srcs), J, want, config, impl):
         # the warp-specialized Gluon kernel runs the chain's steps: q's norm and RoPE as an item's q arrives (the
-        # norm a factor of the scores: within bf16 rounding of the chain), the output's in its epilogue (its bits)
+        # norm a factor of the scores: within bf16 rounding of the chain), the output's in its epilogue (its bits);
+        # or, where it runs, the CUDA C++ kernel (core_cuda: a CTA pair a query, two pairs an SM), the same steps
         out, scales, result = _outputs(q, fu)
+        if impl == "auto" and _cuda_runs(q, len(srcs), fu) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two,
+                                                                         fu, scales):
+            return result
         try:
             core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two,
                                               o_rope=(fu.opos, fu.ofreq) if fu.opos is not None else None,
@@ -592,6 +597,9 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         return result
     if impl != "triton":
         if _gluon_runs(q, len(srcs), J, want, config, impl, fu.key != (False, False, False)):
+            if impl == "auto" and _cuda_runs(q, len(srcs), None) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale,
+                                                                               two, None, None):
+                return result
             try:
                 core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
                 return result
@@ -618,6 +626,28 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         _CHOSEN[key] = c
         return result
     raise AssertionError("unreachable: the ladder either launched or raised")
+
+
+def _cuda_runs(q: torch.Tensor, n_parts: int, fu: _Fusion | None) -> bool:
+    # where a Gluon kernel would run a prefill call: the CUDA C++ kernel instead, if enabled and it takes the call
+    if not core_cuda.ENABLED:
+        return False
+    qrf = 2 * fu.qfreq.numel() if fu is not None and fu.qpos is not None else 0
+    orf = 2 * fu.ofreq.numel() if fu is not None and fu.opos is not None else 0
+    return core_cuda.supported(q, n_parts, qrf, orf)
+
+
+def _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, fu: _Fusion | None, scales) -> bool:
+    # launch core_cuda's kernel; False (warned once, the Gluon kernels from now on) where it does not compile here
+    try:
+        core_cuda.sparse_attention_cuda(
+            q, out, sinks, kv1, i1, kv2, i2, scale, two,
+            q_rope=(fu.qpos, fu.qfreq, fu.eps) if fu is not None and fu.qpos is not None else None,
+            o_rope=(fu.opos, fu.ofreq) if fu is not None and fu.opos is not None else None, scales=scales)
+        return True
+    except RuntimeError as e:                                           # NVRTC / the driver, before anything runs
+        core_cuda.mark_broken(e)
+        return False
 
 
 def _outputs(q: torch.Tensor, fu: _Fusion):
@@ -675,14 +705,16 @@ def _ws_runs(q: torch.Tensor, n_parts: int, J: int, want: CoreConfig, config: Co
 
 def core_impl(q_BSHd: torch.Tensor, parts: list, *, fusions: bool = False, config: CoreConfig | None = None,
               impl: str = "auto", fuse: bool | None = None) -> str:
-    """Which kernel ``sparse_attention_fused`` runs for this call: "gluon" or "triton" (benchmarks label their
+    """Which kernel ``sparse_attention_fused`` runs for this call: "cuda", "gluon" or "triton" (benchmarks label their
     rows with it). fusions: the call has q_rope / o_rope / out_fp8 (inside the Triton kernel on small grids, as
     separate passes around a plain call on large ones, see ``FUSE_MAX_WAVES``)."""
     H, D = q_BSHd.shape[2:]
     want = (config or default_config(H, D, q_BSHd.dtype)).fit(H, D)
     inside = fusions and (_fuse_inside(q_BSHd, want) if fuse is None else fuse)
     J = sum(idx.shape[-1] for _, idx in parts)
-    return "gluon" if _gluon_runs(q_BSHd, len(parts), J, want, config, impl, inside) else "triton"
+    if not _gluon_runs(q_BSHd, len(parts), J, want, config, impl, inside):
+        return "triton"
+    return "cuda" if impl == "auto" and core_cuda.ENABLED and core_cuda.supported(q_BSHd, len(parts)) else "gluon"
 
 
 def core_flops(H: int, D: int, idx_parts: list) -> tuple[float, float]:

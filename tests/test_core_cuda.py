@@ -1,0 +1,167 @@
+"""The sparse core's CUDA C++ kernel (``attention.core_cuda``: a cluster of two CTAs splitting d, two pairs an SM;
+Hopper only, compiled at run time by NVRTC) against the torch reference, the unfused chain and the Gluon kernels.
+
+The kernel runs only on an sm_90 GPU: those tests skip elsewhere. Its argument checks and where it applies are
+tested everywhere (CI's CPU included).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_wave.attention import core_cuda
+from moe_wave.attention.core import sparse_attention
+from moe_wave.attention.core_kernel import core_impl, sparse_attention_fused
+from moe_wave.attention.kernels import norm_rope
+from moe_wave.fp8 import act_quant_torch
+from tests.test_core_gluon import CASES, _case, rel
+
+needs_cuda_core = pytest.mark.skipif(not core_cuda.available(), reason="needs a Hopper GPU and torch's NVRTC")
+D512 = [n for n in CASES if CASES[n][3] == 512]
+
+
+def run(q, parts, sinks, **kw):
+    (kv1, i1), (kv2, i2) = parts[0], parts[-1]
+    out = kw.pop("out", None)
+    if out is None:
+        out = torch.full_like(q, float("nan"))
+    core_cuda.sparse_attention_cuda(q, out, sinks.float(), kv1, i1, kv2, i2, q.shape[-1] ** -0.5, len(parts) == 2,
+                                    **kw)
+    return out
+
+
+def test_supported_and_errors_name_the_rule():
+    """Off Hopper (here: CPU tensors) the kernel takes nothing; bad arguments fail before any compile, naming the
+    field and the rule."""
+    q = torch.zeros(1, 2, 64, 512, dtype=torch.bfloat16)
+    assert not core_cuda.supported(q, 2)
+    assert not core_cuda.supported(q.float(), 2) and not core_cuda.supported(q[..., :256], 2)
+    assert not core_cuda.supported(q, 3) and not core_cuda.supported(q, 1, qrf=32)
+    assert core_impl(q, [(torch.zeros(1, 4, 512), torch.zeros(1, 2, 3, dtype=torch.int32))]) == "triton"
+    kv, idx = torch.zeros(1, 8, 512, dtype=torch.bfloat16), torch.zeros(1, 2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q must be bf16 \[B, S, H, 512\] with H a multiple of 64"):
+        core_cuda.sparse_attention_cuda(q[:, :, :32], q[:, :, :32], torch.zeros(32), kv, idx, kv, idx, 0.1, True)
+    with pytest.raises(ValueError, match="the picks must both be int32 or int64"):
+        core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv, idx.float(), kv, idx, 0.1, True)
+    with pytest.raises(ValueError, match=r"out must be q's shape in torch.float8_e4m3fn \(scales given: FP8\)"):
+        core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv, idx, kv, idx, 0.1, True,
+                                        scales=torch.zeros(256, 2))
+    with pytest.raises(ValueError, match="RoPE tails of q \\(48 channels\\)"):
+        core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv, idx, kv, idx, 0.1, True,
+                                        q_rope=(torch.zeros(2, dtype=torch.int64), torch.zeros(24), 1e-6))
+    with pytest.raises(ValueError, match="kv1's last dim must be contiguous"):
+        core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv.transpose(1, 2), idx, kv, idx, 0.1, True)
+
+
+@needs_cuda_core
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("name", D512)
+def test_cuda_core_matches_reference(name, idx_dtype):
+    """Within bf16 rounding of the fp32 torch reference and of the Gluon kernel (V4-Flash and V4-Pro head counts,
+    -1 picks, a query with every pick masked, J not a multiple of the tile, one part or two, batch > 1); the bits
+    repeat run to run; the same bits from a CUDA graph's replay; sparse_attention_fused's "auto" takes it."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    parts = [(kv, idx.to(idx_dtype)) for kv, idx in parts]
+    want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, D ** -0.5, kernels="off")
+    got, again = run(q, parts, sinks), run(q, parts, sinks)
+    assert torch.equal(got, again)
+    assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
+    assert rel(got, want) < 1.5e-2
+    assert rel(got, sparse_attention_fused(q, parts, sinks, D ** -0.5, impl="gluon")) < 1.5e-2
+    out = torch.zeros_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(q, parts, sinks, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+    assert core_impl(q, parts) == "cuda" and torch.equal(sparse_attention_fused(q, parts, sinks, D ** -0.5), got)
+
+
+@needs_cuda_core
+@pytest.mark.gpu
+def test_cuda_core_at_prefill_picks(monkeypatch):
+    """launch/bench_core.py's V4-Flash prefill picks of 1000 queries (sliding, CSA's window + top-512, HCA) against
+    the torch reference: many items a CTA pair, S not a multiple of anything."""
+    import importlib
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+    bc = importlib.import_module("bench_core")
+    for kind in ("sliding", "csa", "hca"):
+        q, parts, sinks = bc.make(kind, 1000, 64, 512, torch.device("cuda"))
+        want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, 512 ** -0.5,
+                                kernels="off")
+        assert rel(run(q, parts, sinks), want) < 1.5e-2, kind
+
+
+def _rope_inputs(B, S, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 5000, (B * S,), device="cuda", generator=g), torch.rand(32, device="cuda", generator=g) * 0.5
+
+
+@needs_cuda_core
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", D512)
+def test_cuda_core_epilogue_has_the_unfused_chains_bits(name):
+    """The layer's steps after the core in the kernel's epilogue: o_rope equals norm_rope(o, inverse) of its own
+    plain output (at most 1 in 10 000 elements off, by one ulp, as for the Gluon kernel); out_fp8 equals
+    act_quant_torch of its own bf16 output, with and without o_rope (e4m3 bytes and scales, exactly)."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    pos, freq = _rope_inputs(B, S, 5)
+    plain = run(q, parts, sinks)
+    unrot = norm_rope(plain, pos, freq, norm=False, inverse=True)
+    got = run(q, parts, sinks, o_rope=(pos, freq))
+    off = got != unrot
+    ulp = (unrot.float().abs() * torch.finfo(dtype).eps).clamp_min(torch.finfo(dtype).tiny)
+    assert off.sum().item() <= max(1, got.numel() // 10000)
+    assert bool(((got.float() - unrot.float()).abs() <= ulp)[off].all())
+    assert torch.equal(got, plain) == bool(plain.eq(0).all())         # the rotation happened (if not all 0)
+    for src, rope in ((got, (pos, freq)), (plain, None)):
+        o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
+        run(q, parts, sinks, out=o_q.view(B, S, H, D), o_rope=rope, scales=s)
+        want_q, want_s = act_quant_torch(src.reshape(B * S, H * D))
+        assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
+@needs_cuda_core
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", D512)
+def test_cuda_core_prologue_is_norm_rope(name):
+    """q's per-head RMSNorm (a factor of the head's scores) and RoPE (its tail turned in shared memory) in the
+    kernel, against norm_rope then the plain kernel and the fp32 reference: within bf16 rounding, the bits repeat;
+    with all three steps the bits of its own output quantised, and sparse_attention_fused's large-grid path runs it
+    (the layer's prefill) with the Gluon kernel's result within bf16 rounding."""
+    B, S, H, D, spec, dtype = CASES[name]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = (q.float() * torch.rand(B, S, H, 1, device="cuda", generator=g) * 8).to(dtype)   # norms far from 1
+    pos, freq = _rope_inputs(B, S, 7)
+    eps, scale = 1e-6, D ** -0.5
+    want = run(norm_rope(q, pos, freq, eps=eps), parts, sinks)
+    got, again = run(q, parts, sinks, q_rope=(pos, freq, eps)), run(q, parts, sinks, q_rope=(pos, freq, eps))
+    assert torch.equal(got, again)
+    assert rel(got, want) < 1e-2
+    ref = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, scale, kernels="off",
+                           q_rope=(pos.view(B, S), freq, eps))
+    assert rel(got, ref) < 1.5e-2
+    both = run(q, parts, sinks, q_rope=(pos, freq, eps), o_rope=(pos, freq))
+    o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(H * D // 128, B * S, device="cuda")
+    run(q, parts, sinks, out=o_q.view(B, S, H, D), q_rope=(pos, freq, eps), o_rope=(pos, freq), scales=s)
+    want_q, want_s = act_quant_torch(both.reshape(B * S, H * D))
+    assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    fq, fs = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(B, S), freq, eps),
+                                    o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False)
+    assert torch.equal(fq.view(torch.uint8), o_q.view(torch.uint8)) and torch.equal(fs, s)
+    gq, gs = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(B, S), freq, eps),
+                                    o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False, impl="gluon")
+    deq = (fq.float().view(B * S, H * D // 128, 128) * fs.t()[..., None]).view(B * S, -1)
+    gdeq = (gq.float().view(B * S, H * D // 128, 128) * gs.t()[..., None]).view(B * S, -1)
+    assert rel(deq, gdeq) < 3e-2
