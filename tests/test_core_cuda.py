@@ -101,7 +101,8 @@ def test_cuda_core_at_prefill_picks(monkeypatch):
 
 def _rope_inputs(B, S, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randint(0, 5000, (B * S,), device="cuda", generator=g), torch.rand(32, device="cuda", generator=g) * 0.5
+    pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)
+    return pos, torch.rand(32, device="cuda", generator=g) * 0.5
 
 
 @needs_cuda_core
