@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default="XSYNC 1", help="compile variants also timed: '|'-separated, each a "
                     "';'-separated list of defines (core_cuda.sparse_attention_cuda's defines)")
+    ap.add_argument("--fused", action="store_true", help="with the layer's steps, as its prefill runs the core: q "
+                    "raw (norm and a 64-channel RoPE tail inside), the output's inverse RoPE and FP8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -49,16 +51,24 @@ def main() -> None:
         (kv1, i1), (kv2, i2) = parts[0], parts[-1]
         out = torch.empty_like(q)
         scale, two = 512 ** -0.5, len(parts) == 2
-        row = dict(kind=kind, heads=args.heads, tokens=args.tokens)
+        row = dict(kind=kind, heads=args.heads, tokens=args.tokens, fused=args.fused)
+        kw = {}
+        if args.fused:                          # V4's RoPE (64 channels), positions 0..S-1, FP8 out
+            S = args.tokens
+            pos = torch.arange(S, device=dev)
+            freq = 10000.0 ** (-torch.arange(32, device=dev, dtype=torch.float32) / 32)
+            out = torch.empty(1, S, args.heads, 512, dtype=torch.float8_e4m3fn, device=dev)
+            kw = dict(q_rope=(pos, freq, 1e-6), o_rope=(pos, freq),
+                      scales=torch.empty(args.heads * 4, S, device=dev))
         for probe in (0, 1, 2, 3):
             row[f"probe{probe}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
-                q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe), args.iters), 1)
+                q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe, **kw), args.iters), 1)
         for v in filter(None, args.variants.split("|")):
             row[f"{v}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
-                q, out, sinks, kv1, i1, kv2, i2, scale, two, defines=v), args.iters), 1)
+                q, out, sinks, kv1, i1, kv2, i2, scale, two, defines=v, **kw), args.iters), 1)
         n = 2 * core_cuda.pairs_resident(dev.index or 0)
         tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
-        core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr)
+        core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr, **kw)
         sm = tr[:, 13].view(-1, 2)
         row["pairs_on_one_sm"] = int((sm[:, 0] == sm[:, 1]).sum())
         row["pairs"] = sm.shape[0]

@@ -63,7 +63,7 @@ def test_supported_and_errors_name_the_rule():
 def test_cuda_core_matches_reference(name, idx_dtype):
     """Within bf16 rounding of the fp32 torch reference and of the Gluon kernel (V4-Flash and V4-Pro head counts,
     -1 picks, a query with every pick masked, J not a multiple of the tile, one part or two, batch > 1); the bits
-    repeat run to run; the same bits from a CUDA graph's replay; sparse_attention_fused's "auto" takes it."""
+    repeat run to run; the same bits from a CUDA graph's replay."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     parts = [(kv, idx.to(idx_dtype)) for kv, idx in parts]
@@ -80,7 +80,31 @@ def test_cuda_core_matches_reference(name, idx_dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
-    assert core_impl(q, parts) == "cuda" and torch.equal(sparse_attention_fused(q, parts, sinks, D ** -0.5), got)
+
+
+@needs_cuda_core
+@pytest.mark.gpu
+def test_auto_takes_the_cuda_core_where_gluon_would_run(monkeypatch):
+    """sparse_attention_fused's "auto" on a prefill-sized grid (300 queries, d = 512, the Gluon kernels' grid) runs
+    this kernel: its bits, plain and with the layer's three steps (as the layer's prefill calls it: fuse=False);
+    ``core_cuda.ENABLED = False`` gives the Gluon kernel's call back; a decode-sized grid stays with Triton."""
+    q, parts, sinks = _case(1, 300, 64, 512, [(400, 128, "tail"), (100, 96, "tail")], torch.bfloat16, "auto", "cuda")
+    scale, eps = 512 ** -0.5, 1e-6
+    pos, freq = _rope_inputs(1, 300, 3)
+    assert core_impl(q, parts) == "cuda" and core_impl(q, parts, impl="gluon") == "gluon"
+    assert torch.equal(sparse_attention_fused(q, parts, sinks, scale), run(q, parts, sinks))
+    o_q = torch.empty(300, 64 * 512, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(256, 300, device="cuda")
+    run(q, parts, sinks, out=o_q.view(1, 300, 64, 512), q_rope=(pos, freq, eps), o_rope=(pos, freq), scales=s)
+    fq, fs = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(1, 300), freq, eps),
+                                    o_rope=(pos.view(1, 300), freq), out_fp8=True, fuse=False)
+    assert torch.equal(fq.view(torch.uint8), o_q.view(torch.uint8)) and torch.equal(fs, s)
+    monkeypatch.setattr(core_cuda, "ENABLED", False)
+    assert core_impl(q, parts) == "gluon"
+    assert torch.equal(sparse_attention_fused(q, parts, sinks, scale),
+                       sparse_attention_fused(q, parts, sinks, scale, impl="gluon"))
+    monkeypatch.setattr(core_cuda, "ENABLED", True)
+    assert core_impl(q[:, :1], [(kv, idx[:, :1]) for kv, idx in parts]) == "triton"
 
 
 @needs_cuda_core
@@ -137,8 +161,7 @@ def test_cuda_core_epilogue_has_the_unfused_chains_bits(name):
 def test_cuda_core_prologue_is_norm_rope(name):
     """q's per-head RMSNorm (a factor of the head's scores) and RoPE (its tail turned in shared memory) in the
     kernel, against norm_rope then the plain kernel and the fp32 reference: within bf16 rounding, the bits repeat;
-    with all three steps the bits of its own output quantised, and sparse_attention_fused's large-grid path runs it
-    (the layer's prefill) with the Gluon kernel's result within bf16 rounding."""
+    with all three steps the bits of its own output quantised, within bf16 rounding of the Gluon kernel's."""
     B, S, H, D, spec, dtype = CASES[name]
     q, parts, sinks = _case(B, S, H, D, spec, dtype, name, "cuda")
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -158,9 +181,7 @@ def test_cuda_core_prologue_is_norm_rope(name):
     run(q, parts, sinks, out=o_q.view(B, S, H, D), q_rope=(pos, freq, eps), o_rope=(pos, freq), scales=s)
     want_q, want_s = act_quant_torch(both.reshape(B * S, H * D))
     assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-    fq, fs = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(B, S), freq, eps),
-                                    o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False)
-    assert torch.equal(fq.view(torch.uint8), o_q.view(torch.uint8)) and torch.equal(fs, s)
+    fq, fs = o_q, s
     gq, gs = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(B, S), freq, eps),
                                     o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False, impl="gluon")
     deq = (fq.float().view(B * S, H * D // 128, 128) * fs.t()[..., None]).view(B * S, -1)

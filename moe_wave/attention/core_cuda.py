@@ -265,7 +265,44 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     const int r = rg + 16 * i;
                     cp_async16(base + Q_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
+            auto issue = [&](int t) {                   // tile t's copies, its flags, kv_full's arrivals
+                const int slot = g & 1;
+                const bool one = t < n1;
+                const I *ip = one ? idx1 : idx2;
+                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+                const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
+                const long long sm = one ? a.s_k1m : a.s_k2m;
+                int id[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = j0 + rg + 16 * i;
+                    id[i] = j < J ? (int)ip[j] : -1;
+                }
+                STAMP(10);
+                mbar_wait(kv_empty + 8 * slot, ((g >> 1) & 1) ^ 1);
+                STAMP(11);
+                const unsigned dst = base + K_OFF + slot * T_BYTES;
+                const unsigned short *kvc = kv + rank * HALF + cg * 8;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
+                    const unsigned n = id[i] < 0 ? 0 : 16;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
+                }
+                if (cg == 0) {                          // the rows' valid flags, for the math's mask
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) flags[64 * slot + rg + 16 * i] = id[i] >= 0;
+                    mbar_arrive(kv_full + 8 * slot);    // (release: the flags before the phase completes)
+                }
+                cp_async_arrive(kv_full + 8 * slot);
+                STAMP(12);
+                ++g;
+            };
+            int q_tiles = 0;                            // tiles issued before q's prologue (with q, under it)
 #if QROPE
+            if (nt > 0) { issue(0); q_tiles = 1; }
             // q's prologue while the math finishes the last item: each head's sum of squares over this half (2
             // threads a head), the peer's half by st.async, the RoPE tail turned in place (the CTA holding it)
             asm volatile("cp.async.wait_all;" ::: "memory");
@@ -321,40 +358,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             cp_async_arrive(q_full);
             if (p == 0) mbar_arrive(q_full);
 #endif
-            for (int t = 0; t < nt; ++t, ++g) {
-                const int slot = g & 1;
-                const bool one = t < n1;
-                const I *ip = one ? idx1 : idx2;
-                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
-                const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
-                const long long sm = one ? a.s_k1m : a.s_k2m;
-                int id[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = j0 + rg + 16 * i;
-                    id[i] = j < J ? (int)ip[j] : -1;
-                }
-                STAMP(10);
-                mbar_wait(kv_empty + 8 * slot, ((g >> 1) & 1) ^ 1);
-                STAMP(11);
-                const unsigned dst = base + K_OFF + slot * T_BYTES;
-                const unsigned short *kvc = kv + rank * HALF + cg * 8;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
-                    const unsigned n = id[i] < 0 ? 0 : 16;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-                        if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
-                }
-                if (cg == 0) {                          // the rows' valid flags, for the math's mask
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) flags[64 * slot + rg + 16 * i] = id[i] >= 0;
-                    mbar_arrive(kv_full + 8 * slot);    // (release: the flags before the phase completes)
-                }
-                cp_async_arrive(kv_full + 8 * slot);
-                STAMP(12);
-            }
+            for (int t = q_tiles; t < nt; ++t) issue(t);
         }
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
         asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
@@ -523,13 +527,24 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     for (int i = 0; i < 32; ++i) o[cb][i] = bf16r(o[cb][i] * (((i >> 1) & 1) ? fB : fA));
 #if OROPE
                 if (rank == 1) {                        // the tail (ORF a multiple of 64, <= 256): this CTA's last
-                    const float pos = (float)a.opos[bs];    // ORF / 64 swizzle columns
+                    // ORF / 64 swizzle columns, ORF / 2 angles: lane l computes angles l + 32 k (one cos / sin pair
+                    // a lane a column, not one a register pair), the others read them by shuffles
+                    const float pos = (float)a.opos[bs];
+                    float ck[ORF / 64], sk[ORF / 64];
+#pragma unroll
+                    for (int k = 0; k < ORF / 64; ++k) {
+                        const float ang = pos * a.ofreq[32 * k + l];
+                        ck[k] = cosf(ang);
+                        sk[k] = sinf(ang);
+                    }
 #pragma unroll
                     for (int cb = 4 - ORF / 64; cb < 4; ++cb)
 #pragma unroll
                         for (int jj = 0; jj < 8; ++jj) {
-                            const int ct = cb * 64 + 8 * jj + cq - (HALF - ORF);   // (even)
-                            const float ang = pos * a.ofreq[ct >> 1], c = cosf(ang), sn = sinf(ang);
+                            // channel 8 jj + cq of column cb: tail channel ct, angle ct / 2 = 32 k + 4 jj + l % 4
+                            const int k = cb - (4 - ORF / 64);
+                            const float c = __shfl_sync(0xffffffff, ck[k], 4 * jj + (l & 3));
+                            const float sn = __shfl_sync(0xffffffff, sk[k], 4 * jj + (l & 3));
 #pragma unroll
                             for (int rr = 0; rr < 2; ++rr) {      // the inverse turn: (x cos + y sin, y cos - x sin)
                                 const int i0 = 4 * jj + 2 * rr;
