@@ -40,6 +40,7 @@ def test_supported_and_errors_name_the_rule():
     assert not core_cuda.supported(q, 2)
     assert not core_cuda.supported(q.float(), 2) and not core_cuda.supported(q[..., :256], 2)
     assert not core_cuda.supported(q, 3) and not core_cuda.supported(q, 1, qrf=32)
+    assert not core_cuda.supported(q, 2, picks=core_cuda.MAX_PICKS + 1)
     assert core_impl(q, [(torch.zeros(1, 4, 512), torch.zeros(1, 2, 3, dtype=torch.int32))]) == "triton"
     kv, idx = torch.zeros(1, 8, 512, dtype=torch.bfloat16), torch.zeros(1, 2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q must be bf16 \[B, S, H, 512\] with H a multiple of 64"):
@@ -87,7 +88,8 @@ def test_cuda_core_matches_reference(name, idx_dtype):
 def test_auto_takes_the_cuda_core_where_gluon_would_run(monkeypatch):
     """sparse_attention_fused's "auto" on a prefill-sized grid (300 queries, d = 512, the Gluon kernels' grid) runs
     this kernel: its bits, plain and with the layer's three steps (as the layer's prefill calls it: fuse=False);
-    ``core_cuda.ENABLED = False`` gives the Gluon kernel's call back; a decode-sized grid stays with Triton."""
+    ``core_cuda.ENABLED = False`` gives the Gluon kernel's call back, and so do more picks than ``MAX_PICKS`` (CSA's
+    640); a decode-sized grid stays with Triton."""
     q, parts, sinks = _case(1, 300, 64, 512, [(400, 128, "tail"), (100, 96, "tail")], torch.bfloat16, "auto", "cuda")
     scale, eps = 512 ** -0.5, 1e-6
     pos, freq = _rope_inputs(1, 300, 3)
@@ -105,6 +107,10 @@ def test_auto_takes_the_cuda_core_where_gluon_would_run(monkeypatch):
                        sparse_attention_fused(q, parts, sinks, scale, impl="gluon"))
     monkeypatch.setattr(core_cuda, "ENABLED", True)
     assert core_impl(q[:, :1], [(kv, idx[:, :1]) for kv, idx in parts]) == "triton"
+    monkeypatch.setattr(core_cuda, "MAX_PICKS", 200)                  # (this call has 128 + 96 picks)
+    assert core_impl(q, parts) == "gluon"
+    assert torch.equal(sparse_attention_fused(q, parts, sinks, scale),
+                       sparse_attention_fused(q, parts, sinks, scale, impl="gluon"))
 
 
 @needs_cuda_core

@@ -31,8 +31,8 @@ import warnings
 
 import torch
 
-__all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ENABLED", "SMEM_BYTES",
-           "PV_LBO", "PV_SBO"]
+__all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ENABLED", "MAX_PICKS",
+           "SMEM_BYTES", "PV_LBO", "PV_SBO"]
 
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
@@ -648,6 +648,11 @@ _BROKEN: str | None = None
 # where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
 # MOE_WAVE_CORE_CUDA=0 in the environment (or False here) keeps the Gluon kernels
 ENABLED = os.environ.get("MOE_WAVE_CORE_CUDA", "1") != "0"
+# ... for queries of at most this many picks (window + compressed): per item it costs less than the Gluon kernel
+# (one CTA pair an item, two an SM), per 64-key tile more (the partial scores' exchange). On one H200, V4-Flash
+# prefill at 4096 tokens: sliding (128 picks) and HCA (160) faster, CSA (640) slower
+# (benchmarks/2026-12-03-core-cuda-1xh200-session29.md)
+MAX_PICKS = 384
 
 
 @functools.lru_cache(maxsize=None)
@@ -667,11 +672,11 @@ def available() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
-def supported(q: torch.Tensor, n_parts: int, qrf: int = 0, orf: int = 0) -> bool:
+def supported(q: torch.Tensor, n_parts: int, qrf: int = 0, orf: int = 0, picks: int = 0) -> bool:
     """True when this kernel runs the call: Hopper, bf16, d = 512, whole 64-head blocks, one or two parts; with the
     layer's steps, q's RoPE tail qrf (channels) 0, 64, 128 or 256 and the output's orf a multiple of 64 up to 256
-    (V4: 64), both inside the second half of d."""
-    if not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16:
+    (V4: 64), both inside the second half of d; picks (J of both parts; 0: not asked) at most ``MAX_PICKS``."""
+    if not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16 or picks > MAX_PICKS:
         return False
     if qrf not in (0, 64, 128, 256) or orf % 64 or not 0 <= orf <= 256:
         return False

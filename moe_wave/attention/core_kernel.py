@@ -535,7 +535,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
             "gluon": ``core_gluon`` (Hopper; an error where ``core_gluon.supported`` says no), "triton": this
             module's kernel, "auto" (default): Gluon where supported (prefill on an H100 / H200) and no ``config`` is
             given, else Triton; and where Gluon would run, ``core_cuda``'s CUDA C++ kernel if it takes the call
-            (d = 512, bf16, V4's RoPE tails) and ``core_cuda.ENABLED``, with or without the fused steps.
+            (d = 512, bf16, V4's RoPE tails, up to ``core_cuda.MAX_PICKS`` picks a query: V4's sliding and HCA
+            layers, not CSA's) and ``core_cuda.ENABLED``, with or without the fused steps.
             The two agree to bf16 rounding, not bit for bit (their sums run in different orders); each repeats
             its own bits. ``config`` tiles the Triton kernel only.
     Returns:
@@ -571,8 +572,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         # norm a factor of the scores: within bf16 rounding of the chain), the output's in its epilogue (its bits);
         # or, where it runs, the CUDA C++ kernel (core_cuda: a CTA pair a query, two pairs an SM), the same steps
         out, scales, result = _outputs(q, fu)
-        if impl == "auto" and _cuda_runs(q, len(srcs), fu) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two,
-                                                                         fu, scales):
+        if impl == "auto" and _cuda_runs(q, len(srcs), fu, J) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale,
+                                                                            two, fu, scales):
             return result
         try:
             core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two,
@@ -597,8 +598,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         return result
     if impl != "triton":
         if _gluon_runs(q, len(srcs), J, want, config, impl, fu.key != (False, False, False)):
-            if impl == "auto" and _cuda_runs(q, len(srcs), None) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale,
-                                                                               two, None, None):
+            if impl == "auto" and _cuda_runs(q, len(srcs), None, J) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2,
+                                                                                  scale, two, None, None):
                 return result
             try:
                 core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
@@ -628,13 +629,14 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     raise AssertionError("unreachable: the ladder either launched or raised")
 
 
-def _cuda_runs(q: torch.Tensor, n_parts: int, fu: _Fusion | None) -> bool:
+def _cuda_runs(q: torch.Tensor, n_parts: int, fu: _Fusion | None, J: int) -> bool:
     # where a Gluon kernel would run a prefill call: the CUDA C++ kernel instead, if enabled and it takes the call
+    # (J picks a query: up to core_cuda.MAX_PICKS)
     if not core_cuda.ENABLED:
         return False
     qrf = 2 * fu.qfreq.numel() if fu is not None and fu.qpos is not None else 0
     orf = 2 * fu.ofreq.numel() if fu is not None and fu.opos is not None else 0
-    return core_cuda.supported(q, n_parts, qrf, orf)
+    return core_cuda.supported(q, n_parts, qrf, orf, J)
 
 
 def _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, fu: _Fusion | None, scales) -> bool:
@@ -714,7 +716,8 @@ def core_impl(q_BSHd: torch.Tensor, parts: list, *, fusions: bool = False, confi
     J = sum(idx.shape[-1] for _, idx in parts)
     if not _gluon_runs(q_BSHd, len(parts), J, want, config, impl, inside):
         return "triton"
-    return "cuda" if impl == "auto" and core_cuda.ENABLED and core_cuda.supported(q_BSHd, len(parts)) else "gluon"
+    cuda = impl == "auto" and core_cuda.ENABLED and core_cuda.supported(q_BSHd, len(parts), picks=J)
+    return "cuda" if cuda else "gluon"
 
 
 def core_flops(H: int, D: int, idx_parts: list) -> tuple[float, float]:
