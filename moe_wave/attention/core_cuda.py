@@ -39,9 +39,9 @@ BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
 SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
 #                                                 # the tiles' valid flags, q's norm factors and the peer's sums
-# The PV descriptor of V (MN-major, the 128-byte swizzle): LBO = the step between 64-channel swizzle columns along
-# N (64 keys x 128 B apart), SBO = the step between 8-key groups along K (8 x 128 B). (cute's canonical
-# ``((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))`` for SWIZZLE_128B MN-major.)
+# The PV descriptor of V (MN-major, the 128-byte swizzle): SBO = the step between 8-key groups along K (8 x 128 B);
+# LBO = the step between 64-channel swizzle columns along N (64 keys x 128 B), unused by the kernel's N = 64 wgmmas
+# (one column each). launch/probe_sm90_cuda.py checked SBO 1024 on the H200 (LBO 16, 1024 or 2048 alike).
 PV_LBO, PV_SBO = 8192, 1024
 
 SRC = r"""
