@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from moe_wave.attention import core_cuda
+from moe_wave.attention import core_cuda, core_kernel
 from moe_wave.attention.core import sparse_attention
 from moe_wave.attention.core_kernel import core_impl, sparse_attention_fused
 from moe_wave.attention.kernels import norm_rope
@@ -55,6 +55,12 @@ def test_supported_and_errors_name_the_rule():
                                         q_rope=(torch.zeros(2, dtype=torch.int64), torch.zeros(24), 1e-6))
     with pytest.raises(ValueError, match="kv1's last dim must be contiguous"):
         core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv.transpose(1, 2), idx, kv, idx, 0.1, True)
+    odd = torch.zeros(1, 8, 516, dtype=torch.bfloat16)[..., 2:514]       # rows 1032 bytes apart: no 16-byte copies
+    with pytest.raises(ValueError, match="kv1 must be 16-byte aligned with strides that are multiples of 8"):
+        core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True)
+    # sparse_attention_fused's route: such a call goes to the Gluon kernel, and the CUDA kernel stays available
+    assert not core_kernel._run_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True, None, None)
+    assert core_cuda._BROKEN is None
 
 
 @needs_cuda_core

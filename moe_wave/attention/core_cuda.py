@@ -6,20 +6,26 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
 
 - **A cluster of two CTAs holds one item** (a query's 64-head block), each CTA one half of d = 512: q's half
   (32 KB), a ring of two 64-key tiles of the keys' half (2 x 32 KB) and the output's half as a 64 x 256 fp32
-  accumulator in one math warpgroup. QK over a half of d gives a partial score; each CTA writes its partial into
-  its peer's shared memory (``st.shared::cluster``), both add the two (the same fp32 sum on both sides: the
-  same bits), run the same softmax and multiply P into their own half of V.
+  accumulator in one math warpgroup. QK over a half of d gives a partial score; each CTA sends its partial into its
+  peer's shared memory (``st.async``, the bytes counted on the peer's mbarrier), both add the two (the same fp32
+  sum on both sides: the same bits), run the same softmax and multiply P into their own half of V.
 - **Two items an SM.** A CTA needs 112 KB of shared memory and 256 threads (the math warpgroup at 200 registers,
   a copy warpgroup at 56), so two CTAs of different items share an SM and one's softmax runs while the other's
   GEMMs use the tensor cores. With one item an SM (the Gluon kernels: q 64 KB, two 64 KB tiles and a 64 x 512
   accumulator fill it) the tensor cores idle through each tile's softmax.
-- The copy warpgroup gathers the picked rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing
-  and is zero-filled) and signals an mbarrier; QK and PV are ``wgmma`` from shared-memory descriptors, P from
-  registers in the accumulator's own layout.
+- **Persistent pairs**: each walks items with a stride of the pairs resident. The copy warpgroup counts the next
+  item's tiles, brings its q once the last QK is done, gathers the picked rows with ``cp.async`` into the 128-byte
+  swizzle (a -1 pick reads nothing and is zero-filled) with their valid flags in shared memory, and signals
+  mbarriers; QK and PV are ``wgmma`` from shared-memory descriptors, P from registers in the accumulator's layout.
+- **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
+  scores, the sums of squares exchanged between the pair; the RoPE tail turned in shared memory), the output's
+  inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, written through the last tile's slot.
 
-The kernel is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a): no build step.
-It takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16, no fusions; every output element is
-written once in a fixed order, so the bits repeat from run to run. ``supported`` says when it applies.
+The kernel is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
+API, present in 2.11 and 2.13): no build step. It takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16;
+every output element is written once in a fixed order, so the bits repeat from run to run. ``supported`` says when
+it applies; ``core_kernel.sparse_attention_fused`` runs it where a Gluon kernel would (prefill grids) for queries
+of up to ``MAX_PICKS`` picks (`benchmarks/2026-12-03-core-cuda-1xh200-session29.md`).
 """
 
 from __future__ import annotations

@@ -640,13 +640,17 @@ def _cuda_runs(q: torch.Tensor, n_parts: int, fu: _Fusion | None, J: int) -> boo
 
 
 def _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, fu: _Fusion | None, scales) -> bool:
-    # launch core_cuda's kernel; False (warned once, the Gluon kernels from now on) where it does not compile here
+    # launch core_cuda's kernel; False (warned once, the Gluon kernels from now on) where it does not compile here,
+    # and False for this call where its operands break a rule of that kernel alone (16-byte alignment, positions of
+    # two dtypes): the Gluon kernel takes them
     try:
         core_cuda.sparse_attention_cuda(
             q, out, sinks, kv1, i1, kv2, i2, scale, two,
             q_rope=(fu.qpos, fu.qfreq, fu.eps) if fu is not None and fu.qpos is not None else None,
             o_rope=(fu.opos, fu.ofreq) if fu is not None and fu.opos is not None else None, scales=scales)
         return True
+    except ValueError:                                                  # checked before anything runs
+        return False
     except RuntimeError as e:                                           # NVRTC / the driver, before anything runs
         core_cuda.mark_broken(e)
         return False
