@@ -5,7 +5,7 @@
 #   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / its switches: profile_attn --whole), trace (the sparse core's in-kernel
-#   timeline, launch/trace_core.py),
+#   timeline, launch/trace_core.py, and the CUDA C++ core's, launch/trace_core_cuda.py),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
@@ -146,9 +146,13 @@ raise SystemExit(not g.available())"; then
                    stage whole_$shape ${T_WHOLE:-150} "$PY" launch/profile_attn.py --whole --shape "$shape" \
                        --types sliding,csa,hca --precision fp8a --rows 10
                done ;;
-        trace)  # the sparse core's in-kernel timeline: each phase of an item, us (TRACE_ARGS: trace_core's options)
+        trace)  # the sparse core's in-kernel timeline: each phase of an item, us (TRACE_ARGS: trace_core's options);
+                # then the CUDA C++ core's phases in cycles a tile, plain and with the layer's steps
                stage trace_core ${T_TRACE:-240} "$PY" launch/trace_core.py ${TRACE_ARGS:-} \
-                   --out "$RES/trace_core.json" ;;
+                   --out "$RES/trace_core.json"
+               stage trace_core_cuda ${T_TRACE:-240} "$PY" launch/trace_core_cuda.py --out "$RES/trace_core_cuda.json"
+               stage trace_core_cuda_fused ${T_TRACE:-240} "$PY" launch/trace_core_cuda.py --fused \
+                   --out "$RES/trace_core_cuda_fused.json" ;;
         demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
                stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;
         sweep) stage sweep ${T_SWEEP:-240} "${TR[@]}" -m moe_wave sweep --preset v4-flash --tokens 512,2048,4096,8192 \
