@@ -46,7 +46,7 @@ from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
-from moe_wave.attention import core_gluon, core_kernel  # noqa: E402
+from moe_wave.attention import core_cuda, core_gluon, core_kernel  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -436,6 +436,8 @@ def main() -> None:
     ap.add_argument("--q-norm", default="core", help="comma list: core (q's norm and RoPE inside the core's "
                     "kernel where it does them, core_kernel.q_norm_inside: the default), branch (on the q branch "
                     "everywhere, core_kernel.WS_Q_NORM = False); default core")
+    ap.add_argument("--core-cuda", default="on", help="comma list: on (the CUDA C++ core where it takes the call, "
+                    "core_cuda.ENABLED: the default), off (the Gluon kernels); on,off measures both in one run")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
                     "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
@@ -459,6 +461,10 @@ def main() -> None:
     for p in q_norms:
         if p not in ("core", "branch"):
             sys.exit(f"bench_attn: --q-norm {p!r}: must be core or branch")
+    cudas = [p for p in args.core_cuda.split(",") if p]
+    for p in cudas:
+        if p not in ("on", "off"):
+            sys.exit(f"bench_attn: --core-cuda {p!r}: must be on or off")
     gemm8 = fp8_gemm_tflops(dev) if {"fp8", "fp8a"} & set(precisions) and not args.core else None
     print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s" + (f"; FP8 (block scales): {gemm8:.0f}" if gemm8 else ""),
           flush=True)
@@ -477,19 +483,21 @@ def main() -> None:
     iters = args.iters or (10 if args.quick else 30)
     rows = []
     for shape in shapes:
-        for kind, precision, q_norm in itertools.product(TYPES, precisions, q_norms):
+        for kind, precision, q_norm, cuda in itertools.product(TYPES, precisions, q_norms, cudas):
             lengths = [int(t) for t in args.prefill_tokens.split(",") if t]
             points = ([] if args.no_eager else [("prefill", 1, False, CTX)]) + [
                 ("prefill", 1, True, t) for t in lengths] + [("decode", b, True, CTX) for b in batches]
             for mode, b, graph, tokens in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 core_kernel.WS_Q_NORM = q_norm == "core"
+                core_cuda.ENABLED = cuda == "on"
                 try:
                     row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev,
                                   graph=graph, debug=args.debug, precision=precision, tokens=tokens)
                 finally:
                     core_kernel.WS_Q_NORM = True
-                row["q_norm"] = q_norm
+                    core_cuda.ENABLED = True
+                row["q_norm"], row["core_cuda"] = q_norm, cuda
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -499,12 +507,12 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
                             "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
-    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'qn':6} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} "
+    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} "
            f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'core64':>8} {'output':>8} "
            f"{'TFLOP/s':>8} {'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} {r['mode']:7} "
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} {r['core_cuda']:4} {r['mode']:7} "
               f"{'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
               f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['core_int64_picks_us']:>8.1f} {r['output_us']:>8.1f} "

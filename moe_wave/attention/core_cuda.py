@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 
 import torch
@@ -652,8 +651,8 @@ class _Args(ctypes.Structure):
 
 _BROKEN: str | None = None
 # where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
-# MOE_WAVE_CORE_CUDA=0 in the environment (or False here) keeps the Gluon kernels
-ENABLED = os.environ.get("MOE_WAVE_CORE_CUDA", "1") != "0"
+# False keeps the Gluon kernels (``launch/bench_attn.py --core-cuda on,off`` measures both)
+ENABLED = True
 # ... for queries of at most this many picks (window + compressed): per item it costs less than the Gluon kernel
 # (one CTA pair an item, two an SM), per 64-key tile more (the partial scores' exchange). On one H200, V4-Flash
 # prefill at 4096 tokens: sliding (128 picks) and HCA (160) faster, CSA (640) slower
