@@ -34,16 +34,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SRC = r"""
+from moe_wave.attention.core_cuda import HELPERS  # noqa: E402  (smem_u32 and the wgmma accumulator operands)
+
+SRC = HELPERS + r"""
 typedef unsigned short bf16_t;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ unsigned smem_u32(const void *p) {     // a generic pointer's shared-window address
-    unsigned a;
-    asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n}" : "=r"(a) : "l"(p));
-    return a;
-}
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) cluster_probe(float *out) {
     __shared__ float x[32];
@@ -66,12 +62,6 @@ __device__ __forceinline__ u64 smem_desc(const void *p, unsigned lbo, unsigned s
     return (u64)((a >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32);
 }
 
-#define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define WGMMA_D32_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
-    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
-    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
 // the m64n64 fp32 accumulator fragment to D [64, 64]: register i of thread (warp w, lane l) is row
 // 16 w + l / 4 + 8 (i / 2 % 2), column 8 (i / 4) + 2 (l % 4) + i % 2
@@ -105,8 +95,8 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(const bf16_t *A, c
     for (int i = 0; i < 32; ++i) d[i] = 0.0f;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
-        : WGMMA_D32_OUT(d)
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+        : D32_OUT(d)
         : "l"(da), "l"(db), "r"(0));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -144,8 +134,8 @@ extern "C" __global__ void __launch_bounds__(128) qk_sw128_probe(const bf16_t *A
     for (int k = 0; k < 4; ++k) {
         u64 da = sw128_desc(sa) + 2 * k, db = sw128_desc(sb) + 2 * k;     // + 32 bytes (the address is >> 4)
         asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
-            : WGMMA_D32_OUT(d) : "l"(da), "l"(db), "r"(k));
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
+            : D32_OUT(d) : "l"(da), "l"(db), "r"(k));
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -182,9 +172,9 @@ extern "C" __global__ void __launch_bounds__(128) pv_sw128_probe(const float *P,
     for (int k = 0; k < 4; ++k) {
         u64 db = (smem_desc(sv, lbo, sbo) | (1ull << 62)) + 128 * k;     // + 2048 bytes
         asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", {%32, %33, %34, %35}, %36, p, "
             "1, 1, 1;\n}"
-            : WGMMA_D32_OUT(d)
+            : D32_OUT(d)
             : "r"(a[4 * k]), "r"(a[4 * k + 1]), "r"(a[4 * k + 2]), "r"(a[4 * k + 3]), "l"(db), "r"(k));
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");

@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--variants", default="XSYNC 1", help="compile variants also timed: '|'-separated, each a "
+    ap.add_argument("--variants", default="", help="compile variants also timed: '|'-separated, each a "
                     "';'-separated list of defines (core_cuda.sparse_attention_cuda's defines)")
     ap.add_argument("--fused", action="store_true", help="with the layer's steps, as its prefill runs the core: q "
                     "raw (norm and a 64-channel RoPE tail inside), the output's inverse RoPE and FP8")

@@ -37,21 +37,33 @@ import warnings
 import torch
 
 __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ENABLED", "MAX_PICKS",
-           "SMEM_BYTES", "PV_LBO", "PV_SBO"]
+           "SMEM_BYTES"]
 
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
 SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
 #                                                 # the tiles' valid flags, q's norm factors and the peer's sums
-# The PV descriptor of V (MN-major, the 128-byte swizzle): SBO = the step between 8-key groups along K (8 x 128 B);
-# LBO = the step between 64-channel swizzle columns along N (64 keys x 128 B), unused by the kernel's N = 64 wgmmas
-# (one column each). launch/probe_sm90_cuda.py checked SBO 1024 on the H200 (LBO 16, 1024 or 2048 alike).
-PV_LBO, PV_SBO = 8192, 1024
 
-SRC = r"""
+# what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
+# shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
+HELPERS = r"""
 typedef unsigned long long u64;
 
+__device__ __forceinline__ unsigned smem_u32(const void *p) {
+    unsigned a;
+    asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n}" : "=r"(a) : "l"(p));
+    return a;
+}
+#define D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define D32_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+"""
+
+SRC = HELPERS + r"""
 #define HALF 256
 #define Q_OFF 0
 #define K_OFF 32768
@@ -83,9 +95,6 @@ typedef unsigned long long u64;
 #ifndef POS_T
 #define POS_T long long
 #endif
-#ifndef XSYNC
-#define XSYNC 0     // 1: the partial scores by plain remote stores and release arrives (before st.async)
-#endif
 #ifndef PROBE
 #define PROBE 0     // profiling only, wrong results: 1 no exchange of partial scores, 2 no tile copies
 #endif
@@ -93,22 +102,12 @@ typedef unsigned long long u64;
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
 #define STAMP(k) do { if (TRACE && tr) { long long _n = clock64(); tr[k] += _n - t0; t0 = _n; } } while (0)
 
-__device__ __forceinline__ unsigned smem_u32(const void *p) {
-    unsigned a;
-    asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n}" : "=r"(a) : "l"(p));
-    return a;
-}
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-                 "@!p bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {   // the peer CTA arrived
-    asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
-                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t"
                  "@!p bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
@@ -119,9 +118,6 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {  
 }
 __device__ __forceinline__ void mbar_arrive_peer_relaxed(unsigned cluster_addr) {   // orders nothing before it
     asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_peer(unsigned cluster_addr) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr) : "memory");
 }
 __device__ __forceinline__ unsigned peer_addr(unsigned a, unsigned rank) {
     unsigned r;
@@ -167,17 +163,14 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 __device__ __forceinline__ unsigned sw_off(int r, int c) {
     return (c >> 3) * (64 * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
-__device__ __forceinline__ u64 desc(unsigned a, unsigned lbo, unsigned sbo) {      // 128-byte swizzle
-    return (u64)((a >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32)
-        | (1ull << 62);
+// a wgmma shared-memory descriptor in the 128-byte swizzle: SBO = 1024 (8 rows of 128 bytes: K-major q and keys,
+// 8 keys of V, MN-major); LBO: unused by K-major swizzled operands (16), for V the step between 64-channel swizzle
+// columns (8192; its N = 64 wgmmas stay in one, launch/probe_sm90_cuda.py found LBO not to matter there)
+#define LBO_K 16
+#define LBO_V 8192
+__device__ __forceinline__ u64 desc(unsigned a, unsigned lbo) {
+    return (u64)((a >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
-
-#define D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define D32_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
-    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
-    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
 __device__ __forceinline__ void wgmma_ss(float *d, u64 da, u64 db, int acc) {      // m64n64k16, both K-major
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
@@ -200,7 +193,6 @@ struct Args {
     int S, H, J1, J2, two, n_items;
     float qk_scale;
     long long s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_k1b, s_k1m, s_i1b, s_i1s, s_k2b, s_k2m, s_i2b, s_i2s;
-    unsigned pv_lbo, pv_sbo;
     long long *trace;
     const POS_T *qpos; const float *qfreq; float eps;      // QROPE
     const POS_T *opos; const float *ofreq;                 // OROPE
@@ -229,7 +221,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         mbar_init(q_empty, 128);
         mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
         mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
-        mbar_init(x_full, XSYNC ? 128 : 1);             // (st.async: this CTA's expect_tx, + the peer's bytes)
+        mbar_init(x_full, 1);                           // this CTA's expect_tx, + the peer's st.async bytes
         mbar_init(x_free, 128);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -414,7 +406,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int k = 0; k < 16; ++k) {
                     const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
-                    wgmma_ss(sc, desc(base + Q_OFF + off, 16, 1024), desc(kt + off, 16, 1024), k);
+                    wgmma_ss(sc, desc(base + Q_OFF + off, LBO_K), desc(kt + off, LBO_K), k);
                 }
                 wgmma_commit_wait();
                 STAMP(2);
@@ -426,29 +418,18 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
                 // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
                 if (!(PROBE & 1)) {
-                if (XSYNC) mbar_wait_cluster(x_free, (g & 1) ^ 1);
-                else mbar_wait(x_free, (g & 1) ^ 1);
+                mbar_wait(x_free, (g & 1) ^ 1);
                 STAMP(16);
-                if (XSYNC) {
+                // asynchronous remote stores that count their bytes on the peer's barrier (no release fence)
 #pragma unroll
-                    for (int k = 0; k < 8; ++k)
-                        asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
-                                     :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
-                                        "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]) : "memory");
-                    mbar_arrive_peer(pfull);
-                } else {
-                    // asynchronous remote stores that count their bytes on the peer's barrier (no release fence)
-#pragma unroll
-                    for (int k = 0; k < 8; ++k)
-                        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], "
-                                     "{%1, %2, %3, %4}, [%5];"
-                                     :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
-                                        "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]), "r"(pfull) : "memory");
-                    if (tid == 0) mbar_expect_tx(x_full, 128 * 32 * 4);     // this tile's phase: the peer's bytes
-                }
+                for (int k = 0; k < 8; ++k)
+                    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], "
+                                 "{%1, %2, %3, %4}, [%5];"
+                                 :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
+                                    "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]), "r"(pfull) : "memory");
+                if (tid == 0) mbar_expect_tx(x_full, 128 * 32 * 4);     // this tile's phase: the peer's bytes
                 STAMP(17);
-                if (XSYNC) mbar_wait_cluster(x_full, g & 1);
-                else mbar_wait(x_full, g & 1);
+                mbar_wait(x_full, g & 1);
                 STAMP(18);
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
@@ -459,8 +440,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     sc[4 * k] += x0; sc[4 * k + 1] += x1; sc[4 * k + 2] += x2; sc[4 * k + 3] += x3;
                 }
                 // (relaxed: the reads above are consumed by the adds, which issue before this arrive)
-                if (XSYNC) mbar_arrive_peer(pfree);
-                else mbar_arrive_peer_relaxed(pfree);
+                mbar_arrive_peer_relaxed(pfree);
                 }
                 STAMP(3);
                 // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others. The scale
@@ -504,7 +484,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 for (int k = 0; k < 4; ++k)
 #pragma unroll
                     for (int cb = 0; cb < 4; ++cb)
-                        wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, a.pv_lbo, a.pv_sbo));
+                        wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, LBO_V));
                 wgmma_commit_wait();
                 STAMP(5);
                 if (t < nt - 1) mbar_arrive(kv_empty + 8 * slot);  // (the last tile's slot stages the output)
@@ -643,7 +623,7 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_int) for n in ("S", "H", "J1", "J2", "two", "n_items")] + [("qk_scale", ctypes.c_float)]
                 + [(n, ctypes.c_longlong) for n in ("s_qb", "s_qs", "s_qh", "s_ob", "s_os", "s_oh", "s_k1b", "s_k1m",
                                                     "s_i1b", "s_i1s", "s_k2b", "s_k2m", "s_i2b", "s_i2s")]
-                + [("pv_lbo", ctypes.c_uint), ("pv_sbo", ctypes.c_uint), ("trace", ctypes.c_void_p),
+                + [("trace", ctypes.c_void_p),
                    ("qpos", ctypes.c_void_p), ("qfreq", ctypes.c_void_p), ("eps", ctypes.c_float),
                    ("opos", ctypes.c_void_p), ("ofreq", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                    ("M", ctypes.c_int)])
@@ -699,12 +679,12 @@ def mark_broken(err: BaseException) -> None:
 
 def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor, kv1: torch.Tensor,
                           i1: torch.Tensor, kv2: torch.Tensor, i2: torch.Tensor, scale: float, two: bool, *,
-                          pv_lbo: int = PV_LBO, pv_sbo: int = PV_SBO, trace: torch.Tensor | None = None,
+                          trace: torch.Tensor | None = None,
                           probe: int = 0, defines: str = "", q_rope: tuple | None = None,
                           o_rope: tuple | None = None, scales: torch.Tensor | None = None) -> None:
     """Launch on checked tensors (``sparse_attention_gluon``'s contract): q / out [B, S, H, 512] bf16 with the
     last dim contiguous, kv [B, M, 512] bf16 rows contiguous, idx [B, S, J] int32 or int64 with the last dim
-    contiguous, sinks fp32 [H]. pv_lbo / pv_sbo: V's descriptor offsets (for the probe that checks them).
+    contiguous, sinks fp32 [H].
     trace (profiling, same results): a zeroed int64 [CTAs, 32] tensor (CTAs = ``2 * pairs_resident``); a kernel
     compiled with TRACE adds into it, per CTA, the clock cycles of the math warpgroup's phases (0 q wait, 1 tile
     wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output, 7 a tile's top) and the copy warpgroup's (8 counts,
@@ -712,7 +692,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads.
     probe (profiling, wrong results):
     1 skips the exchange of partial scores, 2 the tiles' copies. defines (profiling): more ``#define`` lines for the
-    compile (e.g. ``XSYNC 1``, ``;``-separated).
+    compile (``;``-separated NAME VALUE pairs).
 
     The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
     contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
@@ -761,7 +741,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     a = _Args(q.data_ptr(), out.data_ptr(), sinks.data_ptr(), kv1.data_ptr(), kv2.data_ptr(), S, H, J1, J2, int(two),
               n_items, float(scale) * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), out.stride(0),
               out.stride(1), out.stride(2), kv1.stride(0), kv1.stride(1), i1.stride(0), i1.stride(1),
-              kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1), pv_lbo, pv_sbo,
+              kv2.stride(0), kv2.stride(1), i2.stride(0), i2.stride(1),
               trace.data_ptr() if trace is not None else None,
               q_rope[0].data_ptr() if q_rope else None, q_rope[1].data_ptr() if q_rope else None,
               float(q_rope[2]) if q_rope else 0.0, o_rope[0].data_ptr() if o_rope else None,

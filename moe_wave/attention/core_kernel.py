@@ -572,8 +572,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         # norm a factor of the scores: within bf16 rounding of the chain), the output's in its epilogue (its bits);
         # or, where it runs, the CUDA C++ kernel (core_cuda: a CTA pair a query, two pairs an SM), the same steps
         out, scales, result = _outputs(q, fu)
-        if impl == "auto" and _cuda_runs(q, len(srcs), fu, J) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale,
-                                                                            two, fu, scales):
+        if _cuda_runs(q, len(srcs), fu, J, impl) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, fu,
+                                                              scales):
             return result
         try:
             core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two,
@@ -598,8 +598,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
         return result
     if impl != "triton":
         if _gluon_runs(q, len(srcs), J, want, config, impl, fu.key != (False, False, False)):
-            if impl == "auto" and _cuda_runs(q, len(srcs), None, J) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2,
-                                                                                  scale, two, None, None):
+            if _cuda_runs(q, len(srcs), None, J, impl) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two,
+                                                                      None, None):
                 return result
             try:
                 core_gluon.sparse_attention_gluon(q, out, sinks, kv1, i1, kv2, i2, scale, two)
@@ -629,10 +629,10 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     raise AssertionError("unreachable: the ladder either launched or raised")
 
 
-def _cuda_runs(q: torch.Tensor, n_parts: int, fu: _Fusion | None, J: int) -> bool:
-    # where a Gluon kernel would run a prefill call: the CUDA C++ kernel instead, if enabled and it takes the call
-    # (J picks a query: up to core_cuda.MAX_PICKS)
-    if not core_cuda.ENABLED:
+def _cuda_runs(q: torch.Tensor, n_parts: int, fu: _Fusion | None, J: int, impl: str) -> bool:
+    # where a Gluon kernel would run a prefill call (the caller knows): the CUDA C++ kernel instead, under impl
+    # "auto", if enabled and it takes the call (J picks a query: up to core_cuda.MAX_PICKS)
+    if impl != "auto" or not core_cuda.ENABLED:
         return False
     qrf = 2 * fu.qfreq.numel() if fu is not None and fu.qpos is not None else 0
     orf = 2 * fu.ofreq.numel() if fu is not None and fu.opos is not None else 0
@@ -720,8 +720,7 @@ def core_impl(q_BSHd: torch.Tensor, parts: list, *, fusions: bool = False, confi
     J = sum(idx.shape[-1] for _, idx in parts)
     if not _gluon_runs(q_BSHd, len(parts), J, want, config, impl, inside):
         return "triton"
-    cuda = impl == "auto" and core_cuda.ENABLED and core_cuda.supported(q_BSHd, len(parts), picks=J)
-    return "cuda" if cuda else "gluon"
+    return "cuda" if _cuda_runs(q_BSHd, len(parts), None, J, impl) else "gluon"
 
 
 def core_flops(H: int, D: int, idx_parts: list) -> tuple[float, float]:
