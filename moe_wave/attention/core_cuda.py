@@ -42,7 +42,7 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pa
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
+SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 792    # q half, a ring of two key-half tiles, the peer's partial, barriers,
 #                                                 # the tiles' valid flags, q's norm factors and the peer's sums
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
@@ -208,7 +208,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     const int HB = a.H / 64, first = blockIdx.x >> 1, stride = gridDim.x >> 1;
     const unsigned base = smem_u32(smem);
     const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
-                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64;
+                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64, o_full = q_full + 784;
     volatile int *info = (volatile int *)(smem + B_OFF + 72);      // the item's tile counts, producer -> math
     volatile unsigned char *flags = smem + B_OFF + 144;             // [2 slots][64 rows]: the pick is valid
     volatile float *inv_s = (volatile float *)(smem + B_OFF + 272); // QROPE: each head's 1 / rms
@@ -223,17 +223,128 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
         mbar_init(x_full, 1);                           // this CTA's expect_tx, + the peer's st.async bytes
         mbar_init(x_free, 128);
+        mbar_init(o_full, 128);                         // the math's 128 threads: the output staged
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_sync();                                     // barriers initialised on both sides
 
     if (tid >= 128) {                                   // the copy warpgroup: q, the counts, the tiles, ahead
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
         // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 4) of a 256-channel half row: a warp
         // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
         const int p = tid - 128, rg = p >> 3, cg = p & 7;
         long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
+        // an item's output, once the math warpgroup has staged it (bf16, in its last tile's slot) and gone on: the
+        // inverse RoPE of its tail and act_quant's FP8 (or bf16) with the unfused chain's roundings in its order
+        // (core_kernel._epilogue's math), to global memory; then the slot is free for the copies. 8 threads a row's
+        // 128-channel block (lane q: the block's chunks q and q + 8, conflict-free reads of the staged swizzle), a
+        // warp 4 rows a round and one block (warps 0, 1: block 0; 2, 3: block 1), 8 rounds
+        constexpr int OB = FP8 ? 1 : 2;                 // output bytes an element
+        const int ok = p >> 6, oq = p & 7, orow0 = 32 * ((p >> 5) & 1) + ((p & 31) >> 3);
+        int oi = 0;                                     // items staged (o_full's phases)
+        auto output = [&](int obs, int oh0, int ont, int oslot) {
+            STAMP(21);
+            unsigned char *obase = (unsigned char *)a.out + ((obs / a.S) * a.s_ob + (obs % a.S) * a.s_os
+                                                         + (long long)(oh0 + orow0) * a.s_oh + rank * HALF + ok * 128) * OB;
+            if (ont == 0) {                             // nothing picked: zeros (the sink took all)
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        unsigned char *dst = obase + 4 * i * a.s_oh * OB + (64 * h + 8 * oq) * OB;
+                        if (FP8) *(uint2 *)dst = make_uint2(0, 0); else *(uint4 *)dst = make_uint4(0, 0, 0, 0);
+                    }
+#if FP8
+                if (oq == 0) {
+                    const unsigned sb = (__float_as_uint(__fdiv_rn(1e-4f, 448.0f)) + 0x7FFFFF) & 0x7F800000;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        a.scales[((oh0 + orow0 + 4 * i) * 4 + rank * 2 + ok) * (long long)a.M + obs] = __uint_as_float(sb);
+                }
+#endif
+                STAMP(20);
+                return;
+            }
+#if OROPE
+            // the tail's angles this lane's channels need (the same for every row of the item): chunk h of the two
+            // (channel 128 ok + 64 h + 8 oq within this half) is in the tail from channel 256 - ORF on
+            const bool rot = rank == 1;
+            constexpr int H0 = ORF <= 64 ? 1 : 0;       // the first of a lane's two chunks that can be in the tail
+            float ck[2][4], sk[2][4];
+            const float opos = (float)a.opos[obs];
+#pragma unroll
+            for (int h = H0; h < 2; ++h) {
+                const int c0 = 128 * ok + 64 * h + 8 * oq - (256 - ORF);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    ck[h][j] = sk[h][j] = 0.0f;
+                    if (rot && c0 >= 0) {
+                        const float ang = opos * a.ofreq[c0 / 2 + j];
+                        ck[h][j] = cosf(ang);
+                        sk[h][j] = sinf(ang);
+                    }
+                }
+            }
+#endif
+            STAMP(22);
+            mbar_wait(o_full, oi & 1);
+            ++oi;
+            STAMP(19);
+            const unsigned char *st = smem + K_OFF + oslot * T_BYTES;
+#pragma unroll 2
+            for (int i = 0; i < 8; ++i) {
+                const int r = orow0 + 4 * i;
+                unsigned w[2][4];
+                float amax = 0.0f;                      // (FP8)
+                (void)amax;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int lc = 16 * ok + 8 * h + oq;            // the logical chunk of this half row
+                    const uint4 v = *(const uint4 *)(st + r * 512 + ((lc & ~7) | ((lc & 7) ^ (r & 7))) * 16);
+                    w[h][0] = v.x; w[h][1] = v.y; w[h][2] = v.z; w[h][3] = v.w;
+#if OROPE
+                    if (h >= H0 && rot && 128 * ok + 64 * h + 8 * oq >= 256 - ORF) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {   // the inverse turn: (x cos + y sin, y cos - x sin)
+                            const float x = bf16_lo(w[h][j]), y = bf16_hi(w[h][j]);
+                            w[h][j] = pack_bf16(fmaf(y, sk[h][j], x * ck[h][j]), fmaf(x, -sk[h][j], y * ck[h][j]));
+                        }
+                    }
+#endif
+#if FP8
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        amax = fmaxf(amax, fmaxf(fabsf(bf16_lo(w[h][j])), fabsf(bf16_hi(w[h][j]))));
+#endif
+                }
+                unsigned char *dst = obase + 4 * i * a.s_oh * OB;
+#if FP8
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
+                amax = fmaxf(fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 4)), 1e-4f);
+                const unsigned sb = (__float_as_uint(__fdiv_rn(amax, 448.0f)) + 0x7FFFFF) & 0x7F800000;
+                const float inv = __uint_as_float(0x7F000000 - sb);     // 1 / s, exact
+                if (oq == 0) a.scales[((oh0 + r) * 4 + rank * 2 + ok) * (long long)a.M + obs] = __uint_as_float(sb);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    unsigned e[2];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+                        e[j] = pack_e4m3(bf16_lo(w[h][2 * j]) * inv, bf16_hi(w[h][2 * j]) * inv)
+                               | ((unsigned)pack_e4m3(bf16_lo(w[h][2 * j + 1]) * inv, bf16_hi(w[h][2 * j + 1]) * inv) << 16);
+                    *(uint2 *)(dst + 64 * h + 8 * oq) = make_uint2(e[0], e[1]);
+                }
+#else
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *(uint4 *)(dst + (64 * h + 8 * oq) * 2) = make_uint4(w[h][0], w[h][1], w[h][2], w[h][3]);
+#endif
+            }
+            mbar_arrive(kv_empty + 8 * oslot);          // (release: this thread's reads of the slot are done)
+            STAMP(20);
+        };
         int g = 0, it = 0;
+        int pnt = -1, pbs = 0, ph0 = 0, pslot = 0;      // the previous item's tiles (-1: none), token, heads, slot
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
@@ -354,11 +465,16 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #else
             cp_async_arrive(q_full);
             if (p == 0) mbar_arrive(q_full);
+            if (nt > 0) { issue(0); q_tiles = 1; }
 #endif
+            // the last item's output while the math runs this one's first tile (its slot is this item's second)
+            if (pnt >= 0) output(pbs, ph0, pnt, pslot);
             for (int t = q_tiles; t < nt; ++t) issue(t);
+            pnt = nt; pbs = bs; ph0 = h0; pslot = (g - 1) & 1;
         }
+        if (pnt >= 0) output(pbs, ph0, pnt, pslot);
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 192;");
         const int w = tid >> 5, l = tid & 31;
         const int rA = 16 * w + (l >> 2), cq = 2 * (l & 3);
         const float LOG2E = 1.4426950408889634f;
@@ -373,7 +489,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         }
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
-            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
+            const int h0 = (item % HB) * 64;
             if (TRACE && tr) tr[14] += 1;
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
@@ -489,121 +605,26 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 STAMP(5);
                 if (t < nt - 1) mbar_arrive(kv_empty + 8 * slot);  // (the last tile's slot stages the output)
             }
-            lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
-            lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
-            const float fA = 1.0f / lA, fB = 1.0f / lB;
-            constexpr int OB = FP8 ? 1 : 2, ROWB = HALF * OB;     // output bytes an element, a row's half
-            unsigned char *orow = (unsigned char *)a.out + (b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh
-                                                            + rank * HALF) * OB;
-            if (nt == 0) {                              // nothing picked: zeros (the sink took all), no slot held
-                for (int e = tid; e < 64 * ROWB / 16; e += 128)
-                    *(uint4 *)(orow + (e / (ROWB / 16)) * a.s_oh * OB + (e % (ROWB / 16)) * 16) =
-                        make_uint4(0, 0, 0, 0);
-#if FP8
-                const unsigned sb = (__float_as_uint(__fdiv_rn(1e-4f, 448.0f)) + 0x7FFFFF) & 0x7F800000;
-                a.scales[((h0 + (tid >> 1)) * 4 + rank * 2 + (tid & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
-#endif
-            } else {
-                // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
-                // them (core_kernel._epilogue's math, its roundings in its order)
-#pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) o[cb][i] = bf16r(o[cb][i] * (((i >> 1) & 1) ? fB : fA));
-#if OROPE
-                if (rank == 1) {                        // the tail (ORF a multiple of 64, <= 256): this CTA's last
-                    // ORF / 64 swizzle columns, ORF / 2 angles: lane l computes angles l + 32 k (one cos / sin pair
-                    // a lane a column, not one a register pair), the others read them by shuffles
-                    const float pos = (float)a.opos[bs];
-                    float ck[ORF / 64], sk[ORF / 64];
-#pragma unroll
-                    for (int k = 0; k < ORF / 64; ++k) {
-                        const float ang = pos * a.ofreq[32 * k + l];
-                        ck[k] = cosf(ang);
-                        sk[k] = sinf(ang);
-                    }
-#pragma unroll
-                    for (int cb = 4 - ORF / 64; cb < 4; ++cb)
-#pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) {
-                            // channel 8 jj + cq of column cb: tail channel ct, angle ct / 2 = 32 k + 4 jj + l % 4
-                            const int k = cb - (4 - ORF / 64);
-                            const float c = __shfl_sync(0xffffffff, ck[k], 4 * jj + (l & 3));
-                            const float sn = __shfl_sync(0xffffffff, sk[k], 4 * jj + (l & 3));
-#pragma unroll
-                            for (int rr = 0; rr < 2; ++rr) {      // the inverse turn: (x cos + y sin, y cos - x sin)
-                                const int i0 = 4 * jj + 2 * rr;
-                                const float x = o[cb][i0], y = o[cb][i0 + 1];
-                                o[cb][i0] = bf16r(fmaf(y, sn, x * c));
-                                o[cb][i0 + 1] = bf16r(fmaf(x, -sn, y * c));
-                            }
-                        }
-                }
-#endif
-                // staged in the last tile's slot (its keys are used up): each 16-byte chunk of a row at chunk ^ row
-                // % 8 (no bank conflicts either way), then 16-byte stores, a warp whole rows
-                const int slot = (g - 1) & 1;
-                unsigned char *st = smem + K_OFF + slot * T_BYTES;
-#if FP8
-                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
-#pragma unroll
-                for (int k = 0; k < 2; ++k)
-#pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        float m = 0.0f;
-#pragma unroll
-                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
-#pragma unroll
-                            for (int jj = 0; jj < 8; ++jj)
-                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]), fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                        const unsigned sb = (__float_as_uint(__fdiv_rn(m, 448.0f)) + 0x7FFFFF) & 0x7F800000;
-                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                        if ((l & 3) == 0)
-                            a.scales[((h0 + rA + 8 * rr) * 4 + rank * 2 + k) * (long long)a.M + bs] =
-                                __uint_as_float(sb);
-                    }
-#pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                  + (jj & 1) * 8 + cq;
-                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                        *(unsigned short *)(st + rA * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                    }
-                asm volatile("bar.sync 2, 128;" ::: "memory");
-                const int c = tid & 15;
-#pragma unroll 4
-                for (int i = 0; i < 8; ++i) {
-                    const int r = (tid >> 4) + 8 * i;
-                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
-                }
-#else
+            if (nt > 0) {
+                lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
+                lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
+                const float fA = 1.0f / lA, fB = 1.0f / lB;
+                // the output rounded to q's dtype (bf16) and staged in the last tile's slot (its keys are used up):
+                // each 16-byte chunk of a row at chunk ^ row % 8 (no bank conflicts for the warps' rows here nor for
+                // the copy warpgroup's reads); the copy warpgroup takes it from there while this one goes on with
+                // the next item (nothing picked: it writes the zeros itself)
+                unsigned char *st = smem + K_OFF + ((g - 1) & 1) * T_BYTES;
 #pragma unroll
                 for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                     for (int jj = 0; jj < 8; ++jj) {
                         const int ch = cb * 8 + (jj ^ (rA & 7));     // rA + 8 has the same row % 8
-                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) = pack_bf16(o[cb][4 * jj], o[cb][4 * jj + 1]);
+                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) =
+                            pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
                         *(unsigned *)(st + (rA + 8) * 512 + ch * 16 + 2 * cq) =
-                            pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
+                            pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
                     }
-                asm volatile("bar.sync 2, 128;" ::: "memory");
-                const int c = tid & 31;
-#pragma unroll 4
-                for (int i = 0; i < 16; ++i) {
-                    const int r = (tid >> 5) + 4 * i;
-                    const uint4 v = *(const uint4 *)(st + r * 512 + ((c & ~7) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh * 2 + c * 16) = v;
-                }
-#endif
-                mbar_arrive(kv_empty + 8 * slot);
+                mbar_arrive(o_full);                    // (release: the staged rows)
             }
         }
     }
@@ -687,9 +708,11 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     contiguous, sinks fp32 [H].
     trace (profiling, same results): a zeroed int64 [CTAs, 32] tensor (CTAs = ``2 * pairs_resident``); a kernel
     compiled with TRACE adds into it, per CTA, the clock cycles of the math warpgroup's phases (0 q wait, 1 tile
-    wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output, 7 a tile's top) and the copy warpgroup's (8 counts,
-    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles; the exchange (3) split
-    as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads.
+    wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output staged, 7 a tile's top) and the copy warpgroup's (8 counts,
+    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued, 21 q's prologue up to the last item's output, 22 the
+    output's angles, 19 the wait for the staged output, 20 the output), 13 the SM, 14 items, 15 tiles; the exchange
+    (3) split as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3
+    the reads.
     probe (profiling, wrong results):
     1 skips the exchange of partial scores, 2 the tiles' copies. defines (profiling): more ``#define`` lines for the
     compile (``;``-separated NAME VALUE pairs).
