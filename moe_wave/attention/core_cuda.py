@@ -245,7 +245,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         auto output = [&](int obs, int oh0, int ont, int oslot) {
             STAMP(21);
             unsigned char *obase = (unsigned char *)a.out + ((obs / a.S) * a.s_ob + (obs % a.S) * a.s_os
-                                                         + (long long)(oh0 + orow0) * a.s_oh + rank * HALF + ok * 128) * OB;
+                                                         + (long long)(oh0 + orow0) * a.s_oh + rank * HALF
+                                                         + ok * 128) * OB;
             if (ont == 0) {                             // nothing picked: zeros (the sink took all)
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
@@ -259,7 +260,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     const unsigned sb = (__float_as_uint(__fdiv_rn(1e-4f, 448.0f)) + 0x7FFFFF) & 0x7F800000;
 #pragma unroll
                     for (int i = 0; i < 8; ++i)
-                        a.scales[((oh0 + orow0 + 4 * i) * 4 + rank * 2 + ok) * (long long)a.M + obs] = __uint_as_float(sb);
+                        a.scales[((oh0 + orow0 + 4 * i) * 4 + rank * 2 + ok) * (long long)a.M + obs] =
+                            __uint_as_float(sb);
                 }
 #endif
                 STAMP(20);
@@ -331,7 +333,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                     for (int j = 0; j < 2; ++j)
                         e[j] = pack_e4m3(bf16_lo(w[h][2 * j]) * inv, bf16_hi(w[h][2 * j]) * inv)
-                               | ((unsigned)pack_e4m3(bf16_lo(w[h][2 * j + 1]) * inv, bf16_hi(w[h][2 * j + 1]) * inv) << 16);
+                               | ((unsigned)pack_e4m3(bf16_lo(w[h][2 * j + 1]) * inv,
+                                                      bf16_hi(w[h][2 * j + 1]) * inv) << 16);
                     *(uint2 *)(dst + 64 * h + 8 * oq) = make_uint2(e[0], e[1]);
                 }
 #else
