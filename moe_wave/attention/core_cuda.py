@@ -42,8 +42,8 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pa
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 792    # q half, a ring of two key-half tiles, the peer's partial, barriers,
-#                                                 # the tiles' valid flags, q's norm factors and the peer's sums
+SMEM_BYTES = 3 * 32768 + 16384 + 792    # three buffers (q's half or a tile's), the peer's partial, barriers, the
+#                                         # tiles' valid flags, q's norm factors and the peer's sums
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
@@ -65,8 +65,6 @@ __device__ __forceinline__ unsigned smem_u32(const void *p) {
 
 SRC = HELPERS + r"""
 #define HALF 256
-#define Q_OFF 0
-#define K_OFF 32768
 #define T_BYTES 32768
 #define X_OFF 98304
 #define B_OFF 114688
@@ -199,6 +197,23 @@ struct Args {
     float *scales; int M;                                  // FP8: scales [H * 512 / 128, M], M = B * S
 };
 
+// the three 32 KB buffers (q's half or a tile's) in the order they are taken: the k-th taken is the (k - 3)-th
+// given back. Per item: taken q, t0 .. t(n-1); given back t0 .. t(n-2) (each after its PV), q (after the last QK),
+// t(n-1) (after the output left it); both warpgroups run the same sequence, so agree on every buffer
+struct Pool {
+    unsigned f, n;                                      // a FIFO of buffer ids, 2 bits each
+    __device__ __forceinline__ void init() { f = 0u | (1u << 2) | (2u << 4); n = 3; }
+    __device__ __forceinline__ int pop() { const int b = f & 3u; f >>= 2; --n; return b; }
+    __device__ __forceinline__ void push(int b) { f |= (unsigned)b << (2 * n); ++n; }
+    __device__ __forceinline__ int tile(int t, int nt, int qb) {     // the item's tile t; its give-backs queued
+        const int b = pop();
+        if (nt == 1) push(qb);
+        push(b);
+        if (t == nt - 2) push(qb);
+        return b;
+    }
+};
+
 template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -206,21 +221,23 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     const int HB = a.H / 64, first = blockIdx.x >> 1, stride = gridDim.x >> 1;
+    // every item has the same tiles: each part's picks in 64-key tiles (-1 picks, and a part's end, masked)
+    const int n1 = (a.J1 + 63) >> 6, nt = n1 + (a.two ? (a.J2 + 63) >> 6 : 0);
     const unsigned base = smem_u32(smem);
-    const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
-                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64, o_full = q_full + 784;
-    volatile int *info = (volatile int *)(smem + B_OFF + 72);      // the item's tile counts, producer -> math
-    volatile unsigned char *flags = smem + B_OFF + 144;             // [2 slots][64 rows]: the pick is valid
-    volatile float *inv_s = (volatile float *)(smem + B_OFF + 272); // QROPE: each head's 1 / rms
-    volatile float *ssx = (volatile float *)(smem + B_OFF + 528);   // QROPE: the peer's half sums of squares
+    const unsigned q_full = base + B_OFF, ss_full = q_full + 8, x_full = q_full + 16, x_free = q_full + 24,
+                   o_full = q_full + 32, t_full = q_full + 40, b_empty = q_full + 64;     // t_full, b_empty: [3]
+    volatile unsigned char *flags = smem + B_OFF + 88;              // [3 buffers][64 rows]: the pick is valid
+    volatile float *inv_s = (volatile float *)(smem + B_OFF + 280); // QROPE: each head's 1 / rms
+    volatile float *ssx = (volatile float *)(smem + B_OFF + 536);   // QROPE: the peer's half sums of squares
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
-        mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
-                                                        // after the prologue), + 1 plain arrive (info)
+        mbar_init(q_full, 128);                         // the copy threads' cp.async (QROPE: their plain arrives
+                                                        // after the prologue)
         mbar_init(ss_full, 1);                          // QROPE: this CTA's expect_tx + the peer's 256 bytes
-        mbar_init(q_empty, 128);
-        mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
-        mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
+        for (int b = 0; b < 3; ++b) {
+            mbar_init(t_full + 8 * b, 144);             // a tile: cp.async of 128 threads + 16 plain (the flags)
+            mbar_init(b_empty + 8 * b, 128);            // given back by the math (or the copies, after the output)
+        }
         mbar_init(x_full, 1);                           // this CTA's expect_tx, + the peer's st.async bytes
         mbar_init(x_free, 128);
         mbar_init(o_full, 128);                         // the math's 128 threads: the output staged
@@ -228,26 +245,33 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     }
     cluster_sync();                                     // barriers initialised on both sides
 
-    if (tid >= 128) {                                   // the copy warpgroup: q, the counts, the tiles, ahead
+    if (tid >= 128) {                                   // the copy warpgroup: q, the tiles, the output
         asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
         // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 4) of a 256-channel half row: a warp
         // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
         const int p = tid - 128, rg = p >> 3, cg = p & 7;
         long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
-        // an item's output, once the math warpgroup has staged it (bf16, in its last tile's slot) and gone on: the
+        Pool pool;
+        pool.init();
+        unsigned eb = 0;                                // each buffer's parity of b_empty to wait for (bit b)
+        auto take = [&](int b) {                        // wait until buffer b is given back
+            mbar_wait(b_empty + 8 * b, ((eb >> b) & 1) ^ 1);
+            eb ^= 1u << b;
+        };
+        // an item's output, once the math warpgroup has staged it (bf16, in its last tile's buffer) and gone on: the
         // inverse RoPE of its tail and act_quant's FP8 (or bf16) with the unfused chain's roundings in its order
-        // (core_kernel._epilogue's math), to global memory; then the slot is free for the copies. 8 threads a row's
+        // (core_kernel._epilogue's math), to global memory; then the buffer is given back. 8 threads a row's
         // 128-channel block (lane q: the block's chunks q and q + 8, conflict-free reads of the staged swizzle), a
         // warp 4 rows a round and one block (warps 0, 1: block 0; 2, 3: block 1), 8 rounds
         constexpr int OB = FP8 ? 1 : 2;                 // output bytes an element
         const int ok = p >> 6, oq = p & 7, orow0 = 32 * ((p >> 5) & 1) + ((p & 31) >> 3);
         int oi = 0;                                     // items staged (o_full's phases)
-        auto output = [&](int obs, int oh0, int ont, int oslot) {
+        auto output = [&](int obs, int oh0, int ob) {
             STAMP(21);
             unsigned char *obase = (unsigned char *)a.out + ((obs / a.S) * a.s_ob + (obs % a.S) * a.s_os
                                                          + (long long)(oh0 + orow0) * a.s_oh + rank * HALF
                                                          + ok * 128) * OB;
-            if (ont == 0) {                             // nothing picked: zeros (the sink took all)
+            if (nt == 0) {                              // no picks at all: zeros (the sink took all)
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -292,13 +316,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             mbar_wait(o_full, oi & 1);
             ++oi;
             STAMP(19);
-            const unsigned char *st = smem + K_OFF + oslot * T_BYTES;
+            const unsigned char *st = smem + ob * T_BYTES;
 #pragma unroll 2
             for (int i = 0; i < 8; ++i) {
                 const int r = orow0 + 4 * i;
                 unsigned w[2][4];
-                float amax = 0.0f;                      // (FP8)
-                (void)amax;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int lc = 16 * ok + 8 * h + oq;            // the logical chunk of this half row
@@ -313,14 +335,17 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         }
                     }
 #endif
-#if FP8
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        amax = fmaxf(amax, fmaxf(fabsf(bf16_lo(w[h][j])), fabsf(bf16_hi(w[h][j]))));
-#endif
                 }
                 unsigned char *dst = obase + 4 * i * a.s_oh * OB;
 #if FP8
+                // the block's |x| max: bf16 magnitudes order as their bit patterns (two 16-bit maxima a register)
+                unsigned mx = 0;
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        asm("max.u16x2 %0, %0, %1;" : "+r"(mx) : "r"(w[h][j] & 0x7FFF7FFFu));
+                float amax = fmaxf(bf16_lo(mx), bf16_hi(mx));
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
                 amax = fmaxf(fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 4)), 1e-4f);
@@ -343,41 +368,28 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     *(uint4 *)(dst + (64 * h + 8 * oq) * 2) = make_uint4(w[h][0], w[h][1], w[h][2], w[h][3]);
 #endif
             }
-            mbar_arrive(kv_empty + 8 * oslot);          // (release: this thread's reads of the slot are done)
+            mbar_arrive(b_empty + 8 * ob);              // (release: this thread's reads of the buffer are done)
             STAMP(20);
         };
-        int g = 0, it = 0;
-        int pnt = -1, pbs = 0, ph0 = 0, pslot = 0;      // the previous item's tiles (-1: none), token, heads, slot
+        int it = 0, pbs = -1, ph0 = 0, pb = 0;          // the previous item (token, -1: none), heads, last buffer
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
             const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
-            // each part's tiles run up to its last valid pick (both CTAs count the same)
-            int m1 = -1, m2 = -1;
-            for (int j = p; j < a.J1; j += 128) if (idx1[j] >= 0) m1 = j;
-            if (a.two) for (int j = p; j < a.J2; j += 128) if (idx2[j] >= 0) m2 = j;
-            m1 = __reduce_max_sync(0xffffffff, m1);
-            m2 = __reduce_max_sync(0xffffffff, m2);
-            int *red = (int *)(smem + B_OFF + 80) + 8 * (it & 1);    // two sets: no barrier before the next write
-            if ((p & 31) == 0) { red[p >> 5] = m1; red[4 + (p >> 5)] = m2; }
-            asm volatile("bar.sync 1, 128;" ::: "memory");
-            m1 = max(max(red[0], red[1]), max(red[2], red[3]));
-            m2 = max(max(red[4], red[5]), max(red[6], red[7]));
-            const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
-            STAMP(8);
-            mbar_wait(q_empty, (it & 1) ^ 1);           // the last item's QKs are done with q
+            const int qb = pool.pop();
+            take(qb);                                   // (the last item's second-to-last tile is done with it)
             STAMP(9);
-            if (p == 0) { info[0] = n1; info[1] = nt; }
+            const unsigned qa = base + qb * T_BYTES;
             const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + rank * HALF + cg * 8;
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const int r = rg + 16 * i;
-                    cp_async16(base + Q_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
+                    cp_async16(qa + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
-            auto issue = [&](int t) {                   // tile t's copies, its flags, kv_full's arrivals
-                const int slot = g & 1;
+            int last = 0;                               // the buffer of the item's last tile
+            auto issue = [&](int t) {                   // tile t's copies, its flags, t_full's arrivals
                 const bool one = t < n1;
                 const I *ip = one ? idx1 : idx2;
                 const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
@@ -390,9 +402,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     id[i] = j < J ? (int)ip[j] : -1;
                 }
                 STAMP(10);
-                mbar_wait(kv_empty + 8 * slot, ((g >> 1) & 1) ^ 1);
+                const int tb = pool.tile(t, nt, qb);
+                take(tb);
+                last = tb;
                 STAMP(11);
-                const unsigned dst = base + K_OFF + slot * T_BYTES;
+                const unsigned dst = base + tb * T_BYTES;
                 const unsigned short *kvc = kv + rank * HALF + cg * 8;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -404,12 +418,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 }
                 if (cg == 0) {                          // the rows' valid flags, for the math's mask
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) flags[64 * slot + rg + 16 * i] = id[i] >= 0;
-                    mbar_arrive(kv_full + 8 * slot);    // (release: the flags before the phase completes)
+                    for (int i = 0; i < 4; ++i) flags[64 * tb + rg + 16 * i] = id[i] >= 0;
+                    mbar_arrive(t_full + 8 * tb);       // (release: the flags before the phase completes)
                 }
-                cp_async_arrive(kv_full + 8 * slot);
+                cp_async_arrive(t_full + 8 * tb);
                 STAMP(12);
-                ++g;
             };
             int q_tiles = 0;                            // tiles issued before q's prologue (with q, under it)
 #if QROPE
@@ -421,7 +434,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             float ss = 0.0f;
 #pragma unroll 4
             for (int k = 0; k < 16; ++k) {
-                const uint4 v = *(const uint4 *)(smem + Q_OFF + sw_off(p >> 1, (p & 1) * 16 + k));
+                const uint4 v = *(const uint4 *)(smem + qb * T_BYTES + sw_off(p >> 1, (p & 1) * 16 + k));
                 const unsigned w4[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -432,7 +445,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             }
             ss += __shfl_xor_sync(0xffffffff, ss, 1);
             if (p == 0) mbar_expect_tx(ss_full, 64 * 4);
-            if ((p & 1) == 0) st_async_f32(peer_addr(base + B_OFF + 528 + 2 * p, rank ^ 1u), ss,
+            if ((p & 1) == 0) st_async_f32(peer_addr(base + B_OFF + 536 + 2 * p, rank ^ 1u), ss,
                                            peer_addr(ss_full, rank ^ 1u));
 #if QRF > 0
             asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
@@ -449,7 +462,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     sn[j] = sinf(ang);
                 }
                 for (int r = p / NC; r < 64; r += 128 / NC) {
-                    uint4 *ptr = (uint4 *)(smem + Q_OFF + sw_off(r, 32 - NC + pc));
+                    uint4 *ptr = (uint4 *)(smem + qb * T_BYTES + sw_off(r, 32 - NC + pc));
                     uint4 v = *ptr;
                     unsigned *w4 = (unsigned *)&v;
 #pragma unroll
@@ -467,15 +480,15 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             mbar_arrive(q_full);                        // (release: the factors and the turned q)
 #else
             cp_async_arrive(q_full);
-            if (p == 0) mbar_arrive(q_full);
             if (nt > 0) { issue(0); q_tiles = 1; }
 #endif
-            // the last item's output while the math runs this one's first tile (its slot is this item's second)
-            if (pnt >= 0) output(pbs, ph0, pnt, pslot);
+            // the last item's output while the math runs this one's first tile (its buffer is this item's second)
+            if (pbs >= 0) output(pbs, ph0, pb);
             for (int t = q_tiles; t < nt; ++t) issue(t);
-            pnt = nt; pbs = bs; ph0 = h0; pslot = (g - 1) & 1;
+            pbs = bs; ph0 = h0; pb = last;
+            if (nt == 0) pool.push(qb);                 // (q's buffer, given back by the math at once)
         }
-        if (pnt >= 0) output(pbs, ph0, pnt, pslot);
+        if (pbs >= 0) output(pbs, ph0, pb);
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
         asm volatile("setmaxnreg.inc.sync.aligned.u32 192;");
         const int w = tid >> 5, l = tid & 31;
@@ -490,6 +503,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
+        Pool pool;
+        pool.init();
+        unsigned fb = 0;                                // each buffer's parity of t_full to wait for (bit b)
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int h0 = (item % HB) * 64;
@@ -501,40 +517,43 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
+            const int qb = pool.pop();
+            const unsigned qa = base + qb * T_BYTES;
             STAMP(6);
             mbar_wait(q_full, it & 1);
             STAMP(0);
-            const int n1 = info[0], nt = info[1];
-            if (nt == 0) mbar_arrive(q_empty);
+            if (nt == 0) { mbar_arrive(b_empty + 8 * qb); pool.push(qb); }
+            int tb = 0;
             for (int t = 0; t < nt; ++t, ++g) {
-                const int slot = g & 1;
+                tb = pool.tile(t, nt, qb);
                 STAMP(7);
-                mbar_wait(kv_full + 8 * slot, (g >> 1) & 1);
+                mbar_wait(t_full + 8 * tb, (fb >> tb) & 1);
+                fb ^= 1u << tb;
                 STAMP(1);
                 unsigned valid = 0;
 #pragma unroll
                 for (int jj = 0; jj < 8; ++jj) {
-                    const unsigned short f = *(volatile unsigned short *)(flags + 64 * slot + 8 * jj + cq);
+                    const unsigned short f = *(volatile unsigned short *)(flags + 64 * tb + 8 * jj + cq);
                     valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
                 }
                 if (TRACE && tr) tr[15] += 1;
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
-                const unsigned kt = base + K_OFF + slot * T_BYTES;
+                const unsigned kt = base + tb * T_BYTES;
                 float sc[32];
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < 16; ++k) {
                     const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
-                    wgmma_ss(sc, desc(base + Q_OFF + off, LBO_K), desc(kt + off, LBO_K), k);
+                    wgmma_ss(sc, desc(qa + off, LBO_K), desc(kt + off, LBO_K), k);
                 }
                 wgmma_commit_wait();
                 STAMP(2);
-#if QROPE       // q's norm, a factor of each head's scores (read a tile, before q_empty lets the factors change)
+#if QROPE       // q's norm, a factor of each head's scores (read before q's buffer is given back, below)
                 const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
 #else
                 const float scA = a.qk_scale, scB = a.qk_scale;
 #endif
-                if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
+                if (t == nt - 1) mbar_arrive(b_empty + 8 * qb);  // the copy warpgroup may reuse q's buffer
                 // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
                 if (!(PROBE & 1)) {
                 mbar_wait(x_free, (g & 1) ^ 1);
@@ -606,7 +625,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, LBO_V));
                 wgmma_commit_wait();
                 STAMP(5);
-                if (t < nt - 1) mbar_arrive(kv_empty + 8 * slot);  // (the last tile's slot stages the output)
+                if (t < nt - 1) mbar_arrive(b_empty + 8 * tb);     // (the last tile's buffer stages the output)
             }
             if (nt > 0) {
                 lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
@@ -615,8 +634,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // the output rounded to q's dtype (bf16) and staged in the last tile's slot (its keys are used up):
                 // each 16-byte chunk of a row at chunk ^ row % 8 (no bank conflicts for the warps' rows here nor for
                 // the copy warpgroup's reads); the copy warpgroup takes it from there while this one goes on with
-                // the next item (nothing picked: it writes the zeros itself)
-                unsigned char *st = smem + K_OFF + ((g - 1) & 1) * T_BYTES;
+                // the next item
+                unsigned char *st = smem + tb * T_BYTES;
 #pragma unroll
                 for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
