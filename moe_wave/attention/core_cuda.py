@@ -5,21 +5,27 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
 -1 picks masked). What differs from the Gluon kernels (``core_gluon``) is who holds what:
 
 - **A cluster of two CTAs holds one item** (a query's 64-head block), each CTA one half of d = 512: q's half
-  (32 KB), a ring of two 64-key tiles of the keys' half (2 x 32 KB) and the output's half as a 64 x 256 fp32
-  accumulator in one math warpgroup. QK over a half of d gives a partial score; each CTA sends its partial into its
-  peer's shared memory (``st.async``, the bytes counted on the peer's mbarrier), both add the two (the same fp32
-  sum on both sides: the same bits), run the same softmax and multiply P into their own half of V.
-- **Two items an SM.** A CTA needs 112 KB of shared memory and 256 threads (the math warpgroup at 200 registers,
-  a copy warpgroup at 56), so two CTAs of different items share an SM and one's softmax runs while the other's
+  (32 KB), 64-key tiles of the keys' half (32 KB each) and the output's half as a 64 x 256 fp32 accumulator in one
+  math warpgroup. QK over a half of d gives a partial score; each CTA sends its partial into its peer's shared
+  memory (``st.async``, the bytes counted on the peer's mbarrier), both add the two (the same fp32 sum on both
+  sides: the same bits), run the same softmax and multiply P into their own half of V.
+- **Two items an SM.** A CTA needs 112 KB of shared memory and 256 threads (the math warpgroup at 192 registers,
+  a copy warpgroup at 64), so two CTAs of different items share an SM and one's softmax runs while the other's
   GEMMs use the tensor cores. With one item an SM (the Gluon kernels: q 64 KB, two 64 KB tiles and a 64 x 512
   accumulator fill it) the tensor cores idle through each tile's softmax.
-- **Persistent pairs**: each walks items with a stride of the pairs resident. The copy warpgroup counts the next
-  item's tiles, brings its q once the last QK is done, gathers the picked rows with ``cp.async`` into the 128-byte
-  swizzle (a -1 pick reads nothing and is zero-filled) with their valid flags in shared memory, and signals
-  mbarriers; QK and PV are ``wgmma`` from shared-memory descriptors, P from registers in the accumulator's layout.
+- **Three 32 KB buffers taken in turn** for q's half or a tile: the k-th buffer taken is the (k - 3)-th given back,
+  so the next item's q loads once this item's second-to-last tile is done (its last tile still running) and its
+  first tile once the last QK is done. Every item has the same tiles (each part's picks in 64-key tiles; a -1
+  pick, or a tile past a part's end, is masked), so nothing counts the picks.
+- **Persistent pairs**: each walks items with a stride of the pairs resident. The copy warpgroup brings q,
+  gathers the picked rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled)
+  with their valid flags in shared memory, and signals mbarriers; QK and PV are ``wgmma`` from shared-memory
+  descriptors, P from registers in the accumulator's layout. The math warpgroup stages its output as bf16 in the
+  last tile's buffer and goes on with the next item; the copy warpgroup takes the output from there (below).
 - **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
   scores, the sums of squares exchanged between the pair; the RoPE tail turned in shared memory), the output's
-  inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, written through the last tile's slot.
+  inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, by the copy warpgroup from the staged rows
+  while the math warpgroup runs the next item's first tile.
 
 The kernel is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
 API, present in 2.11 and 2.13): no build step. It takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16;
@@ -146,6 +152,19 @@ __device__ __forceinline__ unsigned short pack_e4m3(float lo, float hi) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
 }
+__device__ __forceinline__ unsigned umax16x2(unsigned x, unsigned y) {   // two unsigned 16-bit maxima
+    unsigned r;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(y));
+    return r;
+}
+// act_quant's scale, the power of two at or above RN(amax / 448), as bits: amax = m 2^E (1 <= m < 2) gives 2^(E - 8),
+// or 2^(E - 7) when m > 1.75 (amax / 448 = m / 1.75 2^(E - 8)). The same bits as the division for every bf16 amax
+// >= 1e-4 and for 1e-4 itself (the clamp), the only inputs: a quotient that rounds up onto a power of two needs m
+// within 2^-24 below 1.75, which neither has
+__device__ __forceinline__ unsigned pow2_scale(float amax) {
+    const unsigned ab = __float_as_uint(amax);
+    return (ab & 0x7F800000u) - (8u << 23) + ((ab & 0x7FFFFFu) > 0x600000u ? (1u << 23) : 0u);
+}
 __device__ __forceinline__ void st_async_f32(unsigned cluster_addr, float v, unsigned cluster_bar) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
                  :: "r"(cluster_addr), "f"(v), "r"(cluster_bar) : "memory");
@@ -266,7 +285,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         constexpr int OB = FP8 ? 1 : 2;                 // output bytes an element
         const int ok = p >> 6, oq = p & 7, orow0 = 32 * ((p >> 5) & 1) + ((p & 31) >> 3);
         int oi = 0;                                     // items staged (o_full's phases)
-        auto output = [&](int obs, int oh0, int ob) {
+        auto output = [&](int obs, int oh0, int ob, float opos) {
             STAMP(21);
             unsigned char *obase = (unsigned char *)a.out + ((obs / a.S) * a.s_ob + (obs % a.S) * a.s_os
                                                          + (long long)(oh0 + orow0) * a.s_oh + rank * HALF
@@ -281,7 +300,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     }
 #if FP8
                 if (oq == 0) {
-                    const unsigned sb = (__float_as_uint(__fdiv_rn(1e-4f, 448.0f)) + 0x7FFFFF) & 0x7F800000;
+                    const unsigned sb = pow2_scale(1e-4f);
 #pragma unroll
                     for (int i = 0; i < 8; ++i)
                         a.scales[((oh0 + orow0 + 4 * i) * 4 + rank * 2 + ok) * (long long)a.M + obs] =
@@ -297,7 +316,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             const bool rot = rank == 1;
             constexpr int H0 = ORF <= 64 ? 1 : 0;       // the first of a lane's two chunks that can be in the tail
             float ck[2][4], sk[2][4];
-            const float opos = (float)a.opos[obs];
 #pragma unroll
             for (int h = H0; h < 2; ++h) {
                 const int c0 = 128 * ok + 64 * h + 8 * oq - (256 - ORF);
@@ -339,17 +357,15 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 unsigned char *dst = obase + 4 * i * a.s_oh * OB;
 #if FP8
                 // the block's |x| max: bf16 magnitudes order as their bit patterns (two 16-bit maxima a register)
-                unsigned mx = 0;
+                unsigned mx[4];
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        asm("max.u16x2 %0, %0, %1;" : "+r"(mx) : "r"(w[h][j] & 0x7FFF7FFFu));
-                float amax = fmaxf(bf16_lo(mx), bf16_hi(mx));
+                for (int j = 0; j < 4; ++j) mx[j] = umax16x2(w[0][j] & 0x7FFF7FFFu, w[1][j] & 0x7FFF7FFFu);
+                mx[0] = umax16x2(umax16x2(mx[0], mx[1]), umax16x2(mx[2], mx[3]));
+                float amax = fmaxf(bf16_lo(mx[0]), bf16_hi(mx[0]));
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
                 amax = fmaxf(fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 4)), 1e-4f);
-                const unsigned sb = (__float_as_uint(__fdiv_rn(amax, 448.0f)) + 0x7FFFFF) & 0x7F800000;
+                const unsigned sb = pow2_scale(amax);
                 const float inv = __uint_as_float(0x7F000000 - sb);     // 1 / s, exact
                 if (oq == 0) a.scales[((oh0 + r) * 4 + rank * 2 + ok) * (long long)a.M + obs] = __uint_as_float(sb);
 #pragma unroll
@@ -371,11 +387,28 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             mbar_arrive(b_empty + 8 * ob);              // (release: this thread's reads of the buffer are done)
             STAMP(20);
         };
-        int it = 0, pbs = -1, ph0 = 0, pb = 0;          // the previous item (token, -1: none), heads, last buffer
+        int it = 0, pbs = -1, ph0 = 0, pb = 0;          // the previous item (token, -1: none), heads, last buffer,
+        float ppos = 0.0f;                              // its output's position
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
             const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
+            int id[4];                                  // the next tile's picks, loaded ahead of its copies
+            auto load_ids = [&](int t) {
+                const bool one = t < n1;
+                const I *ip = one ? idx1 : idx2;
+                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = j0 + rg + 16 * i;
+                    id[i] = j < J ? (int)ip[j] : -1;
+                }
+            };
+            if (nt > 0) load_ids(0);
+            const float opos = OROPE ? (float)a.opos[bs] : 0.0f;       // (loads under the wait below)
+#if QROPE && QRF > 0
+            const float qpos = (float)a.qpos[bs];
+#endif
             const int qb = pool.pop();
             take(qb);                                   // (the last item's second-to-last tile is done with it)
             STAMP(9);
@@ -388,19 +421,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     const int r = rg + 16 * i;
                     cp_async16(qa + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
+            asm volatile("cp.async.commit_group;" ::: "memory");   // (tile 0's copies, below, stay uncommitted)
             int last = 0;                               // the buffer of the item's last tile
             auto issue = [&](int t) {                   // tile t's copies, its flags, t_full's arrivals
                 const bool one = t < n1;
-                const I *ip = one ? idx1 : idx2;
-                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
                 const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
                 const long long sm = one ? a.s_k1m : a.s_k2m;
-                int id[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = j0 + rg + 16 * i;
-                    id[i] = j < J ? (int)ip[j] : -1;
-                }
                 STAMP(10);
                 const int tb = pool.tile(t, nt, qb);
                 take(tb);
@@ -422,6 +448,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     mbar_arrive(t_full + 8 * tb);       // (release: the flags before the phase completes)
                 }
                 cp_async_arrive(t_full + 8 * tb);
+                if (t + 1 < nt) load_ids(t + 1);
                 STAMP(12);
             };
             int q_tiles = 0;                            // tiles issued before q's prologue (with q, under it)
@@ -429,7 +456,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             if (nt > 0) { issue(0); q_tiles = 1; }
             // q's prologue while the math finishes the last item: each head's sum of squares over this half (2
             // threads a head), the peer's half by st.async, the RoPE tail turned in place (the CTA holding it)
-            asm volatile("cp.async.wait_all;" ::: "memory");
+            asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group (not tile 0's copies)
             asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
             float ss = 0.0f;
 #pragma unroll 4
@@ -453,11 +480,10 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, so its 4 angles once
                 constexpr int NC = QRF / 8;
                 const int pc = p % NC;
-                const float pos = (float)a.qpos[bs];
                 float cs[4], sn[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const float ang = pos * a.qfreq[pc * 4 + j];
+                    const float ang = qpos * a.qfreq[pc * 4 + j];
                     cs[j] = cosf(ang);
                     sn[j] = sinf(ang);
                 }
@@ -483,12 +509,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             if (nt > 0) { issue(0); q_tiles = 1; }
 #endif
             // the last item's output while the math runs this one's first tile (its buffer is this item's second)
-            if (pbs >= 0) output(pbs, ph0, pb);
+            if (pbs >= 0) output(pbs, ph0, pb, ppos);
             for (int t = q_tiles; t < nt; ++t) issue(t);
-            pbs = bs; ph0 = h0; pb = last;
+            pbs = bs; ph0 = h0; pb = last; ppos = opos;
             if (nt == 0) pool.push(qb);                 // (q's buffer, given back by the math at once)
         }
-        if (pbs >= 0) output(pbs, ph0, pb);
+        if (pbs >= 0) output(pbs, ph0, pb, ppos);
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
         asm volatile("setmaxnreg.inc.sync.aligned.u32 192;");
         const int w = tid >> 5, l = tid & 31;
