@@ -5,27 +5,21 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
 -1 picks masked). What differs from the Gluon kernels (``core_gluon``) is who holds what:
 
 - **A cluster of two CTAs holds one item** (a query's 64-head block), each CTA one half of d = 512: q's half
-  (32 KB), 64-key tiles of the keys' half (32 KB each) and the output's half as a 64 x 256 fp32 accumulator in one
-  math warpgroup. QK over a half of d gives a partial score; each CTA sends its partial into its peer's shared
-  memory (``st.async``, the bytes counted on the peer's mbarrier), both add the two (the same fp32 sum on both
-  sides: the same bits), run the same softmax and multiply P into their own half of V.
-- **Two items an SM.** A CTA needs 112 KB of shared memory and 256 threads (the math warpgroup at 192 registers,
-  a copy warpgroup at 64), so two CTAs of different items share an SM and one's softmax runs while the other's
+  (32 KB), a ring of two 64-key tiles of the keys' half (2 x 32 KB) and the output's half as a 64 x 256 fp32
+  accumulator in one math warpgroup. QK over a half of d gives a partial score; each CTA sends its partial into its
+  peer's shared memory (``st.async``, the bytes counted on the peer's mbarrier), both add the two (the same fp32
+  sum on both sides: the same bits), run the same softmax and multiply P into their own half of V.
+- **Two items an SM.** A CTA needs 112 KB of shared memory and 256 threads (the math warpgroup at 200 registers,
+  a copy warpgroup at 56), so two CTAs of different items share an SM and one's softmax runs while the other's
   GEMMs use the tensor cores. With one item an SM (the Gluon kernels: q 64 KB, two 64 KB tiles and a 64 x 512
   accumulator fill it) the tensor cores idle through each tile's softmax.
-- **Three 32 KB buffers taken in turn** for q's half or a tile: the k-th buffer taken is the (k - 3)-th given back,
-  so the next item's q loads once this item's second-to-last tile is done (its last tile still running) and its
-  first tile once the last QK is done. Every item has the same tiles (each part's picks in 64-key tiles; a -1
-  pick, or a tile past a part's end, is masked), so nothing counts the picks.
-- **Persistent pairs**: each walks items with a stride of the pairs resident. The copy warpgroup brings q,
-  gathers the picked rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled)
-  with their valid flags in shared memory, and signals mbarriers; QK and PV are ``wgmma`` from shared-memory
-  descriptors, P from registers in the accumulator's layout. The math warpgroup stages its output as bf16 in the
-  last tile's buffer and goes on with the next item; the copy warpgroup takes the output from there (below).
+- **Persistent pairs**: each walks items with a stride of the pairs resident. The copy warpgroup counts the next
+  item's tiles, brings its q once the last QK is done, gathers the picked rows with ``cp.async`` into the 128-byte
+  swizzle (a -1 pick reads nothing and is zero-filled) with their valid flags in shared memory, and signals
+  mbarriers; QK and PV are ``wgmma`` from shared-memory descriptors, P from registers in the accumulator's layout.
 - **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
   scores, the sums of squares exchanged between the pair; the RoPE tail turned in shared memory), the output's
-  inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, by the copy warpgroup from the staged rows
-  while the math warpgroup runs the next item's first tile.
+  inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, written through the last tile's slot.
 
 The kernel is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
 API, present in 2.11 and 2.13): no build step. It takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16;
@@ -48,8 +42,8 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pa
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 3 * 32768 + 16384 + 792    # three buffers (q's half or a tile's), the peer's partial, barriers, the
-#                                         # tiles' valid flags, q's norm factors and the peer's sums
+SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
+#                                                 # the tiles' valid flags, q's norm factors and the peer's sums
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
@@ -71,6 +65,8 @@ __device__ __forceinline__ unsigned smem_u32(const void *p) {
 
 SRC = HELPERS + r"""
 #define HALF 256
+#define Q_OFF 0
+#define K_OFF 32768
 #define T_BYTES 32768
 #define X_OFF 98304
 #define B_OFF 114688
@@ -152,15 +148,10 @@ __device__ __forceinline__ unsigned short pack_e4m3(float lo, float hi) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
 }
-__device__ __forceinline__ unsigned umax16x2(unsigned x, unsigned y) {   // two unsigned 16-bit maxima
-    unsigned r;
-    asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(y));
-    return r;
-}
 // act_quant's scale, the power of two at or above RN(amax / 448), as bits: amax = m 2^E (1 <= m < 2) gives 2^(E - 8),
-// or 2^(E - 7) when m > 1.75 (amax / 448 = m / 1.75 2^(E - 8)). The same bits as the division for every bf16 amax
-// >= 1e-4 and for 1e-4 itself (the clamp), the only inputs: a quotient that rounds up onto a power of two needs m
-// within 2^-24 below 1.75, which neither has
+// or 2^(E - 7) when m > 1.75 (amax / 448 = m / 1.75 2^(E - 8)). The division's bits for every bf16 amax >= 1e-4 and
+// for 1e-4 itself (the clamp), the only inputs (checked for all of them): a quotient that rounds up onto a power of
+// two needs m within 2^-24 below 1.75, which neither has
 __device__ __forceinline__ unsigned pow2_scale(float amax) {
     const unsigned ab = __float_as_uint(amax);
     return (ab & 0x7F800000u) - (8u << 23) + ((ab & 0x7FFFFFu) > 0x600000u ? (1u << 23) : 0u);
@@ -216,23 +207,6 @@ struct Args {
     float *scales; int M;                                  // FP8: scales [H * 512 / 128, M], M = B * S
 };
 
-// the three 32 KB buffers (q's half or a tile's) in the order they are taken: the k-th taken is the (k - 3)-th
-// given back. Per item: taken q, t0 .. t(n-1); given back t0 .. t(n-2) (each after its PV), q (after the last QK),
-// t(n-1) (after the output left it); both warpgroups run the same sequence, so agree on every buffer
-struct Pool {
-    unsigned f, n;                                      // a FIFO of buffer ids, 2 bits each
-    __device__ __forceinline__ void init() { f = 0u | (1u << 2) | (2u << 4); n = 3; }
-    __device__ __forceinline__ int pop() { const int b = f & 3u; f >>= 2; --n; return b; }
-    __device__ __forceinline__ void push(int b) { f |= (unsigned)b << (2 * n); ++n; }
-    __device__ __forceinline__ int tile(int t, int nt, int qb) {     // the item's tile t; its give-backs queued
-        const int b = pop();
-        if (nt == 1) push(qb);
-        push(b);
-        if (t == nt - 2) push(qb);
-        return b;
-    }
-};
-
 template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -240,199 +214,83 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     const int HB = a.H / 64, first = blockIdx.x >> 1, stride = gridDim.x >> 1;
-    // every item has the same tiles: each part's picks in 64-key tiles (-1 picks, and a part's end, masked)
-    const int n1 = (a.J1 + 63) >> 6, nt = n1 + (a.two ? (a.J2 + 63) >> 6 : 0);
     const unsigned base = smem_u32(smem);
-    const unsigned q_full = base + B_OFF, ss_full = q_full + 8, x_full = q_full + 16, x_free = q_full + 24,
-                   o_full = q_full + 32, t_full = q_full + 40, b_empty = q_full + 64;     // t_full, b_empty: [3]
-    volatile unsigned char *flags = smem + B_OFF + 88;              // [3 buffers][64 rows]: the pick is valid
-    volatile float *inv_s = (volatile float *)(smem + B_OFF + 280); // QROPE: each head's 1 / rms
-    volatile float *ssx = (volatile float *)(smem + B_OFF + 536);   // QROPE: the peer's half sums of squares
+    const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
+                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64;
+    volatile int *info = (volatile int *)(smem + B_OFF + 72);      // the item's tile counts, producer -> math
+    volatile unsigned char *flags = smem + B_OFF + 144;             // [2 slots][64 rows]: the pick is valid
+    volatile float *inv_s = (volatile float *)(smem + B_OFF + 272); // QROPE: each head's 1 / rms
+    volatile float *ssx = (volatile float *)(smem + B_OFF + 528);   // QROPE: the peer's half sums of squares
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
-        mbar_init(q_full, 128);                         // the copy threads' cp.async (QROPE: their plain arrives
-                                                        // after the prologue)
+        mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
+                                                        // after the prologue), + 1 plain arrive (info)
         mbar_init(ss_full, 1);                          // QROPE: this CTA's expect_tx + the peer's 256 bytes
-        for (int b = 0; b < 3; ++b) {
-            mbar_init(t_full + 8 * b, 144);             // a tile: cp.async of 128 threads + 16 plain (the flags)
-            mbar_init(b_empty + 8 * b, 128);            // given back by the math (or the copies, after the output)
-        }
+        mbar_init(q_empty, 128);
+        mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
+        mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
         mbar_init(x_full, 1);                           // this CTA's expect_tx, + the peer's st.async bytes
         mbar_init(x_free, 128);
-        mbar_init(o_full, 128);                         // the math's 128 threads: the output staged
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_sync();                                     // barriers initialised on both sides
 
-    if (tid >= 128) {                                   // the copy warpgroup: q, the tiles, the output
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
+    if (tid >= 128) {                                   // the copy warpgroup: q, the counts, the tiles, ahead
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
         // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 4) of a 256-channel half row: a warp
         // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
         const int p = tid - 128, rg = p >> 3, cg = p & 7;
         long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
-        Pool pool;
-        pool.init();
-        unsigned eb = 0;                                // each buffer's parity of b_empty to wait for (bit b)
-        auto take = [&](int b) {                        // wait until buffer b is given back
-            mbar_wait(b_empty + 8 * b, ((eb >> b) & 1) ^ 1);
-            eb ^= 1u << b;
-        };
-        // an item's output, once the math warpgroup has staged it (bf16, in its last tile's buffer) and gone on: the
-        // inverse RoPE of its tail and act_quant's FP8 (or bf16) with the unfused chain's roundings in its order
-        // (core_kernel._epilogue's math), to global memory; then the buffer is given back. 8 threads a row's
-        // 128-channel block (lane q: the block's chunks q and q + 8, conflict-free reads of the staged swizzle), a
-        // warp 4 rows a round and one block (warps 0, 1: block 0; 2, 3: block 1), 8 rounds
-        constexpr int OB = FP8 ? 1 : 2;                 // output bytes an element
-        const int ok = p >> 6, oq = p & 7, orow0 = 32 * ((p >> 5) & 1) + ((p & 31) >> 3);
-        int oi = 0;                                     // items staged (o_full's phases)
-        auto output = [&](int obs, int oh0, int ob, float opos) {
-            STAMP(21);
-            unsigned char *obase = (unsigned char *)a.out + ((obs / a.S) * a.s_ob + (obs % a.S) * a.s_os
-                                                         + (long long)(oh0 + orow0) * a.s_oh + rank * HALF
-                                                         + ok * 128) * OB;
-            if (nt == 0) {                              // no picks at all: zeros (the sink took all)
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        unsigned char *dst = obase + 4 * i * a.s_oh * OB + (64 * h + 8 * oq) * OB;
-                        if (FP8) *(uint2 *)dst = make_uint2(0, 0); else *(uint4 *)dst = make_uint4(0, 0, 0, 0);
-                    }
-#if FP8
-                if (oq == 0) {
-                    const unsigned sb = pow2_scale(1e-4f);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        a.scales[((oh0 + orow0 + 4 * i) * 4 + rank * 2 + ok) * (long long)a.M + obs] =
-                            __uint_as_float(sb);
-                }
-#endif
-                STAMP(20);
-                return;
-            }
-#if OROPE
-            // the tail's angles this lane's channels need (the same for every row of the item): chunk h of the two
-            // (channel 128 ok + 64 h + 8 oq within this half) is in the tail from channel 256 - ORF on
-            const bool rot = rank == 1;
-            constexpr int H0 = ORF <= 64 ? 1 : 0;       // the first of a lane's two chunks that can be in the tail
-            float ck[2][4], sk[2][4];
-#pragma unroll
-            for (int h = H0; h < 2; ++h) {
-                const int c0 = 128 * ok + 64 * h + 8 * oq - (256 - ORF);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    ck[h][j] = sk[h][j] = 0.0f;
-                    if (rot && c0 >= 0) {
-                        const float ang = opos * a.ofreq[c0 / 2 + j];
-                        ck[h][j] = cosf(ang);
-                        sk[h][j] = sinf(ang);
-                    }
-                }
-            }
-#endif
-            STAMP(22);
-            mbar_wait(o_full, oi & 1);
-            ++oi;
-            STAMP(19);
-            const unsigned char *st = smem + ob * T_BYTES;
-#pragma unroll 2
-            for (int i = 0; i < 8; ++i) {
-                const int r = orow0 + 4 * i;
-                unsigned w[2][4];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int lc = 16 * ok + 8 * h + oq;            // the logical chunk of this half row
-                    const uint4 v = *(const uint4 *)(st + r * 512 + ((lc & ~7) | ((lc & 7) ^ (r & 7))) * 16);
-                    w[h][0] = v.x; w[h][1] = v.y; w[h][2] = v.z; w[h][3] = v.w;
-#if OROPE
-                    if (h >= H0 && rot && 128 * ok + 64 * h + 8 * oq >= 256 - ORF) {
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {   // the inverse turn: (x cos + y sin, y cos - x sin)
-                            const float x = bf16_lo(w[h][j]), y = bf16_hi(w[h][j]);
-                            w[h][j] = pack_bf16(fmaf(y, sk[h][j], x * ck[h][j]), fmaf(x, -sk[h][j], y * ck[h][j]));
-                        }
-                    }
-#endif
-                }
-                unsigned char *dst = obase + 4 * i * a.s_oh * OB;
-#if FP8
-                // the block's |x| max: bf16 magnitudes order as their bit patterns (two 16-bit maxima a register)
-                unsigned mx[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) mx[j] = umax16x2(w[0][j] & 0x7FFF7FFFu, w[1][j] & 0x7FFF7FFFu);
-                mx[0] = umax16x2(umax16x2(mx[0], mx[1]), umax16x2(mx[2], mx[3]));
-                float amax = fmaxf(bf16_lo(mx[0]), bf16_hi(mx[0]));
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
-                amax = fmaxf(fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 4)), 1e-4f);
-                const unsigned sb = pow2_scale(amax);
-                const float inv = __uint_as_float(0x7F000000 - sb);     // 1 / s, exact
-                if (oq == 0) a.scales[((oh0 + r) * 4 + rank * 2 + ok) * (long long)a.M + obs] = __uint_as_float(sb);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    unsigned e[2];
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-                        e[j] = pack_e4m3(bf16_lo(w[h][2 * j]) * inv, bf16_hi(w[h][2 * j]) * inv)
-                               | ((unsigned)pack_e4m3(bf16_lo(w[h][2 * j + 1]) * inv,
-                                                      bf16_hi(w[h][2 * j + 1]) * inv) << 16);
-                    *(uint2 *)(dst + 64 * h + 8 * oq) = make_uint2(e[0], e[1]);
-                }
-#else
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    *(uint4 *)(dst + (64 * h + 8 * oq) * 2) = make_uint4(w[h][0], w[h][1], w[h][2], w[h][3]);
-#endif
-            }
-            mbar_arrive(b_empty + 8 * ob);              // (release: this thread's reads of the buffer are done)
-            STAMP(20);
-        };
-        int it = 0, pbs = -1, ph0 = 0, pb = 0;          // the previous item (token, -1: none), heads, last buffer,
-        float ppos = 0.0f;                              // its output's position
+        int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
             const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
-            int id[4];                                  // the next tile's picks, loaded ahead of its copies
-            auto load_ids = [&](int t) {
-                const bool one = t < n1;
-                const I *ip = one ? idx1 : idx2;
-                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = j0 + rg + 16 * i;
-                    id[i] = j < J ? (int)ip[j] : -1;
-                }
-            };
-            if (nt > 0) load_ids(0);
-            const float opos = OROPE ? (float)a.opos[bs] : 0.0f;       // (loads under the wait below)
+            // each part's tiles run up to its last valid pick (both CTAs count the same)
+            int m1 = -1, m2 = -1;
+            for (int j = p; j < a.J1; j += 128) if (idx1[j] >= 0) m1 = j;
+            if (a.two) for (int j = p; j < a.J2; j += 128) if (idx2[j] >= 0) m2 = j;
+            m1 = __reduce_max_sync(0xffffffff, m1);
+            m2 = __reduce_max_sync(0xffffffff, m2);
+            int *red = (int *)(smem + B_OFF + 80) + 8 * (it & 1);    // two sets: no barrier before the next write
+            if ((p & 31) == 0) { red[p >> 5] = m1; red[4 + (p >> 5)] = m2; }
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+            m1 = max(max(red[0], red[1]), max(red[2], red[3]));
+            m2 = max(max(red[4], red[5]), max(red[6], red[7]));
+            const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
+            STAMP(8);
 #if QROPE && QRF > 0
-            const float qpos = (float)a.qpos[bs];
+            const float qpos = (float)a.qpos[bs];       // (loads under the wait below)
 #endif
-            const int qb = pool.pop();
-            take(qb);                                   // (the last item's second-to-last tile is done with it)
+            mbar_wait(q_empty, (it & 1) ^ 1);           // the last item's QKs are done with q
             STAMP(9);
-            const unsigned qa = base + qb * T_BYTES;
+            if (p == 0) { info[0] = n1; info[1] = nt; }
             const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + rank * HALF + cg * 8;
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const int r = rg + 16 * i;
-                    cp_async16(qa + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
+                    cp_async16(base + Q_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
             asm volatile("cp.async.commit_group;" ::: "memory");   // (tile 0's copies, below, stay uncommitted)
-            int last = 0;                               // the buffer of the item's last tile
-            auto issue = [&](int t) {                   // tile t's copies, its flags, t_full's arrivals
+            auto issue = [&](int t) {                   // tile t's copies, its flags, kv_full's arrivals
+                const int slot = g & 1;
                 const bool one = t < n1;
+                const I *ip = one ? idx1 : idx2;
+                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
                 const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
                 const long long sm = one ? a.s_k1m : a.s_k2m;
+                int id[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = j0 + rg + 16 * i;
+                    id[i] = j < J ? (int)ip[j] : -1;
+                }
                 STAMP(10);
-                const int tb = pool.tile(t, nt, qb);
-                take(tb);
-                last = tb;
+                mbar_wait(kv_empty + 8 * slot, ((g >> 1) & 1) ^ 1);
                 STAMP(11);
-                const unsigned dst = base + tb * T_BYTES;
+                const unsigned dst = base + K_OFF + slot * T_BYTES;
                 const unsigned short *kvc = kv + rank * HALF + cg * 8;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -444,12 +302,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 }
                 if (cg == 0) {                          // the rows' valid flags, for the math's mask
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) flags[64 * tb + rg + 16 * i] = id[i] >= 0;
-                    mbar_arrive(t_full + 8 * tb);       // (release: the flags before the phase completes)
+                    for (int i = 0; i < 4; ++i) flags[64 * slot + rg + 16 * i] = id[i] >= 0;
+                    mbar_arrive(kv_full + 8 * slot);    // (release: the flags before the phase completes)
                 }
-                cp_async_arrive(t_full + 8 * tb);
-                if (t + 1 < nt) load_ids(t + 1);
+                cp_async_arrive(kv_full + 8 * slot);
                 STAMP(12);
+                ++g;
             };
             int q_tiles = 0;                            // tiles issued before q's prologue (with q, under it)
 #if QROPE
@@ -461,7 +319,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             float ss = 0.0f;
 #pragma unroll 4
             for (int k = 0; k < 16; ++k) {
-                const uint4 v = *(const uint4 *)(smem + qb * T_BYTES + sw_off(p >> 1, (p & 1) * 16 + k));
+                const uint4 v = *(const uint4 *)(smem + Q_OFF + sw_off(p >> 1, (p & 1) * 16 + k));
                 const unsigned w4[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -472,7 +330,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             }
             ss += __shfl_xor_sync(0xffffffff, ss, 1);
             if (p == 0) mbar_expect_tx(ss_full, 64 * 4);
-            if ((p & 1) == 0) st_async_f32(peer_addr(base + B_OFF + 536 + 2 * p, rank ^ 1u), ss,
+            if ((p & 1) == 0) st_async_f32(peer_addr(base + B_OFF + 528 + 2 * p, rank ^ 1u), ss,
                                            peer_addr(ss_full, rank ^ 1u));
 #if QRF > 0
             asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
@@ -488,7 +346,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     sn[j] = sinf(ang);
                 }
                 for (int r = p / NC; r < 64; r += 128 / NC) {
-                    uint4 *ptr = (uint4 *)(smem + qb * T_BYTES + sw_off(r, 32 - NC + pc));
+                    uint4 *ptr = (uint4 *)(smem + Q_OFF + sw_off(r, 32 - NC + pc));
                     uint4 v = *ptr;
                     unsigned *w4 = (unsigned *)&v;
 #pragma unroll
@@ -506,17 +364,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             mbar_arrive(q_full);                        // (release: the factors and the turned q)
 #else
             cp_async_arrive(q_full);
-            if (nt > 0) { issue(0); q_tiles = 1; }
+            if (p == 0) mbar_arrive(q_full);
 #endif
-            // the last item's output while the math runs this one's first tile (its buffer is this item's second)
-            if (pbs >= 0) output(pbs, ph0, pb, ppos);
             for (int t = q_tiles; t < nt; ++t) issue(t);
-            pbs = bs; ph0 = h0; pb = last; ppos = opos;
-            if (nt == 0) pool.push(qb);                 // (q's buffer, given back by the math at once)
         }
-        if (pbs >= 0) output(pbs, ph0, pb, ppos);
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 192;");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
         const int w = tid >> 5, l = tid & 31;
         const int rA = 16 * w + (l >> 2), cq = 2 * (l & 3);
         const float LOG2E = 1.4426950408889634f;
@@ -529,12 +382,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
-        Pool pool;
-        pool.init();
-        unsigned fb = 0;                                // each buffer's parity of t_full to wait for (bit b)
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
-            const int h0 = (item % HB) * 64;
+            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
@@ -543,43 +393,40 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
-            const int qb = pool.pop();
-            const unsigned qa = base + qb * T_BYTES;
             STAMP(6);
             mbar_wait(q_full, it & 1);
             STAMP(0);
-            if (nt == 0) { mbar_arrive(b_empty + 8 * qb); pool.push(qb); }
-            int tb = 0;
+            const int n1 = info[0], nt = info[1];
+            if (nt == 0) mbar_arrive(q_empty);
             for (int t = 0; t < nt; ++t, ++g) {
-                tb = pool.tile(t, nt, qb);
+                const int slot = g & 1;
                 STAMP(7);
-                mbar_wait(t_full + 8 * tb, (fb >> tb) & 1);
-                fb ^= 1u << tb;
+                mbar_wait(kv_full + 8 * slot, (g >> 1) & 1);
                 STAMP(1);
                 unsigned valid = 0;
 #pragma unroll
                 for (int jj = 0; jj < 8; ++jj) {
-                    const unsigned short f = *(volatile unsigned short *)(flags + 64 * tb + 8 * jj + cq);
+                    const unsigned short f = *(volatile unsigned short *)(flags + 64 * slot + 8 * jj + cq);
                     valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
                 }
                 if (TRACE && tr) tr[15] += 1;
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
-                const unsigned kt = base + tb * T_BYTES;
+                const unsigned kt = base + K_OFF + slot * T_BYTES;
                 float sc[32];
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < 16; ++k) {
                     const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
-                    wgmma_ss(sc, desc(qa + off, LBO_K), desc(kt + off, LBO_K), k);
+                    wgmma_ss(sc, desc(base + Q_OFF + off, LBO_K), desc(kt + off, LBO_K), k);
                 }
                 wgmma_commit_wait();
                 STAMP(2);
-#if QROPE       // q's norm, a factor of each head's scores (read before q's buffer is given back, below)
+#if QROPE       // q's norm, a factor of each head's scores (read a tile, before q_empty lets the factors change)
                 const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
 #else
                 const float scA = a.qk_scale, scB = a.qk_scale;
 #endif
-                if (t == nt - 1) mbar_arrive(b_empty + 8 * qb);  // the copy warpgroup may reuse q's buffer
+                if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
                 // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
                 if (!(PROBE & 1)) {
                 mbar_wait(x_free, (g & 1) ^ 1);
@@ -651,28 +498,123 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, LBO_V));
                 wgmma_commit_wait();
                 STAMP(5);
-                if (t < nt - 1) mbar_arrive(b_empty + 8 * tb);     // (the last tile's buffer stages the output)
+                if (t < nt - 1) mbar_arrive(kv_empty + 8 * slot);  // (the last tile's slot stages the output)
             }
-            if (nt > 0) {
-                lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
-                lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
-                const float fA = 1.0f / lA, fB = 1.0f / lB;
-                // the output rounded to q's dtype (bf16) and staged in the last tile's slot (its keys are used up):
-                // each 16-byte chunk of a row at chunk ^ row % 8 (no bank conflicts for the warps' rows here nor for
-                // the copy warpgroup's reads); the copy warpgroup takes it from there while this one goes on with
-                // the next item
-                unsigned char *st = smem + tb * T_BYTES;
+            lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
+            lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
+            const float fA = 1.0f / lA, fB = 1.0f / lB;
+            constexpr int OB = FP8 ? 1 : 2, ROWB = HALF * OB;     // output bytes an element, a row's half
+            unsigned char *orow = (unsigned char *)a.out + (b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh
+                                                            + rank * HALF) * OB;
+            if (nt == 0) {                              // nothing picked: zeros (the sink took all), no slot held
+                for (int e = tid; e < 64 * ROWB / 16; e += 128)
+                    *(uint4 *)(orow + (e / (ROWB / 16)) * a.s_oh * OB + (e % (ROWB / 16)) * 16) =
+                        make_uint4(0, 0, 0, 0);
+#if FP8
+                const unsigned sb = pow2_scale(1e-4f);
+                a.scales[((h0 + (tid >> 1)) * 4 + rank * 2 + (tid & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
+#endif
+            } else {
+                // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
+                // them (core_kernel._epilogue's math, its roundings in its order)
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) o[cb][i] = bf16r(o[cb][i] * (((i >> 1) & 1) ? fB : fA));
+#if OROPE
+                if (rank == 1) {                        // the tail (ORF a multiple of 64, <= 256): this CTA's last
+                    // ORF / 64 swizzle columns, ORF / 2 angles: lane l computes angles l + 32 k (one cos / sin pair
+                    // a lane a column, not one a register pair), the others read them by shuffles
+                    const float pos = (float)a.opos[bs];
+                    float ck[ORF / 64], sk[ORF / 64];
+#pragma unroll
+                    for (int k = 0; k < ORF / 64; ++k) {
+                        const float ang = pos * a.ofreq[32 * k + l];
+                        ck[k] = cosf(ang);
+                        sk[k] = sinf(ang);
+                    }
+#pragma unroll
+                    for (int cb = 4 - ORF / 64; cb < 4; ++cb)
+#pragma unroll
+                        for (int jj = 0; jj < 8; ++jj) {
+                            // channel 8 jj + cq of column cb: tail channel ct, angle ct / 2 = 32 k + 4 jj + l % 4
+                            const int k = cb - (4 - ORF / 64);
+                            const float c = __shfl_sync(0xffffffff, ck[k], 4 * jj + (l & 3));
+                            const float sn = __shfl_sync(0xffffffff, sk[k], 4 * jj + (l & 3));
+#pragma unroll
+                            for (int rr = 0; rr < 2; ++rr) {      // the inverse turn: (x cos + y sin, y cos - x sin)
+                                const int i0 = 4 * jj + 2 * rr;
+                                const float x = o[cb][i0], y = o[cb][i0 + 1];
+                                o[cb][i0] = bf16r(fmaf(y, sn, x * c));
+                                o[cb][i0 + 1] = bf16r(fmaf(x, -sn, y * c));
+                            }
+                        }
+                }
+#endif
+                // staged in the last tile's slot (its keys are used up): each 16-byte chunk of a row at chunk ^ row
+                // % 8 (no bank conflicts either way), then 16-byte stores, a warp whole rows
+                const int slot = (g - 1) & 1;
+                unsigned char *st = smem + K_OFF + slot * T_BYTES;
+#if FP8
+                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+#pragma unroll
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        float m = 0.0f;
+#pragma unroll
+                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+#pragma unroll
+                            for (int jj = 0; jj < 8; ++jj)
+                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]), fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                        const unsigned sb = pow2_scale(m);
+                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                        if ((l & 3) == 0)
+                            a.scales[((h0 + rA + 8 * rr) * 4 + rank * 2 + k) * (long long)a.M + bs] =
+                                __uint_as_float(sb);
+                    }
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                  + (jj & 1) * 8 + cq;
+                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                        *(unsigned short *)(st + rA * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                    }
+                asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tid & 15;
+#pragma unroll 4
+                for (int i = 0; i < 8; ++i) {
+                    const int r = (tid >> 4) + 8 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                }
+#else
 #pragma unroll
                 for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                     for (int jj = 0; jj < 8; ++jj) {
                         const int ch = cb * 8 + (jj ^ (rA & 7));     // rA + 8 has the same row % 8
-                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) =
-                            pack_bf16(o[cb][4 * jj] * fA, o[cb][4 * jj + 1] * fA);
+                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) = pack_bf16(o[cb][4 * jj], o[cb][4 * jj + 1]);
                         *(unsigned *)(st + (rA + 8) * 512 + ch * 16 + 2 * cq) =
-                            pack_bf16(o[cb][4 * jj + 2] * fB, o[cb][4 * jj + 3] * fB);
+                            pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
-                mbar_arrive(o_full);                    // (release: the staged rows)
+                asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tid & 31;
+#pragma unroll 4
+                for (int i = 0; i < 16; ++i) {
+                    const int r = (tid >> 5) + 4 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 512 + ((c & ~7) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh * 2 + c * 16) = v;
+                }
+#endif
+                mbar_arrive(kv_empty + 8 * slot);
             }
         }
     }
@@ -756,11 +698,9 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     contiguous, sinks fp32 [H].
     trace (profiling, same results): a zeroed int64 [CTAs, 32] tensor (CTAs = ``2 * pairs_resident``); a kernel
     compiled with TRACE adds into it, per CTA, the clock cycles of the math warpgroup's phases (0 q wait, 1 tile
-    wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output staged, 7 a tile's top) and the copy warpgroup's (8 counts,
-    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued, 21 q's prologue up to the last item's output, 22 the
-    output's angles, 19 the wait for the staged output, 20 the output), 13 the SM, 14 items, 15 tiles; the exchange
-    (3) split as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3
-    the reads.
+    wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output, 7 a tile's top) and the copy warpgroup's (8 counts,
+    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles; the exchange (3) split
+    as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads.
     probe (profiling, wrong results):
     1 skips the exchange of partial scores, 2 the tiles' copies. defines (profiling): more ``#define`` lines for the
     compile (``;``-separated NAME VALUE pairs).
