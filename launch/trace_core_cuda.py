@@ -28,8 +28,8 @@ from moe_wave.attention import core_cuda  # noqa: E402
 
 PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "x reads", 4: "softmax", 5: "PV", 6: "output", 7: "tile top",
           8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue", 16: "x free wait",
-          17: "x stores", 18: "x partial wait", 21: "cp prologue", 19: "cp out wait", 20: "cp out store"}
-PER_ITEM = {0, 6, 8, 9, 19, 20, 21}
+          17: "x stores", 18: "x partial wait"}
+PER_ITEM = {0, 6, 8, 9}
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pa
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 792    # q half, a ring of two key-half tiles, the peer's partial, barriers,
+SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
 #                                                 # the tiles' valid flags, q's norm factors and the peer's sums
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
@@ -94,9 +94,6 @@ SRC = HELPERS + r"""
 #endif
 #ifndef POS_T
 #define POS_T long long
-#endif
-#ifndef HYB
-#define HYB 1       // the copy warpgroup stores the staged output (and frees its slot); 0: the math warpgroup does
 #endif
 #ifndef PROBE
 #define PROBE 0     // profiling only, wrong results: 1 no exchange of partial scores, 2 no tile copies
@@ -210,28 +207,6 @@ struct Args {
     float *scales; int M;                                  // FP8: scales [H * 512 / 128, M], M = B * S
 };
 
-// the staged output (FP8: 64 rows x 256 bytes, bf16: 64 x 512; each 16-byte chunk at chunk ^ row % 8) to its rows
-// in global memory, by 128 threads (t < 128): 16-byte stores, whole rows a warp
-__device__ __forceinline__ void store_staged(const unsigned char *st, unsigned char *orow, long long s_oh, int t) {
-#if FP8
-    const int c = t & 15;
-#pragma unroll 4
-    for (int i = 0; i < 8; ++i) {
-        const int r = (t >> 4) + 8 * i;
-        const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-        *(uint4 *)(orow + r * s_oh + c * 16) = v;
-    }
-#else
-    const int c = t & 31;
-#pragma unroll 4
-    for (int i = 0; i < 16; ++i) {
-        const int r = (t >> 5) + 4 * i;
-        const uint4 v = *(const uint4 *)(st + r * 512 + ((c & ~7) | ((c & 7) ^ (r & 7))) * 16);
-        *(uint4 *)(orow + r * s_oh * 2 + c * 16) = v;
-    }
-#endif
-}
-
 template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -241,7 +216,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     const int HB = a.H / 64, first = blockIdx.x >> 1, stride = gridDim.x >> 1;
     const unsigned base = smem_u32(smem);
     const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
-                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64, o_full = q_full + 784;
+                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64;
     volatile int *info = (volatile int *)(smem + B_OFF + 72);      // the item's tile counts, producer -> math
     volatile unsigned char *flags = smem + B_OFF + 144;             // [2 slots][64 rows]: the pick is valid
     volatile float *inv_s = (volatile float *)(smem + B_OFF + 272); // QROPE: each head's 1 / rms
@@ -256,7 +231,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
         mbar_init(x_full, 1);                           // this CTA's expect_tx, + the peer's st.async bytes
         mbar_init(x_free, 128);
-        mbar_init(o_full, 128);                         // HYB: the math's 128 threads, the output staged
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_sync();                                     // barriers initialised on both sides
@@ -267,20 +241,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
         const int p = tid - 128, rg = p >> 3, cg = p & 7;
         long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
-        // HYB: the last item's staged output to global memory, then its slot is free (the math went on)
-        int oi = 0, pnt = 0, pslot = 0;                 // items stored (o_full's phases); the last item's tiles, slot
-        unsigned char *porow = nullptr;                 // ... and its output rows
-        auto store_last = [&]() {
-            if (HYB && porow && pnt > 0) {
-                STAMP(21);
-                mbar_wait(o_full, oi & 1);
-                ++oi;
-                STAMP(19);
-                store_staged(smem + K_OFF + pslot * T_BYTES, porow, a.s_oh, p);
-                mbar_arrive(kv_empty + 8 * pslot);
-                STAMP(20);
-            }
-        };
         int g = 0, it = 0;
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
@@ -405,15 +365,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #else
             cp_async_arrive(q_full);
             if (p == 0) mbar_arrive(q_full);
-            if (HYB && nt > 0) { issue(0); q_tiles = 1; }
 #endif
-            store_last();                               // (before tile 1: it goes into the last item's slot)
             for (int t = q_tiles; t < nt; ++t) issue(t);
-            pnt = nt; pslot = (g - 1) & 1;
-            porow = (unsigned char *)a.out + (b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh + rank * HALF)
-                                             * (FP8 ? 1 : 2);
         }
-        store_last();
     } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
         asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
         const int w = tid >> 5, l = tid & 31;
@@ -633,6 +587,14 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned short *)(st + (rA + 8) * 256 + off) =
                             pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
                     }
+                asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tid & 15;
+#pragma unroll 4
+                for (int i = 0; i < 8; ++i) {
+                    const int r = (tid >> 4) + 8 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                }
 #else
 #pragma unroll
                 for (int cb = 0; cb < 4; ++cb)
@@ -643,14 +605,16 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned *)(st + (rA + 8) * 512 + ch * 16 + 2 * cq) =
                             pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
-#endif
-#if HYB
-                mbar_arrive(o_full);                    // (release: the staged rows; the copies store them)
-#else
                 asm volatile("bar.sync 2, 128;" ::: "memory");
-                store_staged(st, orow, a.s_oh, tid);
-                mbar_arrive(kv_empty + 8 * slot);
+                const int c = tid & 31;
+#pragma unroll 4
+                for (int i = 0; i < 16; ++i) {
+                    const int r = (tid >> 5) + 4 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 512 + ((c & ~7) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh * 2 + c * 16) = v;
+                }
 #endif
+                mbar_arrive(kv_empty + 8 * slot);
             }
         }
     }
@@ -677,8 +641,8 @@ class _Args(ctypes.Structure):
 
 
 _BROKEN: str | None = None
-# more compile-time defines for every launch (profiling and A / B runs: ';'-separated NAME VALUE pairs, as
-# ``sparse_attention_cuda``'s defines), e.g. "HYB 0"
+# more compile-time defines for every launch (profiling and A / B runs from a wrapper, e.g. pytest or bench_attn under
+# ``core_cuda.DEFINES = "PROBE 1"``): ';'-separated NAME VALUE pairs, as ``sparse_attention_cuda``'s defines
 DEFINES = ""
 # where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
 # False keeps the Gluon kernels (``launch/bench_attn.py --core-cuda on,off`` measures both)
