@@ -641,9 +641,6 @@ class _Args(ctypes.Structure):
 
 
 _BROKEN: str | None = None
-# more compile-time defines for every launch (profiling and A / B runs from a wrapper, e.g. pytest or bench_attn under
-# ``core_cuda.DEFINES = "PROBE 1"``): ';'-separated NAME VALUE pairs, as ``sparse_attention_cuda``'s defines
-DEFINES = ""
 # where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
 # False keeps the Gluon kernels (``launch/bench_attn.py --core-cuda on,off`` measures both)
 ENABLED = True
@@ -765,7 +762,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
                                   and trace.numel() >= 32 * n_ctas):
         raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
     defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "") \
-        + "".join(f"#define {d.strip()}\n" for d in f"{DEFINES};{defines}".split(";") if d.strip())
+        + "".join(f"#define {d.strip()}\n" for d in defines.split(";") if d.strip())
     if q_rope is not None:
         defines += f"#define QROPE 1\n#define QRF {qrf}\n"
     if o_rope is not None:
