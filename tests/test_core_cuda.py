@@ -33,6 +33,21 @@ def run(q, parts, sinks, **kw):
     return out
 
 
+def run_fp8(q, parts, sinks, **kw):
+    """The kernel's FP8 output (act_quant's format): e4m3 bytes [B * S, H * d] as uint8 and the scales."""
+    B, S, H, D = q.shape
+    o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device=q.device)
+    s = torch.full((H * D // 128, B * S), float("nan"), device=q.device)
+    run(q, parts, sinks, out=o_q.view(B, S, H, D), scales=s, **kw)
+    return o_q.view(torch.uint8), s
+
+
+def assert_act_quant_of(got, o):
+    """got (run_fp8's bytes and scales) is act_quant_torch of the bf16 output o, bit for bit."""
+    want_q, want_s = act_quant_torch(o.reshape(-1, o.shape[-2] * o.shape[-1]))
+    assert torch.equal(got[0], want_q.view(torch.uint8)) and torch.equal(got[1], want_s)
+
+
 def test_supported_and_errors_name_the_rule():
     """Off Hopper (here: CPU tensors) the kernel takes nothing; bad arguments fail before any compile, naming the
     field and the rule."""
@@ -101,12 +116,10 @@ def test_auto_takes_the_cuda_core_where_gluon_would_run(monkeypatch):
     pos, freq = _rope_inputs(1, 300, 3)
     assert core_impl(q, parts) == "cuda" and core_impl(q, parts, impl="gluon") == "gluon"
     assert torch.equal(sparse_attention_fused(q, parts, sinks, scale), run(q, parts, sinks))
-    o_q = torch.empty(300, 64 * 512, dtype=torch.float8_e4m3fn, device="cuda")
-    s = torch.empty(256, 300, device="cuda")
-    run(q, parts, sinks, out=o_q.view(1, 300, 64, 512), q_rope=(pos, freq, eps), o_rope=(pos, freq), scales=s)
+    o_q, s = run_fp8(q, parts, sinks, q_rope=(pos, freq, eps), o_rope=(pos, freq))
     fq, fs = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(1, 300), freq, eps),
                                     o_rope=(pos.view(1, 300), freq), out_fp8=True, fuse=False)
-    assert torch.equal(fq.view(torch.uint8), o_q.view(torch.uint8)) and torch.equal(fs, s)
+    assert torch.equal(fq.view(torch.uint8), o_q) and torch.equal(fs, s)
     monkeypatch.setattr(core_cuda, "ENABLED", False)
     assert core_impl(q, parts) == "gluon"
     assert torch.equal(sparse_attention_fused(q, parts, sinks, scale),
@@ -160,11 +173,7 @@ def test_cuda_core_epilogue_has_the_unfused_chains_bits(name):
     assert bool(((got.float() - unrot.float()).abs() <= ulp)[off].all())
     assert torch.equal(got, plain) == bool(plain.eq(0).all())         # the rotation happened (if not all 0)
     for src, rope in ((got, (pos, freq)), (plain, None)):
-        o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
-        s = torch.full((H * D // 128, B * S), float("nan"), device="cuda")
-        run(q, parts, sinks, out=o_q.view(B, S, H, D), o_rope=rope, scales=s)
-        want_q, want_s = act_quant_torch(src.reshape(B * S, H * D))
-        assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+        assert_act_quant_of(run_fp8(q, parts, sinks, o_rope=rope), src)
 
 
 @needs_cuda_core
@@ -188,12 +197,9 @@ def test_cuda_core_prologue_is_norm_rope(name):
                            q_rope=(pos.view(B, S), freq, eps))
     assert rel(got, ref) < 1.5e-2
     both = run(q, parts, sinks, q_rope=(pos, freq, eps), o_rope=(pos, freq))
-    o_q = torch.empty(B * S, H * D, dtype=torch.float8_e4m3fn, device="cuda")
-    s = torch.empty(H * D // 128, B * S, device="cuda")
-    run(q, parts, sinks, out=o_q.view(B, S, H, D), q_rope=(pos, freq, eps), o_rope=(pos, freq), scales=s)
-    want_q, want_s = act_quant_torch(both.reshape(B * S, H * D))
-    assert torch.equal(o_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-    fq, fs = o_q, s
+    fq, fs = run_fp8(q, parts, sinks, q_rope=(pos, freq, eps), o_rope=(pos, freq))
+    assert_act_quant_of((fq, fs), both)
+    fq = fq.view(torch.float8_e4m3fn)
     gq, gs = sparse_attention_fused(q, parts, sinks, scale, q_rope=(pos.view(B, S), freq, eps),
                                     o_rope=(pos.view(B, S), freq), out_fp8=True, fuse=False, impl="gluon")
     deq = (fq.float().view(B * S, H * D // 128, 128) * fs.t()[..., None]).view(B * S, -1)

@@ -23,7 +23,7 @@ needs_gluon = pytest.mark.skipif(not core_gluon.available(), reason="needs a Hop
 @pytest.fixture(autouse=True)
 def _gluon_not_cuda(monkeypatch):
     """These tests are the Gluon kernels': impl="auto" must not hand their calls to the CUDA C++ kernel
-    (``core_cuda``, tested in tests/test_gpu_attention.py)."""
+    (``core_cuda``, tested in tests/test_core_cuda.py and tests/test_gpu_attention.py)."""
     monkeypatch.setattr(core_cuda, "ENABLED", False)
 
 

@@ -148,10 +148,11 @@ __device__ __forceinline__ unsigned short pack_e4m3(float lo, float hi) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
 }
-// act_quant's scale, the power of two at or above RN(amax / 448), as bits: amax = m 2^E (1 <= m < 2) gives 2^(E - 8),
-// or 2^(E - 7) when m > 1.75 (amax / 448 = m / 1.75 2^(E - 8)). The division's bits for every bf16 amax >= 1e-4 and
-// for 1e-4 itself (the clamp), the only inputs (checked for all of them): a quotient that rounds up onto a power of
-// two needs m within 2^-24 below 1.75, which neither has
+// act_quant's scale (fp8.pow2_scale_bits's, the Triton kernels' one definition), the power of two at or above
+// RN(amax / 448), as bits: amax = m 2^E (1 <= m < 2) gives 2^(E - 8), or 2^(E - 7) when m > 1.75 (amax / 448 =
+// m / 1.75 2^(E - 8)). The division's bits for every bf16 amax >= 1e-4 and for 1e-4 itself (the clamp), the only
+// inputs (checked for all of them): a quotient that rounds up onto a power of two needs m within 2^-24 below 1.75,
+// which neither has
 __device__ __forceinline__ unsigned pow2_scale(float amax) {
     const unsigned ab = __float_as_uint(amax);
     return (ab & 0x7F800000u) - (8u << 23) + ((ab & 0x7FFFFFu) > 0x600000u ? (1u << 23) : 0u);
