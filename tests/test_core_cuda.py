@@ -1,7 +1,8 @@
-"""The sparse core's CUDA C++ kernel (``attention.core_cuda``: a cluster of two CTAs splitting d, two pairs an SM;
-Hopper only, compiled at run time by NVRTC) against the torch reference, the unfused chain and the Gluon kernels.
+"""The sparse core's CUDA C++ kernels (``attention.core_cuda``: "pair", a cluster of two CTAs splitting d, two pairs
+an SM; "solo", one CTA an item and an SM with two math warpgroups; Hopper only, compiled at run time by NVRTC)
+against the torch reference, the unfused chain and the Gluon kernels.
 
-The kernel runs only on an sm_90 GPU: those tests skip elsewhere. Its argument checks and where it applies are
+The kernels run only on an sm_90 GPU: those tests skip elsewhere. Its argument checks and where it applies are
 tested everywhere (CI's CPU included).
 """
 
@@ -21,6 +22,13 @@ from tests.test_core_gluon import CASES, _case, rel
 
 needs_cuda_core = pytest.mark.skipif(not core_cuda.available(), reason="needs a Hopper GPU and torch's NVRTC")
 D512 = [n for n in CASES if CASES[n][3] == 512]
+
+
+@pytest.fixture(autouse=True, params=core_cuda.DESIGNS)
+def design(request, monkeypatch):
+    """Every test on both kernels: the pair kernel and the solo kernel (``core_cuda.DESIGN``)."""
+    monkeypatch.setattr(core_cuda, "DESIGN", request.param)
+    return request.param
 
 
 def run(q, parts, sinks, **kw):
@@ -73,6 +81,10 @@ def test_supported_and_errors_name_the_rule():
     odd = torch.zeros(1, 8, 516, dtype=torch.bfloat16)[..., 2:514]       # rows 1032 bytes apart: no 16-byte copies
     with pytest.raises(ValueError, match="kv1 must be 16-byte aligned with strides that are multiples of 8"):
         core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core_cuda, "DESIGN", "trio")
+        with pytest.raises(ValueError, match=r"core_cuda.DESIGN must be one of \('pair', 'solo'\), got 'trio'"):
+            core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv, idx, kv, idx, 0.1, True)
     # sparse_attention_fused's route: such a call goes to the Gluon kernel, and the CUDA kernel stays available
     assert not core_kernel._run_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True, None, None)
     assert core_cuda._BROKEN is None

@@ -36,14 +36,16 @@ import warnings
 
 import torch
 
-__all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ENABLED", "MAX_PICKS",
-           "SMEM_BYTES"]
+__all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ctas_resident",
+           "ENABLED", "DESIGN", "MAX_PICKS", "SMEM_BYTES", "SOLO_SMEM_BYTES"]
 
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 256               # a math warpgroup, a copy warpgroup
 SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
 #                                                 # the tiles' valid flags, q's norm factors and the peer's sums
+SOLO_THREADS = 384          # two math warpgroups, a copy warpgroup
+SOLO_SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2064  # q, two whole-row tiles, P tiles + staging, barriers and the rest
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
@@ -63,13 +65,8 @@ __device__ __forceinline__ unsigned smem_u32(const void *p) {
     "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 """
 
-SRC = HELPERS + r"""
-#define HALF 256
-#define Q_OFF 0
-#define K_OFF 32768
-#define T_BYTES 32768
-#define X_OFF 98304
-#define B_OFF 114688
+# the device code both kernels share: barriers, copies, conversions, wgmma, the arguments
+DEVICE = HELPERS + r"""
 #define NEG_INF (-__int_as_float(0x7f800000))
 #ifndef TRACE
 #define TRACE 0
@@ -191,6 +188,11 @@ __device__ __forceinline__ void wgmma_rs(float *d, const unsigned *a, u64 db) { 
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
         : D32_OUT(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
+__device__ __forceinline__ void wgmma_sv(float *d, u64 da, u64 db) {             // A K-major, B MN-major, accumulate
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", %32, %33, p, 1, 1, 0, 1;\n}"
+        : D32_OUT(d) : "l"(da), "l"(db), "r"(1));
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit_wait() {
     asm volatile("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -207,6 +209,17 @@ struct Args {
     const POS_T *opos; const float *ofreq;                 // OROPE
     float *scales; int M;                                  // FP8: scales [H * 512 / 128, M], M = B * S
 };
+
+"""
+
+# the pair kernel ("pair"): a cluster of two CTAs an item, each one half of d, two CTAs an SM
+SRC = DEVICE + r"""
+#define HALF 256
+#define Q_OFF 0
+#define K_OFF 32768
+#define T_BYTES 32768
+#define X_OFF 98304
+#define B_OFF 114688
 
 template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
@@ -629,6 +642,433 @@ KERNEL(sparse_core_pair_i32, int)
 KERNEL(sparse_core_pair_i64, long long)
 """
 
+# the solo kernel ("solo"): one CTA an item and an SM, whole rows of d; two math warpgroups, each one half of the
+# output, take every other tile (QK over all of d), share their row maxima and P through shared memory
+SRC_SOLO = DEVICE + r"""
+#define HALF 256
+#define SQ_OFF 0            // q: 64 rows x 512 channels, [8 swizzle columns][64 rows][128 B]
+#define SK_OFF 65536        // two slots of a 64-key tile of whole rows (64 KB each)
+#define ST_BYTES 65536
+#define SP_OFF 196608       // the warpgroups' P tiles (64 x 64 bf16, 8 KB each); with the next 16 KB the output's
+                            // staging (warpgroup 0 over the P tiles, 1 after them)
+#define SB_OFF 229376       // barriers, counts, flags, q's factors, the warpgroups' row maxima and sums
+
+template <typename I>
+__device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int tid = threadIdx.x;
+    const int HB = a.H / 64, first = blockIdx.x, stride = gridDim.x;
+    const unsigned base = smem_u32(smem);
+    const unsigned q_full = base + SB_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32;
+    volatile int *info = (volatile int *)(smem + SB_OFF + 64);       // the item's tile count, producer -> math
+    volatile unsigned char *flags = smem + SB_OFF + 144;              // [2 slots][64 rows]: the pick is valid
+    volatile float *inv_s = (volatile float *)(smem + SB_OFF + 272);  // QROPE: each head's 1 / rms
+    volatile float *xm = (volatile float *)(smem + SB_OFF + 528);     // [warpgroup][64 rows]: a tile's row maxima
+    volatile float *ls = (volatile float *)(smem + SB_OFF + 1040);    // [item % 2][warpgroup][64 rows]: row sums
+    if (tid == 0) {
+        if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
+        mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
+                                                        // after the prologue), + 1 plain arrive (info)
+        mbar_init(q_empty, 256);                        // both math warpgroups
+        mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
+        mbar_init(kv_empty, 256); mbar_init(kv_empty + 8, 256);  // both math warpgroups read every slot
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid >= 256) {                                   // the copy warpgroup: q, the counts, the tiles, ahead
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 8) of a row: a warp instruction
+        // moves 4 rows x 128 contiguous bytes
+        const int p = tid - 256, rg = p >> 3, cg = p & 7;
+        long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
+        int u0 = 0, u1 = 0, it = 0;                     // each slot's fills so far
+        for (int item = first; item < a.n_items; item += stride, ++it) {
+            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
+            const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
+            const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
+            int m1 = -1, m2 = -1;                       // each part's tiles run up to its last valid pick
+            for (int j = p; j < a.J1; j += 128) if (idx1[j] >= 0) m1 = j;
+            if (a.two) for (int j = p; j < a.J2; j += 128) if (idx2[j] >= 0) m2 = j;
+            m1 = __reduce_max_sync(0xffffffff, m1);
+            m2 = __reduce_max_sync(0xffffffff, m2);
+            int *red = (int *)(smem + SB_OFF + 80) + 8 * (it & 1);     // two sets: no barrier before the next write
+            if ((p & 31) == 0) { red[p >> 5] = m1; red[4 + (p >> 5)] = m2; }
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+            m1 = max(max(red[0], red[1]), max(red[2], red[3]));
+            m2 = max(max(red[4], red[5]), max(red[6], red[7]));
+            const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
+            STAMP(8);
+#if QROPE && QRF > 0
+            const float qpos = (float)a.qpos[bs];       // (loads under the wait below)
+#endif
+            mbar_wait(q_empty, (it & 1) ^ 1);           // the last item's QKs are done with q
+            STAMP(9);
+            if (p == 0) info[0] = nt;
+            const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + cg * 8;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int r = rg + 16 * i;
+                    cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
+                }
+            asm volatile("cp.async.commit_group;" ::: "memory");   // (the tiles' copies, below, stay uncommitted)
+            auto issue = [&](int t) {                   // tile t's copies into slot t % 2, its flags, kv_full's arrival
+                const int slot = t & 1, u = slot ? u1 : u0;
+                const bool one = t < n1;
+                const I *ip = one ? idx1 : idx2;
+                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+                const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
+                const long long sm = one ? a.s_k1m : a.s_k2m;
+                int id[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = j0 + rg + 16 * i;
+                    id[i] = j < J ? (int)ip[j] : -1;
+                }
+                STAMP(10);
+                mbar_wait(kv_empty + 8 * slot, (u & 1) ^ 1);
+                STAMP(11);
+                const unsigned dst = base + SK_OFF + slot * ST_BYTES;
+                const unsigned short *kvc = kv + cg * 8;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
+                    const unsigned n = id[i] < 0 ? 0 : 16;
+#pragma unroll
+                    for (int k = 0; k < 8; ++k)
+                        if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
+                }
+                if (cg == 0) {                          // the rows' valid flags, for the math's mask
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) flags[64 * slot + rg + 16 * i] = id[i] >= 0;
+                    mbar_arrive(kv_full + 8 * slot);    // (release: the flags before the phase completes)
+                }
+                cp_async_arrive(kv_full + 8 * slot);
+                STAMP(12);
+                if (slot) ++u1; else ++u0;
+            };
+            int q_tiles = 0;                            // tiles issued before q's prologue (with q, under it)
+#if QROPE
+            for (; q_tiles < 2 && q_tiles < nt; ++q_tiles) issue(q_tiles);
+            // q's prologue while the math finishes the last item: each head's sum of squares over d (2 threads a
+            // head, four partial sums each), the RoPE tail turned in place
+            asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group (not the tiles' copies)
+            asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
+            float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+            for (int k = 0; k < 32; ++k) {
+                const uint4 v = *(const uint4 *)(smem + SQ_OFF + sw_off(p >> 1, (p & 1) * 32 + k));
+                const unsigned w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float x0 = bf16_lo(w4[e]), x1 = bf16_hi(w4[e]);
+                    s4[e] = fmaf(x1, x1, fmaf(x0, x0, s4[e]));
+                }
+            }
+            float ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+            ss += __shfl_xor_sync(0xffffffff, ss, 1);
+#if QRF > 0
+            asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
+            {
+                // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, so its 4 angles once
+                constexpr int NC = QRF / 8;
+                const int pc = p % NC;
+                float cs[4], sn[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float ang = qpos * a.qfreq[pc * 4 + j];
+                    cs[j] = cosf(ang);
+                    sn[j] = sinf(ang);
+                }
+                for (int r = p / NC; r < 64; r += 128 / NC) {
+                    uint4 *ptr = (uint4 *)(smem + SQ_OFF + sw_off(r, 64 - NC + pc));
+                    uint4 v = *ptr;
+                    unsigned *w4 = (unsigned *)&v;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {       // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
+                        const float x = bf16_lo(w4[j]), y = bf16_hi(w4[j]);
+                        w4[j] = pack_bf16(fmaf(y, -sn[j], x * cs[j]), fmaf(x, sn[j], y * cs[j]));
+                    }
+                    *ptr = v;
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the turned q, to wgmma's proxy
+            }
+#endif
+            if ((p & 1) == 0) inv_s[p >> 1] = 1.0f / sqrtf(ss / 512.0f + a.eps);
+            mbar_arrive(q_full);                        // (release: the factors and the turned q)
+#else
+            cp_async_arrive(q_full);
+            if (p == 0) mbar_arrive(q_full);
+#endif
+            for (int t = q_tiles; t < nt; ++t) issue(t);
+        }
+    } else {                                            // the math warpgroups: 64 heads x their half of d
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        // (the warpgroup and the tile count through a shuffle: warp-uniform to the compiler, so the wgmmas under
+        // branches on them are not serialized)
+        const int wg = __shfl_sync(0xffffffff, tid >> 7, 0), tw = tid & 127, w = tw >> 5, l = tid & 31;
+        const int rA = 16 * w + (l >> 2), cq = 2 * (l & 3);
+        const float LOG2E = 1.4426950408889634f;
+        long long *tr = TRACE && a.trace && tid == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
+        if (TRACE && tr) {
+            unsigned sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            tr[13] = sm;
+        }
+        int u0 = 0, u1 = 0, it = 0;
+        for (int item = first; item < a.n_items; item += stride, ++it) {
+            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
+            if (TRACE && tr) tr[14] += 1;
+            float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
+            float lA = wg == 0 && (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;               // ... and the sum (one lane)
+            float o[4][32];
+#pragma unroll
+            for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
+            STAMP(6);
+            mbar_wait(q_full, it & 1);
+            STAMP(0);
+            const int nt = __shfl_sync(0xffffffff, info[0], 0);
+            if (nt == 0) mbar_arrive(q_empty);
+            // rounds of two tiles: warpgroup 0 takes tile tt (slot 0), warpgroup 1 tile tt + 1 (slot 1)
+            for (int tt = 0; tt < nt; tt += 2) {
+                const bool two_t = tt + 1 < nt, mine = wg == 0 || two_t, other = wg == 1 || two_t;
+                // (the shared addresses opaque each round: the descriptors are made at their wgmmas, not hoisted out
+                // of the loops into ~100 live registers). Without a tile of its own (an odd last tile) a warpgroup
+                // multiplies a zero P into tile tt's V, and the other one its zero P the same: the PV wgmmas run
+                // unconditionally (under a branch ptxas serializes them)
+                unsigned qb = base + SQ_OFF, kt = base + SK_OFF + wg * ST_BYTES,
+                         ko = base + SK_OFF + (wg ^ 1) * ST_BYTES, pb = base + SP_OFF + 8192 * (wg ^ 1);
+                unsigned vown = mine ? kt : ko, voth = other ? ko : kt;
+                asm volatile("" : "+r"(qb), "+r"(kt), "+r"(pb), "+r"(vown), "+r"(voth));
+                float sc[32];
+                unsigned valid = 0;
+                STAMP(7);
+                if (mine) {
+                    mbar_wait(kv_full + 8 * wg, (wg ? u1 : u0) & 1);
+                    STAMP(1);
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const unsigned short f = *(volatile unsigned short *)(flags + 64 * wg + 8 * jj + cq);
+                        valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
+                    }
+                    if (TRACE && tr) tr[15] += 1;
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
+                    wgmma_fence();
+#pragma unroll
+                    for (int k = 0; k < 32; ++k) {
+                        const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
+                        wgmma_ss(sc, desc(qb + off, LBO_K), desc(kt + off, LBO_K), k);
+                    }
+                    wgmma_commit_wait();
+                }
+                STAMP(2);
+#if QROPE       // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
+                const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
+#else
+                const float scA = a.qk_scale, scB = a.qk_scale;
+#endif
+                if (tt + 2 >= nt) mbar_arrive(q_empty); // the copy warpgroup may bring the next item's q
+                // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others. The scale
+                // (> 0) goes into one FFMA a score: the max runs on the raw scores, masked ones -inf
+                float xA = NEG_INF, xB = NEG_INF;
+                if (mine) {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        const float v = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? sc[i] : NEG_INF;
+                        sc[i] = v;
+                        if ((i >> 1) & 1) xB = fmaxf(xB, v); else xA = fmaxf(xA, v);
+                    }
+                    xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 1));
+                    xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 2));
+                    xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 1));
+                    xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 2));
+                }
+                // the other warpgroup's tile maxima: both sides take the same new max (fmaxf: exact, either order)
+                if ((l & 3) == 0) { xm[64 * wg + rA] = xA; xm[64 * wg + rA + 8] = xB; }
+                asm volatile("bar.sync 4, 256;" ::: "memory");
+                STAMP(3);
+                xA = fmaxf(xA, xm[64 * (wg ^ 1) + rA]);
+                xB = fmaxf(xB, xm[64 * (wg ^ 1) + rA + 8]);
+                const float nA = fmaxf(mA, xA * scA), nB = fmaxf(mB, xB * scB);
+                const float aA = ex2(mA - nA), aB = ex2(mB - nB);
+                const bool moved = mA != nA || mB != nB;
+                mA = nA; mB = nB;
+                float sA = 0.0f, sB = 0.0f;
+                unsigned pa[16];
+#pragma unroll
+                for (int j = 0; j < 16; ++j) pa[j] = 0;
+                if (mine) {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        const bool rowB = (i >> 1) & 1;
+                        const float pv = ex2(fmaf(sc[i], rowB ? scB : scA, rowB ? -nB : -nA));
+                        sc[i] = pv;
+                        if (rowB) sB += pv; else sA += pv;
+                    }
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
+                }
+                {   // P (zeros without a tile) into this warpgroup's tile (K-major, the 128-byte swizzle) for the other
+                    unsigned char *pt = smem + SP_OFF + 8192 * wg;
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        *(unsigned *)(pt + rA * 128 + ((jj ^ (rA & 7)) << 4) + 2 * cq) = pa[2 * jj];
+                        *(unsigned *)(pt + (rA + 8) * 128 + ((jj ^ (rA & 7)) << 4) + 2 * cq) = pa[2 * jj + 1];
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // P, to wgmma's proxy
+                }
+                lA = lA * aA + sA; lB = lB * aB + sB;
+                if (__any_sync(0xffffffff, moved)) {    // (an unmoved max has a = 1 exactly: the same bits)
+#pragma unroll
+                    for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                        for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
+                }
+                STAMP(4);
+                asm volatile("bar.sync 4, 256;" ::: "memory");           // both P tiles in shared memory
+                STAMP(16);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int cb = 0; cb < 4; ++cb)
+                        wgmma_rs(o[cb], pa + 4 * k, desc(vown + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int cb = 0; cb < 4; ++cb)
+                        wgmma_sv(o[cb], desc(pb + k * 32, LBO_K), desc(voth + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
+                wgmma_commit_wait();
+                STAMP(5);
+                mbar_arrive(kv_empty);                  // both slots' keys used up by this warpgroup
+                ++u0;
+                if (two_t) { mbar_arrive(kv_empty + 8); ++u1; }
+            }
+            lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
+            lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
+            volatile float *lsi = ls + 128 * (it & 1);
+            if ((l & 3) == 0) { lsi[64 * wg + rA] = lA; lsi[64 * wg + rA + 8] = lB; }
+            asm volatile("bar.sync 4, 256;" ::: "memory");   // both sums; both PVs done with the P tiles
+            const float fA = 1.0f / (lsi[rA] + lsi[64 + rA]), fB = 1.0f / (lsi[rA + 8] + lsi[64 + rA + 8]);
+            constexpr int OB = FP8 ? 1 : 2, ROWB = HALF * OB;     // output bytes an element, a row's half
+            unsigned char *orow = (unsigned char *)a.out + (b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh
+                                                            + wg * HALF) * OB;
+            if (nt == 0) {                              // nothing picked: zeros (the sink took all)
+                for (int e = tw; e < 64 * ROWB / 16; e += 128)
+                    *(uint4 *)(orow + (e / (ROWB / 16)) * a.s_oh * OB + (e % (ROWB / 16)) * 16) =
+                        make_uint4(0, 0, 0, 0);
+#if FP8
+                const unsigned sb = pow2_scale(1e-4f);
+                a.scales[((h0 + (tw >> 1)) * 4 + wg * 2 + (tw & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
+#endif
+            } else {
+                // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
+                // them (core_kernel._epilogue's math, its roundings in its order)
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) o[cb][i] = bf16r(o[cb][i] * (((i >> 1) & 1) ? fB : fA));
+#if OROPE
+                if (wg == 1) {                          // the tail (ORF a multiple of 64, <= 256): this warpgroup's
+                    // last ORF / 64 swizzle columns, ORF / 2 angles: lane l computes angles l + 32 k (one cos / sin
+                    // pair a lane a column, not one a register pair), the others read them by shuffles
+                    const float pos = (float)a.opos[bs];
+                    float ck[ORF / 64], sk[ORF / 64];
+#pragma unroll
+                    for (int k = 0; k < ORF / 64; ++k) {
+                        const float ang = pos * a.ofreq[32 * k + l];
+                        ck[k] = cosf(ang);
+                        sk[k] = sinf(ang);
+                    }
+#pragma unroll
+                    for (int cb = 4 - ORF / 64; cb < 4; ++cb)
+#pragma unroll
+                        for (int jj = 0; jj < 8; ++jj) {
+                            // channel 8 jj + cq of column cb: tail channel ct, angle ct / 2 = 32 k + 4 jj + l % 4
+                            const int k = cb - (4 - ORF / 64);
+                            const float c = __shfl_sync(0xffffffff, ck[k], 4 * jj + (l & 3));
+                            const float sn = __shfl_sync(0xffffffff, sk[k], 4 * jj + (l & 3));
+#pragma unroll
+                            for (int rr = 0; rr < 2; ++rr) {      // the inverse turn: (x cos + y sin, y cos - x sin)
+                                const int i0 = 4 * jj + 2 * rr;
+                                const float x = o[cb][i0], y = o[cb][i0 + 1];
+                                o[cb][i0] = bf16r(fmaf(y, sn, x * c));
+                                o[cb][i0 + 1] = bf16r(fmaf(x, -sn, y * c));
+                            }
+                        }
+                }
+#endif
+#if FP8
+                // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
+                // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
+                unsigned char *st = smem + SP_OFF + 16384 * wg;
+                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+#pragma unroll
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        float m = 0.0f;
+#pragma unroll
+                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+#pragma unroll
+                            for (int jj = 0; jj < 8; ++jj)
+                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]), fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                        const unsigned sb = pow2_scale(m);
+                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                        if ((l & 3) == 0)
+                            a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
+                                __uint_as_float(sb);
+                    }
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                  + (jj & 1) * 8 + cq;
+                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                        *(unsigned short *)(st + rA * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                    }
+                if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
+                else asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tw & 15;
+#pragma unroll 4
+                for (int i = 0; i < 8; ++i) {
+                    const int r = (tw >> 4) + 8 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                }
+#else
+                // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int ch = cb * 64 + 8 * jj + cq;
+                        *(unsigned *)(orow + (rA * a.s_oh + ch) * 2) = pack_bf16(o[cb][4 * jj], o[cb][4 * jj + 1]);
+                        *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
+                            pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
+                    }
+#endif
+            }
+        }
+    }
+}
+
+#define KERNEL(name, I) \
+extern "C" __global__ void __launch_bounds__(384, 1) name(Args a, const I *i1, const I *i2) { solo<I>(a, i1, i2); }
+KERNEL(sparse_core_solo_i32, int)
+KERNEL(sparse_core_solo_i64, long long)
+"""
+
 
 class _Args(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "out", "sinks", "kv1", "kv2")]
@@ -650,13 +1090,18 @@ ENABLED = True
 # prefill at 4096 tokens: sliding (128 picks) and HCA (160) faster, CSA (640) slower
 # (benchmarks/2026-12-03-core-cuda-1xh200-session29.md)
 MAX_PICKS = 384
+# which kernel: "pair" (a cluster of two CTAs an item, each half of d, two CTAs an SM) or "solo" (one CTA an item
+# and an SM, two math warpgroups splitting the output's d and taking every other tile)
+DESIGN = "pair"
+DESIGNS = ("pair", "solo")
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, idx_bits: int, defines: str = ""):
+def _kernel(device_index: int, idx_bits: int, defines: str = "", design: str = "pair"):
+    src, smem = (SRC_SOLO, SOLO_SMEM_BYTES) if design == "solo" else (SRC, SMEM_BYTES)
     with torch.cuda.device(device_index):
-        k = torch.cuda._compile_kernel(defines + SRC, f"sparse_core_pair_i{idx_bits}", compute_capability="90a")
-        k.set_shared_memory_config(SMEM_BYTES)
+        k = torch.cuda._compile_kernel(defines + src, f"sparse_core_{design}_i{idx_bits}", compute_capability="90a")
+        k.set_shared_memory_config(smem)
     return k
 
 
@@ -712,6 +1157,9 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     shared memory as it arrives); o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the output's last 2F
     channels; scales (fp32 [H*d/128, B*S]): out is e4m3 [B, S, H, d] and gets ``fp8.act_quant``'s format. The
     output's steps have the unfused chain's bits (``core_kernel._epilogue``'s roundings in its order)."""
+    design = DESIGN
+    if design not in DESIGNS:
+        raise ValueError(f"sparse_attention_cuda: core_cuda.DESIGN must be one of {DESIGNS}, got {design!r}")
     B, S, H, D = q.shape
     if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_attention_cuda: q must be bf16 [B, S, H, {D_FULL}] with H a multiple of {BH}, "
@@ -758,7 +1206,8 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
               q_rope[0].data_ptr() if q_rope else None, q_rope[1].data_ptr() if q_rope else None,
               float(q_rope[2]) if q_rope else 0.0, o_rope[0].data_ptr() if o_rope else None,
               o_rope[1].data_ptr() if o_rope else None, scales.data_ptr() if scales is not None else None, B * S)
-    n_ctas = 2 * min(n_items, pairs_resident(q.device.index))
+    n_ctas = min(n_items, ctas_resident(q.device.index)) if design == "solo" else \
+        2 * min(n_items, pairs_resident(q.device.index))
     if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous()
                                   and trace.numel() >= 32 * n_ctas):
         raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
@@ -772,23 +1221,35 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
         defines += "#define FP8 1\n"
     if pos and pos[0].dtype == torch.int32:
         defines += "#define POS_T int\n"
-    k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
-    _launch(k, n_ctas, a, i1, i2)
+    k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines, design)
+    _launch(k, n_ctas, a, i1, i2, design)
 
 
 @functools.lru_cache(maxsize=None)
 def pairs_resident(device_index: int) -> int:
     """CTA pairs the GPU holds at once (the persistent grid): SMs x CTAs an SM (the driver's occupancy for 256
     threads and SMEM_BYTES; 2 on an H200) / 2."""
-    k = _kernel(device_index, 32)
+    return max(1, _resident(device_index, "pair") // 2)
+
+
+@functools.lru_cache(maxsize=None)
+def ctas_resident(device_index: int) -> int:
+    """The solo kernel's persistent grid: SMs x CTAs an SM (the driver's occupancy for 384 threads and
+    SOLO_SMEM_BYTES: 1)."""
+    return _resident(device_index, "solo")
+
+
+def _resident(device_index: int, design: str) -> int:
+    k = _kernel(device_index, 32, "", design)
+    threads, smem = (SOLO_THREADS, SOLO_SMEM_BYTES) if design == "solo" else (THREADS, SMEM_BYTES)
     lib = torch.cuda._utils._get_gpu_runtime_library()
     n = ctypes.c_int(0)
-    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), k.func, THREADS, ctypes.c_size_t(SMEM_BYTES))
+    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), k.func, threads, ctypes.c_size_t(smem))
     per_sm = n.value if rc == 0 and n.value > 0 else 1
-    return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count * per_sm // 2)
+    return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count * per_sm)
 
 
-def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor) -> None:
+def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor, design: str = "pair") -> None:
     """cuLaunchKernel with the argument struct by value (torch's launcher passes ints and doubles only)."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     p1, p2 = ctypes.c_void_p(i1.data_ptr()), ctypes.c_void_p(i2.data_ptr())
@@ -796,6 +1257,7 @@ def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor) -> Non
                                    ctypes.cast(ctypes.byref(p1), ctypes.c_void_p),
                                    ctypes.cast(ctypes.byref(p2), ctypes.c_void_p))
     stream = torch.cuda.current_stream()
-    rc = lib.cuLaunchKernel(k.func, n_ctas, 1, 1, 256, 1, 1, SMEM_BYTES, stream._as_parameter_, params, None)
+    threads, smem = (SOLO_THREADS, SOLO_SMEM_BYTES) if design == "solo" else (THREADS, SMEM_BYTES)
+    rc = lib.cuLaunchKernel(k.func, n_ctas, 1, 1, threads, 1, 1, smem, stream._as_parameter_, params, None)
     if rc != 0:
         raise RuntimeError(f"sparse_attention_cuda: cuLaunchKernel returned CUresult {rc}")
