@@ -439,6 +439,8 @@ def main() -> None:
     ap.add_argument("--core-cuda", default="on", help="comma list: on (the CUDA C++ core where it takes the call, "
                     "core_cuda.ENABLED, its default kernel core_cuda.DESIGN: the default), pair / solo (the CUDA "
                     "core with that kernel), off (the Gluon kernels); on,off measures both in one run")
+    ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
+                    "most picks a query for which the CUDA core runs; default: as it is)")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
                     "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
@@ -453,6 +455,8 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    if args.core_cuda_max_picks is not None:
+        core_cuda.MAX_PICKS = args.core_cuda_max_picks
     gemm = gemm_tflops(dev)
     precisions = [p for p in args.precision.split(",") if p]
     for p in precisions:

@@ -8,7 +8,8 @@ Phases (``core_cuda.sparse_attention_cuda``'s trace): the math warpgroup's threa
 thread 0 of every CTA add the cycles between stamps; the table shows each phase's cycles per tile (per item for
 the q and output phases), averaged over all CTAs. The solo kernel (``core_cuda.DESIGN = "solo"``) stamps warpgroup 0:
 its "tiles" are rounds of two, "x reads" is the wait for the other warpgroup's row maxima, "x free wait" the wait for
-its P.
+its P; its output phase is split: "o sums wait" (the other warpgroup's row sums), "o scale, rope", "o fp8 staging",
+then "output" (the stores and the next item's start).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from moe_wave.attention import core_cuda  # noqa: E402
 
 PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "x reads", 4: "softmax", 5: "PV", 6: "output", 7: "tile top",
           8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue", 16: "x free wait",
-          17: "x stores", 18: "x partial wait"}
-PER_ITEM = {0, 6, 8, 9}
+          17: "x stores", 18: "x partial wait", 19: "o sums wait", 20: "o scale, rope", 21: "o fp8 staging"}
+PER_ITEM = {0, 6, 8, 9, 19, 20, 21}
 
 
 def main() -> None:

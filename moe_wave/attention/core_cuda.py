@@ -749,12 +749,11 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                 STAMP(12);
                 if (slot) ++u1; else ++u0;
             };
-            int q_tiles = 0;                            // tiles issued before q's prologue (with q, under it)
 #if QROPE
-            for (; q_tiles < 2 && q_tiles < nt; ++q_tiles) issue(q_tiles);
-            // q's prologue while the math finishes the last item: each head's sum of squares over d (2 threads a
-            // head, four partial sums each), the RoPE tail turned in place
-            asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group (not the tiles' copies)
+            // q's prologue while the math finishes the last item (its softmax, PV and output), before the tiles
+            // (their slots free only after its PV): each head's sum of squares over d (2 threads a head, four
+            // partial sums each), the RoPE tail turned in place
+            asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group
             asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
             float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
@@ -802,7 +801,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
             cp_async_arrive(q_full);
             if (p == 0) mbar_arrive(q_full);
 #endif
-            for (int t = q_tiles; t < nt; ++t) issue(t);
+            for (int t = 0; t < nt; ++t) issue(t);
         }
     } else {                                            // the math warpgroups: 64 heads x their half of d
         asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
@@ -953,6 +952,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
             volatile float *lsi = ls + 128 * (it & 1);
             if ((l & 3) == 0) { lsi[64 * wg + rA] = lA; lsi[64 * wg + rA + 8] = lB; }
             asm volatile("bar.sync 4, 256;" ::: "memory");   // both sums; both PVs done with the P tiles
+            STAMP(19);
             const float fA = 1.0f / (lsi[rA] + lsi[64 + rA]), fB = 1.0f / (lsi[rA + 8] + lsi[64 + rA + 8]);
             constexpr int OB = FP8 ? 1 : 2, ROWB = HALF * OB;     // output bytes an element, a row's half
             unsigned char *orow = (unsigned char *)a.out + (b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh
@@ -1002,6 +1002,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                         }
                 }
 #endif
+                STAMP(20);
 #if FP8
                 // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
                 // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
@@ -1037,6 +1038,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned short *)(st + (rA + 8) * 256 + off) =
                             pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
                     }
+                STAMP(21);
                 if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
                 else asm volatile("bar.sync 2, 128;" ::: "memory");
                 const int c = tw & 15;
