@@ -652,6 +652,9 @@ SRC_SOLO = DEVICE + r"""
 #define SP_OFF 196608       // the warpgroups' P tiles (64 x 64 bf16, 8 KB each); with the next 16 KB the output's
                             // staging (warpgroup 0 over the P tiles, 1 after them)
 #define SB_OFF 229376       // barriers, counts, flags, q's factors, the warpgroups' row maxima and sums
+#ifndef SOLO_HALF
+#define SOLO_HALF 1         // a round with one tile (an odd last one): only its PV (0: both PVs, one of zero P)
+#endif
 
 template <typename I>
 __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
@@ -911,7 +914,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                     for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
                 }
-                {   // P (zeros without a tile) into this warpgroup's tile (K-major, the 128-byte swizzle) for the other
+                if (mine || !SOLO_HALF) {   // P (zeros without a tile) into this warpgroup's tile (K-major, the 128-byte swizzle) for the other
                     unsigned char *pt = smem + SP_OFF + 8192 * wg;
 #pragma unroll
                     for (int jj = 0; jj < 8; ++jj) {
@@ -930,18 +933,22 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                 STAMP(4);
                 asm volatile("bar.sync 4, 256;" ::: "memory");           // both P tiles in shared memory
                 STAMP(16);
+#define PV_OWN _Pragma("unroll") for (int k = 0; k < 4; ++k) \
+                    _Pragma("unroll") for (int cb = 0; cb < 4; ++cb) \
+                    wgmma_rs(o[cb], pa + 4 * k, desc(vown + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
+#define PV_OTHER _Pragma("unroll") for (int k = 0; k < 4; ++k) \
+                    _Pragma("unroll") for (int cb = 0; cb < 4; ++cb) \
+                    wgmma_sv(o[cb], desc(pb + k * 32, LBO_K), desc(voth + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
+#if SOLO_HALF   // each case its own wgmma stage (no branch inside one): a lone tile's PV is 16 wgmmas a warpgroup
+                if (two_t) { wgmma_fence(); PV_OWN PV_OTHER wgmma_commit_wait(); }
+                else if (wg == 0) { wgmma_fence(); PV_OWN wgmma_commit_wait(); }
+                else { wgmma_fence(); PV_OTHER wgmma_commit_wait(); }
+#else
                 wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int cb = 0; cb < 4; ++cb)
-                        wgmma_rs(o[cb], pa + 4 * k, desc(vown + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int cb = 0; cb < 4; ++cb)
-                        wgmma_sv(o[cb], desc(pb + k * 32, LBO_K), desc(voth + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
+                PV_OWN
+                PV_OTHER
                 wgmma_commit_wait();
+#endif
                 STAMP(5);
                 mbar_arrive(kv_empty);                  // both slots' keys used up by this warpgroup
                 ++u0;
