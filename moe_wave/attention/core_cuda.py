@@ -914,7 +914,8 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                     for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
                 }
-                if (mine || !SOLO_HALF) {   // P (zeros without a tile) into this warpgroup's tile (K-major, the 128-byte swizzle) for the other
+                if (mine || !SOLO_HALF) {
+                    // P (zeros without a tile) into this warpgroup's tile (K-major, the 128-byte swizzle) for the other
                     unsigned char *pt = smem + SP_OFF + 8192 * wg;
 #pragma unroll
                     for (int jj = 0; jj < 8; ++jj) {
