@@ -655,6 +655,10 @@ SRC_SOLO = DEVICE + r"""
 #ifndef SOLO_HALF
 #define SOLO_HALF 1         // a round with one tile (an odd last one): only its PV (0: both PVs, one of zero P)
 #endif
+#ifndef SOLO_DEFER
+#define SOLO_DEFER 0        // the next item's first QK issued before this item's output stores (1: under them;
+                            // 2: under the FP8 steps and the stores)
+#endif
 
 template <typename I>
 __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
@@ -819,10 +823,54 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
-        int u0 = 0, u1 = 0, it = 0;
+        int u0 = 0, u1 = 0, it = 0, nt_pre = 0;
+        bool pre = false;                               // SOLO_DEFER: this item's first QK already issued
+        float sc[32];                                   // a tile's scores, then its P (fp32)
+        unsigned valid = 0;                             // the tile's valid picks, 2 bits a register pair
+        // this warpgroup's QK of the tile in its slot (its g-th use): wait, flags, the wgmmas, committed
+        auto qk_issue = [&](int g) {
+            mbar_wait(kv_full + 8 * wg, g & 1);
+            STAMP(1);
+            valid = 0;
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                const unsigned short f = *(volatile unsigned short *)(flags + 64 * wg + 8 * jj + cq);
+                valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
+            }
+            if (TRACE && tr) tr[15] += 1;
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
+            unsigned qb = base + SQ_OFF, kt = base + SK_OFF + wg * ST_BYTES;
+            asm volatile("" : "+r"(qb), "+r"(kt));
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 32; ++k) {
+                const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
+                wgmma_ss(sc, desc(qb + off, LBO_K), desc(kt + off, LBO_K), k);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        };
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
+            // the output's last part (stores), and with SOLO_DEFER the next item's q, its tile count and its first
+            // QK under them (issued and waited for in one branch: one wgmma stage, no accumulator across a merge)
+            auto finish = [&](auto stores) {
+                pre = false;
+                if (SOLO_DEFER && item + stride < a.n_items) {
+                    mbar_wait(q_full, (it + 1) & 1);
+                    nt_pre = __shfl_sync(0xffffffff, info[0], 0);
+                    pre = true;
+                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) {
+                        qk_issue(wg ? u1 : u0);
+                        stores();
+                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+                        for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");
+                        return;
+                    }
+                }
+                stores();
+            };
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = wg == 0 && (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;               // ... and the sum (one lane)
             float o[4][32];
@@ -831,9 +879,9 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
             STAMP(6);
-            mbar_wait(q_full, it & 1);
+            if (!pre) mbar_wait(q_full, it & 1);
             STAMP(0);
-            const int nt = __shfl_sync(0xffffffff, info[0], 0);
+            const int nt = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0);
             if (nt == 0) mbar_arrive(q_empty);
             // rounds of two tiles: warpgroup 0 takes tile tt (slot 0), warpgroup 1 tile tt + 1 (slot 1)
             for (int tt = 0; tt < nt; tt += 2) {
@@ -842,31 +890,18 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                 // of the loops into ~100 live registers). Without a tile of its own (an odd last tile) a warpgroup
                 // multiplies a zero P into tile tt's V, and the other one its zero P the same: the PV wgmmas run
                 // unconditionally (under a branch ptxas serializes them)
-                unsigned qb = base + SQ_OFF, kt = base + SK_OFF + wg * ST_BYTES,
-                         ko = base + SK_OFF + (wg ^ 1) * ST_BYTES, pb = base + SP_OFF + 8192 * (wg ^ 1);
+                unsigned kt = base + SK_OFF + wg * ST_BYTES, ko = base + SK_OFF + (wg ^ 1) * ST_BYTES,
+                         pb = base + SP_OFF + 8192 * (wg ^ 1);
                 unsigned vown = mine ? kt : ko, voth = other ? ko : kt;
-                asm volatile("" : "+r"(qb), "+r"(kt), "+r"(pb), "+r"(vown), "+r"(voth));
-                float sc[32];
-                unsigned valid = 0;
+                asm volatile("" : "+r"(pb), "+r"(vown), "+r"(voth));
                 STAMP(7);
-                if (mine) {
-                    mbar_wait(kv_full + 8 * wg, (wg ? u1 : u0) & 1);
-                    STAMP(1);
+                if (mine && !(pre && tt == 0)) {        // (SOLO_DEFER: round 0's scores came with the last output)
+                    qk_issue(wg ? u1 : u0);
+                    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const unsigned short f = *(volatile unsigned short *)(flags + 64 * wg + 8 * jj + cq);
-                        valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
-                    }
-                    if (TRACE && tr) tr[15] += 1;
-                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
-                    wgmma_fence();
-#pragma unroll
-                    for (int k = 0; k < 32; ++k) {
-                        const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
-                        wgmma_ss(sc, desc(qb + off, LBO_K), desc(kt + off, LBO_K), k);
-                    }
-                    wgmma_commit_wait();
+                    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
+                pre = false;
                 STAMP(2);
 #if QROPE       // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
                 const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
@@ -973,6 +1008,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                 const unsigned sb = pow2_scale(1e-4f);
                 a.scales[((h0 + (tw >> 1)) * 4 + wg * 2 + (tw & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
 #endif
+                finish([]() {});
             } else {
                 // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
                 // them (core_kernel._epilogue's math, its roundings in its order)
@@ -1015,46 +1051,57 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                 // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
                 // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
                 unsigned char *st = smem + SP_OFF + 16384 * wg;
-                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+                auto fp8_staging = [&]() {
+                    float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
 #pragma unroll
-                for (int k = 0; k < 2; ++k)
+                    for (int k = 0; k < 2; ++k)
 #pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        float m = 0.0f;
+                        for (int rr = 0; rr < 2; ++rr) {
+                            float m = 0.0f;
 #pragma unroll
-                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+                            for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
 #pragma unroll
-                            for (int jj = 0; jj < 8; ++jj)
-                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]), fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                        const unsigned sb = pow2_scale(m);
-                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                        if ((l & 3) == 0)
-                            a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
-                                __uint_as_float(sb);
-                    }
+                                for (int jj = 0; jj < 8; ++jj)
+                                    m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
+                                                       fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                            m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                            m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                            const unsigned sb = pow2_scale(m);
+                            invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                            if ((l & 3) == 0)
+                                a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
+                                    __uint_as_float(sb);
+                        }
 #pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
+                    for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                  + (jj & 1) * 8 + cq;
-                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                        *(unsigned short *)(st + rA * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                    }
-                STAMP(21);
-                if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
-                else asm volatile("bar.sync 2, 128;" ::: "memory");
-                const int c = tw & 15;
+                        for (int jj = 0; jj < 8; ++jj) {
+                            const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                      + (jj & 1) * 8 + cq;
+                            const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                            *(unsigned short *)(st + rA * 256 + off) =
+                                pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                            *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                                pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                        }
+                };
+                auto stores = [&]() {
+                    if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
+                    else asm volatile("bar.sync 2, 128;" ::: "memory");
+                    const int c = tw & 15;
 #pragma unroll 4
-                for (int i = 0; i < 8; ++i) {
-                    const int r = (tw >> 4) + 8 * i;
-                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                    for (int i = 0; i < 8; ++i) {
+                        const int r = (tw >> 4) + 8 * i;
+                        const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                        *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                    }
+                };
+                if (SOLO_DEFER == 2) {                  // the next QK under the FP8 steps as well
+                    finish([&]() { fp8_staging(); stores(); });
+                } else {
+                    fp8_staging();
+                    STAMP(21);
+                    finish(stores);
                 }
 #else
                 // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
@@ -1067,6 +1114,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
                             pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
+                finish([]() {});
 #endif
             }
         }
