@@ -72,9 +72,16 @@ def main() -> None:
         for probe in (0, 1, 2, 3):
             row[f"probe{probe}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe, **kw), args.iters), 1)
+        def result(**extra):                    # the output (and FP8 scales) of one run, copied
+            core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, **kw, **extra)
+            return [out.view(torch.uint8).clone()] + ([kw["scales"].clone()] if "scales" in kw else [])
+
+        want = result()
         for v in filter(None, args.variants.split("|")):
             row[f"{v}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, defines=v, **kw), args.iters), 1)
+            # a variant that changes no arithmetic (the order of work only) gives the default kernel's bits
+            row[f"{v}_same_bits"] = all(torch.equal(x, y) for x, y in zip(result(defines=v), want))
         solo = design == "solo"
         n = core_cuda.ctas_resident(dev.index or 0) if solo else 2 * core_cuda.pairs_resident(dev.index or 0)
         tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
@@ -96,7 +103,8 @@ def main() -> None:
           " counts / q slot: an item)")
     for r in rows:
         print(f"{r['design']:6} {r['kind']:8} " + " ".join(f"{r[f'probe{p}_us']:>8.1f}" for p in range(4)) + "   "
-              + " ".join(f"{k[:-3]}: {v}" for k, v in r.items() if k.endswith("_us") and not k.startswith("probe"))
+              + " ".join(f"{k[:-3]}: {v}{'' if r.get(k[:-3] + '_same_bits', True) else ' (BITS DIFFER)'}"
+                         for k, v in r.items() if k.endswith("_us") and not k.startswith("probe"))
               + "   "
               + ", ".join(f"{k} {v}" for k, v in r["cycles"].items()))
     if args.out:
