@@ -852,25 +852,26 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
-            // the output's last part (stores), and with SOLO_DEFER the next item's q, its tile count and its first
-            // QK under them (issued and waited for in one branch: one wgmma stage, no accumulator across a merge)
-            auto finish = [&](auto stores) {
-                pre = false;
-                if (SOLO_DEFER && item + stride < a.n_items) {
-                    mbar_wait(q_full, (it + 1) & 1);
-                    nt_pre = __shfl_sync(0xffffffff, info[0], 0);
-                    pre = true;
-                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) {
-                        qk_issue(wg ? u1 : u0);
-                        stores();
-                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-                        for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");
-                        return;
-                    }
-                }
-                stores();
-            };
+            // FINISH(BODY): the output's last part, and with SOLO_DEFER the next item's q, its tile count and its
+            // first QK under it (issued and waited for in one branch: one wgmma stage, no accumulator across a
+            // merge; a macro, as NVRTC takes no generic lambda)
+#define FINISH(BODY) do { \
+                pre = false; \
+                bool done = false; \
+                if (SOLO_DEFER && item + stride < a.n_items) { \
+                    mbar_wait(q_full, (it + 1) & 1); \
+                    nt_pre = __shfl_sync(0xffffffff, info[0], 0); \
+                    pre = true; \
+                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) { \
+                        qk_issue(wg ? u1 : u0); \
+                        BODY; \
+                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); \
+                        _Pragma("unroll") for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory"); \
+                        done = true; \
+                    } \
+                } \
+                if (!done) { BODY; } \
+            } while (0)
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = wg == 0 && (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;               // ... and the sum (one lane)
             float o[4][32];
@@ -1008,7 +1009,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                 const unsigned sb = pow2_scale(1e-4f);
                 a.scales[((h0 + (tw >> 1)) * 4 + wg * 2 + (tw & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
 #endif
-                finish([]() {});
+                FINISH((void)0);
             } else {
                 // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
                 // them (core_kernel._epilogue's math, its roundings in its order)
@@ -1097,11 +1098,11 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                     }
                 };
                 if (SOLO_DEFER == 2) {                  // the next QK under the FP8 steps as well
-                    finish([&]() { fp8_staging(); stores(); });
+                    FINISH(fp8_staging(); stores());
                 } else {
                     fp8_staging();
                     STAMP(21);
-                    finish(stores);
+                    FINISH(stores());
                 }
 #else
                 // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
@@ -1114,7 +1115,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
                             pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
-                finish([]() {});
+                FINISH((void)0);
 #endif
             }
         }
