@@ -56,14 +56,18 @@ def assert_act_quant_of(got, o):
     assert torch.equal(got[0], want_q.view(torch.uint8)) and torch.equal(got[1], want_s)
 
 
-def test_supported_and_errors_name_the_rule():
-    """Off Hopper (here: CPU tensors) the kernel takes nothing; bad arguments fail before any compile, naming the
-    field and the rule."""
+def test_supported_and_errors_name_the_rule(design, monkeypatch):
+    """Off Hopper (here: CPU tensors) the kernels take nothing; bad arguments fail before any compile, naming the
+    field and the rule; each kernel's limit on the picks."""
     q = torch.zeros(1, 2, 64, 512, dtype=torch.bfloat16)
     assert not core_cuda.supported(q, 2)
     assert not core_cuda.supported(q.float(), 2) and not core_cuda.supported(q[..., :256], 2)
     assert not core_cuda.supported(q, 3) and not core_cuda.supported(q, 1, qrf=32)
     assert not core_cuda.supported(q, 2, picks=core_cuda.MAX_PICKS + 1)
+    # the solo kernel takes CSA's 640 picks (and up to MAX_PICKS), the pair kernel up to PAIR_MAX_PICKS
+    assert core_cuda.max_picks() == (1024 if design == "solo" else 384)
+    monkeypatch.setattr(core_cuda, "MAX_PICKS", 200)
+    assert core_cuda.max_picks() == 200
     assert core_impl(q, [(torch.zeros(1, 4, 512), torch.zeros(1, 2, 3, dtype=torch.int32))]) == "triton"
     kv, idx = torch.zeros(1, 8, 512, dtype=torch.bfloat16), torch.zeros(1, 2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q must be bf16 \[B, S, H, 512\] with H a multiple of 64"):
@@ -83,7 +87,7 @@ def test_supported_and_errors_name_the_rule():
         core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(core_cuda, "DESIGN", "trio")
-        with pytest.raises(ValueError, match=r"core_cuda.DESIGN must be one of \('pair', 'solo'\), got 'trio'"):
+        with pytest.raises(ValueError, match=r"core_cuda.DESIGN must be one of \('solo', 'pair'\), got 'trio'"):
             core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv, idx, kv, idx, 0.1, True)
     # sparse_attention_fused's route: such a call goes to the Gluon kernel, and the CUDA kernel stays available
     assert not core_kernel._run_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True, None, None)

@@ -1,8 +1,24 @@
-"""The sparse attention core's prefill kernel for Hopper in CUDA C++: a pair of CTAs splitting d, two pairs an SM.
+"""The sparse attention core's prefill kernels for Hopper in CUDA C++: "solo" (the default: one CTA an item and
+an SM, two math warpgroups) and "pair" (a pair of CTAs splitting d, two pairs an SM); ``DESIGN`` picks one.
 
 The math is ``core.sparse_attention``'s (one query's 64 heads against 64-key tiles of its picks, the window part
 then the compressed part in one online softmax, fp32 in the exp2 domain, the sink as the running max's start,
 -1 picks masked). What differs from the Gluon kernels (``core_gluon``) is who holds what:
+
+The solo kernel (``SRC_SOLO``):
+
+- **One CTA holds one item**, whole rows of d = 512: q (64 KB), a ring of two 64-key tiles (2 x 64 KB), two P
+  tiles; one CTA an SM (225 KB of shared memory, 384 threads: two math warpgroups at 216 registers, a copy
+  warpgroup at 64). The tiles go in rounds of two: math warpgroup 0 takes the first, 1 the second, each QK over all
+  of d (no partial scores to exchange). Each warpgroup owns one half of the output's d (a 64 x 256 fp32
+  accumulator): the two share their tiles' row maxima (the same new max on both sides) and their P (bf16, in
+  shared memory), and each multiplies both P into its half of both tiles' V. The row sums add once, at the end.
+- The copy warpgroup brings q once the last QK is done and runs q's prologue (sums of squares, RoPE) while the
+  math finishes the item (softmax, PV, output), then gathers the next item's tiles as their slots free; the next
+  item's q rows and picks are prefetched into L2 an item ahead. The output is staged in shared memory (FP8: the P
+  tiles and 16 KB after them) and stored in 16-byte rows.
+
+The pair kernel (``SRC``):
 
 - **A cluster of two CTAs holds one item** (a query's 64-head block), each CTA one half of d = 512: q's half
   (32 KB), a ring of two 64-key tiles of the keys' half (2 x 32 KB) and the output's half as a 64 x 256 fp32
@@ -21,11 +37,12 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
   scores, the sums of squares exchanged between the pair; the RoPE tail turned in shared memory), the output's
   inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, written through the last tile's slot.
 
-The kernel is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
-API, present in 2.11 and 2.13): no build step. It takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16;
+Both are compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
+API, present in 2.11 and 2.13): no build step. They take d = 512 (V4), whole 64-head blocks, one or two parts, bf16;
 every output element is written once in a fixed order, so the bits repeat from run to run. ``supported`` says when
-it applies; ``core_kernel.sparse_attention_fused`` runs it where a Gluon kernel would (prefill grids) for queries
-of up to ``MAX_PICKS`` picks (`benchmarks/2026-12-03-core-cuda-1xh200-session29.md`).
+one applies; ``core_kernel.sparse_attention_fused`` runs it where a Gluon kernel would (prefill grids) for queries
+of up to ``MAX_PICKS`` picks (`benchmarks/2026-12-03-core-cuda-1xh200-session29.md`,
+`benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md`).
 """
 
 from __future__ import annotations
@@ -37,7 +54,7 @@ import warnings
 import torch
 
 __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ctas_resident",
-           "ENABLED", "DESIGN", "MAX_PICKS", "SMEM_BYTES", "SOLO_SMEM_BYTES"]
+           "ENABLED", "DESIGN", "DESIGNS", "MAX_PICKS", "max_picks", "PAIR_MAX_PICKS", "SMEM_BYTES", "SOLO_SMEM_BYTES"]
 
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
@@ -655,6 +672,12 @@ SRC_SOLO = DEVICE + r"""
 #ifndef SOLO_HALF
 #define SOLO_HALF 1         // a round with one tile (an odd last one): only its PV (0: both PVs, one of zero P)
 #endif
+#ifndef SOLO_PF
+#define SOLO_PF 1           // the next item's q rows and picks prefetched into L2 an item ahead
+#endif
+#ifndef SOLO_X2
+#define SOLO_X2 1           // the output's bf16 roundings two at a time (cvt.rn.bf16x2: the same bits, half the cvts)
+#endif
 #ifndef SOLO_DEFER
 #define SOLO_DEFER 0        // the next item's first QK issued before this item's output stores (1: under them;
                             // 2: under the FP8 steps and the stores)
@@ -684,7 +707,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
     __syncthreads();
 
     if (tid >= 256) {                                   // the copy warpgroup: q, the counts, the tiles, ahead
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
         // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 8) of a row: a warp instruction
         // moves 4 rows x 128 contiguous bytes
         const int p = tid - 256, rg = p >> 3, cg = p & 7;
@@ -706,6 +729,22 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
             m2 = max(max(red[4], red[5]), max(red[6], red[7]));
             const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
             STAMP(8);
+            if (SOLO_PF && item + stride < a.n_items) { // the next item's q (HBM: ~3600 cycles of an SM's share) and
+                const int nx = item + stride, nbs = nx / HB, nb = nbs / a.S, ns = nbs % a.S;     // picks, into L2
+                if (p < 64) {
+                    const unsigned short *qr = a.q + nb * a.s_qb + ns * a.s_qs
+                                               + (long long)((nx % HB) * 64 + p) * a.s_qh;
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 1024;" :: "l"(qr) : "memory");
+                } else {
+                    const int J = a.two ? a.J1 + a.J2 : a.J1, lines = (J * (int)sizeof(I) + 127) >> 7;
+                    for (int e = p - 64; e < lines; e += 64) {
+                        const int j = e * (128 / (int)sizeof(I));
+                        const I *ip = j < a.J1 ? idx1_ptr + nb * a.s_i1b + ns * a.s_i1s + j
+                                               : idx2_ptr + nb * a.s_i2b + ns * a.s_i2s + (j - a.J1);
+                        asm volatile("prefetch.global.L2 [%0];" :: "l"(ip) : "memory");
+                    }
+                }
+            }
 #if QROPE && QRF > 0
             const float qpos = (float)a.qpos[bs];       // (loads under the wait below)
 #endif
@@ -811,7 +850,7 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
             for (int t = 0; t < nt; ++t) issue(t);
         }
     } else {                                            // the math warpgroups: 64 heads x their half of d
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
         // (the warpgroup and the tile count through a shuffle: warp-uniform to the compiler, so the wgmmas under
         // branches on them are not serialized)
         const int wg = __shfl_sync(0xffffffff, tid >> 7, 0), tw = tid & 127, w = tw >> 5, l = tid & 31;
@@ -1016,7 +1055,17 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                    for (int i = 0; i < 32; ++i) o[cb][i] = bf16r(o[cb][i] * (((i >> 1) & 1) ? fB : fA));
+                    for (int i = 0; i < 32; i += 2) {
+                        const float f = ((i >> 1) & 1) ? fB : fA;
+                        if (SOLO_X2) {                  // (i, i + 1): one row, two channels
+                            const unsigned r = pack_bf16(o[cb][i] * f, o[cb][i + 1] * f);
+                            o[cb][i] = bf16_lo(r);
+                            o[cb][i + 1] = bf16_hi(r);
+                        } else {
+                            o[cb][i] = bf16r(o[cb][i] * f);
+                            o[cb][i + 1] = bf16r(o[cb][i + 1] * f);
+                        }
+                    }
 #if OROPE
                 if (wg == 1) {                          // the tail (ORF a multiple of 64, <= 256): this warpgroup's
                     // last ORF / 64 swizzle columns, ORF / 2 angles: lane l computes angles l + 32 k (one cos / sin
@@ -1041,8 +1090,9 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
                             for (int rr = 0; rr < 2; ++rr) {      // the inverse turn: (x cos + y sin, y cos - x sin)
                                 const int i0 = 4 * jj + 2 * rr;
                                 const float x = o[cb][i0], y = o[cb][i0 + 1];
-                                o[cb][i0] = bf16r(fmaf(y, sn, x * c));
-                                o[cb][i0 + 1] = bf16r(fmaf(x, -sn, y * c));
+                                const unsigned r = pack_bf16(fmaf(y, sn, x * c), fmaf(x, -sn, y * c));
+                                o[cb][i0] = bf16_lo(r);
+                                o[cb][i0 + 1] = bf16_hi(r);
                             }
                         }
                 }
@@ -1144,15 +1194,18 @@ _BROKEN: str | None = None
 # where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
 # False keeps the Gluon kernels (``launch/bench_attn.py --core-cuda on,off`` measures both)
 ENABLED = True
-# ... for queries of at most this many picks (window + compressed): per item it costs less than the Gluon kernel
-# (one CTA pair an item, two an SM), per 64-key tile more (the partial scores' exchange). On one H200, V4-Flash
-# prefill at 4096 tokens: sliding (128 picks) and HCA (160) faster, CSA (640) slower
+# ... for queries of at most this many picks (window + compressed). On one H200, V4-Flash prefill at 4096 tokens,
+# the solo kernel is faster than the Gluon kernels at sliding (128 picks), HCA (160) and CSA (640); the pair kernel
+# costs less an item, more a 64-key tile (the partial scores' exchange): slower at CSA
 # (benchmarks/2026-12-03-core-cuda-1xh200-session29.md)
-MAX_PICKS = 384
-# which kernel: "pair" (a cluster of two CTAs an item, each half of d, two CTAs an SM) or "solo" (one CTA an item
-# and an SM, two math warpgroups splitting the output's d and taking every other tile)
-DESIGN = "pair"
-DESIGNS = ("pair", "solo")
+MAX_PICKS = 1024
+PAIR_MAX_PICKS = 384        # ... the pair kernel's limit (below MAX_PICKS): slower than Gluon at CSA's 640
+# which kernel: "solo" (one CTA an item and an SM, two math warpgroups splitting the output's d and taking every
+# other tile: the default, faster than the pair kernel and the Gluon kernels at all three V4 layer types) or "pair"
+# (a cluster of two CTAs an item, each half of d, two CTAs an SM)
+# (benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md)
+DESIGN = "solo"
+DESIGNS = ("solo", "pair")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1173,11 +1226,18 @@ def available() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
+def max_picks() -> int:
+    """The most picks a query (both parts) for which the kernel of ``DESIGN`` runs the call: ``MAX_PICKS``, for the
+    pair kernel at most ``PAIR_MAX_PICKS``."""
+    return MAX_PICKS if DESIGN == "solo" else min(MAX_PICKS, PAIR_MAX_PICKS)
+
+
 def supported(q: torch.Tensor, n_parts: int, qrf: int = 0, orf: int = 0, picks: int = 0) -> bool:
     """True when this kernel runs the call: Hopper, bf16, d = 512, whole 64-head blocks, one or two parts; with the
     layer's steps, q's RoPE tail qrf (channels) 0, 64, 128 or 256 and the output's orf a multiple of 64 up to 256
-    (V4: 64), both inside the second half of d; picks (J of both parts; 0: not asked) at most ``MAX_PICKS``."""
-    if not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16 or picks > MAX_PICKS:
+    (V4: 64), both inside the second half of d; picks (J of both parts; 0: not asked) at most ``MAX_PICKS`` (the
+    pair kernel: ``PAIR_MAX_PICKS``)."""
+    if not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16 or picks > max_picks():
         return False
     if qrf not in (0, 64, 128, 256) or orf % 64 or not 0 <= orf <= 256:
         return False
