@@ -437,8 +437,7 @@ def main() -> None:
                     "kernel where it does them, core_kernel.q_norm_inside: the default), branch (on the q branch "
                     "everywhere, core_kernel.WS_Q_NORM = False); default core")
     ap.add_argument("--core-cuda", default="on", help="comma list: on (the CUDA C++ core where it takes the call, "
-                    "core_cuda.ENABLED, its default kernel core_cuda.DESIGN: the default), pair / solo (the CUDA "
-                    "core with that kernel), off (the Gluon kernels); on,off measures both in one run")
+                    "core_cuda.ENABLED: the default), off (the Gluon kernels); on,off measures both in one run")
     ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
                     "most picks a query for which the CUDA core runs; default: as it is)")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
@@ -468,8 +467,8 @@ def main() -> None:
             sys.exit(f"bench_attn: --q-norm {p!r}: must be core or branch")
     cudas = [p for p in args.core_cuda.split(",") if p]
     for p in cudas:
-        if p not in ("on", "off") + core_cuda.DESIGNS:
-            sys.exit(f"bench_attn: --core-cuda {p!r}: must be on, off or one of {core_cuda.DESIGNS}")
+        if p not in ("on", "off"):
+            sys.exit(f"bench_attn: --core-cuda {p!r}: must be on or off")
     gemm8 = fp8_gemm_tflops(dev) if {"fp8", "fp8a"} & set(precisions) and not args.core else None
     print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s" + (f"; FP8 (block scales): {gemm8:.0f}" if gemm8 else ""),
           flush=True)
@@ -495,17 +494,13 @@ def main() -> None:
             for mode, b, graph, tokens in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 core_kernel.WS_Q_NORM = q_norm == "core"
-                core_cuda.ENABLED = cuda != "off"
-                design = core_cuda.DESIGN
-                if cuda in core_cuda.DESIGNS:
-                    core_cuda.DESIGN = cuda
+                core_cuda.ENABLED = cuda == "on"
                 try:
                     row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev,
                                   graph=graph, debug=args.debug, precision=precision, tokens=tokens)
                 finally:
                     core_kernel.WS_Q_NORM = True
                     core_cuda.ENABLED = True
-                    core_cuda.DESIGN = design
                 row["q_norm"], row["core_cuda"] = q_norm, cuda
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)

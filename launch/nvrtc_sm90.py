@@ -1,12 +1,12 @@
-"""Compile the CUDA C++ sparse cores with NVRTC, as ``torch.cuda._compile_kernel`` does on the GPU host, on a machine
+"""Compile the CUDA C++ sparse core with NVRTC, as ``torch.cuda._compile_kernel`` does on the GPU host, on a machine
 without a GPU: NVRTC refuses some C++ that nvcc takes (a generic lambda is a host function in JIT mode), so this
 catches it before device time is spent. ``launch/nvcc_sm90.sh`` gives registers and spills; this gives NVRTC's
 verdict and its log.
 
-    python launch/nvrtc_sm90.py [--defines "QROPE 1;QRF 64|SOLO_DEFER 2"] [--designs solo,pair]
+    python launch/nvrtc_sm90.py [--defines "QROPE 1;QRF 64|SOLO_DEFER 2"]
 
 NVRTC 13.0 comes from PyPI's wheel, unpacked once into .nvcc/ (git-ignored, with launch/nvcc_sm90.sh's compiler,
-whose headers it uses: run that script once first). Each design's source is compiled with no defines, with the
+whose headers it uses: run that script once first). ``core_cuda.SRC`` is compiled with no defines, with the
 layer's (q's norm and a 64-channel RoPE tail, the output's inverse RoPE and FP8) and with each ``--defines`` set;
 exits 1 if any fails.
 """
@@ -59,21 +59,18 @@ def compile_src(lib: ctypes.CDLL, src: str) -> tuple[int, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--defines", default="", help="'|'-separated sets, each a ';'-separated list of NAME VALUE")
-    ap.add_argument("--designs", default="solo,pair")
     args = ap.parse_args()
     from moe_wave.attention import core_cuda
     lib = nvrtc()
-    sources = {"solo": core_cuda.SRC_SOLO, "pair": core_cuda.SRC}
     bad = 0
-    for design in args.designs.split(","):
-        for defs in ["", LAYER] + [d for d in args.defines.split("|") if d]:
-            head = "".join(f"#define {d.strip()}\n" for d in defs.split(";") if d.strip())
-            rc, log = compile_src(lib, head + sources[design])
-            errors = [ln for ln in log.splitlines() if "error" in ln]
-            print(f"{design:5} [{defs or 'no defines'}]: {'ok' if rc == 0 else f'FAILED ({rc})'}", flush=True)
-            if rc:
-                bad += 1
-                print("\n".join(errors[:10] or log.splitlines()[-10:]))
+    for defs in ["", LAYER] + [d for d in args.defines.split("|") if d]:
+        head = "".join(f"#define {d.strip()}\n" for d in defs.split(";") if d.strip())
+        rc, log = compile_src(lib, head + core_cuda.SRC)
+        errors = [ln for ln in log.splitlines() if "error" in ln]
+        print(f"[{defs or 'no defines'}]: {'ok' if rc == 0 else f'FAILED ({rc})'}", flush=True)
+        if rc:
+            bad += 1
+            print("\n".join(errors[:10] or log.splitlines()[-10:]))
     sys.exit(1 if bad else 0)
 
 

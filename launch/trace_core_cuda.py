@@ -1,15 +1,16 @@
 """Where the CUDA C++ sparse core's time goes: its phases in clock cycles, per tile and per item, on bench_core's
 V4 prefill picks, plus the core's time with parts of the work left out (probes, wrong results).
 
-    python launch/trace_core_cuda.py [--kinds sliding,csa,hca] [--designs pair,solo] [--heads 64] [--tokens 4096]
-                                     [--out PATH]
+    python launch/trace_core_cuda.py [--kinds sliding,csa,hca] [--heads 64] [--tokens 4096] [--variants V|V]
+                                     [--fused] [--out PATH]
 
-Phases (``core_cuda.sparse_attention_cuda``'s trace): the math warpgroup's thread 0 and the copy warpgroup's
-thread 0 of every CTA add the cycles between stamps; the table shows each phase's cycles per tile (per item for
-the q and output phases), averaged over all CTAs. The solo kernel (``core_cuda.DESIGN = "solo"``) stamps warpgroup 0:
-its "tiles" are rounds of two, "x reads" is the wait for the other warpgroup's row maxima, "x free wait" the wait for
-its P; its output phase is split: "o sums wait" (the other warpgroup's row sums), "o scale, rope", "o fp8 staging",
-then "output" (the stores and the next item's start).
+Phases (``core_cuda.sparse_attention_cuda``'s trace): math warpgroup 0's thread 0 and the copy warpgroup's thread 0
+of every CTA add the cycles between stamps; the table shows each phase's cycles per round of two tiles (per item
+for q, the output and the copy warpgroup's counts and q slot), averaged over all CTAs. "x reads" is the wait for
+the other warpgroup's row maxima, "x free wait" the wait for its P; the output is split into "o sums wait" (the
+other warpgroup's row sums), "o scale, rope", "o fp8 staging" and "output" (the stores and the next item's start);
+"cp picks" holds q's prologue before a round's first picks. Each compile variant (``--variants``) is timed and its
+output compared with the default kernel's, bit for bit (the switches reorder work only).
 """
 
 from __future__ import annotations
@@ -32,15 +33,13 @@ from moe_wave.attention import core_cuda  # noqa: E402
 
 PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "x reads", 4: "softmax", 5: "PV", 6: "output", 7: "tile top",
           8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue", 16: "x free wait",
-          17: "x stores", 18: "x partial wait", 19: "o sums wait", 20: "o scale, rope", 21: "o fp8 staging"}
+          19: "o sums wait", 20: "o scale, rope", 21: "o fp8 staging"}
 PER_ITEM = {0, 6, 8, 9, 19, 20, 21}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", default="sliding,csa,hca")
-    ap.add_argument("--designs", default=core_cuda.DESIGN, help="comma list of core_cuda.DESIGNS (default: the "
-                    "default kernel)")
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
@@ -52,15 +51,12 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
-    for design, kind in [(d, k) for d in args.designs.split(",") for k in args.kinds.split(",")]:
-        if design not in core_cuda.DESIGNS:
-            sys.exit(f"trace_core_cuda: --designs {design!r}: must be one of {core_cuda.DESIGNS}")
-        core_cuda.DESIGN = design
+    for kind in args.kinds.split(","):
         q, parts, sinks = make(kind, args.tokens, args.heads, 512, dev)
         (kv1, i1), (kv2, i2) = parts[0], parts[-1]
         out = torch.empty_like(q)
         scale, two = 512 ** -0.5, len(parts) == 2
-        row = dict(design=design, kind=kind, heads=args.heads, tokens=args.tokens, fused=args.fused)
+        row = dict(kind=kind, heads=args.heads, tokens=args.tokens, fused=args.fused)
         kw = {}
         if args.fused:                          # V4's RoPE (64 channels), positions 0..S-1, FP8 out
             S = args.tokens
@@ -69,7 +65,7 @@ def main() -> None:
             out = torch.empty(1, S, args.heads, 512, dtype=torch.float8_e4m3fn, device=dev)
             kw = dict(q_rope=(pos, freq, 1e-6), o_rope=(pos, freq),
                       scales=torch.empty(args.heads * 4, S, device=dev))
-        for probe in (0, 1, 2, 3):
+        for probe in (0, 2):                    # (2: without the tiles' copies)
             row[f"probe{probe}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe, **kw), args.iters), 1)
         def result(**extra):                    # the output (and FP8 scales) of one run, copied
@@ -82,27 +78,20 @@ def main() -> None:
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, defines=v, **kw), args.iters), 1)
             # a variant that changes no arithmetic (the order of work only) gives the default kernel's bits
             row[f"{v}_same_bits"] = all(torch.equal(x, y) for x, y in zip(result(defines=v), want))
-        solo = design == "solo"
-        n = core_cuda.ctas_resident(dev.index or 0) if solo else 2 * core_cuda.pairs_resident(dev.index or 0)
+        n = core_cuda.ctas_resident(dev.index or 0)
         tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
         core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr, **kw)
-        if solo:
-            row["ctas"] = n
-        else:
-            sm = tr[:, 13].view(-1, 2)
-            row["pairs_on_one_sm"] = int((sm[:, 0] == sm[:, 1]).sum())
-            row["pairs"] = sm.shape[0]
+        row["ctas"] = n
         tot = tr.sum(0).tolist()
         items, tiles = max(tot[14], 1), max(tot[15], 1)
         row.update(items=tot[14], tiles=tot[15])
         row["cycles"] = {PHASES[k]: round(tot[k] / (items if k in PER_ITEM else tiles)) for k in PHASES}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'design':6} {'kind':8} " + " ".join(f"{'probe' + str(p):>8}" for p in range(4))
-          + "   cycles a tile (q / output /"
-          " counts / q slot: an item)")
+    print(f"\n{'kind':8} " + " ".join(f"{'probe' + str(p):>8}" for p in (0, 2))
+          + "   cycles a round (q / output / counts / q slot: an item)")
     for r in rows:
-        print(f"{r['design']:6} {r['kind']:8} " + " ".join(f"{r[f'probe{p}_us']:>8.1f}" for p in range(4)) + "   "
+        print(f"{r['kind']:8} " + " ".join(f"{r[f'probe{p}_us']:>8.1f}" for p in (0, 2)) + "   "
               + " ".join(f"{k[:-3]}: {v}{'' if r.get(k[:-3] + '_same_bits', True) else ' (BITS DIFFER)'}"
                          for k, v in r.items() if k.endswith("_us") and not k.startswith("probe"))
               + "   "

@@ -1,8 +1,7 @@
-"""The sparse core's CUDA C++ kernels (``attention.core_cuda``: "pair", a cluster of two CTAs splitting d, two pairs
-an SM; "solo", one CTA an item and an SM with two math warpgroups; Hopper only, compiled at run time by NVRTC)
-against the torch reference, the unfused chain and the Gluon kernels.
+"""The sparse core's CUDA C++ kernel (``attention.core_cuda``: one CTA an item and an SM, two math warpgroups;
+Hopper only, compiled at run time by NVRTC) against the torch reference, the unfused chain and the Gluon kernels.
 
-The kernels run only on an sm_90 GPU: those tests skip elsewhere. Its argument checks and where it applies are
+The kernel runs only on an sm_90 GPU: those tests skip elsewhere. Its argument checks and where it applies are
 tested everywhere (CI's CPU included).
 """
 
@@ -22,13 +21,6 @@ from tests.test_core_gluon import CASES, _case, rel
 
 needs_cuda_core = pytest.mark.skipif(not core_cuda.available(), reason="needs a Hopper GPU and torch's NVRTC")
 D512 = [n for n in CASES if CASES[n][3] == 512]
-
-
-@pytest.fixture(autouse=True, params=core_cuda.DESIGNS)
-def design(request, monkeypatch):
-    """Every test on both kernels: the pair kernel and the solo kernel (``core_cuda.DESIGN``)."""
-    monkeypatch.setattr(core_cuda, "DESIGN", request.param)
-    return request.param
 
 
 def run(q, parts, sinks, **kw):
@@ -56,18 +48,14 @@ def assert_act_quant_of(got, o):
     assert torch.equal(got[0], want_q.view(torch.uint8)) and torch.equal(got[1], want_s)
 
 
-def test_supported_and_errors_name_the_rule(design, monkeypatch):
-    """Off Hopper (here: CPU tensors) the kernels take nothing; bad arguments fail before any compile, naming the
-    field and the rule; each kernel's limit on the picks."""
+def test_supported_and_errors_name_the_rule():
+    """Off Hopper (here: CPU tensors) the kernel takes nothing; bad arguments fail before any compile, naming the
+    field and the rule."""
     q = torch.zeros(1, 2, 64, 512, dtype=torch.bfloat16)
     assert not core_cuda.supported(q, 2)
     assert not core_cuda.supported(q.float(), 2) and not core_cuda.supported(q[..., :256], 2)
     assert not core_cuda.supported(q, 3) and not core_cuda.supported(q, 1, qrf=32)
     assert not core_cuda.supported(q, 2, picks=core_cuda.MAX_PICKS + 1)
-    # the solo kernel takes CSA's 640 picks (and up to MAX_PICKS), the pair kernel up to PAIR_MAX_PICKS
-    assert core_cuda.max_picks() == (1024 if design == "solo" else 384)
-    monkeypatch.setattr(core_cuda, "MAX_PICKS", 200)
-    assert core_cuda.max_picks() == 200
     assert core_impl(q, [(torch.zeros(1, 4, 512), torch.zeros(1, 2, 3, dtype=torch.int32))]) == "triton"
     kv, idx = torch.zeros(1, 8, 512, dtype=torch.bfloat16), torch.zeros(1, 2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q must be bf16 \[B, S, H, 512\] with H a multiple of 64"):
@@ -85,10 +73,6 @@ def test_supported_and_errors_name_the_rule(design, monkeypatch):
     odd = torch.zeros(1, 8, 516, dtype=torch.bfloat16)[..., 2:514]       # rows 1032 bytes apart: no 16-byte copies
     with pytest.raises(ValueError, match="kv1 must be 16-byte aligned with strides that are multiples of 8"):
         core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(core_cuda, "DESIGN", "trio")
-        with pytest.raises(ValueError, match=r"core_cuda.DESIGN must be one of \('solo', 'pair'\), got 'trio'"):
-            core_cuda.sparse_attention_cuda(q, q, torch.zeros(64), kv, idx, kv, idx, 0.1, True)
     # sparse_attention_fused's route: such a call goes to the Gluon kernel, and the CUDA kernel stays available
     assert not core_kernel._run_cuda(q, q, torch.zeros(64), odd, idx, kv, idx, 0.1, True, None, None)
     assert core_cuda._BROKEN is None

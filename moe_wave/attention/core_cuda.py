@@ -1,48 +1,37 @@
-"""The sparse attention core's prefill kernels for Hopper in CUDA C++: "solo" (the default: one CTA an item and
-an SM, two math warpgroups) and "pair" (a pair of CTAs splitting d, two pairs an SM); ``DESIGN`` picks one.
+"""The sparse attention core's prefill kernel for Hopper in CUDA C++: one CTA an item and an SM, two math warpgroups.
 
 The math is ``core.sparse_attention``'s (one query's 64 heads against 64-key tiles of its picks, the window part
 then the compressed part in one online softmax, fp32 in the exp2 domain, the sink as the running max's start,
 -1 picks masked). What differs from the Gluon kernels (``core_gluon``) is who holds what:
 
-The solo kernel (``SRC_SOLO``):
-
-- **One CTA holds one item**, whole rows of d = 512: q (64 KB), a ring of two 64-key tiles (2 x 64 KB), two P
-  tiles; one CTA an SM (225 KB of shared memory, 384 threads: two math warpgroups at 216 registers, a copy
-  warpgroup at 64). The tiles go in rounds of two: math warpgroup 0 takes the first, 1 the second, each QK over all
-  of d (no partial scores to exchange). Each warpgroup owns one half of the output's d (a 64 x 256 fp32
-  accumulator): the two share their tiles' row maxima (the same new max on both sides) and their P (bf16, in
-  shared memory), and each multiplies both P into its half of both tiles' V. The row sums add once, at the end.
-- The copy warpgroup brings q once the last QK is done and runs q's prologue (sums of squares, RoPE) while the
-  math finishes the item (softmax, PV, output), then gathers the next item's tiles as their slots free; the next
-  item's q rows and picks are prefetched into L2 an item ahead. The output is staged in shared memory (FP8: the P
-  tiles and 16 KB after them) and stored in 16-byte rows.
-
-The pair kernel (``SRC``):
-
-- **A cluster of two CTAs holds one item** (a query's 64-head block), each CTA one half of d = 512: q's half
-  (32 KB), a ring of two 64-key tiles of the keys' half (2 x 32 KB) and the output's half as a 64 x 256 fp32
-  accumulator in one math warpgroup. QK over a half of d gives a partial score; each CTA sends its partial into its
-  peer's shared memory (``st.async``, the bytes counted on the peer's mbarrier), both add the two (the same fp32
-  sum on both sides: the same bits), run the same softmax and multiply P into their own half of V.
-- **Two items an SM.** A CTA needs 112 KB of shared memory and 256 threads (the math warpgroup at 200 registers,
-  a copy warpgroup at 56), so two CTAs of different items share an SM and one's softmax runs while the other's
-  GEMMs use the tensor cores. With one item an SM (the Gluon kernels: q 64 KB, two 64 KB tiles and a 64 x 512
-  accumulator fill it) the tensor cores idle through each tile's softmax.
-- **Persistent pairs**: each walks items with a stride of the pairs resident. The copy warpgroup counts the next
-  item's tiles, brings its q once the last QK is done, gathers the picked rows with ``cp.async`` into the 128-byte
-  swizzle (a -1 pick reads nothing and is zero-filled) with their valid flags in shared memory, and signals
-  mbarriers; QK and PV are ``wgmma`` from shared-memory descriptors, P from registers in the accumulator's layout.
+- **One CTA holds one item** (a query's 64-head block), whole rows of d = 512: q (64 KB), a ring of two 64-key
+  tiles (2 x 64 KB), two P tiles; one CTA an SM (225 KB of shared memory, 384 threads: two math warpgroups at 216
+  registers, a copy warpgroup at 64). The tiles go in rounds of two: math warpgroup 0 takes the first, 1 the
+  second, each QK over all of d. Each warpgroup owns one half of the output's d (a 64 x 256 fp32 accumulator): the
+  two share their tiles' row maxima (the same new max on both sides) and their P (bf16, in shared memory), and each
+  multiplies both P into its half of both tiles' V; a round with one tile runs only its PV. The row sums add once,
+  at the end. (The Gluon kernels hold the whole 64 x 512 accumulator in one warpgroup, whose tensor cores idle
+  through each tile's softmax.)
+- **Persistent**: each CTA walks items with a stride of the CTAs resident. The copy warpgroup counts the next
+  item's tiles, brings its q once the last QK is done and runs q's prologue while the math finishes the item, then
+  gathers the picked rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled)
+  with their valid flags in shared memory as the slots free, and signals mbarriers; the next item's q rows and
+  picks are prefetched into L2 an item ahead. QK and PV are ``wgmma`` from shared-memory descriptors, the own P
+  from registers in the accumulator's layout, the other's from shared memory.
 - **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
-  scores, the sums of squares exchanged between the pair; the RoPE tail turned in shared memory), the output's
-  inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, written through the last tile's slot.
+  scores; the RoPE tail turned in shared memory), the output's inverse RoPE and ``act_quant``'s FP8 with the
+  unfused chain's bits, staged in shared memory (the P tiles and 16 KB after them) and stored in 16-byte rows.
 
-Both are compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
-API, present in 2.11 and 2.13): no build step. They take d = 512 (V4), whole 64-head blocks, one or two parts, bf16;
-every output element is written once in a fixed order, so the bits repeat from run to run. ``supported`` says when
-one applies; ``core_kernel.sparse_attention_fused`` runs it where a Gluon kernel would (prefill grids) for queries
-of up to ``MAX_PICKS`` picks (`benchmarks/2026-12-03-core-cuda-1xh200-session29.md`,
-`benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md`).
+It replaced (session 31) a pair kernel, a cluster of two CTAs an item each holding half of d and exchanging 64 x 64
+partial scores a tile, two CTAs an SM: slower at all three V4 layer types
+(`benchmarks/2026-12-03-core-cuda-pair-session31.patch` restores it beside this one).
+
+It is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
+API, present in 2.11 and 2.13): no build step (``launch/nvrtc_sm90.py`` runs NVRTC on a machine without a GPU). It
+takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16; every output element is written once in a fixed
+order, so the bits repeat from run to run. ``supported`` says when it applies; ``core_kernel.sparse_attention_fused``
+runs it where a Gluon kernel would (prefill grids) for queries of up to ``MAX_PICKS`` picks
+(`benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md`).
 """
 
 from __future__ import annotations
@@ -53,16 +42,13 @@ import warnings
 
 import torch
 
-__all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "pairs_resident", "ctas_resident",
-           "ENABLED", "DESIGN", "DESIGNS", "MAX_PICKS", "max_picks", "PAIR_MAX_PICKS", "SMEM_BYTES", "SOLO_SMEM_BYTES"]
+__all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "ctas_resident", "ENABLED", "MAX_PICKS",
+           "SMEM_BYTES"]
 
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
-THREADS = 256               # a math warpgroup, a copy warpgroup
-SMEM_BYTES = 32768 + 2 * 32768 + 16384 + 784    # q half, a ring of two key-half tiles, the peer's partial, barriers,
-#                                                 # the tiles' valid flags, q's norm factors and the peer's sums
-SOLO_THREADS = 384          # two math warpgroups, a copy warpgroup
-SOLO_SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2064  # q, two whole-row tiles, P tiles + staging, barriers and the rest
+THREADS = 384               # two math warpgroups, a copy warpgroup
+SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2064  # q, two whole-row tiles, P tiles + staging, barriers and the rest
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
@@ -82,7 +68,7 @@ __device__ __forceinline__ unsigned smem_u32(const void *p) {
     "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 """
 
-# the device code both kernels share: barriers, copies, conversions, wgmma, the arguments
+# the kernel's device code: barriers, copies, conversions, wgmma, the arguments
 DEVICE = HELPERS + r"""
 #define NEG_INF (-__int_as_float(0x7f800000))
 #ifndef TRACE
@@ -110,7 +96,7 @@ DEVICE = HELPERS + r"""
 #define POS_T long long
 #endif
 #ifndef PROBE
-#define PROBE 0     // profiling only, wrong results: 1 no exchange of partial scores, 2 no tile copies
+#define PROBE 0     // profiling only, wrong results: 2 no tile copies
 #endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
@@ -129,17 +115,6 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
 }
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {      // arrive, and expect bytes
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_peer_relaxed(unsigned cluster_addr) {   // orders nothing before it
-    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr) : "memory");
-}
-__device__ __forceinline__ unsigned peer_addr(unsigned a, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cp_async16(unsigned dst, const void *src, unsigned src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -170,10 +145,6 @@ __device__ __forceinline__ unsigned short pack_e4m3(float lo, float hi) {
 __device__ __forceinline__ unsigned pow2_scale(float amax) {
     const unsigned ab = __float_as_uint(amax);
     return (ab & 0x7F800000u) - (8u << 23) + ((ab & 0x7FFFFFu) > 0x600000u ? (1u << 23) : 0u);
-}
-__device__ __forceinline__ void st_async_f32(unsigned cluster_addr, float v, unsigned cluster_bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
-                 :: "r"(cluster_addr), "f"(v), "r"(cluster_bar) : "memory");
 }
 __device__ __forceinline__ float bf16_lo(unsigned v) { return __int_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned v) { return __int_as_float(v & 0xffff0000u); }
@@ -229,439 +200,9 @@ struct Args {
 
 """
 
-# the pair kernel ("pair"): a cluster of two CTAs an item, each one half of d, two CTAs an SM
+# the kernel: one CTA an item and an SM, whole rows of d; two math warpgroups, each one half of the output, take
+# every other tile (QK over all of d), share their row maxima and P through shared memory
 SRC = DEVICE + r"""
-#define HALF 256
-#define Q_OFF 0
-#define K_OFF 32768
-#define T_BYTES 32768
-#define X_OFF 98304
-#define B_OFF 114688
-
-template <typename I>
-__device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const int tid = threadIdx.x;
-    unsigned rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    const int HB = a.H / 64, first = blockIdx.x >> 1, stride = gridDim.x >> 1;
-    const unsigned base = smem_u32(smem);
-    const unsigned q_full = base + B_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32,
-                   x_full = q_full + 48, x_free = q_full + 56, ss_full = q_full + 64;
-    volatile int *info = (volatile int *)(smem + B_OFF + 72);      // the item's tile counts, producer -> math
-    volatile unsigned char *flags = smem + B_OFF + 144;             // [2 slots][64 rows]: the pick is valid
-    volatile float *inv_s = (volatile float *)(smem + B_OFF + 272); // QROPE: each head's 1 / rms
-    volatile float *ssx = (volatile float *)(smem + B_OFF + 528);   // QROPE: the peer's half sums of squares
-    if (tid == 0) {
-        if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
-        mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
-                                                        // after the prologue), + 1 plain arrive (info)
-        mbar_init(ss_full, 1);                          // QROPE: this CTA's expect_tx + the peer's 256 bytes
-        mbar_init(q_empty, 128);
-        mbar_init(kv_full, 144); mbar_init(kv_full + 8, 144);    // cp.async of 128 threads + 16 plain (the flags)
-        mbar_init(kv_empty, 128); mbar_init(kv_empty + 8, 128);
-        mbar_init(x_full, 1);                           // this CTA's expect_tx, + the peer's st.async bytes
-        mbar_init(x_free, 128);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    cluster_sync();                                     // barriers initialised on both sides
-
-    if (tid >= 128) {                                   // the copy warpgroup: q, the counts, the tiles, ahead
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-        // thread p copies rows rg + 16 i (i < 4) x 16-byte chunks cg + 8 k (k < 4) of a 256-channel half row: a warp
-        // instruction moves 4 rows x 128 contiguous bytes, and a thread needs 4 row ids a tile
-        const int p = tid - 128, rg = p >> 3, cg = p & 7;
-        long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
-        int g = 0, it = 0;
-        for (int item = first; item < a.n_items; item += stride, ++it) {
-            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
-            const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
-            const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
-            // each part's tiles run up to its last valid pick (both CTAs count the same)
-            int m1 = -1, m2 = -1;
-            for (int j = p; j < a.J1; j += 128) if (idx1[j] >= 0) m1 = j;
-            if (a.two) for (int j = p; j < a.J2; j += 128) if (idx2[j] >= 0) m2 = j;
-            m1 = __reduce_max_sync(0xffffffff, m1);
-            m2 = __reduce_max_sync(0xffffffff, m2);
-            int *red = (int *)(smem + B_OFF + 80) + 8 * (it & 1);    // two sets: no barrier before the next write
-            if ((p & 31) == 0) { red[p >> 5] = m1; red[4 + (p >> 5)] = m2; }
-            asm volatile("bar.sync 1, 128;" ::: "memory");
-            m1 = max(max(red[0], red[1]), max(red[2], red[3]));
-            m2 = max(max(red[4], red[5]), max(red[6], red[7]));
-            const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
-            STAMP(8);
-#if QROPE && QRF > 0
-            const float qpos = (float)a.qpos[bs];       // (loads under the wait below)
-#endif
-            mbar_wait(q_empty, (it & 1) ^ 1);           // the last item's QKs are done with q
-            STAMP(9);
-            if (p == 0) { info[0] = n1; info[1] = nt; }
-            const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + rank * HALF + cg * 8;
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const int r = rg + 16 * i;
-                    cp_async16(base + Q_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
-                }
-            asm volatile("cp.async.commit_group;" ::: "memory");   // (tile 0's copies, below, stay uncommitted)
-            auto issue = [&](int t) {                   // tile t's copies, its flags, kv_full's arrivals
-                const int slot = g & 1;
-                const bool one = t < n1;
-                const I *ip = one ? idx1 : idx2;
-                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
-                const unsigned short *kv = one ? a.kv1 + b * a.s_k1b : a.kv2 + b * a.s_k2b;
-                const long long sm = one ? a.s_k1m : a.s_k2m;
-                int id[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = j0 + rg + 16 * i;
-                    id[i] = j < J ? (int)ip[j] : -1;
-                }
-                STAMP(10);
-                mbar_wait(kv_empty + 8 * slot, ((g >> 1) & 1) ^ 1);
-                STAMP(11);
-                const unsigned dst = base + K_OFF + slot * T_BYTES;
-                const unsigned short *kvc = kv + rank * HALF + cg * 8;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
-                    const unsigned n = id[i] < 0 ? 0 : 16;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-                        if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
-                }
-                if (cg == 0) {                          // the rows' valid flags, for the math's mask
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) flags[64 * slot + rg + 16 * i] = id[i] >= 0;
-                    mbar_arrive(kv_full + 8 * slot);    // (release: the flags before the phase completes)
-                }
-                cp_async_arrive(kv_full + 8 * slot);
-                STAMP(12);
-                ++g;
-            };
-            int q_tiles = 0;                            // tiles issued before q's prologue (with q, under it)
-#if QROPE
-            if (nt > 0) { issue(0); q_tiles = 1; }
-            // q's prologue while the math finishes the last item: each head's sum of squares over this half (2
-            // threads a head), the peer's half by st.async, the RoPE tail turned in place (the CTA holding it)
-            asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group (not tile 0's copies)
-            asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
-            float ss = 0.0f;
-#pragma unroll 4
-            for (int k = 0; k < 16; ++k) {
-                const uint4 v = *(const uint4 *)(smem + Q_OFF + sw_off(p >> 1, (p & 1) * 16 + k));
-                const unsigned w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float x0 = bf16_lo(w4[e]), x1 = bf16_hi(w4[e]);
-                    ss = fmaf(x0, x0, ss);
-                    ss = fmaf(x1, x1, ss);
-                }
-            }
-            ss += __shfl_xor_sync(0xffffffff, ss, 1);
-            if (p == 0) mbar_expect_tx(ss_full, 64 * 4);
-            if ((p & 1) == 0) st_async_f32(peer_addr(base + B_OFF + 528 + 2 * p, rank ^ 1u), ss,
-                                           peer_addr(ss_full, rank ^ 1u));
-#if QRF > 0
-            asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
-            if (rank == 1) {
-                // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, so its 4 angles once
-                constexpr int NC = QRF / 8;
-                const int pc = p % NC;
-                float cs[4], sn[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float ang = qpos * a.qfreq[pc * 4 + j];
-                    cs[j] = cosf(ang);
-                    sn[j] = sinf(ang);
-                }
-                for (int r = p / NC; r < 64; r += 128 / NC) {
-                    uint4 *ptr = (uint4 *)(smem + Q_OFF + sw_off(r, 32 - NC + pc));
-                    uint4 v = *ptr;
-                    unsigned *w4 = (unsigned *)&v;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {       // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
-                        const float x = bf16_lo(w4[j]), y = bf16_hi(w4[j]);
-                        w4[j] = pack_bf16(fmaf(y, -sn[j], x * cs[j]), fmaf(x, sn[j], y * cs[j]));
-                    }
-                    *ptr = v;
-                }
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the turned q, to wgmma's proxy
-            }
-#endif
-            mbar_wait(ss_full, it & 1);
-            if ((p & 1) == 0) inv_s[p >> 1] = 1.0f / sqrtf((ss + ssx[p >> 1]) / 512.0f + a.eps);
-            mbar_arrive(q_full);                        // (release: the factors and the turned q)
-#else
-            cp_async_arrive(q_full);
-            if (p == 0) mbar_arrive(q_full);
-#endif
-            for (int t = q_tiles; t < nt; ++t) issue(t);
-        }
-    } else {                                            // the math warpgroup: 64 heads x this CTA's 256 channels
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
-        const int w = tid >> 5, l = tid & 31;
-        const int rA = 16 * w + (l >> 2), cq = 2 * (l & 3);
-        const float LOG2E = 1.4426950408889634f;
-        const unsigned peer = rank ^ 1u;
-        const unsigned px = peer_addr(base + X_OFF, peer), pfull = peer_addr(x_full, peer),
-                       pfree = peer_addr(x_free, peer);
-        long long *tr = TRACE && a.trace && tid == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
-        if (TRACE && tr) {
-            unsigned sm;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-            tr[13] = sm;
-        }
-        int g = 0, it = 0;
-        for (int item = first; item < a.n_items; item += stride, ++it) {
-            const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
-            if (TRACE && tr) tr[14] += 1;
-            float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
-            float lA = (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;                          // ... and the sum (one lane)
-            float o[4][32];
-#pragma unroll
-            for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
-            STAMP(6);
-            mbar_wait(q_full, it & 1);
-            STAMP(0);
-            const int n1 = info[0], nt = info[1];
-            if (nt == 0) mbar_arrive(q_empty);
-            for (int t = 0; t < nt; ++t, ++g) {
-                const int slot = g & 1;
-                STAMP(7);
-                mbar_wait(kv_full + 8 * slot, (g >> 1) & 1);
-                STAMP(1);
-                unsigned valid = 0;
-#pragma unroll
-                for (int jj = 0; jj < 8; ++jj) {
-                    const unsigned short f = *(volatile unsigned short *)(flags + 64 * slot + 8 * jj + cq);
-                    valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
-                }
-                if (TRACE && tr) tr[15] += 1;
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
-                const unsigned kt = base + K_OFF + slot * T_BYTES;
-                float sc[32];
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < 16; ++k) {
-                    const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
-                    wgmma_ss(sc, desc(base + Q_OFF + off, LBO_K), desc(kt + off, LBO_K), k);
-                }
-                wgmma_commit_wait();
-                STAMP(2);
-#if QROPE       // q's norm, a factor of each head's scores (read a tile, before q_empty lets the factors change)
-                const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
-#else
-                const float scA = a.qk_scale, scB = a.qk_scale;
-#endif
-                if (t == nt - 1) mbar_arrive(q_empty);  // the copy warpgroup may bring the next item's q
-                // the peer's partial scores: mine into its buffer, its into mine, the same sum on both sides
-                if (!(PROBE & 1)) {
-                mbar_wait(x_free, (g & 1) ^ 1);
-                STAMP(16);
-                // asynchronous remote stores that count their bytes on the peer's barrier (no release fence)
-#pragma unroll
-                for (int k = 0; k < 8; ++k)
-                    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], "
-                                 "{%1, %2, %3, %4}, [%5];"
-                                 :: "r"(px + (k * 128 + tid) * 16), "f"(sc[4 * k]), "f"(sc[4 * k + 1]),
-                                    "f"(sc[4 * k + 2]), "f"(sc[4 * k + 3]), "r"(pfull) : "memory");
-                if (tid == 0) mbar_expect_tx(x_full, 128 * 32 * 4);     // this tile's phase: the peer's bytes
-                STAMP(17);
-                mbar_wait(x_full, g & 1);
-                STAMP(18);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    float x0, x1, x2, x3;
-                    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                                 : "=f"(x0), "=f"(x1), "=f"(x2), "=f"(x3) : "r"(base + X_OFF + (k * 128 + tid) * 16)
-                                 : "memory");
-                    sc[4 * k] += x0; sc[4 * k + 1] += x1; sc[4 * k + 2] += x2; sc[4 * k + 3] += x3;
-                }
-                // (relaxed: the reads above are consumed by the adds, which issue before this arrive)
-                mbar_arrive_peer_relaxed(pfree);
-                }
-                STAMP(3);
-                // online softmax (exp2 domain); row A = registers i with i / 2 even, row B the others. The scale
-                // (> 0) goes into one FFMA a score: the max runs on the raw scores, masked ones -inf
-                float xA = NEG_INF, xB = NEG_INF;
-#pragma unroll
-                for (int i = 0; i < 32; ++i) {
-                    const float v = (valid >> (2 * (i >> 2) + (i & 1))) & 1 ? sc[i] : NEG_INF;
-                    sc[i] = v;
-                    if ((i >> 1) & 1) xB = fmaxf(xB, v); else xA = fmaxf(xA, v);
-                }
-                xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 1));
-                xA = fmaxf(xA, __shfl_xor_sync(0xffffffff, xA, 2));
-                xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 1));
-                xB = fmaxf(xB, __shfl_xor_sync(0xffffffff, xB, 2));
-                const float nA = fmaxf(mA, xA * scA), nB = fmaxf(mB, xB * scB);
-                const float aA = ex2(mA - nA), aB = ex2(mB - nB);
-                const bool moved = mA != nA || mB != nB;
-                mA = nA; mB = nB;
-                float sA = 0.0f, sB = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 32; ++i) {
-                    const bool rowB = (i >> 1) & 1;
-                    const float pv = ex2(fmaf(sc[i], rowB ? scB : scA, rowB ? -nB : -nA));
-                    sc[i] = pv;
-                    if (rowB) sB += pv; else sA += pv;
-                }
-                lA = lA * aA + sA; lB = lB * aB + sB;
-                unsigned pa[16];
-#pragma unroll
-                for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
-                if (__any_sync(0xffffffff, moved)) {    // (an unmoved max has a = 1 exactly: the same bits)
-#pragma unroll
-                    for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                        for (int i = 0; i < 32; ++i) o[cb][i] *= ((i >> 1) & 1) ? aB : aA;
-                }
-                STAMP(4);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int cb = 0; cb < 4; ++cb)
-                        wgmma_rs(o[cb], pa + 4 * k, desc(kt + cb * 8192 + k * 2048, LBO_V));
-                wgmma_commit_wait();
-                STAMP(5);
-                if (t < nt - 1) mbar_arrive(kv_empty + 8 * slot);  // (the last tile's slot stages the output)
-            }
-            lA += __shfl_xor_sync(0xffffffff, lA, 1); lA += __shfl_xor_sync(0xffffffff, lA, 2);
-            lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
-            const float fA = 1.0f / lA, fB = 1.0f / lB;
-            constexpr int OB = FP8 ? 1 : 2, ROWB = HALF * OB;     // output bytes an element, a row's half
-            unsigned char *orow = (unsigned char *)a.out + (b * a.s_ob + s * a.s_os + (long long)h0 * a.s_oh
-                                                            + rank * HALF) * OB;
-            if (nt == 0) {                              // nothing picked: zeros (the sink took all), no slot held
-                for (int e = tid; e < 64 * ROWB / 16; e += 128)
-                    *(uint4 *)(orow + (e / (ROWB / 16)) * a.s_oh * OB + (e % (ROWB / 16)) * 16) =
-                        make_uint4(0, 0, 0, 0);
-#if FP8
-                const unsigned sb = pow2_scale(1e-4f);
-                a.scales[((h0 + (tid >> 1)) * 4 + rank * 2 + (tid & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
-#endif
-            } else {
-                // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
-                // them (core_kernel._epilogue's math, its roundings in its order)
-#pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) o[cb][i] = bf16r(o[cb][i] * (((i >> 1) & 1) ? fB : fA));
-#if OROPE
-                if (rank == 1) {                        // the tail (ORF a multiple of 64, <= 256): this CTA's last
-                    // ORF / 64 swizzle columns, ORF / 2 angles: lane l computes angles l + 32 k (one cos / sin pair
-                    // a lane a column, not one a register pair), the others read them by shuffles
-                    const float pos = (float)a.opos[bs];
-                    float ck[ORF / 64], sk[ORF / 64];
-#pragma unroll
-                    for (int k = 0; k < ORF / 64; ++k) {
-                        const float ang = pos * a.ofreq[32 * k + l];
-                        ck[k] = cosf(ang);
-                        sk[k] = sinf(ang);
-                    }
-#pragma unroll
-                    for (int cb = 4 - ORF / 64; cb < 4; ++cb)
-#pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) {
-                            // channel 8 jj + cq of column cb: tail channel ct, angle ct / 2 = 32 k + 4 jj + l % 4
-                            const int k = cb - (4 - ORF / 64);
-                            const float c = __shfl_sync(0xffffffff, ck[k], 4 * jj + (l & 3));
-                            const float sn = __shfl_sync(0xffffffff, sk[k], 4 * jj + (l & 3));
-#pragma unroll
-                            for (int rr = 0; rr < 2; ++rr) {      // the inverse turn: (x cos + y sin, y cos - x sin)
-                                const int i0 = 4 * jj + 2 * rr;
-                                const float x = o[cb][i0], y = o[cb][i0 + 1];
-                                o[cb][i0] = bf16r(fmaf(y, sn, x * c));
-                                o[cb][i0 + 1] = bf16r(fmaf(x, -sn, y * c));
-                            }
-                        }
-                }
-#endif
-                // staged in the last tile's slot (its keys are used up): each 16-byte chunk of a row at chunk ^ row
-                // % 8 (no bank conflicts either way), then 16-byte stores, a warp whole rows
-                const int slot = (g - 1) & 1;
-                unsigned char *st = smem + K_OFF + slot * T_BYTES;
-#if FP8
-                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
-#pragma unroll
-                for (int k = 0; k < 2; ++k)
-#pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        float m = 0.0f;
-#pragma unroll
-                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
-#pragma unroll
-                            for (int jj = 0; jj < 8; ++jj)
-                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]), fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                        const unsigned sb = pow2_scale(m);
-                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                        if ((l & 3) == 0)
-                            a.scales[((h0 + rA + 8 * rr) * 4 + rank * 2 + k) * (long long)a.M + bs] =
-                                __uint_as_float(sb);
-                    }
-#pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                  + (jj & 1) * 8 + cq;
-                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                        *(unsigned short *)(st + rA * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                    }
-                asm volatile("bar.sync 2, 128;" ::: "memory");
-                const int c = tid & 15;
-#pragma unroll 4
-                for (int i = 0; i < 8; ++i) {
-                    const int r = (tid >> 4) + 8 * i;
-                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
-                }
-#else
-#pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const int ch = cb * 8 + (jj ^ (rA & 7));     // rA + 8 has the same row % 8
-                        *(unsigned *)(st + rA * 512 + ch * 16 + 2 * cq) = pack_bf16(o[cb][4 * jj], o[cb][4 * jj + 1]);
-                        *(unsigned *)(st + (rA + 8) * 512 + ch * 16 + 2 * cq) =
-                            pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
-                    }
-                asm volatile("bar.sync 2, 128;" ::: "memory");
-                const int c = tid & 31;
-#pragma unroll 4
-                for (int i = 0; i < 16; ++i) {
-                    const int r = (tid >> 5) + 4 * i;
-                    const uint4 v = *(const uint4 *)(st + r * 512 + ((c & ~7) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh * 2 + c * 16) = v;
-                }
-#endif
-                mbar_arrive(kv_empty + 8 * slot);
-            }
-        }
-    }
-    cluster_sync();                                     // the peer no longer writes into this CTA's memory
-}
-
-#define KERNEL(name, I) \
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256, 2) name(Args a, const I *i1, \
-                                                                                  const I *i2) { core<I>(a, i1, i2); }
-KERNEL(sparse_core_pair_i32, int)
-KERNEL(sparse_core_pair_i64, long long)
-"""
-
-# the solo kernel ("solo"): one CTA an item and an SM, whole rows of d; two math warpgroups, each one half of the
-# output, take every other tile (QK over all of d), share their row maxima and P through shared memory
-SRC_SOLO = DEVICE + r"""
 #define HALF 256
 #define SQ_OFF 0            // q: 64 rows x 512 channels, [8 swizzle columns][64 rows][128 B]
 #define SK_OFF 65536        // two slots of a 64-key tile of whole rows (64 KB each)
@@ -684,7 +225,7 @@ SRC_SOLO = DEVICE + r"""
 #endif
 
 template <typename I>
-__device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
+__device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x;
     const int HB = a.H / 64, first = blockIdx.x, stride = gridDim.x;
@@ -1173,9 +714,9 @@ __device__ __forceinline__ void solo(const Args &a, const I *idx1_ptr, const I *
 }
 
 #define KERNEL(name, I) \
-extern "C" __global__ void __launch_bounds__(384, 1) name(Args a, const I *i1, const I *i2) { solo<I>(a, i1, i2); }
-KERNEL(sparse_core_solo_i32, int)
-KERNEL(sparse_core_solo_i64, long long)
+extern "C" __global__ void __launch_bounds__(384, 1) name(Args a, const I *i1, const I *i2) { core<I>(a, i1, i2); }
+KERNEL(sparse_core_i32, int)
+KERNEL(sparse_core_i64, long long)
 """
 
 
@@ -1195,25 +736,16 @@ _BROKEN: str | None = None
 # False keeps the Gluon kernels (``launch/bench_attn.py --core-cuda on,off`` measures both)
 ENABLED = True
 # ... for queries of at most this many picks (window + compressed). On one H200, V4-Flash prefill at 4096 tokens,
-# the solo kernel is faster than the Gluon kernels at sliding (128 picks), HCA (160) and CSA (640); the pair kernel
-# costs less an item, more a 64-key tile (the partial scores' exchange): slower at CSA
-# (benchmarks/2026-12-03-core-cuda-1xh200-session29.md)
-MAX_PICKS = 1024
-PAIR_MAX_PICKS = 384        # ... the pair kernel's limit (below MAX_PICKS): slower than Gluon at CSA's 640
-# which kernel: "solo" (one CTA an item and an SM, two math warpgroups splitting the output's d and taking every
-# other tile: the default, faster than the pair kernel and the Gluon kernels at all three V4 layer types) or "pair"
-# (a cluster of two CTAs an item, each half of d, two CTAs an SM)
+# it is faster than the Gluon kernels at sliding (128 picks), HCA (160) and CSA (640)
 # (benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md)
-DESIGN = "solo"
-DESIGNS = ("solo", "pair")
+MAX_PICKS = 1024
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, idx_bits: int, defines: str = "", design: str = "pair"):
-    src, smem = (SRC_SOLO, SOLO_SMEM_BYTES) if design == "solo" else (SRC, SMEM_BYTES)
+def _kernel(device_index: int, idx_bits: int, defines: str = ""):
     with torch.cuda.device(device_index):
-        k = torch.cuda._compile_kernel(defines + src, f"sparse_core_{design}_i{idx_bits}", compute_capability="90a")
-        k.set_shared_memory_config(smem)
+        k = torch.cuda._compile_kernel(defines + SRC, f"sparse_core_i{idx_bits}", compute_capability="90a")
+        k.set_shared_memory_config(SMEM_BYTES)
     return k
 
 
@@ -1226,18 +758,11 @@ def available() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
-def max_picks() -> int:
-    """The most picks a query (both parts) for which the kernel of ``DESIGN`` runs the call: ``MAX_PICKS``, for the
-    pair kernel at most ``PAIR_MAX_PICKS``."""
-    return MAX_PICKS if DESIGN == "solo" else min(MAX_PICKS, PAIR_MAX_PICKS)
-
-
 def supported(q: torch.Tensor, n_parts: int, qrf: int = 0, orf: int = 0, picks: int = 0) -> bool:
     """True when this kernel runs the call: Hopper, bf16, d = 512, whole 64-head blocks, one or two parts; with the
     layer's steps, q's RoPE tail qrf (channels) 0, 64, 128 or 256 and the output's orf a multiple of 64 up to 256
-    (V4: 64), both inside the second half of d; picks (J of both parts; 0: not asked) at most ``MAX_PICKS`` (the
-    pair kernel: ``PAIR_MAX_PICKS``)."""
-    if not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16 or picks > max_picks():
+    (V4: 64), both inside the second half of d; picks (J of both parts; 0: not asked) at most ``MAX_PICKS``."""
+    if not 1 <= n_parts <= 2 or not q.is_cuda or q.dtype != torch.bfloat16 or picks > MAX_PICKS:
         return False
     if qrf not in (0, 64, 128, 256) or orf % 64 or not 0 <= orf <= 256:
         return False
@@ -1261,14 +786,14 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     """Launch on checked tensors (``sparse_attention_gluon``'s contract): q / out [B, S, H, 512] bf16 with the
     last dim contiguous, kv [B, M, 512] bf16 rows contiguous, idx [B, S, J] int32 or int64 with the last dim
     contiguous, sinks fp32 [H].
-    trace (profiling, same results): a zeroed int64 [CTAs, 32] tensor (CTAs = ``2 * pairs_resident``); a kernel
-    compiled with TRACE adds into it, per CTA, the clock cycles of the math warpgroup's phases (0 q wait, 1 tile
-    wait, 2 QK, 3 exchange, 4 softmax, 5 PV, 6 output, 7 a tile's top) and the copy warpgroup's (8 counts,
-    9 q slot wait, 10 picks, 11 slot wait, 12 copies issued), 13 the SM, 14 items, 15 tiles; the exchange (3) split
-    as 16 the wait for the peer to free its buffer, 17 the stores, 18 the wait for the peer's partial, 3 the reads.
-    probe (profiling, wrong results):
-    1 skips the exchange of partial scores, 2 the tiles' copies. defines (profiling): more ``#define`` lines for the
-    compile (``;``-separated NAME VALUE pairs).
+    trace (profiling, same results): a zeroed int64 [CTAs, 32] tensor (CTAs = ``ctas_resident``); a kernel
+    compiled with TRACE adds into it, per CTA, the clock cycles of math warpgroup 0's phases (0 q wait, 1 tile
+    wait, 2 QK, 3 the wait for the other warpgroup's row maxima, 4 softmax, 16 the wait for its P, 5 PV, 7 a round's
+    top; per item 19 the wait for its row sums, 20 the output's scaling and RoPE, 21 FP8 and staging, 6 the stores
+    and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait, 10 q's prologue and picks, 11 slot
+    wait, 12 copies issued), 13 the SM, 14 items, 15 rounds. probe (profiling, wrong results): 2 skips the tiles'
+    copies. defines (profiling): more ``#define`` lines for the compile (``;``-separated NAME VALUE pairs: SOLO_HALF,
+    SOLO_DEFER, SOLO_PF, SOLO_X2 switch the orders of work that the source's comments describe).
 
     The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
     contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
@@ -1276,9 +801,6 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     shared memory as it arrives); o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the output's last 2F
     channels; scales (fp32 [H*d/128, B*S]): out is e4m3 [B, S, H, d] and gets ``fp8.act_quant``'s format. The
     output's steps have the unfused chain's bits (``core_kernel._epilogue``'s roundings in its order)."""
-    design = DESIGN
-    if design not in DESIGNS:
-        raise ValueError(f"sparse_attention_cuda: core_cuda.DESIGN must be one of {DESIGNS}, got {design!r}")
     B, S, H, D = q.shape
     if D != D_FULL or H % BH or q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_attention_cuda: q must be bf16 [B, S, H, {D_FULL}] with H a multiple of {BH}, "
@@ -1325,8 +847,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
               q_rope[0].data_ptr() if q_rope else None, q_rope[1].data_ptr() if q_rope else None,
               float(q_rope[2]) if q_rope else 0.0, o_rope[0].data_ptr() if o_rope else None,
               o_rope[1].data_ptr() if o_rope else None, scales.data_ptr() if scales is not None else None, B * S)
-    n_ctas = min(n_items, ctas_resident(q.device.index)) if design == "solo" else \
-        2 * min(n_items, pairs_resident(q.device.index))
+    n_ctas = min(n_items, ctas_resident(q.device.index))
     if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous()
                                   and trace.numel() >= 32 * n_ctas):
         raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
@@ -1340,35 +861,23 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
         defines += "#define FP8 1\n"
     if pos and pos[0].dtype == torch.int32:
         defines += "#define POS_T int\n"
-    k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines, design)
-    _launch(k, n_ctas, a, i1, i2, design)
-
-
-@functools.lru_cache(maxsize=None)
-def pairs_resident(device_index: int) -> int:
-    """CTA pairs the GPU holds at once (the persistent grid): SMs x CTAs an SM (the driver's occupancy for 256
-    threads and SMEM_BYTES; 2 on an H200) / 2."""
-    return max(1, _resident(device_index, "pair") // 2)
+    k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
+    _launch(k, n_ctas, a, i1, i2)
 
 
 @functools.lru_cache(maxsize=None)
 def ctas_resident(device_index: int) -> int:
-    """The solo kernel's persistent grid: SMs x CTAs an SM (the driver's occupancy for 384 threads and
-    SOLO_SMEM_BYTES: 1)."""
-    return _resident(device_index, "solo")
-
-
-def _resident(device_index: int, design: str) -> int:
-    k = _kernel(device_index, 32, "", design)
-    threads, smem = (SOLO_THREADS, SOLO_SMEM_BYTES) if design == "solo" else (THREADS, SMEM_BYTES)
+    """CTAs the GPU holds at once (the persistent grid): SMs x CTAs an SM (the driver's occupancy for THREADS and
+    SMEM_BYTES: 1 on an H200)."""
+    k = _kernel(device_index, 32)
     lib = torch.cuda._utils._get_gpu_runtime_library()
     n = ctypes.c_int(0)
-    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), k.func, threads, ctypes.c_size_t(smem))
+    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), k.func, THREADS, ctypes.c_size_t(SMEM_BYTES))
     per_sm = n.value if rc == 0 and n.value > 0 else 1
     return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count * per_sm)
 
 
-def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor, design: str = "pair") -> None:
+def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor) -> None:
     """cuLaunchKernel with the argument struct by value (torch's launcher passes ints and doubles only)."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     p1, p2 = ctypes.c_void_p(i1.data_ptr()), ctypes.c_void_p(i2.data_ptr())
@@ -1376,7 +885,6 @@ def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor, design
                                    ctypes.cast(ctypes.byref(p1), ctypes.c_void_p),
                                    ctypes.cast(ctypes.byref(p2), ctypes.c_void_p))
     stream = torch.cuda.current_stream()
-    threads, smem = (SOLO_THREADS, SOLO_SMEM_BYTES) if design == "solo" else (THREADS, SMEM_BYTES)
-    rc = lib.cuLaunchKernel(k.func, n_ctas, 1, 1, threads, 1, 1, smem, stream._as_parameter_, params, None)
+    rc = lib.cuLaunchKernel(k.func, n_ctas, 1, 1, THREADS, 1, 1, SMEM_BYTES, stream._as_parameter_, params, None)
     if rc != 0:
         raise RuntimeError(f"sparse_attention_cuda: cuLaunchKernel returned CUresult {rc}")

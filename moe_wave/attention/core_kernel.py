@@ -535,8 +535,8 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
             "gluon": ``core_gluon`` (Hopper; an error where ``core_gluon.supported`` says no), "triton": this
             module's kernel, "auto" (default): Gluon where supported (prefill on an H100 / H200) and no ``config`` is
             given, else Triton; and where Gluon would run, ``core_cuda``'s CUDA C++ kernel if it takes the call
-            (d = 512, bf16, V4's RoPE tails, up to ``core_cuda.max_picks()`` picks a query: with the default solo
-            kernel V4's three layer types) and ``core_cuda.ENABLED``, with or without the fused steps.
+            (d = 512, bf16, V4's RoPE tails, up to ``core_cuda.MAX_PICKS`` picks a query: V4's three layer
+            types) and ``core_cuda.ENABLED``, with or without the fused steps.
             The two agree to bf16 rounding, not bit for bit (their sums run in different orders); each repeats
             its own bits. ``config`` tiles the Triton kernel only.
     Returns:
@@ -631,7 +631,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
 
 def _cuda_runs(q: torch.Tensor, n_parts: int, fu: _Fusion | None, J: int, impl: str) -> bool:
     # where a Gluon kernel would run a prefill call (the caller knows): the CUDA C++ kernel instead, under impl
-    # "auto", if enabled and it takes the call (J picks a query: up to core_cuda.max_picks())
+    # "auto", if enabled and it takes the call (J picks a query: up to core_cuda.MAX_PICKS)
     if impl != "auto" or not core_cuda.ENABLED:
         return False
     qrf = 2 * fu.qfreq.numel() if fu is not None and fu.qpos is not None else 0
