@@ -214,7 +214,8 @@ SRC = DEVICE + r"""
 #define SOLO_HALF 1         // a round with one tile (an odd last one): only its PV (0: both PVs, one of zero P)
 #endif
 #ifndef SOLO_PF
-#define SOLO_PF 1           // the next item's q rows and picks prefetched into L2 an item ahead
+#define SOLO_PF 0           // the next item's q rows and picks prefetched into L2 an item ahead (slower: 298 us
+                            // against 254 on sliding, 718 against 672 on CSA, the same bits; session 31)
 #endif
 #ifndef SOLO_X2
 #define SOLO_X2 1           // the output's bf16 roundings two at a time (cvt.rn.bf16x2: the same bits, half the cvts)
