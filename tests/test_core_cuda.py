@@ -109,8 +109,8 @@ def test_cuda_core_matches_reference(name, idx_dtype):
 def test_auto_takes_the_cuda_core_where_gluon_would_run(monkeypatch):
     """sparse_attention_fused's "auto" on a prefill-sized grid (300 queries, d = 512, the Gluon kernels' grid) runs
     this kernel: its bits, plain and with the layer's three steps (as the layer's prefill calls it: fuse=False);
-    ``core_cuda.ENABLED = False`` gives the Gluon kernel's call back, and so do more picks than ``MAX_PICKS`` (CSA's
-    640); a decode-sized grid stays with Triton."""
+    ``core_cuda.ENABLED = False`` gives the Gluon kernel's call back, and so do more picks than ``MAX_PICKS`` (set
+    below this call's); a decode-sized grid stays with Triton."""
     q, parts, sinks = _case(1, 300, 64, 512, [(400, 128, "tail"), (100, 96, "tail")], torch.bfloat16, "auto", "cuda")
     scale, eps = 512 ** -0.5, 1e-6
     pos, freq = _rope_inputs(1, 300, 3)
@@ -146,6 +146,35 @@ def test_cuda_core_at_prefill_picks(monkeypatch):
         want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, 512 ** -0.5,
                                 kernels="off")
         assert rel(run(q, parts, sinks), want) < 1.5e-2, kind
+
+
+@needs_cuda_core
+@pytest.mark.gpu
+def test_cuda_core_at_v4_pro_csa_picks():
+    """V4-Pro's CSA layer (128 heads, a 128-key window and 1024 top-k picks: 1152 a query, 18 tiles in 9 rounds)
+    runs on this kernel (``MAX_PICKS``) and matches the torch reference there, -1 picks and a query that sees only
+    its window included, with the layer's steps (q's norm and RoPE in, the output's inverse RoPE and FP8 out) within
+    bf16 rounding of the chain."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    S, H, D, M = 48, 128, 512, 3000
+    q = torch.randn(1, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    kv1 = torch.randn(1, 200, D, device="cuda", generator=g).to(torch.bfloat16)
+    kv2 = torch.randn(1, M, D, device="cuda", generator=g).to(torch.bfloat16)
+    i1 = (torch.arange(128, device="cuda")[None, :] + torch.arange(S, device="cuda")[:, None])[None].int()
+    i2 = torch.rand(S, M, device="cuda", generator=g).topk(1024, dim=1).indices.int()
+    i2 = torch.where(torch.rand(S, 1024, device="cuda", generator=g) < 0.1, -1, i2)
+    i2[5] = -1                                                            # only its window
+    parts, sinks = [(kv1, i1), (kv2, i2[None].contiguous())], torch.randn(H, device="cuda", generator=g)
+    assert core_impl(q, parts) == "cuda" and core_cuda.supported(q, 2, picks=128 + 1024)
+    want = sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, D ** -0.5, kernels="off")
+    assert rel(run(q, parts, sinks), want) < 1.5e-2
+    pos, freq = _rope_inputs(1, S, 13)
+    both = run(q, parts, sinks, q_rope=(pos, freq, 1e-6), o_rope=(pos, freq))
+    ref = norm_rope(sparse_attention(q.float(), [(kv.float(), idx) for kv, idx in parts], sinks, D ** -0.5,
+                                     kernels="off", q_rope=(pos.view(1, S), freq, 1e-6)).to(torch.bfloat16),
+                    pos, freq, norm=False, inverse=True)
+    assert rel(both, ref) < 1.5e-2
+    assert_act_quant_of(run_fp8(q, parts, sinks, q_rope=(pos, freq, 1e-6), o_rope=(pos, freq)), both)
 
 
 def _rope_inputs(B, S, seed):

@@ -736,10 +736,10 @@ _BROKEN: str | None = None
 # where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
 # False keeps the Gluon kernels (``launch/bench_attn.py --core-cuda on,off`` measures both)
 ENABLED = True
-# ... for queries of at most this many picks (window + compressed). On one H200, V4-Flash prefill at 4096 tokens,
-# it is faster than the Gluon kernels at sliding (128 picks), HCA (160) and CSA (640)
-# (benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md)
-MAX_PICKS = 1024
+# ... for queries of at most this many picks (window + compressed). On one H200, prefill at 4096 tokens, it is
+# faster than the Gluon kernels at V4-Flash's sliding (128 picks), HCA (160) and CSA (640) layers and at V4-Pro's
+# CSA (1152) (benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md)
+MAX_PICKS = 2048
 
 
 @functools.lru_cache(maxsize=None)
