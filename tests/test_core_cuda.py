@@ -156,9 +156,9 @@ def test_cuda_core_at_v4_pro_csa_picks():
     its window included, with the layer's steps (q's norm and RoPE in, the output's inverse RoPE and FP8 out) within
     bf16 rounding of the chain."""
     g = torch.Generator(device="cuda").manual_seed(11)
-    S, H, D, M = 48, 128, 512, 3000
+    S, H, D, M = 300, 128, 512, 3000                                     # (a prefill-sized grid: 600 items)
     q = torch.randn(1, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
-    kv1 = torch.randn(1, 200, D, device="cuda", generator=g).to(torch.bfloat16)
+    kv1 = torch.randn(1, S + 128, D, device="cuda", generator=g).to(torch.bfloat16)
     kv2 = torch.randn(1, M, D, device="cuda", generator=g).to(torch.bfloat16)
     i1 = (torch.arange(128, device="cuda")[None, :] + torch.arange(S, device="cuda")[:, None])[None].int()
     i2 = torch.rand(S, M, device="cuda", generator=g).topk(1024, dim=1).indices.int()
