@@ -570,7 +570,7 @@ def sparse_attention_fused(q_BSHd: torch.Tensor, parts: list, sinks_H: torch.Ten
     if B * S * H and not fuse and fu.key != (False, False, False) and _ws_runs(q, len(srcs), J, want, config, impl):
         # the warp-specialized Gluon kernel runs the chain's steps: q's norm and RoPE as an item's q arrives (the
         # norm a factor of the scores: within bf16 rounding of the chain), the output's in its epilogue (its bits);
-        # or, where it runs, the CUDA C++ kernel (core_cuda: a CTA pair a query, two pairs an SM), the same steps
+        # or, where it runs, the CUDA C++ kernel (core_cuda: a CTA a query, one an SM), the same steps
         out, scales, result = _outputs(q, fu)
         if _cuda_runs(q, len(srcs), fu, J, impl) and _run_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, fu,
                                                               scales):
