@@ -3,7 +3,7 @@ without a GPU: NVRTC refuses some C++ that nvcc takes (a generic lambda is a hos
 catches it before device time is spent. ``launch/nvcc_sm90.sh`` gives registers and spills; this gives NVRTC's
 verdict and its log.
 
-    python launch/nvrtc_sm90.py [--defines "QROPE 1;QRF 64|SOLO_DEFER 2"]
+    python launch/nvrtc_sm90.py [--defines "TRACE 1|PROBE 2"]
 
 NVRTC 13.0 comes from PyPI's wheel, unpacked once into .nvcc/ (git-ignored, with launch/nvcc_sm90.sh's compiler,
 whose headers it uses: run that script once first). ``core_cuda.SRC`` is compiled with no defines, with the

@@ -127,11 +127,6 @@ __device__ __forceinline__ float ex2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-__device__ __forceinline__ float bf16r(float x) {       // x rounded to bf16 (nearest even), as fp32
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return __int_as_float((unsigned)h << 16);
-}
 __device__ __forceinline__ unsigned short pack_e4m3(float lo, float hi) {
     unsigned short r;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
@@ -210,20 +205,6 @@ SRC = DEVICE + r"""
 #define SP_OFF 196608       // the warpgroups' P tiles (64 x 64 bf16, 8 KB each); with the next 16 KB the output's
                             // staging (warpgroup 0 over the P tiles, 1 after them)
 #define SB_OFF 229376       // barriers, counts, flags, q's factors, the warpgroups' row maxima and sums
-#ifndef SOLO_HALF
-#define SOLO_HALF 1         // a round with one tile (an odd last one): only its PV (0: both PVs, one of zero P)
-#endif
-#ifndef SOLO_PF
-#define SOLO_PF 0           // the next item's q rows and picks prefetched into L2 an item ahead (slower: 298 us
-                            // against 254 on sliding, 718 against 672 on CSA, the same bits; session 31)
-#endif
-#ifndef SOLO_X2
-#define SOLO_X2 1           // the output's bf16 roundings two at a time (cvt.rn.bf16x2: the same bits, half the cvts)
-#endif
-#ifndef SOLO_DEFER
-#define SOLO_DEFER 0        // the next item's first QK issued before this item's output stores (1: under them;
-                            // 2: under the FP8 steps and the stores)
-#endif
 
 template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
@@ -271,22 +252,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             m2 = max(max(red[4], red[5]), max(red[6], red[7]));
             const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
             STAMP(8);
-            if (SOLO_PF && item + stride < a.n_items) { // the next item's q (HBM: ~3600 cycles of an SM's share) and
-                const int nx = item + stride, nbs = nx / HB, nb = nbs / a.S, ns = nbs % a.S;     // picks, into L2
-                if (p < 64) {
-                    const unsigned short *qr = a.q + nb * a.s_qb + ns * a.s_qs
-                                               + (long long)((nx % HB) * 64 + p) * a.s_qh;
-                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], 1024;" :: "l"(qr) : "memory");
-                } else {
-                    const int J = a.two ? a.J1 + a.J2 : a.J1, lines = (J * (int)sizeof(I) + 127) >> 7;
-                    for (int e = p - 64; e < lines; e += 64) {
-                        const int j = e * (128 / (int)sizeof(I));
-                        const I *ip = j < a.J1 ? idx1_ptr + nb * a.s_i1b + ns * a.s_i1s + j
-                                               : idx2_ptr + nb * a.s_i2b + ns * a.s_i2s + (j - a.J1);
-                        asm volatile("prefetch.global.L2 [%0];" :: "l"(ip) : "memory");
-                    }
-                }
-            }
 #if QROPE && QRF > 0
             const float qpos = (float)a.qpos[bs];       // (loads under the wait below)
 #endif
@@ -404,8 +369,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
-        int u0 = 0, u1 = 0, it = 0, nt_pre = 0;
-        bool pre = false;                               // SOLO_DEFER: this item's first QK already issued
+        int u0 = 0, u1 = 0, it = 0;
         float sc[32];                                   // a tile's scores, then its P (fp32)
         unsigned valid = 0;                             // the tile's valid picks, 2 bits a register pair
         // this warpgroup's QK of the tile in its slot (its g-th use): wait, flags, the wgmmas, committed
@@ -433,26 +397,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
-            // FINISH(BODY): the output's last part, and with SOLO_DEFER the next item's q, its tile count and its
-            // first QK under it (issued and waited for in one branch: one wgmma stage, no accumulator across a
-            // merge; a macro, as NVRTC takes no generic lambda)
-#define FINISH(BODY) do { \
-                pre = false; \
-                bool done = false; \
-                if (SOLO_DEFER && item + stride < a.n_items) { \
-                    mbar_wait(q_full, (it + 1) & 1); \
-                    nt_pre = __shfl_sync(0xffffffff, info[0], 0); \
-                    pre = true; \
-                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) { \
-                        qk_issue(wg ? u1 : u0); \
-                        BODY; \
-                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); \
-                        _Pragma("unroll") for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory"); \
-                        done = true; \
-                    } \
-                } \
-                if (!done) { BODY; } \
-            } while (0)
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = wg == 0 && (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;               // ... and the sum (one lane)
             float o[4][32];
@@ -461,29 +405,27 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
             STAMP(6);
-            if (!pre) mbar_wait(q_full, it & 1);
+            mbar_wait(q_full, it & 1);
             STAMP(0);
-            const int nt = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0);
+            const int nt = __shfl_sync(0xffffffff, info[0], 0);
             if (nt == 0) mbar_arrive(q_empty);
             // rounds of two tiles: warpgroup 0 takes tile tt (slot 0), warpgroup 1 tile tt + 1 (slot 1)
             for (int tt = 0; tt < nt; tt += 2) {
                 const bool two_t = tt + 1 < nt, mine = wg == 0 || two_t, other = wg == 1 || two_t;
                 // (the shared addresses opaque each round: the descriptors are made at their wgmmas, not hoisted out
-                // of the loops into ~100 live registers). Without a tile of its own (an odd last tile) a warpgroup
-                // multiplies a zero P into tile tt's V, and the other one its zero P the same: the PV wgmmas run
-                // unconditionally (under a branch ptxas serializes them)
+                // of the loops into ~100 live registers). vown / voth are kt / ko wherever the PV cases below use
+                // them; the selects (and pa's zeros) stay as measured: without them ptxas schedules otherwise
                 unsigned kt = base + SK_OFF + wg * ST_BYTES, ko = base + SK_OFF + (wg ^ 1) * ST_BYTES,
                          pb = base + SP_OFF + 8192 * (wg ^ 1);
                 unsigned vown = mine ? kt : ko, voth = other ? ko : kt;
                 asm volatile("" : "+r"(pb), "+r"(vown), "+r"(voth));
                 STAMP(7);
-                if (mine && !(pre && tt == 0)) {        // (SOLO_DEFER: round 0's scores came with the last output)
+                if (mine) {
                     qk_issue(wg ? u1 : u0);
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
-                pre = false;
                 STAMP(2);
 #if QROPE       // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
                 const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
@@ -531,8 +473,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                     for (int j = 0; j < 16; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
                 }
-                if (mine || !SOLO_HALF) {
-                    // P (zeros without a tile) into this warpgroup's tile (K-major, the 128-byte swizzle) for the other
+                if (mine) {
+                    // P into this warpgroup's tile (K-major, the 128-byte swizzle) for the other's PV
                     unsigned char *pt = smem + SP_OFF + 8192 * wg;
 #pragma unroll
                     for (int jj = 0; jj < 8; ++jj) {
@@ -557,16 +499,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #define PV_OTHER _Pragma("unroll") for (int k = 0; k < 4; ++k) \
                     _Pragma("unroll") for (int cb = 0; cb < 4; ++cb) \
                     wgmma_sv(o[cb], desc(pb + k * 32, LBO_K), desc(voth + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
-#if SOLO_HALF   // each case its own wgmma stage (no branch inside one): a lone tile's PV is 16 wgmmas a warpgroup
+                // each case its own wgmma stage (ptxas serialises wgmmas whose accumulators meet at a branch's
+                // merge): a round with one tile (an odd last one) runs only its PV, 16 wgmmas a warpgroup
                 if (two_t) { wgmma_fence(); PV_OWN PV_OTHER wgmma_commit_wait(); }
                 else if (wg == 0) { wgmma_fence(); PV_OWN wgmma_commit_wait(); }
                 else { wgmma_fence(); PV_OTHER wgmma_commit_wait(); }
-#else
-                wgmma_fence();
-                PV_OWN
-                PV_OTHER
-                wgmma_commit_wait();
-#endif
                 STAMP(5);
                 mbar_arrive(kv_empty);                  // both slots' keys used up by this warpgroup
                 ++u0;
@@ -590,7 +527,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 const unsigned sb = pow2_scale(1e-4f);
                 a.scales[((h0 + (tw >> 1)) * 4 + wg * 2 + (tw & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
 #endif
-                FINISH((void)0);
             } else {
                 // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
                 // them (core_kernel._epilogue's math, its roundings in its order)
@@ -598,15 +534,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                     for (int i = 0; i < 32; i += 2) {
+                        // (i, i + 1): one row, two channels, one cvt.rn.bf16x2 (two roundings' bits)
                         const float f = ((i >> 1) & 1) ? fB : fA;
-                        if (SOLO_X2) {                  // (i, i + 1): one row, two channels
-                            const unsigned r = pack_bf16(o[cb][i] * f, o[cb][i + 1] * f);
-                            o[cb][i] = bf16_lo(r);
-                            o[cb][i + 1] = bf16_hi(r);
-                        } else {
-                            o[cb][i] = bf16r(o[cb][i] * f);
-                            o[cb][i + 1] = bf16r(o[cb][i + 1] * f);
-                        }
+                        const unsigned r = pack_bf16(o[cb][i] * f, o[cb][i + 1] * f);
+                        o[cb][i] = bf16_lo(r);
+                        o[cb][i + 1] = bf16_hi(r);
                     }
 #if OROPE
                 if (wg == 1) {                          // the tail (ORF a multiple of 64, <= 256): this warpgroup's
@@ -644,57 +576,47 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
                 // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
                 unsigned char *st = smem + SP_OFF + 16384 * wg;
-                auto fp8_staging = [&]() {
-                    float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
 #pragma unroll
-                    for (int k = 0; k < 2; ++k)
+                for (int k = 0; k < 2; ++k)
 #pragma unroll
-                        for (int rr = 0; rr < 2; ++rr) {
-                            float m = 0.0f;
+                    for (int rr = 0; rr < 2; ++rr) {
+                        float m = 0.0f;
 #pragma unroll
-                            for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
 #pragma unroll
-                                for (int jj = 0; jj < 8; ++jj)
-                                    m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
-                                                       fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                            m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                            m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                            const unsigned sb = pow2_scale(m);
-                            invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                            if ((l & 3) == 0)
-                                a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
-                                    __uint_as_float(sb);
-                        }
-#pragma unroll
-                    for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) {
-                            const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                      + (jj & 1) * 8 + cq;
-                            const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                            *(unsigned short *)(st + rA * 256 + off) =
-                                pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                            *(unsigned short *)(st + (rA + 8) * 256 + off) =
-                                pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                        }
-                };
-                auto stores = [&]() {
-                    if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
-                    else asm volatile("bar.sync 2, 128;" ::: "memory");
-                    const int c = tw & 15;
-#pragma unroll 4
-                    for (int i = 0; i < 8; ++i) {
-                        const int r = (tw >> 4) + 8 * i;
-                        const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-                        *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                            for (int jj = 0; jj < 8; ++jj)
+                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
+                                                   fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                        const unsigned sb = pow2_scale(m);
+                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                        if ((l & 3) == 0)
+                            a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
+                                __uint_as_float(sb);
                     }
-                };
-                if (SOLO_DEFER == 2) {                  // the next QK under the FP8 steps as well
-                    FINISH(fp8_staging(); stores());
-                } else {
-                    fp8_staging();
-                    STAMP(21);
-                    FINISH(stores());
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                  + (jj & 1) * 8 + cq;
+                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                        *(unsigned short *)(st + rA * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                    }
+                STAMP(21);
+                if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
+                else asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tw & 15;
+#pragma unroll 4
+                for (int i = 0; i < 8; ++i) {
+                    const int r = (tw >> 4) + 8 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
                 }
 #else
                 // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
@@ -707,7 +629,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
                             pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
-                FINISH((void)0);
 #endif
             }
         }
@@ -793,8 +714,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     top; per item 19 the wait for its row sums, 20 the output's scaling and RoPE, 21 FP8 and staging, 6 the stores
     and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait, 10 q's prologue and picks, 11 slot
     wait, 12 copies issued), 13 the SM, 14 items, 15 rounds. probe (profiling, wrong results): 2 skips the tiles'
-    copies. defines (profiling): more ``#define`` lines for the compile (``;``-separated NAME VALUE pairs: SOLO_HALF,
-    SOLO_DEFER, SOLO_PF, SOLO_X2 switch the orders of work that the source's comments describe).
+    copies. defines (profiling): more ``#define`` lines for the compile (``;``-separated NAME VALUE pairs).
 
     The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
     contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
