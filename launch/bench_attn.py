@@ -440,6 +440,8 @@ def main() -> None:
                     "core_cuda.ENABLED: the default), off (the Gluon kernels); on,off measures both in one run")
     ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
                     "most picks a query for which the CUDA core runs; default: as it is)")
+    ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
+                    "switches (';'-separated NAME VALUE pairs, e.g. 'SOLO_CPORD 0'); default: none")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
                     "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
@@ -456,6 +458,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.core_cuda_max_picks is not None:
         core_cuda.MAX_PICKS = args.core_cuda_max_picks
+    core_cuda.DEFINES = args.core_cuda_defines
     gemm = gemm_tflops(dev)
     precisions = [p for p in args.precision.split(",") if p]
     for p in precisions:

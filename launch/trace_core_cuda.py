@@ -9,7 +9,8 @@ of every CTA add the cycles between stamps; the table shows each phase's cycles 
 for q, the output and the copy warpgroup's counts and q slot), averaged over all CTAs. "x reads" is the wait for
 the other warpgroup's row maxima, "x free wait" the wait for its P; the output is split into "o sums wait" (the
 other warpgroup's row sums), "o scale, rope", "o fp8 staging" and "output" (the stores and the next item's start);
-"cp picks" holds q's prologue before a round's first picks. Each compile variant (``--variants``) is timed and its
+"cp q landed" is the copy warpgroup's wait for q's copies, "cp q prologue" q's norm and RoPE, "cp picks" the picks'
+loads of a tile. Each compile variant (``--variants``) is timed and its
 output compared with the default kernel's, bit for bit (the switches reorder work only).
 """
 
@@ -33,8 +34,8 @@ from moe_wave.attention import core_cuda  # noqa: E402
 
 PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "x reads", 4: "softmax", 5: "PV", 6: "output", 7: "tile top",
           8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue", 16: "x free wait",
-          19: "o sums wait", 20: "o scale, rope", 21: "o fp8 staging"}
-PER_ITEM = {0, 6, 8, 9, 19, 20, 21}
+          19: "o sums wait", 20: "o scale, rope", 21: "o fp8 staging", 22: "cp q landed", 23: "cp q prologue"}
+PER_ITEM = {0, 6, 8, 9, 19, 20, 21, 22, 23}
 
 
 def main() -> None:
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default="", help="compile variants also timed: '|'-separated, each a "
                     "';'-separated list of defines (core_cuda.sparse_attention_cuda's defines)")
+    ap.add_argument("--trace-variants", action="store_true", help="the phases of each variant too (one more compile "
+                    "each, with TRACE)")
     ap.add_argument("--fused", action="store_true", help="with the layer's steps, as its prefill runs the core: q "
                     "raw (norm and a 64-channel RoPE tail inside), the output's inverse RoPE and FP8")
     ap.add_argument("--out", default=None)
@@ -79,13 +82,21 @@ def main() -> None:
             # a variant that changes no arithmetic (the order of work only) gives the default kernel's bits
             row[f"{v}_same_bits"] = all(torch.equal(x, y) for x, y in zip(result(defines=v), want))
         n = core_cuda.ctas_resident(dev.index or 0)
-        tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
-        core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr, **kw)
+
+        def phases(defines=""):                 # the traced kernel's cycles a round / an item, and the counts
+            tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
+            core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr, defines=defines,
+                                            **kw)
+            tot = tr.sum(0).tolist()
+            items, tiles = max(tot[14], 1), max(tot[15], 1)
+            return tot, {PHASES[k]: round(tot[k] / (items if k in PER_ITEM else tiles)) for k in PHASES}
+
         row["ctas"] = n
-        tot = tr.sum(0).tolist()
-        items, tiles = max(tot[14], 1), max(tot[15], 1)
+        tot, row["cycles"] = phases()
         row.update(items=tot[14], tiles=tot[15])
-        row["cycles"] = {PHASES[k]: round(tot[k] / (items if k in PER_ITEM else tiles)) for k in PHASES}
+        if args.trace_variants:
+            for v in filter(None, args.variants.split("|")):
+                row[f"cycles {v}"] = phases(v)[1]
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'kind':8} " + " ".join(f"{'probe' + str(p):>8}" for p in (0, 2))

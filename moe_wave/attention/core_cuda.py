@@ -205,6 +205,17 @@ SRC = DEVICE + r"""
 #define SP_OFF 196608       // the warpgroups' P tiles (64 x 64 bf16, 8 KB each); with the next 16 KB the output's
                             // staging (warpgroup 0 over the P tiles, 1 after them)
 #define SB_OFF 229376       // barriers, counts, flags, q's factors, the warpgroups' row maxima and sums
+#ifndef SOLO_CPORD
+#define SOLO_CPORD 0        // the copy warpgroup gathers an item's first two tiles (as their slots free) before q's
+                            // prologue, q's copies in flight meanwhile (0: the prologue first)
+#endif
+#ifndef SOLO_R0
+#define SOLO_R0 0           // round 0 skips the accumulator's rescale (zeros times a factor in [0, 1]: the same bits)
+#endif
+#ifndef SOLO_DEFER
+#define SOLO_DEFER 0        // the next item's first QK issued before this item's output stores (1: under them;
+                            // 2: under the FP8 steps and the stores)
+#endif
 
 template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
@@ -302,12 +313,16 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 STAMP(12);
                 if (slot) ++u1; else ++u0;
             };
+            // (SOLO_CPORD: the item's first two tiles as their slots free, when the last item's PV ends, before the
+            // math needs q; q's copies land meanwhile)
+            int t = 0;
+            if (SOLO_CPORD && QROPE) for (; t < nt && t < 2; ++t) issue(t);
+            // q's prologue while the math finishes the last item (its softmax, PV and output): each head's sum of
+            // squares over d (2 threads a head, four partial sums each), the RoPE tail turned in place
 #if QROPE
-            // q's prologue while the math finishes the last item (its softmax, PV and output), before the tiles
-            // (their slots free only after its PV): each head's sum of squares over d (2 threads a head, four
-            // partial sums each), the RoPE tail turned in place
-            asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group
-            asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
+            asm volatile("cp.async.wait_group 0;" ::: "memory");   // q's group
+            asm volatile("bar.sync 1, 128;" ::: "memory");         // q landed, every copy thread's part
+            STAMP(22);
             float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
             for (int k = 0; k < 32; ++k) {
@@ -339,7 +354,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     uint4 v = *ptr;
                     unsigned *w4 = (unsigned *)&v;
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {       // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
+                    for (int j = 0; j < 4; ++j) {   // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
                         const float x = bf16_lo(w4[j]), y = bf16_hi(w4[j]);
                         w4[j] = pack_bf16(fmaf(y, -sn[j], x * cs[j]), fmaf(x, sn[j], y * cs[j]));
                     }
@@ -350,11 +365,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #endif
             if ((p & 1) == 0) inv_s[p >> 1] = 1.0f / sqrtf(ss / 512.0f + a.eps);
             mbar_arrive(q_full);                        // (release: the factors and the turned q)
+            STAMP(23);
 #else
             cp_async_arrive(q_full);
             if (p == 0) mbar_arrive(q_full);
 #endif
-            for (int t = 0; t < nt; ++t) issue(t);
+            for (; t < nt; ++t) issue(t);
         }
     } else {                                            // the math warpgroups: 64 heads x their half of d
         asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
@@ -369,7 +385,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
-        int u0 = 0, u1 = 0, it = 0;
+        int u0 = 0, u1 = 0, it = 0, nt_pre = 0;
+        bool pre = false;                               // SOLO_DEFER: this item's first QK already issued
         float sc[32];                                   // a tile's scores, then its P (fp32)
         unsigned valid = 0;                             // the tile's valid picks, 2 bits a register pair
         // this warpgroup's QK of the tile in its slot (its g-th use): wait, flags, the wgmmas, committed
@@ -397,6 +414,26 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
+            // FINISH(BODY): the output's last part, and with SOLO_DEFER the next item's q, its tile count and its
+            // first QK under it (issued and waited for in one branch: one wgmma stage, no accumulator across a
+            // merge; a macro, as NVRTC takes no generic lambda)
+#define FINISH(BODY) do { \
+                pre = false; \
+                bool done = false; \
+                if (SOLO_DEFER && item + stride < a.n_items) { \
+                    mbar_wait(q_full, (it + 1) & 1); \
+                    nt_pre = __shfl_sync(0xffffffff, info[0], 0); \
+                    pre = true; \
+                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) { \
+                        qk_issue(wg ? u1 : u0); \
+                        BODY; \
+                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); \
+                        _Pragma("unroll") for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory"); \
+                        done = true; \
+                    } \
+                } \
+                if (!done) { BODY; } \
+            } while (0)
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = wg == 0 && (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;               // ... and the sum (one lane)
             float o[4][32];
@@ -405,9 +442,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
             STAMP(6);
-            mbar_wait(q_full, it & 1);
+            if (!pre) mbar_wait(q_full, it & 1);
             STAMP(0);
-            const int nt = __shfl_sync(0xffffffff, info[0], 0);
+            const int nt = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0);
             if (nt == 0) mbar_arrive(q_empty);
             // rounds of two tiles: warpgroup 0 takes tile tt (slot 0), warpgroup 1 tile tt + 1 (slot 1)
             for (int tt = 0; tt < nt; tt += 2) {
@@ -420,12 +457,13 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 unsigned vown = mine ? kt : ko, voth = other ? ko : kt;
                 asm volatile("" : "+r"(pb), "+r"(vown), "+r"(voth));
                 STAMP(7);
-                if (mine) {
+                if (mine && !(pre && tt == 0)) {        // (SOLO_DEFER: round 0's scores came with the last output)
                     qk_issue(wg ? u1 : u0);
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
+                pre = false;
                 STAMP(2);
 #if QROPE       // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
                 const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
@@ -484,7 +522,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // P, to wgmma's proxy
                 }
                 lA = lA * aA + sA; lB = lB * aB + sB;
-                if (__any_sync(0xffffffff, moved)) {    // (an unmoved max has a = 1 exactly: the same bits)
+                if ((!SOLO_R0 || tt > 0) && __any_sync(0xffffffff, moved)) {   // (an unmoved max: a = 1 exactly)
 #pragma unroll
                     for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
@@ -527,6 +565,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 const unsigned sb = pow2_scale(1e-4f);
                 a.scales[((h0 + (tw >> 1)) * 4 + wg * 2 + (tw & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
 #endif
+                FINISH((void)0);
             } else {
                 // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
                 // them (core_kernel._epilogue's math, its roundings in its order)
@@ -576,47 +615,57 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
                 // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
                 unsigned char *st = smem + SP_OFF + 16384 * wg;
-                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+                auto fp8_staging = [&]() {
+                    float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
 #pragma unroll
-                for (int k = 0; k < 2; ++k)
+                    for (int k = 0; k < 2; ++k)
 #pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        float m = 0.0f;
+                        for (int rr = 0; rr < 2; ++rr) {
+                            float m = 0.0f;
 #pragma unroll
-                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+                            for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
 #pragma unroll
-                            for (int jj = 0; jj < 8; ++jj)
-                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
-                                                   fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                        const unsigned sb = pow2_scale(m);
-                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                        if ((l & 3) == 0)
-                            a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
-                                __uint_as_float(sb);
-                    }
+                                for (int jj = 0; jj < 8; ++jj)
+                                    m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
+                                                       fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                            m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                            m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                            const unsigned sb = pow2_scale(m);
+                            invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                            if ((l & 3) == 0)
+                                a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
+                                    __uint_as_float(sb);
+                        }
 #pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
+                    for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                  + (jj & 1) * 8 + cq;
-                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                        *(unsigned short *)(st + rA * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                    }
-                STAMP(21);
-                if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
-                else asm volatile("bar.sync 2, 128;" ::: "memory");
-                const int c = tw & 15;
+                        for (int jj = 0; jj < 8; ++jj) {
+                            const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                      + (jj & 1) * 8 + cq;
+                            const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                            *(unsigned short *)(st + rA * 256 + off) =
+                                pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                            *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                                pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                        }
+                };
+                auto stores = [&]() {
+                    if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
+                    else asm volatile("bar.sync 2, 128;" ::: "memory");
+                    const int c = tw & 15;
 #pragma unroll 4
-                for (int i = 0; i < 8; ++i) {
-                    const int r = (tw >> 4) + 8 * i;
-                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                    for (int i = 0; i < 8; ++i) {
+                        const int r = (tw >> 4) + 8 * i;
+                        const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                        *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                    }
+                };
+                if (SOLO_DEFER == 2) {                  // the next QK under the FP8 steps as well
+                    FINISH(fp8_staging(); stores());
+                } else {
+                    fp8_staging();
+                    STAMP(21);
+                    FINISH(stores());
                 }
 #else
                 // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
@@ -629,6 +678,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
                             pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
+                FINISH((void)0);
 #endif
             }
         }
@@ -661,6 +711,9 @@ ENABLED = True
 # faster than the Gluon kernels at V4-Flash's sliding (128 picks), HCA (160) and CSA (640) layers and at V4-Pro's
 # CSA (1152) (benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md)
 MAX_PICKS = 2048
+# profiling: compile switches (``;``-separated NAME VALUE pairs, e.g. "SOLO_CPORD 0") added to every launch's, so
+# that a benchmark times the whole layer with them (``launch/bench_attn.py --core-cuda-defines``)
+DEFINES = ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -772,6 +825,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     if trace is not None and not (trace.dtype == torch.int64 and trace.is_contiguous()
                                   and trace.numel() >= 32 * n_ctas):
         raise ValueError(f"sparse_attention_cuda: trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
+    defines = ";".join(d for d in (DEFINES, defines) if d)
     defines = ("#define TRACE 1\n" if trace is not None else "") + (f"#define PROBE {probe}\n" if probe else "") \
         + "".join(f"#define {d.strip()}\n" for d in defines.split(";") if d.strip())
     if q_rope is not None:
