@@ -210,7 +210,15 @@ SRC = DEVICE + r"""
                             // prologue, q's copies in flight meanwhile (0: the prologue first)
 #endif
 #ifndef SOLO_R0
-#define SOLO_R0 0           // round 0 skips the accumulator's rescale (zeros times a factor in [0, 1]: the same bits)
+#define SOLO_R0 1           // round 0 skips the accumulator's rescale (zeros times a factor in [0, 1]: the same bits)
+#endif
+#ifndef SOLO_QP
+#define SOLO_QP 0           // q's prologue lean: each lane one angle's cos / sin (shuffled to the threads that turn
+                            // its channels) before q lands, the sums' addresses hoisted (the same bits)
+#endif
+#ifndef SOLO_PK
+#define SOLO_PK 0           // the item's first two tiles' picks loaded right after its count, under the wait for q's
+                            // slot (0: each tile's at its copies)
 #endif
 #ifndef SOLO_DEFER
 #define SOLO_DEFER 0        // the next item's first QK issued before this item's output stores (1: under them;
@@ -247,6 +255,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         const int p = tid - 256, rg = p >> 3, cg = p & 7;
         long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
         int u0 = 0, u1 = 0, it = 0;                     // each slot's fills so far
+#if QROPE && QRF > 0 && SOLO_QP
+        float fq[QRF / 64];                             // lane l's RoPE angles are l + 32 k: their frequencies
+#pragma unroll
+        for (int k = 0; k < QRF / 64; ++k) fq[k] = a.qfreq[32 * k + (p & 31)];
+#endif
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
@@ -263,6 +276,20 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             m2 = max(max(red[4], red[5]), max(red[6], red[7]));
             const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
             STAMP(8);
+#if SOLO_PK
+            int pk0[4], pk1[4];                         // the first two tiles' picks (-1: none)
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const bool one = t < n1;
+                const I *ip = one ? idx1 : idx2;
+                const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = j0 + rg + 16 * i, v = t < nt && j < J ? (int)ip[j] : -1;
+                    if (t) pk1[i] = v; else pk0[i] = v;
+                }
+            }
+#endif
 #if QROPE && QRF > 0
             const float qpos = (float)a.qpos[bs];       // (loads under the wait below)
 #endif
@@ -278,6 +305,15 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
             asm volatile("cp.async.commit_group;" ::: "memory");   // (the tiles' copies, below, stay uncommitted)
+#if QROPE && QRF > 0 && SOLO_QP
+            float ck[QRF / 64], sk[QRF / 64];           // (while q's copies land) cos / sin of lane l's angles
+#pragma unroll
+            for (int k = 0; k < QRF / 64; ++k) {
+                const float ang = qpos * fq[k];
+                ck[k] = cosf(ang);
+                sk[k] = sinf(ang);
+            }
+#endif
             auto issue = [&](int t) {                   // tile t's copies into slot t % 2, its flags, kv_full's arrival
                 const int slot = t & 1, u = slot ? u1 : u0;
                 const bool one = t < n1;
@@ -289,7 +325,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int j = j0 + rg + 16 * i;
+#if SOLO_PK
+                    id[i] = t == 0 ? pk0[i] : t == 1 ? pk1[i] : j < J ? (int)ip[j] : -1;
+#else
                     id[i] = j < J ? (int)ip[j] : -1;
+#endif
                 }
                 STAMP(10);
                 mbar_wait(kv_empty + 8 * slot, (u & 1) ^ 1);
@@ -324,6 +364,26 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("bar.sync 1, 128;" ::: "memory");         // q landed, every copy thread's part
             STAMP(22);
             float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if SOLO_QP     // chunks k = 4 m + j of the row's half, four loads ahead of their sums: sw_off's terms, hoisted
+            const unsigned char *qr = smem + SQ_OFF + (p & 1) * 32768 + (p >> 1) * 128;
+            const int xr = ((p >> 1) & 7) << 4;
+#pragma unroll 1
+            for (int m = 0; m < 8; ++m) {
+                uint4 v[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    v[j] = *(const uint4 *)(qr + (m >> 1) * 8192 + ((((m & 1) * 4 + j) << 4) ^ xr));
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned w4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float x0 = bf16_lo(w4[e]), x1 = bf16_hi(w4[e]);
+                        s4[e] = fmaf(x1, x1, fmaf(x0, x0, s4[e]));
+                    }
+                }
+            }
+#else
 #pragma unroll 4
             for (int k = 0; k < 32; ++k) {
                 const uint4 v = *(const uint4 *)(smem + SQ_OFF + sw_off(p >> 1, (p & 1) * 32 + k));
@@ -334,6 +394,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     s4[e] = fmaf(x1, x1, fmaf(x0, x0, s4[e]));
                 }
             }
+#endif
             float ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
             ss += __shfl_xor_sync(0xffffffff, ss, 1);
 #if QRF > 0
@@ -345,9 +406,21 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 float cs[4], sn[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
+#if SOLO_QP     // angle g from lane g % 32's set g / 32
+                    const int g = pc * 4 + j;
+                    cs[j] = __shfl_sync(0xffffffff, ck[0], g & 31);
+                    sn[j] = __shfl_sync(0xffffffff, sk[0], g & 31);
+#pragma unroll
+                    for (int k = 1; k < QRF / 64; ++k) {
+                        const float c = __shfl_sync(0xffffffff, ck[k], g & 31);
+                        const float n = __shfl_sync(0xffffffff, sk[k], g & 31);
+                        if (g >> 5 == k) { cs[j] = c; sn[j] = n; }
+                    }
+#else
                     const float ang = qpos * a.qfreq[pc * 4 + j];
                     cs[j] = cosf(ang);
                     sn[j] = sinf(ang);
+#endif
                 }
                 for (int r = p / NC; r < 64; r += 128 / NC) {
                     uint4 *ptr = (uint4 *)(smem + SQ_OFF + sw_off(r, 64 - NC + pc));
