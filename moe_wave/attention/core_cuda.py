@@ -13,11 +13,13 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
   at the end. (The Gluon kernels hold the whole 64 x 512 accumulator in one warpgroup, whose tensor cores idle
   through each tile's softmax.)
 - **Persistent**: each CTA walks items with a stride of the CTAs resident. The copy warpgroup counts the next
-  item's tiles, brings its q once the last QK is done and runs q's prologue while the math finishes the item, then
-  gathers the picked rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled)
-  with their valid flags in shared memory as the slots free, and signals mbarriers; the next item's q rows and
-  picks are prefetched into L2 an item ahead. QK and PV are ``wgmma`` from shared-memory descriptors, the own P
-  from registers in the accumulator's layout, the other's from shared memory.
+  item's tiles and loads its first two tiles' picks, brings its q once the last QK is done and runs q's prologue
+  while the math finishes the item (the RoPE angles' cos / sin while q lands, one a lane), then gathers the picked
+  rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled) with their valid
+  flags in shared memory as the slots free, and signals mbarriers. Its 128 threads share the SMs' issue slots with
+  the math's 256, so its instructions count (session 32: the prologue's were ~6000 cycles an item). QK and PV are
+  ``wgmma`` from shared-memory descriptors, the own P from registers in the accumulator's layout, the other's from
+  shared memory.
 - **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
   scores; the RoPE tail turned in shared memory), the output's inverse RoPE and ``act_quant``'s FP8 with the
   unfused chain's bits, staged in shared memory (the P tiles and 16 KB after them) and stored in 16-byte rows.
@@ -49,7 +51,7 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "ct
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 384               # two math warpgroups, a copy warpgroup
-SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2576  # q, two whole-row tiles, P tiles + staging, barriers and the rest
+SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2064  # q, two whole-row tiles, P tiles + staging, barriers and the rest
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
@@ -206,30 +208,6 @@ SRC = DEVICE + r"""
 #define SP_OFF 196608       // the warpgroups' P tiles (64 x 64 bf16, 8 KB each); with the next 16 KB the output's
                             // staging (warpgroup 0 over the P tiles, 1 after them)
 #define SB_OFF 229376       // barriers, counts, flags, q's factors, the warpgroups' row maxima and sums
-#ifndef SOLO_CPORD
-#define SOLO_CPORD 0        // the copy warpgroup gathers an item's first two tiles (as their slots free) before q's
-                            // prologue, q's copies in flight meanwhile (0: the prologue first)
-#endif
-#ifndef SOLO_R0
-#define SOLO_R0 1           // round 0 skips the accumulator's rescale (zeros times a factor in [0, 1]: the same bits)
-#endif
-#ifndef SOLO_QP
-#define SOLO_QP 0           // q's prologue lean: each lane one angle's cos / sin (shuffled to the threads that turn
-                            // its channels) before q lands, the sums' addresses hoisted (the same bits)
-#endif
-#ifndef SOLO_PK
-#define SOLO_PK 0           // the item's first two tiles' picks loaded right after its count, under the wait for q's
-                            // slot (0: each tile's at its copies)
-#endif
-#ifndef SOLO_MS
-#define SOLO_MS 0           // each head's sum of squares (q's norm) in the math warpgroups under round 0's QK, the
-                            // copy warpgroup only the RoPE tail's (as it turns it): fewer instructions where they
-                            // queue (another order of the sum: within bf16 rounding, not the same bits)
-#endif
-#ifndef SOLO_DEFER
-#define SOLO_DEFER 0        // the next item's first QK issued before this item's output stores (1: under them;
-                            // 2: under the FP8 steps and the stores)
-#endif
 
 template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
@@ -243,7 +221,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     volatile float *inv_s = (volatile float *)(smem + SB_OFF + 272);  // QROPE: each head's 1 / rms
     volatile float *xm = (volatile float *)(smem + SB_OFF + 528);     // [warpgroup][64 rows]: a tile's row maxima
     volatile float *ls = (volatile float *)(smem + SB_OFF + 1040);    // [item % 2][warpgroup][64 rows]: row sums
-    volatile float *qsp = (volatile float *)(smem + SB_OFF + 2064);   // SOLO_MS: [warpgroup][64 rows], q's sums
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
         mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
@@ -262,7 +239,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         const int p = tid - 256, rg = p >> 3, cg = p & 7;
         long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
         int u0 = 0, u1 = 0, it = 0;                     // each slot's fills so far
-#if QROPE && QRF > 0 && SOLO_QP
+#if QROPE && QRF > 0
         float fq[QRF / 64];                             // lane l's RoPE angles are l + 32 k: their frequencies
 #pragma unroll
         for (int k = 0; k < QRF / 64; ++k) fq[k] = a.qfreq[32 * k + (p & 31)];
@@ -283,9 +260,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             m2 = max(max(red[4], red[5]), max(red[6], red[7]));
             const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
             STAMP(8);
-#if SOLO_PK
-            int pk0[4], pk1[4];                         // the first two tiles' picks (-1: none)
-#pragma unroll
+            int pk0[4], pk1[4];                         // the first two tiles' picks (-1: none), loaded under the
+#pragma unroll                                          // wait for q's slot
             for (int t = 0; t < 2; ++t) {
                 const bool one = t < n1;
                 const I *ip = one ? idx1 : idx2;
@@ -296,7 +272,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     if (t) pk1[i] = v; else pk0[i] = v;
                 }
             }
-#endif
 #if QROPE && QRF > 0
             const float qpos = (float)a.qpos[bs];       // (loads under the wait below)
 #endif
@@ -312,7 +287,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
             asm volatile("cp.async.commit_group;" ::: "memory");   // (the tiles' copies, below, stay uncommitted)
-#if QROPE && QRF > 0 && SOLO_QP
+#if QROPE && QRF > 0
             float ck[QRF / 64], sk[QRF / 64];           // (while q's copies land) cos / sin of lane l's angles
 #pragma unroll
             for (int k = 0; k < QRF / 64; ++k) {
@@ -332,11 +307,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int j = j0 + rg + 16 * i;
-#if SOLO_PK
                     id[i] = t == 0 ? pk0[i] : t == 1 ? pk1[i] : j < J ? (int)ip[j] : -1;
-#else
-                    id[i] = j < J ? (int)ip[j] : -1;
-#endif
                 }
                 STAMP(10);
                 mbar_wait(kv_empty + 8 * slot, (u & 1) ^ 1);
@@ -360,19 +331,15 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 STAMP(12);
                 if (slot) ++u1; else ++u0;
             };
-            // (SOLO_CPORD: the item's first two tiles as their slots free, when the last item's PV ends, before the
-            // math needs q; q's copies land meanwhile)
-            int t = 0;
-            if (SOLO_CPORD && QROPE) for (; t < nt && t < 2; ++t) issue(t);
-            // q's prologue while the math finishes the last item (its softmax, PV and output): each head's sum of
-            // squares over d (2 threads a head, four partial sums each), the RoPE tail turned in place
 #if QROPE
-            asm volatile("cp.async.wait_group 0;" ::: "memory");   // q's group
-            asm volatile("bar.sync 1, 128;" ::: "memory");         // q landed, every copy thread's part
+            // q's prologue while the math finishes the last item (its softmax, PV and output), before the tiles
+            // (their slots free only after its PV): each head's sum of squares over d (2 threads a head, four
+            // partial sums each, chunks k = 4 m + j of the row's half four loads ahead of their sums, sw_off's
+            // terms hoisted), the RoPE tail turned in place
+            asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group
+            asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
             STAMP(22);
             float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if SOLO_MS     // (the math warpgroups sum the channels before the tail)
-#elif SOLO_QP   // chunks k = 4 m + j of the row's half, four loads ahead of their sums: sw_off's terms, hoisted
             const unsigned char *qr = smem + SQ_OFF + (p & 1) * 32768 + (p >> 1) * 128;
             const int xr = ((p >> 1) & 7) << 4;
 #pragma unroll 1
@@ -391,30 +358,18 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     }
                 }
             }
-#else
-#pragma unroll 4
-            for (int k = 0; k < 32; ++k) {
-                const uint4 v = *(const uint4 *)(smem + SQ_OFF + sw_off(p >> 1, (p & 1) * 32 + k));
-                const unsigned w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float x0 = bf16_lo(w4[e]), x1 = bf16_hi(w4[e]);
-                    s4[e] = fmaf(x1, x1, fmaf(x0, x0, s4[e]));
-                }
-            }
-#endif
             float ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
             ss += __shfl_xor_sync(0xffffffff, ss, 1);
 #if QRF > 0
-            if (!SOLO_MS) asm volatile("bar.sync 1, 128;" ::: "memory");   // every sum read q before its tail turns
+            asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
             {
-                // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, so its 4 angles once
+                // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, its 4 angles g from lane
+                // g % 32's set g / 32 (each lane computed one angle's cos / sin a set)
                 constexpr int NC = QRF / 8;
                 const int pc = p % NC;
                 float cs[4], sn[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-#if SOLO_QP     // angle g from lane g % 32's set g / 32
                     const int g = pc * 4 + j;
                     cs[j] = __shfl_sync(0xffffffff, ck[0], g & 31);
                     sn[j] = __shfl_sync(0xffffffff, sk[0], g & 31);
@@ -424,41 +379,29 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         const float n = __shfl_sync(0xffffffff, sk[k], g & 31);
                         if (g >> 5 == k) { cs[j] = c; sn[j] = n; }
                     }
-#else
-                    const float ang = qpos * a.qfreq[pc * 4 + j];
-                    cs[j] = cosf(ang);
-                    sn[j] = sinf(ang);
-#endif
                 }
                 for (int r = p / NC; r < 64; r += 128 / NC) {
                     uint4 *ptr = (uint4 *)(smem + SQ_OFF + sw_off(r, 64 - NC + pc));
                     uint4 v = *ptr;
                     unsigned *w4 = (unsigned *)&v;
-                    float t2 = 0.0f;                    // SOLO_MS: the chunk's sum of squares, before it turns
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {   // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
+                    for (int j = 0; j < 4; ++j) {       // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
                         const float x = bf16_lo(w4[j]), y = bf16_hi(w4[j]);
-                        if (SOLO_MS) t2 = fmaf(y, y, fmaf(x, x, t2));
                         w4[j] = pack_bf16(fmaf(y, -sn[j], x * cs[j]), fmaf(x, sn[j], y * cs[j]));
                     }
                     *ptr = v;
-                    if (SOLO_MS) {                      // the row's NC chunks: NC consecutive lanes
-#pragma unroll
-                        for (int o = 1; o < NC; o <<= 1) t2 += __shfl_xor_sync(0xffffffff, t2, o);
-                        if (pc == 0) inv_s[r] = t2;     // (SOLO_MS: the tail's sum, not a factor)
-                    }
                 }
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the turned q, to wgmma's proxy
             }
 #endif
-            if ((p & 1) == 0 && !SOLO_MS) inv_s[p >> 1] = 1.0f / sqrtf(ss / 512.0f + a.eps);
+            if ((p & 1) == 0) inv_s[p >> 1] = 1.0f / sqrtf(ss / 512.0f + a.eps);
             mbar_arrive(q_full);                        // (release: the factors and the turned q)
             STAMP(23);
 #else
             cp_async_arrive(q_full);
             if (p == 0) mbar_arrive(q_full);
 #endif
-            for (; t < nt; ++t) issue(t);
+            for (int t = 0; t < nt; ++t) issue(t);
         }
     } else {                                            // the math warpgroups: 64 heads x their half of d
         asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
@@ -473,8 +416,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
-        int u0 = 0, u1 = 0, it = 0, nt_pre = 0;
-        bool pre = false;                               // SOLO_DEFER: this item's first QK already issued
+        int u0 = 0, u1 = 0, it = 0;
         float sc[32];                                   // a tile's scores, then its P (fp32)
         unsigned valid = 0;                             // the tile's valid picks, 2 bits a register pair
         // this warpgroup's QK of the tile in its slot (its g-th use): wait, flags, the wgmmas, committed
@@ -499,53 +441,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
-#if QROPE && SOLO_MS
-        // this thread's part of its rows' (rA, rA + 8) sums of squares over the channels before the tail: chunks
-        // 8 m + 4 wg + l % 4 (sw_off's terms: the same swizzled slot for both rows, 1024 bytes apart), a quad's
-        float pA = 0.0f, pB = 0.0f;
-        auto q_sums = [&]() {
-            const unsigned char *qa = smem + SQ_OFF + rA * 128 + (((4 * wg + (l & 3)) ^ (rA & 7)) << 4);
-            float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int m = 0; m < 8 - QRF / 64; ++m) {
-                const uint4 va = *(const uint4 *)(qa + m * 8192), vb = *(const uint4 *)(qa + 1024 + m * 8192);
-                const unsigned wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    a4[e] = fmaf(bf16_hi(wa[e]), bf16_hi(wa[e]), fmaf(bf16_lo(wa[e]), bf16_lo(wa[e]), a4[e]));
-                    b4[e] = fmaf(bf16_hi(wb[e]), bf16_hi(wb[e]), fmaf(bf16_lo(wb[e]), bf16_lo(wb[e]), b4[e]));
-                }
-            }
-            pA = (a4[0] + a4[1]) + (a4[2] + a4[3]);
-            pB = (b4[0] + b4[1]) + (b4[2] + b4[3]);
-            pA += __shfl_xor_sync(0xffffffff, pA, 1); pA += __shfl_xor_sync(0xffffffff, pA, 2);
-            pB += __shfl_xor_sync(0xffffffff, pB, 1); pB += __shfl_xor_sync(0xffffffff, pB, 2);
-        };
-        float msA = 0.0f, msB = 0.0f;                   // the item's q factors (scale x 1 / rms), from round 0
-#endif
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
-            // FINISH(BODY): the output's last part, and with SOLO_DEFER the next item's q, its tile count and its
-            // first QK under it (issued and waited for in one branch: one wgmma stage, no accumulator across a
-            // merge; a macro, as NVRTC takes no generic lambda)
-#define FINISH(BODY) do { \
-                pre = false; \
-                bool done = false; \
-                if (SOLO_DEFER && item + stride < a.n_items) { \
-                    mbar_wait(q_full, (it + 1) & 1); \
-                    nt_pre = __shfl_sync(0xffffffff, info[0], 0); \
-                    pre = true; \
-                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) { \
-                        qk_issue(wg ? u1 : u0); \
-                        BODY; \
-                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); \
-                        _Pragma("unroll") for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory"); \
-                        done = true; \
-                    } \
-                } \
-                if (!done) { BODY; } \
-            } while (0)
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
             float lA = wg == 0 && (l & 3) == 0 ? 1.0f : 0.0f, lB = lA;               // ... and the sum (one lane)
             float o[4][32];
@@ -554,9 +452,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
             STAMP(6);
-            if (!pre) mbar_wait(q_full, it & 1);
+            mbar_wait(q_full, it & 1);
             STAMP(0);
-            const int nt = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0);
+            const int nt = __shfl_sync(0xffffffff, info[0], 0);
             if (nt == 0) mbar_arrive(q_empty);
             // rounds of two tiles: warpgroup 0 takes tile tt (slot 0), warpgroup 1 tile tt + 1 (slot 1)
             for (int tt = 0; tt < nt; tt += 2) {
@@ -569,29 +467,14 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 unsigned vown = mine ? kt : ko, voth = other ? ko : kt;
                 asm volatile("" : "+r"(pb), "+r"(vown), "+r"(voth));
                 STAMP(7);
-                if (mine && !(pre && tt == 0)) {        // (SOLO_DEFER: round 0's scores came with the last output)
+                if (mine) {
                     qk_issue(wg ? u1 : u0);
-#if QROPE && SOLO_MS
-                    if (tt == 0) q_sums();              // (under the QK)
-#endif
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
-#if QROPE && SOLO_MS
-                else if (tt == 0) q_sums();
-#endif
-                pre = false;
                 STAMP(2);
-#if QROPE && SOLO_MS
-                // round 0: this warpgroup's part of the sums out, the tail's in (read before q_empty); both
-                // warpgroups add the three in one order (the same factors on both sides)
-                float tA = 0.0f, tB = 0.0f;
-                if (tt == 0) {
-                    if ((l & 3) == 0) { qsp[64 * wg + rA] = pA; qsp[64 * wg + rA + 8] = pB; }
-                    if (QRF > 0) { tA = inv_s[rA]; tB = inv_s[rA + 8]; }
-                }
-#elif QROPE     // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
+#if QROPE       // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
                 const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
 #else
                 const float scA = a.qk_scale, scB = a.qk_scale;
@@ -616,13 +499,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if ((l & 3) == 0) { xm[64 * wg + rA] = xA; xm[64 * wg + rA + 8] = xB; }
                 asm volatile("bar.sync 4, 256;" ::: "memory");
                 STAMP(3);
-#if QROPE && SOLO_MS
-                if (tt == 0) {
-                    msA = a.qk_scale * (1.0f / sqrtf(((qsp[rA] + qsp[64 + rA]) + tA) / 512.0f + a.eps));
-                    msB = a.qk_scale * (1.0f / sqrtf(((qsp[rA + 8] + qsp[64 + rA + 8]) + tB) / 512.0f + a.eps));
-                }
-                const float scA = msA, scB = msB;
-#endif
                 xA = fmaxf(xA, xm[64 * (wg ^ 1) + rA]);
                 xB = fmaxf(xB, xm[64 * (wg ^ 1) + rA + 8]);
                 const float nA = fmaxf(mA, xA * scA), nB = fmaxf(mB, xB * scB);
@@ -655,7 +531,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // P, to wgmma's proxy
                 }
                 lA = lA * aA + sA; lB = lB * aB + sB;
-                if ((!SOLO_R0 || tt > 0) && __any_sync(0xffffffff, moved)) {   // (an unmoved max: a = 1 exactly)
+                // (an unmoved max has a = 1 exactly: the same bits; round 0's accumulator is zeros, times a in [0, 1])
+                if (tt > 0 && __any_sync(0xffffffff, moved)) {
 #pragma unroll
                     for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
@@ -698,7 +575,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 const unsigned sb = pow2_scale(1e-4f);
                 a.scales[((h0 + (tw >> 1)) * 4 + wg * 2 + (tw & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
 #endif
-                FINISH((void)0);
             } else {
                 // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
                 // them (core_kernel._epilogue's math, its roundings in its order)
@@ -748,57 +624,47 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
                 // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
                 unsigned char *st = smem + SP_OFF + 16384 * wg;
-                auto fp8_staging = [&]() {
-                    float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
 #pragma unroll
-                    for (int k = 0; k < 2; ++k)
+                for (int k = 0; k < 2; ++k)
 #pragma unroll
-                        for (int rr = 0; rr < 2; ++rr) {
-                            float m = 0.0f;
+                    for (int rr = 0; rr < 2; ++rr) {
+                        float m = 0.0f;
 #pragma unroll
-                            for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
 #pragma unroll
-                                for (int jj = 0; jj < 8; ++jj)
-                                    m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
-                                                       fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                            m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                            m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                            const unsigned sb = pow2_scale(m);
-                            invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                            if ((l & 3) == 0)
-                                a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
-                                    __uint_as_float(sb);
-                        }
-#pragma unroll
-                    for (int cb = 0; cb < 4; ++cb)
-#pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) {
-                            const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                      + (jj & 1) * 8 + cq;
-                            const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                            *(unsigned short *)(st + rA * 256 + off) =
-                                pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                            *(unsigned short *)(st + (rA + 8) * 256 + off) =
-                                pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                        }
-                };
-                auto stores = [&]() {
-                    if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
-                    else asm volatile("bar.sync 2, 128;" ::: "memory");
-                    const int c = tw & 15;
-#pragma unroll 4
-                    for (int i = 0; i < 8; ++i) {
-                        const int r = (tw >> 4) + 8 * i;
-                        const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-                        *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                            for (int jj = 0; jj < 8; ++jj)
+                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
+                                                   fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                        const unsigned sb = pow2_scale(m);
+                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                        if ((l & 3) == 0)
+                            a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
+                                __uint_as_float(sb);
                     }
-                };
-                if (SOLO_DEFER == 2) {                  // the next QK under the FP8 steps as well
-                    FINISH(fp8_staging(); stores());
-                } else {
-                    fp8_staging();
-                    STAMP(21);
-                    FINISH(stores());
+#pragma unroll
+                for (int cb = 0; cb < 4; ++cb)
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                  + (jj & 1) * 8 + cq;
+                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                        *(unsigned short *)(st + rA * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                    }
+                STAMP(21);
+                if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
+                else asm volatile("bar.sync 2, 128;" ::: "memory");
+                const int c = tw & 15;
+#pragma unroll 4
+                for (int i = 0; i < 8; ++i) {
+                    const int r = (tw >> 4) + 8 * i;
+                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
                 }
 #else
                 // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
@@ -811,7 +677,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
                             pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
                     }
-                FINISH((void)0);
 #endif
             }
         }
@@ -844,9 +709,9 @@ ENABLED = True
 # faster than the Gluon kernels at V4-Flash's sliding (128 picks), HCA (160) and CSA (640) layers and at V4-Pro's
 # CSA (1152) (benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md)
 MAX_PICKS = 2048
-# profiling: compile switches (``;``-separated NAME VALUE pairs, e.g. "SOLO_CPORD 0") added to every launch's, so
-# that a benchmark times the whole layer with them (``launch/bench_attn.py --core-cuda-defines``) and the GPU tests
-# run a variant (the environment's MOE_WAVE_CORE_CUDA_DEFINES)
+# profiling: compile switches (``;``-separated NAME VALUE pairs, e.g. "PROBE 2") added to every launch's, so that a
+# benchmark times the whole layer with them (``launch/bench_attn.py --core-cuda-defines``) and the GPU tests run a
+# variant (the environment's MOE_WAVE_CORE_CUDA_DEFINES)
 DEFINES = os.environ.get("MOE_WAVE_CORE_CUDA_DEFINES", "")
 
 
@@ -899,9 +764,10 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     compiled with TRACE adds into it, per CTA, the clock cycles of math warpgroup 0's phases (0 q wait, 1 tile
     wait, 2 QK, 3 the wait for the other warpgroup's row maxima, 4 softmax, 16 the wait for its P, 5 PV, 7 a round's
     top; per item 19 the wait for its row sums, 20 the output's scaling and RoPE, 21 FP8 and staging, 6 the stores
-    and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait, 10 q's prologue and picks, 11 slot
-    wait, 12 copies issued), 13 the SM, 14 items, 15 rounds. probe (profiling, wrong results): 2 skips the tiles'
-    copies. defines (profiling): more ``#define`` lines for the compile (``;``-separated NAME VALUE pairs).
+    and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait and the first picks' loads, per
+    item 22 q's copies landing and 23 q's prologue; 10 a tile's picks, 11 slot wait, 12 copies issued), 13 the SM,
+    14 items, 15 rounds. probe (profiling, wrong results): 2 skips the tiles' copies. defines (profiling): more
+    ``#define`` lines for the compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to them).
 
     The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
     contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
