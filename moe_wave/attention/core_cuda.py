@@ -99,7 +99,10 @@ DEVICE = HELPERS + r"""
 #define POS_T long long
 #endif
 #ifndef PROBE
-#define PROBE 0     // profiling only, wrong results: 2 no tile copies
+#define PROBE 0     // profiling only, wrong results: 2 no tile copies, 4 no sums of q's squares, 8 no RoPE turn
+#endif
+#ifndef SOLO_PV
+#define SOLO_PV 0   // the copy warpgroup runs q's prologue after the last item's last PV (its slot 0 free)
 #endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
@@ -336,6 +339,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             // (their slots free only after its PV): each head's sum of squares over d (2 threads a head, four
             // partial sums each, chunks k = 4 m + j of the row's half four loads ahead of their sums, sw_off's
             // terms hoisted), the RoPE tail turned in place
+            if (SOLO_PV) mbar_wait(kv_empty, (u0 & 1) ^ 1);
             asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group
             asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
             STAMP(22);
@@ -343,7 +347,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             const unsigned char *qr = smem + SQ_OFF + (p & 1) * 32768 + (p >> 1) * 128;
             const int xr = ((p >> 1) & 7) << 4;
 #pragma unroll 1
-            for (int m = 0; m < 8; ++m) {
+            for (int m = 0; m < (PROBE & 4 ? 0 : 8); ++m) {
                 uint4 v[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
@@ -360,6 +364,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             }
             float ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
             ss += __shfl_xor_sync(0xffffffff, ss, 1);
+            STAMP(24);
 #if QRF > 0
             asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
             {
@@ -380,7 +385,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         if (g >> 5 == k) { cs[j] = c; sn[j] = n; }
                     }
                 }
-                for (int r = p / NC; r < 64; r += 128 / NC) {
+                for (int r = p / NC; r < (PROBE & 8 ? 0 : 64); r += 128 / NC) {
                     uint4 *ptr = (uint4 *)(smem + SQ_OFF + sw_off(r, 64 - NC + pc));
                     uint4 v = *ptr;
                     unsigned *w4 = (unsigned *)&v;
@@ -765,9 +770,10 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     wait, 2 QK, 3 the wait for the other warpgroup's row maxima, 4 softmax, 16 the wait for its P, 5 PV, 7 a round's
     top; per item 19 the wait for its row sums, 20 the output's scaling and RoPE, 21 FP8 and staging, 6 the stores
     and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait and the first picks' loads, per
-    item 22 q's copies landing and 23 q's prologue; 10 a tile's picks, 11 slot wait, 12 copies issued), 13 the SM,
-    14 items, 15 rounds. probe (profiling, wrong results): 2 skips the tiles' copies. defines (profiling): more
-    ``#define`` lines for the compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to them).
+    item 22 q's copies landing, 24 the sums of its squares and 23 the rest of its prologue; 10 a tile's picks, 11
+    slot wait, 12 copies issued), 13 the SM, 14 items, 15 rounds. probe (profiling, wrong results): 2 skips the
+    tiles' copies, 4 the sums of q's squares, 8 q's RoPE turn. defines (profiling): more ``#define`` lines for the
+    compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to them).
 
     The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
     contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
