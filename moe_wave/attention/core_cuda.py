@@ -51,7 +51,7 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "ct
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 384               # two math warpgroups, a copy warpgroup
-SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2064  # q, two whole-row tiles, P tiles + staging, barriers and the rest
+SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2576  # q, two whole-row tiles, P tiles + staging, barriers and the rest
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
@@ -103,6 +103,11 @@ DEVICE = HELPERS + r"""
 #endif
 #ifndef SOLO_PV
 #define SOLO_PV 0   // the copy warpgroup runs q's prologue after the last item's last PV (its slot 0 free)
+#endif
+#ifndef SOLO_MS
+#define SOLO_MS 0   // each head's sum of squares (q's norm) in the math warpgroups in round 0 (1: before its QK, under
+                    // the tile's wait; 2: under the QK), the copy warpgroup only the RoPE tail's as it turns it
+                    // (another order of the sum: within bf16 rounding, not the same bits)
 #endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
@@ -224,6 +229,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     volatile float *inv_s = (volatile float *)(smem + SB_OFF + 272);  // QROPE: each head's 1 / rms
     volatile float *xm = (volatile float *)(smem + SB_OFF + 528);     // [warpgroup][64 rows]: a tile's row maxima
     volatile float *ls = (volatile float *)(smem + SB_OFF + 1040);    // [item % 2][warpgroup][64 rows]: row sums
+    volatile float *qsp = (volatile float *)(smem + SB_OFF + 2064);   // SOLO_MS: [warpgroup][64 rows], q's sums
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
         mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
@@ -347,7 +353,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             const unsigned char *qr = smem + SQ_OFF + (p & 1) * 32768 + (p >> 1) * 128;
             const int xr = ((p >> 1) & 7) << 4;
 #pragma unroll 1
-            for (int m = 0; m < (PROBE & 4 ? 0 : 8); ++m) {
+            for (int m = 0; m < (PROBE & 4 || SOLO_MS ? 0 : 8); ++m) {
                 uint4 v[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
@@ -366,7 +372,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             ss += __shfl_xor_sync(0xffffffff, ss, 1);
             STAMP(24);
 #if QRF > 0
-            asm volatile("bar.sync 1, 128;" ::: "memory");        // every sum read q before its tail turns
+            if (!SOLO_MS) asm volatile("bar.sync 1, 128;" ::: "memory");   // every sum read q before its tail turns
             {
                 // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, its 4 angles g from lane
                 // g % 32's set g / 32 (each lane computed one angle's cos / sin a set)
@@ -389,17 +395,24 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     uint4 *ptr = (uint4 *)(smem + SQ_OFF + sw_off(r, 64 - NC + pc));
                     uint4 v = *ptr;
                     unsigned *w4 = (unsigned *)&v;
+                    float t2 = 0.0f;                    // SOLO_MS: the chunk's sum of squares, before it turns
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {       // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
                         const float x = bf16_lo(w4[j]), y = bf16_hi(w4[j]);
+                        if (SOLO_MS) t2 = fmaf(y, y, fmaf(x, x, t2));
                         w4[j] = pack_bf16(fmaf(y, -sn[j], x * cs[j]), fmaf(x, sn[j], y * cs[j]));
                     }
                     *ptr = v;
+                    if (SOLO_MS) {                      // the row's NC chunks: NC consecutive lanes
+#pragma unroll
+                        for (int o = 1; o < NC; o <<= 1) t2 += __shfl_xor_sync(0xffffffff, t2, o);
+                        if (pc == 0) inv_s[r] = t2;     // (SOLO_MS: the tail's sum, not a factor)
+                    }
                 }
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the turned q, to wgmma's proxy
             }
 #endif
-            if ((p & 1) == 0) inv_s[p >> 1] = 1.0f / sqrtf(ss / 512.0f + a.eps);
+            if ((p & 1) == 0 && !SOLO_MS) inv_s[p >> 1] = 1.0f / sqrtf(ss / 512.0f + a.eps);
             mbar_arrive(q_full);                        // (release: the factors and the turned q)
             STAMP(23);
 #else
@@ -446,6 +459,30 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
+#if QROPE && SOLO_MS
+        // this thread's part of its rows' (rA, rA + 8) sums of squares over the channels before the tail: chunks
+        // 8 m + 4 wg + l % 4 (sw_off's terms: the same swizzled slot for both rows, 1024 bytes apart), a quad's
+        float pA = 0.0f, pB = 0.0f;
+        auto q_sums = [&]() {
+            const unsigned char *qa = smem + SQ_OFF + rA * 128 + (((4 * wg + (l & 3)) ^ (rA & 7)) << 4);
+            float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int m = 0; m < 8 - QRF / 64; ++m) {
+                const uint4 va = *(const uint4 *)(qa + m * 8192), vb = *(const uint4 *)(qa + 1024 + m * 8192);
+                const unsigned wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    a4[e] = fmaf(bf16_hi(wa[e]), bf16_hi(wa[e]), fmaf(bf16_lo(wa[e]), bf16_lo(wa[e]), a4[e]));
+                    b4[e] = fmaf(bf16_hi(wb[e]), bf16_hi(wb[e]), fmaf(bf16_lo(wb[e]), bf16_lo(wb[e]), b4[e]));
+                }
+            }
+            pA = (a4[0] + a4[1]) + (a4[2] + a4[3]);
+            pB = (b4[0] + b4[1]) + (b4[2] + b4[3]);
+            pA += __shfl_xor_sync(0xffffffff, pA, 1); pA += __shfl_xor_sync(0xffffffff, pA, 2);
+            pB += __shfl_xor_sync(0xffffffff, pB, 1); pB += __shfl_xor_sync(0xffffffff, pB, 2);
+        };
+        float msA = 0.0f, msB = 0.0f;                   // the item's q factors (scale x 1 / rms), from round 0
+#endif
         for (int item = first; item < a.n_items; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
@@ -472,14 +509,31 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 unsigned vown = mine ? kt : ko, voth = other ? ko : kt;
                 asm volatile("" : "+r"(pb), "+r"(vown), "+r"(voth));
                 STAMP(7);
+#if QROPE && SOLO_MS == 1
+                if (tt == 0) q_sums();                  // (under the tile's wait)
+#endif
                 if (mine) {
                     qk_issue(wg ? u1 : u0);
+#if QROPE && SOLO_MS == 2
+                    if (tt == 0) q_sums();              // (under the QK)
+#endif
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
+#if QROPE && SOLO_MS == 2
+                else if (tt == 0) q_sums();
+#endif
                 STAMP(2);
-#if QROPE       // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
+#if QROPE && SOLO_MS
+                // round 0: this warpgroup's part of the sums out, the tail's in (read before q_empty); both
+                // warpgroups add the three in one order (the same factors on both sides)
+                float tA = 0.0f, tB = 0.0f;
+                if (tt == 0) {
+                    if ((l & 3) == 0) { qsp[64 * wg + rA] = pA; qsp[64 * wg + rA + 8] = pB; }
+                    if (QRF > 0) { tA = inv_s[rA]; tB = inv_s[rA + 8]; }
+                }
+#elif QROPE     // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
                 const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
 #else
                 const float scA = a.qk_scale, scB = a.qk_scale;
@@ -504,6 +558,13 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if ((l & 3) == 0) { xm[64 * wg + rA] = xA; xm[64 * wg + rA + 8] = xB; }
                 asm volatile("bar.sync 4, 256;" ::: "memory");
                 STAMP(3);
+#if QROPE && SOLO_MS
+                if (tt == 0) {
+                    msA = a.qk_scale * (1.0f / sqrtf(((qsp[rA] + qsp[64 + rA]) + tA) / 512.0f + a.eps));
+                    msB = a.qk_scale * (1.0f / sqrtf(((qsp[rA + 8] + qsp[64 + rA + 8]) + tB) / 512.0f + a.eps));
+                }
+                const float scA = msA, scB = msB;
+#endif
                 xA = fmaxf(xA, xm[64 * (wg ^ 1) + rA]);
                 xB = fmaxf(xB, xm[64 * (wg ^ 1) + rA + 8]);
                 const float nA = fmaxf(mA, xA * scA), nB = fmaxf(mB, xB * scB);
