@@ -16,13 +16,16 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
   item's tiles and loads its first two tiles' picks, brings its q once the last QK is done and runs q's prologue
   while the math finishes the item (the RoPE angles' cos / sin while q lands, one a lane), then gathers the picked
   rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled) with their valid
-  flags in shared memory as the slots free, and signals mbarriers. Its 128 threads share the SMs' issue slots with
-  the math's 256, so its instructions count (session 32: the prologue's were ~6000 cycles an item). QK and PV are
-  ``wgmma`` from shared-memory descriptors, the own P from registers in the accumulator's layout, the other's from
-  shared memory.
+  flags in shared memory as the slots free, and signals mbarriers. Its chain of work (counts, q's copies, q's
+  prologue, the tiles' copies) sets an item's pace at sliding and HCA layers, so it does as little as it can: the
+  math warpgroups sum q's squares (session 32: in the copy warpgroup those shared-memory reads took ~4300 of its
+  ~15 000 cycles a sliding item). QK and PV are ``wgmma`` from shared-memory descriptors, the own P from registers
+  in the accumulator's layout, the other's from shared memory.
 - **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
-  scores; the RoPE tail turned in shared memory), the output's inverse RoPE and ``act_quant``'s FP8 with the
-  unfused chain's bits, staged in shared memory (the P tiles and 16 KB after them) and stored in 16-byte rows.
+  scores: the math warpgroups sum the squares of the channels before the RoPE tail in round 0 while its tile
+  lands, the copy warpgroup those of the tail as it turns it in shared memory; both warpgroups add the three parts
+  in one order), the output's inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, staged in shared
+  memory (the P tiles and 16 KB after them) and stored in 16-byte rows.
 
 It replaced (session 31) a pair kernel, a cluster of two CTAs an item each holding half of d and exchanging 64 x 64
 partial scores a tile, two CTAs an SM: slower at all three V4 layer types
@@ -99,15 +102,7 @@ DEVICE = HELPERS + r"""
 #define POS_T long long
 #endif
 #ifndef PROBE
-#define PROBE 0     // profiling only, wrong results: 2 no tile copies, 4 no sums of q's squares, 8 no RoPE turn
-#endif
-#ifndef SOLO_PV
-#define SOLO_PV 0   // the copy warpgroup runs q's prologue after the last item's last PV (its slot 0 free)
-#endif
-#ifndef SOLO_MS
-#define SOLO_MS 0   // each head's sum of squares (q's norm) in the math warpgroups in round 0 (1: before its QK, under
-                    // the tile's wait; 2: under the QK), the copy warpgroup only the RoPE tail's as it turns it
-                    // (another order of the sum: within bf16 rounding, not the same bits)
+#define PROBE 0     // profiling only, wrong results: 2 no tile copies, 8 no RoPE turn of q
 #endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
@@ -226,10 +221,10 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     const unsigned q_full = base + SB_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32;
     volatile int *info = (volatile int *)(smem + SB_OFF + 64);       // the item's tile count, producer -> math
     volatile unsigned char *flags = smem + SB_OFF + 144;              // [2 slots][64 rows]: the pick is valid
-    volatile float *inv_s = (volatile float *)(smem + SB_OFF + 272);  // QROPE: each head's 1 / rms
+    volatile float *tsq = (volatile float *)(smem + SB_OFF + 272);    // QROPE: each head's RoPE tail's sum of squares
     volatile float *xm = (volatile float *)(smem + SB_OFF + 528);     // [warpgroup][64 rows]: a tile's row maxima
     volatile float *ls = (volatile float *)(smem + SB_OFF + 1040);    // [item % 2][warpgroup][64 rows]: row sums
-    volatile float *qsp = (volatile float *)(smem + SB_OFF + 2064);   // SOLO_MS: [warpgroup][64 rows], q's sums
+    volatile float *qsp = (volatile float *)(smem + SB_OFF + 2064);   // QROPE: [warpgroup][64 rows], q's sums
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
         mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
@@ -342,37 +337,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             };
 #if QROPE
             // q's prologue while the math finishes the last item (its softmax, PV and output), before the tiles
-            // (their slots free only after its PV): each head's sum of squares over d (2 threads a head, four
-            // partial sums each, chunks k = 4 m + j of the row's half four loads ahead of their sums, sw_off's
-            // terms hoisted), the RoPE tail turned in place
-            if (SOLO_PV) mbar_wait(kv_empty, (u0 & 1) ^ 1);
+            // (their slots free only after its PV): the RoPE tail turned in place, its sums of squares (the math
+            // warpgroups sum the channels before it)
             asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group
             asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
             STAMP(22);
-            float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const unsigned char *qr = smem + SQ_OFF + (p & 1) * 32768 + (p >> 1) * 128;
-            const int xr = ((p >> 1) & 7) << 4;
-#pragma unroll 1
-            for (int m = 0; m < (PROBE & 4 || SOLO_MS ? 0 : 8); ++m) {
-                uint4 v[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    v[j] = *(const uint4 *)(qr + (m >> 1) * 8192 + ((((m & 1) * 4 + j) << 4) ^ xr));
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned w4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float x0 = bf16_lo(w4[e]), x1 = bf16_hi(w4[e]);
-                        s4[e] = fmaf(x1, x1, fmaf(x0, x0, s4[e]));
-                    }
-                }
-            }
-            float ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-            ss += __shfl_xor_sync(0xffffffff, ss, 1);
-            STAMP(24);
 #if QRF > 0
-            if (!SOLO_MS) asm volatile("bar.sync 1, 128;" ::: "memory");   // every sum read q before its tail turns
             {
                 // the tail's QRF / 8 chunks of 8 channels: thread p always the same chunk, its 4 angles g from lane
                 // g % 32's set g / 32 (each lane computed one angle's cos / sin a set)
@@ -395,25 +365,22 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     uint4 *ptr = (uint4 *)(smem + SQ_OFF + sw_off(r, 64 - NC + pc));
                     uint4 v = *ptr;
                     unsigned *w4 = (unsigned *)&v;
-                    float t2 = 0.0f;                    // SOLO_MS: the chunk's sum of squares, before it turns
+                    float t2 = 0.0f;                    // the chunk's sum of squares, before it turns
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {       // (even, odd) = (x cos - y sin, y cos + x sin), norm_rope's fma
                         const float x = bf16_lo(w4[j]), y = bf16_hi(w4[j]);
-                        if (SOLO_MS) t2 = fmaf(y, y, fmaf(x, x, t2));
+                        t2 = fmaf(y, y, fmaf(x, x, t2));
                         w4[j] = pack_bf16(fmaf(y, -sn[j], x * cs[j]), fmaf(x, sn[j], y * cs[j]));
                     }
                     *ptr = v;
-                    if (SOLO_MS) {                      // the row's NC chunks: NC consecutive lanes
-#pragma unroll
-                        for (int o = 1; o < NC; o <<= 1) t2 += __shfl_xor_sync(0xffffffff, t2, o);
-                        if (pc == 0) inv_s[r] = t2;     // (SOLO_MS: the tail's sum, not a factor)
-                    }
+#pragma unroll                                          // the row's NC chunks: NC consecutive lanes
+                    for (int o = 1; o < NC; o <<= 1) t2 += __shfl_xor_sync(0xffffffff, t2, o);
+                    if (pc == 0) tsq[r] = t2;
                 }
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the turned q, to wgmma's proxy
             }
 #endif
-            if ((p & 1) == 0 && !SOLO_MS) inv_s[p >> 1] = 1.0f / sqrtf(ss / 512.0f + a.eps);
-            mbar_arrive(q_full);                        // (release: the factors and the turned q)
+            mbar_arrive(q_full);                        // (release: the tail's sums and the turned q)
             STAMP(23);
 #else
             cp_async_arrive(q_full);
@@ -459,8 +426,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
-#if QROPE && SOLO_MS
-        // this thread's part of its rows' (rA, rA + 8) sums of squares over the channels before the tail: chunks
+#if QROPE
+        // q's norm, each head's RMS a factor of its scores, summed here in round 0 before its QK (under the tile's
+        // wait): this thread's part of its rows' (rA, rA + 8) sums of squares over the channels before the tail: chunks
         // 8 m + 4 wg + l % 4 (sw_off's terms: the same swizzled slot for both rows, 1024 bytes apart), a quad's
         float pA = 0.0f, pB = 0.0f;
         auto q_sums = [&]() {
@@ -509,32 +477,24 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 unsigned vown = mine ? kt : ko, voth = other ? ko : kt;
                 asm volatile("" : "+r"(pb), "+r"(vown), "+r"(voth));
                 STAMP(7);
-#if QROPE && SOLO_MS == 1
+#if QROPE
                 if (tt == 0) q_sums();                  // (under the tile's wait)
 #endif
                 if (mine) {
                     qk_issue(wg ? u1 : u0);
-#if QROPE && SOLO_MS == 2
-                    if (tt == 0) q_sums();              // (under the QK)
-#endif
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
-#if QROPE && SOLO_MS == 2
-                else if (tt == 0) q_sums();
-#endif
                 STAMP(2);
-#if QROPE && SOLO_MS
+#if QROPE
                 // round 0: this warpgroup's part of the sums out, the tail's in (read before q_empty); both
                 // warpgroups add the three in one order (the same factors on both sides)
                 float tA = 0.0f, tB = 0.0f;
                 if (tt == 0) {
                     if ((l & 3) == 0) { qsp[64 * wg + rA] = pA; qsp[64 * wg + rA + 8] = pB; }
-                    if (QRF > 0) { tA = inv_s[rA]; tB = inv_s[rA + 8]; }
+                    if (QRF > 0) { tA = tsq[rA]; tB = tsq[rA + 8]; }
                 }
-#elif QROPE     // q's norm, a factor of each head's scores (read before q_empty lets the factors change)
-                const float scA = a.qk_scale * inv_s[rA], scB = a.qk_scale * inv_s[rA + 8];
 #else
                 const float scA = a.qk_scale, scB = a.qk_scale;
 #endif
@@ -558,7 +518,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if ((l & 3) == 0) { xm[64 * wg + rA] = xA; xm[64 * wg + rA + 8] = xB; }
                 asm volatile("bar.sync 4, 256;" ::: "memory");
                 STAMP(3);
-#if QROPE && SOLO_MS
+#if QROPE
                 if (tt == 0) {
                     msA = a.qk_scale * (1.0f / sqrtf(((qsp[rA] + qsp[64 + rA]) + tA) / 512.0f + a.eps));
                     msB = a.qk_scale * (1.0f / sqrtf(((qsp[rA + 8] + qsp[64 + rA + 8]) + tB) / 512.0f + a.eps));
@@ -831,10 +791,10 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     wait, 2 QK, 3 the wait for the other warpgroup's row maxima, 4 softmax, 16 the wait for its P, 5 PV, 7 a round's
     top; per item 19 the wait for its row sums, 20 the output's scaling and RoPE, 21 FP8 and staging, 6 the stores
     and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait and the first picks' loads, per
-    item 22 q's copies landing, 24 the sums of its squares and 23 the rest of its prologue; 10 a tile's picks, 11
-    slot wait, 12 copies issued), 13 the SM, 14 items, 15 rounds. probe (profiling, wrong results): 2 skips the
-    tiles' copies, 4 the sums of q's squares, 8 q's RoPE turn. defines (profiling): more ``#define`` lines for the
-    compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to them).
+    item 22 q's copies landing and 23 its prologue; 10 a tile's picks, 11 slot wait, 12 copies issued), 13 the SM,
+    14 items, 15 rounds. probe (profiling, wrong results): 2 skips the tiles' copies, 8 q's RoPE turn. defines
+    (profiling): more ``#define`` lines for the compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to
+    them).
 
     The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
     contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
