@@ -441,7 +441,7 @@ def main() -> None:
     ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
                     "most picks a query for which the CUDA core runs; default: as it is)")
     ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
-                    "switches (';'-separated NAME VALUE pairs, e.g. 'SOLO_CPORD 0'); default: none")
+                    "switches (';'-separated NAME VALUE pairs, e.g. 'PROBE 8'); default: none")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
                     "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
