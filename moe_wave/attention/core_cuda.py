@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 
 import torch
@@ -737,8 +736,8 @@ ENABLED = True
 MAX_PICKS = 2048
 # profiling: compile switches (``;``-separated NAME VALUE pairs, e.g. "PROBE 2") added to every launch's, so that a
 # benchmark times the whole layer with them (``launch/bench_attn.py --core-cuda-defines``) and the GPU tests run a
-# variant (the environment's MOE_WAVE_CORE_CUDA_DEFINES)
-DEFINES = os.environ.get("MOE_WAVE_CORE_CUDA_DEFINES", "")
+# variant (MOE_WAVE_CORE_CUDA_DEFINES, which tests/conftest.py reads)
+DEFINES = ""
 
 
 @functools.lru_cache(maxsize=None)
