@@ -118,9 +118,6 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {      // arrive, and expect bytes
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void cp_async16(unsigned dst, const void *src, unsigned src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
@@ -153,7 +150,7 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-// byte offset of (row r, 16-byte chunk c of a 256-channel half row) in a [4 swizzle columns][rows][128 B] tile
+// byte offset of (row r, 16-byte chunk c of a 512-channel row) in a 64-row [8 swizzle columns][rows][128 B] tile
 __device__ __forceinline__ unsigned sw_off(int r, int c) {
     return (c >> 3) * (64 * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
