@@ -38,9 +38,10 @@ WINDOW, TOPK = 128, 512
 
 
 def picks(kind: str, S: int, dev, g) -> list:
-    """[(M, idx [1, S, J])] of a layer type at prefill (positions 0..S-1)."""
+    """[(M, idx [1, S, J])] of a layer type at prefill (positions 0..S-1); the window's picks newest first, as the
+    layer's (``kernels.picks``)."""
     s = torch.arange(S, device=dev)
-    win = s[:, None] - (WINDOW - 1) + torch.arange(WINDOW, device=dev)[None, :]
+    win = s[:, None] - torch.arange(WINDOW, device=dev)[None, :]
     parts = [(S, torch.where(win >= 0, win, -1))]
     if kind == "csa":
         M = S // 4

@@ -94,7 +94,7 @@ def main() -> None:
 
         row["ctas"] = n
         tot, row["cycles"] = phases()
-        row.update(items=tot[14], tiles=tot[15])
+        row.update(items=tot[14], tiles=tot[15], rows_kept=tot[24])
         if args.trace_variants:
             for v in filter(None, args.variants.split("|")):
                 row[f"cycles {v}"] = phases(v)[1]

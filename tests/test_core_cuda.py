@@ -177,6 +177,45 @@ def test_cuda_core_at_v4_pro_csa_picks():
     assert_act_quant_of(run_fp8(q, parts, sinks, q_rope=(pos, freq, 1e-6), o_rope=(pos, freq)), both)
 
 
+@needs_cuda_core
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_cuda_core_window_ring_keeps_rows(H):
+    """One part of 128 picks (a sliding window: the kernel's WRING ring, each CTA a run of items): the layer's window
+    picks (``kernels.picks``: batch row 0 fresh, row 1 a chunk after a cached ring), one query's picks changed (its
+    rows and the next query's copied again), random picks in a last stretch. Within bf16 rounding of the reference;
+    the bits of the same kernel copying every row (NOREUSE), plain and with the layer's steps; the trace counts the
+    items whose rows stayed (the next query's window; with 128 heads also the next head block's)."""
+    from moe_wave.attention.kernels import picks
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, S, D = 2, 300, 512
+    pos = torch.stack([torch.arange(S), 500 + torch.arange(S)]).cuda()
+    idx = picks(pos, window=128).contiguous()                           # [B, S, 128] rows of [ring | chunk]
+    idx[0, 150, 60] = 3
+    idx[1, 260:] = torch.randint(-1, 128 + S, (S - 260, 128), device="cuda", generator=g).int()
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(B, 128 + S, D, device="cuda", generator=g).to(torch.bfloat16)
+    parts, sinks = [(kv, idx)], torch.randn(H, device="cuda", generator=g)
+    want = sparse_attention(q.float(), [(kv.float(), idx)], sinks, D ** -0.5, kernels="off")
+    got = run(q, parts, sinks)
+    assert rel(got, want) < 1.5e-2
+    assert torch.equal(got, run(q, parts, sinks, defines="NOREUSE 1"))
+    rope = dict(q_rope=(pos.flatten(), torch.rand(32, device="cuda", generator=g) * 0.5, 1e-6))
+    rope["o_rope"] = rope["q_rope"][:2]
+    fp8 = run_fp8(q, parts, sinks, **rope)
+    assert all(torch.equal(x, y) for x, y in zip(fp8, run_fp8(q, parts, sinks, defines="NOREUSE 1", **rope)))
+    n = core_cuda.ctas_resident(q.device.index)
+    items = B * S * H // 64
+    tr = torch.zeros(n, 32, dtype=torch.int64, device="cuda")
+    run(q, parts, sinks, trace=tr)
+    kept = int(tr[:, 24].sum())
+    assert int(tr[:, 14].sum()) == items and items // 2 < kept < items
+    tr.zero_()
+    run(q, parts, sinks, trace=tr, defines="NOREUSE 1")
+    assert int(tr[:, 24].sum()) == 0
+
+
 def _rope_inputs(B, S, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)

@@ -12,7 +12,8 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
   multiplies both P into its half of both tiles' V; a round with one tile runs only its PV. The row sums add once,
   at the end. (The Gluon kernels hold the whole 64 x 512 accumulator in one warpgroup, whose tensor cores idle
   through each tile's softmax.)
-- **Persistent**: each CTA walks items with a stride of the CTAs resident. The copy warpgroup counts the next
+- **Persistent**: each CTA walks items with a stride of the CTAs resident (a sliding window's call: a contiguous
+  run, its rows kept in the slots as a ring from one query to the next). The copy warpgroup counts the next
   item's tiles and loads its first two tiles' picks, brings its q once the last QK is done and runs q's prologue
   while the math finishes the item (the RoPE angles' cos / sin while q lands, one a lane), then gathers the picked
   rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled) with their valid
@@ -102,6 +103,17 @@ DEVICE = HELPERS + r"""
 #endif
 #ifndef PROBE
 #define PROBE 0     // profiling only, wrong results: 2 no tile copies, 8 no RoPE turn of q
+#endif
+// WRING (one part of exactly 128 picks: a sliding window): the two slots hold the 128 picked rows as a ring, pick j
+// of query s at row (s - j) % 128, and each CTA takes a contiguous run of items; where an item's picks are the last
+// item's (the next head block) or the last item's moved on by one (the next query: its window), the rows stay and
+// only the new one is copied. The sums' order is a function of s alone: the same bits whether the rows stayed or
+// were copied (NOREUSE 1 copies every row, for the tests)
+#ifndef WRING
+#define WRING 0
+#endif
+#ifndef NOREUSE
+#define NOREUSE 0
 #endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
@@ -212,7 +224,14 @@ template <typename I>
 __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x;
-    const int HB = a.H / 64, first = blockIdx.x, stride = gridDim.x;
+    const int HB = a.H / 64;
+#if WRING                                                // a contiguous run of items a CTA
+    const int per = a.n_items / gridDim.x, rem = a.n_items % gridDim.x;
+    const int first = blockIdx.x * per + min((int)blockIdx.x, rem), stride = 1;
+    const int last = first + per + ((int)blockIdx.x < rem ? 1 : 0);
+#else                                                   // items with a stride of the CTAs resident
+    const int first = blockIdx.x, stride = gridDim.x, last = a.n_items;
+#endif
     const unsigned base = smem_u32(smem);
     const unsigned q_full = base + SB_OFF, q_empty = q_full + 8, kv_full = q_full + 16, kv_empty = q_full + 32;
     volatile int *info = (volatile int *)(smem + SB_OFF + 64);       // the item's tile count, producer -> math
@@ -239,26 +258,47 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         const int p = tid - 256, rg = p >> 3, cg = p & 7;
         long long *tr = TRACE && a.trace && p == 0 ? a.trace + blockIdx.x * 32 : nullptr, t0 = TRACE ? clock64() : 0;
         int u0 = 0, u1 = 0, it = 0;                     // each slot's fills so far
+#if WRING
+        int op = -2, ob = -1, os = -1;                  // the item the slots hold: this thread's pick p, its b and s
+#endif
 #if QROPE && QRF > 0
         float fq[QRF / 64];                             // lane l's RoPE angles are l + 32 k: their frequencies
 #pragma unroll
         for (int k = 0; k < QRF / 64; ++k) fq[k] = a.qfreq[32 * k + (p & 31)];
 #endif
-        for (int item = first; item < a.n_items; item += stride, ++it) {
+        for (int item = first; item < last; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             const I *idx1 = idx1_ptr + b * a.s_i1b + s * a.s_i1s;
             const I *idx2 = idx2_ptr + b * a.s_i2b + s * a.s_i2s;
             int m1 = -1, m2 = -1;                       // each part's tiles run up to its last valid pick
+#if WRING
+            // pick p of this item against the held item's pick p (the same query's next head block) or p - 1
+            // (the next query): m2 is whether every thread's pick says the rows may stay
+            const int nw = (int)idx1[p], nx = p < 127 ? (int)idx1[p + 1] : 0, dl = b == ob ? s - os : -1;
+            if (nw >= 0) m1 = p;
+            m1 = __reduce_max_sync(0xffffffff, m1);
+            m2 = __all_sync(0xffffffff, !NOREUSE && (dl == 0 ? nw == op : dl == 1 && (p == 127 || nx == op)));
+#else
             for (int j = p; j < a.J1; j += 128) if (idx1[j] >= 0) m1 = j;
             if (a.two) for (int j = p; j < a.J2; j += 128) if (idx2[j] >= 0) m2 = j;
             m1 = __reduce_max_sync(0xffffffff, m1);
             m2 = __reduce_max_sync(0xffffffff, m2);
+#endif
             int *red = (int *)(smem + SB_OFF + 80) + 8 * (it & 1);     // two sets: no barrier before the next write
             if ((p & 31) == 0) { red[p >> 5] = m1; red[4 + (p >> 5)] = m2; }
             asm volatile("bar.sync 1, 128;" ::: "memory");
             m1 = max(max(red[0], red[1]), max(red[2], red[3]));
+#if WRING
+            // re: the rows that stay (0: all, the same picks; 1: all but the new query's newest, row s % 128), or
+            // -1: every row copied. Both tiles whenever a pick is valid (each row's flag masks the others)
+            const int re = red[4] && red[5] && red[6] && red[7] ? dl : -1;
+            const int n1 = m1 >= 0 ? 2 : 0, nt = n1;
+            if (nt) { op = nw; ob = b; os = s; }
+            if (TRACE && tr && re >= 0) tr[24] += 1;
+#else
             m2 = max(max(red[4], red[5]), max(red[6], red[7]));
             const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
+#endif
             STAMP(8);
             int pk0[4], pk1[4];                         // the first two tiles' picks (-1: none), loaded under the
 #pragma unroll                                          // wait for q's slot
@@ -268,7 +308,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 const int J = one ? a.J1 : a.J2, j0 = (one ? t : t - n1) * 64;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int j = j0 + rg + 16 * i, v = t < nt && j < J ? (int)ip[j] : -1;
+                    // (WRING: row r of tile t holds pick (s - 64 t - r) % 128)
+                    const int j = WRING ? (s - j0 - rg - 16 * i) & 127 : j0 + rg + 16 * i;
+                    const int v = t < nt && j < J ? (int)ip[j] : -1;
                     if (t) pk1[i] = v; else pk0[i] = v;
                 }
             }
@@ -318,6 +360,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 for (int i = 0; i < 4; ++i) {
                     const unsigned short *row = kvc + (long long)(id[i] < 0 ? 0 : id[i]) * sm;
                     const unsigned n = id[i] < 0 ? 0 : 16;
+#if WRING
+                    if (re == 0 || (re == 1 && 64 * t + rg + 16 * i != (s & 127))) continue;   // the row stays
+#endif
 #pragma unroll
                     for (int k = 0; k < 8; ++k)
                         if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
@@ -447,7 +492,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         };
         float msA = 0.0f, msB = 0.0f;                   // the item's q factors (scale x 1 / rms), from round 0
 #endif
-        for (int item = first; item < a.n_items; item += stride, ++it) {
+        for (int item = first; item < last; item += stride, ++it) {
             const int hb = item % HB, bs = item / HB, b = bs / a.S, s = bs % a.S, h0 = hb * 64;
             if (TRACE && tr) tr[14] += 1;
             float mA = a.sinks[h0 + rA] * LOG2E, mB = a.sinks[h0 + rA + 8] * LOG2E;   // the sink starts the max...
@@ -788,9 +833,15 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     top; per item 19 the wait for its row sums, 20 the output's scaling and RoPE, 21 FP8 and staging, 6 the stores
     and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait and the first picks' loads, per
     item 22 q's copies landing and 23 its prologue; 10 a tile's picks, 11 slot wait, 12 copies issued), 13 the SM,
-    14 items, 15 rounds. probe (profiling, wrong results): 2 skips the tiles' copies, 8 q's RoPE turn. defines
-    (profiling): more ``#define`` lines for the compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to
-    them).
+    14 items, 15 rounds, 24 items whose rows stayed in the window ring. probe (profiling, wrong results): 2 skips the
+    tiles' copies, 8 q's RoPE turn. defines (profiling): more ``#define`` lines for the compile (``;``-separated NAME
+    VALUE pairs; ``DEFINES`` is added to them; NOREUSE 1 copies every row of the window ring).
+
+    One part of exactly 128 picks (a sliding window's) runs the window ring (WRING): the two tile slots hold the
+    picked rows, pick j of query s at row (s - j) % 128, each CTA takes a contiguous run of items, and an item whose
+    picks are the last item's (the next head block) or the last item's moved on by one, newest first (the next
+    query's window, ``kernels.picks``) copies only its new row. Its sums run in an order set by s alone, so the bits
+    do not depend on which rows stayed.
 
     The layer's steps around the core, as ``sparse_attention_gluon``'s warp-specialized kernel takes them (its
     contract and math): q_rope = (pos [B*S], freq fp32 [F], eps): q is raw and gets ``kernels.norm_rope``'s per-head
@@ -857,6 +908,8 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
         defines += f"#define OROPE 1\n#define ORF {orf}\n"
     if scales is not None:
         defines += "#define FP8 1\n"
+    if not two and J1 == 2 * 64:                   # one part of two whole tiles: a sliding window's ring
+        defines += "#define WRING 1\n"
     if pos and pos[0].dtype == torch.int32:
         defines += "#define POS_T int\n"
     k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
