@@ -115,6 +115,11 @@ DEVICE = HELPERS + r"""
 #ifndef NOREUSE
 #define NOREUSE 0
 #endif
+// DEFER: the next item's first QK issued inside this item's output, as the tensor cores idle there: 1 under its
+// stores, 2 under its FP8 steps and stores (it waits for the next item's q and tiles first)
+#ifndef DEFER
+#define DEFER 0
+#endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
 #define STAMP(k) do { if (TRACE && tr) { long long _n = clock64(); tr[k] += _n - t0; t0 = _n; } } while (0)
@@ -442,7 +447,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
-        int u0 = 0, u1 = 0, it = 0;
+        int u0 = 0, u1 = 0, it = 0, nt_pre = 0;
+        bool pre = false;                               // DEFER: this item's first QK already issued
         float sc[32];                                   // a tile's scores, then its P (fp32)
         unsigned valid = 0;                             // the tile's valid picks, 2 bits a register pair
         // this warpgroup's QK of the tile in its slot (its g-th use): wait, flags, the wgmmas, committed
@@ -502,10 +508,30 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
                 for (int i = 0; i < 32; ++i) o[cb][i] = 0.0f;
+            // FINISH(BODY): the output's last part, and with DEFER the next item's q, its tile count and its first QK
+            // under it (issued and waited for in one branch: one wgmma stage, no accumulator across a merge; a macro,
+            // as NVRTC takes no generic lambda)
+#define FINISH(BODY) do { \
+                pre = false; \
+                bool done = false; \
+                if (DEFER && item + stride < last) { \
+                    mbar_wait(q_full, (it + 1) & 1); \
+                    nt_pre = __shfl_sync(0xffffffff, info[0], 0); \
+                    pre = true; \
+                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) { \
+                        qk_issue(wg ? u1 : u0); \
+                        BODY; \
+                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); \
+                        _Pragma("unroll") for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory"); \
+                        done = true; \
+                    } \
+                } \
+                if (!done) { BODY; } \
+            } while (0)
             STAMP(6);
-            mbar_wait(q_full, it & 1);
+            if (!pre) mbar_wait(q_full, it & 1);
             STAMP(0);
-            const int nt = __shfl_sync(0xffffffff, info[0], 0);
+            const int nt = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0);
             if (nt == 0) mbar_arrive(q_empty);
             // rounds of two tiles: warpgroup 0 takes tile tt (slot 0), warpgroup 1 tile tt + 1 (slot 1)
             for (int tt = 0; tt < nt; tt += 2) {
@@ -521,12 +547,13 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #if QROPE
                 if (tt == 0) q_sums();                  // (under the tile's wait)
 #endif
-                if (mine) {
+                if (mine && !(pre && tt == 0)) {        // (DEFER: round 0's scores came with the last output)
                     qk_issue(wg ? u1 : u0);
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
+                pre = false;
                 STAMP(2);
 #if QROPE
                 // round 0: this warpgroup's part of the sums out, the tail's in (read before q_empty); both
@@ -642,6 +669,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 const unsigned sb = pow2_scale(1e-4f);
                 a.scales[((h0 + (tw >> 1)) * 4 + wg * 2 + (tw & 1)) * (long long)a.M + bs] = __uint_as_float(sb);
 #endif
+                FINISH((void)0);
             } else {
                 // the core's output rounded to q's dtype (bf16), then the steps after it as the unfused chain runs
                 // them (core_kernel._epilogue's math, its roundings in its order)
@@ -691,59 +719,73 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
                 // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
                 unsigned char *st = smem + SP_OFF + 16384 * wg;
-                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
+                auto staging = [&]() {
+                    float invs[2][2];                   // [row A / B][128-channel block]: 1 / s, exact
 #pragma unroll
-                for (int k = 0; k < 2; ++k)
+                    for (int k = 0; k < 2; ++k)
 #pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        float m = 0.0f;
+                        for (int rr = 0; rr < 2; ++rr) {
+                            float m = 0.0f;
 #pragma unroll
-                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+                            for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
 #pragma unroll
-                            for (int jj = 0; jj < 8; ++jj)
-                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
-                                                   fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                        const unsigned sb = pow2_scale(m);
-                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                        if ((l & 3) == 0)
-                            a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
-                                __uint_as_float(sb);
-                    }
+                                for (int jj = 0; jj < 8; ++jj)
+                                    m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
+                                                       fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                            m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                            m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                            const unsigned sb = pow2_scale(m);
+                            invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                            if ((l & 3) == 0)
+                                a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
+                                    __uint_as_float(sb);
+                        }
 #pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
+                    for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                  + (jj & 1) * 8 + cq;
-                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                        *(unsigned short *)(st + rA * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                        *(unsigned short *)(st + (rA + 8) * 256 + off) =
-                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                    }
-                STAMP(21);
-                if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
-                else asm volatile("bar.sync 2, 128;" ::: "memory");
-                const int c = tw & 15;
+                        for (int jj = 0; jj < 8; ++jj) {
+                            const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                      + (jj & 1) * 8 + cq;
+                            const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                            *(unsigned short *)(st + rA * 256 + off) =
+                                pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                            *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                                pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                        }
+                    STAMP(21);
+                };
+                auto stores = [&]() {
+                    if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
+                    else asm volatile("bar.sync 2, 128;" ::: "memory");
+                    const int c = tw & 15;
 #pragma unroll 4
-                for (int i = 0; i < 8; ++i) {
-                    const int r = (tw >> 4) + 8 * i;
-                    const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
-                    *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                    for (int i = 0; i < 8; ++i) {
+                        const int r = (tw >> 4) + 8 * i;
+                        const uint4 v = *(const uint4 *)(st + r * 256 + ((c & 8) | ((c & 7) ^ (r & 7))) * 16);
+                        *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
+                    }
+                };
+                if (DEFER == 2) {
+                    FINISH(staging(); stores());
+                } else {
+                    staging();
+                    FINISH(stores());
                 }
 #else
                 // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
+                auto stores = [&]() {
 #pragma unroll
-                for (int cb = 0; cb < 4; ++cb)
+                    for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const int ch = cb * 64 + 8 * jj + cq;
-                        *(unsigned *)(orow + (rA * a.s_oh + ch) * 2) = pack_bf16(o[cb][4 * jj], o[cb][4 * jj + 1]);
-                        *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
-                            pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
-                    }
+                        for (int jj = 0; jj < 8; ++jj) {
+                            const int ch = cb * 64 + 8 * jj + cq;
+                            *(unsigned *)(orow + (rA * a.s_oh + ch) * 2) =
+                                pack_bf16(o[cb][4 * jj], o[cb][4 * jj + 1]);
+                            *(unsigned *)(orow + ((rA + 8) * a.s_oh + ch) * 2) =
+                                pack_bf16(o[cb][4 * jj + 2], o[cb][4 * jj + 3]);
+                        }
+                };
+                FINISH(stores());
 #endif
             }
         }
