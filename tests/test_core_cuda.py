@@ -216,6 +216,22 @@ def test_cuda_core_window_ring_keeps_rows(H):
     assert int(tr[:, 24].sum()) == 0
 
 
+@needs_cuda_core
+@pytest.mark.gpu
+def test_cuda_core_fp8_out_by_tma_or_by_threads():
+    """A contiguous FP8 out leaves by TMA stores (TMAO: the driver encodes its tensor map), a strided one by the
+    threads' 16-byte stores: the same bytes and scales, and nothing written beside the strided rows."""
+    B, S, H, D, spec, dtype = CASES["pro window + top-k tails"]
+    q, parts, sinks = _case(B, S, H, D, spec, dtype, "tma", "cuda")
+    o_q, s = run_fp8(q, parts, sinks)
+    assert core_cuda._tmap_rows(o_q.view(torch.float8_e4m3fn), B * S * H) is not None
+    wide = torch.zeros(B, S, H, D + 32, dtype=torch.float8_e4m3fn, device="cuda")
+    s2 = torch.full_like(s, float("nan"))
+    run(q, parts, sinks, out=wide[..., :D], scales=s2)
+    assert torch.equal(wide[..., :D].reshape(B * S, H * D).view(torch.uint8), o_q) and torch.equal(s2, s)
+    assert not wide[..., D:].view(torch.uint8).any()
+
+
 def _rope_inputs(B, S, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     pos = torch.randint(0, 5000, (B * S,), device="cuda", generator=g)

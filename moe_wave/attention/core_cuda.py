@@ -102,7 +102,7 @@ DEVICE = HELPERS + r"""
 #define POS_T long long
 #endif
 #ifndef PROBE
-#define PROBE 0     // profiling only, wrong results: 2 no tile copies, 8 no RoPE turn of q
+#define PROBE 0     // profiling only, wrong results: 2 no tile copies, 8 no RoPE turn of q, 16 no output stores
 #endif
 // WRING (one part of exactly 128 picks: a sliding window): the two slots hold the 128 picked rows as a ring, pick j
 // of query s at row (s - j) % 128, and each CTA takes a contiguous run of items; where an item's picks are the last
@@ -114,6 +114,15 @@ DEVICE = HELPERS + r"""
 #endif
 #ifndef NOREUSE
 #define NOREUSE 0
+#endif
+// TMAO (FP8 out, contiguous: rows (b, s, h) of 512 bytes): each warpgroup's staged output leaves by two TMA stores,
+// issued by one thread, instead of every thread's 16-byte stores
+#ifndef TMAO
+#define TMAO 0
+#endif
+#if defined(NOTMA) && NOTMA                     // (profiling: the threads' stores where TMAO would take them)
+#undef TMAO
+#define TMAO 0
 #endif
 // DEFER: the next item's first QK issued inside this item's output, as the tensor cores idle there: 1 under its
 // stores, 2 under its FP8 steps and stores (it waits for the next item's q and tiles first)
@@ -211,6 +220,13 @@ struct Args {
     const POS_T *opos; const float *ofreq;                 // OROPE
     float *scales; int M;                                  // FP8: scales [H * 512 / 128, M], M = B * S
 };
+// a CUtensorMap (128 bytes), a __grid_constant__ parameter: TMAO's FP8 output as [rows of 512 bytes], 64 x 128-byte
+// boxes in the 128-byte swizzle
+struct __align__(64) TMap { u64 v[16]; };
+__device__ __forceinline__ void tma_store_2d(const TMap *m, unsigned src, int x, int y) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+                 :: "l"((u64)m), "r"(src), "r"(x), "r"(y) : "memory");
+}
 
 """
 
@@ -226,7 +242,7 @@ SRC = DEVICE + r"""
 #define SB_OFF 229376       // barriers, counts, flags, q's factors, the warpgroups' row maxima and sums
 
 template <typename I>
-__device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr) {
+__device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *idx2_ptr, const TMap *om) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x;
     const int HB = a.H / 64;
@@ -584,6 +600,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 }
                 // the other warpgroup's tile maxima: both sides take the same new max (fmaxf: exact, either order)
                 if ((l & 3) == 0) { xm[64 * wg + rA] = xA; xm[64 * wg + rA + 8] = xB; }
+                // (TMAO: warpgroup 0's staging, the P tiles, read out by its last item's TMA stores before any P)
+                if (TMAO && tt == 0 && tw == 0 && wg == 0)
+                    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
                 asm volatile("bar.sync 4, 256;" ::: "memory");
                 STAMP(3);
 #if QROPE
@@ -655,6 +674,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             lB += __shfl_xor_sync(0xffffffff, lB, 1); lB += __shfl_xor_sync(0xffffffff, lB, 2);
             volatile float *lsi = ls + 128 * (it & 1);
             if ((l & 3) == 0) { lsi[64 * wg + rA] = lA; lsi[64 * wg + rA + 8] = lB; }
+            // (TMAO: warpgroup 1's staging read out by its last item's TMA stores)
+            if (TMAO && tw == 0 && wg == 1) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
             asm volatile("bar.sync 4, 256;" ::: "memory");   // both sums; both PVs done with the P tiles
             STAMP(19);
             const float fA = 1.0f / (lsi[rA] + lsi[64 + rA]), fB = 1.0f / (lsi[rA + 8] + lsi[64 + rA + 8]);
@@ -717,7 +738,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 STAMP(20);
 #if FP8
                 // staged (warpgroup 0 over the P tiles, both PVs done with them; 1 after them): each 16-byte
-                // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows
+                // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows (TMAO: [the row's two
+                // 128-byte halves][64 rows][128 bytes], the 128-byte swizzle of TMA's boxes, and two TMA stores)
                 unsigned char *st = smem + SP_OFF + 16384 * wg;
                 auto staging = [&]() {
                     float invs[2][2];                   // [row A / B][128-channel block]: 1 / s, exact
@@ -747,16 +769,28 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                             const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
                                                                       + (jj & 1) * 8 + cq;
                             const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                            *(unsigned short *)(st + rA * 256 + off) =
-                                pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                            *(unsigned short *)(st + (rA + 8) * 256 + off) =
+                            // (TMAO: half c16 / 8 at 8192 c16 / 8, rows 128 bytes apart)
+                            const int oA = TMAO ? (c16 >> 3) * 8192 + rA * 128 + (off & 127) : rA * 256 + off;
+                            *(unsigned short *)(st + oA) = pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                            *(unsigned short *)(st + oA + (TMAO ? 8 * 128 : 8 * 256)) =
                                 pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
                         }
                     STAMP(21);
                 };
                 auto stores = [&]() {
+                    if (TMAO) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // staging, to TMA
                     if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
                     else asm volatile("bar.sync 2, 128;" ::: "memory");
+                    if (PROBE & 16) return;
+                    if (TMAO) {
+                        if (tw == 0) {                  // rows (b, s, h0 ..), bytes 256 wg + 128 k
+                            const int y = bs * a.H + h0;
+                            tma_store_2d(om, smem_u32(st), 256 * wg, y);
+                            tma_store_2d(om, smem_u32(st + 8192), 256 * wg + 128, y);
+                            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                        }
+                        return;
+                    }
                     const int c = tw & 15;
 #pragma unroll 4
                     for (int i = 0; i < 8; ++i) {
@@ -789,11 +823,13 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #endif
             }
         }
+        if (TMAO && tw == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");   // (the last TMA stores)
     }
 }
 
 #define KERNEL(name, I) \
-extern "C" __global__ void __launch_bounds__(384, 1) name(Args a, const I *i1, const I *i2) { core<I>(a, i1, i2); }
+extern "C" __global__ void __launch_bounds__(384, 1) name(Args a, const I *i1, const I *i2, \
+                                                          const __grid_constant__ TMap om) { core<I>(a, i1, i2, &om); }
 KERNEL(sparse_core_i32, int)
 KERNEL(sparse_core_i64, long long)
 """
@@ -952,10 +988,13 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
         defines += "#define FP8 1\n"
     if not two and J1 == 2 * 64:                   # one part of two whole tiles: a sliding window's ring
         defines += "#define WRING 1\n"
+    tmap = _tmap_rows(out, B * S * H) if scales is not None and out.is_contiguous() else None
+    if tmap is not None:                           # FP8 rows of 512 bytes: TMA stores
+        defines += "#define TMAO 1\n"
     if pos and pos[0].dtype == torch.int32:
         defines += "#define POS_T int\n"
     k = _kernel(q.device.index, 32 if i1.dtype == torch.int32 else 64, defines)
-    _launch(k, n_ctas, a, i1, i2)
+    _launch(k, n_ctas, a, i1, i2, tmap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -970,13 +1009,36 @@ def ctas_resident(device_index: int) -> int:
     return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count * per_sm)
 
 
-def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor) -> None:
-    """cuLaunchKernel with the argument struct by value (torch's launcher passes ints and doubles only)."""
+TMAP_BYTES = 128            # sizeof(CUtensorMap)
+_NO_TMAP = (ctypes.c_uint8 * TMAP_BYTES)()      # the tensor map argument of a kernel that has none (TMAO 0)
+
+
+def _tmap_rows(out: torch.Tensor, rows: int):
+    """A CUtensorMap of ``out`` (FP8, contiguous) as ``rows`` rows of 512 bytes, boxes of 64 rows x 128 bytes in the
+    128-byte swizzle (the kernel's TMAO staging), by the driver's cuTensorMapEncodeTiled; None where the driver
+    refuses it (the kernel then stores with its threads)."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    enc = getattr(lib, "cuTensorMapEncodeTiled", None)
+    if enc is None:
+        return None
+    buf = (ctypes.c_uint8 * (TMAP_BYTES + 64))()       # the map 64-byte aligned inside
+    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf)) % 64
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rc = enc(ctypes.c_void_p(addr), ctypes.c_int(0), u32(2), ctypes.c_void_p(out.data_ptr()),   # UINT8, rank 2
+             (u64 * 2)(D_FULL, rows), (u64 * 1)(D_FULL), (u32 * 2)(128, BH), (u32 * 2)(1, 1),
+             ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(0), ctypes.c_int(0))  # no interleave, 128B swizzle
+    return (buf, addr) if rc == 0 else None
+
+
+def _launch(k, n_ctas: int, a: _Args, i1: torch.Tensor, i2: torch.Tensor, tmap=None) -> None:
+    """cuLaunchKernel with the argument struct and the output's tensor map (zeros where the kernel has none) by value
+    (torch's launcher passes ints and doubles only)."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     p1, p2 = ctypes.c_void_p(i1.data_ptr()), ctypes.c_void_p(i2.data_ptr())
-    params = (ctypes.c_void_p * 3)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p),
+    buf, addr = tmap if tmap is not None else (_NO_TMAP, ctypes.addressof(_NO_TMAP))   # (buf: alive till the launch)
+    params = (ctypes.c_void_p * 4)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p),
                                    ctypes.cast(ctypes.byref(p1), ctypes.c_void_p),
-                                   ctypes.cast(ctypes.byref(p2), ctypes.c_void_p))
+                                   ctypes.cast(ctypes.byref(p2), ctypes.c_void_p), ctypes.c_void_p(addr))
     stream = torch.cuda.current_stream()
     rc = lib.cuLaunchKernel(k.func, n_ctas, 1, 1, THREADS, 1, 1, SMEM_BYTES, stream._as_parameter_, params, None)
     if rc != 0:
