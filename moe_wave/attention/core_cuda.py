@@ -125,9 +125,10 @@ DEVICE = HELPERS + r"""
 #define TMAO 0
 #endif
 // DEFER: the next item's first QK issued inside this item's output, as the tensor cores idle there: 1 under its
-// stores, 2 under its FP8 steps and stores (it waits for the next item's q and tiles first)
+// stores, 2 under its FP8 steps and stores (it waits for the next item's q and tiles first). 1 with the window ring
+// (whose next rows are there early: its core 1-2 % faster on one H200, session 33), else 0 (slower: session 32)
 #ifndef DEFER
-#define DEFER 0
+#define DEFER (WRING ? 1 : 0)
 #endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
