@@ -5,15 +5,14 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
 -1 picks masked). What differs from the Gluon kernels (``core_gluon``) is who holds what:
 
 - **One CTA holds one item** (a query's 64-head block), whole rows of d = 512: q (64 KB), a ring of two 64-key
-  tiles (2 x 64 KB), two P tiles; one CTA an SM (225 KB of shared memory, 384 threads: two math warpgroups at 216
+  tiles (2 x 64 KB), two P tiles; one CTA an SM (227 KB of shared memory, 384 threads: two math warpgroups at 216
   registers, a copy warpgroup at 64). The tiles go in rounds of two: math warpgroup 0 takes the first, 1 the
   second, each QK over all of d. Each warpgroup owns one half of the output's d (a 64 x 256 fp32 accumulator): the
   two share their tiles' row maxima (the same new max on both sides) and their P (bf16, in shared memory), and each
   multiplies both P into its half of both tiles' V; a round with one tile runs only its PV. The row sums add once,
   at the end. (The Gluon kernels hold the whole 64 x 512 accumulator in one warpgroup, whose tensor cores idle
   through each tile's softmax.)
-- **Persistent**: each CTA walks items with a stride of the CTAs resident (a sliding window's call: a contiguous
-  run, its rows kept in the slots as a ring from one query to the next). The copy warpgroup counts the next
+- **Persistent**: each CTA walks items with a stride of the CTAs resident. The copy warpgroup counts the next
   item's tiles and loads its first two tiles' picks, brings its q once the last QK is done and runs q's prologue
   while the math finishes the item (the RoPE angles' cos / sin while q lands, one a lane), then gathers the picked
   rows with ``cp.async`` into the 128-byte swizzle (a -1 pick reads nothing and is zero-filled) with their valid
@@ -22,11 +21,18 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
   math warpgroups sum q's squares (session 32: in the copy warpgroup those shared-memory reads took ~4300 of its
   ~15 000 cycles a sliding item). QK and PV are ``wgmma`` from shared-memory descriptors, the own P from registers
   in the accumulator's layout, the other's from shared memory.
+- **A sliding window's call** (one part of 128 picks: ``WRING``): each CTA takes a contiguous run of items and its
+  two slots hold the window's rows as a ring (pick j of query s at row (s - j) % 128); where an item's picks are the
+  last item's (the next head block) or the last item's moved on by one (the next query), only the new row is copied
+  (session 33: 128 KB of copies an item became 1 KB, and the copy warpgroup waits for the math). The next item's
+  first QK is then issued under this item's output stores (``DEFER``), its rows being there early.
 - **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
   scores: the math warpgroups sum the squares of the channels before the RoPE tail in round 0 while its tile
   lands, the copy warpgroup those of the tail as it turns it in shared memory; both warpgroups add the three parts
-  in one order), the output's inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, staged in shared
-  memory (the P tiles and 16 KB after them) and stored in 16-byte rows.
+  in one order), the output's inverse RoPE (its cos / sin those of q's RoPE, from the copy warpgroup, where the two
+  share positions and frequencies: ``SHARECS``) and ``act_quant``'s FP8 with the unfused chain's bits, staged in
+  shared memory (the P tiles and 16 KB after them) and stored by two TMA stores a warpgroup (``TMAO``: a contiguous
+  out, the tensor map from the driver's ``cuTensorMapEncodeTiled``), else in the threads' 16-byte rows.
 
 It replaced (session 31) a pair kernel, a cluster of two CTAs an item each holding half of d and exchanging 64 x 64
 partial scores a tile, two CTAs an SM: slower at all three V4 layer types
