@@ -184,8 +184,7 @@ def test_cuda_core_window_ring_keeps_rows(H):
     """One part of 128 picks (a sliding window: the kernel's WRING ring, each CTA a run of items): the layer's window
     picks (``kernels.picks``: batch row 0 fresh, row 1 a chunk after a cached ring), one query's picks changed (its
     rows and the next query's copied again), random picks in a last stretch. Within bf16 rounding of the reference;
-    the bits of the same kernel copying every row (NOREUSE), plain and with the layer's steps (and of the output's
-    RoPE computing its own cos / sin: NOSHARE); the trace counts the
+    the bits of the same kernel copying every row (NOREUSE), plain and with the layer's steps; the trace counts the
     items whose rows stayed (the next query's window; with 128 heads also the next head block's)."""
     from moe_wave.attention.kernels import picks
 
@@ -205,8 +204,7 @@ def test_cuda_core_window_ring_keeps_rows(H):
     rope = dict(q_rope=(pos.flatten(), torch.rand(32, device="cuda", generator=g) * 0.5, 1e-6))
     rope["o_rope"] = rope["q_rope"][:2]
     fp8 = run_fp8(q, parts, sinks, **rope)
-    for other in ("NOREUSE 1", "NOSHARE 1"):     # (q's RoPE angles shared with the output's: computed once, or twice)
-        assert all(torch.equal(x, y) for x, y in zip(fp8, run_fp8(q, parts, sinks, defines=other, **rope)))
+    assert all(torch.equal(x, y) for x, y in zip(fp8, run_fp8(q, parts, sinks, defines="NOREUSE 1", **rope)))
     n = core_cuda.ctas_resident(q.device.index)
     items = B * S * H // 64
     tr = torch.zeros(n, 32, dtype=torch.int64, device="cuda")

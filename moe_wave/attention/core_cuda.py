@@ -60,7 +60,7 @@ __all__ = ["available", "supported", "sparse_attention_cuda", "mark_broken", "ct
 D_FULL = 512                # head_dim the kernel takes (V4's)
 BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 384               # two math warpgroups, a copy warpgroup
-SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2832  # q, two whole-row tiles, P tiles + staging, barriers and the rest
+SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2576  # q, two whole-row tiles, P tiles + staging, barriers and the rest
 
 # what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
@@ -129,19 +129,6 @@ DEVICE = HELPERS + r"""
 #if defined(NOTMA) && NOTMA                     // (profiling: the threads' stores where TMAO would take them)
 #undef TMAO
 #define TMAO 0
-#endif
-// SHARECS (q's and the output's RoPE at one position with one set of 32 frequencies, as the layer's): the copy
-// warpgroup's cos / sin of q's angles (one a lane) go to shared memory for the output's inverse RoPE, which then
-// computes none (NOSHARE 1: it does, for profiling)
-#ifndef SHARECS
-#define SHARECS 0
-#endif
-#if defined(NOSHARE) && NOSHARE
-#undef SHARECS
-#define SHARECS 0
-#endif
-#if SHARECS && !(QROPE && OROPE && QRF == 64 && ORF == 64)
-#error "SHARECS needs q's and the output's RoPE tails of 64 channels"
 #endif
 // DEFER: the next item's first QK issued inside this item's output, as the tensor cores idle there: 1 under its
 // stores, 2 under its FP8 steps and stores (it waits for the next item's q and tiles first). 1 with the window ring
@@ -281,7 +268,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
     volatile float *xm = (volatile float *)(smem + SB_OFF + 528);     // [warpgroup][64 rows]: a tile's row maxima
     volatile float *ls = (volatile float *)(smem + SB_OFF + 1040);    // [item % 2][warpgroup][64 rows]: row sums
     volatile float *qsp = (volatile float *)(smem + SB_OFF + 2064);   // QROPE: [warpgroup][64 rows], q's sums
-    volatile float *ocs = (volatile float *)(smem + SB_OFF + 2576);   // SHARECS: [cos, sin][32 lanes]
     if (tid == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
         mbar_init(q_full, QROPE ? 128 : 129);           // 128 copy threads' cp.async (QROPE: their plain arrives
@@ -379,9 +365,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 ck[k] = cosf(ang);
                 sk[k] = sinf(ang);
             }
-#if SHARECS                                     // (the math read the last item's at its q_full, before q_empty)
-            if (p < 32) { ocs[p] = ck[0]; ocs[32 + p] = sk[0]; }
-#endif
 #endif
             auto issue = [&](int t) {                   // tile t's copies into slot t % 2, its flags, kv_full's arrival
                 const int slot = t & 1, u = slot ? u1 : u0;
@@ -489,8 +472,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
         }
         int u0 = 0, u1 = 0, it = 0, nt_pre = 0;
         bool pre = false;                               // DEFER: this item's first QK already issued
-        float ocA = 0.0f, osA = 0.0f;                   // SHARECS: the item's cos / sin of lane l's angle
-#define SHARE_READ() do { if (SHARECS) { ocA = ocs[l]; osA = ocs[32 + l]; } } while (0)
         float sc[32];                                   // a tile's scores, then its P (fp32)
         unsigned valid = 0;                             // the tile's valid picks, 2 bits a register pair
         // this warpgroup's QK of the tile in its slot (its g-th use): wait, flags, the wgmmas, committed
@@ -558,7 +539,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 bool done = false; \
                 if (DEFER && item + stride < last) { \
                     mbar_wait(q_full, (it + 1) & 1); \
-                    SHARE_READ(); \
                     nt_pre = __shfl_sync(0xffffffff, info[0], 0); \
                     pre = true; \
                     if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) { \
@@ -572,10 +552,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if (!done) { BODY; } \
             } while (0)
             STAMP(6);
-            if (!pre) {
-                mbar_wait(q_full, it & 1);
-                SHARE_READ();
-            }
+            if (!pre) mbar_wait(q_full, it & 1);
             STAMP(0);
             const int nt = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0);
             if (nt == 0) mbar_arrive(q_empty);
@@ -738,18 +715,14 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if (wg == 1) {                          // the tail (ORF a multiple of 64, <= 256): this warpgroup's
                     // last ORF / 64 swizzle columns, ORF / 2 angles: lane l computes angles l + 32 k (one cos / sin
                     // pair a lane a column, not one a register pair), the others read them by shuffles
-                    float ck[ORF / 64], sk[ORF / 64];
-#if SHARECS
-                    ck[0] = ocA; sk[0] = osA;           // (q's, from the copy warpgroup: the same angles)
-#else
                     const float pos = (float)a.opos[bs];
+                    float ck[ORF / 64], sk[ORF / 64];
 #pragma unroll
                     for (int k = 0; k < ORF / 64; ++k) {
                         const float ang = pos * a.ofreq[32 * k + l];
                         ck[k] = cosf(ang);
                         sk[k] = sinf(ang);
                     }
-#endif
 #pragma unroll
                     for (int cb = 4 - ORF / 64; cb < 4; ++cb)
 #pragma unroll
@@ -1022,9 +995,6 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
         defines += "#define FP8 1\n"
     if not two and J1 == 2 * 64:                   # one part of two whole tiles: a sliding window's ring
         defines += "#define WRING 1\n"
-    if q_rope is not None and o_rope is not None and qrf == orf == 64 and all(
-            x.data_ptr() == y.data_ptr() and x.dtype == y.dtype for x, y in zip(q_rope[:2], o_rope[:2])):
-        defines += "#define SHARECS 1\n"          # q's and the output's RoPE at the same angles: computed once
     tmap = _tmap_rows(out, B * S * H) if scales is not None and out.is_contiguous() else None
     if tmap is not None:                           # FP8 rows of 512 bytes: TMA stores
         defines += "#define TMAO 1\n"
