@@ -29,10 +29,9 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
 - **The layer's steps**, as the Gluon warp-specialized kernel takes them: q raw (each head's RMSNorm a factor of its
   scores: the math warpgroups sum the squares of the channels before the RoPE tail in round 0 while its tile
   lands, the copy warpgroup those of the tail as it turns it in shared memory; both warpgroups add the three parts
-  in one order), the output's inverse RoPE (its cos / sin those of q's RoPE, from the copy warpgroup, where the two
-  share positions and frequencies: ``SHARECS``) and ``act_quant``'s FP8 with the unfused chain's bits, staged in
-  shared memory (the P tiles and 16 KB after them) and stored by two TMA stores a warpgroup (``TMAO``: a contiguous
-  out, the tensor map from the driver's ``cuTensorMapEncodeTiled``), else in the threads' 16-byte rows.
+  in one order), the output's inverse RoPE and ``act_quant``'s FP8 with the unfused chain's bits, staged in shared
+  memory (the P tiles and 16 KB after them) and stored by two TMA stores a warpgroup (``TMAO``: a contiguous out,
+  the tensor map from the driver's ``cuTensorMapEncodeTiled``), else in the threads' 16-byte rows.
 
 It replaced (session 31) a pair kernel, a cluster of two CTAs an item each holding half of d and exchanging 64 x 64
 partial scores a tile, two CTAs an SM: slower at all three V4 layer types
