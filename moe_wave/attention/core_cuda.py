@@ -918,8 +918,9 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     and the next item's start) and the copy warpgroup's (8 counts, 9 q slot wait and the first picks' loads, per
     item 22 q's copies landing and 23 its prologue; 10 a tile's picks, 11 slot wait, 12 copies issued), 13 the SM,
     14 items, 15 rounds, 24 items whose rows stayed in the window ring. probe (profiling, wrong results): 2 skips the
-    tiles' copies, 8 q's RoPE turn. defines (profiling): more ``#define`` lines for the compile (``;``-separated NAME
-    VALUE pairs; ``DEFINES`` is added to them; NOREUSE 1 copies every row of the window ring).
+    tiles' copies, 8 q's RoPE turn, 16 the output's stores. defines (profiling): more ``#define`` lines for the
+    compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to them; NOREUSE 1 copies every row of the
+    window ring, NOTMA 1 stores with the threads where TMA would, DEFER 0 / 2 moves the next QK).
 
     One part of exactly 128 picks (a sliding window's) runs the window ring (WRING): the two tile slots hold the
     picked rows, pick j of query s at row (s - j) % 128, each CTA takes a contiguous run of items, and an item whose
