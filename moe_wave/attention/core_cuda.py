@@ -129,9 +129,9 @@ DEVICE = HELPERS + r"""
 #undef TMAO
 #define TMAO 0
 #endif
-// DEFER: the next item's first QK issued inside this item's output, as the tensor cores idle there: 1 under its
-// stores, 2 under its FP8 steps and stores (it waits for the next item's q and tiles first). 1 with the window ring
-// (whose next rows are there early: its core 1-2 % faster on one H200, session 33), else 0 (slower: session 32)
+// DEFER: the next item's first QK issued under this item's output stores, as the tensor cores idle there (it waits
+// for the next item's q and tiles first). 1 with the window ring (whose next rows are there early: its core 1-2 %
+// faster on one H200, session 33), else 0 (slower: session 32; under the FP8 steps too, slower still: session 33)
 #ifndef DEFER
 #define DEFER (WRING ? 1 : 0)
 #endif
@@ -747,42 +747,40 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 // chunk of a row at chunk ^ row % 8, then 16-byte stores, a warp whole rows (TMAO: [the row's two
                 // 128-byte halves][64 rows][128 bytes], the 128-byte swizzle of TMA's boxes, and two TMA stores)
                 unsigned char *st = smem + SP_OFF + 16384 * wg;
-                auto staging = [&]() {
-                    float invs[2][2];                   // [row A / B][128-channel block]: 1 / s, exact
+                float invs[2][2];                       // [row A / B][128-channel block]: 1 / s, exact
 #pragma unroll
-                    for (int k = 0; k < 2; ++k)
+                for (int k = 0; k < 2; ++k)
 #pragma unroll
-                        for (int rr = 0; rr < 2; ++rr) {
-                            float m = 0.0f;
+                    for (int rr = 0; rr < 2; ++rr) {
+                        float m = 0.0f;
 #pragma unroll
-                            for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
+                        for (int cb = 2 * k; cb < 2 * k + 2; ++cb)
 #pragma unroll
-                                for (int jj = 0; jj < 8; ++jj)
-                                    m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
-                                                       fabsf(o[cb][4 * jj + 2 * rr + 1])));
-                            m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                            m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
-                            const unsigned sb = pow2_scale(m);
-                            invs[rr][k] = __uint_as_float(0x7F000000 - sb);
-                            if ((l & 3) == 0)
-                                a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
-                                    __uint_as_float(sb);
-                        }
+                            for (int jj = 0; jj < 8; ++jj)
+                                m = fmaxf(m, fmaxf(fabsf(o[cb][4 * jj + 2 * rr]),
+                                                   fabsf(o[cb][4 * jj + 2 * rr + 1])));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                        m = fmaxf(fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2)), 1e-4f);
+                        const unsigned sb = pow2_scale(m);
+                        invs[rr][k] = __uint_as_float(0x7F000000 - sb);
+                        if ((l & 3) == 0)
+                            a.scales[((h0 + rA + 8 * rr) * 4 + wg * 2 + k) * (long long)a.M + bs] =
+                                __uint_as_float(sb);
+                    }
 #pragma unroll
-                    for (int cb = 0; cb < 4; ++cb)
+                for (int cb = 0; cb < 4; ++cb)
 #pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) {
-                            const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
-                                                                      + (jj & 1) * 8 + cq;
-                            const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
-                            // (TMAO: half c16 / 8 at 8192 c16 / 8, rows 128 bytes apart)
-                            const int oA = TMAO ? (c16 >> 3) * 8192 + rA * 128 + (off & 127) : rA * 256 + off;
-                            *(unsigned short *)(st + oA) = pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
-                            *(unsigned short *)(st + oA + (TMAO ? 8 * 128 : 8 * 256)) =
-                                pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
-                        }
-                    STAMP(21);
-                };
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const int c16 = cb * 4 + (jj >> 1), off = ((c16 & 8) | ((c16 & 7) ^ (rA & 7))) * 16
+                                                                  + (jj & 1) * 8 + cq;
+                        const float iA = invs[0][cb >> 1], iB = invs[1][cb >> 1];
+                        // (TMAO: half c16 / 8 at 8192 c16 / 8, rows 128 bytes apart)
+                        const int oA = TMAO ? (c16 >> 3) * 8192 + rA * 128 + (off & 127) : rA * 256 + off;
+                        *(unsigned short *)(st + oA) = pack_e4m3(o[cb][4 * jj] * iA, o[cb][4 * jj + 1] * iA);
+                        *(unsigned short *)(st + oA + (TMAO ? 8 * 128 : 8 * 256)) =
+                            pack_e4m3(o[cb][4 * jj + 2] * iB, o[cb][4 * jj + 3] * iB);
+                    }
+                STAMP(21);
                 auto stores = [&]() {
                     if (TMAO) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // staging, to TMA
                     if (wg) asm volatile("bar.sync 3, 128;" ::: "memory");   // (this warpgroup's staging)
@@ -805,12 +803,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                         *(uint4 *)(orow + r * a.s_oh + c * 16) = v;
                     }
                 };
-                if (DEFER == 2) {
-                    FINISH(staging(); stores());
-                } else {
-                    staging();
-                    FINISH(stores());
-                }
+                FINISH(stores());
 #else
                 // bf16 out (no room to stage 2 x 32 KB): each thread's pairs straight to global memory
                 auto stores = [&]() {
@@ -920,7 +913,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
     14 items, 15 rounds, 24 items whose rows stayed in the window ring. probe (profiling, wrong results): 2 skips the
     tiles' copies, 8 q's RoPE turn, 16 the output's stores. defines (profiling): more ``#define`` lines for the
     compile (``;``-separated NAME VALUE pairs; ``DEFINES`` is added to them; NOREUSE 1 copies every row of the
-    window ring, NOTMA 1 stores with the threads where TMA would, DEFER 0 / 2 moves the next QK).
+    window ring, NOTMA 1 stores with the threads where TMA would, DEFER 0 / 1 the next QK's place).
 
     One part of exactly 128 picks (a sliding window's) runs the window ring (WRING): the two tile slots hold the
     picked rows, pick j of query s at row (s - j) % 128, each CTA takes a contiguous run of items, and an item whose
