@@ -46,6 +46,7 @@ from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
+from moe_wave.attention import attention as attention_mod, compressor as compressor_mod  # noqa: E402
 from moe_wave.attention import core_cuda, core_gluon, core_kernel  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
@@ -177,13 +178,15 @@ def branches(attn: V4Attention):
     xq_of = {}
 
     def q(x, pos, cache):   # as run_frontend has it: the norm and RoPE left to the core where it does them
-        attn.q_branch(attn.q_lora(x, attn.x_quant(x)), pos)
+        xq = attn.x_quant(x)    # (FUSE_QKV_A: the one GEMM for wq_a and wkv on this chain)
+        attn.q_branch(attn.q_lora(x, xq, qa=attn.qkv_a(x, xq)[0] if attn.fuses_qkv_a(xq) else None), pos)
 
-    def kv(x, pos, cache):
+    def kv(x, pos, cache):  # (FUSE_QKV_A: from the fused GEMM's kv columns, made beforehand as x's quantisation)
         if x.data_ptr() not in xq_of:
-            xq_of[x.data_ptr()] = attn.x_quant(x)
-        k = attn.window_kv(x, pos, xq_of[x.data_ptr()])
-        attn.window_source(k, pos, cache)
+            xq = attn.x_quant(x)
+            xq_of[x.data_ptr()] = xq, attn.qkv_a(x, xq)[1].clone() if attn.fuses_qkv_a(xq) else None
+        xq, kv0 = xq_of[x.data_ptr()]
+        k, _, _ = attn.window_rows(x, pos, cache, xq, kv0=kv0)
         attn.window_write(k, pos, cache)
 
     def comp(x, pos, cache):
@@ -407,6 +410,21 @@ def parse_core_opts(text: str, extra: tuple = (), flag: str = "--core-opts") -> 
     return opts
 
 
+LAYER_OPTS = {"FUSE_QKV_A": attention_mod, "WIN_SRC_DIRECT": attention_mod, "WO_A_OVERLAP": attention_mod,
+              "FUSE_KV_GATE": compressor_mod}
+
+
+def parse_layer_opts(text: str) -> dict:
+    """'NAME=VALUE,...' of ``LAYER_OPTS`` (integers; '' or 'default': none) -> {NAME: value}."""
+    out = {}
+    for item in (t for t in text.split(",") if t and t != "default"):
+        name, eq, val = item.partition("=")
+        if not eq or name not in LAYER_OPTS or not val.lstrip("-").isdigit():
+            raise ValueError(f"--layer-opts {item!r}: must be NAME=INTEGER with NAME one of {tuple(LAYER_OPTS)}")
+        out[name] = type(getattr(LAYER_OPTS[name], name))(int(val))
+    return out
+
+
 def meta(args) -> dict:
     sha = git_sha()
     n = torch.cuda.device_count()
@@ -442,6 +460,10 @@ def main() -> None:
                     "most picks a query for which the CUDA core runs; default: as it is)")
     ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
                     "switches (';'-separated NAME VALUE pairs, e.g. 'PROBE 8'); default: none")
+    ap.add_argument("--layer-opts", default="", help="'|'-separated variants, each a comma list NAME=VALUE of the "
+                    "layer's switches (attention.py's FUSE_QKV_A, WIN_SRC_DIRECT, WO_A_OVERLAP, compressor.py's "
+                    "FUSE_KV_GATE; '' or 'default': as they are), every variant measured in one run, e.g. "
+                    "'default|FUSE_QKV_A=1'")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
                     "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
@@ -468,6 +490,10 @@ def main() -> None:
     for p in q_norms:
         if p not in ("core", "branch"):
             sys.exit(f"bench_attn: --q-norm {p!r}: must be core or branch")
+    try:
+        layer_opts = [(v or "default", parse_layer_opts(v)) for v in args.layer_opts.split("|")]
+    except ValueError as e:
+        sys.exit(f"bench_attn: {e}")
     cudas = [p for p in args.core_cuda.split(",") if p]
     for p in cudas:
         if p not in ("on", "off"):
@@ -490,7 +516,8 @@ def main() -> None:
     iters = args.iters or (10 if args.quick else 30)
     rows = []
     for shape in shapes:
-        for kind, precision, q_norm, cuda in itertools.product(TYPES, precisions, q_norms, cudas):
+        for kind, precision, q_norm, cuda, (opts_name, opts) in itertools.product(TYPES, precisions, q_norms, cudas,
+                                                                                  layer_opts):
             lengths = [int(t) for t in args.prefill_tokens.split(",") if t]
             points = ([] if args.no_eager else [("prefill", 1, False, CTX)]) + [
                 ("prefill", 1, True, t) for t in lengths] + [("decode", b, True, CTX) for b in batches]
@@ -498,13 +525,18 @@ def main() -> None:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 core_kernel.WS_Q_NORM = q_norm == "core"
                 core_cuda.ENABLED = cuda == "on"
+                saved = {k: getattr(LAYER_OPTS[k], k) for k in opts}
+                for k, v in opts.items():
+                    setattr(LAYER_OPTS[k], k, v)
                 try:
                     row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev,
                                   graph=graph, debug=args.debug, precision=precision, tokens=tokens)
                 finally:
                     core_kernel.WS_Q_NORM = True
                     core_cuda.ENABLED = True
-                row["q_norm"], row["core_cuda"] = q_norm, cuda
+                    for k, v in saved.items():
+                        setattr(LAYER_OPTS[k], k, v)
+                row["q_norm"], row["core_cuda"], row["layer_opts"] = q_norm, cuda, opts_name
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -514,12 +546,14 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
                             "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
-    hdr = (f"{'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'mode':7} {'graph':5} {'tok':>5} {'serial':>9} "
+    hdr = (f"{'opts':16} {'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'mode':7} {'graph':5} {'tok':>5} "
+           f"{'serial':>9} "
            f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'core64':>8} {'output':>8} "
            f"{'TFLOP/s':>8} {'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
-        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} {r['core_cuda']:4} {r['mode']:7} "
+        print(f"{r['layer_opts'][:16]:16} {r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} "
+              f"{r['core_cuda']:4} {r['mode']:7} "
               f"{'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
               f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['core_int64_picks_us']:>8.1f} {r['output_us']:>8.1f} "
