@@ -46,8 +46,7 @@ from launch_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
-from moe_wave.attention import attention as attention_mod, compressor as compressor_mod  # noqa: E402
-from moe_wave.attention import core_cuda, core_gluon, core_kernel  # noqa: E402
+from moe_wave.attention import attention as attention_mod, core_cuda, core_gluon, core_kernel  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -178,15 +177,13 @@ def branches(attn: V4Attention):
     xq_of = {}
 
     def q(x, pos, cache):   # as run_frontend has it: the norm and RoPE left to the core where it does them
-        xq = attn.x_quant(x)    # (FUSE_QKV_A: the one GEMM for wq_a and wkv on this chain)
-        attn.q_branch(attn.q_lora(x, xq, qa=attn.qkv_a(x, xq)[0] if attn.fuses_qkv_a(xq) else None), pos)
+        attn.q_branch(attn.q_lora(x, attn.x_quant(x)), pos)
 
-    def kv(x, pos, cache):  # (FUSE_QKV_A: from the fused GEMM's kv columns, made beforehand as x's quantisation)
+    def kv(x, pos, cache):
         if x.data_ptr() not in xq_of:
-            xq = attn.x_quant(x)
-            xq_of[x.data_ptr()] = xq, attn.qkv_a(x, xq)[1].clone() if attn.fuses_qkv_a(xq) else None
-        xq, kv0 = xq_of[x.data_ptr()]
-        k, _, _ = attn.window_rows(x, pos, cache, xq, kv0=kv0)
+            xq_of[x.data_ptr()] = attn.x_quant(x)
+        k = attn.window_kv(x, pos, xq_of[x.data_ptr()])
+        attn.window_source(k, pos, cache)
         attn.window_write(k, pos, cache)
 
     def comp(x, pos, cache):
@@ -410,8 +407,7 @@ def parse_core_opts(text: str, extra: tuple = (), flag: str = "--core-opts") -> 
     return opts
 
 
-LAYER_OPTS = {"FUSE_QKV_A": attention_mod, "WIN_SRC_DIRECT": attention_mod, "WO_A_OVERLAP": attention_mod,
-              "FUSE_KV_GATE": compressor_mod}
+LAYER_OPTS = ("WO_A_OVERLAP",)
 
 
 def parse_layer_opts(text: str) -> dict:
@@ -420,8 +416,8 @@ def parse_layer_opts(text: str) -> dict:
     for item in (t for t in text.split(",") if t and t != "default"):
         name, eq, val = item.partition("=")
         if not eq or name not in LAYER_OPTS or not val.lstrip("-").isdigit():
-            raise ValueError(f"--layer-opts {item!r}: must be NAME=INTEGER with NAME one of {tuple(LAYER_OPTS)}")
-        out[name] = type(getattr(LAYER_OPTS[name], name))(int(val))
+            raise ValueError(f"--layer-opts {item!r}: must be NAME=INTEGER with NAME one of {LAYER_OPTS}")
+        out[name] = int(val)
     return out
 
 
@@ -461,9 +457,8 @@ def main() -> None:
     ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
                     "switches (';'-separated NAME VALUE pairs, e.g. 'PROBE 8'); default: none")
     ap.add_argument("--layer-opts", default="", help="'|'-separated variants, each a comma list NAME=VALUE of the "
-                    "layer's switches (attention.py's FUSE_QKV_A, WIN_SRC_DIRECT, WO_A_OVERLAP, compressor.py's "
-                    "FUSE_KV_GATE; '' or 'default': as they are), every variant measured in one run, e.g. "
-                    "'default|FUSE_QKV_A=1'")
+                    "layer's switches (attention.py's WO_A_OVERLAP; '' or 'default': as they are), every variant "
+                    "measured in one run, e.g. 'WO_A_OVERLAP=0|WO_A_OVERLAP=1'")
     ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
                     "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
     args = ap.parse_args()
@@ -525,9 +520,9 @@ def main() -> None:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 core_kernel.WS_Q_NORM = q_norm == "core"
                 core_cuda.ENABLED = cuda == "on"
-                saved = {k: getattr(LAYER_OPTS[k], k) for k in opts}
+                saved = {k: getattr(attention_mod, k) for k in opts}
                 for k, v in opts.items():
-                    setattr(LAYER_OPTS[k], k, v)
+                    setattr(attention_mod, k, v)
                 try:
                     row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev,
                                   graph=graph, debug=args.debug, precision=precision, tokens=tokens)
@@ -535,7 +530,7 @@ def main() -> None:
                     core_kernel.WS_Q_NORM = True
                     core_cuda.ENABLED = True
                     for k, v in saved.items():
-                        setattr(LAYER_OPTS[k], k, v)
+                        setattr(attention_mod, k, v)
                 row["q_norm"], row["core_cuda"], row["layer_opts"] = q_norm, cuda, opts_name
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
@@ -546,13 +541,13 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
                             "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
-    hdr = (f"{'opts':16} {'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'mode':7} {'graph':5} {'tok':>5} "
+    hdr = (f"{'opts':15} {'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'mode':7} {'graph':5} {'tok':>5} "
            f"{'serial':>9} "
            f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'core64':>8} {'output':>8} "
            f"{'TFLOP/s':>8} {'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
-        print(f"{r['layer_opts'][:16]:16} {r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} "
+        print(f"{r['layer_opts'][:15]:15} {r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} "
               f"{r['core_cuda']:4} {r['mode']:7} "
               f"{'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "

@@ -458,30 +458,3 @@ def test_norm_rope_bad_input():
         norm_rope(x)
     with pytest.raises(ValueError, match="weight has 4 elements"):
         norm_rope(torch.randn(2, 8), weight=torch.ones(4))
-
-
-@needs_kernels
-def test_norm_rope_and_rms_norm_quant_read_column_slices():
-    """A fused GEMM's output, [rows, L + d], split by columns (``FUSE_QKV_A``): norm_rope (in place, and into
-    another tensor whose rows are spaced otherwise) and rms_norm_quant read the slices' spaced rows and give the
-    bits of the same call on a contiguous copy; the columns beside them stay as they were."""
-    from moe_wave.attention.kernels import row_stride
-    g = _gen("column slices")
-    y = torch.randn(2, 7, 128 + 24, generator=g).to(torch.bfloat16).to(DEVICE)
-    pos = torch.arange(7, device=DEVICE)[None].expand(2, -1).contiguous()
-    freq = torch.tensor([1.0, 0.25, 0.05, 0.01], device=DEVICE)
-    w = torch.randn(24, generator=g).to(DEVICE)
-    a, b = y[..., :128], y[..., 128:]
-    assert row_stride(b) == 152 and row_stride(a) == 152 and row_stride(y.transpose(0, 1)) is None
-    want = norm_rope(b.contiguous(), pos, freq, weight=w, eps=1e-6)
-    buf = torch.full((16, 40), 7.0, dtype=torch.bfloat16, device=DEVICE)
-    into = buf[1:15, 8:32].view(2, 7, 24)                   # rows 40 apart
-    assert torch.equal(norm_rope(b, pos, freq, weight=w, eps=1e-6, out=into), want)
-    assert torch.equal(into, want) and (buf[0] == 7).all() and (buf[:, :8] == 7).all() and (buf[:, 32:] == 7).all()
-    before = a.clone()
-    assert torch.equal(norm_rope(b, pos, freq, weight=w, eps=1e-6, out=b), want)
-    assert torch.equal(y[..., 128:], want) and torch.equal(y[..., :128], before)
-    got, ref = rms_norm_quant(a, None, 1e-6), rms_norm_quant(a.contiguous(), None, 1e-6)
-    assert torch.equal(got.q.view(torch.uint8), ref.q.view(torch.uint8)) and torch.equal(got.s, ref.s)
-    with pytest.raises(ValueError, match="its rows must be evenly spaced"):
-        norm_rope(b, pos, freq, out=torch.empty(7, 2, 24, dtype=torch.bfloat16, device=DEVICE).transpose(0, 1))

@@ -218,39 +218,6 @@ def test_cuda_core_window_ring_keeps_rows(H):
 
 @needs_cuda_core
 @pytest.mark.gpu
-def test_cuda_core_half_last_tile():
-    """HCA's picks: a 128-key window and a compressed part of 48 slots whose valid entries grow with the query
-    (0, 1, 31, 32, 33, 48: the last tile alone in its round with at most 32 valid rows runs as a half tile, HT),
-    and random picks in a last stretch. Within bf16 rounding of the reference; the bits of whole tiles (NOHT 1), plain
-    and with the layer's steps; and of the half tile's variants (its PV at K = 32, its rows 32-63 left unfilled)."""
-    from moe_wave.attention.kernels import picks
-
-    g = torch.Generator(device="cuda").manual_seed(7)
-    B, S, H, D, N = 2, 260, 64, 512, 48
-    pos = torch.stack([torch.arange(S), 40 + torch.arange(S)]).cuda()
-    win = picks(pos, window=128).contiguous()
-    seen = (torch.arange(S, device="cuda") * N // (S - 60)).clamp(max=N)   # valid entries of query s: 0 .. N
-    comp = torch.arange(N, device="cuda").int().expand(B, S, N).clone()
-    comp[comp >= seen[None, :, None]] = -1
-    comp[1, 200:] = torch.randint(-1, N, (S - 200, N), device="cuda", generator=g).int()
-    assert {0, 1, 31, 32, 33, 48} <= set((comp[0] >= 0).sum(-1).tolist())
-    q = torch.randn(B, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
-    kv = torch.randn(B, 128 + S, D, device="cuda", generator=g).to(torch.bfloat16)
-    ent = torch.randn(B, N + 1, D, device="cuda", generator=g).to(torch.bfloat16)
-    parts, sinks = [(kv, win), (ent, comp)], torch.randn(H, device="cuda", generator=g)
-    want = sparse_attention(q.float(), [(kv.float(), win), (ent.float(), comp)], sinks, D ** -0.5, kernels="off")
-    got = run(q, parts, sinks)
-    assert rel(got, want) < 1.5e-2
-    for v in ("NOHT 1", "HTPV 1", "HTZ 0"):
-        assert torch.equal(got, run(q, parts, sinks, defines=v)), v
-    rope = dict(q_rope=(pos.flatten(), torch.rand(32, device="cuda", generator=g) * 0.5, 1e-6))
-    rope["o_rope"] = rope["q_rope"][:2]
-    fp8 = run_fp8(q, parts, sinks, **rope)
-    assert all(torch.equal(x, y) for x, y in zip(fp8, run_fp8(q, parts, sinks, defines="NOHT 1", **rope)))
-
-
-@needs_cuda_core
-@pytest.mark.gpu
 def test_cuda_core_fp8_out_by_tma_or_by_threads():
     """A contiguous FP8 out leaves by TMA stores (TMAO: the driver encodes its tensor map), a strided one by the
     threads' 16-byte stores: the same bytes and scales, and nothing written beside the strided rows."""

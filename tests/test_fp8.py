@@ -433,7 +433,7 @@ def test_attention_fp8_q_lora_leaves_quantised_once(layer_type, monkeypatch):
 
         monkeypatch.setattr(F, "act_quant", spy)                              # (FP8Linear.forward's)
         assert on.q_b_proj(qa).shape == (2, 20, on.cfg.heads * on.cfg.head_dim) and not seen
-        monkeypatch.setattr(attn_mod.V4Attention, "q_lora", lambda self, x_BSD, xq=None, qa=None: rms_norm(
+        monkeypatch.setattr(attn_mod.V4Attention, "q_lora", lambda self, x_BSD, xq=None: rms_norm(
             self._proj(self.q_a_proj, x_BSD, xq), self.q_a_norm, self.cfg.eps, "on"))
         want = on(x, positions=pos, overlap=False)
     assert (40, 128) in seen                                                  # the unfused chain's
@@ -632,42 +632,3 @@ def test_act_quant_into_column_slices():
         F.act_quant(z[0], out=(q[:, :128], s[:2]))
     with pytest.raises(ValueError, match="s \\[K/128, M\\] fp32 contiguous"):
         F.act_quant(z[0], out=(q[:, :256], torch.zeros(37, 2).t()))
-
-
-@pytest.mark.parametrize("layer_type", list(TYPES))
-def test_attention_fp8_switches_keep_the_layer(layer_type, monkeypatch):
-    """The layer's switches on CPU (an FP8 layer, the kernels off and on): FUSE_QKV_A (wq_a and wkv as one GEMM of
-    their stacked weights), WIN_SRC_DIRECT (the window's rows written into the key source) and FUSE_KV_GATE (the
-    compressors' kv and gate as one GEMM) give the default layer's output to fp32 rounding; the stacked weights
-    share the projections' storage, a write into a projection's weight reaches the stack, and a move stacks
-    again. WO_A_OVERLAP does nothing off a GPU."""
-    from moe_wave.attention import attention as attn_mod, compressor as comp_mod
-    x = torch.randn(1, 20, 256)
-    pos = torch.arange(20)[None]
-    for kernels in (["off", "on"] if triton_ok("cpu", want=True) else ["off"]):
-        q8 = make_attn(layer_type, kernels=kernels).quantize_fp8(wo_a_fp8=True)
-        with torch.no_grad():
-            want = q8(x, positions=pos)
-            for name, mod in (("FUSE_QKV_A", attn_mod), ("WIN_SRC_DIRECT", attn_mod), ("FUSE_KV_GATE", comp_mod),
-                              ("WO_A_OVERLAP", attn_mod)):
-                monkeypatch.setattr(mod, name, type(getattr(mod, name))(1))
-                torch.testing.assert_close(q8(x, positions=pos), want, rtol=1e-5, atol=1e-5)
-            w, sc = q8._qkv_a
-            assert q8.q_a_proj.weight.data_ptr() == w.data_ptr()
-            assert q8.kv_proj.weight_scale.data_ptr() == sc[q8.q_a_proj.weight_scale.shape[0]:].data_ptr()
-            if q8.compressor is not None:
-                kv = q8.compressor.kv_proj.weight
-                assert kv.data_ptr() == q8.compressor._kv_gate.data_ptr() and isinstance(kv, torch.nn.Parameter)
-                q8.compressor.gate_proj.weight.mul_(2.0)           # (a write into one weight reaches the stack)
-                assert torch.equal(q8.compressor._kv_gate[kv.shape[0]:], q8.compressor.gate_proj.weight)
-            L = q8.cfg.q_lora_rank
-            q8.kv_proj.weight.copy_(F.weight_quant(torch.randn(q8.cfg.head_dim, 256))[0])
-            assert torch.equal(w[L:].view(torch.uint8), q8.kv_proj.weight.view(torch.uint8))
-            got = q8(x, positions=pos)
-            moved = copy.deepcopy(q8).to(torch.float32)             # (a move: the projections get their own storage)
-            assert moved._qkv_a is None
-            torch.testing.assert_close(moved(x, positions=pos), got, rtol=1e-5, atol=1e-5)
-            assert moved.q_a_proj.weight.data_ptr() == moved._qkv_a[0].data_ptr()
-        for name, mod in (("FUSE_QKV_A", attn_mod), ("WIN_SRC_DIRECT", attn_mod), ("FUSE_KV_GATE", comp_mod),
-                          ("WO_A_OVERLAP", attn_mod)):
-            monkeypatch.setattr(mod, name, type(getattr(mod, name))(0))

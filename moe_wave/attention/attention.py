@@ -25,8 +25,7 @@ from .core_kernel import q_norm_inside
 from .indexer import Indexer, IndexerConfig
 from .kernels import norm_rope, picks, rms_norm_quant, use_kernels
 from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
-from .schedule import ScheduleConfig, is_capturing, run_frontend, side_streams
-from .stack import stacked_rows
+from .schedule import ScheduleConfig, high_stream, is_capturing, run_frontend, side_streams
 
 __all__ = ["AttnConfig", "V4Attention", "LAYER_TYPES"]
 
@@ -37,15 +36,9 @@ WO_A_FP8_MIN_TOKENS = 2048
 # the grouped FP8 wo_a (eight GEMMs of one wave each at V4-Flash's 4096-token prefill, 128 CTAs on an H200's 132 SMs)
 # and the quantisation of its output for wo_b: 0 one act_quant after the last group; 1 each group's act_quant on a
 # side stream as its GEMM ends, beside the next groups' GEMMs; 2 as 1 with every other group's GEMM on the side stream
-# too. The same bits whichever (``V4Attention._wo_a_overlapped``)
+# too; 3 as 1 with the GEMMs on a priority -1 stream (their CTAs get the SMs first, the quantisation the rest). The
+# same bits whichever (``V4Attention._wo_a_overlapped``)
 WO_A_OVERLAP = 0
-# FP8 layers: wq_a and wkv, which read the same quantised x, as one GEMM (N = q_lora_rank + head_dim) on the q chain,
-# the window's kv branch then starting from its columns (as SGLang's ``SGLANG_OPT_FUSE_WQA_WKV`` does): one weight
-# [L + d, D] whose row blocks wq_a's and wkv's weights become views of (``V4Attention._qkv_a_weight``)
-FUSE_QKV_A = False
-# the window branch's key source [ring | chunk] with the chunk's rows written into it by kv_norm + RoPE (True), or
-# a concatenation after them (False) (``V4Attention.window_rows``)
-WIN_SRC_DIRECT = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +121,6 @@ class V4Attention(nn.Module):
         self.register_buffer("freq_F", inv_freq(cfg.rope), persistent=False)     # fp32 always (see _apply)
         self.o_a_fp8: GroupedFP8 | None = None     # quantize_fp8(wo_a_fp8=True) (which drops o_a_weight) or "auto"
         self.o_a_fp8_min_tokens = 0                 # "auto": the FP8 wo_a from this many tokens (B * S) a call on
-        self._qkv_a = None                          # FUSE_QKV_A: (weight, scales) of wq_a and wkv stacked
         nn.init.normal_(self.o_a_weight, std=0.02)
 
     def _apply(self, fn, recurse=True):
@@ -136,7 +128,6 @@ class V4Attention(nn.Module):
         fp32; in bf16 the angle of a late position drifts by whole radians, and the kernels, which read fp32
         frequencies, would copy them on every call): recomputed, not cast back."""
         out = super()._apply(fn, recurse)
-        self._qkv_a = None                          # (a move gives wq_a and wkv their own storage: built again)
         if self.freq_F.dtype != torch.float32:
             self.freq_F = inv_freq(self.cfg.rope, device=self.freq_F.device)
         return out
@@ -230,28 +221,6 @@ class V4Attention(nn.Module):
         which would each quantise it: the same bits); None for a bf16 layer."""
         return act_quant(x_BSD.reshape(-1, self.cfg.hidden)) if self.fp8 else None
 
-    def fuses_qkv_a(self, xq: tuple | None) -> bool:
-        """Whether this call runs wq_a and wkv as one GEMM (``FUSE_QKV_A``, an FP8 layer, x quantised)."""
-        return FUSE_QKV_A and xq is not None and isinstance(self.q_a_proj, FP8Linear) and \
-            isinstance(self.kv_proj, FP8Linear) and self.cfg.q_lora_rank % BLOCK == 0
-
-    def _qkv_a_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """wq_a's and wkv's FP8 weights stacked [L + d, D], and their 128-row blocks' scales (``stacked_rows``:
-        the two projections' buffers become views of their rows)."""
-        a, k = self.q_a_proj, self.kv_proj
-        old = self._qkv_a or (None, None)
-        self._qkv_a = (stacked_rows(old[0], [(a, "weight"), (k, "weight")]),
-                       stacked_rows(old[1], [(a, "weight_scale"), (k, "weight_scale")]))
-        return self._qkv_a
-
-    def qkv_a(self, x_BSD: torch.Tensor, xq: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """wq_a and wkv as one FP8 GEMM on x already quantised (``fuses_qkv_a``): (qa [B, S, L], kv [B, S, d]),
-        column slices of its output."""
-        w, sc = self._qkv_a_weight()
-        y = fp8_matmul(xq[0], xq[1], w, sc, x_BSD.dtype).view(*x_BSD.shape[:-1], w.shape[0])
-        L = self.cfg.q_lora_rank
-        return y[..., :L], y[..., L:]
-
     @staticmethod
     def _proj(lin, x_BSD: torch.Tensor, xq: tuple | None) -> torch.Tensor:
         """``lin(x)``, or with x already quantised (``x_quant``) the FP8 GEMM on it."""
@@ -259,14 +228,11 @@ class V4Attention(nn.Module):
             return lin(x_BSD)
         return lin.forward_q(*xq, x_BSD.dtype).view(*x_BSD.shape[:-1], lin.out_features)
 
-    def q_lora(self, x_BSD: torch.Tensor, xq: tuple | None = None,
-               qa: torch.Tensor | None = None) -> torch.Tensor | QAct:
-        """wq_a and q_norm: [B, S, L] (qa: wq_a's output already there, ``qkv_a``'s). Where every projection that
-        reads it is FP8 (wq_b, the indexer's wq_b) and the kernels run, the normalised rows leave already
-        quantised, as the ``QAct`` both take (one pass for the norm and the quantisation, once for the two): the
-        same bits as each quantising the bf16 tensor."""
-        if qa is None:
-            qa = self._proj(self.q_a_proj, x_BSD, xq)
+    def q_lora(self, x_BSD: torch.Tensor, xq: tuple | None = None) -> torch.Tensor | QAct:
+        """wq_a and q_norm: [B, S, L]. Where every projection that reads it is FP8 (wq_b, the indexer's wq_b) and
+        the kernels run, the normalised rows leave already quantised, as the ``QAct`` both take (one pass for the
+        norm and the quantisation, once for the two): the same bits as each quantising the bf16 tensor."""
+        qa = self._proj(self.q_a_proj, x_BSD, xq)
         k = self.schedule.kernels
         readers = [self.q_b_proj] + ([self.indexer.q_b_proj] if self.indexer is not None else [])
         if use_kernels(qa, k) and all(isinstance(r, FP8Linear) for r in readers):
@@ -303,34 +269,12 @@ class V4Attention(nn.Module):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.eps).to(q.dtype)
         return rope_tail(q, pos_BS, self.freq_F, inplace=True, kernels=self.schedule.kernels)   # q is fresh
 
-    def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor, xq: tuple | None = None,
-                  kv0: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """wkv (kv0: its output already there, ``qkv_a``'s), kv_norm and RoPE: the window's new rows [B, S, d]
-        (out: written there where the kernels run, in place otherwise; returned)."""
-        kv = self._proj(self.kv_proj, x_BSD, xq) if kv0 is None else kv0
+    def window_kv(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        kv = self._proj(self.kv_proj, x_BSD, xq)
         if use_kernels(kv, self.schedule.kernels):   # RMSNorm(kv_norm) + RoPE in one pass, in place
-            return norm_rope(kv, pos_BS, self.freq_F, weight=self.kv_norm, eps=self.cfg.eps,
-                             out=kv if out is None else out)
+            return norm_rope(kv, pos_BS, self.freq_F, weight=self.kv_norm, eps=self.cfg.eps, out=kv)
         k = self.schedule.kernels
-        y = rope_tail(rms_norm(kv, self.kv_norm, self.cfg.eps, k), pos_BS, self.freq_F, inplace=True, kernels=k)
-        return y if out is None else out.copy_(y)
-
-    def window_rows(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache, xq: tuple | None = None,
-                    kv0: torch.Tensor | None = None):
-        """The window branch's rows: (kv [B, S, d] the chunk's, its key source ``[ring | chunk]`` [B, W+S, d], each
-        query's W window rows [B, S, W]). ``WIN_SRC_DIRECT`` (one row of the batch, the kernels, the cache in x's
-        dtype): kv_norm and RoPE write the chunk's rows into the source itself, kv a view of them, instead of a
-        concatenation after them; else ``window_kv`` then ``window_source``."""
-        B, S = pos_BS.shape
-        ring = cache.win_BWd
-        if WIN_SRC_DIRECT and B == 1 and ring.dtype == x_BSD.dtype and use_kernels(x_BSD, self.schedule.kernels):
-            W = ring.shape[1]
-            src_BMd = torch.empty(B, W + S, ring.shape[2], dtype=ring.dtype, device=ring.device)
-            src_BMd[:, :W].copy_(ring)
-            kv = self.window_kv(x_BSD, pos_BS, xq, kv0, out=src_BMd[:, W:])
-            return kv, src_BMd, self._picks(pos_BS, window=self.cfg.window)
-        kv = self.window_kv(x_BSD, pos_BS, xq, kv0)
-        return (kv,) + self.window_source(kv, pos_BS, cache)
+        return rope_tail(rms_norm(kv, self.kv_norm, self.cfg.eps, k), pos_BS, self.freq_F, inplace=True, kernels=k)
 
     def window_source(self, kv_BSd: torch.Tensor, pos_BS: torch.Tensor, cache: AttnCache):
         """Key source ``[ring | chunk]`` [B, W+S, d] and each query's W window rows [B, S, W] (-1: none)."""
@@ -393,8 +337,9 @@ class V4Attention(nn.Module):
     def _wo_a_overlapped(self, o_q: torch.Tensor, s_KbM: torch.Tensor, dtype: torch.dtype, mode: int):
         """The grouped FP8 wo_a and the quantisation of its output z (``WO_A_OVERLAP``): each group's ``act_quant``
         into its columns of z's FP8 pair as soon as its GEMM ends, on a side stream, beside the next groups' GEMMs
-        (mode 1); mode 2 also runs every other group's GEMM on the side stream. The same bits as the serial chain
-        (each group's GEMM and each 128 channels' scale are the same calls). Returns (z_q [M, G*R], z_s)."""
+        (mode 1); mode 2 also runs every other group's GEMM on the side stream, mode 3 the GEMMs on a priority -1
+        stream (``schedule.high_stream``). The same bits as the serial chain (each group's GEMM and each 128
+        channels' scale are the same calls). Returns (z_q [M, G*R], z_s)."""
         a = self.o_a_fp8
         G, R, Kg = a.groups, a.rank, a.in_per_group
         nb, kb = R // BLOCK, Kg // BLOCK
@@ -403,9 +348,13 @@ class V4Attention(nn.Module):
         z_q = torch.empty(M, G * R, dtype=FP8, device=dev)
         z_s = torch.empty(G * nb, M, dtype=torch.float32, device=dev)
         main, side = current_stream(dev), side_streams(dev)[0]
-        wait(record(main), side)                # o_q, its scales and the fresh tensors: made on the caller's stream
+        hi = high_stream(dev) if mode == 3 else None
+        others = (side,) if hi is None else (side, hi)
+        start = record(main)                    # o_q, its scales and the fresh tensors: made on the caller's stream
+        for s in others:
+            wait(start, s)
         for g in range(G):
-            gemm_on = side if mode == 2 and g % 2 else main
+            gemm_on = hi if mode == 3 else side if mode == 2 and g % 2 else main
             with on(gemm_on):
                 fp8_matmul(o_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb], a.weight[g * R:(g + 1) * R],
                            a.weight_scale[g * nb:(g + 1) * nb], dtype, out=z[g])
@@ -413,10 +362,12 @@ class V4Attention(nn.Module):
             with on(side):
                 wait(done)
                 act_quant(z[g], out=(z_q[:, g * R:(g + 1) * R], z_s[g * nb:(g + 1) * nb]))
-        wait(record(side), main)
+        for s in others:
+            wait(record(s), main)
         if not is_capturing(dev):               # eager: the caching allocator hands memory out by stream
             for t in (z, z_q, z_s, o_q, s_KbM):
-                keep_alive(t, side)
+                for s in others:
+                    keep_alive(t, s)
         return z_q, z_s
 
     # ---------------------------------------------------------------------------------- forward

@@ -25,15 +25,10 @@ import torch
 from torch import nn
 
 from ..fp8 import hf_weight
-from .kernels import norm_rope, pool_entries, ring_write, row_stride, use_kernels
+from .kernels import norm_rope, pool_entries, ring_write, use_kernels
 from .rope import rope_tail
-from .stack import stacked_rows
 
 __all__ = ["CompressorConfig", "Compressor", "CompressorState", "rms_norm"]
-
-# the kv and gate projections, which read the same x, as one GEMM of both weights stacked (N = 2 C), their outputs
-# its column slices (S5's fused wkv + wgate); False: two GEMMs (``Compressor.project``)
-FUSE_KV_GATE = False
 
 _MASKED = -1e30  # finite "minus infinity": a fully masked (trash) window pools to finite values, not NaN
 
@@ -41,7 +36,7 @@ _MASKED = -1e30  # finite "minus infinity": a fully masked (trash) window pools 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kernels: str = "auto") -> torch.Tensor:
     """RMSNorm in fp32, weight (fp32) applied before the cast back, as HF 5.23 does (one fused
     kernel where ``use_kernels(x, kernels)``: ``kernels.norm_rope`` without RoPE)."""
-    if use_kernels(x, kernels) and row_stride(x) is not None:
+    if use_kernels(x, kernels) and x.is_contiguous():
         return norm_rope(x, weight=weight, eps=eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -106,7 +101,6 @@ class Compressor(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden, C, bias=False)
         self.ape = nn.Parameter(torch.zeros(cfg.ratio, C))
         self.norm_weight = nn.Parameter(torch.ones(cfg.dim))
-        self._kv_gate = None                        # FUSE_KV_GATE: the two weights stacked (``stacked_rows``)
 
     @classmethod
     def from_hf(cls, hf_mod, *, hidden: int, overlap: bool, eps: float) -> "Compressor":
@@ -120,21 +114,10 @@ class Compressor(nn.Module):
             mod.norm_weight.copy_(hf_mod.kv_norm.weight)
         return mod.to(hf_mod.kv_norm.weight.dtype)
 
-    def _apply(self, fn, recurse=True):
-        self._kv_gate = None                        # (a move gives both weights their own storage: stacked again)
-        return super()._apply(fn, recurse)
-
     def project(self, x_BSD: torch.Tensor, pos_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token GEMMs as they come out (x's dtype, [B, S, C] each): kv and the gate score
-        before the position bias; ``emit`` and ``write_state`` take these. ``FUSE_KV_GATE`` (without autograd,
-        both plain linears): one GEMM on the two weights stacked, the two its column slices."""
-        kv, gate = self.kv_proj, self.gate_proj
-        if FUSE_KV_GATE and not torch.is_grad_enabled() and type(kv) is nn.Linear and type(gate) is nn.Linear \
-                and kv.bias is None and gate.bias is None:
-            self._kv_gate = w = stacked_rows(self._kv_gate, [(kv, "weight"), (gate, "weight")])
-            y = nn.functional.linear(x_BSD, w)
-            return y[..., :kv.out_features], y[..., kv.out_features:]
-        return kv(x_BSD), gate(x_BSD)
+        before the position bias; ``emit`` and ``write_state`` take these."""
+        return self.kv_proj(x_BSD), self.gate_proj(x_BSD)
 
     def _fp32(self, kv_BSC: torch.Tensor, gate_BSC: torch.Tensor, pos_BS: torch.Tensor):
         """fp32 kv and score = gate + ape[pos mod m] (what the ring stores)."""

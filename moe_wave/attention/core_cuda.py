@@ -135,25 +135,6 @@ DEVICE = HELPERS + r"""
 #ifndef DEFER
 #define DEFER (WRING ? 1 : 0)
 #endif
-// HT: an item's last tile, alone in its round (an odd tile count of at least 3), with at most 32 valid rows (HCA's
-// compressed part up to 4096 tokens: at most 32 entries) runs as a half tile: its rows 32-63 not copied, QK with
-// N = 32, PV with K = 32 (the same sums: the rows left out are masked picks). NOHT 1 (profiling): whole tiles
-#ifndef HT
-#define HT 1
-#endif
-#if (defined(NOHT) && NOHT) || WRING
-#undef HT
-#define HT 0
-#endif
-// HT's variants (profiling): HTPV 1 its PV with K = 32 too (ptxas then serialises the kernel's wgmmas: C7511); HTZ 0
-// its rows 32-63 not zero-filled (they keep an earlier tile's keys, times a P of 0)
-#ifndef HTPV
-#define HTPV 0
-#endif
-#define NT_MASK (HT ? 0xffff : -1)     // the item's info: its tile count, and HT's half last tile at bit 16
-#ifndef HTZ
-#define HTZ 1
-#endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
 #define STAMP(k) do { if (TRACE && tr) { long long _n = clock64(); tr[k] += _n - t0; t0 = _n; } } while (0)
@@ -218,14 +199,6 @@ __device__ __forceinline__ void wgmma_ss(float *d, u64 da, u64 db, int acc) {   
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32 ", %32, %33, p, 1, 1, 0, 0;\n}"
         : D32_OUT(d) : "l"(da), "l"(db), "r"(acc));
-}
-#define D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define D16_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-__device__ __forceinline__ void wgmma_ss32(float *d, u64 da, u64 db, int acc) {    // m64n32k16 (HT), both K-major
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %18, 0;\n\t"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " D16 ", %16, %17, p, 1, 1, 0, 0;\n}"
-        : D16_OUT(d) : "l"(da), "l"(db), "r"(acc));
 }
 __device__ __forceinline__ void wgmma_rs(float *d, const unsigned *a, u64 db) {    // A from registers, B MN-major
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t"
@@ -353,9 +326,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             m2 = max(max(red[4], red[5]), max(red[6], red[7]));
             const int n1 = (m1 + 64) >> 6, nt = n1 + ((m2 + 64) >> 6);
 #endif
-            // HT: the last tile's last valid pick within it (its part's last valid pick less the tile's start)
-            const bool half = HT && nt >= 3 && (nt & 1)
-                && (nt > n1 ? m2 - (nt - 1 - n1) * 64 : m1 - (n1 - 1) * 64) < 32;
             STAMP(8);
             int pk0[4], pk1[4];                         // the first two tiles' picks (-1: none), loaded under the
 #pragma unroll                                          // wait for q's slot
@@ -376,7 +346,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #endif
             mbar_wait(q_empty, (it & 1) ^ 1);           // the last item's QKs are done with q
             STAMP(9);
-            if (p == 0) info[0] = nt | (half ? 1 << 16 : 0);     // (the tile count, HT's half last tile)
+            if (p == 0) info[0] = nt;
             const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + cg * 8;
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -420,7 +390,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
 #if WRING
                     if (re == 0 || (re == 1 && 64 * t + rg + 16 * i != (s & 127))) continue;   // the row stays
 #endif
-                    if (HT && !HTZ && i >= 2 && half && t == nt - 1) continue;   // (a half tile's rows 32-63)
 #pragma unroll
                     for (int k = 0; k < 8; ++k)
                         if (!(PROBE & 2)) cp_async16(dst + sw_off(rg + 16 * i, cg + 8 * k), row + 64 * k, n);
@@ -500,7 +469,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
             tr[13] = sm;
         }
-        int u0 = 0, u1 = 0, it = 0, nt_pre = 0;        // (nt_pre: the next item's info, DEFER)
+        int u0 = 0, u1 = 0, it = 0, nt_pre = 0;
         bool pre = false;                               // DEFER: this item's first QK already issued
         float sc[32];                                   // a tile's scores, then its P (fp32)
         unsigned valid = 0;                             // the tile's valid picks, 2 bits a register pair
@@ -525,28 +494,6 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 wgmma_ss(sc, desc(qb + off, LBO_K), desc(kt + off, LBO_K), k);
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        };
-        // HT: the half tile's QK (N = 32: sc[0 .. 15]; its rows 32-63 flagged invalid mask the rest), issued and
-        // waited for in one stage
-        auto qk_half = [&](int g) {
-            mbar_wait(kv_full, g & 1);
-            STAMP(1);
-            valid = 0;
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const unsigned short f = *(volatile unsigned short *)(flags + 8 * jj + cq);
-                valid |= ((f & 1u) | ((f >> 7) & 2u)) << (2 * jj);
-            }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            unsigned qb = base + SQ_OFF, kt = base + SK_OFF;
-            asm volatile("" : "+r"(qb), "+r"(kt));
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < 32; ++k) {
-                const unsigned off = (k >> 2) * 8192 + (k & 3) * 32;
-                wgmma_ss32(sc, desc(qb + off, LBO_K), desc(kt + off, LBO_K), k);
-            }
-            wgmma_commit_wait();
         };
 #if QROPE
         // q's norm, each head's RMS a factor of its scores, summed here in round 0 before its QK (under the tile's
@@ -593,7 +540,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     mbar_wait(q_full, (it + 1) & 1); \
                     nt_pre = __shfl_sync(0xffffffff, info[0], 0); \
                     pre = true; \
-                    if ((nt_pre & NT_MASK) > 0 && (wg == 0 || (nt_pre & NT_MASK) > 1)) { \
+                    if (nt_pre > 0 && (wg == 0 || nt_pre > 1)) { \
                         qk_issue(wg ? u1 : u0); \
                         BODY; \
                         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); \
@@ -606,13 +553,11 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             STAMP(6);
             if (!pre) mbar_wait(q_full, it & 1);
             STAMP(0);
-            const int ni = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0), nt = ni & NT_MASK;
-            const bool half = HT && (ni >> 16);         // (HT: the last tile, alone in its round, a half tile)
+            const int nt = pre ? nt_pre : __shfl_sync(0xffffffff, info[0], 0);
             if (nt == 0) mbar_arrive(q_empty);
             // rounds of two tiles: warpgroup 0 takes tile tt (slot 0), warpgroup 1 tile tt + 1 (slot 1)
             for (int tt = 0; tt < nt; tt += 2) {
                 const bool two_t = tt + 1 < nt, mine = wg == 0 || two_t, other = wg == 1 || two_t;
-                const bool hf = half && !two_t;
                 // (the shared addresses opaque each round: the descriptors are made at their wgmmas, not hoisted out
                 // of the loops into ~100 live registers). vown / voth are kt / ko wherever the PV cases below use
                 // them; the selects (and pa's zeros) stay as measured: without them ptxas schedules otherwise
@@ -625,12 +570,8 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 if (tt == 0) q_sums();                  // (under the tile's wait)
 #endif
                 if (mine && !(pre && tt == 0)) {        // (DEFER: round 0's scores came with the last output)
-                    if (hf) {                           // (a half tile: warpgroup 0's, slot 0)
-                        qk_half(u0);
-                    } else {
-                        qk_issue(wg ? u1 : u0);
-                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-                    }
+                    qk_issue(wg ? u1 : u0);
+                    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
                     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(sc[i]) :: "memory");   // (landed here)
                 }
@@ -727,17 +668,7 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                     wgmma_sv(o[cb], desc(pb + k * 32, LBO_K), desc(voth + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
                 // each case its own wgmma stage (ptxas serialises wgmmas whose accumulators meet at a branch's
                 // merge): a round with one tile (an odd last one) runs only its PV, 16 wgmmas a warpgroup
-#define PV_OWN_H _Pragma("unroll") for (int k = 0; k < 2; ++k) \
-                    _Pragma("unroll") for (int cb = 0; cb < 4; ++cb) \
-                    wgmma_rs(o[cb], pa + 4 * k, desc(vown + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
-#define PV_OTHER_H _Pragma("unroll") for (int k = 0; k < 2; ++k) \
-                    _Pragma("unroll") for (int cb = 0; cb < 4; ++cb) \
-                    wgmma_sv(o[cb], desc(pb + k * 32, LBO_K), desc(voth + (4 * wg + cb) * 8192 + k * 2048, LBO_V));
                 if (two_t) { wgmma_fence(); PV_OWN PV_OTHER wgmma_commit_wait(); }
-#if HTPV
-                else if (HT && hf && wg == 0) { wgmma_fence(); PV_OWN_H wgmma_commit_wait(); }  // (K = 32)
-                else if (HT && hf) { wgmma_fence(); PV_OTHER_H wgmma_commit_wait(); }
-#endif
                 else if (wg == 0) { wgmma_fence(); PV_OWN wgmma_commit_wait(); }
                 else { wgmma_fence(); PV_OTHER wgmma_commit_wait(); }
                 STAMP(5);

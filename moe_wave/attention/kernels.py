@@ -55,24 +55,6 @@ def _direct(t: torch.Tensor) -> bool:
     return triton_ok(t.device, want=True)
 
 
-def row_stride(t: torch.Tensor) -> int | None:
-    """The stride between t's rows (its last dim) where they are evenly spaced with contiguous channels (a
-    contiguous tensor, or a column slice of a wider one: e.g. one projection's part of a fused GEMM's output); else
-    None."""
-    if t.dim() == 0 or (t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1):
-        return None
-    lead = [(n, st) for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1]
-    if not lead:
-        return t.shape[-1]
-    rs = lead[-1][1]
-    step = rs
-    for (n, st), (n_in, _) in zip(reversed(lead[:-1]), reversed(lead[1:])):
-        step *= n_in
-        if st != step:
-            return None
-    return rs if rs >= t.shape[-1] else None
-
-
 # ----------------------------------------------------------------------------------- norm + rope
 def norm_rope_torch(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Tensor | None = None, *,
                     norm: bool = True, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -102,7 +84,7 @@ def norm_rope_torch(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: to
 if triton is not None:
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, sc_ptr, H, eps, XS, OS,
+    def _norm_rope_kernel(x_ptr, out_ptr, pos_ptr, freq_ptr, w_ptr, sc_ptr, H, eps,
                           D: tl.constexpr, HC: tl.constexpr, BH: tl.constexpr, TC: tl.constexpr, BT: tl.constexpr,
                           HB: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
                           HEAD: tl.constexpr, QUANT: tl.constexpr, ROWPOS: tl.constexpr, INTERP: tl.constexpr):
@@ -115,18 +97,15 @@ if triton is not None:
         # format instead: e4m3 to out_ptr, the scales to sc_ptr [HC/128, rows] (fp8.act_quant's bits).
         # ROWPOS (one row a position, e.g. the window's kv): program p takes rows p*HB .. +HB of the H rows, each
         # at its own position (its own cos/sin; the same values and roundings).
-        # XS / OS: the rows' strides in x and out (elements; D where contiguous, e.g. a column slice's wider rows).
         p = tl.program_id(0)
         if ROWPOS:
             h = p * HB + tl.arange(0, HB)
             hmask = h < H
-            rid = h.to(tl.int64)[:, None]
+            row = h.to(tl.int64)[:, None] * D
         else:
             h = tl.program_id(1) * HB + tl.arange(0, HB)
             hmask = h < H
-            rid = (p.to(tl.int64) * H + h)[:, None]
-        row = rid * XS
-        orow = rid * OS
+            row = (p.to(tl.int64) * H + h)[:, None] * D
         ss = tl.zeros((HB,), tl.float32)
         if HEAD:
             ch = tl.arange(0, BH)
@@ -157,13 +136,13 @@ if triton is not None:
                     zq = e4m3_rne(z)
                 else:
                     zq = z.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-                tl.store(out_ptr + orow + ch[None, :], zq, mask=mh)
+                tl.store(out_ptr + row + ch[None, :], zq, mask=mh)
                 blk = tl.arange(0, BH // 128)
                 rid = (p * H + h).to(tl.int64)
                 tl.store(sc_ptr + blk[None, :].to(tl.int64) * (tl.num_programs(0) * H) + rid[:, None],
                          sbits.to(tl.float32, bitcast=True), mask=hmask[:, None] & (blk < HC // 128)[None, :])
             else:
-                tl.store(out_ptr + orow + ch[None, :], xh.to(out_ptr.dtype.element_ty), mask=mh)
+                tl.store(out_ptr + row + ch[None, :], xh.to(out_ptr.dtype.element_ty), mask=mh)
         if TC > 0:
             if NORM:
                 xt = xt * inv
@@ -193,7 +172,7 @@ if triton is not None:
                 ye = tl.fma(xo, -s, xe * c)
                 yo = tl.fma(xe, s, xo * c)
             y = tl.reshape(tl.join(ye, yo), (HB, BT))
-            tl.store(out_ptr + orow + HC + ct[None, :], y.to(out_ptr.dtype.element_ty), mask=mt)
+            tl.store(out_ptr + row + HC + ct[None, :], y.to(out_ptr.dtype.element_ty), mask=mt)
 
 
 # norm_rope's program size: rows (heads) of one position per program up to this many channels in all, and its
@@ -227,11 +206,7 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
         raise ValueError(f"norm_rope: last dim {d} must be even and >= 2 * freq ({2 * F})")
     if weight is not None and weight.numel() != d:
         raise ValueError(f"norm_rope: weight has {weight.numel()} elements, must equal the last dim {d}")
-    xs = row_stride(x)
-    if out is not None and row_stride(out) is None:
-        raise ValueError(f"norm_rope: out {tuple(out.shape)} stride {out.stride()}: its rows must be evenly spaced, "
-                         "the channels contiguous")
-    if not (_direct(x) and xs is not None and x.numel()):
+    if not (_direct(x) and x.is_contiguous() and x.numel()):
         y = norm_rope_torch(x, pos, freq_F, norm=norm, weight=weight, eps=eps, inverse=inverse)
         if out is None:
             return y
@@ -259,8 +234,7 @@ def norm_rope(x: torch.Tensor, pos: torch.Tensor | None = None, freq_F: torch.Te
     hb = NORM_ROPE_ROWPOS_ROWS if rowpos else _rows_tile(H, width)
     w = weight.contiguous() if weight is not None else x
     _norm_rope_kernel[(triton.cdiv(P, hb), 1) if rowpos else (P, triton.cdiv(H, hb))](
-        x, out, pos_c, freq_c, w, x, P if rowpos else H, float(eps), xs, row_stride(out), D=d, HC=hc, BH=bh, TC=tc,
-        BT=bt, HB=hb,
+        x, out, pos_c, freq_c, w, x, P if rowpos else H, float(eps), D=d, HC=hc, BH=bh, TC=tc, BT=bt, HB=hb,
         NORM=bool(norm), WEIGHT=weight is not None, INVERSE=bool(inverse), HEAD=bool(head and hc > 0), QUANT=False,
         ROWPOS=rowpos, INTERP=interpreting(), num_warps=NORM_ROPE_WARPS)
     return out
@@ -285,8 +259,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e
     if weight is not None and weight.numel() != K:
         raise ValueError(f"rms_norm_quant: weight has {weight.numel()} elements, must equal the last dim {K}")
     M = x.numel() // K
-    xs = row_stride(x)
-    if not (_direct(x) and xs is not None and M):
+    if not (_direct(x) and x.is_contiguous() and M):
         q, s = act_quant(norm_rope(x, weight=weight, eps=eps).reshape(M, K))
         return QAct(q, s, x.shape, x.dtype)
     q = torch.empty(M, K, dtype=FP8, device=x.device)
@@ -295,7 +268,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e
     hb = _rows_tile(M, bh)
     w = weight.contiguous() if weight is not None else x
     _norm_rope_kernel[(1, triton.cdiv(M, hb))](
-        x, q, x, x, w, s, M, float(eps), xs, K, D=K, HC=K, BH=bh, TC=0, BT=1, HB=hb, NORM=True,
+        x, q, x, x, w, s, M, float(eps), D=K, HC=K, BH=bh, TC=0, BT=1, HB=hb, NORM=True,
         WEIGHT=weight is not None, INVERSE=False, HEAD=True, QUANT=True, ROWPOS=False, INTERP=interpreting(),
         num_warps=NORM_ROPE_WARPS)
     return QAct(q, s, x.shape, x.dtype)

@@ -41,7 +41,7 @@ from moe_wave.fp8 import QAct
 
 from .kernels import KERNEL_MODES
 
-__all__ = ["ScheduleConfig", "FrontEnd", "run_frontend", "side_streams", "is_capturing"]
+__all__ = ["ScheduleConfig", "FrontEnd", "run_frontend", "side_streams", "high_stream", "is_capturing"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +104,16 @@ def side_streams(device: torch.device) -> tuple:
     return _SIDE[key].extra
 
 
+def high_stream(device: torch.device):
+    """A priority -1 stream of the device (the side streams' bundle's ``comm``; None on CPU): work there gets SMs
+    before the side streams' as they free up."""
+    side_streams(device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _SIDE[(device, SIDE_PRIORITY)].comm
+
+
 def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -154,8 +164,6 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     # before it (with every side behind it, V4-Flash HCA's overlapped prefill front-end took 484.4 us on one H200,
     # its serial one 484.0; with only side a, 454.0: benchmarks/2026-12-02-frontend-picks-1xh200-session19.md)
     xq = attn.x_quant(x_BSD)
-    # (FUSE_QKV_A: wq_a and wkv as one GEMM here, side a starting from its kv columns)
-    qa_kv = attn.qkv_a(x_BSD, xq) if attn.fuses_qkv_a(xq) else (None, None)
     xq_ready = record(main) if xq is not None else fork
     if hold and overlap:
         # Side streams write into the cache (entries before the join, rings after it): should the
@@ -166,12 +174,13 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             keep_alive(pos_BS, s)
             for t in owned.get(key, ()):
                 keep_alive(t, s)
-        for t in tuple(xq or ()) + qa_kv[1:]:
+        for t in xq or ():
             keep_alive(t, sa)
 
     with on(sa):                                              # (a) window kv
         wait(xq_ready)
-        kv_BSd, win_src, win_idx = attn.window_rows(x_BSD, pos_BS, cache, xq, kv0=qa_kv[1])
+        kv_BSd = attn.window_kv(x_BSD, pos_BS, xq)
+        win_src, win_idx = attn.window_source(kv_BSd, pos_BS, cache)
         kv_ready = _ready(sa, cache, "win", store and (lambda: attn.window_write(kv_BSd, pos_BS, cache)))
     parts = [(win_src, win_idx)]
 
@@ -185,7 +194,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
             comp_ready = _ready(sb, cache, "comp", store and (
                 lambda: attn.compressor.write_state(ckv, csc, pos_BS, cache.comp, kernels=kernels)))
 
-    qr_BSL = attn.q_lora(x_BSD, xq, qa=qa_kv[0])              # main: q chain
+    qr_BSL = attn.q_lora(x_BSD, xq)                           # main: q chain
     q_lora_ready = record(main)
 
     idx_ready = None
