@@ -323,7 +323,8 @@ def _replayed(attn, x, pos):
 def test_prefill_fp8_wo_a_overlap_keeps_the_bits(layer_type, monkeypatch):
     """An FP8 layer with the grouped FP8 wo_a at V4's head_dim, 64 heads, a 1100-token prefill: wo_a's output
     quantised group by group on a side stream (``WO_A_OVERLAP`` 1; 2: every other group's GEMM there too; 3: the
-    GEMMs on a priority -1 stream) gives the serial chain's bits (0), eager and replayed from a CUDA graph."""
+    GEMMs on a priority -1 stream) gives the serial chain's bits (0), eager and replayed from a CUDA graph; calls
+    below ``WO_A_OVERLAP_MIN_TOKENS`` keep the serial chain."""
     from moe_wave.attention import attention as A
     torch.manual_seed(5)
     csa = layer_type == "compressed_sparse_attention"
@@ -341,6 +342,9 @@ def test_prefill_fp8_wo_a_overlap_keeps_the_bits(layer_type, monkeypatch):
         seen = []
         real = attn._wo_a_overlapped
         monkeypatch.setattr(attn, "_wo_a_overlapped", lambda *a: seen.append(a[-1]) or real(*a))
+        monkeypatch.setattr(A, "WO_A_OVERLAP", 3)
+        assert torch.equal(attn(x, positions=pos), base) and not seen     # (1100 tokens: below the minimum)
+        monkeypatch.setattr(A, "WO_A_OVERLAP_MIN_TOKENS", S)
         for mode in (1, 2, 3):
             monkeypatch.setattr(A, "WO_A_OVERLAP", mode)
             assert torch.equal(attn(x, positions=pos), base), mode

@@ -37,8 +37,13 @@ WO_A_FP8_MIN_TOKENS = 2048
 # and the quantisation of its output for wo_b: 0 one act_quant after the last group; 1 each group's act_quant on a
 # side stream as its GEMM ends, beside the next groups' GEMMs; 2 as 1 with every other group's GEMM on the side stream
 # too; 3 as 1 with the GEMMs on a priority -1 stream (their CTAs get the SMs first, the quantisation the rest). The
-# same bits whichever (``V4Attention._wo_a_overlapped``)
-WO_A_OVERLAP = 0
+# same bits whichever (``V4Attention._wo_a_overlapped``), for calls of at least WO_A_OVERLAP_MIN_TOKENS tokens (the
+# measured prefill; decode keeps one launch a step). On one H200, V4-Flash FP8 at 4096 tokens, CUDA graphs, two
+# alternating runs in one call: the output projections 461-465 us with 0, 455-456 with 1, 452-453 with 3; the sliding
+# layer 1013.7-1014.2 / 1006.2-1010.8 / 1006.0-1007.3 (2 was slower: 1042.0 against 1031.3 in another call; V4-Pro's
+# output projections 1216-1227 / 1211-1217 / 1199-1213; benchmarks/2026-12-03-woa-overlap-1xh200-session34.md)
+WO_A_OVERLAP = 3
+WO_A_OVERLAP_MIN_TOKENS = 2048
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,7 +332,7 @@ class V4Attention(nn.Module):
     def output_q(self, o_q: torch.Tensor, s_KbM: torch.Tensor, B: int, S: int, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 output projections from the core's output already quantised (``act_quant`` format, the
         inverse RoPE applied): grouped wo_a, then wo_b on the group-major z read in place. [B, S, D]"""
-        if WO_A_OVERLAP and o_q.is_cuda:
+        if WO_A_OVERLAP and o_q.is_cuda and o_q.shape[0] >= WO_A_OVERLAP_MIN_TOKENS:
             z_q, z_s = self._wo_a_overlapped(o_q, s_KbM, dtype, WO_A_OVERLAP)
         else:
             z_GMR = self.o_a_fp8.forward_q(o_q, s_KbM, dtype)
