@@ -416,14 +416,19 @@ class GroupedFP8(_FP8Module):
     def forward_q(self, x_q: torch.Tensor, s_KbM: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """[G, M, R] (group-major: ``act_quant(z, groups=G)`` reads it as the [M, G*R] input of the next
         projection without a copy)."""
-        G, R, Kg = self.groups, self.rank, self.in_per_group
-        nb, kb = R // BLOCK, Kg // BLOCK
-        M = x_q.shape[0]
-        out = torch.empty(G, M, R, dtype=out_dtype, device=x_q.device)
-        for g in range(G):
-            fp8_matmul(x_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb], self.weight[g * R:(g + 1) * R],
-                       self.weight_scale[g * nb:(g + 1) * nb], out_dtype, out=out[g])
+        out = torch.empty(self.groups, x_q.shape[0], self.rank, dtype=out_dtype, device=x_q.device)
+        for g in range(self.groups):
+            self.forward_group(x_q, s_KbM, g, out_dtype, out=out[g])
         return out
+
+    def forward_group(self, x_q: torch.Tensor, s_KbM: torch.Tensor, g: int, out_dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Group g's product [M, R] from the quantised [M, G*Kg] activations (its column slice; ``out``: where
+        to write it, ``fp8_matmul``'s)."""
+        R, Kg = self.rank, self.in_per_group
+        nb, kb = R // BLOCK, Kg // BLOCK
+        return fp8_matmul(x_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb], self.weight[g * R:(g + 1) * R],
+                          self.weight_scale[g * nb:(g + 1) * nb], out_dtype, out=out)
 
     def forward(self, x_MGK: torch.Tensor) -> torch.Tensor:
         M = x_MGK.shape[0]

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..config import require_hf
 from ..comm.streams import current_stream, keep_alive, on, record, wait
-from ..fp8 import (BLOCK, FP8, FP8Linear, GroupedFP8, QAct, act_quant, dequant_weight, fp8_matmul, hf_fp8_payload,
-                   hf_weight, weight_quant)
+from ..fp8 import (BLOCK, FP8, FP8Linear, GroupedFP8, QAct, act_quant, dequant_weight, hf_fp8_payload, hf_weight,
+                   weight_quant)
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
 from .core import sparse_attention
@@ -346,8 +346,8 @@ class V4Attention(nn.Module):
         stream (``schedule.high_stream``). The same bits as the serial chain (each group's GEMM and each 128
         channels' scale are the same calls). Returns (z_q [M, G*R], z_s)."""
         a = self.o_a_fp8
-        G, R, Kg = a.groups, a.rank, a.in_per_group
-        nb, kb = R // BLOCK, Kg // BLOCK
+        G, R = a.groups, a.rank
+        nb = R // BLOCK
         M, dev = o_q.shape[0], o_q.device
         z = torch.empty(G, M, R, dtype=dtype, device=dev)
         z_q = torch.empty(M, G * R, dtype=FP8, device=dev)
@@ -361,8 +361,7 @@ class V4Attention(nn.Module):
         for g in range(G):
             gemm_on = hi if mode == 3 else side if mode == 2 and g % 2 else main
             with on(gemm_on):
-                fp8_matmul(o_q[:, g * Kg:(g + 1) * Kg], s_KbM[g * kb:(g + 1) * kb], a.weight[g * R:(g + 1) * R],
-                           a.weight_scale[g * nb:(g + 1) * nb], dtype, out=z[g])
+                a.forward_group(o_q, s_KbM, g, dtype, out=z[g])
                 done = record(gemm_on)
             with on(side):
                 wait(done)
