@@ -135,6 +135,11 @@ DEVICE = HELPERS + r"""
 #ifndef DEFER
 #define DEFER (WRING ? 1 : 0)
 #endif
+// QTAIL (q's RoPE tail turned by the copy warpgroup, QROPE with QRF > 0): q's tail chunks are copied first, as
+// their own cp.async group, and turned while the rest of q lands (QTAIL 0: all of q landed first)
+#ifndef QTAIL
+#define QTAIL (QROPE && QRF > 0)
+#endif
 // TRACE (profiling): one math thread and one copy thread of each CTA add the clock cycles of each phase into
 // a.trace[CTA][32]; STAMP(k) closes phase k (the cycles since the last stamp)
 #define STAMP(k) do { if (TRACE && tr) { long long _n = clock64(); tr[k] += _n - t0; t0 = _n; } } while (0)
@@ -348,10 +353,19 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             STAMP(9);
             if (p == 0) info[0] = nt;
             const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + cg * 8;
+            constexpr int KT = QTAIL ? 8 - QRF / 64 : 8;    // QTAIL: chunks cg + 8 k, k >= KT (the tail), first
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int k = 0; k < 8; ++k) {
+                for (int k = KT; k < 8; ++k) {
+                    const int r = rg + 16 * i;
+                    cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
+                }
+            if (QTAIL) asm volatile("cp.async.commit_group;" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int k = 0; k < KT; ++k) {
                     const int r = rg + 16 * i;
                     cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
                 }
@@ -407,8 +421,12 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             // q's prologue while the math finishes the last item (its softmax, PV and output), before the tiles
             // (their slots free only after its PV): the RoPE tail turned in place, its sums of squares (the math
             // warpgroups sum the channels before it)
+#if QTAIL
+            asm volatile("cp.async.wait_group 1;" ::: "memory");  // q's tail's group (the rest may still land)
+#else
             asm volatile("cp.async.wait_group 0;" ::: "memory");  // q's group
-            asm volatile("bar.sync 1, 128;" ::: "memory");        // q landed, every copy thread's part
+#endif
+            asm volatile("bar.sync 1, 128;" ::: "memory");        // q (its tail) landed, every copy thread's part
             STAMP(22);
 #if QRF > 0
             {
@@ -447,6 +465,9 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
                 }
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the turned q, to wgmma's proxy
             }
+#endif
+#if QTAIL
+            asm volatile("cp.async.wait_group 0;" ::: "memory");  // the rest of q, this thread's copies
 #endif
             mbar_arrive(q_full);                        // (release: the tail's sums and the turned q)
             STAMP(23);
