@@ -205,6 +205,8 @@ def test_cuda_core_window_ring_keeps_rows(H):
     rope["o_rope"] = rope["q_rope"][:2]
     fp8 = run_fp8(q, parts, sinks, **rope)
     assert all(torch.equal(x, y) for x, y in zip(fp8, run_fp8(q, parts, sinks, defines="NOREUSE 1", **rope)))
+    # (with the layer's steps the ring's kernel turns q's tail while the rest lands, QTAIL: the same bits without)
+    assert all(torch.equal(x, y) for x, y in zip(fp8, run_fp8(q, parts, sinks, defines="QTAIL 0", **rope)))
     n = core_cuda.ctas_resident(q.device.index)
     items = B * S * H // 64
     tr = torch.zeros(n, 32, dtype=torch.int64, device="cuda")
