@@ -393,10 +393,11 @@ def decode_policy(rows) -> dict:
     return out
 
 
-def parse_core_opts(text: str, extra: tuple = (), flag: str = "--core-opts") -> dict:
+def parse_core_opts(text: str, extra: tuple = (), flag: str = "--core-opts", names: tuple = ()) -> dict:
     """--core-opts: "QPRO=1,W1OUT=0" to {"QPRO": 1, "W1OUT": 0}; each name one of core_gluon.WS_OPTS (or of
-    ``extra``: trace_core's PROBE), each value an integer; ``flag`` names the option in the error."""
-    names = sorted({*core_gluon.WS_OPTS, *extra})
+    ``extra``: trace_core's PROBE; or of ``names`` alone, where given), each value an integer; ``flag`` names the
+    option in the error."""
+    names = sorted(names or {*core_gluon.WS_OPTS, *extra})
     opts = {}
     for item in (t for t in text.split(",") if t):
         name, sep, value = item.partition("=")
@@ -411,14 +412,8 @@ LAYER_OPTS = ("WO_A_OVERLAP",)
 
 
 def parse_layer_opts(text: str) -> dict:
-    """'NAME=VALUE,...' of ``LAYER_OPTS`` (integers; '' or 'default': none) -> {NAME: value}."""
-    out = {}
-    for item in (t for t in text.split(",") if t and t != "default"):
-        name, eq, val = item.partition("=")
-        if not eq or name not in LAYER_OPTS or not val.lstrip("-").isdigit():
-            raise ValueError(f"--layer-opts {item!r}: must be NAME=INTEGER with NAME one of {LAYER_OPTS}")
-        out[name] = int(val)
-    return out
+    """--layer-opts' variant 'NAME=VALUE,...' of ``LAYER_OPTS`` (integers; '' or 'default': none) -> {NAME: value}."""
+    return parse_core_opts("" if text == "default" else text, flag="--layer-opts", names=LAYER_OPTS)
 
 
 def meta(args) -> dict:

@@ -355,22 +355,21 @@ __device__ __forceinline__ void core(const Args &a, const I *idx1_ptr, const I *
             STAMP(9);
             if (p == 0) info[0] = nt;
             const unsigned short *qs = a.q + b * a.s_qb + s * a.s_qs + (long long)h0 * a.s_qh + cg * 8;
-            constexpr int KT = QTAIL ? 8 - QRF / 64 : 8;    // QTAIL: chunks cg + 8 k, k >= KT (the tail), first
+            auto copy_q = [&](int k0, int k1) {         // q's chunks cg + 8 k of rows rg + 16 i, k0 <= k < k1
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
+                for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int k = KT; k < 8; ++k) {
-                    const int r = rg + 16 * i;
-                    cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
-                }
-            if (QTAIL) asm volatile("cp.async.commit_group;" ::: "memory");
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int k = 0; k < KT; ++k) {
-                    const int r = rg + 16 * i;
-                    cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
-                }
+                    for (int k = k0; k < k1; ++k) {
+                        const int r = rg + 16 * i;
+                        cp_async16(base + SQ_OFF + sw_off(r, cg + 8 * k), qs + r * a.s_qh + 64 * k, 16);
+                    }
+            };
+            constexpr int KT = QTAIL ? 8 - QRF / 64 : 8;    // QTAIL: the tail's chunks (k >= KT) first, own group
+            if (QTAIL) {
+                copy_q(KT, 8);
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            }
+            copy_q(0, KT);
             asm volatile("cp.async.commit_group;" ::: "memory");   // (the tiles' copies, below, stay uncommitted)
 #if QROPE && QRF > 0
             float ck[QRF / 64], sk[QRF / 64];           // (while q's copies land) cos / sin of lane l's angles

@@ -93,25 +93,26 @@ SIDE_PRIORITY = 0
 _SIDE: dict[tuple, Streams] = {}
 
 
-def side_streams(device: torch.device) -> tuple:
-    """Three side streams per device (at ``SIDE_PRIORITY``), shared by all layers (None on CPU)."""
+def _streams(device: torch.device) -> Streams:
+    """The device's bundle: three side streams at ``SIDE_PRIORITY`` and a priority -1 one, shared by all layers."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (device, SIDE_PRIORITY)
     if key not in _SIDE:
         _SIDE[key] = Streams.for_device(device, num_extra=3, priority=SIDE_PRIORITY)
-    return _SIDE[key].extra
+    return _SIDE[key]
+
+
+def side_streams(device: torch.device) -> tuple:
+    """Three side streams per device (at ``SIDE_PRIORITY``), shared by all layers (None on CPU)."""
+    return _streams(device).extra
 
 
 def high_stream(device: torch.device):
-    """A priority -1 stream of the device (the side streams' bundle's ``comm``; None on CPU): work there gets SMs
-    before the side streams' as they free up."""
-    side_streams(device)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _SIDE[(device, SIDE_PRIORITY)].comm
+    """A priority -1 stream of the device (the bundle's ``comm``; None on CPU): work there gets SMs before the side
+    streams' as they free up."""
+    return _streams(device).comm
 
 
 def is_capturing(device: torch.device) -> bool:
