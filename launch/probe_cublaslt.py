@@ -125,10 +125,10 @@ def probe(name: str, N: int, K: int, G: int, T: int, limit: int, ws: torch.Tenso
         for g in range(G):
             plan.run(algo, x_q[:, g * K:], s[g * kb:], w_q[g * N:], s_w[g * nb:], out[g], ws)
 
-    plan = cublaslt.Plan(T, N, K, lda=G * K, ldd=N)
+    plan = cublaslt.Plan(T, N, K, lda=G * K, ldd=N).scales(s, s_w)
     row["single"] = plan_rows(plan, per_group)
     if G > 1:
-        bplan = cublaslt.Plan(T, N, K, lda=G * K, ldd=N, batch=G, strides=(K, N * K, T * N))
+        bplan = cublaslt.Plan(T, N, K, lda=G * K, ldd=N, batch=G, strides=(K, N * K, T * N)).scales(s, s_w)
 
         def batched(plan, algo):
             plan.run(algo, x_q, s, w_q, s_w, out, ws)
@@ -137,6 +137,22 @@ def probe(name: str, N: int, K: int, G: int, T: int, limit: int, ws: torch.Tenso
         except RuntimeError as e:
             row["batched"] = {"error": str(e)}
     return row
+
+
+def diagnose(ws: torch.Tensor) -> None:
+    """How many algorithms cuBLASLt lists for wq_b's shape under each pair of scale modes (the binding's check)."""
+    x_q, s = fp8.act_quant(torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16))
+    w_q, s_w = fp8.weight_quant(torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16))
+    for modes in ((5, 4), (4, 5), (4, 4), (0, 0)):
+        for with_ptr in (False, True):
+            try:
+                p = cublaslt.Plan(256, 1024, 1024, scale_modes=modes)
+                if with_ptr:
+                    p.scales(s, s_w)
+                n = len(p.heuristics(8, ws.numel()))
+            except RuntimeError as e:
+                n = str(e)
+            print(f"diagnose: scale modes (A, B) {modes}, pointers {with_ptr}: {n}", flush=True)
 
 
 def main(argv=None) -> None:
@@ -150,6 +166,7 @@ def main(argv=None) -> None:
     if not cublaslt.available():
         raise SystemExit("probe_cublaslt: needs a CUDA GPU and cuBLASLt")
     ws = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    diagnose(ws)
     rows = []
     for name, (N, K, G) in SHAPES[a.shape].items():
         if a.only and name not in a.only.split(","):

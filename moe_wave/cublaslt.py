@@ -140,7 +140,7 @@ class Plan:
 
     def __init__(self, M: int, N: int, K: int, out_dtype: torch.dtype = torch.bfloat16, lda: int | None = None,
                  ldd: int | None = None, batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0),
-                 device: int | None = None):
+                 device: int | None = None, scale_modes: tuple[int, int] = (SCALE_BLK128x128_32F, SCALE_VEC128_32F)):
         lib = _lib()
         if lib is None:
             raise RuntimeError("cuBLASLt: the library could not be loaded")
@@ -152,8 +152,8 @@ class Plan:
         self.handle = _handle(self.device)
         self.desc = _vp()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, R_32F), "MatmulDescCreate")
-        for attr, v in ((DESC_TRANSA, OP_T), (DESC_TRANSB, OP_N), (DESC_A_SCALE_MODE, SCALE_BLK128x128_32F),
-                        (DESC_B_SCALE_MODE, SCALE_VEC128_32F)):
+        for attr, v in ((DESC_TRANSA, OP_T), (DESC_TRANSB, OP_N), (DESC_A_SCALE_MODE, scale_modes[0]),
+                        (DESC_B_SCALE_MODE, scale_modes[1])):
             _set(lib.cublasLtMatmulDescSetAttribute, self.desc, attr, ctypes.c_int32(v))
         self.layouts = []
         for typ, rows, cols, ld, stride in ((R_8F_E4M3, K, N, K, strides[1]), (R_8F_E4M3, K, M, lda or K, strides[0]),
@@ -242,12 +242,18 @@ class Plan:
                         return out[::max(1, -(-len(out) // limit))]
         return out[::max(1, -(-len(out) // limit))]
 
+    def scales(self, s_KbM: torch.Tensor, s_w: torch.Tensor) -> "Plan":
+        """Points the descriptor at the scales (cuBLASLt wants them set before it lists or checks algorithms)."""
+        lib = _lib()
+        _set(lib.cublasLtMatmulDescSetAttribute, self.desc, DESC_A_SCALE_POINTER, _vp(s_w.data_ptr()))
+        _set(lib.cublasLtMatmulDescSetAttribute, self.desc, DESC_B_SCALE_POINTER, _vp(s_KbM.data_ptr()))
+        return self
+
     def run(self, algo: Algo, x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
             out: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor:
         """out = x_q @ w_q^T on the current stream with ``algo`` (tensors as the plan describes: no checks here)."""
         lib = _lib()
-        _set(lib.cublasLtMatmulDescSetAttribute, self.desc, DESC_A_SCALE_POINTER, _vp(s_w.data_ptr()))
-        _set(lib.cublasLtMatmulDescSetAttribute, self.desc, DESC_B_SCALE_POINTER, _vp(s_KbM.data_ptr()))
+        self.scales(s_KbM, s_w)
         ws_ptr, ws_size = (workspace.data_ptr(), workspace.numel()) if workspace is not None else (None, 0)
         _check(lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self._alpha), w_q.data_ptr(), self.a,
                                   x_q.data_ptr(), self.b, ctypes.byref(self._beta), out.data_ptr(), self.d,
