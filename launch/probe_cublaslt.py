@@ -62,7 +62,7 @@ def eager_us(fn, iters: int = 4) -> float:
     return a.elapsed_time(b) * 1000 / iters
 
 
-def probe(name: str, N: int, K: int, G: int, T: int, limit: int, ws: torch.Tensor) -> dict:
+def probe(name: str, N: int, K: int, G: int, T: int, limit: int, ws: torch.Tensor, seconds: float) -> dict:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     x = torch.randn(T, G * K, device=dev, dtype=torch.bfloat16)
@@ -88,7 +88,7 @@ def probe(name: str, N: int, K: int, G: int, T: int, limit: int, ws: torch.Tenso
         for i, h in enumerate(heur):
             cands.append(("heuristic", i, h))
         t0 = time.time()
-        cfgs = plan.configurations(limit, ws.numel())
+        cfgs = plan.configurations(limit, ws.numel(), seconds)
         for i, h in enumerate(cfgs):
             cands.append(("config", i, h))
         rows = []
@@ -161,17 +161,20 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="", help="comma-separated projections (default: all of the shape's)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--limit", type=int, default=2000, help="configurations timed a product, at most")
+    ap.add_argument("--enum-seconds", type=float, default=15.0, help="the configuration search's time a product")
+    ap.add_argument("--no-diagnose", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if not cublaslt.available():
         raise SystemExit("probe_cublaslt: needs a CUDA GPU and cuBLASLt")
     ws = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
-    diagnose(ws)
+    if not a.no_diagnose:
+        diagnose(ws)
     rows = []
     for name, (N, K, G) in SHAPES[a.shape].items():
         if a.only and name not in a.only.split(","):
             continue
-        r = probe(name, N, K, G, a.tokens, a.limit, ws)
+        r = probe(name, N, K, G, a.tokens, a.limit, ws, a.enum_seconds)
         rows.append(r)
         for part in ("single", "batched"):
             p = r.get(part)

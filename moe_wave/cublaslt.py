@@ -228,8 +228,7 @@ class Plan:
                     for c in CLUSTERS:
                         for w in swz:
                             for o in customs:
-                                algo = Algo()
-                                ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
+                                algo = Algo.from_buffer_copy(base)
                                 for name, v in (("tile", t), ("stages", s), ("cluster", c), ("swizzle", w),
                                                 ("custom", o)):
                                     attr, ct = CONFIG[name]
