@@ -433,19 +433,18 @@ if triton is not None:
         # J slots (online softmax over slot blocks, per channel); with one block (not SPLIT) of all channels, then
         # the RMSNorm and RoPE at the window's start and the store into the entries; SPLIT (the channels over
         # several programs, for few windows of many slots: HCA's prefill has 33 windows of 128 slots), the pooled
-        # block goes to tmp [B, n, DIM] (model dtype) and ``_entry_finish_kernel`` normalises the entries.
+        # block goes to tmp [B, n, DIM] (model dtype) and ``_entry_finish_kernel`` normalises the entries. The slots'
+        # tiles are [BJ, 2 * BLOCK] of contiguous channels (one row of a tile: 2 * BLOCK consecutive elements)
         i = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         p0 = tl.load(pos_ptr + b * S)
         win = p0 // m + i
         if (win * m < p0 + S) & (win < N):                               # else: the reference's trash slot
-            pair = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-            two = tl.arange(0, 2)
-            col = 2 * pair[:, None] + two[None, :]                      # [BLOCK, 2] channel within DIM
-            cmask = (pair[:, None] < PAIRS) & (two[None, :] < 2)
-            run_max = tl.full((BLOCK, 2), -1e30, tl.float32)
-            run_sum = tl.zeros((BLOCK, 2), tl.float32)
-            acc = tl.zeros((BLOCK, 2), tl.float32)
+            c0 = tl.program_id(2) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)   # channels within DIM
+            cmask = c0 < DIM
+            run_max = tl.full((2 * BLOCK,), -1e30, tl.float32)
+            run_sum = tl.zeros((2 * BLOCK,), tl.float32)
+            acc = tl.zeros((2 * BLOCK,), tl.float32)
             for j0 in range(0, J, BJ):
                 jj = j0 + tl.arange(0, BJ)                               # slots
                 q = (win - CM + 1) * m + jj                              # source positions
@@ -456,31 +455,35 @@ if triton is not None:
                     choff = tl.where(jj < m, 0, DIM)                     # A-half of window i-1, B-half of i
                 else:
                     choff = jj * 0
-                ch = choff[:, None, None] + col[None, :, :]              # [BJ, BLOCK, 2]
-                mk = cmask[None, :, :]
+                ch = choff[:, None] + c0[None, :]                        # [BJ, 2 * BLOCK]
+                mk = cmask[None, :]
                 crow = tl.where(chunk, q - p0, 0).to(tl.int64)
                 rrow = (tl.where(ring, q, 0) % RR).to(tl.int64)
-                mc = chunk[:, None, None] & mk
-                mr = ring[:, None, None] & mk
-                kv = tl.load(kv_ptr + b * s_kv_b + crow[:, None, None] * s_kv_s + ch, mask=mc, other=0.0).to(tl.float32)
-                sc = tl.load(sc_ptr + b * s_sc_b + crow[:, None, None] * s_sc_s + ch, mask=mc, other=0.0).to(tl.float32)
-                sc += tl.load(ape_ptr + (jj % m)[:, None, None] * (CM * DIM) + ch, mask=mc, other=0.0).to(tl.float32)
-                kv += tl.load(rkv_ptr + b * s_r_b + rrow[:, None, None] * s_r_r + ch, mask=mr, other=0.0)
-                sc += tl.load(rsc_ptr + b * s_r_b + rrow[:, None, None] * s_r_r + ch, mask=mr, other=0.0)
-                sc = tl.where(valid[:, None, None] & mk, sc, -1e30)
+                mc = chunk[:, None] & mk
+                mr = ring[:, None] & mk
+                kv = tl.load(kv_ptr + b * s_kv_b + crow[:, None] * s_kv_s + ch, mask=mc, other=0.0).to(tl.float32)
+                sc = tl.load(sc_ptr + b * s_sc_b + crow[:, None] * s_sc_s + ch, mask=mc, other=0.0).to(tl.float32)
+                sc += tl.load(ape_ptr + (jj % m)[:, None] * (CM * DIM) + ch, mask=mc, other=0.0).to(tl.float32)
+                kv += tl.load(rkv_ptr + b * s_r_b + rrow[:, None] * s_r_r + ch, mask=mr, other=0.0)
+                sc += tl.load(rsc_ptr + b * s_r_b + rrow[:, None] * s_r_r + ch, mask=mr, other=0.0)
+                sc = tl.where(valid[:, None] & mk, sc, -1e30)
                 new_max = tl.maximum(run_max, tl.max(sc, axis=0))
                 alpha = tl.exp(run_max - new_max)
-                e = tl.exp(sc - new_max[None, :, :])
+                e = tl.exp(sc - new_max[None, :])
                 run_sum = run_sum * alpha + tl.sum(e, axis=0)
                 acc = acc * alpha + tl.sum(e * kv, axis=0)
                 run_max = new_max
             pooled = (acc / run_sum).to(out_ptr.dtype.element_ty)       # the model dtype, as HF
             if SPLIT:
-                tl.store(tmp_ptr + (b * tl.num_programs(0) + i) * DIM + col, pooled, mask=cmask)
+                tl.store(tmp_ptr + (b * tl.num_programs(0) + i) * DIM + c0, pooled, mask=cmask)
             else:
-                pe, po = tl.split(pooled.to(tl.float32))
+                pair = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+                two = tl.arange(0, 2)
+                col = 2 * pair[:, None] + two[None, :]                  # [BLOCK, 2]
+                pe, po = tl.split(tl.reshape(pooled.to(tl.float32), (BLOCK, 2)))
                 y = _entry_norm_rope(pe, po, pair, pair < PAIRS, win, m, w_ptr, freq_ptr, eps, DIM, PAIRS, F)
-                tl.store(out_ptr + b * s_o_b + win * s_o_n + col, y.to(out_ptr.dtype.element_ty), mask=cmask)
+                tl.store(out_ptr + b * s_o_b + win * s_o_n + col, y.to(out_ptr.dtype.element_ty),
+                         mask=(pair[:, None] < PAIRS) & (two[None, :] < 2))
 
     @triton.jit
     def _entry_finish_kernel(tmp_ptr, pos_ptr, w_ptr, freq_ptr, out_ptr, S, N, m, eps, s_o_b, s_o_n,
@@ -557,7 +560,7 @@ def pool_entries(kv_BSC: torch.Tensor, score_BSC: torch.Tensor, ring_kv_BRC: tor
     if split is None:
         split = J >= POOL_SPLIT_MIN_SLOTS and pairs > POOL_SPLIT_PAIRS
     block = POOL_SPLIT_PAIRS if split else triton.next_power_of_2(pairs)
-    BJ = min(triton.next_power_of_2(J), max(8, 2048 // block))   # [BJ, block, 2] tiles of 4096 elements
+    BJ = min(triton.next_power_of_2(J), max(8, 2048 // block))   # [BJ, 2 * block] tiles of 4096 elements
     tmp = torch.empty(B, n, d, dtype=entries_BNd.dtype, device=kv.device) if split else entries_BNd
     ape, w, freq = ape_mC.contiguous(), norm_weight.contiguous(), freq_F.float().contiguous()
     pos = pos_BS.contiguous()
