@@ -425,65 +425,86 @@ if triton is not None:
         return tl.join(tl.where(rot, pe * c - po * s, pe), tl.where(rot, pe * s + po * c, po))
 
     @triton.jit
+    def _slots(v, ND: tl.constexpr):
+        # a per-slot vector [BJ] shaped to broadcast against ND-dimensional [BJ, channels...] tiles
+        if ND == 2:
+            return v[:, None]
+        else:
+            return v[:, None, None]
+
+    @triton.jit
+    def _pool_slots(kv_ptr, sc_ptr, rkv_ptr, rsc_ptr, ape_ptr, b, win, p0, S, RR, m, s_kv_b, s_kv_s, s_sc_b, s_sc_s,
+                    s_r_b, s_r_r, ch_e, mk, DIM: tl.constexpr, CM: tl.constexpr, J: tl.constexpr, BJ: tl.constexpr,
+                    ND: tl.constexpr):
+        # The gated pooling of a window's J slots for the channels ch_e ([1, ...], mask mk): an online softmax over
+        # slot blocks of BJ, per channel; returns the pooled fp32 channels (ch_e's shape without its slot dim)
+        run_max = tl.max(tl.full(ch_e.shape, -1e30, tl.float32), axis=0)
+        run_sum = run_max * 0.0
+        acc = run_max * 0.0
+        for j0 in range(0, J, BJ):
+            jj = j0 + tl.arange(0, BJ)                                   # slots
+            q = (win - CM + 1) * m + jj                                  # source positions
+            valid = (jj < J) & (q >= 0) & (q < p0 + S)
+            chunk = valid & (q >= p0)
+            ring = valid & (q < p0)
+            if CM == 2:
+                choff = tl.where(jj < m, 0, DIM)                         # A-half of window i-1, B-half of i
+            else:
+                choff = jj * 0
+            ch = _slots(choff, ND) + ch_e
+            crow = _slots(tl.where(chunk, q - p0, 0).to(tl.int64), ND)
+            rrow = _slots((tl.where(ring, q, 0) % RR).to(tl.int64), ND)
+            mc = _slots(chunk, ND) & mk
+            mr = _slots(ring, ND) & mk
+            kv = tl.load(kv_ptr + b * s_kv_b + crow * s_kv_s + ch, mask=mc, other=0.0).to(tl.float32)
+            sc = tl.load(sc_ptr + b * s_sc_b + crow * s_sc_s + ch, mask=mc, other=0.0).to(tl.float32)
+            sc += tl.load(ape_ptr + _slots(jj % m, ND) * (CM * DIM) + ch, mask=mc, other=0.0).to(tl.float32)
+            kv += tl.load(rkv_ptr + b * s_r_b + rrow * s_r_r + ch, mask=mr, other=0.0)
+            sc += tl.load(rsc_ptr + b * s_r_b + rrow * s_r_r + ch, mask=mr, other=0.0)
+            sc = tl.where(_slots(valid, ND) & mk, sc, -1e30)
+            new_max = tl.maximum(run_max, tl.max(sc, axis=0))
+            alpha = tl.exp(run_max - new_max)
+            e = tl.exp(sc - new_max[None])
+            run_sum = run_sum * alpha + tl.sum(e, axis=0)
+            acc = acc * alpha + tl.sum(e * kv, axis=0)
+            run_max = new_max
+        return acc / run_sum
+
+    @triton.jit
     def _pool_kernel(kv_ptr, sc_ptr, rkv_ptr, rsc_ptr, ape_ptr, pos_ptr, w_ptr, freq_ptr, out_ptr, tmp_ptr,
                      S, N, RR, m, eps, s_kv_b, s_kv_s, s_sc_b, s_sc_s, s_r_b, s_r_r, s_o_b, s_o_n,
                      DIM: tl.constexpr, CM: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
                      F: tl.constexpr, J: tl.constexpr, BJ: tl.constexpr, SPLIT: tl.constexpr):
         # Program (window touched by the chunk, batch row, block of BLOCK channel pairs): the gated pooling of its
-        # J slots (online softmax over slot blocks, per channel); with one block (not SPLIT) of all channels, then
-        # the RMSNorm and RoPE at the window's start and the store into the entries; SPLIT (the channels over
-        # several programs, for few windows of many slots: HCA's prefill has 33 windows of 128 slots), the pooled
-        # block goes to tmp [B, n, DIM] (model dtype) and ``_entry_finish_kernel`` normalises the entries. The slots'
-        # tiles are [BJ, 2 * BLOCK] of contiguous channels (one row of a tile: 2 * BLOCK consecutive elements)
+        # J slots; with one block (not SPLIT) of all channels, then the RMSNorm and RoPE at the window's start and
+        # the store into the entries, the slots' tiles [BJ, BLOCK, 2] (channel pairs); SPLIT (the channels over
+        # several programs, for few windows of many slots: HCA's prefill has 33 windows of 128 slots), tiles of
+        # [BJ, 2 * BLOCK] contiguous channels, and the pooled block goes to tmp [B, n, DIM] (model dtype) for
+        # ``_entry_finish_kernel`` to normalise (on one H200, V4-Flash's HCA prefill: 8.7 us against 23.7 with
+        # [BJ, BLOCK, 2] tiles; CSA's one program a window took 59.4 us with 2-D tiles against 18.8 with these)
         i = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         p0 = tl.load(pos_ptr + b * S)
         win = p0 // m + i
         if (win * m < p0 + S) & (win < N):                               # else: the reference's trash slot
-            c0 = tl.program_id(2) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)   # channels within DIM
-            cmask = c0 < DIM
-            run_max = tl.full((2 * BLOCK,), -1e30, tl.float32)
-            run_sum = tl.zeros((2 * BLOCK,), tl.float32)
-            acc = tl.zeros((2 * BLOCK,), tl.float32)
-            for j0 in range(0, J, BJ):
-                jj = j0 + tl.arange(0, BJ)                               # slots
-                q = (win - CM + 1) * m + jj                              # source positions
-                valid = (jj < J) & (q >= 0) & (q < p0 + S)
-                chunk = valid & (q >= p0)
-                ring = valid & (q < p0)
-                if CM == 2:
-                    choff = tl.where(jj < m, 0, DIM)                     # A-half of window i-1, B-half of i
-                else:
-                    choff = jj * 0
-                ch = choff[:, None] + c0[None, :]                        # [BJ, 2 * BLOCK]
-                mk = cmask[None, :]
-                crow = tl.where(chunk, q - p0, 0).to(tl.int64)
-                rrow = (tl.where(ring, q, 0) % RR).to(tl.int64)
-                mc = chunk[:, None] & mk
-                mr = ring[:, None] & mk
-                kv = tl.load(kv_ptr + b * s_kv_b + crow[:, None] * s_kv_s + ch, mask=mc, other=0.0).to(tl.float32)
-                sc = tl.load(sc_ptr + b * s_sc_b + crow[:, None] * s_sc_s + ch, mask=mc, other=0.0).to(tl.float32)
-                sc += tl.load(ape_ptr + (jj % m)[:, None] * (CM * DIM) + ch, mask=mc, other=0.0).to(tl.float32)
-                kv += tl.load(rkv_ptr + b * s_r_b + rrow[:, None] * s_r_r + ch, mask=mr, other=0.0)
-                sc += tl.load(rsc_ptr + b * s_r_b + rrow[:, None] * s_r_r + ch, mask=mr, other=0.0)
-                sc = tl.where(valid[:, None] & mk, sc, -1e30)
-                new_max = tl.maximum(run_max, tl.max(sc, axis=0))
-                alpha = tl.exp(run_max - new_max)
-                e = tl.exp(sc - new_max[None, :])
-                run_sum = run_sum * alpha + tl.sum(e, axis=0)
-                acc = acc * alpha + tl.sum(e * kv, axis=0)
-                run_max = new_max
-            pooled = (acc / run_sum).to(out_ptr.dtype.element_ty)       # the model dtype, as HF
             if SPLIT:
-                tl.store(tmp_ptr + (b * tl.num_programs(0) + i) * DIM + c0, pooled, mask=cmask)
+                c0 = tl.program_id(2) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+                cmask = c0 < DIM
+                pooled = _pool_slots(kv_ptr, sc_ptr, rkv_ptr, rsc_ptr, ape_ptr, b, win, p0, S, RR, m, s_kv_b, s_kv_s,
+                                     s_sc_b, s_sc_s, s_r_b, s_r_r, c0[None, :], cmask[None, :], DIM, CM, J, BJ, 2)
+                tl.store(tmp_ptr + (b * tl.num_programs(0) + i) * DIM + c0, pooled.to(out_ptr.dtype.element_ty),
+                         mask=cmask)
             else:
                 pair = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
                 two = tl.arange(0, 2)
-                col = 2 * pair[:, None] + two[None, :]                  # [BLOCK, 2]
-                pe, po = tl.split(tl.reshape(pooled.to(tl.float32), (BLOCK, 2)))
+                col = 2 * pair[:, None] + two[None, :]                  # [BLOCK, 2] channel within DIM
+                cmask = (pair[:, None] < PAIRS) & (two[None, :] < 2)
+                pooled = _pool_slots(kv_ptr, sc_ptr, rkv_ptr, rsc_ptr, ape_ptr, b, win, p0, S, RR, m, s_kv_b, s_kv_s,
+                                     s_sc_b, s_sc_s, s_r_b, s_r_r, col[None, :, :], cmask[None, :, :], DIM, CM, J,
+                                     BJ, 3)
+                pe, po = tl.split(pooled.to(out_ptr.dtype.element_ty).to(tl.float32))   # the model dtype, as HF
                 y = _entry_norm_rope(pe, po, pair, pair < PAIRS, win, m, w_ptr, freq_ptr, eps, DIM, PAIRS, F)
-                tl.store(out_ptr + b * s_o_b + win * s_o_n + col, y.to(out_ptr.dtype.element_ty),
-                         mask=(pair[:, None] < PAIRS) & (two[None, :] < 2))
+                tl.store(out_ptr + b * s_o_b + win * s_o_n + col, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
     @triton.jit
     def _entry_finish_kernel(tmp_ptr, pos_ptr, w_ptr, freq_ptr, out_ptr, S, N, m, eps, s_o_b, s_o_n,
@@ -521,7 +542,8 @@ if triton is not None:
         tl.store(rsc_ptr + b * s_r_b + row * s_r_r + c, sc, mask=cm)
 
 
-POOL_SPLIT_PAIRS = 32   # SPLIT's channel pairs a program (64 channels: 8 programs a 512-channel entry)
+POOL_SPLIT_PAIRS = 16   # SPLIT's channel pairs a program (32 channels: 16 programs a 512-channel entry; one
+#                         H200, HCA's 4096-token prefill: 8.7 us, 32 pairs 11.0, 8 pairs 10.5)
 POOL_SPLIT_MIN_SLOTS = 64   # SPLIT only for windows of this many slots or more (HCA's 128; CSA's 8 stay one program)
 
 
@@ -560,7 +582,7 @@ def pool_entries(kv_BSC: torch.Tensor, score_BSC: torch.Tensor, ring_kv_BRC: tor
     if split is None:
         split = J >= POOL_SPLIT_MIN_SLOTS and pairs > POOL_SPLIT_PAIRS
     block = POOL_SPLIT_PAIRS if split else triton.next_power_of_2(pairs)
-    BJ = min(triton.next_power_of_2(J), max(8, 2048 // block))   # [BJ, 2 * block] tiles of 4096 elements
+    BJ = min(triton.next_power_of_2(J), max(8, 2048 // block))   # tiles of 4096 elements
     tmp = torch.empty(B, n, d, dtype=entries_BNd.dtype, device=kv.device) if split else entries_BNd
     ape, w, freq = ape_mC.contiguous(), norm_weight.contiguous(), freq_F.float().contiguous()
     pos = pos_BS.contiguous()
