@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from moe_wave import cublaslt, fp8
+import cublaslt  # launch/cublaslt.py, beside this script
+from moe_wave import fp8
 
 SHAPES = {  # name: (N, K, groups); x [T, groups * K] -> y [T, groups * N] (groups > 1: wo_a)
     "v4-flash": {"wq_a": (1024, 4096, 1), "wkv": (512, 4096, 1), "wq_b": (32768, 1024, 1),
