@@ -8,7 +8,13 @@ V4's grouped ``wo_a``), in torch's row-major terms; cuBLASLt sees the column-maj
 A = w (K x N, op T, BLK128x128 scales s_w [N/128, K/128]), B = x (K x M, op N, VEC128 scales s [K/128, M]),
 D = y^T (N x M).
 
-Enum values are cuBLAS 13's ``cublasLt.h`` (nvidia-cublas 13.10); the structs' layouts are the header's.
+Enum values are cuBLAS 13's ``cublasLt.h`` (nvidia-cublas 13.10); the structs' layouts are the header's. The block
+scales' pointers must be set before cuBLASLt lists or checks algorithms (``Plan.scales``), and an algorithm that
+``cublasLtMatmulAlgoCheck`` accepts can still compute garbage (one of wkv's did): compare outputs before keeping one.
+
+This is ``launch/probe_cublaslt.py``'s binding, not the library's: on one H200 (session 35) none of cuBLASLt's
+algorithms for the V4 projections beat the heuristic's first, which ``torch._scaled_mm`` already runs
+(``benchmarks/2026-12-03-cublaslt-pool-1xh200-session35.md``).
 """
 
 from __future__ import annotations
