@@ -70,7 +70,8 @@ _SIGS = {
     "cublasLtMatmulAlgoGetHeuristic": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, ctypes.c_int, ctypes.POINTER(Heuristic),
                                        ctypes.POINTER(ctypes.c_int)],
     "cublasLtMatmulAlgoGetIds": [_vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                 ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)],
+                                 ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                 ctypes.POINTER(ctypes.c_int)],
     "cublasLtMatmulAlgoInit": [_vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                ctypes.c_int, ctypes.c_int, ctypes.POINTER(Algo)],
     "cublasLtMatmulAlgoCheck": [_vp, _vp, _vp, _vp, _vp, _vp, ctypes.POINTER(Algo), ctypes.POINTER(Heuristic)],
@@ -147,11 +148,13 @@ class Plan:
     def __init__(self, M: int, N: int, K: int, out_dtype: torch.dtype = torch.bfloat16, lda: int | None = None,
                  ldd: int | None = None, batch: int = 1, strides: tuple[int, int, int] = (0, 0, 0),
                  device: int | None = None, scale_modes: tuple[int, int] = (SCALE_BLK128x128_32F, SCALE_VEC128_32F)):
-        lib = _lib()
-        if lib is None:
-            raise RuntimeError("cuBLASLt: the library could not be loaded")
         if K % 128 or N % 128:
             raise ValueError(f"cublaslt.Plan: K={K}, N={N} must be multiples of 128 (the weights' blocks)")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"cublaslt.Plan: out_dtype {out_dtype} must be torch.bfloat16 or torch.float32")
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError("cuBLASLt: the library could not be loaded (torch without CUDA, or no libcublasLt)")
         self.M, self.N, self.K, self.batch = M, N, K, batch
         self.out_type = {torch.bfloat16: R_16BF, torch.float32: R_32F}[out_dtype]
         self.device = torch.cuda.current_device() if device is None else device
