@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import time
 
 import torch
@@ -223,31 +224,30 @@ class Plan:
                 return []
             return list(buf[:written.value // ctypes.sizeof(ct)])
 
-        for i in range(n.value):
-            base = Algo()
-            if lib.cublasLtMatmulAlgoInit(self.handle, COMPUTE_32F, R_32F, R_8F_E4M3, R_8F_E4M3, self.out_type,
-                                          self.out_type, ids[i], ctypes.byref(base)):
-                continue
-            tiles = cap(base, CAP_TILE_IDS, ctypes.c_uint32, 1024) or [0]
-            stages = cap(base, CAP_STAGES_IDS, ctypes.c_uint32, 256) or [0]
-            swz = (0, 1) if (cap(base, CAP_CTA_SWIZZLING_SUPPORT, ctypes.c_int32) or [0])[0] else (0,)
-            customs = range((cap(base, CAP_CUSTOM_OPTION_MAX, ctypes.c_int32) or [0])[0] + 1)
-            for t in tiles:
-                for s in stages:
-                    for c in CLUSTERS:
-                        for w in swz:
-                            for o in customs:
-                                algo = Algo.from_buffer_copy(base)
-                                for name, v in (("tile", t), ("stages", s), ("cluster", c), ("swizzle", w),
-                                                ("custom", o)):
-                                    attr, ct = CONFIG[name]
-                                    lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr,
-                                                                             ctypes.byref(ct(v)), ctypes.sizeof(ct))
-                                r = self.check(algo)
-                                if r is not None and r.workspace <= workspace:
-                                    out.append(r)
-                    if time.monotonic() > t_end:
-                        return out[::max(1, -(-len(out) // limit))]
+        def combos():                                   # (the algorithm id's initialised algo, its configuration)
+            for i in range(n.value):
+                base = Algo()
+                if lib.cublasLtMatmulAlgoInit(self.handle, COMPUTE_32F, R_32F, R_8F_E4M3, R_8F_E4M3, self.out_type,
+                                              self.out_type, ids[i], ctypes.byref(base)):
+                    continue
+                tiles = cap(base, CAP_TILE_IDS, ctypes.c_uint32, 1024) or [0]
+                stages = cap(base, CAP_STAGES_IDS, ctypes.c_uint32, 256) or [0]
+                swz = (0, 1) if (cap(base, CAP_CTA_SWIZZLING_SUPPORT, ctypes.c_int32) or [0])[0] else (0,)
+                customs = range((cap(base, CAP_CUSTOM_OPTION_MAX, ctypes.c_int32) or [0])[0] + 1)
+                for values in itertools.product(tiles, stages, CLUSTERS, swz, customs):
+                    yield base, zip(("tile", "stages", "cluster", "swizzle", "custom"), values)
+
+        for base, config in combos():
+            algo = Algo.from_buffer_copy(base)
+            for name, v in config:
+                attr, ct = CONFIG[name]
+                lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(ct(v)),
+                                                         ctypes.sizeof(ct))
+            r = self.check(algo)
+            if r is not None and r.workspace <= workspace:
+                out.append(r)
+            if time.monotonic() > t_end:
+                break
         return out[::max(1, -(-len(out) // limit))]
 
     def scales(self, s_KbM: torch.Tensor, s_w: torch.Tensor) -> "Plan":

@@ -16,7 +16,9 @@ import time
 import torch
 
 import cublaslt  # launch/cublaslt.py, beside this script
+from bench_attn import time_alone
 from moe_wave import fp8
+from moe_wave.timing import median_us
 
 SHAPES = {  # name: (N, K, groups); x [T, groups * K] -> y [T, groups * N] (groups > 1: wo_a)
     "v4-flash": {"wq_a": (1024, 4096, 1), "wkv": (512, 4096, 1), "wq_b": (32768, 1024, 1),
@@ -27,40 +29,15 @@ SHAPES = {  # name: (N, K, groups); x [T, groups * K] -> y [T, groups * N] (grou
 }
 
 
-def graph_us(fn, reps: int = 10, rounds: int = 3) -> float:
-    """Median over rounds of one replay of ``reps`` captured calls, per call (us)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(out)[len(out) // 2]
+def graph_us(fn, iters: int = 9) -> float:
+    """Median us of ``fn()`` replayed from a CUDA graph (``bench_attn.time_alone``, as bench_fp8_shapes times these
+    projections)."""
+    return time_alone(fn, iters)
 
 
-def eager_us(fn, iters: int = 4) -> float:
-    fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1000 / iters
+def eager_us(fn, reps: int = 4) -> float:
+    """us per call over ``reps`` calls back to back after one (the screen before the graphs)."""
+    return median_us(fn, 1, warmup=1, reps=reps, device="cuda")
 
 
 def probe(name: str, N: int, K: int, G: int, T: int, limit: int, ws: torch.Tensor, seconds: float) -> dict:
