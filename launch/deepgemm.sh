@@ -29,7 +29,11 @@ else
     export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}"
     if ! python3 -c "import deep_gemm" >/dev/null 2>&1; then
         _dg_t0=$(date +%s)
-        (cd $_dg_root && python3 setup.py build_ext --inplace > $_dg_top/build.log 2>&1)
+        # with the system's g++ where there is one: a toolchain that links its own libstdc++ into the extension
+        # (the GPU host's /opt/gcc, which Python's build settings name) crashes in std::regex / std::locale, two
+        # copies of the C++ runtime in one process
+        _dg_cc=(); [ -x /usr/bin/g++ ] && _dg_cc=(CC=/usr/bin/gcc CXX=/usr/bin/g++ "LDSHARED=/usr/bin/g++ -shared")
+        (cd $_dg_root && env "${_dg_cc[@]}" python3 setup.py build_ext --inplace > $_dg_top/build.log 2>&1)
         echo "deepgemm.sh: built the extension in $(( $(date +%s) - _dg_t0 )) s"
     fi
     if python3 -c "import deep_gemm" > $_dg_top/import.log 2>&1; then
