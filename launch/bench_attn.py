@@ -47,6 +47,7 @@ from launch_common import git_sha, out_path  # noqa: E402
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
 from moe_wave.attention import attention as attention_mod, core_cuda, core_gluon, core_kernel  # noqa: E402
+from moe_wave import fp8  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -424,7 +425,16 @@ def meta(args) -> dict:
                 gpus=f"1 x {torch.cuda.get_device_name(0)} (of {n})", torch=torch.__version__,
                 cuda=torch.version.cuda, hip=torch.version.hip,
                 nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl), world_size=1,
-                quick=args.quick, context=CTX, dtype="bfloat16")
+                quick=args.quick, context=CTX, dtype="bfloat16", deep_gemm=deep_gemm_version())
+
+
+def deep_gemm_version() -> str | None:
+    """deep_gemm's version where it imports (fp8.fp8_matmul's "auto" runs on it then), else None."""
+    try:
+        import deep_gemm
+        return getattr(deep_gemm, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def main() -> None:
@@ -447,6 +457,8 @@ def main() -> None:
                     "everywhere, core_kernel.WS_Q_NORM = False); default core")
     ap.add_argument("--core-cuda", default="on", help="comma list: on (the CUDA C++ core where it takes the call, "
                     "core_cuda.ENABLED: the default), off (the Gluon kernels); on,off measures both in one run")
+    ap.add_argument("--fp8-gemm", default="auto", help="comma list: auto (DeepGEMM where deep_gemm imports, else "
+                    "cuBLAS: the default), cublas, deepgemm (fp8.set_fp8_gemm); auto,cublas measures both in one run")
     ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
                     "most picks a query for which the CUDA core runs; default: as it is)")
     ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
@@ -488,6 +500,10 @@ def main() -> None:
     for p in cudas:
         if p not in ("on", "off"):
             sys.exit(f"bench_attn: --core-cuda {p!r}: must be on or off")
+    gemms = [p for p in args.fp8_gemm.split(",") if p]
+    for p in gemms:
+        if p not in fp8.FP8_GEMMS:
+            sys.exit(f"bench_attn: --fp8-gemm {p!r}: must be one of {', '.join(fp8.FP8_GEMMS)}")
     gemm8 = fp8_gemm_tflops(dev) if {"fp8", "fp8a"} & set(precisions) and not args.core else None
     print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s" + (f"; FP8 (block scales): {gemm8:.0f}" if gemm8 else ""),
           flush=True)
@@ -506,8 +522,8 @@ def main() -> None:
     iters = args.iters or (10 if args.quick else 30)
     rows = []
     for shape in shapes:
-        for kind, precision, q_norm, cuda, (opts_name, opts) in itertools.product(TYPES, precisions, q_norms, cudas,
-                                                                                  layer_opts):
+        for kind, precision, q_norm, cuda, gemm_lib, (opts_name, opts) in itertools.product(
+                TYPES, precisions, q_norms, cudas, gemms, layer_opts):
             lengths = [int(t) for t in args.prefill_tokens.split(",") if t]
             points = ([] if args.no_eager else [("prefill", 1, False, CTX)]) + [
                 ("prefill", 1, True, t) for t in lengths] + [("decode", b, True, CTX) for b in batches]
@@ -515,6 +531,7 @@ def main() -> None:
                 n = max(5, iters // 3) if mode == "prefill" else iters
                 core_kernel.WS_Q_NORM = q_norm == "core"
                 core_cuda.ENABLED = cuda == "on"
+                fp8.set_fp8_gemm(gemm_lib)
                 saved = {k: getattr(attention_mod, k) for k in opts}
                 for k, v in opts.items():
                     setattr(attention_mod, k, v)
@@ -524,9 +541,13 @@ def main() -> None:
                 finally:
                     core_kernel.WS_Q_NORM = True
                     core_cuda.ENABLED = True
+                    fp8.set_fp8_gemm(None)
                     for k, v in saved.items():
                         setattr(attention_mod, k, v)
                 row["q_norm"], row["core_cuda"], row["layer_opts"] = q_norm, cuda, opts_name
+                fp8.set_fp8_gemm(gemm_lib)
+                row["fp8_gemm"] = fp8.fp8_gemm_library(dev) if precision != "bf16" else "-"
+                fp8.set_fp8_gemm(None)
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -536,14 +557,14 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
                             "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
-    hdr = (f"{'opts':15} {'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'mode':7} {'graph':5} {'tok':>5} "
+    hdr = (f"{'opts':15} {'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'gemm':8} {'mode':7} {'graph':5} {'tok':>5} "
            f"{'serial':>9} "
            f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'core64':>8} {'output':>8} "
            f"{'TFLOP/s':>8} {'%gemm':>6}")
     print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
     for r in rows:
         print(f"{r['layer_opts'][:15]:15} {r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} "
-              f"{r['core_cuda']:4} {r['mode']:7} "
+              f"{r['core_cuda']:4} {r.get('fp8_gemm', '-'):8} {r['mode']:7} "
               f"{'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
               f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
               f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['core_int64_picks_us']:>8.1f} {r['output_us']:>8.1f} "

@@ -43,6 +43,12 @@ TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node="$NGPU")
 
 # a plain checkout runs without an install (moe_wave/comm links to ../comm)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# DeepGEMM's FP8 GEMMs for the FP8 layers (fp8.fp8_matmul's "auto") where its kit was carried (.deps, see
+# launch/deepgemm.sh); else cuBLAS, and the tests that need deep_gemm skip
+if ls .deps/DeepGEMM-*.tar.gz >/dev/null 2>&1; then
+    source launch/deepgemm.sh
+    echo "deep_gemm importable: $MOE_WAVE_DEEPGEMM_OK" | tee -a "$LOG"
+fi
 MULTI_TESTS=(tests/test_gpu_moe.py tests/test_gpu_comm.py)
 # tests that start their own ranks (subprocesses over a file store): plain pytest, outside torchrun, so that a
 # torchrun rank that finished early cannot end them

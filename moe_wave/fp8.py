@@ -14,13 +14,17 @@ Format, as the official inference code and the checkpoints have it:
 ``pow2_ceil`` is exact (the exponent of the fp32 bits, rounded up when any mantissa bit is set), so the torch
 reference here, the Triton kernel and the sparse core's fused epilogue give the same bits.
 
-On a Hopper GPU the product is ``torch._scaled_mm`` with 1 x 128 (activations) by 128 x 128 (weights) scaling
-(cuBLAS, CUDA >= 12.9); elsewhere (CPU, or a GPU whose torch refuses that recipe) the same math runs dequantised
-in fp32 (``fp8_matmul_ref``), which is also the tests' oracle.
+On a Hopper GPU the product is DeepGEMM's ``fp8_gemm_nt`` where ``deep_gemm`` is installed (an optional import,
+as ``deep_ep`` is; 1.05-1.16 x cuBLAS on the V4 projections at 4096 tokens, the same bits), else
+``torch._scaled_mm`` with 1 x 128 (activations) by 128 x 128 (weights) scaling (cuBLAS, CUDA >= 12.9);
+``MOE_WAVE_FP8_GEMM`` (or ``set_fp8_gemm``) picks one: auto (the default), cublas, deepgemm. Elsewhere (CPU, or a
+GPU whose torch refuses that recipe) the same math runs dequantised in fp32 (``fp8_matmul_ref``), which is also
+the tests' oracle.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import NamedTuple
 
@@ -30,7 +34,8 @@ from torch import nn
 from .comm.triton_gate import tl, triton, triton_ok
 
 __all__ = ["BLOCK", "FP8_MAX", "pow2_ceil", "act_quant", "act_quant_torch", "weight_quant", "dequant_weight",
-           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "QAct", "FP8Linear", "GroupedFP8", "hf_fp8_payload",
+           "dequant_act", "fp8_matmul", "fp8_matmul_ref", "FP8_GEMMS", "set_fp8_gemm", "fp8_gemm_choice",
+           "fp8_gemm_library", "QAct", "FP8Linear", "GroupedFP8", "hf_fp8_payload",
            "hf_weight"]
 
 BLOCK = 128
@@ -256,13 +261,87 @@ def _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
         return None, first
 
 
+# ------------------------------------------------------------------------------ DeepGEMM (optional)
+FP8_GEMMS = ("auto", "cublas", "deepgemm")
+_FP8_GEMM: dict = {"choice": None}     # None: MOE_WAVE_FP8_GEMM's, read at the first product
+_DG: dict = {}                         # device -> the deep_gemm module, or None (cuBLAS there)
+
+
+def set_fp8_gemm(choice: str | None) -> None:
+    """Which library runs the CUDA FP8 products: "auto" (DeepGEMM where ``deep_gemm`` imports and the GPU is a
+    Hopper, else cuBLAS), "cublas" (``torch._scaled_mm``), "deepgemm" (an error at the first product it cannot
+    run); None: ``MOE_WAVE_FP8_GEMM``'s again."""
+    if choice is not None and choice not in FP8_GEMMS:
+        raise ValueError(f"set_fp8_gemm: {choice!r} is not one of {', '.join(FP8_GEMMS)}")
+    _FP8_GEMM["choice"] = choice
+    _DG.clear()
+
+
+def fp8_gemm_choice() -> str:
+    """The choice in force: ``set_fp8_gemm``'s, else ``MOE_WAVE_FP8_GEMM`` (default auto)."""
+    if _FP8_GEMM["choice"] is None:
+        env = os.environ.get("MOE_WAVE_FP8_GEMM", "").strip().lower() or "auto"
+        if env not in FP8_GEMMS:
+            raise ValueError(f"MOE_WAVE_FP8_GEMM={env!r}: must be one of {', '.join(FP8_GEMMS)}")
+        _FP8_GEMM["choice"] = env
+    return _FP8_GEMM["choice"]
+
+
+def _deep_gemm(dev: torch.device):
+    """deep_gemm for dev, or None where the choice, the import or the GPU rules it out (cuBLAS then)."""
+    if dev in _DG:
+        return _DG[dev]
+    choice = fp8_gemm_choice()
+    mod, why = None, "MOE_WAVE_FP8_GEMM=cublas"
+    if choice != "cublas":
+        try:
+            import deep_gemm as mod
+        except Exception as e:  # noqa: BLE001 - absent, or built for another torch: cuBLAS then
+            mod, why = None, f"import deep_gemm failed ({type(e).__name__}: {e})"
+        if mod is not None and not hasattr(mod, "fp8_gemm_nt"):
+            mod, why = None, "this deep_gemm has no fp8_gemm_nt"
+        if mod is not None and torch.cuda.get_device_capability(dev)[0] != 9:
+            mod, why = None, f"{torch.cuda.get_device_name(dev)} is not a Hopper GPU (sm_90)"
+        if mod is None and choice == "deepgemm":
+            raise RuntimeError(f"MOE_WAVE_FP8_GEMM=deepgemm: DeepGEMM cannot run the FP8 products on {dev}: {why}")
+    _DG[dev] = mod
+    return mod
+
+
+def fp8_gemm_library(dev: torch.device | str) -> str:
+    """The library the FP8 products run on for dev: "deepgemm", "cublas" or "torch-ref" (CPU, or a refused
+    recipe)."""
+    dev = torch.device(dev)
+    if dev.type != "cuda" or (not _SCALED_MM_OK.get(dev, True) and _deep_gemm(dev) is None):
+        return "torch-ref"
+    return "deepgemm" if _deep_gemm(dev) is not None else "cublas"
+
+
+def _dg_fits(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """The products DeepGEMM's SM90 kernel takes as they are: unit channel strides, 16-byte row strides, whole
+    128-channel blocks along K, N a multiple of 64, a bf16 or fp32 output."""
+    K, N = x_q.shape[1], w_q.shape[0]
+    return (K % BLOCK == 0 and N % 64 == 0 and out_dtype in (torch.bfloat16, torch.float32)
+            and x_q.stride(1) == 1 and x_q.stride(0) % 16 == 0 and w_q.stride(1) == 1 and w_q.stride(0) % 16 == 0)
+
+
+def _dg_matmul(dg, x_q, s_KbM, w_q, s_w, out_dtype, out):
+    M, K = x_q.shape
+    y = torch.empty(M, w_q.shape[0], dtype=out_dtype, device=x_q.device) if out is None else out
+    kb = K // BLOCK
+    dg.fp8_gemm_nt((x_q, s_KbM.contiguous().t()), (w_q, s_w[:, :kb] if s_w.shape[1] != kb else s_w), y)
+    return y
+
+
 def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: torch.Tensor,
                out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x @ w^T from ``act_quant``'s and ``weight_quant``'s pairs.
 
-    On CUDA: ``torch._scaled_mm`` (1 x 128 by 128 x 128 scaling). x_q may be a column slice of a wider matrix
+    On CUDA: DeepGEMM's ``fp8_gemm_nt`` (see ``set_fp8_gemm``) where it takes the shape, else ``torch._scaled_mm``
+    (1 x 128 by 128 x 128 scaling). x_q may be a column slice of a wider matrix
     (unit channel stride, row stride >= K; its scales the matching rows of s), or a block of its rows (its scales
-    a column slice of s, which is copied: a few KB). Where torch refuses that recipe
+    a column slice of s, which is copied: a few KB). Where DeepGEMM fails at run time the device warns once and
+    goes on with cuBLAS (with MOE_WAVE_FP8_GEMM=deepgemm the error is raised). Where torch refuses that recipe
     (no cuBLAS >= 12.9, a GPU before Hopper) the device falls back, with one warning, to ``fp8_matmul_ref``.
     out: a contiguous [M, N] tensor of ``out_dtype`` to write y into (returned); on CUDA the GEMM writes it
     directly where torch takes ``out=`` for this recipe, else y is copied in.
@@ -280,6 +359,17 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
     dev = x_q.device
     if M == 0:
         return torch.empty(0, N, dtype=out_dtype, device=dev) if out is None else out
+    if dev.type == "cuda":
+        dg = _deep_gemm(dev)
+        if dg is not None and _dg_fits(x_q, w_q, out_dtype):
+            try:
+                return _dg_matmul(dg, x_q, s_KbM, w_q, s_w, out_dtype, out)
+            except RuntimeError as e:
+                if fp8_gemm_choice() == "deepgemm":
+                    raise
+                _DG[dev] = None
+                warnings.warn(f"fp8_matmul: DeepGEMM failed on {dev} ({e}); cuBLAS runs the FP8 products from now on",
+                              RuntimeWarning, stacklevel=2)
     if dev.type == "cuda" and _SCALED_MM_OK.get(dev, True):
         y, e = _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out)
         if e is None:

@@ -148,6 +148,58 @@ def test_bad_input_is_named():
         F.FP8Linear.from_linear(torch.nn.Linear(128, 64, bias=True))
 
 
+@pytest.fixture
+def fp8_gemm_reset():
+    """The FP8 library choice back to MOE_WAVE_FP8_GEMM's after the test."""
+    yield
+    F.set_fp8_gemm(None)
+
+
+def test_fp8_gemm_choice_is_named(monkeypatch, fp8_gemm_reset):
+    with pytest.raises(ValueError, match=r"set_fp8_gemm: 'cutlass' is not one of auto, cublas, deepgemm"):
+        F.set_fp8_gemm("cutlass")
+    monkeypatch.setenv("MOE_WAVE_FP8_GEMM", "DeepGemm ")
+    F.set_fp8_gemm(None)
+    assert F.fp8_gemm_choice() == "deepgemm"                  # case and spaces forgiven
+    monkeypatch.setenv("MOE_WAVE_FP8_GEMM", "fast")
+    F.set_fp8_gemm(None)
+    with pytest.raises(ValueError, match=r"MOE_WAVE_FP8_GEMM='fast': must be one of auto, cublas, deepgemm"):
+        F.fp8_gemm_choice()
+    monkeypatch.delenv("MOE_WAVE_FP8_GEMM")
+    F.set_fp8_gemm(None)
+    assert F.fp8_gemm_choice() == "auto"
+    assert F.fp8_gemm_library("cpu") == "torch-ref"
+
+
+def test_deepgemm_absent(monkeypatch, fp8_gemm_reset):
+    """Without deep_gemm, "auto" runs cuBLAS and "deepgemm" stops at the first product with the import's error
+    (checked on any machine: the import fails before the GPU is asked anything)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)      # import deep_gemm -> ModuleNotFoundError
+    dev = torch.device("cuda", 0)
+    F.set_fp8_gemm("auto")
+    assert F._deep_gemm(dev) is None
+    F.set_fp8_gemm("cublas")
+    assert F._deep_gemm(dev) is None
+    F.set_fp8_gemm("deepgemm")
+    with pytest.raises(RuntimeError, match=r"MOE_WAVE_FP8_GEMM=deepgemm: DeepGEMM cannot run .*import deep_gemm "
+                                           r"failed \(ModuleNotFoundError"):
+        F._deep_gemm(dev)
+
+
+def test_deepgemm_takes_whole_blocks_and_unit_strides():
+    x_q, _ = F.act_quant_torch(torch.randn(8, 1024))
+    w_q, _ = F.weight_quant(torch.randn(256, 512))
+    assert F._dg_fits(x_q[:, 512:], w_q, torch.bfloat16)      # a column slice: row stride 1024
+    assert F._dg_fits(x_q[:, :512], w_q, torch.float32)
+    assert not F._dg_fits(x_q[:, :512], w_q[:200], torch.bfloat16)          # N not a multiple of 64
+    assert not F._dg_fits(x_q[:, :512], w_q, torch.float16)                 # DeepGEMM writes bf16 or fp32
+    assert not F._dg_fits(x_q[:, 512:].t().contiguous().t(), w_q, torch.bfloat16)   # channel stride != 1
+    x3, _ = F.act_quant_torch(torch.randn(8, 384))
+    w3, _ = F.weight_quant(torch.randn(128, 200))
+    assert not F._dg_fits(x3[:, :200], w3, torch.bfloat16)                  # K not whole 128-blocks
+
+
 def test_k_padding_keeps_the_product():
     """The GPU path pads K to 4 blocks for cuBLASLt (fp8._pad_k): zeros with unit scales add nothing."""
     torch.manual_seed(7)
@@ -475,6 +527,67 @@ def test_gpu_scaled_mm_matches_dequantised_product(M, N, K):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+def _have_deep_gemm() -> bool:
+    try:
+        import deep_gemm
+        return hasattr(deep_gemm, "fp8_gemm_nt") and torch.cuda.is_available() and \
+            torch.cuda.get_device_capability()[0] == 9
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_deep_gemm = pytest.mark.skipif(not _have_deep_gemm(), reason="needs deep_gemm on a Hopper GPU "
+                                     "(source launch/deepgemm.sh)")
+
+
+@needs_gpu
+@needs_deep_gemm
+@pytest.mark.parametrize("M", [1, 3, 64, 1000])
+@pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 8192), (512, 1024), (448, 512), (200, 640)])
+def test_gpu_deepgemm_runs_the_products(M, N, K, monkeypatch, fp8_gemm_reset):
+    """With MOE_WAVE_FP8_GEMM=deepgemm every product it takes (N a multiple of 64) runs on DeepGEMM, by rows,
+    by column slices and into out=, and equals the dequantised product within FP8's tolerance; the others
+    (N = 200) run on cuBLAS."""
+    import deep_gemm
+    calls = []
+    real = deep_gemm.fp8_gemm_nt
+    monkeypatch.setattr(deep_gemm, "fp8_gemm_nt", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    F.set_fp8_gemm("deepgemm")
+    assert F.fp8_gemm_library("cuda") == "deepgemm"
+    torch.manual_seed(M + N)
+    x_q, s = F.act_quant(torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16))
+    w_q, ws = F.weight_quant(torch.randn(N, K, device="cuda") * 0.02)
+    kb = K // 128
+    want = F.fp8_matmul_ref(x_q[:, K:].contiguous(), s[kb:].contiguous(), w_q, ws, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                        # a fallback fails the test
+        got = F.fp8_matmul(x_q[:, K:], s[kb:], w_q, ws)       # a column slice, as the grouped wo_a reads
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        assert F.fp8_matmul(x_q[:, K:], s[kb:], w_q, ws, out=out).data_ptr() == out.data_ptr()
+        rows = F.fp8_matmul(x_q[M // 2:, K:], s[kb:, M // 2:], w_q, ws) if M > 1 else got
+    tol = dict(rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    torch.testing.assert_close(got.float(), want, **tol)
+    assert torch.equal(out, got)
+    torch.testing.assert_close(rows.float(), want[M // 2:] if M > 1 else want, **tol)
+    assert len(calls) == (0 if N % 64 else (3 if M > 1 else 2))
+
+
+@needs_gpu
+@needs_deep_gemm
+@pytest.mark.parametrize("N,K", [(1024, 4096), (512, 4096), (8192, 1024), (4096, 8192)])
+def test_gpu_deepgemm_same_bits_as_cublas_at_prefill(N, K, fp8_gemm_reset):
+    """At 4096 tokens DeepGEMM gives cuBLAS's bits for the V4-Flash projections' shapes (both promote the FP8
+    partial sums into fp32 once a 128-channel block; launch/probe_deepgemm.py found the same at every shape), so
+    a layer's discrete choices do not depend on which library is installed."""
+    torch.manual_seed(N)
+    x_q, s = F.act_quant(torch.randn(4096, K, device="cuda", dtype=torch.bfloat16))
+    w_q, ws = F.weight_quant(torch.randn(N, K, device="cuda") * K ** -0.5)
+    F.set_fp8_gemm("cublas")
+    ref = F.fp8_matmul(x_q, s, w_q, ws)
+    F.set_fp8_gemm("deepgemm")
+    assert torch.equal(F.fp8_matmul(x_q, s, w_q, ws), ref)
+
+
 @needs_gpu
 def test_gpu_scaled_mm_on_column_slices():
     """The grouped wo_a reads column slices of one quantised matrix (row stride > K)."""
@@ -489,13 +602,15 @@ def test_gpu_scaled_mm_on_column_slices():
 
 
 @needs_gpu
+@pytest.mark.parametrize("gemm", ["cublas", pytest.param("deepgemm", marks=needs_deep_gemm)])
 @pytest.mark.parametrize("wo_a_fp8", [False, True])
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8):
-    """The FP8 layer on the GPU (Triton quantisation, cuBLAS FP8 GEMMs, the core's epilogue) against the same
-    layer on CPU (torch quantisation, dequantised products), both fp32 (bf16 against fp32 would measure bf16's
-    rounding, which flips FP8 roundings and the indexer's picks); then decode steps replayed from a CUDA graph
-    against eager decode, bit for bit."""
+def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8, gemm, fp8_gemm_reset):
+    """The FP8 layer on the GPU (Triton quantisation, cuBLAS's or DeepGEMM's FP8 GEMMs, the core's epilogue)
+    against the same layer on CPU (torch quantisation, dequantised products), both fp32 (bf16 against fp32 would
+    measure bf16's rounding, which flips FP8 roundings and the indexer's picks); then decode steps replayed from a
+    CUDA graph against eager decode, bit for bit."""
+    F.set_fp8_gemm(gemm)
     cpu = make_attn(layer_type).quantize_fp8(wo_a_fp8=wo_a_fp8)
     attn = copy.deepcopy(cpu).to("cuda")
     attn.schedule = A.ScheduleConfig(kernels="auto")
