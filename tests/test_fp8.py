@@ -191,9 +191,8 @@ def test_deepgemm_takes_whole_blocks_and_unit_strides():
     x_q, _ = F.act_quant_torch(torch.randn(8, 1024))
     w_q, _ = F.weight_quant(torch.randn(256, 512))
     assert F._dg_fits(x_q[:, 512:], w_q, torch.bfloat16)      # a column slice: row stride 1024
-    assert F._dg_fits(x_q[:, :512], w_q, torch.float32)
     assert not F._dg_fits(x_q[:, :512], w_q[:200], torch.bfloat16)          # N not a multiple of 64
-    assert not F._dg_fits(x_q[:, :512], w_q, torch.float16)                 # DeepGEMM writes bf16 or fp32
+    assert not F._dg_fits(x_q[:, :512], w_q, torch.float32)                 # its SM90 FP8 kernel writes bf16
     assert not F._dg_fits(x_q[:, 512:].t().contiguous().t(), w_q, torch.bfloat16)   # channel stride != 1
     x3, _ = F.act_quant_torch(torch.randn(8, 384))
     w3, _ = F.weight_quant(torch.randn(128, 200))
@@ -601,16 +600,42 @@ def test_gpu_scaled_mm_on_column_slices():
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+def _decode_replays_like_eager(attn, xd, pd, B: int, T: int, prefill: int) -> None:
+    """Prefill into a cache, then decode steps replayed from a CUDA graph equal eager decode, bit for bit."""
+    cache = attn.new_cache(B, T)
+    attn(xd[:, :prefill], positions=pd[:, :prefill], cache=cache)
+    cache.join()
+    eager_cache = copy.deepcopy(cache)
+    static_x, static_pos = xd[:, prefill:prefill + 1].clone(), pd[:, prefill:prefill + 1].clone()
+    warm = copy.deepcopy(cache)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            attn(static_x, positions=static_pos, cache=warm, validate=False)
+        warm.join()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attn(static_x, positions=static_pos, cache=cache)
+    for t in range(prefill, T):
+        static_x.copy_(xd[:, t:t + 1])
+        static_pos.copy_(pd[:, t:t + 1])
+        graph.replay()
+        eager = attn(xd[:, t:t + 1], positions=pd[:, t:t + 1], cache=eager_cache)
+        assert torch.equal(static_out, eager)
+    torch.cuda.synchronize()
+
+
 @needs_gpu
-@pytest.mark.parametrize("gemm", ["cublas", pytest.param("deepgemm", marks=needs_deep_gemm)])
 @pytest.mark.parametrize("wo_a_fp8", [False, True])
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8, gemm, fp8_gemm_reset):
-    """The FP8 layer on the GPU (Triton quantisation, cuBLAS's or DeepGEMM's FP8 GEMMs, the core's epilogue)
-    against the same layer on CPU (torch quantisation, dequantised products), both fp32 (bf16 against fp32 would
-    measure bf16's rounding, which flips FP8 roundings and the indexer's picks); then decode steps replayed from a
-    CUDA graph against eager decode, bit for bit."""
-    F.set_fp8_gemm(gemm)
+def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8, fp8_gemm_reset):
+    """The FP8 layer on the GPU (Triton quantisation, cuBLAS FP8 GEMMs, the core's epilogue) against the same
+    layer on CPU (torch quantisation, dequantised products), both fp32 (bf16 against fp32 would measure bf16's
+    rounding, which flips FP8 roundings and the indexer's picks); then decode steps replayed from a CUDA graph
+    against eager decode, bit for bit. (An fp32 layer's products are cuBLAS's: DeepGEMM writes bf16.)"""
+    F.set_fp8_gemm("cublas")
     cpu = make_attn(layer_type).quantize_fp8(wo_a_fp8=wo_a_fp8)
     attn = copy.deepcopy(cpu).to("cuda")
     attn.schedule = A.ScheduleConfig(kernels="auto")
@@ -627,29 +652,36 @@ def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8, gemm, f
         # on the H200: under 1e-2 with the bf16 wo_a, 0.014-0.017 with the FP8 wo_a (one more quantisation);
         # the K-padding bug this test found gave 0.06-0.61.
         assert ((got.cpu() - want).norm() / want.norm()).item() < 3e-2
-        cache = attn.new_cache(B, T)
-        attn(xd[:, :prefill], positions=pd[:, :prefill], cache=cache)
-        cache.join()
-        eager_cache = copy.deepcopy(cache)
-        static_x, static_pos = xd[:, prefill:prefill + 1].clone(), pd[:, prefill:prefill + 1].clone()
-        warm = copy.deepcopy(cache)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                attn(static_x, positions=static_pos, cache=warm, validate=False)
-            warm.join()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = attn(static_x, positions=static_pos, cache=cache)
-        for t in range(prefill, T):
-            static_x.copy_(xd[:, t:t + 1])
-            static_pos.copy_(pd[:, t:t + 1])
-            graph.replay()
-            eager = attn(xd[:, t:t + 1], positions=pd[:, t:t + 1], cache=eager_cache)
-            assert torch.equal(static_out, eager)
-    torch.cuda.synchronize()
+        _decode_replays_like_eager(attn, xd, pd, B, T, prefill)
+
+
+@needs_gpu
+@needs_deep_gemm
+@pytest.mark.parametrize("wo_a_fp8", [False, True])
+@pytest.mark.parametrize("layer_type", list(TYPES))
+def test_gpu_attention_fp8_on_deepgemm(layer_type, wo_a_fp8, monkeypatch, fp8_gemm_reset):
+    """The bf16 FP8 layer with its products on DeepGEMM: the products go there (counted), prefill equals the same
+    layer on cuBLAS within bf16's rounding, and decode replays from a CUDA graph bit for bit (DeepGEMM's launches
+    are captured on the layer's streams)."""
+    import deep_gemm
+    calls = []
+    real = deep_gemm.fp8_gemm_nt
+    monkeypatch.setattr(deep_gemm, "fp8_gemm_nt", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    attn = make_attn(layer_type).quantize_fp8(wo_a_fp8=wo_a_fp8).to("cuda", torch.bfloat16)
+    attn.schedule = A.ScheduleConfig(kernels="auto")
+    B, T, prefill = 2, 48, 40
+    torch.manual_seed(1)
+    xd = torch.randn(B, T, 256, device="cuda", dtype=torch.bfloat16)
+    pd = torch.arange(T, device="cuda")[None].expand(B, -1).contiguous()
+    with torch.no_grad():
+        F.set_fp8_gemm("cublas")
+        want = attn(xd[:, :prefill], positions=pd[:, :prefill]).float()
+        assert not calls
+        F.set_fp8_gemm("deepgemm")
+        got = attn(xd[:, :prefill], positions=pd[:, :prefill]).float()
+        assert len(calls) >= 4                        # wq_a, wkv, wq_b, wo_b at least (N = 128, 128, 512, 256)
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+        _decode_replays_like_eager(attn, xd, pd, B, T, prefill)
 
 
 # ------------------------------------------------------------------------- an FP8 checkpoint through HF
