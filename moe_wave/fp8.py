@@ -269,8 +269,9 @@ _DG: dict = {}                         # device -> the deep_gemm module, or None
 
 def set_fp8_gemm(choice: str | None) -> None:
     """Which library runs the CUDA FP8 products: "auto" (DeepGEMM where ``deep_gemm`` imports and the GPU is a
-    Hopper, else cuBLAS), "cublas" (``torch._scaled_mm``), "deepgemm" (an error at the first product it cannot
-    run); None: ``MOE_WAVE_FP8_GEMM``'s again."""
+    Hopper, else cuBLAS), "cublas" (``torch._scaled_mm``), "deepgemm" (an error where deep_gemm does not import,
+    the GPU is not a Hopper or a product fails on it). Either way the products DeepGEMM does not take (``_dg_fits``:
+    an fp32 output, N not a multiple of 64) run on cuBLAS. None: ``MOE_WAVE_FP8_GEMM``'s again."""
     if choice is not None and choice not in FP8_GEMMS:
         raise ValueError(f"set_fp8_gemm: {choice!r} is not one of {', '.join(FP8_GEMMS)}")
     _FP8_GEMM["choice"] = choice
