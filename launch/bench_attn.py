@@ -48,6 +48,7 @@ from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: 
 from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
 from moe_wave.attention import attention as attention_mod, core_cuda, core_gluon, core_kernel  # noqa: E402
 from moe_wave import fp8  # noqa: E402
+from moe_wave.env import read_env  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
 from moe_wave.attention.rope import RopeConfig  # noqa: E402
 from moe_wave.attention.schedule import run_frontend  # noqa: E402
@@ -457,8 +458,9 @@ def main() -> None:
                     "everywhere, core_kernel.WS_Q_NORM = False); default core")
     ap.add_argument("--core-cuda", default="on", help="comma list: on (the CUDA C++ core where it takes the call, "
                     "core_cuda.ENABLED: the default), off (the Gluon kernels); on,off measures both in one run")
-    ap.add_argument("--fp8-gemm", default="auto", help="comma list: auto (DeepGEMM where deep_gemm imports, else "
-                    "cuBLAS: the default), cublas, deepgemm (fp8.set_fp8_gemm); auto,cublas measures both in one run")
+    ap.add_argument("--fp8-gemm", default=None, help="comma list: auto (DeepGEMM where deep_gemm imports, else "
+                    "cuBLAS), cublas, deepgemm (fp8.set_fp8_gemm); auto,cublas measures both in one run; default: "
+                    "MOE_WAVE_FP8_GEMM, else auto")
     ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
                     "most picks a query for which the CUDA core runs; default: as it is)")
     ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
@@ -500,7 +502,10 @@ def main() -> None:
     for p in cudas:
         if p not in ("on", "off"):
             sys.exit(f"bench_attn: --core-cuda {p!r}: must be on or off")
-    gemms = [p for p in args.fp8_gemm.split(",") if p]
+    try:
+        gemms = [p for p in (args.fp8_gemm or read_env().fp8_gemm or "auto").split(",") if p]
+    except ValueError as e:
+        sys.exit(f"bench_attn: {e}")
     for p in gemms:
         if p not in fp8.FP8_GEMMS:
             sys.exit(f"bench_attn: --fp8-gemm {p!r}: must be one of {', '.join(fp8.FP8_GEMMS)}")

@@ -26,6 +26,7 @@ MOE_WAVE_OVERLAP           WaveConfig.overlap                    1 | 0
 MOE_WAVE_ATTN_OVERLAP      ScheduleConfig.overlap                1 | 0
 MOE_WAVE_ATTN_KERNELS      ScheduleConfig.kernels                auto | 1 | 0
 MOE_WAVE_ATTN_FP8          the tools' FP8 attention (quantize_fp8) 1 | 0
+MOE_WAVE_FP8_GEMM          fp8.set_fp8_gemm (the FP8 GEMMs)      auto | cublas | deepgemm
 MOE_WAVE_GRAPH             the tools' CUDA graphs (demo --graph) auto | 1 | 0
 MOE_WAVE_CACHE             WaveConfig.autowave_cache             a .json file or a folder; off: none
 MOE_WAVE_NVTX              profiling.set_nvtx                    1 | 0
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
+from moe_wave.fp8 import FP8_GEMMS
 
 __all__ = ["EnvSettings", "read_env", "VARIABLES"]
 
@@ -114,6 +116,7 @@ _OTHER = {
     "MOE_WAVE_ATTN_OVERLAP": ("attn_overlap", _flag),
     "MOE_WAVE_ATTN_KERNELS": ("attn_kernels", _attn_kernels),
     "MOE_WAVE_ATTN_FP8": ("attn_fp8", _flag),
+    "MOE_WAVE_FP8_GEMM": ("fp8_gemm", lambda k, v: _choice(k, v.strip().lower(), FP8_GEMMS)),
     "MOE_WAVE_GRAPH": ("graph", lambda k, v: None if v.strip().lower() == "auto" else _flag(k, v)),
     "MOE_WAVE_CACHE": ("autowave_cache", _cache),
     "MOE_WAVE_NVTX": ("nvtx", _flag),
@@ -131,7 +134,8 @@ class EnvSettings:
     Attributes:
         symm: SymmOptions fields set by ``MOE_WAVE_SYMM_*``.
         copy: CopyTuning fields set by ``MOE_WAVE_COPY_*``.
-        overlap, attn_overlap, attn_kernels, attn_fp8, graph, autowave_cache, nvtx, nccl_high_priority, git_sha:
+        overlap, attn_overlap, attn_kernels, attn_fp8, fp8_gemm, graph, autowave_cache, nvtx, nccl_high_priority,
+        git_sha:
             see the table (graph None: auto).
         autowave_cache_set: True when MOE_WAVE_CACHE was given (``off`` sets it to None on purpose).
     """
@@ -142,6 +146,7 @@ class EnvSettings:
     attn_overlap: bool | None = None
     attn_kernels: str | None = None
     attn_fp8: bool | None = None
+    fp8_gemm: str | None = None
     graph: bool | None = None
     autowave_cache: str | None = None
     autowave_cache_set: bool = False

@@ -17,14 +17,13 @@ reference here, the Triton kernel and the sparse core's fused epilogue give the 
 On a Hopper GPU the product is DeepGEMM's ``fp8_gemm_nt`` where ``deep_gemm`` is installed (an optional import,
 as ``deep_ep`` is; 1.05-1.16 x cuBLAS on the V4 projections at 4096 tokens, the same bits), else
 ``torch._scaled_mm`` with 1 x 128 (activations) by 128 x 128 (weights) scaling (cuBLAS, CUDA >= 12.9);
-``MOE_WAVE_FP8_GEMM`` (or ``set_fp8_gemm``) picks one: auto (the default), cublas, deepgemm. Elsewhere (CPU, or a
-GPU whose torch refuses that recipe) the same math runs dequantised in fp32 (``fp8_matmul_ref``), which is also
-the tests' oracle.
+``set_fp8_gemm`` (the tools: ``MOE_WAVE_FP8_GEMM``) picks one: auto (the default), cublas, deepgemm. Elsewhere
+(CPU, or a GPU whose torch refuses that recipe) the same math runs dequantised in fp32 (``fp8_matmul_ref``),
+which is also the tests' oracle.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import NamedTuple
 
@@ -263,7 +262,7 @@ def _scaled_mm_retry(x_q, s_KbM, w_q, s_w, out_dtype, out=None):
 
 # ------------------------------------------------------------------------------ DeepGEMM (optional)
 FP8_GEMMS = ("auto", "cublas", "deepgemm")
-_FP8_GEMM: dict = {"choice": None}     # None: MOE_WAVE_FP8_GEMM's, read at the first product
+_FP8_GEMM: dict = {"choice": "auto"}
 _DG: dict = {}                         # device -> the deep_gemm module, or None (cuBLAS there)
 
 
@@ -271,20 +270,16 @@ def set_fp8_gemm(choice: str | None) -> None:
     """Which library runs the CUDA FP8 products: "auto" (DeepGEMM where ``deep_gemm`` imports and the GPU is a
     Hopper, else cuBLAS), "cublas" (``torch._scaled_mm``), "deepgemm" (an error where deep_gemm does not import,
     the GPU is not a Hopper or a product fails on it). Either way the products DeepGEMM does not take (``_dg_fits``:
-    an fp32 output, N not a multiple of 64) run on cuBLAS. None: ``MOE_WAVE_FP8_GEMM``'s again."""
+    an fp32 output, N not a multiple of 64) run on cuBLAS. None: auto. (The CLI and the launch scripts set it from
+    ``MOE_WAVE_FP8_GEMM`` through ``moe_wave.env``; the library reads no variable.)"""
     if choice is not None and choice not in FP8_GEMMS:
         raise ValueError(f"set_fp8_gemm: {choice!r} is not one of {', '.join(FP8_GEMMS)}")
-    _FP8_GEMM["choice"] = choice
+    _FP8_GEMM["choice"] = choice or "auto"
     _DG.clear()
 
 
 def fp8_gemm_choice() -> str:
-    """The choice in force: ``set_fp8_gemm``'s, else ``MOE_WAVE_FP8_GEMM`` (default auto)."""
-    if _FP8_GEMM["choice"] is None:
-        env = os.environ.get("MOE_WAVE_FP8_GEMM", "").strip().lower() or "auto"
-        if env not in FP8_GEMMS:
-            raise ValueError(f"MOE_WAVE_FP8_GEMM={env!r}: must be one of {', '.join(FP8_GEMMS)}")
-        _FP8_GEMM["choice"] = env
+    """The choice in force (``set_fp8_gemm``'s; auto until then)."""
     return _FP8_GEMM["choice"]
 
 
@@ -293,7 +288,7 @@ def _deep_gemm(dev: torch.device):
     if dev in _DG:
         return _DG[dev]
     choice = fp8_gemm_choice()
-    mod, why = None, "MOE_WAVE_FP8_GEMM=cublas"
+    mod, why = None, "set_fp8_gemm('cublas')"
     if choice != "cublas":
         try:
             import deep_gemm as mod
@@ -304,7 +299,8 @@ def _deep_gemm(dev: torch.device):
         if mod is not None and torch.cuda.get_device_capability(dev)[0] != 9:
             mod, why = None, f"{torch.cuda.get_device_name(dev)} is not a Hopper GPU (sm_90)"
         if mod is None and choice == "deepgemm":
-            raise RuntimeError(f"MOE_WAVE_FP8_GEMM=deepgemm: DeepGEMM cannot run the FP8 products on {dev}: {why}")
+            raise RuntimeError(f"fp8 GEMM library 'deepgemm' (set_fp8_gemm / MOE_WAVE_FP8_GEMM): DeepGEMM cannot "
+                               f"run the FP8 products on {dev}: {why}")
     _DG[dev] = mod
     return mod
 
@@ -343,7 +339,7 @@ def fp8_matmul(x_q: torch.Tensor, s_KbM: torch.Tensor, w_q: torch.Tensor, s_w: t
     (1 x 128 by 128 x 128 scaling). x_q may be a column slice of a wider matrix
     (unit channel stride, row stride >= K; its scales the matching rows of s), or a block of its rows (its scales
     a column slice of s, which is copied: a few KB). Where DeepGEMM fails at run time the device warns once and
-    goes on with cuBLAS (with MOE_WAVE_FP8_GEMM=deepgemm the error is raised). Where torch refuses that recipe
+    goes on with cuBLAS (with ``set_fp8_gemm("deepgemm")`` the error is raised). Where torch refuses that recipe
     (no cuBLAS >= 12.9, a GPU before Hopper) the device falls back, with one warning, to ``fp8_matmul_ref``.
     out: a contiguous [M, N] tensor of ``out_dtype`` to write y into (returned); on CUDA the GEMM writes it
     directly where torch takes ``out=`` for this recipe, else y is copied in.

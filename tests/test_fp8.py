@@ -150,24 +150,25 @@ def test_bad_input_is_named():
 
 @pytest.fixture
 def fp8_gemm_reset():
-    """The FP8 library choice back to MOE_WAVE_FP8_GEMM's after the test."""
+    """The FP8 library choice back to auto after the test."""
     yield
     F.set_fp8_gemm(None)
 
 
 def test_fp8_gemm_choice_is_named(monkeypatch, fp8_gemm_reset):
+    """The library reads no variable: the tools turn MOE_WAVE_FP8_GEMM into set_fp8_gemm through moe_wave.env."""
+    from moe_wave.env import read_env
     with pytest.raises(ValueError, match=r"set_fp8_gemm: 'cutlass' is not one of auto, cublas, deepgemm"):
         F.set_fp8_gemm("cutlass")
-    monkeypatch.setenv("MOE_WAVE_FP8_GEMM", "DeepGemm ")
+    monkeypatch.setenv("MOE_WAVE_FP8_GEMM", "cublas")
     F.set_fp8_gemm(None)
-    assert F.fp8_gemm_choice() == "deepgemm"                  # case and spaces forgiven
-    monkeypatch.setenv("MOE_WAVE_FP8_GEMM", "fast")
-    F.set_fp8_gemm(None)
+    assert F.fp8_gemm_choice() == "auto"                      # the variable alone changes nothing
+    assert read_env({"MOE_WAVE_FP8_GEMM": "DeepGemm "}).fp8_gemm == "deepgemm"   # case and spaces forgiven
+    assert read_env({}).fp8_gemm is None
     with pytest.raises(ValueError, match=r"MOE_WAVE_FP8_GEMM='fast': must be one of auto, cublas, deepgemm"):
-        F.fp8_gemm_choice()
-    monkeypatch.delenv("MOE_WAVE_FP8_GEMM")
-    F.set_fp8_gemm(None)
-    assert F.fp8_gemm_choice() == "auto"
+        read_env({"MOE_WAVE_FP8_GEMM": "fast"})
+    F.set_fp8_gemm("cublas")
+    assert F.fp8_gemm_choice() == "cublas"
     assert F.fp8_gemm_library("cpu") == "torch-ref"
 
 
@@ -182,7 +183,7 @@ def test_deepgemm_absent(monkeypatch, fp8_gemm_reset):
     F.set_fp8_gemm("cublas")
     assert F._deep_gemm(dev) is None
     F.set_fp8_gemm("deepgemm")
-    with pytest.raises(RuntimeError, match=r"MOE_WAVE_FP8_GEMM=deepgemm: DeepGEMM cannot run .*import deep_gemm "
+    with pytest.raises(RuntimeError, match=r"'deepgemm' .*DeepGEMM cannot run .*import deep_gemm "
                                            r"failed \(ModuleNotFoundError"):
         F._deep_gemm(dev)
 
@@ -544,7 +545,7 @@ needs_deep_gemm = pytest.mark.skipif(not _have_deep_gemm(), reason="needs deep_g
 @pytest.mark.parametrize("M", [1, 3, 64, 1000])
 @pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 8192), (512, 1024), (448, 512), (200, 640)])
 def test_gpu_deepgemm_runs_the_products(M, N, K, monkeypatch, fp8_gemm_reset):
-    """With MOE_WAVE_FP8_GEMM=deepgemm every product it takes (N a multiple of 64) runs on DeepGEMM, by rows,
+    """With set_fp8_gemm("deepgemm") every product it takes (N a multiple of 64) runs on DeepGEMM, by rows,
     by column slices and into out=, and equals the dequantised product within FP8's tolerance; the others
     (N = 200) run on cuBLAS."""
     import deep_gemm

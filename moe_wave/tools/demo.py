@@ -32,6 +32,7 @@ from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import compute_layout
 from moe_wave.config import MoEConfig, WaveConfig
 from moe_wave.env import EnvSettings
+from moe_wave.fp8 import set_fp8_gemm
 from moe_wave.graphs import graph_capable
 from moe_wave.profiling import set_nvtx
 from moe_wave.timing import Clock, align, as_graph, iteration_us, l2_flush_buffer
@@ -54,7 +55,8 @@ _DEFAULTS = {  # preset: (layers, tokens per rank, dtype, timed iterations, warm
 def resolve_defaults(args, env: EnvSettings | None = None) -> None:
     """Fill the flags left at None: the preset-dependent ones (tiny on CPU, v4-flash on a GPU host), and the
     settings ``env`` (``moe_wave.env.read_env()``; None: no environment) may give, each under the rule flag >
-    environment > default. Adds ``args.symm`` (SymmOptions) and ``args.nvtx``. ValueError for a bad value."""
+    environment > default. Adds ``args.symm`` (SymmOptions), ``args.nvtx`` and ``args.fp8_gemm``. ValueError for a bad
+    value."""
     env = env or EnvSettings()
     if args.preset is None:
         args.preset = "v4-flash" if torch.cuda.is_available() else "tiny"
@@ -80,6 +82,7 @@ def resolve_defaults(args, env: EnvSettings | None = None) -> None:
         raise ValueError("--graph (or MOE_WAVE_GRAPH=1): CUDA graphs need a GPU, and none is visible")
     args.autowave_cache = env.pick("autowave_cache", args.autowave_cache, None)
     args.nvtx = env.pick("nvtx", None, False)
+    args.fp8_gemm = env.pick("fp8_gemm", None, "auto")
 
 
 def check_waves(args, world_size: int) -> None:
@@ -221,6 +224,7 @@ def run_demo_rank(ep, args) -> dict:
     Returns the aggregated result (same on every rank): per-layer rows and the stack summary.
     """
     set_nvtx(args.nvtx)   # a spawned rank is a fresh process
+    set_fp8_gemm(args.fp8_gemm)
     dtype = getattr(torch, args.dtype)
     wave, schedule = demo_configs(args)
     layers = build_layer_stack(args.preset, args.layers, ep=ep, wave=wave, schedule=schedule, device=ep.device,
