@@ -537,6 +537,7 @@ def main() -> None:
                 core_kernel.WS_Q_NORM = q_norm == "core"
                 core_cuda.ENABLED = cuda == "on"
                 fp8.set_fp8_gemm(gemm_lib)
+                lib = fp8.fp8_gemm_library(dev) if precision != "bf16" else "-"
                 saved = {k: getattr(attention_mod, k) for k in opts}
                 for k, v in opts.items():
                     setattr(attention_mod, k, v)
@@ -549,10 +550,7 @@ def main() -> None:
                     fp8.set_fp8_gemm(None)
                     for k, v in saved.items():
                         setattr(attention_mod, k, v)
-                row["q_norm"], row["core_cuda"], row["layer_opts"] = q_norm, cuda, opts_name
-                fp8.set_fp8_gemm(gemm_lib)
-                row["fp8_gemm"] = fp8.fp8_gemm_library(dev) if precision != "bf16" else "-"
-                fp8.set_fp8_gemm(None)
+                row["q_norm"], row["core_cuda"], row["layer_opts"], row["fp8_gemm"] = q_norm, cuda, opts_name, lib
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

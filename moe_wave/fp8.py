@@ -288,7 +288,7 @@ def _deep_gemm(dev: torch.device):
     if dev in _DG:
         return _DG[dev]
     choice = fp8_gemm_choice()
-    mod, why = None, "set_fp8_gemm('cublas')"
+    mod = None
     if choice != "cublas":
         try:
             import deep_gemm as mod
@@ -309,9 +309,11 @@ def fp8_gemm_library(dev: torch.device | str) -> str:
     """The library the FP8 products run on for dev: "deepgemm", "cublas" or "torch-ref" (CPU, or a refused
     recipe)."""
     dev = torch.device(dev)
-    if dev.type != "cuda" or (not _SCALED_MM_OK.get(dev, True) and _deep_gemm(dev) is None):
+    if dev.type != "cuda":
         return "torch-ref"
-    return "deepgemm" if _deep_gemm(dev) is not None else "cublas"
+    if _deep_gemm(dev) is not None:
+        return "deepgemm"
+    return "cublas" if _SCALED_MM_OK.get(dev, True) else "torch-ref"
 
 
 def _dg_fits(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -326,8 +328,7 @@ def _dg_fits(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bo
 def _dg_matmul(dg, x_q, s_KbM, w_q, s_w, out_dtype, out):
     M, K = x_q.shape
     y = torch.empty(M, w_q.shape[0], dtype=out_dtype, device=x_q.device) if out is None else out
-    kb = K // BLOCK
-    dg.fp8_gemm_nt((x_q, s_KbM.contiguous().t()), (w_q, s_w[:, :kb] if s_w.shape[1] != kb else s_w), y)
+    dg.fp8_gemm_nt((x_q, s_KbM.contiguous().t()), (w_q, s_w[:, :K // BLOCK]), y)
     return y
 
 

@@ -540,18 +540,25 @@ needs_deep_gemm = pytest.mark.skipif(not _have_deep_gemm(), reason="needs deep_g
                                      "(source launch/deepgemm.sh)")
 
 
-@needs_gpu
-@needs_deep_gemm
-@pytest.mark.parametrize("M", [1, 3, 64, 1000])
-@pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 8192), (512, 1024), (448, 512), (200, 640)])
-def test_gpu_deepgemm_runs_the_products(M, N, K, monkeypatch, fp8_gemm_reset):
-    """With set_fp8_gemm("deepgemm") every product it takes (N a multiple of 64) runs on DeepGEMM, by rows,
-    by column slices and into out=, and equals the dequantised product within FP8's tolerance; the others
-    (N = 200) run on cuBLAS."""
+@pytest.fixture
+def dg_calls(monkeypatch):
+    """A list that grows by one at each call of deep_gemm.fp8_gemm_nt (which still runs)."""
     import deep_gemm
     calls = []
     real = deep_gemm.fp8_gemm_nt
     monkeypatch.setattr(deep_gemm, "fp8_gemm_nt", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+@needs_gpu
+@needs_deep_gemm
+@pytest.mark.parametrize("M", [1, 3, 64, 1000])
+@pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 8192), (512, 1024), (448, 512), (200, 640)])
+def test_gpu_deepgemm_runs_the_products(M, N, K, dg_calls, fp8_gemm_reset):
+    """With set_fp8_gemm("deepgemm") every product it takes (N a multiple of 64) runs on DeepGEMM, by rows,
+    by column slices and into out=, and equals the dequantised product within FP8's tolerance; the others
+    (N = 200) run on cuBLAS."""
+    calls = dg_calls
     F.set_fp8_gemm("deepgemm")
     assert F.fp8_gemm_library("cuda") == "deepgemm"
     torch.manual_seed(M + N)
@@ -660,14 +667,11 @@ def test_gpu_attention_fp8_matches_cpu_and_replays(layer_type, wo_a_fp8, fp8_gem
 @needs_deep_gemm
 @pytest.mark.parametrize("wo_a_fp8", [False, True])
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_gpu_attention_fp8_on_deepgemm(layer_type, wo_a_fp8, monkeypatch, fp8_gemm_reset):
+def test_gpu_attention_fp8_on_deepgemm(layer_type, wo_a_fp8, dg_calls, fp8_gemm_reset):
     """The bf16 FP8 layer with its products on DeepGEMM: the products go there (counted), prefill equals the same
     layer on cuBLAS within bf16's rounding, and decode replays from a CUDA graph bit for bit (DeepGEMM's launches
     are captured on the layer's streams)."""
-    import deep_gemm
-    calls = []
-    real = deep_gemm.fp8_gemm_nt
-    monkeypatch.setattr(deep_gemm, "fp8_gemm_nt", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = dg_calls
     attn = make_attn(layer_type).quantize_fp8(wo_a_fp8=wo_a_fp8).to("cuda", torch.bfloat16)
     attn.schedule = A.ScheduleConfig(kernels="auto")
     B, T, prefill = 2, 48, 40
