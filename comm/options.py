@@ -44,7 +44,7 @@ KERNELS = ("auto", "triton", "torch")
 DENSE_FILL = 0.8
 # mode "auto": copy mode with dense blocks from this capacity, kernel mode below. On 2 x H200 kernel mode has
 # the lower latency alone up to 2048 tokens, and dense copy mode hides better beside a GEMM from 512 tokens on
-# and is as fast alone from 4096 (benchmarks/README.md).
+# and is as fast alone from 4096 (benchmarks/results/README.md).
 AUTO_COPY_MIN_TOKENS = 1024
 _WARPS = (0, 1, 2, 4, 8, 16, 32)
 

@@ -4,7 +4,7 @@
 #
 #   bash launch/deepep_api.sh [--ours-only] [--tests intranode,low_latency] [--no-bench]
 #
-# After the tests, launch/bench_ll.py times the low-latency calls of both implementations side by side (whole calls
+# After the tests, benchmarks/bench_ll.py times the low-latency calls of both implementations side by side (whole calls
 # and CUDA-graph replays, against the bytes' time at the P2P copy limit); --no-bench skips it;
 # BENCH_LL_PHASES=N adds the kernels' phase timestamps over N calls, BENCH_LL_TUNE="LIST" launch-knob variants.
 #
@@ -110,10 +110,10 @@ if [ -n "$BENCH" ]; then
     LL_ARGS=(--profile-host)
     [ -n "${BENCH_LL_PHASES:-}" ] && LL_ARGS+=(--phases "$BENCH_LL_PHASES")
     [ -n "${BENCH_LL_TUNE:-}" ] && LL_ARGS+=(--tune "$BENCH_LL_TUNE")
-    torchrun_step bench_ll 150 "$SITE:$BASE_PP" launch/bench_ll.py "${LL_ARGS[@]}"
+    torchrun_step bench_ll 150 "$SITE:$BASE_PP" benchmarks/bench_ll.py "${LL_ARGS[@]}"
     grep -v "^W1\|^\s*$" "$RES/bench_ll.log" 2>/dev/null | tail -n 70 | tee -a "$RES/deepep_api.log"
     # torch's own symmetric-memory all-to-all (all_to_all_vdev_2d, NVSHMEM) on the normal shape: a baseline, or why not
-    torchrun_step probe_vdev 90 "$BASE_PP" launch/probe_vdev.py
+    torchrun_step probe_vdev 90 "$BASE_PP" benchmarks/probe_vdev.py
     grep "all_to_all_vdev_2d\|set_backend\|timed out" "$RES/probe_vdev.log" 2>/dev/null | tail -n 3 |
         tee -a "$RES/deepep_api.log"
     RC[probe_vdev]=0        # a finding either way

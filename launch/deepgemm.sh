@@ -1,7 +1,7 @@
 # Source this on a GPU host to make `import deep_gemm` work from the source kit carried in .deps (git-ignored):
 #
 #   .deps/DeepGEMM-54e2261.tar.gz   DeepGEMM 54e2261 (2026-06-23) with the headers of its submodules, CUTLASS
-#                                    f3fde58 (include/) and fmt 553ec11; made here by launch/deepgemm_kit.sh
+#                                    f3fde58 (include/) and fmt 553ec11; made here by dev/deepgemm_kit.sh
 #   .deps/deepgemm-built.tar.gz      optional: the extension built by an earlier call and its JIT cache, as
 #                                    `deepgemm_save $OUT/deepgemm-built.tar.gz` wrote them at that call's end
 #
@@ -14,7 +14,7 @@ _dg_top=/tmp/deepgemm
 _dg_root=$_dg_top/DeepGEMM
 export MOE_WAVE_DEEPGEMM_OK=0
 if [ ! -f "$_dg_kit" ]; then
-    echo "deepgemm.sh: no kit at $_dg_kit (bash launch/deepgemm_kit.sh here, then carry .deps)" >&2
+    echo "deepgemm.sh: no kit at $_dg_kit (bash dev/deepgemm_kit.sh here, then carry .deps)" >&2
 else
     mkdir -p $_dg_top
     [ -d $_dg_root ] || tar -xzf "$_dg_kit" -C $_dg_top

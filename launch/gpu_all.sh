@@ -5,7 +5,7 @@
 #   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / its switches: profile_attn --whole), trace (the sparse core's in-kernel
-#   timeline, launch/trace_core.py, and the CUDA C++ core's, launch/trace_core_cuda.py),
+#   timeline, dev/trace_core.py, and the CUDA C++ core's, dev/trace_core_cuda.py),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
@@ -86,21 +86,21 @@ for s in "${STAGES[@]}"; do
             stage tests_emulated ${T_TESTS1:-120} "$PY" -m pytest -q -p no:cacheprovider tests/test_ll_direct.py \
                 tests/test_normal_kernels.py tests/test_expert_order.py
             # every schedule bit-identical to the serial one, layer by layer (V4-Flash layers, one GPU)
-            stage check_stack ${T_CHECK:-120} "$PY" launch/check_stack.py --repeats 2 ;;
+            stage check_stack ${T_CHECK:-120} "$PY" benchmarks/check_stack.py --repeats 2 ;;
         commtests)  # the multi-GPU tests only (comm backends, their failure paths, WaveMoE)
             stage tests_multi ${T_TESTS:-180} "${TR[@]}" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
                 "${MULTI_TESTS[@]}"
             stage tests_faults ${T_FAULTS:-240} "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
                 "${OWN_RANK_TESTS[@]}" ;;
-        moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" launch/bench_moe.py $QUICK --out "$RES/moe.json" ;;
+        moe)   stage bench_moe ${T_MOE:-300} "${TR[@]}" benchmarks/bench_moe.py $QUICK --out "$RES/moe.json" ;;
         graph) # the symm backend with every kind replayed from a CUDA graph: SM copies vs copy engines
                for mode in kernel copy; do
-                   stage bench_moe_graph_$mode ${T_GRAPH:-200} "${TR[@]}" launch/bench_moe.py --quick --shapes v4-flash,balanced \
+                   stage bench_moe_graph_$mode ${T_GRAPH:-200} "${TR[@]}" benchmarks/bench_moe.py --quick --shapes v4-flash,balanced \
                        --backend symm --symm-mode $mode --graph --capacity measured --out "$RES/moe_graph_$mode.json"
                done ;;
         partitions)  # issue 15: both wave partitions (and experts with a row once per layer) under CUDA graphs
                      # (symm), V4-Flash, W 1 2 4
-               stage bench_moe_partitions ${T_PART:-300} "${TR[@]}" launch/bench_moe.py --quick --shapes v4-flash \
+               stage bench_moe_partitions ${T_PART:-300} "${TR[@]}" benchmarks/bench_moe.py --quick --shapes v4-flash \
                    --tokens ${PART_TOKENS:-2048,8192} --waves 1,2,4 --backend symm --graph --capacity measured \
                    --partition experts,tokens,experts-once --out "$RES/moe_partitions.json" ;;
         experts)  # issue 15's expert stage on one GPU: its kernels at W=1 and W=4, each receive block's empty tail
@@ -109,15 +109,15 @@ for s in "${STAGES[@]}"; do
                   # tests (the row bound bit for bit against every row, sends once)
                stage tests_moe1 ${T_TESTS1:-150} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py \
                    tests/test_expert_order.py
-               stage profile_experts_max ${T_EXPERTS:-180} "$PY" launch/profile_experts.py \
+               stage profile_experts_max ${T_EXPERTS:-180} "$PY" dev/profile_experts.py \
                    --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --capacity max
-               stage profile_experts_measured ${T_EXPERTS:-180} "$PY" launch/profile_experts.py \
+               stage profile_experts_measured ${T_EXPERTS:-180} "$PY" dev/profile_experts.py \
                    --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --sends wave,once --capacity measured ;;
         streams)  # issue 15: the pipeline with the waves' expert stages on one stream and on two (the default)
-               stage bench_moe_streams ${T_STREAMS:-240} "${TR[@]}" launch/bench_moe.py --quick --shapes v4-flash \
+               stage bench_moe_streams ${T_STREAMS:-240} "${TR[@]}" benchmarks/bench_moe.py --quick --shapes v4-flash \
                    --tokens ${PART_TOKENS:-2048,8192} --waves 1,4 --backend symm --graph --capacity measured \
                    --expert-streams 1,2 --out "$RES/moe_streams.json" ;;
-        comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" launch/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
+        comm)  stage bench_comm ${T_COMM:-240} "${TR[@]}" benchmarks/bench_comm.py $QUICK ${COMM_ARGS:-} --out "$RES/comm.json" ;;
         attn)  # the attention kernels on CUDA (each against its torch twin; the core and top-k at the V4 shapes),
                # then the core and the top-k alone (the short table: TFLOP/s vs a dense GEMM, topk vs torch.topk)
                # (ATTN_TESTS: pytest's arguments, default the five files below; ATTN_ARGS: bench_attn's options,
@@ -127,37 +127,37 @@ for s in "${STAGES[@]}"; do
                    tests/test_attn_kernels.py tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py \
                    tests/test_core_gluon.py tests/test_core_cuda.py tests/test_bench_fp8_shapes.py}
                if [ "${ATTN_CORE:-1}" != 0 ]; then
-                   stage bench_attn_core ${T_CORE:-180} "$PY" launch/bench_attn.py --core --out "$RES/attn_core.json"
+                   stage bench_attn_core ${T_CORE:-180} "$PY" benchmarks/bench_attn.py --core --out "$RES/attn_core.json"
                    sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
                    # the Gluon prefill core against the Triton one (Hopper only)
                    if "$PY" -c "from moe_wave.attention import core_gluon as g
 raise SystemExit(not g.available())"; then
-                       stage bench_core ${T_CORE:-180} "$PY" launch/bench_core.py --probes --out "$RES/core.json"
+                       stage bench_core ${T_CORE:-180} "$PY" benchmarks/bench_core.py --probes --out "$RES/core.json"
                        sed -n '/^dense bf16 GEMM/,$p' "$RES/bench_core.log"
                    fi
                fi
-               stage bench_attn ${T_ATTN:-240} "$PY" launch/bench_attn.py ${ATTN_ARGS:-$QUICK} --out "$RES/attn.json"
+               stage bench_attn ${T_ATTN:-240} "$PY" benchmarks/bench_attn.py ${ATTN_ARGS:-$QUICK} --out "$RES/attn.json"
                # the FP8 projections alone at the layer's shapes against the square FP8 GEMM (ATTN_FP8=0: not)
                if [ "${ATTN_FP8:-1}" != 0 ]; then
-                   stage fp8_shapes ${T_FP8:-120} "$PY" launch/bench_fp8_shapes.py --out "$RES/fp8_shapes.json"
+                   stage fp8_shapes ${T_FP8:-120} "$PY" dev/bench_fp8_shapes.py --out "$RES/fp8_shapes.json"
                fi
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
-                   stage profile_attn ${T_PROF:-120} "$PY" launch/profile_attn.py ${PROFILE_ARGS:---types csa}
+                   stage profile_attn ${T_PROF:-120} "$PY" dev/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
         whole)  # the whole attention layer from a CUDA graph, overlap off / on / on without a cache / on with the ring
                 # writes deferred or first (schedule.DEFER_WRITES) / on with high-priority side streams
                 # (schedule.SIDE_PRIORITY): V4-Pro's overlapped prefill layer ran behind its serial one with the
                 # writes deferred (sessions 21-22) (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
                for shape in $(echo "${WHOLE_SHAPES:-v4-pro,v4-flash}" | tr ',' ' '); do
-                   stage whole_$shape ${T_WHOLE:-150} "$PY" launch/profile_attn.py --whole --shape "$shape" \
+                   stage whole_$shape ${T_WHOLE:-150} "$PY" dev/profile_attn.py --whole --shape "$shape" \
                        --types sliding,csa,hca --precision fp8a --rows 10
                done ;;
         trace)  # the sparse core's in-kernel timeline: each phase of an item, us (TRACE_ARGS: trace_core's options);
                 # then the CUDA C++ core's phases in cycles a tile, plain and with the layer's steps
-               stage trace_core ${T_TRACE:-240} "$PY" launch/trace_core.py ${TRACE_ARGS:-} \
+               stage trace_core ${T_TRACE:-240} "$PY" dev/trace_core.py ${TRACE_ARGS:-} \
                    --out "$RES/trace_core.json"
-               stage trace_core_cuda ${T_TRACE:-240} "$PY" launch/trace_core_cuda.py --out "$RES/trace_core_cuda.json"
-               stage trace_core_cuda_fused ${T_TRACE:-240} "$PY" launch/trace_core_cuda.py --fused \
+               stage trace_core_cuda ${T_TRACE:-240} "$PY" dev/trace_core_cuda.py --out "$RES/trace_core_cuda.json"
+               stage trace_core_cuda_fused ${T_TRACE:-240} "$PY" dev/trace_core_cuda.py --fused \
                    --out "$RES/trace_core_cuda_fused.json" ;;
         demo)  # the README's first command, as a new user runs it on this host (graphs, symm: the defaults)
                stage demo ${T_DEMO:-300} "$PY" -m moe_wave demo ;;
@@ -171,7 +171,7 @@ raise SystemExit(not g.available())"; then
     esac
 done
 
-"$PY" launch/summarize.py "$RES" 2>&1 | tee "$RES/summary.txt"
+"$PY" benchmarks/summarize.py "$RES" 2>&1 | tee "$RES/summary.txt"
 echo "stages:"; for k in "${!STATUS[@]}"; do echo "  $k ${STATUS[$k]}"; done
 if [ -n "${OUT:-}" ]; then
     cp "$RES/summary.txt" "$RES/gpu_all.log" "$OUT/" 2>/dev/null

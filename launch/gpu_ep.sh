@@ -7,11 +7,11 @@
 #   deepep   build DeepEP V1 from the kit in .deps/deepep (once; reused from .deps/deepep-site while it imports)
 #   tests    tests/test_gpu_moe.py + tests/test_gpu_comm.py under torchrun at N ranks (symm equals torch bit for
 #            bit, empty ranks, graph replay; our deepep backend against torch when DeepEP is built)
-#   comm     launch/bench_comm.py: V4-Flash and V4-Pro dispatch/combine at 128..8192 tokens/rank for torch, symm
+#   comm     benchmarks/bench_comm.py: V4-Flash and V4-Pro dispatch/combine at 128..8192 tokens/rank for torch, symm
 #            and DeepEP, eager and from CUDA graphs, each alone and beside the GEMM; the bytes all-to-all
 #   deepep_tests   DeepEP's own tests/test_intranode.py and tests/test_low_latency.py at N processes, with their
 #            defaults and at the V4-Flash layout
-#   moe      launch/bench_moe.py --backend symm --graph: the MoE layer replayed from graphs, W = 1, 2, 4, 8
+#   moe      benchmarks/bench_moe.py --backend symm --graph: the MoE layer replayed from graphs, W = 1, 2, 4, 8
 #   demo     python -m moe_wave demo (V4-Flash layers, every GPU)
 #   plan     python -m moe_wave plan fitted on the committed EP2 points and this run's: the EP{N} points held out
 # --quick: the smaller grids (comm at 128 and 4096 tokens, no bytes section; moe V4-Flash only; a 2-layer demo),
@@ -129,7 +129,7 @@ for s in "${STAGES[@]}"; do
             use_deepep
             args=(--sections bytes,tokens,graph --iters 8)
             [ -n "$QUICK" ] && args=(--quick --sections tokens,graph)
-            stage comm ${T_COMM:-200} "${TR[@]}" launch/bench_comm.py "${args[@]}" --carveout 0 \
+            stage comm ${T_COMM:-200} "${TR[@]}" benchmarks/bench_comm.py "${args[@]}" --carveout 0 \
                 --hang-s 400 --out "$RES/comm.json" ;;
         deepep_tests)
             if ! deepep_ready; then
@@ -151,7 +151,7 @@ for s in "${STAGES[@]}"; do
             done ;;       # (DeepEP's launcher reads RANK and WORLD_SIZE as the node's: unset)
         moe)
             shapes="v4-flash,v4-pro"; [ -n "$QUICK" ] && shapes="v4-flash"
-            stage moe ${T_MOE:-200} "${TR[@]}" launch/bench_moe.py --quick --shapes "$shapes" --backend symm --graph \
+            stage moe ${T_MOE:-200} "${TR[@]}" benchmarks/bench_moe.py --quick --shapes "$shapes" --backend symm --graph \
                 --capacity measured --out "$RES/moe_graph.json" ;;
         demo)
             if [ -n "$QUICK" ]; then args=(--layers 2 --tokens 512); else args=(); fi
@@ -159,16 +159,14 @@ for s in "${STAGES[@]}"; do
         plan)
             data=()
             for f in comm.json moe_graph.json; do f="$(newest "$f")"; [ -n "$f" ] && data+=(--data "$f"); done
-            for f in comm-2xh200-session7 moe-graph-copy-2xh200-session6; do     # the committed EP2 points
-                data+=(--data "benchmarks/2026-11-30-$f.json")
-            done
+            for f in benchmarks/results/points/*.json; do data+=(--data "$f"); done    # the committed points
             stage plan ${T_PLAN:-60} "$PY" -m moe_wave plan --ep "$N,16,32,64" --tokens 128,4096 "${data[@]}" \
                 --holdout-ep "$N" --json "$RES/plan.json" ;;
     esac
 done
 
 {
-    "$PY" launch/summarize.py "$RES" 2>&1
+    "$PY" benchmarks/summarize.py "$RES" 2>&1
     for f in "$RES"/deepep_intranode*.log "$RES"/deepep_low_latency*.log; do
         [ -f "$f" ] && { echo; echo "DeepEP $(basename "$f" .log) (N=$N), best configurations and bandwidths:"
                          grep -E "Best|best|GB/s|avg_t" "$f" | grep -vE "^\s*$" | tail -n 12; }

@@ -132,8 +132,8 @@ class WaveConfig:
             tail of the last one's; 1: the caller's stream only). The result is the same bit for bit. On one H200
             (V4-Flash, 128 local experts, W=4, measured capacity) 2 streams took the routed experts from 1.135 /
             1.099 / 1.041 x W=1's time to 1.025 / 1.040 / 1.009 x at 128 / 2048 / 8192 tokens
-            (benchmarks/2026-12-01-profile-experts-1xh200-session13.md); on 2 x H200 in session 8, with the older
-            expert stage, the pipeline changed within noise (benchmarks/2026-11-30-moe-graph-streams-*).
+            (benchmarks/results/experts.md); on 2 x H200 in session 8, with the older
+            expert stage, the pipeline changed within noise (benchmarks/results/moe.md).
         symm: the symm backend's options (``moe_wave.comm.options.SymmOptions``: capacity, data mode, dense
             blocks, signal, timeouts, kernel tuning).
         autowave_cache: num_waves="auto": where the calibrated choices persist, a ``.json`` file or a folder

@@ -173,7 +173,7 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
 def _rows_grid(J: int, device: torch.device) -> int:
     """Programs of a row kernel over the first n of J rows (n on the device): J up to ROW_PROGRAMS_PER_SM per SM.
     A grid of J programs, most of them exiting at once past n, cost ~25 us per launch at a capacity of 8192 rows x
-    6 slots on an H200 (launch/profile_experts.py), per wave."""
+    6 slots on an H200 (dev/profile_experts.py), per wave."""
     if device.type != "cuda":
         return max(1, min(J, 64))
     return max(1, min(J, ROW_PROGRAMS_PER_SM * sm_count(device)))

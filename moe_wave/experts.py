@@ -232,10 +232,10 @@ def _sums_done(once: OnceRows, y) -> None:
 
 
 # How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "argsort"
-# (``_order_by_argsort``, the radix sort it replaced); launch/profile_experts.py --order times both.
+# (``_order_by_argsort``, the radix sort it replaced); dev/profile_experts.py --order times both.
 ORDER = "kernel"
 # Whether the fused path honours ``Received.rows_P`` (skips the rows that the combine never reads); False computes
-# every row of the buffer, as before (launch/profile_experts.py --row-bound on,off times both).
+# every row of the buffer, as before (dev/profile_experts.py --row-bound on,off times both).
 ROW_BOUND = True
 
 

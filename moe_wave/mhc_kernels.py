@@ -124,14 +124,14 @@ if triton is not None:
         tl.store(y_ptr + base, y.to(dt), mask=m3)
 
 
-_MIX_BLOCK_T, _MIX_BLOCK_K = 128, 32    # fastest of four tiles on an H200 (launch/profile_layer.py: 70 vs 85-210 us)
+_MIX_BLOCK_T, _MIX_BLOCK_K = 128, 32    # fastest of four tiles on an H200 (dev/profile_layer.py: 70 vs 85-210 us)
 _PROGRAMS = 1024      # split-K target: enough programs to fill any GPU of today several times over
 
 
 def hc_mix(X_TK: torch.Tensor, fn_FK: torch.Tensor, block_t: int = _MIX_BLOCK_T,
            block_k: int = _MIX_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
     """(mix slices [KS, T, F_PAD] fp32, sum-of-squares slices [KS, T] fp32) of X @ fn^T (X contiguous).
-    ``block_t`` / ``block_k``: the tile (powers of two >= 16; launch/profile_layer.py times the choices)."""
+    ``block_t`` / ``block_k``: the tile (powers of two >= 16; dev/profile_layer.py times the choices)."""
     T, K = X_TK.shape
     F = fn_FK.shape[0]
     F_PAD = max(16, triton.next_power_of_2(F))

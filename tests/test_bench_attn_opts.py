@@ -1,4 +1,4 @@
-"""``launch/bench_attn.py --core-opts``: the sparse core's switches for one benchmark run, read strictly."""
+"""``benchmarks/bench_attn.py --core-opts``: the sparse core's switches for one benchmark run, read strictly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 bench_attn = pytest.importorskip("bench_attn")
 
 

@@ -1,4 +1,4 @@
-"""``launch/bench_fp8_shapes.py``: each way it cuts a projection computes the whole product (the same bits), and
+"""``dev/bench_fp8_shapes.py``: each way it cuts a projection computes the whole product (the same bits), and
 each case counts the FLOP of the product it times (its TFLOP/s rest on them). On CPU, with ``fp8_matmul``'s
 reference path and small shapes."""
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev"))
 bench = pytest.importorskip("bench_fp8_shapes")
 
 

@@ -1,4 +1,4 @@
-"""``launch/bench_wgmma.py``: its steps' FLOP counts (the TFLOP/s it reports rest on them) and its refusal off
+"""``dev/bench_wgmma.py``: its steps' FLOP counts (the TFLOP/s it reports rest on them) and its refusal off
 Hopper."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev"))
 bench_wgmma = pytest.importorskip("bench_wgmma")
 
 

@@ -135,11 +135,11 @@ def test_auto_takes_the_cuda_core_where_gluon_would_run(monkeypatch):
 @needs_cuda_core
 @pytest.mark.gpu
 def test_cuda_core_at_prefill_picks(monkeypatch):
-    """launch/bench_core.py's V4-Flash prefill picks of 1000 queries (sliding, CSA's window + top-512, HCA) against
+    """benchmarks/bench_core.py's V4-Flash prefill picks of 1000 queries (sliding, CSA's window + top-512, HCA) against
     the torch reference: many items a CTA, S not a multiple of anything."""
     import importlib
 
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     bc = importlib.import_module("bench_core")
     for kind in ("sliding", "csa", "hca"):
         q, parts, sinks = bc.make(kind, 1000, 64, 512, torch.device("cuda"))

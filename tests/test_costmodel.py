@@ -250,13 +250,12 @@ def test_plan_data_errors(tmp_path, capsys):
     assert "must be a benchmark result" in capsys.readouterr().err
 
 
-def test_default_data_takes_the_ep2_points_and_later_ep4_ep8_results(tmp_path):
-    bench = tmp_path / "benchmarks"
-    bench.mkdir()
-    names = ["2026-11-30-comm-2xh200-session7.json", "2026-11-30-moe-graph-copy-2xh200-session6.json",
-             "2026-12-01-comm-8xh200.json", "2026-12-01-moe-graph-4xh200.json", "2026-12-01-moe-8xh200.json",
-             "2026-11-30-comm-2xh200-session6.json", "2026-11-30-attn-1xh200.json"]
+def test_default_data_takes_the_committed_points_of_every_ep_size(tmp_path):
+    pts = tmp_path / "benchmarks" / "results" / "points"
+    pts.mkdir(parents=True)
+    names = ["comm-ep2.json", "moe-ep2.json", "comm-ep8.json", "moe-ep4.json", "attn.json", "sweep-ep2.json"]
     for n in names:
-        (bench / n).write_text("{}")
+        (pts / n).write_text("{}")
+    (pts.parent / "comm.json").write_text("{}")
     got = [p.split("/")[-1] for p in default_data(tmp_path)]
-    assert got == sorted(names[:5]), got       # older EP2 sessions and other kinds stay out
+    assert got == sorted(names[:4]), got       # other areas and the current tables stay out

@@ -227,7 +227,7 @@ def test_scaled_mm_gets_row_block_scales_outer_dim_major(monkeypatch):
     """A block of an activation's rows (its scales a column slice of [K/128, M]) reaches torch._scaled_mm with
     scale_a outer-dim-major ([M, K/128] with strides (1, M)), as its 1 x 128 recipe requires: passed as a slice,
     torch refused it and fp8_matmul then fell back to the dequantised product for every later call on the device
-    (found by launch/bench_fp8_shapes.py on an H200). Checked on CPU with torch._scaled_mm replaced by a stand-in
+    (found by dev/bench_fp8_shapes.py on an H200). Checked on CPU with torch._scaled_mm replaced by a stand-in
     that applies torch's stride rule and returns the reference product."""
     torch.manual_seed(8)
     x_q, s = F.act_quant_torch(torch.randn(64, 512))
@@ -584,7 +584,7 @@ def test_gpu_deepgemm_runs_the_products(M, N, K, dg_calls, fp8_gemm_reset):
 @pytest.mark.parametrize("N,K", [(1024, 4096), (512, 4096), (8192, 1024), (4096, 8192)])
 def test_gpu_deepgemm_same_bits_as_cublas_at_prefill(N, K, fp8_gemm_reset):
     """At 4096 tokens DeepGEMM gives cuBLAS's bits for the V4-Flash projections' shapes (both promote the FP8
-    partial sums into fp32 once a 128-channel block; launch/probe_deepgemm.py found the same at every shape), so
+    partial sums into fp32 once a 128-channel block; dev/probe_deepgemm.py found the same at every shape), so
     a layer's discrete choices do not depend on which library is installed."""
     torch.manual_seed(N)
     x_q, s = F.act_quant(torch.randn(4096, K, device="cuda", dtype=torch.bfloat16))

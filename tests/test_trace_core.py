@@ -1,4 +1,4 @@
-"""``launch/trace_core.py``'s reading of the sparse core's in-kernel stamps (the kernel runs on Hopper only; the
+"""``dev/trace_core.py``'s reading of the sparse core's in-kernel stamps (the kernel runs on Hopper only; the
 analysis is plain numpy and is checked here on stamps made up with known phases)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev"))
 trace_core = pytest.importorskip("trace_core")
 
 

@@ -31,7 +31,7 @@ __all__ = ["AttnConfig", "V4Attention", "LAYER_TYPES"]
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 # quantize_fp8(wo_a_fp8="auto"): calls of at least this many tokens run the grouped FP8 wo_a (measured on one H200,
-# V4-Flash: the FP8 GEMMs win in prefill, the bf16 einsum at decode batches; benchmarks/README.md has the numbers)
+# V4-Flash: the FP8 GEMMs win in prefill, the bf16 einsum at decode batches; benchmarks/results/README.md has the numbers)
 WO_A_FP8_MIN_TOKENS = 2048
 # the grouped FP8 wo_a (eight GEMMs of one wave each at V4-Flash's 4096-token prefill, 128 CTAs on an H200's 132 SMs)
 # and the quantisation of its output for wo_b: 0 one act_quant after the last group; 1 each group's act_quant on a
@@ -41,7 +41,7 @@ WO_A_FP8_MIN_TOKENS = 2048
 # measured prefill; decode keeps one launch a step). On one H200, V4-Flash FP8 at 4096 tokens, CUDA graphs, two
 # alternating runs in one call: the output projections 461-465 us with 0, 455-456 with 1, 452-453 with 3; the sliding
 # layer 1013.7-1014.2 / 1006.2-1010.8 / 1006.0-1007.3 (2 was slower: 1042.0 against 1031.3 in another call; V4-Pro's
-# output projections 1216-1227 / 1211-1217 / 1199-1213; benchmarks/2026-12-03-woa-overlap-1xh200-session34.md)
+# output projections 1216-1227 / 1211-1217 / 1199-1213; benchmarks/results/attn.md)
 WO_A_OVERLAP = 3
 WO_A_OVERLAP_MIN_TOKENS = 2048
 

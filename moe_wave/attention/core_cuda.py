@@ -35,14 +35,14 @@ then the compressed part in one online softmax, fp32 in the exp2 domain, the sin
 
 It replaced (session 31) a pair kernel, a cluster of two CTAs an item each holding half of d and exchanging 64 x 64
 partial scores a tile, two CTAs an SM: slower at all three V4 layer types
-(`benchmarks/2026-12-03-core-cuda-pair-session31.patch` restores it beside this one).
+(`benchmarks/results/attn.md` restores it beside this one).
 
 It is compiled at run time by NVRTC through torch (``torch.cuda._compile_kernel``, sm_90a; a private torch
-API, present in 2.11 and 2.13): no build step (``launch/nvrtc_sm90.py`` runs NVRTC on a machine without a GPU). It
+API, present in 2.11 and 2.13): no build step (``dev/nvrtc_sm90.py`` runs NVRTC on a machine without a GPU). It
 takes d = 512 (V4), whole 64-head blocks, one or two parts, bf16; every output element is written once in a fixed
 order, so the bits repeat from run to run. ``supported`` says when it applies; ``core_kernel.sparse_attention_fused``
 runs it where a Gluon kernel would (prefill grids) for queries of up to ``MAX_PICKS`` picks
-(`benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md`).
+(`benchmarks/results/attn.md`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ BH = 64                     # heads an item (the GEMMs' M)
 THREADS = 384               # two math warpgroups, a copy warpgroup
 SMEM_BYTES = 65536 + 2 * 65536 + 32768 + 2576  # q, two whole-row tiles, P tiles + staging, barriers and the rest
 
-# what any sm_90a kernel here starts from (launch/probe_sm90_cuda.py builds on it too): a generic pointer's
+# what any sm_90a kernel here starts from (the deleted SM90 probe built on it too; git history): a generic pointer's
 # shared-window address, and the 32 fp32 accumulator operands of an m64n64 wgmma in inline PTX
 HELPERS = r"""
 typedef unsigned long long u64;
@@ -195,7 +195,7 @@ __device__ __forceinline__ unsigned sw_off(int r, int c) {
 }
 // a wgmma shared-memory descriptor in the 128-byte swizzle: SBO = 1024 (8 rows of 128 bytes: K-major q and keys,
 // 8 keys of V, MN-major); LBO: unused by K-major swizzled operands (16), for V the step between 64-channel swizzle
-// columns (8192; its N = 64 wgmmas stay in one, launch/probe_sm90_cuda.py found LBO not to matter there)
+// columns (8192; its N = 64 wgmmas stay in one; LBO does not matter there)
 #define LBO_K 16
 #define LBO_V 8192
 __device__ __forceinline__ u64 desc(unsigned a, unsigned lbo) {
@@ -869,14 +869,14 @@ class _Args(ctypes.Structure):
 
 _BROKEN: str | None = None
 # where a Gluon kernel would run a prefill core (``core_kernel.sparse_attention_fused``), this kernel runs instead;
-# False keeps the Gluon kernels (``launch/bench_attn.py --core-cuda on,off`` measures both)
+# False keeps the Gluon kernels (``benchmarks/bench_attn.py --core-cuda on,off`` measures both)
 ENABLED = True
 # ... for queries of at most this many picks (window + compressed). On one H200, prefill at 4096 tokens, it is
 # faster than the Gluon kernels at V4-Flash's sliding (128 picks), HCA (160) and CSA (640) layers and at V4-Pro's
-# CSA (1152) (benchmarks/2026-12-03-core-cuda-solo-1xh200-session31.md)
+# CSA (1152) (benchmarks/results/attn.md)
 MAX_PICKS = 2048
 # profiling: compile switches (``;``-separated NAME VALUE pairs, e.g. "PROBE 2") added to every launch's, so that a
-# benchmark times the whole layer with them (``launch/bench_attn.py --core-cuda-defines``) and the GPU tests run a
+# benchmark times the whole layer with them (``benchmarks/bench_attn.py --core-cuda-defines``) and the GPU tests run a
 # variant (MOE_WAVE_CORE_CUDA_DEFINES, which tests/conftest.py reads)
 DEFINES = ""
 

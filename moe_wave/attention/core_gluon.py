@@ -31,15 +31,15 @@ Two kernels share that math and give the same bits:
   partition prepares the next item while the math warpgroups finish this one. The output leaves through shared
   memory in 16-byte stores, and the epilogue can run the layer's steps after the core (the output's inverse
   RoPE, ``act_quant`` for the FP8 wo_a) as ``core_kernel._epilogue`` does. On one H200 it is 1.19-1.32 x faster
-  than the one-program kernel (``benchmarks/2026-12-01-attn-ws-1xh200-session14.md``). It also takes the step
+  than the one-program kernel (``benchmarks/results/attn.md``). It also takes the step
   before the core, q's per-head RMSNorm and RoPE (``q_rope``): the loader computes each head's 1 / rms from q in
   shared memory and rotates q's RoPE tail in place while the math warpgroups finish the last item, and the
   softmax multiplies the factor into the head's score scale. The layer then skips ``norm_rope``'s pass over q
   (a read and a write of all of it): on one H200, V4-Flash prefill at 4096 tokens, each attention layer 7-9 %
-  faster (``benchmarks/2026-12-01-attn-qnorm-1xh200-session15.md``). The loader issues q as one TMA copy, not
+  faster (``benchmarks/results/attn.md``). The loader issues q as one TMA copy, not
   32 ``cp.async`` a thread, and the output's inverse RoPE runs on its staged tail in shared memory, not on every
-  channel in registers: the core 8-14 % faster in the layer, same bits (``launch/trace_core.py`` times each
-  phase of an item inside the kernel; ``benchmarks/2026-12-01-core-trace-1xh200-session16.md``).
+  channel in registers: the core 8-14 % faster in the layer, same bits (``dev/trace_core.py`` times each
+  phase of an item inside the kernel; ``benchmarks/results/attn.md``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ WS_MAXNREG = 168    # ... and the launch's: 12 warps x 32 x 168 fit the SM's 64 
                     # gets the rest, (12 x 168 - 4 x LOAD_REGS) / 8 rounded down to 8: 224 at LOAD_REGS = 56 (ptxas
                     # allocates each partition within its share, but needs every instruction's registers within the
                     # launch's: PV's wgmma takes 158, so 16 warps at 128 cannot compile; LOAD_REGS 48-168 all spill
-                    # more than 56: benchmarks/2026-12-02-core-floor-1xh200-session27.md)
+                    # more than 56: benchmarks/results/attn.md)
 _LOG2E = 1.4426950408889634
 
 
@@ -1091,7 +1091,7 @@ if gl is not None:
 
 # the warp-specialized kernel's defaults (LSPLIT: the one-program kernel's too)
 # (QK1: None picks it by the items' tile count, QK1_MIN_TILES; QDZ and QK1 with W1OUT measured in session 18:
-# benchmarks/2026-12-02-core-qk1-1xh200-session18.md)
+# benchmarks/results/attn.md)
 WS_OPTS = dict(PREF=True, EPI=True, QFIRST=True, ORS=True, QTMA=True, LSPLIT=False, QK1=None, QDZ=True,
                W1OUT=True, QPRO=False, MREGS=None)
 QK1_MIN_TILES = 3       # the QK1 kernel where an item can have this many key tiles or more (bn keys a tile, every
@@ -1130,7 +1130,7 @@ def _ws_opts(opts: dict | None, J1: int, J2: int, JC: int, q, out, probe: int, f
     measured in session 18: CSA's core -1.3 %, the others within noise, so off). MREGS: the QK1 kernel's registers
     for warpgroup 1 (None: QK1_MATH_REGS). (Q2, a QK1 kernel with two q buffers on 32-key tiles, was built and
     measured in session 20: correct, slower everywhere, removed; git 56eb3dd has it,
-    benchmarks/2026-12-02-compressor-rope-1xh200-session20.md its numbers.)"""
+    benchmarks/results/attn.md its numbers.)"""
     o = dict(WS_OPTS, **(opts or {}))
     if fused and not o["EPI"]:
         raise ValueError("sparse_attention_gluon: o_rope / out_fp8 run in the EPI epilogue; EPI=False cannot take "
@@ -1179,7 +1179,7 @@ def sparse_attention_gluon(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tens
     ``WSUnavailable`` tells the caller to run the steps as passes); load_regs: its loader's registers a thread;
     programs: its grid (default: one program per SM); trace (profiling, same results; int32 [items, 16], items =
     B * S * H / 64): the warp-specialized kernel writes each item's timeline there (``_ws_stamp``'s columns,
-    ``launch/trace_core.py`` reads them).
+    ``dev/trace_core.py`` reads them).
 
     The warp-specialized kernel also runs the layer's steps after the core in its epilogue, with the bits of the
     unfused chain (``core_kernel._epilogue``'s math): o_rope = (pos [B*S], freq fp32 [F]): the inverse RoPE of the

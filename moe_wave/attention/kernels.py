@@ -176,7 +176,7 @@ if triton is not None:
 
 
 # norm_rope's program size: rows (heads) of one position per program up to this many channels in all, and its
-# warps (launch/profile_attn.py --micro-only times the choices)
+# warps (dev/profile_attn.py --micro-only times the choices)
 NORM_ROPE_TILE = 4096
 NORM_ROPE_WARPS = 4
 # one row a position (the window's kv, [B*S, 512]): this many rows (positions) a program, a power of two (a row a
@@ -361,7 +361,7 @@ if triton is not None:
 
 # Which scores kernel: "heads" puts a query's heads on the dot's M side (every row useful for any S); "queries" puts
 # 64 queries on M and loops over the heads (in decode 63 of its 64 rows are padding). On one H200
-# (launch/profile_attn.py, V4-Flash, 1024 entries, 64 heads): decode batch 64 13 us vs 136 us, prefill 4096 262 us vs
+# (dev/profile_attn.py, V4-Flash, 1024 entries, 64 heads): decode batch 64 13 us vs 136 us, prefill 4096 262 us vs
 # 132 us. So "heads" below INDEX_QUERIES_MIN queries per row, "queries" from there on.
 INDEX_QUERIES_MIN = 64
 

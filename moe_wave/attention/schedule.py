@@ -24,7 +24,7 @@ Switches: ``ScheduleConfig.overlap`` (default on; the CLI maps ``MOE_WAVE_ATTN_O
 ``ScheduleConfig.kernels`` (the fused Triton kernels, ``attention/kernels.py``).
 ``decode_overlap_min_batch`` turns overlap off for decode steps (S == 1) with a smaller batch, should
 launch latency beat the overlap. Default 0 (always overlap): on one H200
-(launch/bench_attn.py, CUDA graphs, 4096-token cache) overlap cut the decode front-end by 15-40% and the
+(benchmarks/bench_attn.py, CUDA graphs, 4096-token cache) overlap cut the decode front-end by 15-40% and the
 whole attention layer by 5-33% at every batch from 1 to 128, for V4-Flash and V4-Pro, all layer types;
 in prefill at 4096 tokens it neither gains nor loses more than ~4%. On CPU every stream op is a no-op
 and both settings run the same code serially.
@@ -78,14 +78,14 @@ class ScheduleConfig:
 # the ring writes that only a next step reads (the window ring, the compressors' rings) run on their side streams
 # before the branch's ready event, so that nothing of the layer runs beside the core (False); True: after it, beside
 # the core and into the next layer. The results are the same either way (tested). On one H200, the layer replayed
-# from a CUDA graph (``launch/profile_attn.py --whole``, 4096-token prefill, FP8), V4-Pro's overlapped HCA layer took
+# from a CUDA graph (``dev/profile_attn.py --whole``, 4096-token prefill, FP8), V4-Pro's overlapped HCA layer took
 # 3103 / 3498 us with the writes deferred and 3045 / 3356 with them first (two runs; serial 3001 / 3314); the other
 # Pro and Flash layers and Flash decode at batch 64 moved within +-1.5 % either way
-# (benchmarks/2026-12-02-defer-writes-1xh200-session22.md).
+# (benchmarks/results/attn.md).
 DEFER_WRITES = False
 
 # the side streams' priority (CUDA: lower is higher; 0 is the default stream's). A benchmark switch for now:
-# ``launch/profile_attn.py --whole`` compares 0 with -1, where the side branches' blocks are dispatched ahead of the
+# ``dev/profile_attn.py --whole`` compares 0 with -1, where the side branches' blocks are dispatched ahead of the
 # q chain's GEMM blocks still waiting for an SM. PyTorch instantiates its graphs with the node priorities
 # (cudaGraphInstantiateFlagUseNodePriority), so a replay keeps them.
 SIDE_PRIORITY = 0
@@ -163,7 +163,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     fork = record(main)
     # FP8 layers: x quantised once for wq_a (main) and wkv (side a). Only side a waits for it: the other sides fork
     # before it (with every side behind it, V4-Flash HCA's overlapped prefill front-end took 484.4 us on one H200,
-    # its serial one 484.0; with only side a, 454.0: benchmarks/2026-12-02-frontend-picks-1xh200-session19.md)
+    # its serial one 484.0; with only side a, 454.0: benchmarks/results/attn.md)
     xq = attn.x_quant(x_BSD)
     xq_ready = record(main) if xq is not None else fork
     if hold and overlap:

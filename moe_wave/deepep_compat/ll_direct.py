@@ -567,7 +567,7 @@ if triton is not None:      # MOE_WAVE_LL_FAST_LAUNCH=0: every launch through Tr
     _COMBINE = Launcher(_ZN8moe_wave7combineEv, "MOE_WAVE_LL_FAST_LAUNCH")
 
 
-# Measurement and tuning hooks (launch/bench_ll.py): ``TIMES`` an int64 [16] device tensor makes the kernels record
+# Measurement and tuning hooks (benchmarks/bench_ll.py): ``TIMES`` an int64 [16] device tensor makes the kernels record
 # the GPU's global timer at their phase boundaries (``TIME_WORDS`` says which word is what); ``TUNE`` overrides the
 # launch's warps, the combine's row blocks (0: the default) and the software pipelining of its row loops (stages).
 # Both are part of every launch's cache key.

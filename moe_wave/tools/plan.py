@@ -3,11 +3,11 @@ print its projection of one MoE layer to larger EP sizes and to several hosts.
 
     python -m moe_wave plan --ep 8,16,64 --preset v4-flash --tokens 128,4096 --rdma-GBps 50
 
-The points come from the JSON result files of ``launch/bench_comm.py`` (the tokens and graph sections: one-wave
-dispatch, combine and prepare per layout and token count) and ``launch/bench_moe.py`` (comm_only, compute_only,
+The points come from the JSON result files of ``benchmarks/bench_comm.py`` (the tokens and graph sections: one-wave
+dispatch, combine and prepare per layout and token count) and ``benchmarks/bench_moe.py`` (comm_only, compute_only,
 pipelined per wave count). ``--backend`` picks which rows of those files describe the backend to project. The
-default files are the EP2 measurements in ``benchmarks/`` plus every EP4 / EP8 result committed there under
-the names ``launch/gpu_ep.sh`` suggests (``*-comm-4xh200*.json``, ``*-moe-8xh200*.json``, ...).
+default files are the points committed in ``benchmarks/results/points/``: ``comm-ep<N>.json`` and ``moe-ep<N>.json``
+per EP size measured (EP2 today; ``launch/gpu_ep.sh``'s comm.json and moe_graph.json go there for EP4 / EP8).
 
 Every flag is checked when it is parsed (one line naming the flag, the value and the rule; exit 2).
 """
@@ -30,10 +30,7 @@ from moe_wave.tools.flags import HelpFormatter, at_least, number
 __all__ = ["register", "load_points", "BACKENDS", "default_data", "int_list", "positive", "non_negative"]
 
 REPO = Path(__file__).resolve().parent.parent.parent
-DEFAULT_DATA = ("benchmarks/2026-11-30-comm-2xh200-session7.json",
-                "benchmarks/2026-11-30-moe-graph-copy-2xh200-session6.json",
-                "benchmarks/*-comm-[48]x*.json", "benchmarks/*-moe-[48]x*.json",
-                "benchmarks/*-moe-graph-[48]x*.json")
+DEFAULT_DATA = ("benchmarks/results/points/comm-ep*.json", "benchmarks/results/points/moe-ep*.json")
 
 # which rows of the comm and MoE benchmarks describe each backend
 BACKENDS = {

@@ -2,7 +2,7 @@
 
 Grid axes: model shape (presets, and/or one custom --hidden/--intermediate/--experts/--topk), tokens
 per rank, waves, partition, comm backend, shared-expert placement. (Attention overlap is not an axis:
-this sweep times the MoE block alone; ``launch/bench_attn.py`` covers the attention front-end.)
+this sweep times the MoE block alone; ``benchmarks/bench_attn.py`` covers the attention front-end.)
 
 Per point: the ``moe_wave.tools.bench.measure`` numbers and the pipelined-vs-serial check, plus the
 ``auto`` wave count of that (shape, tokens, partition, backend, placement) group and its pipelined

@@ -1,0 +1,580 @@
+"""Benchmark of the V4 attention front-end: serial vs overlapped streams, critical path, whole layer.
+
+    python benchmarks/bench_attn.py [--quick] [--out PATH]        # one GPU; torchrun also works (rank 0 runs)
+    python benchmarks/bench_attn.py --core [--out PATH]           # the sparse core and the top-k alone (fast)
+
+Shapes: V4-Flash and V4-Pro attention (bf16, random weights of the real shapes, no HF), each with its projections
+in bf16 and in the checkpoints' FP8 format (``--precision``, ``V4Attention.quantize_fp8``). Per layer type
+(sliding, csa c4 + indexer, hca c128): prefill of 4096 tokens (eager) and decode at batch 1, 8, 64,
+128 against a cache holding 4096 tokens (CUDA graphs); prefill is timed twice, eager and replayed
+from a CUDA graph (as serving stacks capture fixed prefill sizes), since eager launches on a slow
+host can hide what the streams do. Columns (microseconds, medians over many
+iterations, CUDA events, after warm-up, fresh random inputs each iteration):
+  serial_us          front-end up to the core, all branches on one stream (overlap off)
+  overlapped_us      the same with the branches on side streams
+  critical_path_us   the longest branch timed alone (q chain, window kv, compressor, indexer incl. q_lora)
+  layer_serial_us / layer_us   the whole attention layer (front-end + core + output projection)
+  core_us / output_us          the sparse core alone / the output projection alone (on the front-end's result)
+  core_int64_picks_us          the same core on the parts' picks as int64 (the front-end makes int32)
+  core_tflops        the core's useful FLOPs (4 * H * d per valid pick: QK and PV) per second, against
+                     gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio);
+                     fp8_gemm_tflops: the same GEMM in the FP8 format (block scales), the projections' yardstick
+``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes; on CSA each
+tiling of ``core_kernel.FALLBACKS`` and ``EXTRA_TILINGS`` in prefill and key / value splits in decode) and the
+indexer's top-k (``topk.topk_select`` against
+``torch.topk``), and prints one short table.
+Writes JSON {"meta", "rows"} to --out (default $OUT/attn.json, else benchmarks/<date>-attn-1gpu.json),
+prints a table last and the recommended ``ScheduleConfig.decode_overlap_min_batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import sys
+from dataclasses import replace
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_sha, out_path  # noqa: E402
+
+from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
+from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
+from moe_wave.attention import attention as attention_mod, core_cuda, core_gluon, core_kernel  # noqa: E402
+from moe_wave import fp8  # noqa: E402
+from moe_wave.env import read_env  # noqa: E402
+from moe_wave.attention.topk import topk_select  # noqa: E402
+from moe_wave.attention.rope import RopeConfig  # noqa: E402
+from moe_wave.attention.schedule import run_frontend  # noqa: E402
+from moe_wave.timing import as_graph, iteration_us  # noqa: E402
+
+SHAPES = {  # hidden, heads, q_lora, o_groups, index_topk (spec 1.1)
+    "v4-flash": dict(hidden=4096, heads=64, q_lora_rank=1024, o_groups=8, index_topk=512),
+    "v4-pro": dict(hidden=7168, heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024),
+}
+TYPES = {"sliding": ("sliding_attention", 0), "csa": ("compressed_sparse_attention", 4),
+         "hca": ("heavily_compressed_attention", 128)}
+CTX = 4096
+# more tilings timed on the CSA prefill besides the fallback ladder (tuning data, not used by the layer)
+EXTRA_TILINGS = (CoreConfig(num_stages=3), CoreConfig(block_n=32, num_stages=3), CoreConfig(block_n=32),
+                 CoreConfig(block_dv=256, num_warps=4), CoreConfig(num_warps=16),
+                 CoreConfig(num_warps=16, num_stages=3),
+                 CoreConfig(block_n=32, num_warps=16, num_stages=3), CoreConfig(block_dk=256),
+                 CoreConfig(block_dk=256, num_warps=16), CoreConfig(block_n=128, num_warps=16, num_stages=1))
+
+
+def make_attn(shape: str, kind: str, dev, precision: str = "bf16") -> V4Attention:
+    s = SHAPES[shape]
+    lt, ratio = TYPES[kind]
+    rope = (RopeConfig(dim=64, theta=10000.0) if ratio == 0 else
+            RopeConfig(dim=64, theta=160000.0, yarn_orig=65536, yarn_factor=16.0))
+    cfg = AttnConfig(layer_type=lt, hidden=s["hidden"], heads=s["heads"], head_dim=512, q_lora_rank=s["q_lora_rank"],
+                     o_groups=s["o_groups"], o_lora_rank=1024, window=128, rope=rope, ratio=ratio,
+                     index_heads=64 if ratio == 4 else 0, index_dim=128 if ratio == 4 else 0,
+                     index_topk=s["index_topk"] if ratio == 4 else 0)
+    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name.endswith(("sinks", "ape")):
+                p.normal_(0, 0.5)
+    if precision in ("fp8", "fp8a"):
+        attn.quantize_fp8(wo_a_fp8="auto" if precision == "fp8a" else False)
+    return attn.eval()
+
+
+def fill_cache(cache, length: int) -> None:
+    """A cache 'prefilled' to ``length`` tokens: random contents (timing does not depend on values)."""
+    cache.length_B.fill_(length)
+    cache.win_BWd.normal_()
+    for st in (cache.comp, cache.index):
+        if st is not None:
+            st.kv_BRC.normal_()
+            st.score_BRC.normal_()
+            st.entries_BNd.normal_()
+
+
+def time_eager(fn, inputs, iters: int, warmup: int) -> float:
+    """Median us of ``fn(*inputs(i))``, each iteration from an idle device (``inputs(i)`` picks from a pool of
+    tensors made beforehand: host work only)."""
+    return statistics.median(iteration_us(lambda i: fn(*inputs(i)), iters, warmup, device="cuda"))
+
+
+def time_graph(fn, static_inputs, pool, iters: int, warmup: int) -> float:
+    """Capture ``fn(*static_inputs)`` once, then the median us of replays, fresh inputs copied in beforehand."""
+    replay, _ = as_graph(lambda i: fn(*static_inputs), "cuda", warmup=3)
+
+    def before(i):
+        static_inputs[0].copy_(pool[i % len(pool)])
+    times = iteration_us(replay, iters, warmup, device="cuda", before=before)
+    del replay
+    return statistics.median(times)
+
+
+def time_alone(fn, iters: int, warmup: int = 3) -> float:
+    """Median us of ``fn()`` replayed from a CUDA graph (inputs fixed: the core does not care about values)."""
+    dummy = torch.zeros(1, device="cuda")
+    return time_graph(lambda *_: fn(), [dummy], [dummy], iters, warmup)
+
+
+def gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
+    """Dense bf16 [n, n] x [n, n] GEMM rate (TFLOP/s), median of ``iters`` replays: the yardstick of the core."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
+    us = time_alone(lambda: torch.mm(a, b, out=c), iters)
+    return 2 * n ** 3 / us / 1e6
+
+
+def fp8_gemm_tflops(dev, n: int = 8192, iters: int = 20) -> float:
+    """The same product in the FP8 format (1 x 128 by 128 x 128 block scales, ``fp8.fp8_matmul``), its inputs
+    quantised beforehand: the yardstick of the FP8 projections."""
+    from moe_wave.fp8 import act_quant, fp8_matmul, weight_quant
+    a_q, a_s = act_quant(torch.randn(n, n, device=dev, dtype=torch.bfloat16))
+    b_q, b_s = weight_quant(torch.randn(n, n, device=dev))
+    us = time_alone(lambda: fp8_matmul(a_q, a_s, b_q, b_s), iters)
+    return 2 * n ** 3 / us / 1e6
+
+
+def core_parts(attn: V4Attention, x, pos, cache):
+    """The front-end's result for ``x`` (serial): the ``FrontEnd`` (queries and parts) the core consumes."""
+    fe = run_frontend(attn, x, pos, cache, False)
+    cache.join()
+    return fe
+
+
+def core_fn(attn: V4Attention, fe, pos, config: CoreConfig | None = None):
+    """The core as the layer runs it (``V4Attention.core``: V's RoPE undone, the output quantised for a grouped
+    FP8 wo_a), or the kernel with one tiling (``config``)."""
+    if config is None:
+        return lambda: attn.core(fe, pos)
+    from moe_wave.attention.core_kernel import sparse_attention_fused
+    q_rope = (pos, attn.freq_F, attn.cfg.eps) if fe.q_raw else None
+    return lambda: sparse_attention_fused(fe.q_BSHd, fe.parts, attn.sinks, attn.cfg.head_dim ** -0.5, config=config,
+                                          fallback=False, q_rope=q_rope, o_rope=(pos, attn.freq_F),
+                                          out_fp8=attn.fp8_out(pos.numel()))
+
+
+def out_fn(attn: V4Attention, fe, o, pos):
+    """The output projection on the core's result ``o`` (as the layer runs it)."""
+    B, S = pos.shape
+    if isinstance(o, tuple):
+        return lambda: attn.output_q(o[0], o[1], B, S, fe.q_BSHd.dtype)
+    return lambda: attn.project_out(o)
+
+
+def _clone(o):
+    return tuple(t.clone() for t in o) if isinstance(o, tuple) else o.clone()
+
+
+def branches(attn: V4Attention):
+    """Each front-end chain alone: name -> fn(x, pos, cache). An FP8 layer quantises x once, on the main stream
+    (``run_frontend``): the q chain counts it; the window chain takes it made beforehand (once per input tensor,
+    in the warm-up, outside what is timed)."""
+    xq_of = {}
+
+    def q(x, pos, cache):   # as run_frontend has it: the norm and RoPE left to the core where it does them
+        attn.q_branch(attn.q_lora(x, attn.x_quant(x)), pos)
+
+    def kv(x, pos, cache):
+        if x.data_ptr() not in xq_of:
+            xq_of[x.data_ptr()] = attn.x_quant(x)
+        k = attn.window_kv(x, pos, xq_of[x.data_ptr()])
+        attn.window_source(k, pos, cache)
+        attn.window_write(k, pos, cache)
+
+    def comp(x, pos, cache):
+        c = attn.compressor
+        kvc, sc = c.project(x, pos)
+        c.emit(kvc, sc, pos, cache.comp, attn.freq_F)
+        if attn.indexer is None:
+            attn.hca_index(pos, cache)
+        c.write_state(kvc, sc, pos, cache.comp)
+
+    def index(x, pos, cache):
+        ix = attn.indexer
+        kvc, sc = ix.compressor.project(x, pos)
+        ix.compressor.emit(kvc, sc, pos, cache.index, attn.freq_F)
+        w = ix.weights(x)
+        qI = ix.query(attn.q_lora(x), pos, attn.freq_F)
+        attn.index_topk(qI, w, pos, cache)
+        ix.compressor.write_state(kvc, sc, pos, cache.index)
+
+    out = {"q": q, "kv": kv}
+    if attn.compressor is not None:
+        out["comp"] = comp
+    if attn.indexer is not None:
+        out["index"] = index
+    return out
+
+
+@torch.no_grad()
+def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev, graph: bool,
+            debug: bool = False, precision: str = "bf16", tokens: int = CTX) -> dict:
+    attn = make_attn(shape, kind, dev, precision)
+    D = attn.cfg.hidden
+    S = tokens if mode == "prefill" else 1
+    start = 0 if mode == "prefill" else CTX
+    cache = attn.new_cache(batch, max(CTX, S) + 8)
+    if mode == "decode":
+        fill_cache(cache, CTX)
+    pos = (start + torch.arange(S, device=dev)).expand(batch, -1).contiguous()
+    pool = [torch.randn(batch, S, D, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+
+    def frontend(overlap):
+        def fn(x, p, c):
+            run_frontend(attn, x, p, c, overlap)
+            c.join()
+        return fn
+
+    def layer(overlap):
+        def fn(x, p, c):
+            attn(x, positions=p, cache=c, validate=False, overlap=overlap)
+            c.join()  # eager warm-up leaves deferred writes; a capture may not wait on them
+        return fn
+
+    fe = core_parts(attn, pool[0], pos, cache)
+    core = core_fn(attn, fe, pos)
+    o = _clone(core())
+    output = out_fn(attn, fe, o, pos)
+    useful, _ = core_flops(attn.cfg.heads, attn.cfg.head_dim, [idx for _, idx in fe.parts])   # HOST SYNC (setup)
+    # the same core on int64 picks (what the front-end made before kernels.picks and topk_select's int32)
+    core64 = core_fn(attn, replace(fe, parts=[(src, idx.long()) for src, idx in fe.parts]), pos)
+    fns = {"serial": frontend(False), "overlapped": frontend(True), "layer_serial": layer(False),
+           "layer": layer(True), "core": lambda x, p, c: core(), "core_int64": lambda x, p, c: core64(),
+           "output": lambda x, p, c: output()}
+    fns.update({f"branch_{k}": v for k, v in branches(attn).items()})
+    res = {}
+    if graph:
+        static = [pool[0].clone(), pos, cache]
+        for name, fn in fns.items():
+            if debug:
+                print("capture", shape, kind, batch, name, flush=True)
+            res[name] = time_graph(fn, static, pool, iters, warmup)
+    else:
+        for name, fn in fns.items():
+            res[name] = time_eager(fn, lambda i: (pool[i % len(pool)], pos, cache), iters, warmup)
+    crit = max(v for k, v in res.items() if k.startswith("branch_"))
+    row = dict(shape=shape, layer_type=kind, precision=precision, mode=mode, batch=batch, tokens=batch * S, context=CTX,
+               cuda_graph=graph, serial_us=round(res["serial"], 2),
+               overlapped_us=round(res["overlapped"], 2), critical_path_us=round(crit, 2),
+               layer_serial_us=round(res["layer_serial"], 2), layer_us=round(res["layer"], 2),
+               core_us=round(res["core"], 2), core_int64_picks_us=round(res["core_int64"], 2),
+               output_us=round(res["output"], 2), core_gflop=round(useful / 1e9, 2),
+               core_tflops=round(useful / res["core"] / 1e6, 1))
+    row.update({f"{k}_us": round(v, 2) for k, v in res.items() if k.startswith("branch_")})
+    del attn, cache, pool, fe, o, output
+    torch.cuda.empty_cache()
+    return row
+
+
+def topk_rows(dev, rows: int, n: int, causal: bool) -> torch.Tensor:
+    """fp32 [1, rows, n] scores as the indexer leaves them: random, -inf past each row's visible prefix
+    (prefill: row t sees (t + 1) // 4 entries) or all visible (decode)."""
+    s = torch.randn(1, rows, n, device=dev)
+    if causal:
+        vis = (torch.arange(rows, device=dev) + 1) // 4
+        s = s.masked_fill(torch.arange(n, device=dev) >= vis[:, None], float("-inf"))
+    return s
+
+
+def topk_point(dev, rows: int, n: int, k: int, causal: bool, iters: int) -> dict:
+    """topk_select against torch.topk (unsorted, then -inf picks to -1, as the indexer needs) on one score
+    tensor; ``same_set``: both pick the same ids on every row (random scores: no ties)."""
+    s = topk_rows(dev, rows, n, causal)
+    k = min(k, n)
+
+    def torch_topk():
+        v, i = s.topk(k, dim=-1, sorted=False)
+        return torch.where(v == float("-inf"), torch.full_like(i, -1), i)
+
+    ours, ref = topk_select(s, k), torch_topk()
+    same = bool(torch.equal(ours.sort(-1).values, ref.sort(-1).values))   # HOST SYNC (check)
+    return dict(rows=rows, n=n, k=k, causal=causal, topk_select_us=round(time_alone(lambda: topk_select(s, k), iters), 2),
+                topk_select_int32_us=round(time_alone(lambda: topk_select(s, k, torch.int32), iters), 2),
+                torch_topk_us=round(time_alone(torch_topk, iters), 2), same_set=same)
+
+
+def tiling(c: CoreConfig) -> str:
+    split = f" k/{c.split_k}" if c.split_k else ""
+    return f"h{c.block_h} n{c.block_n} dk{c.block_dk} dv{c.block_dv} w{c.num_warps} s{c.num_stages}{split}"
+
+
+@torch.no_grad()
+def core_bench(dev, iters: int, gemm: float) -> dict:
+    """The sparse core alone per shape / layer type: prefill 4096 (B=1) and decode batch 64 on a 4096-token
+    cache; on CSA also other tilings (prefill: the fallback ladder and EXTRA_TILINGS; decode: 64-key
+    tiles in 1-4 splits, 32-key tiles in 2-8 splits). Then the top-k."""
+    rows, tilings = [], []
+    for shape in SHAPES:
+        for kind in TYPES:
+            attn = make_attn(shape, kind, dev)
+            for mode, batch in (("prefill", 1), ("decode", 64)):
+                S, start = (CTX, 0) if mode == "prefill" else (1, CTX)
+                cache = attn.new_cache(batch, CTX + 8)
+                if mode == "decode":
+                    fill_cache(cache, CTX)
+                pos = (start + torch.arange(S, device=dev)).expand(batch, -1).contiguous()
+                x = torch.randn(batch, S, attn.cfg.hidden, device=dev, dtype=torch.bfloat16)
+                fe = core_parts(attn, x, pos, cache)
+                q, parts = fe.q_BSHd, fe.parts
+                H, d = attn.cfg.heads, attn.cfg.head_dim
+                useful, nominal = core_flops(H, d, [idx for _, idx in parts])   # HOST SYNC (setup)
+                us = time_alone(core_fn(attn, fe, pos), iters)
+                o = _clone(core_fn(attn, fe, pos)())
+                out_us = time_alone(out_fn(attn, fe, o, pos), iters)
+                cfg = default_config(H, d, q.dtype)
+                # the layer's core call has o_rope: at prefill a plain call (Gluon on Hopper), at decode fused
+                impl = core_impl(q, parts, fusions=True)
+                label = {"gluon": "gluon (core_gluon)", "cuda": "cuda (core_cuda)"}.get(impl) or tiling(cfg)
+                rows.append(dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S,
+                                 core_us=round(us, 2), output_us=round(out_us, 2), gflop=round(useful / 1e9, 2),
+                                 gflop_nominal=round(nominal / 1e9, 2), tflops=round(useful / us / 1e6, 1),
+                                 vs_gemm=round(useful / us / 1e6 / gemm, 3),
+                                 config=label))
+                print(json.dumps(rows[-1]), flush=True)
+                if kind == "csa":   # the ladder in prefill; in decode no split, the keys or the values split
+                    cands = [*FALLBACKS, *EXTRA_TILINGS] if mode == "prefill" else [
+                        replace(cfg, split_k=n) for n in (1, 2, 3, 4)] + [
+                        replace(cfg, block_n=32, split_k=n) for n in (2, 4, 6, 8)] + [
+                        replace(cfg, block_n=32, num_stages=3, split_k=n) for n in (4, 8)]
+                    for c in cands:
+                        try:
+                            t = time_alone(core_fn(attn, fe, pos, c), iters)
+                        except OutOfResources as e:   # this tiling does not fit this GPU
+                            t = float("nan")
+                            print(f"{tiling(c)}: {e}", flush=True)
+                        tilings.append(dict(shape=shape, mode=mode, config=tiling(c.fit(H, d)), core_us=round(t, 2),
+                                            tflops=round(useful / t / 1e6, 1)))
+                        print(json.dumps(tilings[-1]), flush=True)
+                del cache, q, parts, o, x, fe
+            del attn
+            torch.cuda.empty_cache()
+    topk = [topk_point(dev, CTX, CTX // 4, k, True, iters) for k in (512, 1024)]
+    topk.append(topk_point(dev, 64, CTX // 4, 512, False, iters))
+    for t in topk:
+        print(json.dumps(t), flush=True)
+    return dict(core=rows, tilings=tilings, topk=topk)
+
+
+def print_core(res: dict, gemm: float) -> None:
+    print(f"\nsparse core (CUDA graphs) vs a dense bf16 GEMM of this run: {gemm:.0f} TFLOP/s")
+    print(f"{'shape':9} {'type':7} {'mode':7} {'tok':>5} {'core_us':>9} {'GFLOP':>7} {'TFLOP/s':>8} {'%gemm':>6} "
+          f"{'output_us':>9}  tiling")
+    for r in res["core"]:
+        print(f"{r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['mode']:7} {r['tokens']:>5} {r['core_us']:>9.1f} {r['gflop']:>7.1f} "
+              f"{r['tflops']:>8.1f} {100 * r['vs_gemm']:>5.0f}% {r['output_us']:>9.1f}  {r['config']}")
+    for t in res["tilings"]:
+        print(f"  {t['shape']} csa {t['mode']}, {t['config']}: {t['core_us']:.1f} us, {t['tflops']:.1f} TFLOP/s")
+    for t in res["topk"]:
+        print(f"top-k {t['k']} of {t['n']}, {t['rows']} rows{' (causal)' if t['causal'] else ''}: topk_select "
+              f"{t['topk_select_us']:.1f} us (int32 ids {t['topk_select_int32_us']:.1f}), torch.topk "
+              f"{t['torch_topk_us']:.1f} us, same set: {t['same_set']}")
+
+
+def decode_policy(rows) -> dict:
+    """Smallest decode batch from which overlap never loses (whole layer), per shape; 0 = always on."""
+    out = {}
+    for shape in sorted({r["shape"] for r in rows}):
+        dec = sorted((r for r in rows if r["shape"] == shape and r["mode"] == "decode"), key=lambda r: r["batch"])
+        batches = sorted({r["batch"] for r in dec})
+        if not batches:
+            continue
+        pays = {b: all(r["layer_us"] <= r["layer_serial_us"] for r in dec if r["batch"] == b) for b in batches}
+        thr = None
+        for b in reversed(batches):
+            if not pays[b]:
+                break
+            thr = b
+        out[shape] = 0 if thr == batches[0] else (thr if thr is not None else max(batches) + 1)
+    return out
+
+
+def parse_core_opts(text: str, extra: tuple = (), flag: str = "--core-opts", names: tuple = ()) -> dict:
+    """--core-opts: "QPRO=1,W1OUT=0" to {"QPRO": 1, "W1OUT": 0}; each name one of core_gluon.WS_OPTS (or of
+    ``extra``: trace_core's PROBE; or of ``names`` alone, where given), each value an integer; ``flag`` names the
+    option in the error."""
+    names = sorted(names or {*core_gluon.WS_OPTS, *extra})
+    opts = {}
+    for item in (t for t in text.split(",") if t):
+        name, sep, value = item.partition("=")
+        name = name.strip().upper()
+        if not sep or name not in names or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"{flag} {item!r}: must be NAME=INTEGER with NAME one of {', '.join(names)}")
+        opts[name] = int(value)
+    return opts
+
+
+LAYER_OPTS = ("WO_A_OVERLAP",)
+
+
+def parse_layer_opts(text: str) -> dict:
+    """--layer-opts' variant 'NAME=VALUE,...' of ``LAYER_OPTS`` (integers; '' or 'default': none) -> {NAME: value}."""
+    return parse_core_opts("" if text == "default" else text, flag="--layer-opts", names=LAYER_OPTS)
+
+
+def meta(args) -> dict:
+    sha = git_sha()
+    n = torch.cuda.device_count()
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv), git_sha=sha,
+                gpus=f"1 x {torch.cuda.get_device_name(0)} (of {n})", torch=torch.__version__,
+                cuda=torch.version.cuda, hip=torch.version.hip,
+                nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl), world_size=1,
+                quick=args.quick, context=CTX, dtype="bfloat16", deep_gemm=deep_gemm_version())
+
+
+def deep_gemm_version() -> str | None:
+    """deep_gemm's version where it imports (fp8.fp8_matmul's "auto" runs on it then), else None."""
+    try:
+        import deep_gemm
+        return getattr(deep_gemm, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="V4-Flash only, decode batches 1 and 64, fewer iterations")
+    ap.add_argument("--out", default=None, help="JSON output path (default $OUT/attn.json or benchmarks/)")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations per point")
+    ap.add_argument("--debug", action="store_true", help="print each capture before it starts")
+    ap.add_argument("--core", action="store_true", help="only the sparse core and the top-k (see above)")
+    ap.add_argument("--shapes", default=None, help="comma list of presets (default: v4-flash with --quick, else all)")
+    ap.add_argument("--batches", default=None, help="comma list of decode batches ('' for none; default: 1,64 with "
+                    "--quick, else 1,8,64,128)")
+    ap.add_argument("--no-eager", action="store_true", help="leave out the eager prefill point")
+    ap.add_argument("--precision", default="bf16,fp8", help="comma list: bf16 (the projections in bf16), fp8 (in "
+                    "the checkpoints' FP8 format, V4Attention.quantize_fp8), fp8a (the same with wo_a_fp8='auto': "
+                    "the grouped FP8 wo_a from WO_A_FP8_MIN_TOKENS tokens a call on); default bf16,fp8")
+    ap.add_argument("--prefill-tokens", default=str(CTX), help=f"comma list of prefill lengths (default {CTX})")
+    ap.add_argument("--q-norm", default="core", help="comma list: core (q's norm and RoPE inside the core's "
+                    "kernel where it does them, core_kernel.q_norm_inside: the default), branch (on the q branch "
+                    "everywhere, core_kernel.WS_Q_NORM = False); default core")
+    ap.add_argument("--core-cuda", default="on", help="comma list: on (the CUDA C++ core where it takes the call, "
+                    "core_cuda.ENABLED: the default), off (the Gluon kernels); on,off measures both in one run")
+    ap.add_argument("--fp8-gemm", default=None, help="comma list: auto (DeepGEMM where deep_gemm imports, else "
+                    "cuBLAS), cublas, deepgemm (fp8.set_fp8_gemm); auto,cublas measures both in one run; default: "
+                    "MOE_WAVE_FP8_GEMM, else auto")
+    ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
+                    "most picks a query for which the CUDA core runs; default: as it is)")
+    ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
+                    "switches (';'-separated NAME VALUE pairs, e.g. 'PROBE 8'); default: none")
+    ap.add_argument("--layer-opts", default="", help="'|'-separated variants, each a comma list NAME=VALUE of the "
+                    "layer's switches (attention.py's WO_A_OVERLAP; '' or 'default': as they are), every variant "
+                    "measured in one run, e.g. 'WO_A_OVERLAP=0|WO_A_OVERLAP=1'")
+    ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
+                    "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
+    args = ap.parse_args()
+    try:
+        core_gluon.WS_OPTS.update(parse_core_opts(args.core_opts))
+    except ValueError as e:
+        sys.exit(f"bench_attn: {e}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_attn: needs a CUDA/ROCm GPU")
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 measures
+        return
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    if args.core_cuda_max_picks is not None:
+        core_cuda.MAX_PICKS = args.core_cuda_max_picks
+    core_cuda.DEFINES = args.core_cuda_defines
+    gemm = gemm_tflops(dev)
+    precisions = [p for p in args.precision.split(",") if p]
+    for p in precisions:
+        if p not in ("bf16", "fp8", "fp8a"):
+            sys.exit(f"bench_attn: --precision {p!r}: must be bf16, fp8 or fp8a")
+    q_norms = [p for p in args.q_norm.split(",") if p]
+    for p in q_norms:
+        if p not in ("core", "branch"):
+            sys.exit(f"bench_attn: --q-norm {p!r}: must be core or branch")
+    try:
+        layer_opts = [(v or "default", parse_layer_opts(v)) for v in args.layer_opts.split("|")]
+    except ValueError as e:
+        sys.exit(f"bench_attn: {e}")
+    cudas = [p for p in args.core_cuda.split(",") if p]
+    for p in cudas:
+        if p not in ("on", "off"):
+            sys.exit(f"bench_attn: --core-cuda {p!r}: must be on or off")
+    try:
+        gemms = [p for p in (args.fp8_gemm or read_env().fp8_gemm or "auto").split(",") if p]
+    except ValueError as e:
+        sys.exit(f"bench_attn: {e}")
+    for p in gemms:
+        if p not in fp8.FP8_GEMMS:
+            sys.exit(f"bench_attn: --fp8-gemm {p!r}: must be one of {', '.join(fp8.FP8_GEMMS)}")
+    gemm8 = fp8_gemm_tflops(dev) if {"fp8", "fp8a"} & set(precisions) and not args.core else None
+    print(f"dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s" + (f"; FP8 (block scales): {gemm8:.0f}" if gemm8 else ""),
+          flush=True)
+    if args.core:
+        res = core_bench(dev, args.iters or 20, gemm)
+        out = args.out or out_path("attn_core.json", os.path.join("results", f"{datetime.date.today()}-attn-core-1gpu.json"))
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"meta": {**meta(args), "gemm_tflops": round(gemm, 1)}, **res}, f, indent=1)
+        print(f"wrote {out}")
+        print_core(res, gemm)
+        return
+    shapes = args.shapes.split(",") if args.shapes else (["v4-flash"] if args.quick else list(SHAPES))
+    batches = [int(b) for b in args.batches.split(",") if b] if args.batches is not None else (
+        [1, 64] if args.quick else [1, 8, 64, 128])
+    iters = args.iters or (10 if args.quick else 30)
+    rows = []
+    for shape in shapes:
+        for kind, precision, q_norm, cuda, gemm_lib, (opts_name, opts) in itertools.product(
+                TYPES, precisions, q_norms, cudas, gemms, layer_opts):
+            lengths = [int(t) for t in args.prefill_tokens.split(",") if t]
+            points = ([] if args.no_eager else [("prefill", 1, False, CTX)]) + [
+                ("prefill", 1, True, t) for t in lengths] + [("decode", b, True, CTX) for b in batches]
+            for mode, b, graph, tokens in points:
+                n = max(5, iters // 3) if mode == "prefill" else iters
+                core_kernel.WS_Q_NORM = q_norm == "core"
+                core_cuda.ENABLED = cuda == "on"
+                fp8.set_fp8_gemm(gemm_lib)
+                lib = fp8.fp8_gemm_library(dev) if precision != "bf16" else "-"
+                saved = {k: getattr(attention_mod, k) for k in opts}
+                for k, v in opts.items():
+                    setattr(attention_mod, k, v)
+                try:
+                    row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev,
+                                  graph=graph, debug=args.debug, precision=precision, tokens=tokens)
+                finally:
+                    core_kernel.WS_Q_NORM = True
+                    core_cuda.ENABLED = True
+                    fp8.set_fp8_gemm(None)
+                    for k, v in saved.items():
+                        setattr(attention_mod, k, v)
+                row["q_norm"], row["core_cuda"], row["layer_opts"], row["fp8_gemm"] = q_norm, cuda, opts_name, lib
+                row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    policy = decode_policy(rows)
+    out = args.out or out_path("attn.json", os.path.join("results", f"{datetime.date.today()}-attn-1gpu.json"))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"meta": {**meta(args), "decode_overlap_min_batch": policy, "gemm_tflops": round(gemm, 1),
+                            "fp8_gemm_tflops": round(gemm8, 1) if gemm8 else None}, "rows": rows}, f, indent=1)
+    hdr = (f"{'opts':15} {'shape':9} {'type':7} {'prec':4} {'qn':6} {'cuda':4} {'gemm':8} {'mode':7} {'graph':5} {'tok':>5} "
+           f"{'serial':>9} "
+           f"{'overlap':>9} {'crit':>9} {'layer_ser':>10} {'layer':>9} {'core':>9} {'core64':>8} {'output':>8} "
+           f"{'TFLOP/s':>8} {'%gemm':>6}")
+    print(f"\nwrote {out}\ndense bf16 GEMM: {gemm:.0f} TFLOP/s\n{hdr}")
+    for r in rows:
+        print(f"{r['layer_opts'][:15]:15} {r['shape']:9} {r['layer_type']:7} {r['precision']:4} {r['q_norm']:6} "
+              f"{r['core_cuda']:4} {r.get('fp8_gemm', '-'):8} {r['mode']:7} "
+              f"{'yes' if r['cuda_graph'] else 'no':5} {r['tokens']:>5} "
+              f"{r['serial_us']:>9.1f} {r['overlapped_us']:>9.1f} {r['critical_path_us']:>9.1f} {r['layer_serial_us']:>10.1f} "
+              f"{r['layer_us']:>9.1f} {r['core_us']:>9.1f} {r['core_int64_picks_us']:>8.1f} {r['output_us']:>8.1f} "
+              f"{r['core_tflops']:>8.1f} "
+              f"{100 * r['core_vs_gemm']:>5.0f}%")
+    print(f"recommended ScheduleConfig.decode_overlap_min_batch: {policy}")
+
+
+if __name__ == "__main__":
+    main()
