@@ -248,7 +248,10 @@ def pending_after(name: str, works, comm_stream, device: torch.device, then: Cal
 class CommBackend(Protocol):
     name: str
 
-    def prepare(self, layout: DispatchLayout) -> ExchangePlan: ...
+    def prepare(self, layout: DispatchLayout, header=None) -> ExchangePlan:
+        """The count exchange. ``header``: a ``comm.header.CallHeader`` checked across ranks before any row moves
+        where the backend has a host sync to check it at (torch); the others accept and ignore it."""
+        ...
 
     def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int, *,
                  local_view: bool = False) -> Pending[Received]: ...

@@ -251,20 +251,34 @@ def rank_error(rank: int, exc: BaseException) -> RankError:
 
 
 class RankFailure(RuntimeError):
-    """A spawned rank failed. ``errors`` holds every ``RankError``, root cause first."""
+    """A spawned rank failed. ``errors`` holds every ``RankError``, root cause first; ``root_rank`` is the rank the
+    message blames first (a rank that never answered, where every reported failure only echoes it)."""
 
-    def __init__(self, message: str, errors: list[RankError] = ()):
+    def __init__(self, message: str, errors: list[RankError] = (), root_rank: int | None = None):
         super().__init__(message)
         self.errors = list(errors)
+        self._root = root_rank if root_rank is not None else (self.errors[0].rank if self.errors else None)
 
     @property
     def root_rank(self) -> int | None:
-        return self.errors[0].rank if self.errors else None
+        return self._root
 
 
 def order_errors(errors: list[RankError]) -> list[RankError]:
     """Root cause first: the earliest non-secondary failure (the earliest of all if every one is)."""
     return sorted(errors, key=lambda e: (e.secondary, e.time))
+
+
+def _blame_silent(errors: list[RankError], silent: Mapping[int, str]) -> bool:
+    return bool(silent) and all(e.secondary for e in errors)
+
+
+def root_rank(errors: list[RankError], silent: Mapping[int, str]) -> int | None:
+    """The rank ``format_failures`` names first: the first silent rank where every failure is secondary, else the
+    root cause among the errors."""
+    if _blame_silent(errors, silent):
+        return min(silent)
+    return order_errors(errors)[0].rank if errors else None
 
 
 def format_failures(errors: list[RankError], silent: Mapping[int, str], what: str) -> str:
@@ -276,7 +290,7 @@ def format_failures(errors: list[RankError], silent: Mapping[int, str], what: st
     errors = order_errors(errors)
     lines = [f"{what}: {len(errors)} rank(s) failed, {len(silent)} stopped"]
     t0 = errors[0].time if errors else 0.0
-    blame_silent = bool(silent) and all(e.secondary for e in errors)
+    blame_silent = _blame_silent(errors, silent)
     silent_lines = []
     for r, why in sorted(silent.items()):
         why, _, stack = why.partition("\n")
@@ -298,15 +312,29 @@ def install_stack_dump(path: str) -> None:
         faulthandler.register(signal.SIGUSR1, file=open(path, "w"), all_threads=True)
 
 
-def collect(procs, results_q, deadline: float, grace_s: float) -> tuple[dict, list[RankError], dict]:
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def collect(procs, results_q, deadline: float, grace_s: float, tails: "StderrTails | None" = None
+            ) -> tuple[dict, list[RankError], dict]:
     """Parent side: wait for one message per rank (``("ok", rank, pickled)`` or ``("err", RankError)``).
 
     Stops at the deadline (``time.monotonic()``) or ``grace_s`` after the first failure.
     Returns (results by rank, errors, {rank: why it is silent}) for ranks that did not answer.
+    ``tails``: the ranks' stderr files, forwarded while waiting; a rank that dies without reporting (a signal, an
+    abort in C++) is reported with its last lines.
     """
     pending, results, errors = set(range(len(procs))), {}, []
     first_fail, dead_since = None, {}
     while pending:
+        if tails is not None:
+            tails.pump()
         now = time.monotonic()
         if now > deadline or (first_fail is not None and now > first_fail + grace_s):
             break
@@ -319,8 +347,11 @@ def collect(procs, results_q, deadline: float, grace_s: float) -> tuple[dict, li
                 # A message may still sit in the pipe after exit: give it a moment before declaring death.
                 if now - dead_since.setdefault(r, now) > 1.0:
                     pending.discard(r)
-                    errors.append(RankError(time.time() - (now - dead_since[r]), r, f"process exited with code {procs[r].exitcode} "
-                                            "without reporting (killed? out of memory? os._exit?)", False))
+                    words = tails.last_lines(r) if tails is not None else ""
+                    errors.append(RankError(time.time() - (now - dead_since[r]), r,
+                                            f"process {_exit_reason(procs[r].exitcode)} without reporting (killed? out "
+                                            f"of memory? an abort in a library? os._exit?)"
+                                            + (f"; its last stderr lines:\n{words}" if words else ""), False))
                     first_fail = first_fail if first_fail is not None else now
             continue
         if msg[0] == "ok":
@@ -330,8 +361,41 @@ def collect(procs, results_q, deadline: float, grace_s: float) -> tuple[dict, li
             errors.append(msg[1])
             pending.discard(msg[1].rank)
             first_fail = first_fail if first_fail is not None else now
+    if tails is not None:
+        tails.pump()
     why = "deadline" if first_fail is None else f"no answer {grace_s:g} s after the first failure"
     return results, errors, {r: why for r in pending}
+
+
+class StderrTails:
+    """Parent side: each self-spawned rank writes its stderr (fd 2, C++ libraries included) to a file of its own;
+    ``pump`` copies what is new to this process's stderr, ``last_lines`` gives a rank's last lines (what gloo or
+    the C++ runtime wrote before an abort, which no Python handler sees)."""
+
+    def __init__(self, paths: Mapping[int, str]):
+        self.paths, self.offsets = dict(paths), {r: 0 for r in paths}
+
+    def pump(self) -> None:
+        for r, path in self.paths.items():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[r])
+                    chunk = f.read()
+            except OSError:
+                continue
+            if chunk:
+                self.offsets[r] += len(chunk)
+                sys.stderr.write(chunk.decode(errors="replace"))
+                sys.stderr.flush()
+
+    def last_lines(self, rank: int, n: int = 8) -> str:
+        try:
+            with open(self.paths[rank], "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + ln for ln in lines[-n:])
 
 
 def stop(procs, stack_files: Mapping[int, str] | None = None, silent: dict | None = None) -> None:
@@ -424,7 +488,16 @@ class _StopOnSignals:
         return False
 
 
+def _stderr_to(path: str) -> None:
+    """Child side: fd 2 goes to ``path`` (the parent forwards it, see ``StderrTails``)."""
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _spawn_main(fn, args, rank, world_size, backend, tmp, timeout_s, results_q, parent_pid, high_priority):
+    _stderr_to(os.path.join(tmp, f"stderr.{rank}"))
     die_with_parent(parent_pid)
     install_stack_dump(os.path.join(tmp, f"stack.{rank}"))
     try:
@@ -485,13 +558,15 @@ def spawn(fn: Callable, nprocs: int | None = None, args: tuple = (), backend: st
             try:
                 for p in procs:
                     p.start()
-                results, errors, silent = collect(procs, results_q, time.monotonic() + deadline_s, grace_s)
+                tails = StderrTails({r: os.path.join(tmp, f"stderr.{r}") for r in range(nprocs)})
+                results, errors, silent = collect(procs, results_q, time.monotonic() + deadline_s, grace_s, tails)
                 stop(procs, {r: os.path.join(tmp, f"stack.{r}") for r in range(nprocs)}, silent)
+                tails.pump()
             finally:
                 stop(procs)
     if errors or silent:
         what = f"spawn({getattr(fn, '__qualname__', fn)}, nprocs={nprocs}, backend={backend})"
         if not errors:
             what += f" passed its deadline of {deadline_s:g} s"
-        raise RankFailure(format_failures(errors, silent, what), order_errors(errors))
+        raise RankFailure(format_failures(errors, silent, what), order_errors(errors), root_rank(errors, silent))
     return [pickle.loads(results[r]) for r in range(nprocs)]

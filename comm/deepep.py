@@ -117,7 +117,8 @@ class DeepEPBackend:
             nvl = max(nvl, c.get_nvl_buffer_size_hint(hidden_bytes, ep.size))
         self.buffer = Buffer(ep.pg, nvl, 0)
 
-    def prepare(self, layout: DispatchLayout) -> DeepEPPlan:
+    def prepare(self, layout: DispatchLayout, header=None) -> DeepEPPlan:
+        """The layout per wave (DeepEP exchanges counts inside each dispatch); ``header`` is not checked here."""
         plan = layout.plan
         if plan.num_ranks != self.ep.size:
             raise ValueError(f"WavePlan.num_ranks={plan.num_ranks}: must equal the EP group size {self.ep.size}")

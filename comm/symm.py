@@ -166,9 +166,10 @@ class SymmBackend:
             f"The rows past the capacity were not sent: that call's output (and any since) was poisoned with NaN.")
 
     # ---------------------------------------------------------------- count exchange
-    def prepare(self, layout: DispatchLayout) -> SymmPlan:
+    def prepare(self, layout: DispatchLayout, header=None) -> SymmPlan:
         """Exchange counts and build the index tables (device-side). Dispatch the plan's waves before the
-        next ``prepare``: its count writes are ordered behind the peers' reads by the wave barriers."""
+        next ``prepare``: its count writes are ordered behind the peers' reads by the wave barriers. ``header`` is
+        not checked here (no host sync to check it at, see ``moe_wave.comm.header``)."""
         plan = layout.plan
         P, W, e, me = plan.num_ranks, plan.num_waves, plan.num_local_experts, self.ep.rank
         if P != self.ep.size:

@@ -5,7 +5,8 @@ D hidden.
 
 NCCL/RCCL on GPU, gloo on CPU. Splits live on the host, so ``prepare`` holds the one host sync of
 the layer: after the count exchange it copies every count (and the topk_ids range, for validation)
-to the host in a single transfer. Rows travel with their routing metadata (K local expert ids, then K fp32 weights, 8K bytes)
+to the host in a single transfer. The count exchange carries the call header (``moe_wave.comm.header``), checked
+there before any row moves. Rows travel with their routing metadata (K local expert ids, then K fp32 weights, 8K bytes)
 bit-cast into extra columns of the row, so a wave is one collective each way.
 On GPU every collective is issued from the comm stream (its NCCL kernels then run on the process
 group's stream in issue order: dispatch(0) dispatch(1) combine(0) dispatch(2) ...), and ``wait``
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 from .backend import CombineOut, ExchangePlan, Pending, Received, WaveHandle, pending_after, refuse_once
 from .group import EPGroup
+from .header import NUM_FIELDS, CallHeader, check_headers
 from .layout import DispatchLayout
 
 __all__ = ["TorchBackend", "TorchPlan", "TorchHandle"]
@@ -74,7 +76,9 @@ class TorchBackend:
         self.comm_stream = comm_stream
 
     # ---------------------------------------------------------------- count exchange
-    def prepare(self, layout: DispatchLayout) -> TorchPlan:
+    def prepare(self, layout: DispatchLayout, header: CallHeader | None = None) -> TorchPlan:
+        """The count exchange, with ``header`` (``moe_wave.comm.header``; None: zeros) in its first columns: every
+        rank checks every rank's header on the host before any row moves (``HeaderMismatch`` on every rank)."""
         plan = layout.plan
         P, W, e = plan.num_ranks, plan.num_waves, plan.num_local_experts
         if P != self.ep.size:
@@ -85,7 +89,10 @@ class TorchBackend:
         per_peer = torch.cat([layout.send_counts_WP.t().unsqueeze(-1),            # [P, W, 1]
                               layout.pair_counts_WPe.permute(1, 0, 2)], -1)        # [P, W, e]
         rng = torch.stack([layout.ids_min, layout.ids_max]).to(dev)
-        send_PX = torch.cat([per_peer.reshape(P, -1), rng.expand(P, 2)], 1).contiguous()
+        head = torch.tensor(header.encode() if header is not None else [0] * NUM_FIELDS, dtype=rng.dtype)
+        if dev.type != "cpu":   # pinned and non_blocking: the header adds no host sync of its own
+            head = head.pin_memory().to(dev, non_blocking=True)
+        send_PX = torch.cat([head.expand(P, NUM_FIELDS), per_peer.reshape(P, -1), rng.expand(P, 2)], 1).contiguous()
         if P == 1:
             recv_PX = send_PX
         else:
@@ -97,7 +104,8 @@ class TorchBackend:
             st.wait_stream(cur, self.comm_stream)
         # HOST SYNC (the only one of the layer on this backend): splits must be host ints.
         host = torch.stack([send_PX, recv_PX]).cpu()
-        send_h, recv_h = host[0], host[1]
+        check_headers(host[1, :, :NUM_FIELDS].tolist())     # before the range: a desync explains a bad range
+        send_h, recv_h = host[0, :, NUM_FIELDS:], host[1, :, NUM_FIELDS:]
         self._check_range(recv_h[:, -2:], plan.num_experts)
         send_WP1e = send_h[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)   # [W, P, 1+e]
         recv_WP1e = recv_h[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)   # [W, P(src), 1+e]
@@ -107,7 +115,7 @@ class TorchBackend:
         offs = [0]
         for w in range(W):
             offs.append(offs[-1] + sum(send_counts[w]))
-        recv_dev = recv_PX[:, :-2].view(P, W, 1 + e).permute(1, 0, 2)
+        recv_dev = recv_PX[:, NUM_FIELDS:-2].view(P, W, 1 + e).permute(1, 0, 2)
         # Every wave's routing metadata in one kernel: [S, 2K] int32 (K local ids, K fp32 weights).
         meta_SM = torch.cat([layout.send_expert_SK, layout.send_weight_SK.view(torch.int32)], 1)
         return TorchPlan(layout=layout, recv_counts_WP=recv_dev[..., 0], recv_pairs_WPe=recv_dev[..., 1:],

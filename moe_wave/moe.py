@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from moe_wave.comm import EPGroup
 from moe_wave.comm import streams as st
+from moe_wave.comm.header import CallHeader, HeaderMismatch
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.torch_backend import TorchBackend
 
@@ -35,6 +36,15 @@ __all__ = ["WaveMoE", "make_backend", "resolve_backend", "shared_backend"]
 # (group, rank, backend name, options) -> the backend every WaveMoE of this process shares (see ``shared_backend``)
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _ONE_HOST: dict = {}      # id(process group) -> whether its ranks share one host (asked once per group)
+_BUILT: dict = {}         # id(process group) -> WaveMoE schedules made over it (the ranks make them together)
+
+
+def _number(ep: EPGroup) -> int:
+    """The next module number of ``ep``'s group: every rank builds (and reschedules) its modules together, in the
+    same order (``_check_agree`` is collective), so the numbers agree between ranks."""
+    key = id(ep.pg) if ep.pg is not None else None
+    _BUILT[key] = _BUILT.get(key, 0) + 1
+    return _BUILT[key]
 
 
 def _one_host(ep: EPGroup) -> bool:
@@ -198,6 +208,7 @@ class WaveMoE(nn.Module):
     def _schedule(self, wave: WaveConfig, backend) -> None:
         """Take ``wave`` as the schedule, over ``backend``."""
         self.wave, self.backend = wave, backend
+        self.number, self.calls = _number(self.ep), 0      # the call header's module and call fields
         self.plan = WavePlan.make(num_ranks=self.ep.size, num_local_experts=self.num_local,
                                   num_waves=wave.waves_for(self.num_local), partition=wave.partition,
                                   sends=wave.sends)
@@ -320,6 +331,7 @@ class WaveMoE(nn.Module):
                 num_valid: torch.Tensor | None = None):
         """``num_valid``: see ``forward_routed`` (a caller that pads, e.g. a decoder layer's own graph); with it the
         call runs eagerly (or inside the caller's capture)."""
+        self.calls += 1         # before any check: a call that raises on one rank only still counts there
         x_TD = self._check_input(x)
         overlap = self.wave.overlap if overlap is None else overlap
         g = self.graphs
@@ -332,7 +344,7 @@ class WaveMoE(nn.Module):
 
     def _forward_eager(self, x_TD, input_ids, *, overlap: bool, num_valid: torch.Tensor | None = None):
         ids_TK, w_TK = self.route(x_TD, input_ids)
-        return self.forward_routed(x_TD, ids_TK, w_TK, overlap=overlap, num_valid=num_valid)
+        return self._forward_routed(x_TD, ids_TK, w_TK, overlap=overlap, num_valid=num_valid)
 
     @torch.no_grad()
     def forward_routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *,
@@ -340,6 +352,15 @@ class WaveMoE(nn.Module):
         """The MoE after routing: dispatch -> experts -> combine (+ shared); [T, D] in x's dtype. ``num_valid``
         (a 0-dim device tensor n): the tokens past n are padding, sent nowhere (their rows hold only the shared
         expert's output)."""
+        self.calls += 1
+        return self._forward_routed(x_TD, ids_TK, w_TK, overlap=overlap, num_valid=num_valid)
+
+    def header(self, x_TD: torch.Tensor, overlap: bool) -> CallHeader:
+        """This call's header (``moe_wave.comm.header``), checked across ranks by the count exchange."""
+        return CallHeader(kind="WaveMoE.forward", module=self.number, call=self.calls, overlap=bool(overlap),
+                          hidden=x_TD.shape[-1], dtype=x_TD.dtype)
+
+    def _forward_routed(self, x_TD, ids_TK, w_TK, *, overlap: bool, num_valid: torch.Tensor | None):
         if self._auto_pending:   # every rank together: measures once per shape (cached)
             choice = autowave.resolve(self, x_TD, ids_TK, w_TK)
             self.plan, self.auto_source, self.auto_model = choice.plan, choice.source, choice.model
@@ -350,7 +371,12 @@ class WaveMoE(nn.Module):
         if shared is not None:
             shared.start(x_TD)
         with annotate("prepare"):
-            xplan = self.backend.prepare(layout)
+            try:
+                xplan = self.backend.prepare(layout, header=self.header(x_TD, overlap))
+            except HeaderMismatch as e:     # every rank raises it: the same module agrees on its count again
+                if all(h["module"] == self.number for h in e.headers):
+                    self.calls = max(h["call"] for h in e.headers)
+                raise
         acc_TD = torch.empty(x_TD.shape, dtype=torch.float32, device=x_TD.device)   # wave 0 writes every row
         # the last wave's combine sums its rows, adds shared(x) (fp32) and writes the result in x's dtype in
         # one pass: the same fp32 operations as accumulating, adding and casting one after another

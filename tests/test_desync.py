@@ -1,0 +1,121 @@
+"""Calls that go out of step between ranks (issue 53, item 2): a per-call ``overlap`` that differs by rank, an error
+caught on one rank only, ranks calling layers of different hidden sizes. The call header in the count exchange
+(``moe_wave.comm.header``) turns each into the same ValueError on every rank, naming the field and each rank's value,
+before any row moves (without it: gloo's size-mismatch abort, or a silently shifted pairing of calls). Also: a rank
+that dies by signal is reported with its last stderr lines, and ``RankFailure.root_rank`` agrees with the message."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_wave import MoEConfig, WaveConfig, WaveMoE
+from moe_wave.comm import RankFailure, spawn
+from moe_wave.comm.header import CallHeader, HeaderMismatch, check_headers
+
+CFG = MoEConfig.preset("tiny", num_experts=4, top_k=2)
+WAVE = WaveConfig(num_waves=2, backend="torch")
+
+
+def _moe(ep, cfg=CFG) -> WaveMoE:
+    torch.manual_seed(0)
+    m = WaveMoE(cfg, ep=ep, wave=WAVE)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    return m
+
+
+def _x(ep, D: int = CFG.hidden_size, T: int = 12) -> torch.Tensor:
+    return torch.randn(T, D, generator=torch.Generator().manual_seed(ep.rank))
+
+
+def _call(fn):
+    try:
+        return fn()
+    except ValueError as e:
+        return str(e)
+
+
+def _overlap_by_rank(ep):
+    m = _moe(ep)
+    first = _call(lambda: m(_x(ep), overlap=ep.rank == 0))
+    again = m(_x(ep), overlap=True)        # in step again: the next call runs
+    return first, tuple(again.shape)
+
+
+def _error_on_one_rank(ep):
+    m = _moe(ep)
+    if ep.rank == 0:                       # a serving loop catches this error and goes on
+        assert "dtype" in _call(lambda: m(_x(ep).double()))
+    first = _call(lambda: m(_x(ep)))
+    again = m(_x(ep))                      # the call counts agree again after the error
+    return first, tuple(again.shape)
+
+
+def _hidden_by_rank(ep):
+    a, b = _moe(ep), _moe(ep, MoEConfig.preset("tiny", num_experts=4, top_k=2, hidden_size=96))
+    m = (a, b)[ep.rank]
+    return _call(lambda: m(_x(ep, m.cfg.hidden_size))), None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fn, fields", [
+    (_overlap_by_rank, "overlap: rank 0 True, rank 1 False"),
+    (_error_on_one_rank, "call: rank 0 2, rank 1 1"),
+    (_hidden_by_rank, "hidden: rank 0 64, rank 1 96"),
+])
+def test_a_desync_is_the_same_error_on_every_rank(ranks, fn, fields):
+    (msg0, again0), (msg1, again1) = ranks(2).run(fn)
+    assert msg0 == msg1, (msg0, msg1)
+    assert "WaveMoE.forward out of step between ranks" in msg0 and fields in msg0, msg0
+    assert len(msg0.splitlines()) == 1
+
+
+def test_headers_name_each_field_and_value():
+    h = CallHeader(kind="WaveMoE.forward", module=3, call=7, overlap=True, hidden=64, dtype=torch.bfloat16)
+    check_headers([h.encode(), h.encode()])
+    other = CallHeader(kind="WaveMoE.forward", module=3, call=7, overlap=True, hidden=64, dtype=torch.float32)
+    with pytest.raises(HeaderMismatch, match=r"\(dtype: rank 0 bfloat16, rank 1 float32\): every rank must") as e:
+        check_headers([h.encode(), other.encode()])
+    assert [x["call"] for x in e.value.headers] == [7, 7]
+    with pytest.raises(ValueError, match=r"kind: rank 0 WaveMoE.forward, rank 1 none"):
+        check_headers([h.encode(), [0] * len(h.encode())])
+
+
+# ----------------------------------------------------------------------------- failure reports
+
+def _abort_rank1(ep):
+    if ep.rank == 1:
+        os.write(2, b"gloo/transport: message size mismatch (the last words before the abort)\n")
+        os.kill(os.getpid(), signal.SIGABRT)
+    dist.barrier()
+    return ep.rank
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_quotes_its_last_stderr_lines():
+    with pytest.raises(RankFailure) as info:
+        spawn(_abort_rank1, 2, backend="gloo", timeout_s=10, grace_s=2)
+    msg = str(info.value)
+    assert info.value.root_rank == 1, msg[-3000:]
+    assert "killed by SIGABRT" in msg and "message size mismatch (the last words before the abort)" in msg, msg[-3000:]
+
+
+def _slow_rank1(ep):
+    if ep.rank == 1:
+        time.sleep(60)          # still working long after rank 0's collective timed out
+    dist.all_reduce(torch.ones(1))
+    return ep.rank
+
+
+@pytest.mark.timeout(120)
+def test_root_rank_agrees_with_the_message_for_a_slow_rank():
+    with pytest.raises(RankFailure) as info:
+        spawn(_slow_rank1, 2, backend="gloo", timeout_s=3, grace_s=2)
+    assert "rank 1 (PROBABLE ROOT CAUSE" in str(info.value)
+    assert info.value.root_rank == 1
