@@ -6,17 +6,16 @@
 - ``spawn(fn)`` starts N local ranks itself (no launcher: the CLI demo, scripts), loopback only,
   and turns a failure into one ``RankFailure`` that names the failing rank's traceback first.
 
-The failure supervision (``RankError``, ``collect``, ``stop``, ``format_failures``) is shared with
-the test harness ``tests/ranks.py``.
+The failure supervision (``RankError``, ``collect``, ``stop``, ``format_failures``) lives in
+``moe_wave.comm.supervise``, shared with the test harness ``tests/ranks.py``; this module re-exports it.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
-import faulthandler
 import os
 import pickle
-import queue
 import re
 import signal
 import socket
@@ -24,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -32,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .group import EPGroup
+from .supervise import (RankError, RankFailure, StderrTails, collect, format_failures, install_stack_dump,  # noqa: F401
+                        is_secondary, order_errors, rank_error, root_rank, stop)
 
 __all__ = ["LaunchInfo", "RankFailure", "RankError", "detect_launcher", "init_from_env", "spawn",
            "set_safe_env", "format_failures", "die_with_parent", "MULTICAST_OFF"]
@@ -147,6 +147,13 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _rmdir_quietly(path: str) -> None:
+    try:
+        os.rmdir(path)          # only once empty: another rank may still hold the store file
+    except OSError:
+        pass
+
+
 def _mpi_rendezvous(info: LaunchInfo) -> str:
     """Agree on the rendezvous through MPI. On one host: a ``file://`` store in a fresh temp dir that rank 0
     makes (no listening socket at all); across hosts: ``tcp://addr:port``, rank 0 picks a free port (the
@@ -160,6 +167,8 @@ def _mpi_rendezvous(info: LaunchInfo) -> str:
     if len(set(hosts)) == 1 and "MASTER_ADDR" not in os.environ:
         path = tempfile.mkdtemp(prefix="moe_wave_mpi_") if info.rank == 0 else None
         path = comm.bcast(path, root=0)
+        # the file store deletes its file when its last user is gone; the last rank to exit removes the folder
+        atexit.register(_rmdir_quietly, path)
         return f"file://{os.path.join(path, 'store')}"
     default = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
     addr = os.environ.get("MASTER_ADDR", default)
@@ -171,7 +180,57 @@ def _mpi_rendezvous(info: LaunchInfo) -> str:
     return f"tcp://{addr}:{port}"
 
 
-def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = True) -> EPGroup:
+def _env_names(info: LaunchInfo) -> str:
+    return ", ".join(f"{k}={os.environ.get(k)}" for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _no_launch(info: LaunchInfo, why: str) -> ValueError:
+    return ValueError(f"{_env_names(info)} are set but no launch is behind them ({why}): unset them to run without a "
+                      f"launcher, or start every rank (torchrun --nproc-per-node {info.world_size} ...)")
+
+
+def _env_store(info: LaunchInfo, timeout_s: float, join_s: float):
+    """The store of a plain env:// launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, no torchrun agent):
+    rank 0 listens on MASTER_ADDR only (not on every interface), the others connect; every rank must have joined
+    within ``join_s`` seconds, else a ValueError naming the variables (variables left in a shell from an earlier
+    run are no launch: nobody else comes)."""
+    addr = os.environ["MASTER_ADDR"]
+    port = _int(os.environ, "MASTER_PORT")
+    deadline = time.monotonic() + join_s
+    if info.rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr, port))
+        except OSError as e:
+            sock.close()
+            raise _no_launch(info, f"rank 0 cannot listen on {addr}:{port}: {e.strerror}") from None
+        sock.listen(max(128, info.world_size))
+        # detach: the store serves on this descriptor, which Python must not close when ``sock`` is collected
+        store = dist.TCPStore(addr, port, info.world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=sock.detach())
+    else:
+        while True:     # a plain connect first: the store's own client logs every failed try in C++
+            try:
+                socket.create_connection((addr, port), timeout=1.0).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise _no_launch(info, f"no store at {addr}:{port} within {join_s:g} s: {e.strerror or e}") from None
+                time.sleep(0.2)
+        store = dist.TCPStore(addr, port, info.world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+    joined = store.add("moe_wave/joined", 1)
+    while joined < info.world_size:
+        if time.monotonic() > deadline:
+            raise _no_launch(info, f"{joined} of {info.world_size} ranks joined within {join_s:g} s and no torchrun "
+                             f"agent (TORCHELASTIC_RUN_ID unset)")
+        time.sleep(0.1)
+        joined = store.add("moe_wave/joined", 0)
+    return store
+
+
+def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = True,
+                  join_s: float = 15) -> EPGroup:
     """Create the world process group for the detected launcher and return its ``EPGroup``.
 
     If torch.distributed is already initialised (a host application), its world group is
@@ -181,6 +240,8 @@ def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = T
         timeout_s: collective timeout of the new group (short: a dead peer fails fast).
         device: force the device (default: ``cuda:<local_rank>`` when every local rank has a GPU).
         high_priority: NCCL communicators on high-priority streams (``pg_options``).
+        join_s: a plain env:// launch (no torchrun agent) whose ranks have not all joined within this many
+            seconds is a ValueError naming the variables (see ``_env_store``).
     """
     if dist.is_available() and dist.is_initialized():
         return EPGroup.from_process_group(device=device)
@@ -188,14 +249,14 @@ def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = T
     info = detect_launcher()
     if info.kind == "none":
         return EPGroup.single(device)
-    if info.rank == 0:
-        print(f"[moe-wave] launcher {info.kind}: {info.world_size} ranks, {info.local_world_size} on this host",
-              file=sys.stderr, flush=True)
     backend, dev = _pick_backend(info.local_world_size, info.local_rank, device)
+    store = None
     if info.kind == "torchrun":
         init_method = "env://"
         if info.local_world_size == info.world_size:     # one host: gloo's own sockets on loopback only
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if "TORCHELASTIC_RUN_ID" not in os.environ:      # no agent: we make the store, and check that peers come
+            init_method, store = None, _env_store(info, timeout_s, join_s)
     elif info.kind in ("openmpi", "mpich"):
         init_method = _mpi_rendezvous(info)
     else:
@@ -204,8 +265,11 @@ def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = T
             raise ValueError(f"under srun {' and '.join(missing)} must be set, e.g. "
                              "export MASTER_ADDR=$(scontrol show hostnames | head -n1) MASTER_PORT=29500")
         init_method = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend, high_priority))
+    if info.rank == 0:
+        print(f"[moe-wave] launcher {info.kind}: {info.world_size} ranks, {info.local_world_size} on this host",
+              file=sys.stderr, flush=True)
     return EPGroup.from_process_group(device=dev)
 
 
@@ -218,209 +282,6 @@ def pg_options(backend: str, high_priority: bool = True) -> dict:
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = True
     return {"pg_options": opts}
-
-
-# ----------------------------------------------------------------------------- failure supervision
-
-@dataclass(frozen=True)
-class RankError:
-    """One rank's failure: wall time, rank, formatted traceback, and whether it looks secondary
-    (a consequence of another rank's death: peer closed, collective timeout, backend error)."""
-
-    time: float
-    rank: int
-    traceback: str
-    secondary: bool
-
-
-_SECONDARY = re.compile(r"closed by peer|reset by peer|broken pipe|timed? ?out|connection refused|"
-                        r"ECONNRESET|EPIPE|aborted|peer .*(died|exited|closed)", re.IGNORECASE)
-
-
-def is_secondary(exc: BaseException) -> bool:
-    """True when ``exc`` (or its cause) looks like the echo of another rank's failure."""
-    while exc is not None:
-        if isinstance(exc, dist.DistError) or _SECONDARY.search(str(exc)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def rank_error(rank: int, exc: BaseException) -> RankError:
-    return RankError(time.time(), rank, traceback.format_exc(), is_secondary(exc))
-
-
-class RankFailure(RuntimeError):
-    """A spawned rank failed. ``errors`` holds every ``RankError``, root cause first; ``root_rank`` is the rank the
-    message blames first (a rank that never answered, where every reported failure only echoes it)."""
-
-    def __init__(self, message: str, errors: list[RankError] = (), root_rank: int | None = None):
-        super().__init__(message)
-        self.errors = list(errors)
-        self._root = root_rank if root_rank is not None else (self.errors[0].rank if self.errors else None)
-
-    @property
-    def root_rank(self) -> int | None:
-        return self._root
-
-
-def order_errors(errors: list[RankError]) -> list[RankError]:
-    """Root cause first: the earliest non-secondary failure (the earliest of all if every one is)."""
-    return sorted(errors, key=lambda e: (e.secondary, e.time))
-
-
-def _blame_silent(errors: list[RankError], silent: Mapping[int, str]) -> bool:
-    return bool(silent) and all(e.secondary for e in errors)
-
-
-def root_rank(errors: list[RankError], silent: Mapping[int, str]) -> int | None:
-    """The rank ``format_failures`` names first: the first silent rank where every failure is secondary, else the
-    root cause among the errors."""
-    if _blame_silent(errors, silent):
-        return min(silent)
-    return order_errors(errors)[0].rank if errors else None
-
-
-def format_failures(errors: list[RankError], silent: Mapping[int, str], what: str) -> str:
-    """One message: the root cause's traceback, then the other ranks', then ranks that never answered.
-
-    Where every reported failure is secondary (timeouts, closed connections) and some ranks never answered,
-    those ranks come first as the probable root cause: they were still working (or hanging) while the others
-    gave up waiting for them, and their stacks say where."""
-    errors = order_errors(errors)
-    lines = [f"{what}: {len(errors)} rank(s) failed, {len(silent)} stopped"]
-    t0 = errors[0].time if errors else 0.0
-    blame_silent = _blame_silent(errors, silent)
-    silent_lines = []
-    for r, why in sorted(silent.items()):
-        why, _, stack = why.partition("\n")
-        tag = "PROBABLE ROOT CAUSE: still running while the others gave up" if blame_silent else "stopped"
-        silent_lines += [f"===== rank {r} ({tag}: {why}) =====", *([stack] if stack else [])]
-    if blame_silent:
-        lines += silent_lines
-    for i, e in enumerate(errors):
-        tag = "ROOT CAUSE" if i == 0 and not blame_silent else ("secondary" if e.secondary else "also failed")
-        lines += [f"===== rank {e.rank} ({tag}, {e.time - t0:+.2f} s) =====", e.traceback.rstrip()]
-    if not blame_silent:
-        lines += silent_lines
-    return "\n".join(lines)
-
-
-def install_stack_dump(path: str) -> None:
-    """Child side: SIGUSR1 writes every thread's stack to ``path`` (read when a rank hangs)."""
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=open(path, "w"), all_threads=True)
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def collect(procs, results_q, deadline: float, grace_s: float, tails: "StderrTails | None" = None
-            ) -> tuple[dict, list[RankError], dict]:
-    """Parent side: wait for one message per rank (``("ok", rank, pickled)`` or ``("err", RankError)``).
-
-    Stops at the deadline (``time.monotonic()``) or ``grace_s`` after the first failure.
-    Returns (results by rank, errors, {rank: why it is silent}) for ranks that did not answer.
-    ``tails``: the ranks' stderr files, forwarded while waiting; a rank that dies without reporting (a signal, an
-    abort in C++) is reported with its last lines.
-    """
-    pending, results, errors = set(range(len(procs))), {}, []
-    first_fail, dead_since = None, {}
-    while pending:
-        if tails is not None:
-            tails.pump()
-        now = time.monotonic()
-        if now > deadline or (first_fail is not None and now > first_fail + grace_s):
-            break
-        try:
-            msg = results_q.get(timeout=0.05)
-        except queue.Empty:
-            for r in list(pending):
-                if procs[r].is_alive():
-                    continue
-                # A message may still sit in the pipe after exit: give it a moment before declaring death.
-                if now - dead_since.setdefault(r, now) > 1.0:
-                    pending.discard(r)
-                    words = tails.last_lines(r) if tails is not None else ""
-                    errors.append(RankError(time.time() - (now - dead_since[r]), r,
-                                            f"process {_exit_reason(procs[r].exitcode)} without reporting (killed? out "
-                                            f"of memory? an abort in a library? os._exit?)"
-                                            + (f"; its last stderr lines:\n{words}" if words else ""), False))
-                    first_fail = first_fail if first_fail is not None else now
-            continue
-        if msg[0] == "ok":
-            results[msg[1]] = msg[2]
-            pending.discard(msg[1])
-        else:
-            errors.append(msg[1])
-            pending.discard(msg[1].rank)
-            first_fail = first_fail if first_fail is not None else now
-    if tails is not None:
-        tails.pump()
-    why = "deadline" if first_fail is None else f"no answer {grace_s:g} s after the first failure"
-    return results, errors, {r: why for r in pending}
-
-
-class StderrTails:
-    """Parent side: each self-spawned rank writes its stderr (fd 2, C++ libraries included) to a file of its own;
-    ``pump`` copies what is new to this process's stderr, ``last_lines`` gives a rank's last lines (what gloo or
-    the C++ runtime wrote before an abort, which no Python handler sees)."""
-
-    def __init__(self, paths: Mapping[int, str]):
-        self.paths, self.offsets = dict(paths), {r: 0 for r in paths}
-
-    def pump(self) -> None:
-        for r, path in self.paths.items():
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets[r])
-                    chunk = f.read()
-            except OSError:
-                continue
-            if chunk:
-                self.offsets[r] += len(chunk)
-                sys.stderr.write(chunk.decode(errors="replace"))
-                sys.stderr.flush()
-
-    def last_lines(self, rank: int, n: int = 8) -> str:
-        try:
-            with open(self.paths[rank], "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join("    " + ln for ln in lines[-n:])
-
-
-def stop(procs, stack_files: Mapping[int, str] | None = None, silent: dict | None = None) -> None:
-    """Terminate the still-running ranks; first ask the silent ones for their stacks (why they hang)."""
-    if stack_files and silent:
-        for r in silent:
-            if procs[r].is_alive() and hasattr(signal, "SIGUSR1"):
-                os.kill(procs[r].pid, signal.SIGUSR1)
-        time.sleep(0.3)
-        for r in silent:
-            try:
-                with open(stack_files[r]) as f:
-                    stack = f.read().strip()
-            except OSError:
-                stack = ""
-            if stack:
-                silent[r] += ", its stack below\n" + stack
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=3)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=3)
 
 
 # ----------------------------------------------------------------------------- self-spawn
@@ -467,7 +328,9 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 
 class _StopOnSignals:
     """Parent side: SIGTERM and SIGINT raise in the main thread (SystemExit / KeyboardInterrupt), so that the
-    spawning call's cleanup stops the ranks before the process goes; the previous handlers come back after."""
+    spawning call's cleanup stops the ranks before the process goes; the previous handlers come back after.
+    ``start`` starts the ranks with SIGINT ignored (inherited): Ctrl-C, which the terminal sends to the whole
+    process group, then reaches only this process, which stops them (no traceback from each rank)."""
 
     def __enter__(self):
         self._old = {}
@@ -475,6 +338,16 @@ class _StopOnSignals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._raise)
         return self
+
+    def start(self, procs) -> None:
+        if signal.SIGINT in self._old:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if signal.SIGINT in self._old:
+                signal.signal(signal.SIGINT, self._raise)
 
     @staticmethod
     def _raise(signum, frame):
@@ -554,10 +427,9 @@ def spawn(fn: Callable, nprocs: int | None = None, args: tuple = (), backend: st
         procs = [ctx.Process(target=_spawn_main, args=(fn, args, r, nprocs, backend, tmp, timeout_s, results_q,
                                                         os.getpid(), high_priority),
                              daemon=True, name=f"moe_wave-rank{r}") for r in range(nprocs)]
-        with _StopOnSignals():     # SIGTERM / SIGINT to this process stop the ranks first
+        with _StopOnSignals() as signals:     # SIGTERM / SIGINT to this process stop the ranks first
             try:
-                for p in procs:
-                    p.start()
+                signals.start(procs)
                 tails = StderrTails({r: os.path.join(tmp, f"stderr.{r}") for r in range(nprocs)})
                 results, errors, silent = collect(procs, results_q, time.monotonic() + deadline_s, grace_s, tails)
                 stop(procs, {r: os.path.join(tmp, f"stack.{r}") for r in range(nprocs)}, silent)
