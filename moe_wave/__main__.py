@@ -2,7 +2,11 @@
 
 import sys
 
-from moe_wave.cli import main
-
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        from moe_wave.cli import main
+
+        sys.exit(main())
+    except KeyboardInterrupt:      # during the imports, before main's own handler is in place
+        print("moe-wave: interrupted", file=sys.stderr)
+        sys.exit(130)

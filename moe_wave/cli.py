@@ -8,6 +8,9 @@ launcher's ranks. ``sweep`` and ``plot``: ``moe_wave.tools.sweep``. ``plan``: ``
 The environment is read here, once per command (``moe_wave.env.read_env``), and merged with the flags under
 one rule: a flag given > its ``MOE_WAVE_*`` variable > the default. The ranks get the result as arguments
 (the ``WaveConfig`` / ``SymmOptions`` their function builds), never through the environment.
+
+torch and the tools are imported when a command runs, not at import: ``python -m moe_wave --help`` and
+``--version`` print from ``COMMANDS`` alone. Ctrl-C ends any command with one line, exit 130.
 """
 
 from __future__ import annotations
@@ -18,18 +21,32 @@ import os
 import platform
 import sys
 
-import torch
-
 import moe_wave
-from moe_wave.comm import detect_launcher, init_from_env, spawn
-from moe_wave.comm.bootstrap import spawn_plan
-from moe_wave.env import VARIABLES, EnvSettings, read_env
-from moe_wave.profiling import set_nvtx
-from moe_wave.tools import plan, sweep
-from moe_wave.tools.demo import check_waves, format_table, print_demo, resolve_defaults, run_demo_rank
-from moe_wave.tools.flags import HelpFormatter, Parser, add_symm_args, at_least, seconds, waves
 
-__all__ = ["main", "build_parser", "run_demo_rank", "format_table"]
+__all__ = ["main", "build_parser", "run_demo_rank", "format_table", "COMMANDS"]
+
+DESCRIPTION = "Expert-parallel MoE engine for DeepSeek-V4."
+# Every command and its one-line help, in the order ``--help`` lists them (sweep, plot and plan register their
+# own parsers with the same help: tests/test_one_line.py compares the two).
+COMMANDS = {
+    "info": "versions, devices, comm backends, launcher",
+    "deep-ep-path": "print the folder to prepend to PYTHONPATH so that `import deep_ep` gives moe-wave's DeepEP V1 "
+                    "API (export PYTHONPATH=$(python -m moe_wave deep-ep-path):$PYTHONPATH)",
+    "demo": "run a stack of V4 decoder layers over EP ranks, serial vs overlapped, and check the results",
+    "sweep": "benchmark grid: serial/pipelined/comm/compute per point, CSV + plots",
+    "plot": "redraw the sweep plots from a sweep CSV",
+    "plan": "project the MoE layer to larger EP sizes and several hosts (a cost model fitted on the measured "
+            "benchmarks)",
+}
+
+
+def __getattr__(name: str):
+    """``run_demo_rank`` and ``format_table`` (moe_wave.tools.demo), imported on first use."""
+    if name in ("run_demo_rank", "format_table"):
+        from moe_wave.tools import demo
+
+        return getattr(demo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------- info
@@ -44,6 +61,8 @@ def _version(module: str) -> str | None:
 
 def comm_backends() -> list[str]:
     """The comm backends usable in this environment (``torch`` always)."""
+    import torch
+
     found = ["torch"]
     if torch.cuda.is_available() and _version("torch.distributed._symmetric_memory") is not None:
         found.append("symm")
@@ -53,6 +72,8 @@ def comm_backends() -> list[str]:
 
 
 def _devices() -> list[str]:
+    import torch
+
     if not torch.cuda.is_available():
         return [f"cpu ({os.cpu_count()} cores)"]
     return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
@@ -60,6 +81,11 @@ def _devices() -> list[str]:
 
 def info_lines(environ=None) -> list[tuple[str, str]]:
     """The rows of ``info``; ``environ`` (default ``os.environ``) is read once, through ``read_env``."""
+    import torch
+
+    from moe_wave.comm import detect_launcher
+    from moe_wave.env import VARIABLES, read_env
+
     environ = os.environ if environ is None else environ
     read_env(environ)   # a malformed MOE_WAVE_* value is an error here too
     accel = "none"
@@ -115,15 +141,23 @@ def cmd_info(args) -> int:
 
 def demo_args(args, environ=None):
     """``args`` completed (``resolve_defaults``) with the environment (default ``os.environ``), read once."""
-    env: EnvSettings = read_env(environ)
+    from moe_wave.env import read_env
+    from moe_wave.tools.demo import resolve_defaults
+
+    env = read_env(environ)
     resolve_defaults(args, env)
     args.high_priority = env.pick("nccl_high_priority", None, True)
     return args
 
 
 def cmd_demo(args) -> int:
-    launch = detect_launcher()
+    from moe_wave.comm import detect_launcher, init_from_env, spawn
+    from moe_wave.comm.bootstrap import spawn_plan
+    from moe_wave.profiling import set_nvtx
+    from moe_wave.tools.demo import check_waves, print_demo, run_demo_rank
+
     try:
+        launch = detect_launcher()      # a half-set launcher environment is a ValueError naming the variables
         demo_args(args)
         world_size = spawn_plan(args.ranks, None)[0] if launch.kind == "none" else launch.world_size
         check_waves(args, world_size)
@@ -136,7 +170,10 @@ def cmd_demo(args) -> int:
     else:
         import torch.distributed as dist
 
-        ep = init_from_env(timeout_s=args.timeout, high_priority=args.high_priority)
+        try:        # a launcher environment with no launch behind it (no agent, no peers) is named in one line
+            ep = init_from_env(timeout_s=args.timeout, high_priority=args.high_priority)
+        except ValueError as e:
+            return _bad_input("demo", e)
         try:
             row = run_demo_rank(ep, args)
         finally:
@@ -150,17 +187,30 @@ def cmd_demo(args) -> int:
 
 # ----------------------------------------------------------------------------- parser
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="moe-wave", description="Expert-parallel MoE engine for DeepSeek-V4.")
+def _top_parser(parser_class) -> tuple[argparse.ArgumentParser, object]:
+    p = parser_class(prog="moe-wave", description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"moe-wave {moe_wave.__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="versions, devices, comm backends, launcher").set_defaults(func=cmd_info)
-    sub.add_parser("deep-ep-path", help="print the folder to prepend to PYTHONPATH so that `import deep_ep` gives "
-                   "moe-wave's DeepEP V1 API (export PYTHONPATH=$(python -m moe_wave deep-ep-path):$PYTHONPATH)"
-                   ).set_defaults(func=cmd_deep_ep_path)
+    return p, p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="run a stack of V4 decoder layers over EP ranks, serial vs overlapped, "
-                       "and check the results", formatter_class=HelpFormatter)
+
+def light_parser() -> argparse.ArgumentParser:
+    """The top level alone (every command with its help, none of their flags): ``--help`` and ``--version`` with
+    no import of torch or the tools."""
+    p, sub = _top_parser(argparse.ArgumentParser)
+    for name, help_ in COMMANDS.items():
+        sub.add_parser(name, help=help_)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moe_wave.tools import plan, sweep
+    from moe_wave.tools.flags import HelpFormatter, Parser, add_symm_args, at_least, seconds, waves
+
+    p, sub = _top_parser(Parser)
+    sub.add_parser("info", help=COMMANDS["info"]).set_defaults(func=cmd_info)
+    sub.add_parser("deep-ep-path", help=COMMANDS["deep-ep-path"]).set_defaults(func=cmd_deep_ep_path)
+
+    d = sub.add_parser("demo", help=COMMANDS["demo"], formatter_class=HelpFormatter)
     d.add_argument("--ranks", type=at_least(1), default=None,
                    help="ranks to spawn without a launcher (default: every GPU, or 2 on CPU)")
     d.add_argument("--preset", choices=("tiny", "v4-flash", "v4-pro"), default=None,
@@ -216,8 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cmd = next((a for a in argv if a in COMMANDS), None)
+    try:
+        if argv in (["-h"], ["--help"], ["--version"]):
+            light_parser().parse_args(argv)        # prints and exits
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"moe-wave{' ' + cmd if cmd else ''}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

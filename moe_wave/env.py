@@ -6,14 +6,15 @@ into those arguments once, and the callers merge them under one rule everywhere:
 
     an explicit argument (a CLI flag, a keyword)  >  the environment  >  the default
 
-A malformed value is a ValueError naming the variable, the value and the rule.
+A malformed value is a ValueError naming the variable, the value and the rule. Every on/off variable takes 1 | 0,
+on | off, true | false, yes | no.
 
 ========================== ===================================== ==========================================
 variable                   becomes                               values
 ========================== ===================================== ==========================================
 MOE_WAVE_SYMM_CAPACITY     SymmOptions.capacity                  int >= 1
 MOE_WAVE_SYMM_MODE         SymmOptions.mode                      auto | kernel | copy
-MOE_WAVE_SYMM_DENSE        SymmOptions.dense                     auto | 1 | 0
+MOE_WAVE_SYMM_DENSE        SymmOptions.dense                     auto | 1 | 0 (on | off)
 MOE_WAVE_SYMM_SIGNAL       SymmOptions.signal                    barrier | flags | memops
 MOE_WAVE_SYMM_TIMEOUT_MS   SymmOptions.timeout_ms                int >= 1
 MOE_WAVE_SYMM_GRACE_S      SymmOptions.grace_s                   seconds > 0
@@ -24,10 +25,10 @@ MOE_WAVE_COPY_ROWS         SymmOptions.copy.rows                 power of two
 MOE_WAVE_COPY_GRID         SymmOptions.copy.grid                 int >= 0
 MOE_WAVE_OVERLAP           WaveConfig.overlap                    1 | 0
 MOE_WAVE_ATTN_OVERLAP      ScheduleConfig.overlap                1 | 0
-MOE_WAVE_ATTN_KERNELS      ScheduleConfig.kernels                auto | 1 | 0
+MOE_WAVE_ATTN_KERNELS      ScheduleConfig.kernels                auto | 1 | 0 (on | off)
 MOE_WAVE_ATTN_FP8          the tools' FP8 attention (quantize_fp8) 1 | 0
 MOE_WAVE_FP8_GEMM          fp8.set_fp8_gemm (the FP8 GEMMs)      auto | cublas | deepgemm
-MOE_WAVE_GRAPH             the tools' CUDA graphs (demo --graph) auto | 1 | 0
+MOE_WAVE_GRAPH             the tools' CUDA graphs (demo --graph) auto | 1 | 0 (on | off)
 MOE_WAVE_CACHE             WaveConfig.autowave_cache             a .json file or a folder; off: none
 MOE_WAVE_NVTX              profiling.set_nvtx                    1 | 0
 MOE_WAVE_NCCL_HIGH_PRIORITY init_from_env(high_priority=)        1 | 0
@@ -82,15 +83,19 @@ def _choice(var: str, v: str, choices) -> str:
     return v
 
 
-def _dense(var: str, v: str):
-    return None if _choice(var, v, ("auto", "1", "0")) == "auto" else v == "1"
+def _auto_flag(var: str, v: str) -> bool | None:
+    """auto (None), or a flag; the error lists every accepted value."""
+    s = v.strip().lower()
+    if s == "auto":
+        return None
+    if s in _TRUE or s in _FALSE:
+        return s in _TRUE
+    raise ValueError(f"{var}={v!r}: must be auto, 1 or 0 (also on/off, true/false, yes/no)")
 
 
 def _attn_kernels(var: str, v: str) -> str:
-    s = v.strip().lower()
-    if s == "auto":
-        return "auto"
-    return "on" if _flag(var, s) else "off"
+    on = _auto_flag(var, v)
+    return "auto" if on is None else ("on" if on else "off")
 
 
 def _cache(var: str, v: str) -> str | None:
@@ -101,7 +106,7 @@ def _cache(var: str, v: str) -> str | None:
 _SYMM = {
     "MOE_WAVE_SYMM_CAPACITY": ("symm.capacity", lambda k, v: _int(k, v, 1)),
     "MOE_WAVE_SYMM_MODE": ("symm.mode", lambda k, v: _choice(k, v, MODES)),
-    "MOE_WAVE_SYMM_DENSE": ("symm.dense", _dense),
+    "MOE_WAVE_SYMM_DENSE": ("symm.dense", _auto_flag),
     "MOE_WAVE_SYMM_SIGNAL": ("symm.signal", lambda k, v: _choice(k, v, SIGNALS)),
     "MOE_WAVE_SYMM_TIMEOUT_MS": ("symm.timeout_ms", lambda k, v: _int(k, v, 1)),
     "MOE_WAVE_SYMM_GRACE_S": ("symm.grace_s", _seconds),
@@ -117,7 +122,7 @@ _OTHER = {
     "MOE_WAVE_ATTN_KERNELS": ("attn_kernels", _attn_kernels),
     "MOE_WAVE_ATTN_FP8": ("attn_fp8", _flag),
     "MOE_WAVE_FP8_GEMM": ("fp8_gemm", lambda k, v: _choice(k, v.strip().lower(), FP8_GEMMS)),
-    "MOE_WAVE_GRAPH": ("graph", lambda k, v: None if v.strip().lower() == "auto" else _flag(k, v)),
+    "MOE_WAVE_GRAPH": ("graph", _auto_flag),
     "MOE_WAVE_CACHE": ("autowave_cache", _cache),
     "MOE_WAVE_NVTX": ("nvtx", _flag),
     "MOE_WAVE_NCCL_HIGH_PRIORITY": ("nccl_high_priority", _flag),
