@@ -272,11 +272,14 @@ def _mpirun() -> str | None:
 
 
 @pytest.mark.timeout(180)
-def test_demo_under_mpirun():
+def test_demo_under_mpirun(tmp_path):
     pytest.importorskip("mpi4py", reason="mpi4py not installed: pip install 'moe-wave[mpi]'")
     if _mpirun() is None:
         pytest.skip("no mpirun on PATH or beside this python (pip install 'moe-wave[mpi]' ships one)")
     probe = _run(["bash", "launch/mpirun.sh", "--version"], timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"mpirun cannot start in this sandbox: {(probe.stdout + probe.stderr)[-500:]}")
-    _assert_demo_ok(_run(["bash", "launch/mpirun.sh", *DEMO_ARGS]))
+    # the ranks' TMPDIR: the file store's folder must not outlive them
+    _assert_demo_ok(subprocess.run(["bash", "launch/mpirun.sh", *DEMO_ARGS], cwd=ROOT, capture_output=True, text=True,
+                                   env={**_env(), "TMPDIR": str(tmp_path)}, timeout=150))
+    assert not list(tmp_path.glob("moe_wave_mpi_*")), "the mpirun file-store folder is left behind"

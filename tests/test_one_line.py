@@ -163,3 +163,21 @@ def test_ctrl_c_is_one_line():
             proc.wait()
     assert proc.returncode == 130, err[-3000:]
     assert _one_line(err) == "moe-wave demo: interrupted"
+
+
+# ----------------------------------------------------------------------------- the sweep's --out
+
+@pytest.mark.timeout(120)
+def test_a_second_sweep_on_one_out_names_the_first(tmp_path):
+    from moe_wave.tools import sweep_csv
+
+    out = tmp_path / "s.csv"
+    with sweep_csv.locked(out):
+        proc = _cli("sweep", "--preset", "tiny", "--tokens", "8", "--waves", "1", "--out", str(out))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert _one_line(proc.stderr).startswith(f"moe-wave sweep: error: --out={str(out)!r} is in use by another sweep "
+                                             f"(pid {os.getpid()} on {socket.gethostname()} since ")
+    assert not out.exists(), "the second sweep wrote nothing"
+    assert not Path(f"{out}.lock").exists(), "the lock is gone with its holder"
+    with sweep_csv.locked(out):         # free again
+        pass

@@ -377,16 +377,18 @@ def run(args, env: EnvSettings | None = None, out_root: str | None = None) -> in
     if launch.kind == "none":
         nprocs, _ = spawn_plan(args.ranks, None)
         spec = build_spec(args, nprocs, "none", env, out_root)
-        _preflight(spec, show=True)
-        spawn(run_rank, nprocs, args=(spec,), timeout_s=args.timeout, deadline_s=args.deadline)
+        with sweep_csv.locked(spec["out"]):     # one sweep per --out: a second one names the first
+            _preflight(spec, show=True)
+            spawn(run_rank, nprocs, args=(spec,), timeout_s=args.timeout, deadline_s=args.deadline)
     else:
         spec = build_spec(args, launch.world_size, launch.kind, env, out_root)
-        _preflight(spec, show=launch.rank == 0)
-        import torch.distributed as dist
+        with sweep_csv.locked(spec["out"], take=launch.rank == 0):
+            _preflight(spec, show=launch.rank == 0)
+            import torch.distributed as dist
 
-        ep = init_from_env(timeout_s=args.timeout, high_priority=env.pick("nccl_high_priority", None, True))
-        run_rank(ep, spec)
-        dist.destroy_process_group()
+            ep = init_from_env(timeout_s=args.timeout, high_priority=env.pick("nccl_high_priority", None, True))
+            run_rank(ep, spec)
+            dist.destroy_process_group()
         if ep.rank != 0:
             return 0
     rows = read_rows(spec["out"])

@@ -9,13 +9,19 @@ A crash at any moment loses at most the row in flight:
   measured again), and are removed: the file is rewritten with its good rows (a temporary file, fsync'ed,
   then renamed over it), so a crash during the repair loses nothing either;
 - a file whose header is not this sweep's is a ValueError naming the file, the expected and the found
-  columns: it is never appended to.
+  columns: it is never appended to;
+- one sweep at a time per file (``locked``): a second sweep on the same ``--out`` is a ValueError naming the
+  one that holds it, instead of both appending the same points.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import datetime
+import fcntl
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +29,7 @@ from pathlib import Path
 from moe_wave.comm.layout import PARTITION_SPECS
 from moe_wave.config import BACKENDS, SHARED_PLACEMENTS
 
-__all__ = ["COLUMNS", "KEY", "SweepFile", "load", "read_rows", "resume", "RowWriter"]
+__all__ = ["COLUMNS", "KEY", "SweepFile", "load", "read_rows", "resume", "RowWriter", "locked"]
 
 KEY = ("shape", "hidden", "intermediate", "experts", "topk", "tokens_per_rank", "num_waves", "partition",
        "backend", "shared_placement", "dtype", "world_size")
@@ -231,3 +237,39 @@ def resume(path: str | os.PathLike, report=None) -> tuple[list[dict], RowWriter]
         path.parent.mkdir(parents=True, exist_ok=True)
         _rewrite(path, found.rows)
     return found.rows, RowWriter(path)
+
+
+@contextlib.contextmanager
+def locked(path: str | os.PathLike, take: bool = True):
+    """Hold ``<path>.lock`` (an flock, released by the kernel however the process ends) while the block runs; it
+    names its holder (pid, host, start time, command). Held elsewhere: a ValueError naming the holder. ``take``
+    False: no lock (a rank that does not write)."""
+    if not take:
+        yield
+        return
+    lock = Path(f"{path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said who"
+            os.close(fd)
+            raise ValueError(f"--out={str(path)!r} is in use by another sweep ({holder}): wait for it to end, or "
+                             f"pick another --out") from None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:        # not a lock file that its holder removed while we opened it
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        when = datetime.datetime.now().isoformat(timespec="seconds")
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {when}: {' '.join(sys.argv)}\n".encode(), 0)
+        yield
+    finally:
+        os.unlink(lock)
+        os.close(fd)
