@@ -302,6 +302,16 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
 
 
+def without_columns(headers: list[str], rows: list[list], drop) -> tuple[list[str], list[list]]:
+    """``headers`` and ``rows`` less the columns named in ``drop``."""
+    keep = [i for i, h in enumerate(headers) if h not in drop]
+    return [headers[i] for i in keep], [[r[i] for i in keep] for r in rows]
+
+
+# On CPU the ranks share a few cores and streams are no-ops: times are noise, and no ratio of them is shown
+CPU_NOTE = "on CPU the timings are not meaningful (the ranks share the cores; no streams): speedups left out"
+
+
 def _err(e) -> str:
     return "n/a" if e is None else f"{e[0]:.1e}"
 
@@ -363,15 +373,18 @@ def print_demo(res: dict, args) -> bool:
                     f"{st['overlapped_ms'] / ideal_sum:.2f}", f"{st['overlapped_ms'] / (sums['attn'] + sums['moe']):.2f}"]
                    if sums else ["n/a"] * 5)
                 + [_err(st["onoff"]), _err(st.get("graph")), _err(st["single"]), "ok" if ok else "FAIL"])
-    print(format_table(["layer", "type", "tokens/rank", "serial ms", "overlapped ms", "speedup", "attn ms", "moe ms",
-                        "ideal ms", "ovl/ideal", "ovl/parts", "on vs off", "graph vs eager", "vs single", "check"],
-                       rows))
+    headers = ["layer", "type", "tokens/rank", "serial ms", "overlapped ms", "speedup", "attn ms", "moe ms",
+               "ideal ms", "ovl/ideal", "ovl/parts", "on vs off", "graph vs eager", "vs single", "check"]
+    if res["device"] == "cpu":
+        headers, rows = without_columns(headers, rows, ("speedup", "attn ms", "moe ms", "ideal ms", "ovl/ideal",
+                                                        "ovl/parts"))
+    print(format_table(headers, rows))
     print(f"serial: attention branches on one stream + MoE serial schedule; overlapped: attention side streams + "
           f"wave pipeline. attn ms / moe ms: the layer's attention sublayer and its MoE block, each timed alone"
           f" under CUDA graphs; ideal: attn + max(MoE exchanges alone, MoE compute alone); ovl/parts: overlapped"
           f" / (attn + moe), below 1 when overlap makes the layer cheaper than its parts. on vs off: each layer's"
           f" overlapped output vs its serial output on the same input; graph vs eager: the replayed serial layer vs"
           f" the eager one. Median of {args.iters} after {args.warmup} warm-up, slowest rank"
-          + ("; on CPU the attention's stream ops are no-ops (same code both ways)." if res["device"] == "cpu"
-             else ".") + ("" if graphed else " Parts are timed under CUDA graphs only (GPU, symm backend)."))
+          + (f"; {CPU_NOTE}." if res["device"] == "cpu"
+             else "." + ("" if graphed else " Parts are timed under CUDA graphs only (GPU, symm backend).")))
     return ok

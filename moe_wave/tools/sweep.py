@@ -42,7 +42,7 @@ from moe_wave.profiling import set_nvtx
 
 from . import plots, sweep_csv
 from .bench import BenchConfig, init_random_, measure
-from .demo import format_table
+from .demo import CPU_NOTE, format_table, without_columns
 from .flags import HelpFormatter, add_symm_args, at_least, seconds, symm_argv, symm_options
 from .sweep_csv import COLUMNS, KEY, read_rows
 from .trace import Tracer
@@ -364,7 +364,13 @@ def print_table(rows: list[dict]) -> None:
             "check", "autoW"]
     keys = ["shape", "tokens_per_rank", "num_waves", "partition", "shared_placement", "serial_us", "pipelined_us",
             "comm_only_us", "compute_only_us", "speedup", "overlap_ratio", "check", "auto_num_waves"]
-    print(format_table(head, [[r.get(k, "") for k in keys] for r in rows]))
+    table = [[r.get(k, "") for k in keys] for r in rows]
+    cpu = bool(rows) and all(r.get("device") == "cpu" for r in rows)
+    if cpu:
+        head, table = without_columns(head, table, ("speedup", "overlap"))
+    print(format_table(head, table))
+    if cpu:
+        print(f"{CPU_NOTE} (the CSV keeps every column)")
 
 
 # ----------------------------------------------------------------------------- entry points
