@@ -173,8 +173,8 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
     _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, key, cnt, rb, K, J, e, BLOCK=BLOCK_J, NBINS=nbins,
                         HAS_ROWS=rows_P is not None, num_warps=4)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
-    starts = offs_e if starts_e is None else starts_e
-    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, K, J, src.shape[0], e, NBINS=nbins, BLOCK=BLOCK_J,
+    starts, cap = (offs_e, J) if starts_e is None else (starts_e, src.shape[0])   # positions below cap only
+    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
                          CH=PLACE_COLS, STARTS=starts_e is not None, num_warps=PLACE_WARPS)
 
 
