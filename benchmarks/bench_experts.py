@@ -93,9 +93,9 @@ def deepgemm_alone(ex: FP8RoutedExperts, counts: torch.Tensor, dev, iters: int, 
     masked_m = counts.to(torch.int32)
     expected = max(1, pairs // e)
 
-    def mk(cols):
+    def mk(cols):       # each group's scales MN-major: [e, cols/128, max_m] seen as [e, max_m, cols/128]
         q, s = act_quant(torch.randn(e * max_m, cols, device=dev, dtype=torch.bfloat16))
-        return q.view(e, max_m, cols), s.view(cols // 128, e, max_m).permute(1, 2, 0)
+        return q.view(e, max_m, cols), s.view(cols // 128, e, max_m).permute(1, 0, 2).contiguous().transpose(1, 2)
 
     ma, mh = mk(D), mk(I)
     mgu = torch.empty(e, max_m, 2 * I, device=dev, dtype=torch.bfloat16)
