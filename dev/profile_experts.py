@@ -1,7 +1,7 @@
 """Why the expert stage costs more with more waves: its kernels at W = 1 and at W = 4, side by side (one GPU).
 
     python dev/profile_experts.py [--preset v4-flash] [--experts 128] [--tokens 128,2048] [--waves 1,4]
-                                     [--order kernel,argsort] [--row-bound on,off] [--sends wave,once]
+                                     [--sends wave,once]
                                      [--capacity measured|max]
 
 One process holds ``--experts`` routed experts (128: one rank's share of V4-Flash at EP2), so the expert stage
@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_moe import fullest_cell_capacity  # noqa: E402
 from bench_common import report  # noqa: E402
-import moe_wave.experts as ex  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm.options import SymmOptions  # noqa: E402
@@ -57,14 +56,10 @@ def main() -> int:
     ap.add_argument("--capacity", choices=("measured", "max"), default="measured",
                     help="rows per wave: 1.25 x the fullest wave of this routing (as bench_moe --capacity "
                     "measured), or the largest --tokens for every point (the per-wave launches then sized for it)")
-    ap.add_argument("--order", default="kernel", help="comma list of moe_wave.experts.ORDER (kernel, argsort): "
-                    "each gets its own tables")
     ap.add_argument("--sends", default="wave", help="comma list of WaveConfig.sends (wave, once): a row per (token, "
                     "wave) or once per layer (its sum kept over the waves); each gets its own tables")
     ap.add_argument("--expert-streams", type=int, default=1, help="streams the waves' expert stages take turns "
                     "on (WaveConfig.expert_streams: 2 lets one wave's kernels start in the last one's GEMM tail)")
-    ap.add_argument("--row-bound", default="on", help="comma list of on/off: moe_wave.experts.ROW_BOUND (skip each "
-                    "receive block's rows past its count, or compute every capacity row); each gets its own tables")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_experts: needs a GPU", file=sys.stderr)
@@ -79,13 +74,8 @@ def main() -> int:
     flush = l2_flush_buffer(dev)
     lines = [f"profile_experts: {args.preset} shapes, {args.experts} local experts, top-{cfg.top_k}, one GPU, "
              f"routed experts on pre-received rows, capacity {args.capacity}, expert streams {args.expert_streams}"]
-    bounds = {"on": True, "off": False}
-    for order, bound, sends in [(o, b, s) for o in args.order.split(",") for b in args.row_bound.split(",")
-                                for s in args.sends.split(",")]:
-        if bound not in bounds:
-            ap.error(f"--row-bound {args.row_bound!r}: each entry must be 'on' or 'off'")
-        ex.ORDER, ex.ROW_BOUND = order, bounds[bound]
-        lines.append(f"\n== pair order: {order}, row bound: {bound}, sends: {sends}")
+    for sends in args.sends.split(","):
+        lines.append(f"\n== sends: {sends}")
         for T in tokens:
             x, ids, w = random_inputs(base, T, 1)[0]
             tables, times = {}, {}

@@ -103,16 +103,17 @@ for s in "${STAGES[@]}"; do
                stage bench_moe_partitions ${T_PART:-300} "${TR[@]}" benchmarks/bench_moe.py --quick --shapes v4-flash \
                    --tokens ${PART_TOKENS:-2048,8192} --waves 1,2,4 --backend symm --graph --capacity measured \
                    --partition experts,tokens,experts-once --out "$RES/moe_partitions.json" ;;
-        experts)  # issue 15's expert stage on one GPU: its kernels at W=1 and W=4, each receive block's empty tail
-                  # skipped (row bound on) or computed (off), with capacity max (a buffer sized for the largest T)
-                  # and measured (there also a row per wave against once per layer); then the single-GPU MoE
-                  # tests (the row bound bit for bit against every row, sends once)
-               stage tests_moe1 ${T_TESTS1:-150} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py \
-                   tests/test_expert_order.py
-               stage profile_experts_max ${T_EXPERTS:-180} "$PY" dev/profile_experts.py \
-                   --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --capacity max
-               stage profile_experts_measured ${T_EXPERTS:-180} "$PY" dev/profile_experts.py \
-                   --tokens ${EXP_TOKENS:-128,2048,8192} --row-bound on,off --sends wave,once --capacity measured ;;
+        experts)  # one EP rank's expert stage on one GPU: the tests (FP8 on DeepGEMM against its reference, graph
+                  # replay, every W; the bf16 stage's row bound and sends once), then bench_experts (bf16 vs FP8 vs
+                  # DeepGEMM's GEMMs alone vs the floor; EXP_SHAPES, EXP_TOKENS) and the default demo in bf16 and FP8
+               stage tests_experts ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_fp8_experts.py \
+                   tests/test_gpu_moe.py tests/test_expert_order.py tests/test_fp8_experts.py
+               stage bench_experts ${T_EXPERTS:-300} "$PY" benchmarks/bench_experts.py \
+                   --shapes ${EXP_SHAPES:-v4-flash:128,v4-flash:32,v4-pro:192,v4-pro:48} \
+                   --tokens ${EXP_TOKENS:-128,2048,8192} --out "$RES/experts.json"
+               for p in ${EXP_DEMO:-bf16 fp8}; do
+                   stage demo_$p ${T_DEMO:-300} "$PY" -m moe_wave demo --precision $p
+               done ;;
         streams)  # issue 15: the pipeline with the waves' expert stages on one stream and on two (the default)
                stage bench_moe_streams ${T_STREAMS:-240} "${TR[@]}" benchmarks/bench_moe.py --quick --shapes v4-flash \
                    --tokens ${PART_TOKENS:-2048,8192} --waves 1,4 --backend symm --graph --capacity measured \

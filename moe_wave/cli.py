@@ -242,11 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--attn-kernels", choices=("auto", "on", "off"), default=None,
                    help="the attention's fused Triton kernels: auto (on a GPU), on (also on CPU under "
                         "TRITON_INTERPRET=1), off. Default: env MOE_WAVE_ATTN_KERNELS, else auto")
-    d.add_argument("--attn-fp8", action=argparse.BooleanOptionalAction, default=None,
-                   help="the attention's projections in the DeepSeek-V4 checkpoints' FP8 format (e4m3, 128 x 128 "
-                        "block scales; V4Attention.quantize_fp8): FP8 GEMMs on Hopper. Needs every projection's "
-                        "input a multiple of 128 channels (the v4 presets, not tiny). Default: env "
-                        "MOE_WAVE_ATTN_FP8, else off")
+    d.add_argument("--precision", choices=("auto", "bf16", "fp8"), default=None,
+                   help="fp8: DeepSeek-V4's own precision, the attention projections and the routed and shared "
+                        "experts in FP8 (e4m3, 128 x 128 block scales; V4Attention.quantize_fp8, "
+                        "WaveMoE.quantize_fp8), DeepGEMM's FP8 GEMMs on Hopper; bf16: the model dtype (--dtype). "
+                        "auto: fp8 on a Hopper GPU with deep_gemm, else bf16. Default: env MOE_WAVE_PRECISION, "
+                        "else auto")
     d.add_argument("--autowave-cache", default=None, metavar="PATH",
                    help="--waves auto: where the wave choices persist, a .json file or a folder. Default: env "
                         "MOE_WAVE_CACHE, else this run only")

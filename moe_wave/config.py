@@ -98,7 +98,8 @@ PRESETS = {
     # Thin experts and a wide hidden size: per routed row 2*3*D*I FLOPs against 2*D bytes each way,
     # which puts expert time close to all-to-all time on 2 x H200 (see benchmarks/).
     "balanced": MoEConfig(hidden_size=7168, intermediate_size=512, num_experts=64, top_k=6),
-    "tiny": MoEConfig(hidden_size=64, intermediate_size=32, num_experts=8, top_k=2),
+    # 128-channel multiples: the FP8 format quantises activations per 128 channels (--precision fp8 on CPU)
+    "tiny": MoEConfig(hidden_size=128, intermediate_size=128, num_experts=8, top_k=2),
 }
 
 

@@ -26,7 +26,7 @@ MOE_WAVE_COPY_GRID         SymmOptions.copy.grid                 int >= 0
 MOE_WAVE_OVERLAP           WaveConfig.overlap                    1 | 0
 MOE_WAVE_ATTN_OVERLAP      ScheduleConfig.overlap                1 | 0
 MOE_WAVE_ATTN_KERNELS      ScheduleConfig.kernels                auto | 1 | 0 (on | off)
-MOE_WAVE_ATTN_FP8          the tools' FP8 attention (quantize_fp8) 1 | 0
+MOE_WAVE_PRECISION         the tools' precision (--precision)    auto | bf16 | fp8
 MOE_WAVE_FP8_GEMM          fp8.set_fp8_gemm (the FP8 GEMMs)      auto | cublas | deepgemm
 MOE_WAVE_GRAPH             the tools' CUDA graphs (demo --graph) auto | 1 | 0 (on | off)
 MOE_WAVE_CACHE             WaveConfig.autowave_cache             a .json file or a folder; off: none
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
-from moe_wave.fp8 import FP8_GEMMS
+from moe_wave.fp8 import FP8_GEMMS, PRECISIONS
 
 __all__ = ["EnvSettings", "read_env", "VARIABLES"]
 
@@ -120,7 +120,7 @@ _OTHER = {
     "MOE_WAVE_OVERLAP": ("overlap", _flag),
     "MOE_WAVE_ATTN_OVERLAP": ("attn_overlap", _flag),
     "MOE_WAVE_ATTN_KERNELS": ("attn_kernels", _attn_kernels),
-    "MOE_WAVE_ATTN_FP8": ("attn_fp8", _flag),
+    "MOE_WAVE_PRECISION": ("precision", lambda k, v: _choice(k, v.strip().lower(), PRECISIONS)),
     "MOE_WAVE_FP8_GEMM": ("fp8_gemm", lambda k, v: _choice(k, v.strip().lower(), FP8_GEMMS)),
     "MOE_WAVE_GRAPH": ("graph", _auto_flag),
     "MOE_WAVE_CACHE": ("autowave_cache", _cache),
@@ -129,7 +129,8 @@ _OTHER = {
     "MOE_WAVE_GIT_SHA": ("git_sha", lambda k, v: v.strip() or None),
 }
 VARIABLES = tuple(_SYMM) + tuple(_OTHER)
-_RETIRED = {"MOE_WAVE_SYMM_FLAGS": "use MOE_WAVE_SYMM_SIGNAL=flags"}
+_RETIRED = {"MOE_WAVE_SYMM_FLAGS": "use MOE_WAVE_SYMM_SIGNAL=flags",
+            "MOE_WAVE_ATTN_FP8": "use MOE_WAVE_PRECISION=fp8 (FP8 attention projections and FP8 experts)"}
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class EnvSettings:
     Attributes:
         symm: SymmOptions fields set by ``MOE_WAVE_SYMM_*``.
         copy: CopyTuning fields set by ``MOE_WAVE_COPY_*``.
-        overlap, attn_overlap, attn_kernels, attn_fp8, fp8_gemm, graph, autowave_cache, nvtx, nccl_high_priority,
+        overlap, attn_overlap, attn_kernels, precision, fp8_gemm, graph, autowave_cache, nvtx, nccl_high_priority,
         git_sha:
             see the table (graph None: auto).
         autowave_cache_set: True when MOE_WAVE_CACHE was given (``off`` sets it to None on purpose).
@@ -150,7 +151,7 @@ class EnvSettings:
     overlap: bool | None = None
     attn_overlap: bool | None = None
     attn_kernels: str | None = None
-    attn_fp8: bool | None = None
+    precision: str | None = None
     fp8_gemm: str | None = None
     graph: bool | None = None
     autowave_cache: str | None = None

@@ -103,8 +103,8 @@ def weighted_sum_torch(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.T
     return acc.to(dtype)
 
 
-def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor,
-                 rows_P: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: torch.Tensor | None = None, *,
+                 starts_e: torch.Tensor | None = None, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, slot) pairs sorted expert-major, without a sort or atomics: (src_J [J] int64, pos_RK [R, K] int64).
 
     The pair (r, k) with 0 <= expert_RK[r, k] = x < e sits at p = (offs_e[x - 1], or 0 for x = 0) + the number
@@ -128,11 +128,18 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor,
     ``rows_P`` (``Received.rows_P``): the rows are P blocks of R // P, and only the first rows_P[p] of block p
     are read; the slots of the others count as -1 (pos -1), and a block of pairs that holds none of the read
     rows skips its in-block ranks (a fixed-capacity buffer's empty tail costs a launch, not its size).
+
+    ``starts_e`` (int32 [e]): group x starts there instead of at offs_e[x - 1] (its size is still offs_e[x] -
+    offs_e[x - 1]): the aligned layout of the FP8 stage (``fp8_expert_kernels.aligned_groups``), whose positions
+    run up to ``capacity`` (default J): src_J then has ``capacity`` entries, and only those of pairs are written.
     """
     R, K = expert_RK.shape
-    src = torch.empty(R * K, dtype=torch.long, device=expert_RK.device)
+    cap = R * K if capacity is None else capacity
+    if cap < R * K:
+        raise ValueError(f"expert_order: capacity={cap} must be >= the {R * K} pairs")
+    src = torch.empty(cap, dtype=torch.long, device=expert_RK.device)
     pos = torch.empty(R, K, dtype=torch.long, device=expert_RK.device)
-    _order_into(expert_RK, e, offs_e, src, pos, rows_P)
+    _order_into(expert_RK, e, offs_e, src, pos, rows_P, starts_e)
     return src, pos
 
 
@@ -150,7 +157,7 @@ def _row_blocks(rows_P: torch.Tensor | None, R: int, like: torch.Tensor) -> tupl
 
 
 def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torch.Tensor, pos: torch.Tensor,
-                rows_P: torch.Tensor | None = None) -> None:
+                rows_P: torch.Tensor | None = None, starts_e: torch.Tensor | None = None) -> None:
     """``expert_order`` into the caller's buffers: src (at least J entries; those at J and past untouched) and
     pos (contiguous [R, K])."""
     R, K = expert_RK.shape
@@ -166,8 +173,9 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
     _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, key, cnt, rb, K, J, e, BLOCK=BLOCK_J, NBINS=nbins,
                         HAS_ROWS=rows_P is not None, num_warps=4)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
-    _place_kernel[(nb,)](key, offs_e, hist, src, pos, K, J, e, NBINS=nbins, BLOCK=BLOCK_J, CH=PLACE_COLS,
-                         num_warps=PLACE_WARPS)
+    starts, cap = (offs_e, J) if starts_e is None else (starts_e, src.shape[0])   # positions below cap only
+    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
+                         CH=PLACE_COLS, STARTS=starts_e is not None, num_warps=PLACE_WARPS)
 
 
 def _rows_grid(J: int, device: torch.device) -> int:
@@ -287,8 +295,8 @@ if triton is not None:
             run += tl.sum(h, 0)
 
     @triton.jit
-    def _place_kernel(key_ptr, offs_ptr, hist_ptr, src_ptr, pos_ptr, K, J, E, NBINS: tl.constexpr,
-                      BLOCK: tl.constexpr, CH: tl.constexpr):
+    def _place_kernel(key_ptr, offs_ptr, starts_ptr, hist_ptr, src_ptr, pos_ptr, K, J, CAP, E, NBINS: tl.constexpr,
+                      BLOCK: tl.constexpr, CH: tl.constexpr, STARTS: tl.constexpr):
         # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1: the
         # scanned hist[b, x]) + (pairs of x before j in block b: compared CH columns at a time, against the keys
         # reloaded from memory, which keeps the [BLOCK, CH] masks small); outside its group (or past J, or no
@@ -307,8 +315,14 @@ if triton is not None:
                 kc = tl.load(key_ptr + b * BLOCK + col, mask=b * BLOCK + col < J, other=E)
                 same = (kc[None, :] == key[:, None]) & (col[None, :] < i[:, None])     # [BLOCK, CH]
                 rank += tl.sum(same.to(tl.int32), 1)
-        start = tl.load(offs_ptr + key - 1, mask=valid & (key > 0), other=0).to(tl.int32)
-        end = tl.minimum(tl.load(offs_ptr + key, mask=valid, other=0).to(tl.int32), J)
+        prev = tl.load(offs_ptr + key - 1, mask=valid & (key > 0), other=0).to(tl.int32)
+        end = tl.load(offs_ptr + key, mask=valid, other=0).to(tl.int32)
+        if STARTS:      # group x at starts[x], offs[x] - offs[x - 1] long (the aligned layout)
+            start = tl.load(starts_ptr + key, mask=valid, other=0).to(tl.int32)
+            end = start + end - prev
+        else:
+            start = prev
+        end = tl.minimum(end, CAP)
         p = start + before + rank
         ok = valid & (p >= 0) & (p < end)
         tl.store(pos_ptr + j, tl.where(ok, p, -1).to(tl.int64), mask=m)

@@ -19,6 +19,7 @@ from moe_wave.comm import streams as st
 from moe_wave.comm.backend import OnceRows, rows_of
 
 from .config import MoEConfig
+from .fp8_experts import fp8_fused_ok, fp8_fused_rows
 
 __all__ = ["V4Router", "RoutedExperts", "SharedExpert", "swiglu", "expert_rows"]
 
@@ -119,7 +120,9 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
     Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32
     (in slot order k = 0..K-1, so the result is bitwise reproducible).
     With host counts (``pairs_e``) only the valid pairs are computed; without them (device-side
-    counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero.
+    counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero. FP8 experts
+    (``fp8_experts.FP8RoutedExperts``) take DeepGEMM's fused stage on a Hopper GPU with ``deep_gemm``
+    (``fp8_experts.fp8_fused_rows``), their own per-expert forward elsewhere.
     """
     R, K = expert_RK.shape
     e = experts.num_local
@@ -131,6 +134,8 @@ def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Te
         if offs is None or pairs_e is not None:
             raise ValueError("expert_rows: once= needs device counts only (pairs_e=None, pairs_e_dev given)")
         return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once)
+    if offs is not None and e and fp8_fused_ok(x_RD, experts):
+        return fp8_fused_rows(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
         return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
     return _slot_sums(x_RD, expert_RK, weight_RK, experts, pairs_e, offs, local).to(x_RD.dtype)
@@ -231,24 +236,6 @@ def _sums_done(once: OnceRows, y) -> None:
         once.state["summed"] = cur.record_event()
 
 
-# How the fused path orders the pairs expert-major: "kernel" (``expert_kernels.expert_order``, no sort) or "argsort"
-# (``_order_by_argsort``, the radix sort it replaced); dev/profile_experts.py --order times both.
-ORDER = "kernel"
-# Whether the fused path honours ``Received.rows_P`` (skips the rows that the combine never reads); False computes
-# every row of the buffer, as before (dev/profile_experts.py --row-bound on,off times both).
-ROW_BOUND = True
-
-
-def _order_by_argsort(expert_RK: torch.Tensor, e: int, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(src_J, pos_RK) from a stable argsort of the ids (-1 last): the same order as ``expert_order`` where the
-    counts agree, without its guard (pos is a full permutation here)."""
-    K = expert_RK.shape[1]
-    order = torch.argsort(torch.remainder(expert_RK.reshape(-1), e + 1), stable=True)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.shape[0], device=order.device)
-    return order // K, pos.view(-1, K)
-
-
 def _fused_ok(x_RD: torch.Tensor, experts: RoutedExperts) -> bool:
     """The device-count path's kernels (``expert_kernels``) run here: a GPU with Triton and the grouped GEMM,
     and experts whose forward is ours (a subclass with its own forward keeps the generic path)."""
@@ -267,12 +254,9 @@ def _expert_rows_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs,
     from .expert_kernels import expert_order, weighted_sum
 
     n = offs[-1:]
-    if ORDER == "kernel":   # src: the row of each sorted pair; pos: its place
-        src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P if ROW_BOUND else None)
-    else:
-        src, pos = _order_by_argsort(expert_RK, experts.num_local, offs)
+    src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P)   # src: each sorted pair's row; pos: its place
     out = _grouped_experts(x_RD, src, n, offs, local, experts)
-    return weighted_sum(out, pos, weight_RK, n, x_RD.dtype, rows_P if ROW_BOUND else None)
+    return weighted_sum(out, pos, weight_RK, n, x_RD.dtype, rows_P)
 
 
 def _grouped_experts(x_RD, src_J, n, offs, local, experts: RoutedExperts) -> torch.Tensor:

@@ -35,7 +35,7 @@ from .comm.triton_gate import tl, triton, triton_ok
 __all__ = ["BLOCK", "FP8_MAX", "pow2_ceil", "act_quant", "act_quant_torch", "weight_quant", "dequant_weight",
            "dequant_act", "fp8_matmul", "fp8_matmul_ref", "FP8_GEMMS", "set_fp8_gemm", "fp8_gemm_choice",
            "fp8_gemm_library", "QAct", "FP8Linear", "GroupedFP8", "hf_fp8_payload",
-           "hf_weight"]
+           "hf_weight", "PRECISIONS", "resolve_precision"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -303,6 +303,22 @@ def _deep_gemm(dev: torch.device):
                                f"run the FP8 products on {dev}: {why}")
     _DG[dev] = mod
     return mod
+
+
+PRECISIONS = ("auto", "bf16", "fp8")
+
+
+def resolve_precision(choice: str | None, dev: torch.device | str) -> str:
+    """A layer's precision as run: "bf16" (the model dtype; exact against the oracle) or "fp8" (DeepSeek-V4's own:
+    FP8 attention projections and FP8 experts). "auto" (and None) is "fp8" where the FP8 GEMMs run on DeepGEMM
+    (a Hopper GPU with ``deep_gemm``, ``fp8_gemm_library``), "bf16" elsewhere: FP8 on CPU or through cuBLAS's
+    per-expert products computes V4's numbers but gains no speed."""
+    if choice is not None and choice not in PRECISIONS:
+        raise ValueError(f"precision={choice!r}: must be one of {', '.join(PRECISIONS)}")
+    if choice in (None, "auto"):
+        dev = torch.device(dev)
+        return "fp8" if dev.type == "cuda" and fp8_gemm_library(dev) == "deepgemm" else "bf16"
+    return choice
 
 
 def fp8_gemm_library(dev: torch.device | str) -> str:

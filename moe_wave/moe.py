@@ -27,6 +27,7 @@ from moe_wave.comm.torch_backend import TorchBackend
 from . import autowave
 from .config import MoEConfig, WaveConfig, require_hf
 from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
+from .fp8_experts import FP8RoutedExperts, FP8SharedExpert
 from .graphs import BucketGraphs, graph_capable
 from .pipeline import run_waves
 from .profiling import annotate
@@ -248,6 +249,39 @@ class WaveMoE(nn.Module):
         m.load_hf(hf_block)
         return m
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the experts are in the FP8 format (``quantize_fp8``)."""
+        return isinstance(self.experts, FP8RoutedExperts)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> "WaveMoE":
+        """Put the routed experts and the shared expert in DeepSeek-V4's FP8 format (e4m3 weights, 128 x 128
+        power-of-two block scales; ``moe_wave.fp8_experts``), quantised from the current weights, which are
+        dropped; the router stays as it is. Hidden and intermediate sizes must be multiples of 128. On a Hopper
+        GPU with ``deep_gemm`` the expert stage runs DeepGEMM's grouped FP8 GEMMs; elsewhere the same math per
+        expert (``fp8_experts.fp8_gemm_grouped_library`` says which). Loading after this (``load_hf``,
+        ``load_full``, ``experts.load_fp4``) quantises what it loads. Returns self."""
+        if self.fp8:
+            return self
+        self.experts = FP8RoutedExperts.from_dense(self.cfg, self.experts.gate_up.detach(), self.experts.down.detach())
+        if self.shared is not None:
+            sh = self.shared
+            self.shared = FP8SharedExpert(self.cfg, sh.gate_proj, sh.up_proj, sh.down_proj)
+        return self
+
+    def _load_experts(self, gate_up: torch.Tensor, down: torch.Tensor, shared: tuple | None) -> None:
+        if self.fp8:
+            self.experts.load_dense(gate_up, down)
+            if shared is not None:
+                self.shared = FP8SharedExpert(self.cfg, *(w.to(self.gate.weight.device) for w in shared))
+            return
+        self.experts.gate_up.copy_(gate_up)
+        self.experts.down.copy_(down)
+        if shared is not None:
+            for p, w in zip((self.shared.gate_proj, self.shared.up_proj, self.shared.down_proj), shared):
+                p.copy_(w)
+
     @torch.no_grad()
     def load_hf(self, hf_block) -> None:
         lo, hi = self.expert_offset, self.expert_offset + self.num_local
@@ -256,13 +290,9 @@ class WaveMoE(nn.Module):
             self.gate.tid2eid.copy_(hf_block.gate.tid2eid.long())
         else:
             self.gate.e_score_correction_bias.copy_(hf_block.gate.e_score_correction_bias.float())
-        self.experts.gate_up.copy_(hf_block.experts.gate_up_proj[lo:hi])
-        self.experts.down.copy_(hf_block.experts.down_proj[lo:hi])
-        if self.shared is not None:
-            s = hf_block.shared_experts
-            self.shared.gate_proj.copy_(s.gate_proj.weight)
-            self.shared.up_proj.copy_(s.up_proj.weight)
-            self.shared.down_proj.copy_(s.down_proj.weight)
+        s = hf_block.shared_experts if self.shared is not None else None
+        self._load_experts(hf_block.experts.gate_up_proj[lo:hi], hf_block.experts.down_proj[lo:hi],
+                           None if s is None else (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight))
 
     @torch.no_grad()
     def load_full(self, full: dict) -> None:
@@ -274,12 +304,9 @@ class WaveMoE(nn.Module):
             self.gate.tid2eid.copy_(full["tid2eid"])
         else:
             self.gate.e_score_correction_bias.copy_(full["bias"])
-        self.experts.gate_up.copy_(full["gate_up"][lo:hi])
-        self.experts.down.copy_(full["down"][lo:hi])
-        if self.shared is not None:
-            self.shared.gate_proj.copy_(full["shared_gate"])
-            self.shared.up_proj.copy_(full["shared_up"])
-            self.shared.down_proj.copy_(full["shared_down"])
+        self._load_experts(full["gate_up"][lo:hi], full["down"][lo:hi],
+                           None if self.shared is None else
+                           (full["shared_gate"], full["shared_up"], full["shared_down"]))
 
     # ------------------------------------------------------------------ forward
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:

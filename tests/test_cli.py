@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_wave.cli import build_parser, demo_args, format_table, info_lines
 from moe_wave.comm.options import CopyTuning, SymmOptions
 from moe_wave.tools import sweep
 from moe_wave.tools.demo import demo_configs
+from moe_wave.fp8 import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MOE_WAVE_")}
@@ -73,10 +75,15 @@ def test_flag_beats_environment_beats_default():
     assert flags.symm == SymmOptions(capacity=2048, mode="copy", dense=None, copy=CopyTuning(grid=0))
     assert (flags.overlap, flags.attn_overlap, flags.attn_kernels, flags.autowave_cache) == (
         True, True, "auto", "/tmp/other")
-    assert _demo([], {"MOE_WAVE_ATTN_FP8": "1"}).attn_fp8 is True
-    assert _demo(["--no-attn-fp8"], {"MOE_WAVE_ATTN_FP8": "1"}).attn_fp8 is False
+    assert _demo([], {"MOE_WAVE_PRECISION": "fp8"}).precision == "fp8"
+    assert _demo(["--precision", "bf16"], {"MOE_WAVE_PRECISION": "fp8"}).precision == "bf16"
+    with pytest.raises(ValueError, match="MOE_WAVE_PRECISION"):
+        _demo([], {"MOE_WAVE_PRECISION": "fp4"})
+    with pytest.raises(ValueError, match="MOE_WAVE_ATTN_FP8.*no longer read; use MOE_WAVE_PRECISION=fp8"):
+        _demo([], {"MOE_WAVE_ATTN_FP8": "1"})
     default = _demo([])
-    assert default.attn_fp8 is False
+    assert default.precision == ("fp8" if resolve_precision("auto", "cuda" if torch.cuda.is_available() else "cpu")
+                                 == "fp8" else "bf16")
     assert default.symm == SymmOptions()
     assert (default.overlap, default.attn_overlap, default.attn_kernels, default.autowave_cache, default.nvtx) == (
         True, True, "auto", None, False)

@@ -9,11 +9,20 @@ import pytest
 import torch
 
 from moe_wave.comm.triton_gate import triton_ok
-from moe_wave.experts import _order_by_argsort     # what the fused path computed before expert_order
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not triton_ok(DEVICE, want=True),
                                    reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
+
+
+def _order_by_argsort(expert_RK: torch.Tensor, e: int, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src_J, pos_RK) from a stable argsort of the ids (-1 last): the order the fused path took before
+    ``expert_order`` replaced the sort."""
+    K = expert_RK.shape[1]
+    order = torch.argsort(torch.remainder(expert_RK.reshape(-1), e + 1), stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.shape[0], device=order.device)
+    return order // K, pos.view(-1, K)
 
 
 def _ids(R: int, K: int, e: int, seed: int, fill: str = "random") -> torch.Tensor:
@@ -130,17 +139,14 @@ def test_expert_order_never_writes_past_j():
 
 
 @needs_kernels
-@pytest.mark.parametrize("order", ["kernel", "argsort"])
 @pytest.mark.parametrize("R", [300, 1, 0])
-def test_fused_expert_rows_matches_torch_path(R, order, monkeypatch):
+def test_fused_expert_rows_matches_torch_path(R):
     """``_expert_rows_fused`` (the CUDA path, called directly here: its kernels under the interpreter on CPU)
     against ``expert_rows``' torch path with the same device counts and with host counts; rows with no pair
     are 0."""
     from moe_wave import MoEConfig
-    import moe_wave.experts as mex
     from moe_wave.experts import RoutedExperts, _expert_rows_fused, expert_rows
 
-    monkeypatch.setattr(mex, "ORDER", order)
     cfg = MoEConfig(hidden_size=48, intermediate_size=32, num_experts=5, top_k=4, swiglu_limit=7.0)
     g = torch.Generator().manual_seed(R)
     ex = RoutedExperts(cfg, num_local=5, grouped_mm="on", device=DEVICE)
@@ -257,12 +263,11 @@ def test_row_bound_order_and_weighted_sum(rows):
 
 
 @needs_kernels
-def test_fused_expert_rows_row_bound_equals_masked_rows(monkeypatch):
+def test_fused_expert_rows_row_bound_equals_masked_rows():
     """The fused expert stage with ``rows_P`` (junk ids past the bound) equals, on the rows below the bound, the
-    same stage on ids with those rows masked and no bound, bit for bit; ``ROW_BOUND = False`` ignores the bound.
+    same stage on ids with those rows masked and no bound, bit for bit.
     A bound that does not split the rows evenly is refused by name."""
     from moe_wave import MoEConfig
-    import moe_wave.experts as mex
     from moe_wave.experts import RoutedExperts, _expert_rows_fused
 
     cfg = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=5, top_k=3, swiglu_limit=7.0)
@@ -280,11 +285,7 @@ def test_fused_expert_rows_row_bound_equals_masked_rows(monkeypatch):
         y = _expert_rows_fused(x, ids.to(DEVICE), w, ex, offs, None, rows_P.to(DEVICE))
         want = _expert_rows_fused(x, masked.to(DEVICE), w, ex, offs)
         assert torch.equal(y.cpu()[~past], want.cpu()[~past])
-        monkeypatch.setattr(mex, "ROW_BOUND", False)
-        full = _expert_rows_fused(x, masked.to(DEVICE), w, ex, offs, None, rows_P.to(DEVICE))
-        assert torch.equal(full, want), "ROW_BOUND=False computes every row"
         with pytest.raises(ValueError, match=r"rows_P has 3 entries.*R=80"):
-            monkeypatch.setattr(mex, "ROW_BOUND", True)
             _expert_rows_fused(x, ids.to(DEVICE), w, ex, offs, None, torch.tensor([1, 2, 3], device=DEVICE))
 
 

@@ -187,13 +187,20 @@ def test_sends_once_matches_reference_serial_and_graph(ep, W, streams):
     _agree_equal(ep, y, y_pad, f"once W={W}: replay vs eager on the padded input")
 
 
+def _every_row(moe):
+    """A routed_rows for ``moe`` that ignores ``Received.rows_P`` (computes every row of the buffer)."""
+    from moe_wave.experts import expert_rows
+
+    return lambda got: expert_rows(got.x_RD, got.expert_RK, got.weight_RK, moe.experts, got.pairs_e, got.pairs_e_dev,
+                                   got.local, None, got.once)
+
+
 @pytest.mark.parametrize("mode", ["kernel", "copy"])
 def test_row_bound_skips_the_empty_tail_bit_for_bit(ep, mode, monkeypatch):
     """symm with a capacity far above the rows received (a decode batch in a buffer sized for prefill): the expert
-    stage that skips each block's rows past its count (``Received.rows_P``, ``experts.ROW_BOUND``) gives the
-    output of the stage that computes every row, bit for bit, at every wave count, partition and token count,
-    eager and under graph replay (kernel mode: sparse blocks; copy mode: dense blocks)."""
-    import moe_wave.experts as mex
+    stage that skips each block's rows past its count (``Received.rows_P``) gives the output of the stage that
+    computes every row, bit for bit, at every wave count, partition and token count, eager and under graph replay
+    (kernel mode: sparse blocks; copy mode: dense blocks)."""
     from moe_wave.comm.options import SymmOptions
 
     cfg = _cfg()
@@ -205,19 +212,19 @@ def test_row_bound_skips_the_empty_tail_bit_for_bit(ep, mode, monkeypatch):
         moe.load_full(full)
         for i, T in enumerate([5, 128, 0, 700]):
             x = _x(ep, T, cfg.hidden_size, 90 + i, torch.bfloat16)
-            monkeypatch.setattr(mex, "ROW_BOUND", True)
             y = moe(x)
-            monkeypatch.setattr(mex, "ROW_BOUND", False)
+            monkeypatch.setattr(moe, "routed_rows", _every_row(moe))
             _agree_equal(ep, y, moe(x), f"{mode} W={W} {partition} T={T}: row bound vs every row")
-        monkeypatch.setattr(mex, "ROW_BOUND", True)
+            monkeypatch.delattr(moe, "routed_rows")
         moe.capture_graphs([64])
         x = _x(ep, 40, cfg.hidden_size, 99, torch.bfloat16)
         y = moe(x)
         g, moe.graphs = moe.graphs, None
-        monkeypatch.setattr(mex, "ROW_BOUND", False)
+        monkeypatch.setattr(moe, "routed_rows", _every_row(moe))
         xp = torch.zeros(64, cfg.hidden_size, device=ep.device, dtype=x.dtype)
         xp[:40] = x
         y_all = moe(xp, num_valid=torch.full((), 40, dtype=torch.int64, device=ep.device))[:40]
+        monkeypatch.delattr(moe, "routed_rows")
         moe.graphs = g
         _agree_equal(ep, y, y_all, f"{mode} W={W} {partition}: replay with the bound vs eager on every row")
 

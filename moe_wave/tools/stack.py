@@ -76,7 +76,7 @@ class StackPreset:
 
 STACK_PRESETS = {
     # v4_spec.md 7.1: one sliding, one CSA (c4 + indexer), one HCA (ratio 8 so that S >= 16 emits entries).
-    "tiny": StackPreset(moe="tiny", vocab_size=64, heads=4, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+    "tiny": StackPreset(moe="tiny", vocab_size=64, heads=4, head_dim=32, q_lora_rank=128, o_groups=2, o_lora_rank=64,
                         window=8, rope_dim=8, yarn_orig=64, yarn_factor=4.0, index_heads=8, index_dim=16,
                         index_topk=3, hc_mult=2, hc_sinkhorn_iters=3, ratios=(0, 4, 8), repeat=(4, 8),
                         num_hash_layers=1, single_reference=True),
@@ -172,7 +172,8 @@ def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig
         device, dtype: of the weights (default: ``ep.device``); mHC and norms stay fp32.
         seed: same seed, same weights on every rank.
         num_experts: override E (default: the preset's, rounded up to a multiple of the EP size).
-        fp8: the attention projections in the checkpoints' FP8 format (``V4Attention.quantize_fp8``).
+        fp8: DeepSeek-V4's own precision: the attention projections and the routed and shared experts in the
+            checkpoints' FP8 format (``V4Attention.quantize_fp8``, ``WaveMoE.quantize_fp8``).
     Returns:
         ``nn.ModuleList`` of ``V4DecoderLayer`` (run it with ``run_stack``).
     """
@@ -197,6 +198,7 @@ def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig
         _randomise_experts(layer, seed, i)
         if fp8:
             attn.quantize_fp8()
+            moe.quantize_fp8()
         layers.append(layer)
     return layers
 

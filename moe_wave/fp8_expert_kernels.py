@@ -1,0 +1,210 @@
+"""The FP8 expert stage's glue kernels: rows into the aligned expert-major layout as FP8, and SwiGLU + requant.
+
+Legend: R received rows, K slots per row, D hidden, I intermediate, e local experts, JA rows of the aligned
+expert-major layout (its capacity), A the alignment of a group's first row (DeepGEMM's M block, 128).
+
+The layout (``aligned_groups``): expert x's pairs take rows astart[x] .. astart[x] + count[x] - 1, with
+astart[x] a multiple of A, so each expert's rows are whole GEMM row blocks, as DeepGEMM's grouped GEMMs want;
+``pos_RK`` (``expert_kernels.expert_order`` with ``starts_e``) names each (row, slot) pair's row there, -1 for the
+slots of no local expert. The rows between a group's end and the next group's start are padding that no kernel
+writes and no consumer reads (a GEMM row depends only on its own input row).
+
+    quant_pairs(x_RD, pos_RK, JA)          q [JA, D] e4m3 and s [D/128, JA] fp32 (``moe_wave.fp8``'s activation
+                                           format): each received row read once, quantised per 128 channels and
+                                           written to the rows of its local pairs
+    swiglu_quant(gu_J2I, pos_RK, limit)    the V4 SwiGLU (gate clamped from above, up both ways) of each pair's
+                                           row in fp32, quantised the same way for the second GEMM: hq [JA, I],
+                                           hs [I/128, JA]
+
+Each has a torch twin (``*_torch``) with the same bits; tests/test_fp8_experts.py compares them on CPU under
+``TRITON_INTERPRET=1``. The kernels' grids are capped by the SM count and loop over the rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_wave.comm.backend import rows_of
+from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
+
+from .fp8 import AMAX_FLOOR, BLOCK, FP8, FP8_MAX, pow2_ceil
+
+__all__ = ["ALIGN", "aligned_groups", "quant_pairs", "quant_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
+           "aligned_capacity"]
+
+ALIGN = 128
+ROW_PROGRAMS_PER_SM = 8
+
+
+def aligned_capacity(pairs: int, e: int, align: int = ALIGN) -> int:
+    """Rows of the aligned layout that hold ``pairs`` pairs over ``e`` experts in the worst case (every nonempty
+    group padded by align - 1), rounded up to a whole block."""
+    worst = pairs + min(e, pairs) * (align - 1)
+    return max(align, -(-worst // align) * align)
+
+
+def aligned_groups(offs_e: torch.Tensor, align: int = ALIGN) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts_e int32 [e], ends_e int32 [e]) of the aligned layout from the cumulative group ends ``offs_e``:
+    group x starts at the sum of the earlier groups' counts, each rounded up to ``align``, and ends (exclusive)
+    count[x] rows later. ``ends_e`` is DeepGEMM's psum layout (group x is rows align_up(ends[x-1]) .. ends[x])."""
+    cnt = torch.diff(offs_e.to(torch.int32), prepend=offs_e.new_zeros(1, dtype=torch.int32))
+    padded = (cnt + (align - 1)) // align * align
+    starts = torch.cumsum(padded, 0, dtype=torch.int32) - padded
+    return starts, starts + cnt
+
+
+def _scales_of(xb: torch.Tensor) -> torch.Tensor:
+    """pow2 scales of [..., 128]-blocked fp32 values (``fp8.act_quant_torch``'s)."""
+    return pow2_ceil(xb.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX)
+
+
+def _quant_rows_torch(v_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    M, D = v_MD.shape
+    vb = v_MD.float().view(M, D // BLOCK, BLOCK)
+    s = _scales_of(vb)
+    return (vb * (1.0 / s)[..., None]).to(FP8).view(M, D), s
+
+
+def quant_pairs_torch(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
+                      local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_pairs`` by torch ops (rows of the layout that no pair takes are zeros here, where the kernel leaves
+    them unwritten)."""
+    R, K = pos_RK.shape
+    D = x_RD.shape[1]
+    q = torch.zeros(JA, D, dtype=FP8, device=x_RD.device)
+    s = torch.zeros(D // BLOCK, JA, dtype=torch.float32, device=x_RD.device)
+    ok = pos_RK >= 0
+    r = torch.arange(R, device=x_RD.device)[:, None].expand(R, K)[ok]
+    p = pos_RK[ok]
+    qr, sr = _quant_rows_torch(rows_of(x_RD, r, local))
+    q[p] = qr
+    s[:, p] = sr.t()
+    return q, s
+
+
+def swiglu_quant_torch(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_quant`` by torch ops (unused rows zeros)."""
+    JA, I2 = gu_J2I.shape
+    I = I2 // 2
+    p = pos_RK[pos_RK >= 0]
+    gate, up = gu_J2I[p, :I].float(), gu_J2I[p, I:].float()
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    qr, sr = _quant_rows_torch(F.silu(gate) * up)
+    hq = torch.zeros(JA, I, dtype=FP8, device=gu_J2I.device)
+    hs = torch.zeros(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
+    hq[p] = qr
+    hs[:, p] = sr.t()
+    return hq, hs
+
+
+def _grid(R: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return max(1, min(R, 16))
+    return max(1, min(R, ROW_PROGRAMS_PER_SM * sm_count(device)))
+
+
+def _check_pos(pos_RK: torch.Tensor, R: int) -> torch.Tensor:
+    if pos_RK.dim() != 2 or pos_RK.shape[0] != R:
+        raise ValueError(f"pos_RK {tuple(pos_RK.shape)}: must be [R={R}, K]")
+    return pos_RK.contiguous()
+
+
+def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
+                local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [JA, D] e4m3, s [D/128, JA] fp32): row pos[r, k] of q is x[r] quantised per 128 channels (pow2 scales,
+    ``moe_wave.fp8``'s format), for every slot with pos >= 0; the other rows are left as allocated. ``local`` =
+    (row0, x_LD) (``Received.local``): rows row0 .. row0 + L - 1 are read from x_LD. D % 128 == 0."""
+    R, D = x_RD.shape
+    if D % BLOCK:
+        raise ValueError(f"quant_pairs: D={D} must be a multiple of {BLOCK}")
+    pos = _check_pos(pos_RK, R)
+    q = torch.empty(JA, D, dtype=FP8, device=x_RD.device)
+    s = torch.empty(D // BLOCK, JA, dtype=torch.float32, device=x_RD.device)
+    row0, loc = (0, x_RD[:0]) if local is None else local
+    if loc.numel() and (loc.shape[1] != D or loc.dtype != x_RD.dtype or loc.stride(0) != D):
+        raise ValueError(f"quant_pairs: local rows {tuple(loc.shape)} {loc.dtype} must be contiguous [L, {D}] "
+                         f"{x_RD.dtype} rows")
+    if R and D:
+        _quant_pairs_kernel[(_grid(R, x_RD.device),)](
+            x_RD.contiguous(), loc if loc.numel() else x_RD, row0, loc.shape[0], pos, q, s, R, pos.shape[1], D, JA,
+            INTERP=interpreting(), num_warps=4)
+    return q, s
+
+
+def swiglu_quant(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hq [JA, I] e4m3, hs [I/128, JA] fp32): for every pair's row p = pos[r, k] >= 0, h = silu(min(gate,
+    limit)) * clamp(up, -limit, limit) in fp32 from gu[p] = [gate | up] (limit <= 0: no clamp), quantised per 128
+    channels. I % 128 == 0."""
+    JA, I2 = gu_J2I.shape
+    I = I2 // 2
+    if I % BLOCK or I2 % 2:
+        raise ValueError(f"swiglu_quant: gu has {I2} columns: must be 2 * I with I a multiple of {BLOCK}")
+    R = pos_RK.shape[0]
+    pos = _check_pos(pos_RK, R)
+    hq = torch.empty(JA, I, dtype=FP8, device=gu_J2I.device)
+    hs = torch.empty(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
+    if R and I:
+        _swiglu_quant_kernel[(_grid(R, gu_J2I.device),)](gu_J2I, pos, hq, hs, R, pos.shape[1], I, JA, float(limit),
+                                                          CLAMP=limit > 0, INTERP=interpreting(), num_warps=4)
+    return hq, hs
+
+
+if triton is not None:
+    from .fp8 import e4m3_rne, pow2_scale_bits
+
+    @triton.jit
+    def _quant_block(v, INTERP: tl.constexpr):
+        # (q e4m3 [128], s fp32) of one 128-channel block in fp32: moe_wave.fp8's activation format
+        sbits, ibits = pow2_scale_bits(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-4))
+        z = v * ibits.to(tl.float32, bitcast=True)
+        if INTERP:                      # the interpreter's float8 cast is off (fp8.e4m3_rne)
+            q = e4m3_rne(z)
+        else:
+            q = z.to(tl.float8e4nv)
+        return q, sbits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quant_pairs_kernel(x_ptr, loc_ptr, ROW0, L, pos_ptr, q_ptr, s_ptr, R, K, D, JA, INTERP: tl.constexpr):
+        # rows r = pid, pid + programs, ...: a row with a local pair is read once per 128-channel block and its
+        # quantised block stored at each of its pairs' rows
+        c = tl.arange(0, 128)
+        for rr in range(tl.program_id(0), R, tl.num_programs(0)):
+            r = tl.zeros([], tl.int64) + rr
+            has = tl.zeros([], tl.int32)
+            for k in range(K):
+                has = has | (tl.load(pos_ptr + r * K + k) >= 0).to(tl.int32)
+            if has != 0:
+                if (r >= ROW0) & (r < ROW0 + L):
+                    base = loc_ptr + (r - ROW0) * D
+                else:
+                    base = x_ptr + r * D
+                for d0 in range(0, D, 128):
+                    q, s = _quant_block(tl.load(base + d0 + c).to(tl.float32), INTERP)
+                    for k in range(K):
+                        p = tl.load(pos_ptr + r * K + k)
+                        if p >= 0:
+                            tl.store(q_ptr + p * D + d0 + c, q)
+                            tl.store(s_ptr + (d0 // 128) * JA + p, s)
+
+    @triton.jit
+    def _swiglu_quant_kernel(gu_ptr, pos_ptr, hq_ptr, hs_ptr, R, K, I, JA, limit, CLAMP: tl.constexpr,
+                             INTERP: tl.constexpr):
+        # the pairs of rows r = pid, pid + programs, ...: each pair's gate/up row turned and quantised per 128
+        c = tl.arange(0, 128)
+        for rr in range(tl.program_id(0), R, tl.num_programs(0)):
+            r = tl.zeros([], tl.int64) + rr
+            for k in range(K):
+                p = tl.load(pos_ptr + r * K + k)
+                if p >= 0:
+                    row = gu_ptr + p * 2 * I
+                    for i0 in range(0, I, 128):
+                        gate = tl.load(row + i0 + c).to(tl.float32)
+                        up = tl.load(row + I + i0 + c).to(tl.float32)
+                        if CLAMP:
+                            gate = tl.minimum(gate, limit)
+                            up = tl.minimum(tl.maximum(up, -limit), limit)
+                        q, s = _quant_block(gate / (1.0 + tl.exp(-gate)) * up, INTERP)
+                        tl.store(hq_ptr + p * I + i0 + c, q)
+                        tl.store(hs_ptr + (i0 // 128) * JA + p, s)

@@ -1,0 +1,269 @@
+"""The routed and shared experts at DeepSeek-V4's own precision: FP8 e4m3 weights with 128 x 128 power-of-two
+block scales (``moe_wave.fp8``'s format), activations quantised per (row, 128 channels).
+
+Legend: R received rows, K top-k slots, D hidden, I intermediate, e local experts, N routed rows (expert-major),
+JA rows of the aligned expert-major layout (``fp8_expert_kernels``).
+
+Weights come from bf16 (``FP8RoutedExperts.from_dense``: ``moe.quantize_fp8()``, ``from_hf``, random init) or
+from V4's FP4 expert format (``fp4_to_fp8``: e2m1 values with a power-of-two scale per 32 input channels,
+re-encoded to the 128 x 128 FP8 blocks; exact wherever a block's scales span at most 2^13, see there).
+
+The expert math per pair (row x, expert j): gu = bf16(q(x) @ W13_j^T), h = SwiGLU(gu) with V4's clamps in fp32,
+out = bf16(q(h) @ W2_j^T), q(.) the per-128-channel activation quantisation; the weighted sum over a row's slots
+runs in fp32 in slot order, as the bf16 stage's. Where it runs:
+
+- ``fp8_fused_rows`` (a Hopper GPU with ``deep_gemm``, device counts): one ordering of the pairs into the aligned
+  expert-major layout (``expert_order`` with group starts rounded up to DeepGEMM's 128-row blocks), one kernel
+  that reads each received row once and writes its FP8 rows and scales there (``quant_pairs``), DeepGEMM's
+  ``m_grouped_fp8_gemm_nt_contiguous`` with the group ends as its psum layout (the counts stay on the device: a
+  CUDA graph replays it), SwiGLU + clamps + requant in one kernel (``swiglu_quant``), the second grouped GEMM into
+  bf16 rows, and the weighted sum.
+- ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
+  ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
+  which is also the tests' reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+from .fp8 import BLOCK, FP8, FP8_MAX, AMAX_FLOOR, act_quant, fp8_matmul, pow2_ceil
+
+__all__ = ["quant_experts", "dequant_experts", "fp4_to_fp8", "dequant_fp4", "FP8RoutedExperts", "FP8SharedExpert",
+           "fp8_fused_ok", "fp8_fused_rows", "fp8_gemm_grouped_library"]
+
+# e2m1 codes 0..7 (the sign is bit 3)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[e, N, K] weights as (q [e, N, K] e4m3, s [e, N/128, K/128] fp32 powers of two): ``fp8.weight_quant`` per
+    expert, batched. N and K must be multiples of 128 (every V4 expert shape is)."""
+    e, N, K = w_eNK.shape
+    if N % BLOCK or K % BLOCK:
+        raise ValueError(f"quant_experts: weights {tuple(w_eNK.shape)}: N and K must be multiples of {BLOCK} (FP8 "
+                         f"experts store 128 x 128 blocks)")
+    q = torch.empty(e, N, K, dtype=FP8, device=w_eNK.device)
+    s = torch.empty(e, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w_eNK.device)
+    for j in range(e):          # one expert at a time: the fp32 copy of all of them would not fit (V4-Pro)
+        b = w_eNK[j].float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        sj = pow2_ceil(b.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) / FP8_MAX)
+        q[j] = (b * (1.0 / sj)[:, None, :, None]).to(FP8).view(N, K)
+        s[j] = sj
+    return q, s
+
+
+def dequant_experts(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., N, K] from ``quant_experts``'s pair."""
+    return q.float() * s.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+
+
+def dequant_fp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., N, K] of V4's FP4 expert weights: ``packed`` [..., N, K/2] uint8 (or int8, or torch's
+    float4_e2m1fn_x2) holding two e2m1 codes a byte, element 2i in the low nibble and 2i + 1 in the high one;
+    ``scales`` [..., N, K/32] powers of two (fp32, or float8_e8m0fnu as the checkpoints store ue8m0), one per 32
+    input channels."""
+    if packed.dtype not in (torch.uint8, torch.int8) and "float4" not in str(packed.dtype):
+        raise ValueError(f"dequant_fp4: packed dtype {packed.dtype}: must be uint8, int8 or float4_e2m1fn_x2")
+    b = packed.view(torch.uint8).to(torch.int32)
+    codes = torch.stack((b & 0xF, b >> 4), -1).flatten(-2)                        # [..., N, K]
+    lut = torch.tensor(_E2M1, device=packed.device)
+    v = lut[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    K = v.shape[-1]
+    if scales.shape[-1] * 32 != K or scales.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"dequant_fp4: scales {tuple(scales.shape)} must be [..., N, K/32] for values "
+                         f"{tuple(v.shape)}")
+    return v * scales.float().repeat_interleave(32, -1)
+
+
+def fp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Re-encode FP4 experts (``dequant_fp4``'s format, [e, N, K/2] and [e, N, K/32]) to FP8 128 x 128 blocks:
+    (q [e, N, K] e4m3, s [e, N/128, K/128] fp32, exact [e, N/128, K/128] bool).
+
+    A block's scale is the FP8 format's (pow2_ceil(amax / 448)); an e2m1 value (at most two significant bits)
+    times its 1 x 32 scale lands on an e4m3 value exactly unless it falls below e4m3's subnormal step, i.e. where
+    the block's 1 x 32 scales spread over more than about 2^13; ``exact`` says which blocks kept every value (the
+    others round their smallest values to the nearest e4m3 step, as quantising any weight would)."""
+    if packed.dim() != 3:
+        raise ValueError(f"fp4_to_fp8: packed {tuple(packed.shape)} must be [e, N, K/2]")
+    e, N, Kh = packed.shape
+    q = torch.empty(e, N, 2 * Kh, dtype=FP8, device=packed.device)
+    s = torch.empty(e, N // BLOCK, 2 * Kh // BLOCK, dtype=torch.float32, device=packed.device)
+    exact = torch.empty(e, N // BLOCK, 2 * Kh // BLOCK, dtype=torch.bool, device=packed.device)
+    for j in range(e):
+        w = dequant_fp4(packed[j], scales[j])
+        qj, sj = quant_experts(w[None])
+        q[j], s[j] = qj[0], sj[0]
+        same = dequant_experts(qj[0], sj[0]) == w
+        exact[j] = same.view(N // BLOCK, BLOCK, -1, BLOCK).all(dim=3).all(dim=1)
+    return q, s, exact
+
+
+class FP8RoutedExperts(nn.Module):
+    """This rank's ``e`` routed experts in FP8: gate_up [e, 2I, D] (gate rows first) and down [e, D, I] as e4m3
+    with [e, 2I/128, D/128] and [e, D/128, I/128] fp32 block scales (buffers, not parameters: inference only).
+
+    ``forward(x_ND, counts_e, offs_e)`` has ``RoutedExperts.forward``'s meaning (rows sorted by expert, the
+    groups from host ``counts_e`` or device ``offs_e``); it returns bf16 rows."""
+
+    def __init__(self, cfg: MoEConfig, num_local: int, device=None):
+        super().__init__()
+        I, D = cfg.intermediate_size, cfg.hidden_size
+        if I % BLOCK or D % BLOCK:
+            raise ValueError(f"FP8 experts: hidden_size={D}, intermediate_size={I}: both must be multiples of "
+                             f"{BLOCK} (activations are quantised per {BLOCK} channels)")
+        self.cfg, self.num_local = cfg, num_local
+        self.register_buffer("gate_up", torch.zeros(num_local, 2 * I, D, dtype=FP8, device=device))
+        self.register_buffer("gate_up_scale", torch.ones(num_local, 2 * I // BLOCK, D // BLOCK, device=device))
+        self.register_buffer("down", torch.zeros(num_local, D, I, dtype=FP8, device=device))
+        self.register_buffer("down_scale", torch.ones(num_local, D // BLOCK, I // BLOCK, device=device))
+
+    @classmethod
+    def from_dense(cls, cfg: MoEConfig, gate_up: torch.Tensor, down: torch.Tensor) -> "FP8RoutedExperts":
+        m = cls(cfg, gate_up.shape[0], device=gate_up.device)
+        m.load_dense(gate_up, down)
+        return m
+
+    @torch.no_grad()
+    def load_dense(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Quantise dense weights (gate_up [e, 2I, D], down [e, D, I]) into the buffers."""
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            q, s = quant_experts(w.to(self.gate_up.device))
+            getattr(self, name).copy_(q)
+            getattr(self, name + "_scale").copy_(s)
+
+    @torch.no_grad()
+    def load_fp4(self, gate_up: tuple, down: tuple) -> torch.Tensor:
+        """Load V4's FP4 experts, each a (packed, scales) pair (``dequant_fp4``'s format), re-encoded to FP8
+        (``fp4_to_fp8``). Returns the fraction of 128 x 128 blocks kept exactly."""
+        exact = []
+        for name, (packed, scales) in (("gate_up", gate_up), ("down", down)):
+            q, s, ok = fp4_to_fp8(packed.to(self.gate_up.device), scales.to(self.gate_up.device))
+            if q.shape != getattr(self, name).shape:
+                raise ValueError(f"load_fp4: {name} re-encodes to {tuple(q.shape)}: this rank's experts are "
+                                 f"{tuple(getattr(self, name).shape)}")
+            getattr(self, name).copy_(q)
+            getattr(self, name + "_scale").copy_(s)
+            exact.append(ok.flatten())
+        return torch.cat(exact).float().mean()
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) dequantised to fp32."""
+        return dequant_experts(self.gate_up, self.gate_up_scale), dequant_experts(self.down, self.down_scale)
+
+    def expert(self, x_MD: torch.Tensor, j: int) -> torch.Tensor:
+        """Expert j on rows x [M, D]: bf16 [M, D] (the module docstring's math)."""
+        I, lim = self.cfg.intermediate_size, self.cfg.swiglu_limit
+        x_q, s = act_quant(x_MD)
+        gu = fp8_matmul(x_q, s, self.gate_up[j], self.gate_up_scale[j], torch.bfloat16).float()
+        gate, up = gu[:, :I], gu[:, I:]
+        if lim > 0:
+            gate, up = gate.clamp(max=lim), up.clamp(min=-lim, max=lim)
+        h_q, hs = act_quant(F.silu(gate) * up)
+        return fp8_matmul(h_q, hs, self.down[j], self.down_scale[j], torch.bfloat16)
+
+    def forward(self, x_ND: torch.Tensor, counts_e: list | None, offs_e: torch.Tensor | None = None) -> torch.Tensor:
+        if counts_e is None:
+            # HOST SYNC: the per-expert path needs host group sizes (CPU, or GPUs without DeepGEMM).
+            counts_e = torch.diff(offs_e, prepend=offs_e.new_zeros(1)).tolist()
+        out = torch.zeros(x_ND.shape[0], self.cfg.hidden_size, dtype=torch.bfloat16, device=x_ND.device)
+        start = 0
+        for j, n in enumerate(counts_e):
+            if n:
+                out[start:start + n] = self.expert(x_ND[start:start + n], j)
+            start += n
+        return out
+
+
+class FP8SharedExpert(nn.Module):
+    """The shared expert in FP8 (``SharedExpert``'s interface: ``up(x)``, ``down_chunk(h, c, C, out)``,
+    ``chunk_bounds``): gate and up as one [2I, D] FP8 weight (one GEMM), down [D, I]; x quantised once per call,
+    h once, each down chunk a block of h's quantised rows."""
+
+    def __init__(self, cfg: MoEConfig, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        from .fp8 import weight_quant
+
+        self.cfg = cfg
+        for name, w in (("gate_up", torch.cat([gate, up])), ("down", down)):
+            q, s = weight_quant(w.detach())
+            self.register_buffer(name, q)
+            self.register_buffer(name + "_scale", s)
+
+    chunk_bounds = staticmethod(lambda T, c, C: (c * T // C, (c + 1) * T // C))
+
+    def up(self, x_TD: torch.Tensor):
+        """(h_q, h_s, dtype): the activation quantised for ``down_chunk``."""
+        I = self.cfg.intermediate_size
+        lim = self.cfg.swiglu_limit if self.cfg.clamp_shared else 0.0
+        x_q, s = act_quant(x_TD)
+        gu = fp8_matmul(x_q, s, self.gate_up, self.gate_up_scale, torch.bfloat16).float()
+        gate, up = gu[:, :I], gu[:, I:]
+        if lim > 0:
+            gate, up = gate.clamp(max=lim), up.clamp(min=-lim, max=lim)
+        return (*act_quant(F.silu(gate) * up), x_TD.dtype)
+
+    def down_chunk(self, h, c: int, C: int, out_TD: torch.Tensor) -> None:
+        h_q, h_s, dtype = h
+        lo, hi = self.chunk_bounds(h_q.shape[0], c, C)
+        if hi > lo:
+            y = fp8_matmul(h_q[lo:hi], h_s[:, lo:hi], self.down, self.down_scale, torch.bfloat16)
+            out_TD[lo:hi] = y.to(out_TD.dtype)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x_TD)
+        self.down_chunk(self.up(x_TD), 0, 1, out)
+        return out
+
+
+# ------------------------------------------------------------------------ the fused stage (Hopper + DeepGEMM)
+def _deep_gemm_grouped(dev: torch.device):
+    """deep_gemm where its grouped FP8 GEMMs run on dev (``fp8``'s choice and checks), else None."""
+    from .fp8 import _deep_gemm
+
+    dg = _deep_gemm(dev)
+    return dg if dg is not None and hasattr(dg, "m_grouped_fp8_gemm_nt_contiguous") else None
+
+
+def fp8_gemm_grouped_library(dev: torch.device | str) -> str:
+    """What runs the FP8 experts' GEMMs on dev: "deepgemm" (the fused stage), else "per-expert" (fp8_matmul per
+    expert: cuBLAS on a GPU, the dequantised fp32 product on CPU)."""
+    dev = torch.device(dev)
+    return "deepgemm" if dev.type == "cuda" and _deep_gemm_grouped(dev) is not None else "per-expert"
+
+
+def fp8_fused_ok(x_RD: torch.Tensor, experts: nn.Module) -> bool:
+    from moe_wave.comm.triton_gate import triton_ok
+
+    return (isinstance(experts, FP8RoutedExperts) and x_RD.is_cuda and triton_ok(x_RD.device)
+            and _deep_gemm_grouped(x_RD.device) is not None)
+
+
+def fp8_fused_rows(x_RD, expert_RK, weight_RK, experts: FP8RoutedExperts, offs, local=None, rows_P=None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``expert_rows`` for FP8 experts on DeepGEMM (see the module docstring); [R, D] in x's dtype. ``offs``: the
+    device cumulative group ends (int32 [e])."""
+    from .expert_kernels import expert_order, weighted_sum
+    from .fp8_expert_kernels import ALIGN, aligned_capacity, aligned_groups, quant_pairs, swiglu_quant
+
+    dg = _deep_gemm_grouped(x_RD.device)
+    if dg.get_mk_alignment_for_contiguous_layout() != ALIGN:
+        raise RuntimeError(f"deep_gemm aligns contiguous groups to {dg.get_mk_alignment_for_contiguous_layout()} "
+                           f"rows; the FP8 expert stage lays them out at {ALIGN}")
+    R, K = expert_RK.shape
+    I, D = experts.cfg.intermediate_size, experts.cfg.hidden_size
+    JA = aligned_capacity(R * K, experts.num_local)
+    starts, ends = aligned_groups(offs)
+    _, pos = expert_order(expert_RK, experts.num_local, offs, rows_P, starts_e=starts, capacity=JA)
+    q, s = quant_pairs(x_RD, pos, JA, local)
+    gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
+    dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, ends,
+                                        use_psum_layout=True)
+    hq, hs = swiglu_quant(gu, pos, experts.cfg.swiglu_limit)
+    y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
+    dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, ends,
+                                        use_psum_layout=True)
+    return weighted_sum(y, pos, weight_RK, ends[-1:], x_RD.dtype, rows_P, out=out)

@@ -1,0 +1,326 @@
+"""FP8 experts (``moe_wave.fp8_experts``): the glue kernels against their torch twins, the aligned expert-major
+layout, FP4 -> FP8 re-encoding, the FP8 block against an fp32 dequantised reference on 1-3 gloo ranks, the fused
+DeepGEMM stage's logic on CPU (DeepGEMM replaced by its psum-layout semantics in torch), and pipelined == serial.
+On CPU the Triton kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_wave import MoEConfig, WaveConfig, WaveMoE
+from moe_wave.comm.triton_gate import triton_ok
+from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
+from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, quant_pairs, quant_pairs_torch,
+                                         swiglu_quant, swiglu_quant_torch)
+from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
+from moe_wave.tools.bench import init_random_
+
+needs_kernels = pytest.mark.skipif(not triton_ok("cpu", want=True),
+                                   reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
+CFG = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=6, top_k=3)
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's accuracy measure of its FP8 GEMM tests (deep_gemm.testing.calc_diff): 1 - 2<x,y>/(|x|^2+|y|^2);
+    its tests hold FP8 x FP8 products below 0.001."""
+    x, y = x.double(), y.double()
+    den = (x * x + y * y).sum()
+    return 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
+
+
+def _pos(R: int, K: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(ids [R, K] int32 with -1 slots, pos [R, K] in the aligned layout, offs, JA) through ``expert_order``."""
+    from moe_wave.expert_kernels import expert_order
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e + 2, generator=g)[:K] for _ in range(R)]).to(torch.int32)
+    ids = torch.where(ids < e, ids, -1).to(torch.int32)       # distinct experts a row, some slots elsewhere
+    counts = torch.bincount(ids.reshape(-1).long() + 1, minlength=e + 1)[1:]
+    offs = counts.cumsum(0).to(torch.int32)
+    JA = aligned_capacity(R * K, e)
+    starts, _ = aligned_groups(offs)
+    _, pos = expert_order(ids, e, offs, starts_e=starts, capacity=JA)
+    return ids, pos, offs, JA
+
+
+@needs_kernels
+@pytest.mark.parametrize("R,K,e", [(37, 3, 5), (1, 1, 1), (64, 6, 16)])
+def test_aligned_layout_places_each_pair_once_in_its_aligned_group(R, K, e):
+    ids, pos, offs, JA = _pos(R, K, e, seed=R + K)
+    starts, ends = aligned_groups(offs)
+    assert (starts % ALIGN == 0).all() and (starts[1:] >= ends[:-1]).all() and int(ends[-1]) <= JA
+    ok = ids >= 0
+    assert torch.equal(ok, pos >= 0)
+    p = pos[ok]
+    assert p.unique().numel() == p.numel()                      # one row of the layout per pair
+    x = ids[ok].long()
+    assert ((p >= starts[x]) & (p < ends[x])).all()             # inside its expert's group
+    # flat order within a group (the stable argsort's): pairs of expert x take starts[x], starts[x] + 1, ...
+    for xe in range(e):
+        got = pos[ids == xe]
+        assert torch.equal(got, starts[xe] + torch.arange(got.numel()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quant_pairs_kernel_equals_its_twin_bit_for_bit(seed):
+    R, K, e, D = 29, 3, 4, 256
+    ids, pos, offs, JA = _pos(R, K, e, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(R, D, generator=g) * torch.logspace(-3, 3, D)).to(torch.bfloat16)
+    x[3] = 0                                                    # an all-zero row: the amax floor
+    q, s = quant_pairs(x, pos, JA)
+    qt, st_ = quant_pairs_torch(x, pos, JA)
+    used = pos[pos >= 0]
+    assert torch.equal(q[used].view(torch.uint8), qt[used].view(torch.uint8))
+    assert torch.equal(s[:, used], st_[:, used])
+    # the format is fp8.act_quant's: each pair's row is its source row quantised
+    r = torch.arange(R)[:, None].expand(R, K)[pos >= 0]
+    q_ref, s_ref = act_quant_torch(x[r])
+    assert torch.equal(q[used].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s[:, used], s_ref)
+
+
+@needs_kernels
+def test_quant_pairs_reads_local_rows_where_they_are():
+    R, K, e, D = 12, 2, 3, 128
+    ids, pos, offs, JA = _pos(R, K, e, 5)
+    x = torch.randn(R, D).to(torch.bfloat16)
+    own = torch.randn(4, D).to(torch.bfloat16)                  # rows 6..9 live in own, not in x
+    full = x.clone()
+    full[6:10] = own
+    q, s = quant_pairs(x, pos, JA, local=(6, own))
+    qt, st_ = quant_pairs_torch(full, pos, JA)
+    used = pos[pos >= 0]
+    assert torch.equal(q[used].view(torch.uint8), qt[used].view(torch.uint8)) and torch.equal(s[:, used], st_[:, used])
+
+
+@needs_kernels
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_swiglu_quant_kernel_equals_its_twin(limit):
+    R, K, e, I = 23, 3, 4, 256
+    ids, pos, offs, JA = _pos(R, K, e, 7)
+    gu = (torch.randn(JA, 2 * I) * 6).to(torch.bfloat16)
+    hq, hs = swiglu_quant(gu, pos, limit)
+    hqt, hst = swiglu_quant_torch(gu, pos, limit)
+    used = pos[pos >= 0]
+    assert torch.equal(hs[:, used], hst[:, used])
+    a, b = dequant_act(hq[used], hs[:, used]), dequant_act(hqt[used], hst[:, used])
+    # silu's exp may differ in its last fp32 bit between Triton and torch: at most one e4m3 step, rarely
+    assert (a != b).float().mean() < 1e-3 and ((a - b).abs() <= b.abs() / 8 + 1e-30).all()
+    gate, up = gu[used, :I].float(), gu[used, I:].float()
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    assert calc_diff(a, F.silu(gate) * up) < 1e-3
+
+
+def test_quant_experts_is_weight_quant_per_expert_and_refuses_partial_blocks():
+    from moe_wave.fp8 import weight_quant
+
+    w = torch.randn(3, 256, 128) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
+    q, s = quant_experts(w)
+    for j in range(3):
+        qj, sj = weight_quant(w[j])
+        assert torch.equal(q[j].view(torch.uint8), qj.view(torch.uint8)) and torch.equal(s[j], sj)
+    assert calc_diff(dequant_experts(q, s), w) < 1e-3
+    with pytest.raises(ValueError, match=r"N and K must be multiples of 128"):
+        quant_experts(torch.randn(1, 100, 128))
+
+
+def _fp4(e: int, N: int, K: int, spread: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random FP4 experts: codes in every byte, 1 x 32 scales 2^a with a spread over ``spread`` octaves."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, N, K // 2), generator=g, dtype=torch.uint8)
+    a = torch.randint(-spread, 1, (e, N, K // 32), generator=g).float() - 4
+    return packed, torch.exp2(a)
+
+
+def test_fp4_decodes_the_e2m1_table():
+    packed = torch.zeros(1, 16, dtype=torch.uint8)                                 # K = 32: one scale
+    packed[0, :4] = torch.tensor([0x10, 0x72, 0xF8, 0x9B], dtype=torch.uint8)      # element 2i in the low nibble
+    vals = dequant_fp4(packed, torch.full((1, 1), 2.0))[0, :8]
+    assert vals.tolist() == [0.0, 1.0, 2.0, 12.0, -0.0, -12.0, -3.0, -1.0]
+    with pytest.raises(ValueError, match="scales .* must be"):
+        dequant_fp4(packed, torch.ones(1, 3))
+
+
+def test_fp4_to_fp8_is_exact_where_the_scales_spread_little_and_close_elsewhere():
+    packed, scales = _fp4(2, 256, 256, spread=6, seed=0)
+    q, s, exact = fp4_to_fp8(packed, scales)
+    w = dequant_fp4(packed, scales)
+    assert exact.all() and torch.equal(dequant_experts(q, s), w)     # every block exact: spread 2^6
+    packed, scales = _fp4(1, 128, 512, spread=30, seed=1)            # spreads up to 2^30: small values round
+    q, s, exact = fp4_to_fp8(packed, scales)
+    w = dequant_fp4(packed, scales)
+    d = dequant_experts(q, s)
+    assert not exact.all()
+    blocks = (d == w).view(1, 1, 128, 4, 128).all(dim=4).all(dim=2)
+    assert torch.equal(blocks, exact)                                # the mask names the inexact blocks
+    assert calc_diff(d, w) < 1e-6 and (d - w).abs().max() <= w.abs().max() * 2.0 ** -15
+
+
+def test_load_fp4_fills_the_experts_and_reports_the_exact_share():
+    cfg = MoEConfig(hidden_size=128, intermediate_size=128, num_experts=2, top_k=1)
+    ex = FP8RoutedExperts(cfg, 2)
+    gu, dn = _fp4(2, 256, 128, 4, 2), _fp4(2, 128, 128, 4, 3)
+    share = ex.load_fp4(gu, dn)
+    assert float(share) == 1.0
+    assert torch.equal(ex.dense()[0], dequant_fp4(*gu)) and torch.equal(ex.dense()[1], dequant_fp4(*dn))
+    with pytest.raises(ValueError, match="re-encodes to"):
+        ex.load_fp4(_fp4(1, 256, 128, 4, 4), dn)
+
+
+def fp8_reference(moe: WaveMoE, x: torch.Tensor) -> torch.Tensor:
+    """The FP8 block from the dequantised weights (a model holding every expert), written here token by token:
+    rows quantised per 128 channels, each GEMM's output rounded to bf16 (DeepGEMM writes bf16), SwiGLU with V4's
+    clamps in fp32, the routed sum in fp32, plus the shared expert in the same format."""
+    cfg, ex = moe.cfg, moe.experts
+    I, lim = cfg.intermediate_size, cfg.swiglu_limit
+    w13, w2 = ex.dense()
+    ids, w = moe.route(x)
+
+    def q(v):
+        return dequant_act(*act_quant_torch(v))
+
+    def ffn(v, gate_up, down, clamp):
+        gu = (q(v) @ gate_up.t()).to(torch.bfloat16).float()
+        g, u = gu[:, :I], gu[:, I:]
+        if clamp and lim > 0:
+            g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+        return (q(F.silu(g) * u) @ down.t()).to(torch.bfloat16).float()
+
+    out = torch.zeros(x.shape[0], cfg.hidden_size)
+    for t in range(x.shape[0]):
+        for k in range(cfg.top_k):
+            j = int(ids[t, k])
+            out[t] += w[t, k] * ffn(x[t:t + 1], w13[j], w2[j], True)[0]
+    if moe.shared is not None:
+        sh = moe.shared
+        out += ffn(x, dequant_experts(sh.gate_up, sh.gate_up_scale), dequant_experts(sh.down, sh.down_scale),
+                   cfg.clamp_shared)
+    return out.to(x.dtype)
+
+
+def _block(ep, W: int, full: dict | None = None) -> WaveMoE:
+    from moe_wave.reference import random_full_weights
+
+    moe = WaveMoE(CFG_SH, ep=ep, wave=WaveConfig(num_waves=W), dtype=torch.float32).quantize_fp8()
+    moe.load_full(full if full is not None else random_full_weights(CFG_SH, seed=3, scale=0.2))
+    return moe
+
+
+CFG_SH = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=6, top_k=3)
+
+
+def _fp8_block_ranks(ep, T: int):
+    """Per W: (relative error against the fp32 reference of the whole block, pipelined == serial); ranks with no
+    token included (T = 0 on the last rank)."""
+    from moe_wave.reference import random_full_weights
+
+    full = random_full_weights(CFG_SH, seed=3, scale=0.2)
+    g = torch.Generator().manual_seed(100 + ep.rank)
+    x = torch.randn(T if ep.rank < ep.size - 1 or ep.size == 1 else 0, 256, generator=g)
+    ref = fp8_reference(_block(None, 1, full), x)
+    out = []
+    for W in (1, 2, 3):
+        moe = _block(ep, W, full)
+        y = moe(x)
+        err = float((y - ref).abs().max() / ref.abs().max()) if x.shape[0] else float(y.numel())
+        out.append((W, err, torch.equal(y, moe(x, overlap=False))))
+    return out
+
+
+def test_fp8_block_single_process_matches_the_fp32_reference_and_serial():
+    from moe_wave.reference import random_full_weights
+
+    full = random_full_weights(CFG_SH, seed=3, scale=0.2)
+    moe = _block(None, 2, full)
+    x = torch.randn(21, 256)
+    y = moe(x)
+    with torch.no_grad():
+        assert float((y - fp8_reference(moe, x)).abs().max() / y.abs().max()) < 1e-5
+    assert torch.equal(y, moe(x, overlap=False))
+    dense = WaveMoE(CFG_SH, wave=WaveConfig(num_waves=2), dtype=torch.float32)
+    dense.load_full(full)
+    # DeepGEMM's tests hold one FP8 x FP8 GEMM within calc_diff 1e-3 of its bf16 product; each of the block's
+    # GEMMs is within it, and the block (GEMM, SwiGLU, requant, GEMM in series, plus the shared expert) within 3e-3
+    w13 = full["gate_up"][0]
+    gu8 = dequant_act(*act_quant_torch(x)) @ dequant_experts(*quant_experts(w13[None]))[0].t()
+    assert calc_diff(gu8, x @ w13.t()) < 1e-3
+    with torch.no_grad():
+        d = calc_diff(y, dense(x))
+    assert 1e-8 < d < 3e-3, d                     # FP8, not the fp32 block itself, and within the bound
+
+
+def _ranks_check(ep, T):
+    return _fp8_block_ranks(ep, T)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fp8_block_on_ranks_matches_the_reference_at_every_wave_count(ranks, n):
+    for rank_rows in ranks(n).run(_ranks_check, 9):
+        for W, err, same in rank_rows:
+            assert err < 1e-5, (W, err)
+            assert same, f"W={W}: pipelined != serial"
+
+
+class _TorchDeepGEMM:
+    """DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` with the psum layout, in torch: group g is rows
+    align_up(ends[g - 1], 128) .. ends[g] - 1 of a, times expert g's weight; other rows untouched."""
+
+    calls = 0
+
+    @staticmethod
+    def get_mk_alignment_for_contiguous_layout():
+        return 128
+
+    @classmethod
+    def m_grouped_fp8_gemm_nt_contiguous(cls, a, b, d, ends, use_psum_layout=False):
+        assert use_psum_layout and ends.dtype == torch.int32 and a[1].shape == (a[0].shape[0], a[0].shape[1] // 128)
+        cls.calls += 1
+        start = 0
+        for g, end in enumerate(ends.tolist()):
+            if end > start:
+                d[start:end] = fp8_matmul_ref(a[0][start:end], a[1][start:end].t(), b[0][g], b[1][g], d.dtype)
+            start = -(-end // 128) * 128
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows_bound", [False, True])
+def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound):
+    """The fused stage (aligned ordering, quant_pairs, two grouped GEMMs, swiglu_quant, weighted sum) with DeepGEMM
+    replaced by its psum semantics gives the per-expert path's output; rows past rows_P are not read."""
+    import moe_wave.experts as mex
+    import moe_wave.fp8_experts as fx
+    from moe_wave.experts import expert_rows
+
+    ex = FP8RoutedExperts.from_dense(CFG, torch.randn(4, 256, 256) / 16, torch.randn(4, 256, 128) / 11)
+    ex.num_local = 4
+    R, K = 40, 3
+    ids, _, offs, _ = _pos(R, K, 4, 11)
+    x = torch.randn(R, 256).to(torch.bfloat16)
+    w = torch.rand(R, K)
+    rows_P = torch.tensor([15, 20]) if rows_bound else None
+    if rows_bound:          # the rows past each block's count carry no pair the combine reads
+        keep = (torch.arange(R) % 20) < rows_P.repeat_interleave(20)
+        ids = torch.where(keep[:, None], ids, -1).to(torch.int32)
+        counts = torch.bincount(ids.reshape(-1).long() + 1, minlength=5)[1:]
+        offs = counts.cumsum(0).to(torch.int32)
+    want = expert_rows(x, ids, w, ex, None, torch.diff(offs, prepend=offs.new_zeros(1)).long())
+    monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
+    monkeypatch.setattr(mex, "fp8_fused_ok", lambda x, e: True)
+    _TorchDeepGEMM.calls = 0
+    got = expert_rows(x, ids, w, ex, None, torch.diff(offs, prepend=offs.new_zeros(1)).long(), rows_P=rows_P)
+    assert _TorchDeepGEMM.calls == 2
+    read = slice(None) if rows_P is None else keep
+    # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element
+    # of h to the next e4m3 step: the rows agree to bf16 rounding, where a wrong layout would be off by O(1)
+    assert calc_diff(got[read].float(), want[read].float()) < 1e-5
+    assert ((got[read].float() - want[read].float()).abs() <= 0.02 * want[read].float().abs().max()).all()
+
+
+def test_fp8_needs_128_channel_multiples():
+    with pytest.raises(ValueError, match=r"hidden_size=64, intermediate_size=32: both must be multiples of 128"):
+        WaveMoE(MoEConfig(hidden_size=64, intermediate_size=32, num_experts=2, top_k=1)).quantize_fp8()
+    assert FP8 == torch.float8_e4m3fn and BLOCK == 128
