@@ -251,10 +251,10 @@ def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = T
         return EPGroup.single(device)
     backend, dev = _pick_backend(info.local_world_size, info.local_rank, device)
     store = None
+    if info.local_world_size == info.world_size:     # every rank local: gloo's own sockets on loopback only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if info.kind == "torchrun":
         init_method = "env://"
-        if info.local_world_size == info.world_size:     # one host: gloo's own sockets on loopback only
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if "TORCHELASTIC_RUN_ID" not in os.environ:      # no agent: we make the store, and check that peers come
             init_method, store = None, _env_store(info, timeout_s, join_s)
     elif info.kind in ("openmpi", "mpich"):

@@ -58,7 +58,7 @@ def _error_on_one_rank(ep):
 
 
 def _hidden_by_rank(ep):
-    a, b = _moe(ep), _moe(ep, MoEConfig.preset("tiny", num_experts=4, top_k=2, hidden_size=96))
+    a, b = _moe(ep), _moe(ep, MoEConfig.preset("tiny", num_experts=4, top_k=2, hidden_size=CFG.hidden_size + 32))
     m = (a, b)[ep.rank]
     return _call(lambda: m(_x(ep, m.cfg.hidden_size))), None
 
@@ -67,7 +67,7 @@ def _hidden_by_rank(ep):
 @pytest.mark.parametrize("fn, fields", [
     (_overlap_by_rank, "overlap: rank 0 True, rank 1 False"),
     (_error_on_one_rank, "call: rank 0 2, rank 1 1"),
-    (_hidden_by_rank, "hidden: rank 0 64, rank 1 96"),
+    (_hidden_by_rank, f"hidden: rank 0 {CFG.hidden_size}, rank 1 {CFG.hidden_size + 32}"),
 ])
 def test_a_desync_is_the_same_error_on_every_rank(ranks, fn, fields):
     (msg0, again0), (msg1, again1) = ranks(2).run(fn)
