@@ -198,13 +198,17 @@ def _env_store(info: LaunchInfo, timeout_s: float, join_s: float):
     port = _int(os.environ, "MASTER_PORT")
     deadline = time.monotonic() + join_s
     if info.rank == 0:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            family, _, _, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            raise _no_launch(info, f"MASTER_ADDR={addr!r} does not resolve: {e.strerror or e}") from None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((addr, port))
+            sock.bind(where)
         except OSError as e:
             sock.close()
-            raise _no_launch(info, f"rank 0 cannot listen on {addr}:{port}: {e.strerror}") from None
+            raise _no_launch(info, f"rank 0 cannot listen on {addr}:{port}: {e.strerror or e}") from None
         sock.listen(max(128, info.world_size))
         # detach: the store serves on this descriptor, which Python must not close when ``sock`` is collected
         store = dist.TCPStore(addr, port, info.world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
@@ -216,7 +220,8 @@ def _env_store(info: LaunchInfo, timeout_s: float, join_s: float):
                 break
             except OSError as e:
                 if time.monotonic() > deadline:
-                    raise _no_launch(info, f"no store at {addr}:{port} within {join_s:g} s: {e.strerror or e}") from None
+                    why = f"no store at {addr}:{port} within {join_s:g} s: {e.strerror or e}"
+                    raise _no_launch(info, why) from None
                 time.sleep(0.2)
         store = dist.TCPStore(addr, port, info.world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
     joined = store.add("moe_wave/joined", 1)
