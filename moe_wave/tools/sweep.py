@@ -213,12 +213,12 @@ def run_rank(ep, spec: dict) -> list[tuple]:
     set_nvtx(spec["nvtx"])   # a spawned rank is a fresh process
     out, dtype, P = Path(spec["out"]), spec["dtype"], ep.size
     fp8 = spec.get("precision") == "fp8"
-    label = "fp8" if fp8 else dtype         # the CSV's dtype column: the experts' format
+    dtype_col = "fp8" if fp8 else dtype     # the CSV's dtype column: the experts' format
     todo = None
     if ep.rank == 0:
         rows, writer = sweep_csv.resume(out)
         done = {tuple(r[k] for k in KEY) for r in rows}
-        todo = [p for p in points(spec) if p.key(label, P) not in done]
+        todo = [p for p in points(spec) if p.key(dtype_col, P) not in done]
     todo = ep.broadcast_object(todo)
     bar = _progress(len(todo), ep.rank == 0)
     bench = BenchConfig(**spec["bench"])
@@ -250,7 +250,7 @@ def run_rank(ep, spec: dict) -> list[tuple]:
             m = m.rescheduled(WaveConfig(num_waves=pt.waves, **sched))
             label = f"{s['shape']} T={pt.tokens} W={pt.waves} {pt.partition} {pt.backend} shared={pt.shared}"
             row = measure(m, pt.tokens, _graphed(bench, spec.get("graph"), m, label), tracer=tracer, label=label)
-            key = pt.key(label, P)
+            key = pt.key(dtype_col, P)
             if ep.rank == 0:
                 a_w, a_us = auto.get(pt.group(), ("", ""))
                 writer.write({**dict(zip(KEY, key)), **{k: row.get(k, "") for k in COLUMNS if k in row},
