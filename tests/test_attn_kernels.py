@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from moe_wave.attention.compressor import Compressor, CompressorConfig, CompressorState
-from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, _splits, default_config, sparse_attention_fused
+from moe_wave.attention.sparse_core import sparse_attention
+from moe_wave.attention.sparse_core import FALLBACKS, CoreConfig, default_config, sparse_attention_fused
+from moe_wave.attention.sparse_core.triton_impl import splits as _splits
 from moe_wave.attention.topk import topk_select, topk_select_torch
 from moe_wave.attention.kernels import (index_scores, index_scores_torch, norm_rope, norm_rope_torch, picks,
                                        prefix_picks_torch, rms_norm_quant, use_kernels, window_picks_torch)

@@ -770,7 +770,7 @@ def test_from_hf_refuses_other_fp8_blocks():
 
 def test_act_quant_into_column_slices():
     """act_quant(out=(q, s)): each group of a group-major stack quantised into its columns of one [M, G*K] pair (as
-    the overlapped wo_a does, ``attention.WO_A_OVERLAP``) gives the whole stack's bits; bad outs are named."""
+    the overlapped wo_a does, ``ScheduleConfig.wo_a_overlap``) gives the whole stack's bits; bad outs are named."""
     z = torch.randn(3, 37, 256) * torch.logspace(-2, 2, 256)
     want_q, want_s = F.act_quant(z, groups=3)
     q = torch.zeros(37, 768, dtype=F.FP8)

@@ -16,7 +16,7 @@ h indexer heads, e indexer head dim, N compressed-entry slots.
   visibility mask, one [BS, BN] tile per program looping over heads, without the [S, h, N]
   intermediate; tiles that no query of the block can see are skipped.
 
-The sparse core is in ``core_kernel.py`` and the indexer's top-k in ``topk.py``.
+The sparse core is in ``sparse_core/`` and the indexer's top-k in ``topk.py``.
 Each kernel runs on CUDA/ROCm tensors (and on CPU under ``TRITON_INTERPRET=1``, which the tests use to check
 them against the torch versions). Callers decide with ``use_kernels(t, mode)``, ``mode`` being
 ``ScheduleConfig.kernels``: "auto" (Triton on a GPU), "off" (torch ops everywhere), "on" (Triton wherever
@@ -162,9 +162,9 @@ if triton is not None:
             if INVERSE:
                 s = -s
             # pinned to fma(x_odd, -sin, x_even * cos) and fma(x_even, sin, x_odd * cos): left to itself the
-            # compiler contracts these either way, by context (seen on an H200: 2-5 elements in 150 000 the other way
-            # at d = 128), and the core's fused epilogues (core_kernel._rot, core_gluon._ws_store) round them this
-            # way; the interpreter rounds each product and the sum
+            # compiler contracts these either way, by context (a few elements in 10^5 the other way), and the core's
+            # fused epilogues (sparse_core.triton_kernels._rot, the CUDA core) round them this way; the interpreter
+            # rounds each product and the sum
             if INTERP:
                 ye = xe * c - xo * s
                 yo = xo * c + xe * s
