@@ -203,7 +203,7 @@ def small(dev) -> str:
     """The front-end's small kernels and their variants, each alone (``kernel_us``: the kernels' device time),
     V4-Flash prefill shapes: q_lora's norm and quantisation (chained / fused), the window kv's norm and RoPE (rows a
     program), the compressors' pooling (HCA's split by channel pairs a program)."""
-    from moe_wave.attention import kernels as K
+    from moe_wave.attention import compressor_kernels as CK, kernels as K
     from moe_wave.fp8 import act_quant
 
     def with_(mod, name, value, fn):
@@ -236,13 +236,13 @@ def small(dev) -> str:
         ent = torch.zeros(1, S // ratio + 2, 512, device=dev, dtype=torch.bfloat16)
 
         def pool(ck=ck, cs=cs, rk=rk, rs=rs, ape=ape, ent=ent, ratio=ratio, mult=mult):
-            K.pool_entries(ck, cs, rk, rs, ape, pos, kw, freq, ent, ratio=ratio, mult=mult, eps=1e-6)
+            CK.pool_entries(ck, cs, rk, rs, ape, pos, kw, freq, ent, ratio=ratio, mult=mult, eps=1e-6)
         if kind == "CSA":
             rows.append((f"{kind} pool_entries [4096, {C}]", pool))
             continue
         for pairs in (32, 16, 8, 4):
             rows.append((f"{kind} pool_entries [4096, {C}], split {pairs} pairs a program",
-                         with_(K, "POOL_SPLIT_PAIRS", pairs, pool)))
+                         with_(CK, "POOL_SPLIT_PAIRS", pairs, pool)))
     lines = ["== small kernels alone, their device time (V4-Flash prefill 4096)"]
     for name, fn in rows:
         lines.append(f"    {kernel_us(fn):8.1f} us  {name}")

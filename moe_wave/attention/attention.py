@@ -139,8 +139,8 @@ class V4Attention(nn.Module):
 
         wo_a: as the official inference code does, its FP8 weight dequantised to the model dtype and the grouped
         product in that dtype (default); ``wo_a_fp8=True``: G FP8 GEMMs on the core's quantised output (as S4 /
-        S5 do; measured on one H200, V4-Flash: faster in 4096-token prefill, 3x slower at decode batch 64, where
-        the G small block-scaled GEMMs cost more than the bf16 einsum). ``wo_a_fp8="auto"``: both, the FP8 GEMMs
+        S5 do: faster in prefill, slower at decode batches, where the G small block-scaled GEMMs cost more than
+        the bf16 einsum: ``benchmarks/results/attn.md``). ``wo_a_fp8="auto"``: both, the FP8 GEMMs
         for calls of at least ``WO_A_FP8_MIN_TOKENS`` tokens (prefill), the dequantised bf16 product below (decode);
         the two round differently, so a layer's prefill and decode outputs then come from two wo_a products.
         Returns self."""

@@ -22,10 +22,8 @@ Under CUDA-graph capture every side stream is joined before the call returns.
 Switches: ``ScheduleConfig.overlap`` (default on; the CLI maps ``MOE_WAVE_ATTN_OVERLAP`` onto it) and
 ``ScheduleConfig.kernels`` (the fused Triton kernels, ``attention/kernels.py``).
 ``decode_overlap_min_batch`` turns overlap off for decode steps (S == 1) with a smaller batch, should
-launch latency beat the overlap. Default 0 (always overlap): on one H200
-(benchmarks/bench_attn.py, CUDA graphs, 4096-token cache) overlap cut the decode front-end by 15-40% and the
-whole attention layer by 5-33% at every batch from 1 to 128, for V4-Flash and V4-Pro, all layer types;
-in prefill at 4096 tokens it neither gains nor loses more than ~4%. On CPU every stream op is a no-op
+launch latency beat the overlap. Default 0 (always overlap: it shortens the decode front-end and layer at every
+measured batch, ``benchmarks/results/attn.md``, ``benchmarks/bench_attn.py``). On CPU every stream op is a no-op
 and both settings run the same code serially.
 """
 
@@ -154,8 +152,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
     fork = record(main)
     # FP8 layers: x quantised once for wq_a (main) and wkv (side a). Only side a waits for it: the other sides fork
-    # before it (with every side behind it, V4-Flash HCA's overlapped prefill front-end took 484.4 us on one H200,
-    # its serial one 484.0; with only side a, 454.0: benchmarks/results/attn.md)
+    # before it (with every side behind it the overlapped front-end lost its gain: benchmarks/results/attn.md)
     xq = attn.x_quant(x_BSD)
     xq_ready = record(main) if xq is not None else fork
     if hold and overlap:

@@ -269,7 +269,7 @@ def sparse_attention_cuda(q: torch.Tensor, out: torch.Tensor, sinks: torch.Tenso
 @functools.lru_cache(maxsize=None)
 def ctas_resident(device_index: int) -> int:
     """CTAs the GPU holds at once (the persistent grid): SMs x CTAs an SM (the driver's occupancy for THREADS and
-    SMEM_BYTES: 1 on an H200)."""
+    SMEM_BYTES: 1 on Hopper)."""
     func = kernel(device_index, Variant())
     lib = torch.cuda._utils._get_gpu_runtime_library()
     n = ctypes.c_int(0)

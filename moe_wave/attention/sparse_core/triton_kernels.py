@@ -104,10 +104,9 @@ if triton is not None:
 
     @triton.jit
     def _rot(x, xs, c, sn, INTERP: tl.constexpr):
-        # x * cos + x_partner * (+-sin) [BH, W], rounded as norm_rope's kernel rounds it where the chain runs: on a
-        # GPU its `xt * c + xs * s` compiles to fma(xs, s, xt * c) (seen on an H200, Triton 3.6); pinned here, as
-        # left to itself the compiler contracts this expression either way, by context. The interpreter rounds
-        # each product and the sum.
+        # x * cos + x_partner * (+-sin) [BH, W], rounded as norm_rope's kernel rounds it where the chain runs: its
+        # `xt * c + xs * s` is pinned to fma(xs, s, xt * c) there and here, as left to itself the compiler
+        # contracts this expression either way, by context. The interpreter rounds each product and the sum.
         if INTERP:
             return x * c[None, :] + xs * sn[None, :]
         return tl.fma(xs, sn[None, :], x * c[None, :])
