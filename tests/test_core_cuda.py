@@ -110,6 +110,23 @@ def test_supported_and_errors_name_the_rule():
     assert cuda_impl._operand_rule(q, kv, kv, Steps()) is None
 
 
+
+def test_dispatcher_order_and_an_unsupported_calls_error():
+    """The table's order (cuda, chain, triton, reference), and a call no implementation takes (three parts on the
+    kernels only) names each implementation with the rule it fails."""
+    from moe_wave.attention.sparse_core import IMPLS
+    assert [impl.NAME for impl in IMPLS] == ["cuda", "chain", "triton", "reference"]
+    q = torch.zeros(1, 2, 4, 64)
+    parts = [(torch.zeros(1, 3, 64), torch.zeros(1, 2, 2, dtype=torch.int32))] * 3
+    with pytest.raises(ValueError, match="no implementation takes this call") as e:
+        sparse_attention_fused(q, parts, torch.zeros(4), 0.1)
+    lines = str(e.value).splitlines()[1:]
+    assert [ln.split(":")[0].strip() for ln in lines] == ["cuda", "chain", "triton", "reference"]
+    assert "3 parts: it takes 1 or 2" in lines[2] and "kernel was asked for" in lines[3]
+    with pytest.raises(ValueError, match=r"impl='gluon' must be one of \('auto', 'cuda', 'triton'\)"):
+        sparse_attention(q, parts[:1], torch.zeros(4), 0.1, impl="gluon")
+
+
 @needs_cuda_core
 @pytest.mark.gpu
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])

@@ -29,8 +29,8 @@ from .sparse_core import q_norm_inside, sparse_attention
 __all__ = ["AttnConfig", "V4Attention", "LAYER_TYPES"]
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
-# quantize_fp8(wo_a_fp8="auto"): calls of at least this many tokens run the grouped FP8 wo_a (the FP8 GEMMs win in
-# prefill, the bf16 einsum at decode batches: benchmarks/results/attn.md)
+# quantize_fp8(wo_a_fp8="auto")'s default: calls of at least this many tokens run the grouped FP8 wo_a (the FP8
+# GEMMs win in prefill, the bf16 einsum at decode batches: benchmarks/results/attn.md)
 WO_A_FP8_MIN_TOKENS = 2048
 
 
@@ -130,7 +130,8 @@ class V4Attention(nn.Module):
         """Whether the projections are in the FP8 format (``quantize_fp8``)."""
         return isinstance(self.o_b_proj, FP8Linear)
 
-    def quantize_fp8(self, wo_a_fp8: bool | str = False) -> "V4Attention":
+    def quantize_fp8(self, wo_a_fp8: bool | str = False,
+                     wo_a_fp8_min_tokens: int = WO_A_FP8_MIN_TOKENS) -> "V4Attention":
         """Store the projections as the released checkpoints do (spec section 5): wq_a, wq_b, wkv, wo_b and the
         indexer's wq_b in float8 e4m3 with one power-of-two scale per 128 x 128 block, their inputs quantised
         per (token, 128 channels) on the fly (``moe_wave.fp8``): on a Hopper GPU FP8 tensor-core GEMMs
@@ -141,11 +142,13 @@ class V4Attention(nn.Module):
         product in that dtype (default); ``wo_a_fp8=True``: G FP8 GEMMs on the core's quantised output (as S4 /
         S5 do: faster in prefill, slower at decode batches, where the G small block-scaled GEMMs cost more than
         the bf16 einsum: ``benchmarks/results/attn.md``). ``wo_a_fp8="auto"``: both, the FP8 GEMMs
-        for calls of at least ``WO_A_FP8_MIN_TOKENS`` tokens (prefill), the dequantised bf16 product below (decode);
+        for calls of at least ``wo_a_fp8_min_tokens`` tokens (prefill), the dequantised bf16 product below (decode);
         the two round differently, so a layer's prefill and decode outputs then come from two wo_a products.
         Returns self."""
         if wo_a_fp8 not in (False, True, "auto"):
             raise ValueError(f"quantize_fp8: wo_a_fp8={wo_a_fp8!r} must be False, True or 'auto'")
+        if wo_a_fp8_min_tokens < 0:
+            raise ValueError(f"quantize_fp8: wo_a_fp8_min_tokens={wo_a_fp8_min_tokens} must be >= 0")
         if self.fp8:
             return self
         for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
@@ -159,7 +162,7 @@ class V4Attention(nn.Module):
                 self.o_a_weight.copy_(dequant_weight(*weight_quant(self.o_a_weight.detach())))
         if self.indexer is not None:
             self.indexer.q_b_proj = FP8Linear.from_linear(self.indexer.q_b_proj)
-        self.o_a_fp8_min_tokens = WO_A_FP8_MIN_TOKENS if wo_a_fp8 == "auto" else 0
+        self.o_a_fp8_min_tokens = wo_a_fp8_min_tokens if wo_a_fp8 == "auto" else 0
         return self
 
     def fp8_out(self, tokens: int) -> bool:

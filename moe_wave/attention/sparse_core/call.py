@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["CoreCall", "CoreTuning", "Steps", "check_steps"]
 
-IMPLS = ("auto", "cuda", "triton")          # the ``impl`` a call may ask for (auto: the dispatcher's order)
+IMPL_NAMES = ("auto", "cuda", "triton")     # the ``impl`` a call may ask for (auto: the dispatcher's order)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,8 +176,8 @@ class CoreCall:
     def build(cls, q_BSHd: torch.Tensor, parts, sinks_H: torch.Tensor, scale: float, *, q_rope=None, o_rope=None,
               out_fp8: bool = False, **kw) -> "CoreCall":
         impl = kw.get("impl", "auto")
-        if impl not in IMPLS:
-            raise ValueError(f"sparse_attention: impl={impl!r} must be one of {IMPLS}")
+        if impl not in IMPL_NAMES:
+            raise ValueError(f"sparse_attention: impl={impl!r} must be one of {IMPL_NAMES}")
         B, S, H, D = q_BSHd.shape
         steps = check_steps(q_BSHd, q_rope, o_rope, out_fp8)
         parts = tuple(parts)
