@@ -45,7 +45,7 @@ import warnings
 import torch
 
 from ..kernels import use_kernels
-from . import cuda_build
+from . import cuda_build, triton_impl
 from .call import CoreCall
 from .cuda_build import Variant
 
@@ -110,7 +110,6 @@ def rule(q: torch.Tensor, n_parts: int, qrf: int = 0, orf: int = 0, picks: int =
 def supports(call: CoreCall) -> str | None:
     """The Hopper prefill calls: the rules of ``rule``, on a grid where the Triton kernel would neither split the
     keys nor run the steps inside itself, no Triton tiling asked for, the operands' alignment (``_operand_rule``)."""
-    from . import triton_impl
     if call.impl not in ("auto", NAME):
         return f"impl={call.impl!r} was asked for"
     if not call.tuning.cuda:
