@@ -20,7 +20,7 @@ iterations, CUDA events, after warm-up, fresh random inputs each iteration):
                      gemm_tflops, a dense bf16 8192^3 GEMM timed in the same run (core_vs_gemm = the ratio);
                      fp8_gemm_tflops: the same GEMM in the FP8 format (block scales), the projections' yardstick
 ``--core`` times only the core (prefill 4096 and decode batch 64, every layer type, both shapes; on CSA each
-tiling of ``core_kernel.FALLBACKS`` and ``EXTRA_TILINGS`` in prefill and key / value splits in decode) and the
+tiling of ``sparse_core.FALLBACKS`` and ``EXTRA_TILINGS`` in prefill and key / value splits in decode) and the
 indexer's top-k (``topk.topk_select`` against
 ``torch.topk``), and prints one short table.
 Writes JSON {"meta", "rows"} to --out (default $OUT/attn.json, else benchmarks/<date>-attn-1gpu.json),
@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import git_sha, out_path  # noqa: E402
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention  # noqa: E402
-from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, core_flops, core_impl, default_config  # noqa: E402
-from moe_wave.attention import attention as attention_mod, core_cuda, core_gluon, core_kernel  # noqa: E402
+from moe_wave.attention.sparse_core import (FALLBACKS, CoreConfig, CoreTuning, core_flops, core_impl,  # noqa: E402
+                                            default_config)
 from moe_wave import fp8  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
 from moe_wave.attention.topk import topk_select  # noqa: E402
@@ -69,7 +69,8 @@ EXTRA_TILINGS = (CoreConfig(num_stages=3), CoreConfig(block_n=32, num_stages=3),
                  CoreConfig(block_dk=256, num_warps=16), CoreConfig(block_n=128, num_warps=16, num_stages=1))
 
 
-def make_attn(shape: str, kind: str, dev, precision: str = "bf16") -> V4Attention:
+def make_attn(shape: str, kind: str, dev, precision: str = "bf16",
+              schedule: ScheduleConfig | None = None) -> V4Attention:
     s = SHAPES[shape]
     lt, ratio = TYPES[kind]
     rope = (RopeConfig(dim=64, theta=10000.0) if ratio == 0 else
@@ -78,7 +79,7 @@ def make_attn(shape: str, kind: str, dev, precision: str = "bf16") -> V4Attentio
                      o_groups=s["o_groups"], o_lora_rank=1024, window=128, rope=rope, ratio=ratio,
                      index_heads=64 if ratio == 4 else 0, index_dim=128 if ratio == 4 else 0,
                      index_topk=s["index_topk"] if ratio == 4 else 0)
-    attn = V4Attention(cfg, ScheduleConfig(overlap=True)).to(dev, torch.bfloat16)
+    attn = V4Attention(cfg, schedule or ScheduleConfig(overlap=True)).to(dev, torch.bfloat16)
     with torch.no_grad():
         for name, p in attn.named_parameters():
             if name.endswith(("sinks", "ape")):
@@ -153,11 +154,11 @@ def core_fn(attn: V4Attention, fe, pos, config: CoreConfig | None = None):
     FP8 wo_a), or the kernel with one tiling (``config``)."""
     if config is None:
         return lambda: attn.core(fe, pos)
-    from moe_wave.attention.core_kernel import sparse_attention_fused
+    from moe_wave.attention.sparse_core import sparse_attention_fused
     q_rope = (pos, attn.freq_F, attn.cfg.eps) if fe.q_raw else None
     return lambda: sparse_attention_fused(fe.q_BSHd, fe.parts, attn.sinks, attn.cfg.head_dim ** -0.5, config=config,
                                           fallback=False, q_rope=q_rope, o_rope=(pos, attn.freq_F),
-                                          out_fp8=attn.fp8_out(pos.numel()))
+                                          out_fp8=attn.fp8_out(pos.numel()), tuning=attn.schedule.core)
 
 
 def out_fn(attn: V4Attention, fe, o, pos):
@@ -215,8 +216,9 @@ def branches(attn: V4Attention):
 
 @torch.no_grad()
 def measure(shape: str, kind: str, mode: str, batch: int, iters: int, warmup: int, dev, graph: bool,
-            debug: bool = False, precision: str = "bf16", tokens: int = CTX) -> dict:
-    attn = make_attn(shape, kind, dev, precision)
+            debug: bool = False, precision: str = "bf16", tokens: int = CTX,
+            schedule: ScheduleConfig | None = None) -> dict:
+    attn = make_attn(shape, kind, dev, precision, schedule)
     D = attn.cfg.hidden
     S = tokens if mode == "prefill" else 1
     start = 0 if mode == "prefill" else CTX
@@ -329,9 +331,9 @@ def core_bench(dev, iters: int, gemm: float) -> dict:
                 o = _clone(core_fn(attn, fe, pos)())
                 out_us = time_alone(out_fn(attn, fe, o, pos), iters)
                 cfg = default_config(H, d, q.dtype)
-                # the layer's core call has o_rope: at prefill a plain call (Gluon on Hopper), at decode fused
+                # the layer's core call has o_rope: at prefill the CUDA core on Hopper, at decode fused in Triton
                 impl = core_impl(q, parts, fusions=True)
-                label = {"gluon": "gluon (core_gluon)", "cuda": "cuda (core_cuda)"}.get(impl) or tiling(cfg)
+                label = {"cuda": "cuda (sparse_core.cuda_impl)"}.get(impl) or tiling(cfg)
                 rows.append(dict(shape=shape, layer_type=kind, mode=mode, batch=batch, tokens=batch * S,
                                  core_us=round(us, 2), output_us=round(out_us, 2), gflop=round(useful / 1e9, 2),
                                  gflop_nominal=round(nominal / 1e9, 2), tflops=round(useful / us / 1e6, 1),
@@ -395,27 +397,35 @@ def decode_policy(rows) -> dict:
     return out
 
 
-def parse_core_opts(text: str, extra: tuple = (), flag: str = "--core-opts", names: tuple = ()) -> dict:
-    """--core-opts: "QPRO=1,W1OUT=0" to {"QPRO": 1, "W1OUT": 0}; each name one of core_gluon.WS_OPTS (or of
-    ``extra``: trace_core's PROBE; or of ``names`` alone, where given), each value an integer; ``flag`` names the
-    option in the error."""
-    names = sorted(names or {*core_gluon.WS_OPTS, *extra})
+def parse_opts(text: str, names: tuple, flag: str) -> dict:
+    """'NAME=VALUE,...' to {name: int}: each name one of ``names`` (any case), each value an integer; ``flag`` names
+    the option in the error."""
+    names = sorted(names)
     opts = {}
     for item in (t for t in text.split(",") if t):
         name, sep, value = item.partition("=")
-        name = name.strip().upper()
+        name = name.strip().lower()
         if not sep or name not in names or not value.strip().lstrip("-").isdigit():
             raise ValueError(f"{flag} {item!r}: must be NAME=INTEGER with NAME one of {', '.join(names)}")
         opts[name] = int(value)
     return opts
 
 
-LAYER_OPTS = ("WO_A_OVERLAP",)
+CORE_OPTS = ("cuda", "cuda_max_picks", "fuse_max_waves", "q_norm_inside")     # CoreTuning's fields
+LAYER_OPTS = ("wo_a_overlap", "wo_a_overlap_min_tokens")                     # ScheduleConfig's
+
+
+def parse_core_opts(text: str) -> dict:
+    """--core-opts: 'cuda_max_picks=4096,fuse_max_waves=2' -> CoreTuning's keywords (booleans as 0 / 1)."""
+    opts = parse_opts(text, CORE_OPTS, "--core-opts")
+    return {k: bool(v) if k in ("cuda", "q_norm_inside") else v for k, v in opts.items()}
 
 
 def parse_layer_opts(text: str) -> dict:
-    """--layer-opts' variant 'NAME=VALUE,...' of ``LAYER_OPTS`` (integers; '' or 'default': none) -> {NAME: value}."""
-    return parse_core_opts("" if text == "default" else text, flag="--layer-opts", names=LAYER_OPTS)
+    """--layer-opts' variant 'NAME=VALUE,...' of ``LAYER_OPTS`` ('' or 'default': none) -> ScheduleConfig's
+    keywords (booleans as 0 / 1)."""
+    opts = parse_opts("" if text == "default" else text, LAYER_OPTS, "--layer-opts")
+    return {k: bool(v) if k == "wo_a_overlap" else v for k, v in opts.items()}
 
 
 def meta(args) -> dict:
@@ -454,25 +464,22 @@ def main() -> None:
                     "the grouped FP8 wo_a from WO_A_FP8_MIN_TOKENS tokens a call on); default bf16,fp8")
     ap.add_argument("--prefill-tokens", default=str(CTX), help=f"comma list of prefill lengths (default {CTX})")
     ap.add_argument("--q-norm", default="core", help="comma list: core (q's norm and RoPE inside the core's "
-                    "kernel where it does them, core_kernel.q_norm_inside: the default), branch (on the q branch "
-                    "everywhere, core_kernel.WS_Q_NORM = False); default core")
+                    "kernel where it does them, sparse_core.q_norm_inside: the default), branch (on the q branch "
+                    "everywhere, CoreTuning(q_norm_inside=False)); default core")
     ap.add_argument("--core-cuda", default="on", help="comma list: on (the CUDA C++ core where it takes the call, "
-                    "core_cuda.ENABLED: the default), off (the Gluon kernels); on,off measures both in one run")
+                    "CoreTuning.cuda: the default), off (the Triton kernel); on,off measures both in one run")
     ap.add_argument("--fp8-gemm", default=None, help="comma list: auto (DeepGEMM where deep_gemm imports, else "
                     "cuBLAS), cublas, deepgemm (fp8.set_fp8_gemm); auto,cublas measures both in one run; default: "
                     "MOE_WAVE_FP8_GEMM, else auto")
-    ap.add_argument("--core-cuda-max-picks", type=int, default=None, help="core_cuda.MAX_PICKS for this run (the "
-                    "most picks a query for which the CUDA core runs; default: as it is)")
-    ap.add_argument("--core-cuda-defines", default="", help="core_cuda.DEFINES for this run: the CUDA core's compile "
-                    "switches (';'-separated NAME VALUE pairs, e.g. 'PROBE 8'); default: none")
     ap.add_argument("--layer-opts", default="", help="'|'-separated variants, each a comma list NAME=VALUE of the "
-                    "layer's switches (attention.py's WO_A_OVERLAP; '' or 'default': as they are), every variant "
-                    "measured in one run, e.g. 'WO_A_OVERLAP=0|WO_A_OVERLAP=1'")
-    ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the warp-specialized core's switches "
-                    "for this run (core_gluon.WS_OPTS, e.g. QPRO=1; a benchmark compares them); default: as they are")
+                    f"layer's ScheduleConfig fields ({', '.join(LAYER_OPTS)}; '' or 'default': the defaults), every "
+                    "variant measured in one run, e.g. 'wo_a_overlap=0|wo_a_overlap=1'")
+    ap.add_argument("--core-opts", default="", help="comma list NAME=VALUE of the sparse core's CoreTuning for this "
+                    f"run ({', '.join(CORE_OPTS)}; e.g. cuda_max_picks=4096); default: its defaults. (The CUDA "
+                    "core's profiling builds: dev/trace_core_cuda.py)")
     args = ap.parse_args()
     try:
-        core_gluon.WS_OPTS.update(parse_core_opts(args.core_opts))
+        core_opts = parse_core_opts(args.core_opts)
     except ValueError as e:
         sys.exit(f"bench_attn: {e}")
     if not torch.cuda.is_available():
@@ -482,9 +489,6 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    if args.core_cuda_max_picks is not None:
-        core_cuda.MAX_PICKS = args.core_cuda_max_picks
-    core_cuda.DEFINES = args.core_cuda_defines
     gemm = gemm_tflops(dev)
     precisions = [p for p in args.precision.split(",") if p]
     for p in precisions:
@@ -534,22 +538,16 @@ def main() -> None:
                 ("prefill", 1, True, t) for t in lengths] + [("decode", b, True, CTX) for b in batches]
             for mode, b, graph, tokens in points:
                 n = max(5, iters // 3) if mode == "prefill" else iters
-                core_kernel.WS_Q_NORM = q_norm == "core"
-                core_cuda.ENABLED = cuda == "on"
+                core = CoreTuning(**{"q_norm_inside": q_norm == "core", "cuda": cuda == "on", **core_opts})
+                schedule = ScheduleConfig(overlap=True, core=core, **opts)
                 fp8.set_fp8_gemm(gemm_lib)
                 lib = fp8.fp8_gemm_library(dev) if precision != "bf16" else "-"
-                saved = {k: getattr(attention_mod, k) for k in opts}
-                for k, v in opts.items():
-                    setattr(attention_mod, k, v)
                 try:
                     row = measure(shape, kind, mode, b, n, warmup=3 if mode == "prefill" else 5, dev=dev,
-                                  graph=graph, debug=args.debug, precision=precision, tokens=tokens)
+                                  graph=graph, debug=args.debug, precision=precision, tokens=tokens,
+                                  schedule=schedule)
                 finally:
-                    core_kernel.WS_Q_NORM = True
-                    core_cuda.ENABLED = True
                     fp8.set_fp8_gemm(None)
-                    for k, v in saved.items():
-                        setattr(attention_mod, k, v)
                 row["q_norm"], row["core_cuda"], row["layer_opts"], row["fp8_gemm"] = q_norm, cuda, opts_name, lib
                 row["core_vs_gemm"] = round(row["core_tflops"] / gemm, 3)
                 rows.append(row)

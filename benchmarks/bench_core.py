@@ -1,4 +1,4 @@
-"""The sparse attention core alone, on synthetic V4 prefill picks: the Triton kernel against the Gluon (Hopper) kernel.
+"""The sparse attention core alone, on synthetic V4 prefill picks: the Triton kernel against the CUDA C++ (Hopper) one.
 
     python benchmarks/bench_core.py [--tokens 4096] [--iters 20] [--out PATH]
 
@@ -13,7 +13,8 @@ heads), d = 512, for the three layer types' picks at a prefill of ``--tokens`` t
 
 Each row reports us, useful TFLOP/s (4 * H * d per valid pick) and the share of a dense bf16 GEMM timed in the same
 run. The picks are random, not an indexer's: the kernels' cost depends on the pick count and the gather, not on
-which rows are picked.
+which rows are picked. (The Gluon kernels this benchmark also timed were deleted; their numbers are in
+``benchmarks/results/attn.md``.)
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_attn import gemm_tflops, time_alone  # noqa: E402  (the attention benchmarks' yardstick and timer)
 
-from moe_wave.attention import core_cuda, core_gluon  # noqa: E402
-from moe_wave.attention.core import sparse_attention  # noqa: E402
-from moe_wave.attention.core_kernel import core_flops, sparse_attention_fused  # noqa: E402
+from moe_wave.attention.sparse_core import (core_flops, cuda_impl, sparse_attention,  # noqa: E402
+                                            sparse_attention_fused)
 
 WINDOW, TOPK = 128, 512
 
@@ -65,37 +65,16 @@ def make(kind: str, S: int, H: int, D: int, dev, seed: int = 0, dtype=torch.bflo
     return q, parts, sinks
 
 
-# Gluon tilings timed besides the default (keys per tile, tiles in the ring)
-GLUON_VARIANTS = ((32, 4), (32, 3))
-# the warp-specialized kernel's variants timed besides (ws/LOAD_REGS)
-WS_VARIANTS = ("ws:pref=0", "ws:qfirst=0")
-# profiling runs of the default tiling (wrong results, times only): no gathers after the first tiles, no PV
-PROBES = []
+IMPLS = ("triton", "cuda")
 
 
 def run(impl: str, q, parts, sinks):
     scale = q.shape[-1] ** -0.5
     (kv1, i1), (kv2, i2) = parts[0], parts[-1]
-    if impl.startswith("gluon/"):           # a tiling of the one-program-per-item Gluon kernel: gluon/BN/NBUF[/probe]
-        bn, nbuf, probe = ([int(v) for v in impl.split("/")[1:]] + [0])[:3]
+    if impl == "cuda":                      # the CUDA C++ kernel, launched directly
         out = torch.empty_like(q)
-        core_gluon.sparse_attention_gluon(q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, bn=bn,
-                                          nbuf=nbuf, probe=probe, ws=False)
+        cuda_impl.sparse_attention_cuda(q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2)
         return out
-    if impl.startswith("ws"):               # the warp-specialized kernel: ws[:regs=56,programs=132,pref=0,...]
-        kw = dict(kv.split("=") for kv in impl.partition(":")[2].split(",") if kv)
-        out = torch.empty_like(q)
-        core_gluon.sparse_attention_gluon(
-            q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2, ws=True,
-            load_regs=int(kw.pop("regs", core_gluon.LOAD_REGS)), programs=int(kw.pop("programs", 0)) or None,
-            probe=int(kw.pop("probe", 0)), opts={k.upper(): bool(int(v)) for k, v in kw.items()})
-        return out
-    if impl == "cuda":                      # the CUDA C++ kernel: a cluster of two CTAs splitting d
-        out = torch.empty_like(q)
-        core_cuda.sparse_attention_cuda(q, out, sinks.float(), kv1, i1, kv2, i2, scale, len(parts) == 2)
-        return out
-    if impl == "gluon1":                    # the one-program-per-item Gluon kernel at its default tiling
-        return run("gluon/64/2", q, parts, sinks)
     return sparse_attention_fused(q, parts, sinks, scale, impl=impl)
 
 
@@ -112,10 +91,9 @@ def check(dev) -> list:
         ("window tail + topk tail", 1, 7, 128, 512, [(300, 128, "tail"), (200, 200, "tail")]),
         ("one part, J % 64 != 0", 2, 3, 64, 512, [(100, 37, "random")]),
         ("all masked", 1, 4, 64, 512, [(50, 64, "none"), (40, 33, "none")]),
-        ("d = 128, fp16", 2, 6, 192, 128, [(70, 65, "tail"), (33, 20, "random")]),
     ]
     for name, B, S, H, D, spec in cases:
-        dtype = torch.float16 if "fp16" in name else torch.bfloat16
+        dtype = torch.bfloat16
         q = torch.randn(B, S, H, D, device=dev, generator=g).to(dtype)
         parts = []
         for M, J, how in spec:
@@ -132,21 +110,15 @@ def check(dev) -> list:
         want = sparse_attention(q.float(), [(kv.float(), i) for kv, i in parts], sinks, D ** -0.5, kernels="off")
         row = dict(case=name)
         outs = {}
-        cuda = ["cuda"] if core_cuda.supported(q, len(parts)) else []
-        for impl in ("triton", "gluon", "gluon1", "ws", "ws:qk1=0", *cuda, *WS_VARIANTS,
-                     *(f"gluon/{bn}/{nb}" for bn, nb in GLUON_VARIANTS)):
+        for impl in IMPLS:
             a, b = run(impl, q, parts, sinks), run(impl, q, parts, sinks)
             outs[impl] = a
             row[f"{impl}_rel"] = round(rel(a, want), 5)
             row[f"{impl}_repeat"] = bool(torch.equal(a, b))
             row[f"{impl}_zero_row"] = bool(torch.equal(a[0, 0].float(), torch.zeros_like(a[0, 0].float())))
-        row["gluon_vs_triton"] = round(rel(outs["gluon"], outs["triton"]), 5)
-        # the warp-specialized kernel without QK1 does the one-program-per-item kernel's math in the same order: the
-        # same bits (QK1, the default where an item has QK1_MIN_TILES tiles at d = 512, adds the row sums in another
-        # order: checked against the reference above, as every kernel)
-        row["ws_equals_gluon1"] = all(torch.equal(outs[k], outs["gluon1"]) for k in ("ws:qk1=0", "ws:qfirst=0"))
+        row["cuda_vs_triton"] = round(rel(outs["cuda"], outs["triton"]), 5)
         row["ok"] = all(row[k] < 1.5e-2 for k in row if k.endswith("_rel")) and all(
-            row[k] for k in row if k.endswith("_repeat") or k.endswith("_zero_row")) and row["ws_equals_gluon1"]
+            row[k] for k in row if k.endswith("_repeat") or k.endswith("_zero_row"))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -161,7 +133,7 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
             q, parts, sinks = make(kind, S, H, 512, dev)
             useful, _ = core_flops(H, 512, [idx for _, idx in parts])
             row = dict(shape=shape, layer_type=kind, tokens=S, gflop=round(useful / 1e9, 2))
-            for impl in ("triton", "gluon1", "ws", "cuda"):
+            for impl in IMPLS:
                 if impls and impl not in impls:
                     row[f"{impl}_us"] = row[f"{impl}_tflops"] = row[f"{impl}_vs_gemm"] = float("nan")
                     continue
@@ -169,13 +141,7 @@ def bench(dev, S: int, iters: int, gemm: float, only: str | None = None, impls: 
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_tflops"] = round(useful / us / 1e6, 1)
                 row[f"{impl}_vs_gemm"] = round(useful / us / 1e6 / gemm, 3)
-            extra = list(WS_VARIANTS) + [f"gluon/{bn}/{nbuf}" for bn, nbuf in GLUON_VARIANTS] + PROBES
-            for impl in ([i for i in impls if "/" in i or ":" in i] if impls else extra):
-                us = time_alone(lambda: run(impl, q, parts, sinks), iters)
-                row[f"{impl}_us"] = round(us, 1)
-            row["ws_vs_gluon1"] = round(row["gluon1_us"] / row["ws_us"], 2) if row["ws_us"] == row["ws_us"] \
-                else float("nan")
-            row["cuda_vs_ws"] = round(row["ws_us"] / row["cuda_us"], 2)
+            row["cuda_vs_triton"] = round(row["triton_us"] / row["cuda_us"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -189,28 +155,20 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="shape:type, e.g. v4-flash:csa (one row)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness pass")
     ap.add_argument("--impls", default=None, help="comma list of implementations to time (default: all)")
-    ap.add_argument("--probes", action="store_true", help="also time the Gluon kernel without its gathers or its "
-                    "PV (profiling: where the time goes)")
     args = ap.parse_args()
-    if not core_gluon.available():
-        raise SystemExit("bench_core: needs a Hopper GPU with Triton's Gluon (core_gluon.available() is False)")
+    if not cuda_impl.available():
+        raise SystemExit("bench_core: needs a Hopper GPU (sparse_core.cuda_impl.available() is False)")
     dev = torch.device("cuda")
-    if args.probes:
-        PROBES.extend(f"gluon/64/2/{p}" for p in (1, 2))
-        PROBES.extend(f"ws:probe={p}" for p in (3, 4))
     t0 = time.time()
     checks = [] if args.no_check else check(dev)
     gemm = gemm_tflops(dev)
     rows = bench(dev, args.tokens, args.iters, gemm, args.only, args.impls.split(",") if args.impls else None)
     print(f"\ndense bf16 GEMM {gemm:.0f} TFLOP/s; correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok")
-    print(f"{'shape':9} {'type':8} {'GFLOP':>6} {'triton_us':>10} {'%gemm':>6} {'gluon1_us':>9} {'%gemm':>6} "
-          f"{'ws_us':>8} {'%gemm':>6} {'x':>5} {'cuda_us':>8} {'%gemm':>6} {'x ws':>5}")
+    print(f"{'shape':9} {'type':8} {'GFLOP':>6} {'triton_us':>10} {'%gemm':>6} {'cuda_us':>8} {'%gemm':>6} {'x':>5}")
     for r in rows:
         print(f"{r['shape']:9} {r['layer_type']:8} {r['gflop']:>6.1f} {r['triton_us']:>10.1f} "
-              f"{100 * r['triton_vs_gemm']:>5.0f}% {r['gluon1_us']:>9.1f} {100 * r['gluon1_vs_gemm']:>5.0f}% "
-              f"{r['ws_us']:>8.1f} {100 * r['ws_vs_gemm']:>5.0f}% {r['ws_vs_gluon1']:>5.2f} "
-              f"{r['cuda_us']:>8.1f} {100 * r['cuda_vs_gemm']:>5.0f}% {r['cuda_vs_ws']:>5.2f}  "
-              + " ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if "/" in k or ":" in k))
+              f"{100 * r['triton_vs_gemm']:>5.0f}% {r['cuda_us']:>8.1f} {100 * r['cuda_vs_gemm']:>5.0f}% "
+              f"{r['cuda_vs_triton']:>5.2f}")
     if args.out:
         meta = dict(command=" ".join(sys.argv), git_sha=os.environ.get("MOE_WAVE_GIT_SHA", "unknown"),
                     gpu=torch.cuda.get_device_name(), torch=torch.__version__, gemm_tflops=round(gemm, 1),

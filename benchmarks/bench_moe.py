@@ -91,6 +91,8 @@ def rank_main(ep, args) -> dict:
             if cfg.num_experts % ep.size:
                 raise ValueError(f"shape {shape}: num_experts={cfg.num_experts} must be divisible by {ep.size} ranks")
             moe = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=dtype))
+            if args.precision == "fp8":
+                moe.quantize_fp8()
             for T, placement, W, backend, ns, part in itertools.product(
                     grid["tokens"], grid["placements"], grid["waves"], backends, streams, partitions):
                 if backend == "deepep" and cfg.num_experts // ep.size > MAX_LOCAL_EXPERTS:
@@ -112,7 +114,7 @@ def rank_main(ep, args) -> dict:
                 rows.append({"shape": shape, "tokens_per_rank": T, "num_waves": W, "cuda_graph": args.graph,
                              "effective_waves": m.plan.num_waves, "partition": part, "backend": backend,
                              "shared_placement": placement, "expert_streams": ns,
-                             "dtype": str(dtype).removeprefix("torch."), **r,
+                             "dtype": str(dtype).removeprefix("torch."), "precision": args.precision, **r,
                              "link_util": round(r["GBps"] / p2p, 3) if p2p else None})
                 if ep.rank == 0:
                     print(f"[{time.perf_counter() - t_start:6.1f}s] {label}: serial {r['serial_us']:.0f} "
@@ -178,6 +180,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/moe.json, else results/<date>-moe-<kind>.json)")
     ap.add_argument("--trace", default=None, metavar="DIR", help="per-rank chrome traces (one iteration per kind)")
     ap.add_argument("--ranks", type=int, default=None, help="ranks to spawn without a launcher")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: the experts in DeepSeek-V4's FP8 format (WaveMoE.quantize_fp8); rows carry it")
     ap.add_argument("--backend", default="torch", help="comma list of comm backends (torch, symm, deepep)")
     ap.add_argument("--capacity", choices=("worst", "measured"), default="worst",
                     help="rows per (wave, peer) of fixed-capacity backends (symm): every token, or the fullest "

@@ -35,9 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_attn import gemm_tflops, time_alone  # noqa: E402
 from bench_common import out_path  # noqa: E402
-from moe_wave.attention import core_gluon  # noqa: E402
-
-gluon, gl = getattr(core_gluon, "gluon", None), getattr(core_gluon, "gl", None)
+try:  # Gluon: Triton's experimental dialect (absent or moved in some Triton releases: this probe then refuses)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except Exception:  # noqa: BLE001
+    gluon = gl = None
 
 # name: MODE, keys a tile (N of the QK), FLOP a tile
 MODES = {"qk_ss64": (0, 64, 2 * 64 * 64 * 512), "qk_ss128": (0, 128, 2 * 64 * 128 * 512),

@@ -1,9 +1,10 @@
 """Compile one Triton or Gluon kernel for a Hopper GPU (sm_90) on a machine without one: registers, spills,
 shared memory, instruction counts, and the IR, before spending GPU time.
 
-    python dev/compile_sm90.py moe_wave/attention/core_gluon.py _sparse_core_gluon \
-        D=512 BD=512 BH=64 BN=64 NBUF=2 TWO=True PROBE=0 JC=1024 --ptr idx1_ptr=*i32 --ptr idx2_ptr=*i32 \
-        --ptr sink_ptr=*fp32 --arg qk_scale=fp32 --warps 8 [--dump /tmp/core]
+    python dev/compile_sm90.py moe_wave/attention/sparse_core/triton_kernels.py _combine_kernel \
+        D=512 BH=64 BDV=128 RF=0 OROPE=False FP8=False INTERP=False --ptr ws_ml_ptr=*fp32 --ptr ws_acc_ptr=*fp32 \
+        --ptr sc_ptr=*fp32 --ptr pos_ptr=*i64 --ptr freq_ptr=*fp32 --warps 4 [--dump /tmp/core]
+    (a Gluon kernel too: dev/bench_wgmma.py's; the sparse core's Gluon kernels are in git history)
 
 Positional: the file (a module of this repo is imported by its name), the kernel's name, then its constexpr
 values (NAME=VALUE: ints, True/False). Pointers are ``*bf16`` unless ``--ptr NAME=TYPE`` says otherwise; other

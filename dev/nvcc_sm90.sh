@@ -4,8 +4,8 @@
 # crt headers, nvvm, cccl, the runtime headers: CUDA 13.0, the GPU host's version), unpacked once into .nvcc/
 # (git-ignored, about 270 MB). Needs g++ (the host compiler) and pip.
 #
-#   bash dev/nvcc_sm90.sh FILE.cu [nvcc options ...]      e.g. a kernel source written out by moe_wave.attention.core_cuda
-#                                                             /tmp/p.cu && bash dev/nvcc_sm90.sh /tmp/p.cu
+#   bash dev/nvcc_sm90.sh FILE.cu [nvcc options ...]      e.g. the sparse core, with a variant's defines:
+#     bash dev/nvcc_sm90.sh moe_wave/attention/sparse_core/csrc/sparse_core.cu -DQROPE=1 -DQRF=64 -DFP8=1
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NV="${MOE_WAVE_NVCC_DIR:-$ROOT/.nvcc}"

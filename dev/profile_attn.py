@@ -18,7 +18,6 @@ $OUT/profile_attn.txt when OUT is set.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from unittest import mock
@@ -68,7 +67,7 @@ def profiled(fn, rows: int) -> tuple[str, float, int]:
 
 def micro(dev) -> str:
     """Each fused kernel alone on the V4-Flash prefill shapes (CUDA events, median of 20)."""
-    from moe_wave.attention.core_kernel import sparse_attention_fused
+    from moe_wave.attention.sparse_core import sparse_attention_fused
     from moe_wave.attention import kernels as K
     from moe_wave.attention.kernels import index_scores, norm_rope
     from moe_wave.attention.topk import topk_select
@@ -160,29 +159,23 @@ def timeline(fn, width: int = 60) -> list[str]:
 
 def whole_layer(attn, x, pos, cache, rows: int, reps: int = 10, rounds: int = 3, decode: bool = False,
                 show_timeline: bool = False) -> str:
-    """The whole layer replayed from a CUDA graph: overlap off, on (the schedule's defaults), on without a cache (no
-    ring writes), on with the ring writes deferred beside the core (``schedule.DEFER_WRITES = True``, the default
-    until session 22), and on with the side streams at a high priority (``schedule.SIDE_PRIORITY = -1``): each
-    replay's time (CUDA events; the median of ``rounds`` rounds of ``reps`` replays, the graphs taking turns, so that
-    a drift of the clocks reaches them all) and each kernel's device time a replay in each, the kernels that differ
+    """The whole layer replayed from a CUDA graph: overlap off, on (the schedule's defaults) and on without a cache
+    (no ring writes): each replay's time (CUDA events; the median of ``rounds`` rounds of ``reps`` replays, the
+    graphs taking turns, so that a drift of the clocks reaches them all) and each kernel's device time a replay in each, the kernels that differ
     most between off and on first (where an overlapped layer loses what its front-end gained). Kernel times of
     concurrent kernels include their waits for SMs; the replay times are what counts. A decode step (``decode``) has
     no run without a cache. ``show_timeline``: each run's kernels of one replay in the order they started
     (``timeline``)."""
     from moe_wave.timing import as_graph, iteration_us
 
-    from moe_wave.attention import schedule
-
-    # name: (overlap, cache, the schedule's switches)
-    runs = {"serial": (False, cache, {}), "overl.": (True, cache, {}), "no cache": (True, None, {}),
-            "deferred": (True, cache, {"DEFER_WRITES": True}), "hi prio": (True, cache, {"SIDE_PRIORITY": -1})}
+    # name: (overlap, cache)
+    runs = {"serial": (False, cache), "overl.": (True, cache), "no cache": (True, None)}
     if decode:
         del runs["no cache"]
     replays, samples, kern = {}, {n: [] for n in runs}, {}
-    for name, (overlap, c, switches) in runs.items():
-        def fn(i, overlap=overlap, c=c, switches=switches):
-            with mock.patch.multiple(schedule, **switches) if switches else contextlib.nullcontext():
-                attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
+    for name, (overlap, c) in runs.items():
+        def fn(i, overlap=overlap, c=c):
+            attn(x, positions=pos, cache=c, validate=False, overlap=overlap)
             if c is not None:
                 c.join()
         replays[name], _ = as_graph(fn, x.device, warmup=3)
@@ -210,7 +203,7 @@ def small(dev) -> str:
     """The front-end's small kernels and their variants, each alone (``kernel_us``: the kernels' device time),
     V4-Flash prefill shapes: q_lora's norm and quantisation (chained / fused), the window kv's norm and RoPE (rows a
     program), the compressors' pooling (HCA's split by channel pairs a program)."""
-    from moe_wave.attention import kernels as K
+    from moe_wave.attention import compressor_kernels as CK, kernels as K
     from moe_wave.fp8 import act_quant
 
     def with_(mod, name, value, fn):
@@ -243,13 +236,13 @@ def small(dev) -> str:
         ent = torch.zeros(1, S // ratio + 2, 512, device=dev, dtype=torch.bfloat16)
 
         def pool(ck=ck, cs=cs, rk=rk, rs=rs, ape=ape, ent=ent, ratio=ratio, mult=mult):
-            K.pool_entries(ck, cs, rk, rs, ape, pos, kw, freq, ent, ratio=ratio, mult=mult, eps=1e-6)
+            CK.pool_entries(ck, cs, rk, rs, ape, pos, kw, freq, ent, ratio=ratio, mult=mult, eps=1e-6)
         if kind == "CSA":
             rows.append((f"{kind} pool_entries [4096, {C}]", pool))
             continue
         for pairs in (32, 16, 8, 4):
             rows.append((f"{kind} pool_entries [4096, {C}], split {pairs} pairs a program",
-                         with_(K, "POOL_SPLIT_PAIRS", pairs, pool)))
+                         with_(CK, "POOL_SPLIT_PAIRS", pairs, pool)))
     lines = ["== small kernels alone, their device time (V4-Flash prefill 4096)"]
     for name, fn in rows:
         lines.append(f"    {kernel_us(fn):8.1f} us  {name}")

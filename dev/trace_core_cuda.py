@@ -4,15 +4,22 @@ V4 prefill picks, plus the core's time with parts of the work left out (probes, 
     python dev/trace_core_cuda.py [--kinds sliding,csa,hca] [--heads 64] [--tokens 4096] [--variants V|V]
                                      [--fused] [--out PATH]
 
-Phases (``core_cuda.sparse_attention_cuda``'s trace): math warpgroup 0's thread 0 and the copy warpgroup's thread 0
+Phases (the trace of an instrumented build, ``instrumented(trace=...)``): math warpgroup 0's thread 0 and the copy
+warpgroup's thread 0
 of every CTA add the cycles between stamps; the table shows each phase's cycles per round of two tiles (per item
 for q, the output and the copy warpgroup's counts and q slot), averaged over all CTAs. "x reads" is the wait for
 the other warpgroup's row maxima, "x free wait" the wait for its P; the output is split into "o sums wait" (the
 other warpgroup's row sums), "o scale, rope", "o fp8 staging" and "output" (the stores and the next item's start);
 "cp q landed" is the copy warpgroup's wait for q's copies, "cp q prologue" q's RoPE turn and the tail's sums of
 squares, "cp picks" the picks' loads of a tile; in round 0 "tile wait" holds the math's sums of q's squares. Each
-compile variant (``--variants``) is timed and its output compared with the default kernel's, bit for bit (a
-switch that reorders work only gives the same bits; a probe does not).
+compile variant (``--variants``: more ``#define``s of the kernel's profiling hooks, e.g. ``NOREUSE 1``, ``NOTMA 1``,
+``PROBE 2``) is timed and its output compared with the default kernel's, bit for bit (a switch that reorders work
+only gives the same bits; a probe does not).
+
+``instrumented`` is the harness: the library's kernel source and variant (``sparse_core.cuda_build``) built with
+the profiling hooks the library never sets (``csrc/sparse_core.cu``: TRACE adds each phase's clock cycles into a
+[CTAs, 32] int64 tensor; PROBE 2 / 8 / 16 skip the tiles' copies / q's RoPE turn / the output's stores, wrong
+results; NOREUSE 1 copies every row of the window ring; NOTMA 1 stores with the threads where TMA would).
 """
 
 from __future__ import annotations
@@ -32,7 +39,25 @@ from bench_attn import time_alone  # noqa: E402
 from bench_core import make  # noqa: E402
 from bench_common import git_sha  # noqa: E402
 
-from moe_wave.attention import core_cuda  # noqa: E402
+from moe_wave.attention.sparse_core import cuda_impl  # noqa: E402
+
+
+def instrumented(q, out, sinks, kv1, i1, kv2, i2, scale, two, *, defines: str = "", trace=None, probe: int = 0,
+                 **kw) -> None:
+    """``cuda_impl.sparse_attention_cuda`` built with profiling hooks: ``defines`` (';'-separated NAME VALUE pairs),
+    ``probe`` (PROBE's bits), ``trace`` (a zeroed int64 [CTAs, 32] tensor, CTAs = ``cuda_impl.ctas_resident``: TRACE
+    adds each phase's cycles there, per CTA). Not cached on disk; same arguments as the library's launch."""
+    variant, a, n_ctas, tmap, keep = cuda_impl.prepare(q, out, sinks, kv1, i1, kv2, i2, scale, two, **kw)
+    extra = "".join(f"#define {d.strip()}\n" for d in defines.split(";") if d.strip())
+    if probe:
+        extra += f"#define PROBE {probe}\n"
+    if trace is not None:
+        if not (trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= 32 * n_ctas):
+            raise ValueError(f"trace must be a contiguous int64 tensor of >= {32 * n_ctas} elements")
+        extra += "#define TRACE 1\n"
+        a.trace = trace.data_ptr()
+    cuda_impl.launch(cuda_impl.kernel(q.device.index, variant, extra_defines=extra), n_ctas, a, i1, i2, tmap)
+    del keep
 
 PHASES = {0: "q wait", 1: "tile wait", 2: "QK", 3: "x reads", 4: "softmax", 5: "PV", 6: "output", 7: "tile top",
           8: "cp counts", 9: "cp q wait", 10: "cp picks", 11: "cp slot wait", 12: "cp issue", 16: "x free wait",
@@ -47,7 +72,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default="", help="compile variants also timed: '|'-separated, each a "
-                    "';'-separated list of defines (core_cuda.sparse_attention_cuda's defines)")
+                    "';'-separated list of defines (instrumented's defines)")
     ap.add_argument("--trace-variants", action="store_true", help="the phases of each variant too (one more compile "
                     "each, with TRACE)")
     ap.add_argument("--fused", action="store_true", help="with the layer's steps, as its prefill runs the core: q "
@@ -71,26 +96,26 @@ def main() -> None:
             kw = dict(q_rope=(pos, freq, 1e-6), o_rope=(pos, freq),
                       scales=torch.empty(args.heads * 4, S, device=dev))
         for probe in (0, 2):                    # (2: without the tiles' copies)
-            row[f"probe{probe}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
+            row[f"probe{probe}_us"] = round(time_alone(lambda: instrumented(
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, probe=probe, **kw), args.iters), 1)
         def result(**extra):                    # the output (and FP8 scales) of one run, copied
             out.view(torch.uint8).fill_(0xFF)   # (a run that writes nothing, a probe's, does not match the last one)
             if "scales" in kw:
                 kw["scales"].fill_(float("nan"))
-            core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, **kw, **extra)
+            instrumented(q, out, sinks, kv1, i1, kv2, i2, scale, two, **kw, **extra)
             return [out.view(torch.uint8).clone()] + ([kw["scales"].clone()] if "scales" in kw else [])
 
         want = result()
         for v in filter(None, args.variants.split("|")):
-            row[f"{v}_us"] = round(time_alone(lambda: core_cuda.sparse_attention_cuda(
+            row[f"{v}_us"] = round(time_alone(lambda: instrumented(
                 q, out, sinks, kv1, i1, kv2, i2, scale, two, defines=v, **kw), args.iters), 1)
             # a variant that changes no arithmetic (the order of work only) gives the default kernel's bits
             row[f"{v}_same_bits"] = all(torch.equal(x, y) for x, y in zip(result(defines=v), want))
-        n = core_cuda.ctas_resident(dev.index or 0)
+        n = cuda_impl.ctas_resident(dev.index or 0)
 
         def phases(defines=""):                 # the traced kernel's cycles a round / an item, and the counts
             tr = torch.zeros(n, 32, dtype=torch.int64, device=dev)
-            core_cuda.sparse_attention_cuda(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr, defines=defines,
+            instrumented(q, out, sinks, kv1, i1, kv2, i2, scale, two, trace=tr, defines=defines,
                                             **kw)
             tot = tr.sum(0).tolist()
             items, tiles = max(tot[14], 1), max(tot[15], 1)

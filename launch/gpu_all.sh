@@ -4,8 +4,8 @@
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
-#   graph with overlap off / on / its switches: profile_attn --whole), trace (the sparse core's in-kernel
-#   timeline, dev/trace_core.py, and the CUDA C++ core's, dev/trace_core_cuda.py),
+#   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
+#   phases, dev/trace_core_cuda.py),
 #   or commtests (the multi-GPU tests only), or deepep_api (DeepEP's own tests against moe-wave's deep_ep and
 #   against DeepEP, side by side: launch/deepep_api.sh; needs the kit in .deps/deepep)
 #   COMM_ARGS="--tune" adds bench_comm options ("--tune --memops": also the bare bytes all-to-all closed by
@@ -126,14 +126,14 @@ for s in "${STAGES[@]}"; do
                # ATTN_CORE=0 / ATTN_PROFILE=0 / ATTN_FP8=0 leave those out)
                stage attn_tests ${T_ATTNTEST:-420} "$PY" -m pytest -q -p no:cacheprovider --durations=12 ${ATTN_TESTS:-\
                    tests/test_attn_kernels.py tests/test_core_fusion.py tests/test_fp8.py tests/test_gpu_attention.py \
-                   tests/test_core_gluon.py tests/test_core_cuda.py tests/test_bench_fp8_shapes.py}
+                   tests/test_core_cuda.py tests/test_bench_fp8_shapes.py}
                if [ "${ATTN_CORE:-1}" != 0 ]; then
                    stage bench_attn_core ${T_CORE:-180} "$PY" benchmarks/bench_attn.py --core --out "$RES/attn_core.json"
                    sed -n '/^sparse core (CUDA graphs)/,$p' "$RES/bench_attn_core.log"
-                   # the Gluon prefill core against the Triton one (Hopper only)
-                   if "$PY" -c "from moe_wave.attention import core_gluon as g
-raise SystemExit(not g.available())"; then
-                       stage bench_core ${T_CORE:-180} "$PY" benchmarks/bench_core.py --probes --out "$RES/core.json"
+                   # the CUDA C++ prefill core against the Triton one (Hopper only)
+                   if "$PY" -c "from moe_wave.attention.sparse_core import cuda_impl
+raise SystemExit(not cuda_impl.available())"; then
+                       stage bench_core ${T_CORE:-180} "$PY" benchmarks/bench_core.py --out "$RES/core.json"
                        sed -n '/^dense bf16 GEMM/,$p' "$RES/bench_core.log"
                    fi
                fi
@@ -145,18 +145,13 @@ raise SystemExit(not g.available())"; then
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
                    stage profile_attn ${T_PROF:-120} "$PY" dev/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
-        whole)  # the whole attention layer from a CUDA graph, overlap off / on / on without a cache / on with the ring
-                # writes deferred or first (schedule.DEFER_WRITES) / on with high-priority side streams
-                # (schedule.SIDE_PRIORITY): V4-Pro's overlapped prefill layer ran behind its serial one with the
-                # writes deferred (sessions 21-22) (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
+        whole)  # the whole attention layer from a CUDA graph, overlap off / on / on without a cache
+                # (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
                for shape in $(echo "${WHOLE_SHAPES:-v4-pro,v4-flash}" | tr ',' ' '); do
                    stage whole_$shape ${T_WHOLE:-150} "$PY" dev/profile_attn.py --whole --shape "$shape" \
                        --types sliding,csa,hca --precision fp8a --rows 10
                done ;;
-        trace)  # the sparse core's in-kernel timeline: each phase of an item, us (TRACE_ARGS: trace_core's options);
-                # then the CUDA C++ core's phases in cycles a tile, plain and with the layer's steps
-               stage trace_core ${T_TRACE:-240} "$PY" dev/trace_core.py ${TRACE_ARGS:-} \
-                   --out "$RES/trace_core.json"
+        trace)  # the CUDA C++ core's phases in cycles a tile, plain and with the layer's steps
                stage trace_core_cuda ${T_TRACE:-240} "$PY" dev/trace_core_cuda.py --out "$RES/trace_core_cuda.json"
                stage trace_core_cuda_fused ${T_TRACE:-240} "$PY" dev/trace_core_cuda.py --fused \
                    --out "$RES/trace_core_cuda_fused.json" ;;

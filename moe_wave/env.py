@@ -30,6 +30,8 @@ MOE_WAVE_PRECISION         the tools' precision (--precision)    auto | bf16 | f
 MOE_WAVE_FP8_GEMM          fp8.set_fp8_gemm (the FP8 GEMMs)      auto | cublas | deepgemm
 MOE_WAVE_GRAPH             the tools' CUDA graphs (demo --graph) auto | 1 | 0 (on | off)
 MOE_WAVE_CACHE             WaveConfig.autowave_cache             a .json file or a folder; off: none
+MOE_WAVE_KERNEL_CACHE      CoreTuning.kernel_cache (compiled     a folder (default ~/.cache/moe_wave)
+                           CUDA kernels on disk)
 MOE_WAVE_NVTX              profiling.set_nvtx                    1 | 0
 MOE_WAVE_NCCL_HIGH_PRIORITY init_from_env(high_priority=)        1 | 0
 MOE_WAVE_GIT_SHA           the commit named in result files      text (a copy of the tree without .git)
@@ -124,6 +126,7 @@ _OTHER = {
     "MOE_WAVE_FP8_GEMM": ("fp8_gemm", lambda k, v: _choice(k, v.strip().lower(), FP8_GEMMS)),
     "MOE_WAVE_GRAPH": ("graph", _auto_flag),
     "MOE_WAVE_CACHE": ("autowave_cache", _cache),
+    "MOE_WAVE_KERNEL_CACHE": ("kernel_cache", lambda k, v: v.strip() or None),
     "MOE_WAVE_NVTX": ("nvtx", _flag),
     "MOE_WAVE_NCCL_HIGH_PRIORITY": ("nccl_high_priority", _flag),
     "MOE_WAVE_GIT_SHA": ("git_sha", lambda k, v: v.strip() or None),
@@ -140,8 +143,8 @@ class EnvSettings:
     Attributes:
         symm: SymmOptions fields set by ``MOE_WAVE_SYMM_*``.
         copy: CopyTuning fields set by ``MOE_WAVE_COPY_*``.
-        overlap, attn_overlap, attn_kernels, precision, fp8_gemm, graph, autowave_cache, nvtx, nccl_high_priority,
-        git_sha:
+        overlap, attn_overlap, attn_kernels, precision, fp8_gemm, graph, autowave_cache, kernel_cache, nvtx,
+        nccl_high_priority, git_sha:
             see the table (graph None: auto).
         autowave_cache_set: True when MOE_WAVE_CACHE was given (``off`` sets it to None on purpose).
     """
@@ -156,6 +159,7 @@ class EnvSettings:
     graph: bool | None = None
     autowave_cache: str | None = None
     autowave_cache_set: bool = False
+    kernel_cache: str | None = None
     nvtx: bool | None = None
     nccl_high_priority: bool | None = None
     git_sha: str | None = None

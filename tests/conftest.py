@@ -18,13 +18,6 @@ if "TRITON_INTERPRET" not in os.environ:
 
 from tests.ranks import RankPool
 
-# The GPU tests of a variant of the CUDA C++ sparse core: MOE_WAVE_CORE_CUDA_DEFINES holds its compile switches
-# (``core_cuda.DEFINES``, ';'-separated NAME VALUE pairs), read here because the library reads no MOE_WAVE_ variable
-if os.environ.get("MOE_WAVE_CORE_CUDA_DEFINES"):
-    from moe_wave.attention import core_cuda
-
-    core_cuda.DEFINES = os.environ["MOE_WAVE_CORE_CUDA_DEFINES"]
-
 
 @pytest.fixture(scope="module")
 def ranks():

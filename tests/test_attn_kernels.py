@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from moe_wave.attention.compressor import Compressor, CompressorConfig, CompressorState
-from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, _splits, default_config, sparse_attention_fused
+from moe_wave.attention.sparse_core import sparse_attention
+from moe_wave.attention.sparse_core import FALLBACKS, CoreConfig, default_config, sparse_attention_fused
+from moe_wave.attention.sparse_core.triton_impl import splits as _splits
 from moe_wave.attention.topk import topk_select, topk_select_torch
 from moe_wave.attention.kernels import (index_scores, index_scores_torch, norm_rope, norm_rope_torch, picks,
                                        prefix_picks_torch, rms_norm_quant, use_kernels, window_picks_torch)
@@ -347,7 +348,7 @@ def test_pool_entries_matches_torch(ratio, overlap, d, S, p0, split, monkeypatch
     """Compressor.emit with the kernels on vs off: chunks at any offset, the ring in use; each entry pooled by one
     program, or (split) its channels over several programs (2 pairs each here: 2-4 of them) and then normalised
     by the second kernel; the cache rows the chunk does not touch keep their values."""
-    from moe_wave.attention import kernels as K
+    from moe_wave.attention import compressor_kernels as K
     monkeypatch.setattr(K, "POOL_SPLIT_PAIRS", 2)
     monkeypatch.setattr(K, "POOL_SPLIT_MIN_SLOTS", 1 if split else 10 ** 9)
     comp, st, x, pos, freq = _compressor_case(ratio, overlap, d, S, p0)
@@ -398,7 +399,7 @@ def test_ring_write_equals_torch(ratio, overlap, S, p0):
 
 
 def test_ring_write_bad_rings():
-    from moe_wave.attention.kernels import ring_write
+    from moe_wave.attention.compressor_kernels import ring_write
     kv = torch.zeros(1, 3, 8)
     ring = torch.zeros(1, 4, 8)
     with pytest.raises(ValueError, match=r"ring strides \(32, 8, 1\) \(kv\) and \(32, 1, 4\) \(score\): the two rings "

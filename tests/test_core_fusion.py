@@ -1,4 +1,4 @@
-"""The sparse core's optional fusions (``core_kernel.sparse_attention_fused`` q_rope / o_rope / out_fp8) against the
+"""The sparse core's optional fusions (``sparse_core.sparse_attention`` q_rope / o_rope / out_fp8) against the
 unfused chain they replace: ``norm_rope(q)`` then the core, and the core then ``rope_tail(o, inverse)`` then
 ``fp8.act_quant_torch``. On a GPU, or on CPU under Triton's interpreter (tests/conftest.py turns it on for GPU-less
 runs; tiny shapes: the interpreter is slow).
@@ -20,8 +20,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.core_kernel import FALLBACKS, CoreConfig, sparse_attention_fused
+from moe_wave.attention.sparse_core import sparse_attention
+from moe_wave.attention.sparse_core import FALLBACKS, CoreConfig, sparse_attention_fused
 from moe_wave.attention.kernels import norm_rope, norm_rope_torch
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import act_quant_torch, dequant_act
@@ -208,11 +208,11 @@ def test_fp8_needs_whole_scale_blocks_per_program():
 
 @needs_kernels
 @pytest.mark.parametrize("split", [1, 2])
-def test_fused_or_chained_by_the_grid(split, monkeypatch):
-    """fuse=None runs the steps inside the kernels on a grid of at most FUSE_MAX_WAVES waves of programs and as
-    the unfused chain around the plain kernel beyond; both give the epilogue's bits (the prologue's to its
-    rounding), in the core kernel and in the split-K combine."""
-    import moe_wave.attention.core_kernel as ck
+def test_fused_or_chained_by_the_grid(split):
+    """fuse=None runs the steps inside the kernels on a grid of at most ``CoreTuning.fuse_max_waves`` waves of
+    programs and as the unfused chain around the plain kernel beyond; both give the epilogue's bits (the prologue's
+    to its rounding), in the core kernel and in the split-K combine."""
+    from moe_wave.attention.sparse_core import CoreTuning
 
     B, S, H, D, F = 2, 3, 4, 128, 32
     q, parts, sinks, pos, freq = _case(B, S, H, D, F, [(40, 30, "random")], torch.bfloat16, ("regime", split))
@@ -220,9 +220,8 @@ def test_fused_or_chained_by_the_grid(split, monkeypatch):
     kw = dict(config=cfg, q_rope=(pos, freq, EPS), o_rope=(pos, freq), out_fp8=True)
     (fq, fs), (cq, cs) = (sparse_attention_fused(q, parts, sinks, 0.1, fuse=f, **kw) for f in (True, False))
     assert rel(dequant_act(fq, fs), dequant_act(cq, cs)) < 1e-2
-    for waves, want_q, want_s in ((ck.FUSE_MAX_WAVES, fq, fs), (0, cq, cs)):     # 6 programs: fused; 0 waves: chain
-        monkeypatch.setattr(ck, "FUSE_MAX_WAVES", waves)
-        auto_q, auto_s = sparse_attention_fused(q, parts, sinks, 0.1, **kw)
+    for waves, want_q, want_s in ((CoreTuning().fuse_max_waves, fq, fs), (0, cq, cs)):   # 6 programs: fused; 0: chain
+        auto_q, auto_s = sparse_attention_fused(q, parts, sinks, 0.1, tuning=CoreTuning(fuse_max_waves=waves), **kw)
         assert torch.equal(auto_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(auto_s, want_s)
     qn = norm_rope(q, pos, freq, eps=EPS)                        # the same q: the epilogues agree bit for bit
     ep = dict(config=cfg, o_rope=(pos, freq), out_fp8=True)

@@ -412,12 +412,11 @@ def test_attention_fp8_quantises_x_once_for_wq_a_and_wkv(monkeypatch):
 
 
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_attention_fp8_auto_wo_a_picks_by_token_count(layer_type, monkeypatch):
-    """wo_a_fp8="auto" keeps both wo_a products: a call of fewer than WO_A_FP8_MIN_TOKENS tokens gives the
+def test_attention_fp8_auto_wo_a_picks_by_token_count(layer_type):
+    """wo_a_fp8="auto" keeps both wo_a products: a call of fewer than ``wo_a_fp8_min_tokens`` tokens gives the
     wo_a_fp8=False layer's bits, a call of at least that many the wo_a_fp8=True layer's."""
-    monkeypatch.setattr("moe_wave.attention.attention.WO_A_FP8_MIN_TOKENS", 40)
     attn = make_attn(layer_type)
-    auto = copy.deepcopy(attn).quantize_fp8(wo_a_fp8="auto")
+    auto = copy.deepcopy(attn).quantize_fp8(wo_a_fp8="auto", wo_a_fp8_min_tokens=40)
     dense = copy.deepcopy(attn).quantize_fp8(wo_a_fp8=False)
     grouped = copy.deepcopy(attn).quantize_fp8(wo_a_fp8=True)
     assert isinstance(auto.o_a_fp8, F.GroupedFP8) and torch.equal(auto.o_a_weight, dense.o_a_weight)
@@ -770,7 +769,7 @@ def test_from_hf_refuses_other_fp8_blocks():
 
 def test_act_quant_into_column_slices():
     """act_quant(out=(q, s)): each group of a group-major stack quantised into its columns of one [M, G*K] pair (as
-    the overlapped wo_a does, ``attention.WO_A_OVERLAP``) gives the whole stack's bits; bad outs are named."""
+    the overlapped wo_a does, ``ScheduleConfig.wo_a_overlap``) gives the whole stack's bits; bad outs are named."""
     z = torch.randn(3, 37, 256) * torch.logspace(-2, 2, 256)
     want_q, want_s = F.act_quant(z, groups=3)
     q = torch.zeros(37, 768, dtype=F.FP8)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention
-from moe_wave.attention.core import sparse_attention
-from moe_wave.attention.core_kernel import FALLBACKS, sparse_attention_fused
+from moe_wave.attention.sparse_core import FALLBACKS, sparse_attention, sparse_attention_fused
 from moe_wave.attention.rope import RopeConfig
 from moe_wave.attention.topk import topk_select, topk_select_torch
 
@@ -49,12 +48,8 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_streams_match_serial_and_cpu(layer_type, defer, monkeypatch):
-    from moe_wave.attention import schedule
-
-    monkeypatch.setattr(schedule, "DEFER_WRITES", defer)   # the ring writes before / after the ready events
+def test_streams_match_serial_and_cpu(layer_type):
     attn = make_attn(layer_type)
     x = torch.randn(B, S, 256)
     pos = torch.arange(S).expand(B, -1)
@@ -64,7 +59,7 @@ def test_streams_match_serial_and_cpu(layer_type, defer, monkeypatch):
         xg, pg = x.cuda(), pos.cuda()
         on = g(xg, positions=pg, overlap=True)
         off = g(xg, positions=pg, overlap=False)
-        # chunked prefill with overlap: the ring/state writes (deferred: joined at the next call) before the next chunk
+        # chunked prefill with overlap: the ring/state writes before the next chunk
         cache = g.new_cache(B, MAXLEN)
         chunks = torch.cat([g(xg[:, a:b], positions=pg[:, a:b], cache=cache) for a, b in ((0, 37), (37, 38), (38, S))], 1)
     torch.cuda.synchronize()
@@ -196,7 +191,7 @@ def test_topk_select_at_v4_shapes(rows, k, causal):
 
 def _prefill_layer(layer_type: str, seed: int, head_dim: int, window: int, topk: int, rope_dim: int):
     """A bf16 layer with 64 heads on the GPU and a 1100-token prefill input (a grid large enough for Hopper's
-    warp-specialized core): (attn, x [1, 1100, 512], positions [1, 1100]). topk: CSA's index_topk."""
+    CUDA core): (attn, x [1, 1100, 512], positions [1, 1100]). topk: CSA's index_topk."""
     torch.manual_seed(seed)
     csa = layer_type == "compressed_sparse_attention"
     cfg = AttnConfig(layer_type=layer_type, hidden=512, heads=64, head_dim=head_dim, q_lora_rank=128, o_groups=2,
@@ -210,94 +205,60 @@ def _prefill_layer(layer_type: str, seed: int, head_dim: int, window: int, topk:
 
 
 @pytest.mark.parametrize("layer_type", list(TYPES))
-def test_prefill_leaves_q_norm_to_the_core_where_it_does_it(layer_type, monkeypatch):
-    """A prefill grid large enough for Hopper's warp-specialized core (64 heads, 1100 queries): the front-end leaves q
-    raw and the core applies its norm and RoPE as it loads q (``core_kernel.q_norm_inside``); the layer's output
-    equals the one with the norm on the q branch (``WS_Q_NORM = False``) within bf16 rounding (the sums of squares
-    round in another order), overlapped equals serial bit for bit, and both are bit-stable. Elsewhere (no Hopper,
-    decode) q arrives normalised."""
-    from moe_wave.attention import core_kernel
+def test_prefill_leaves_q_norm_to_the_core_where_it_does_it(layer_type):
+    """A prefill grid large enough for Hopper's CUDA core (64 heads, d = 512, 1100 queries): the front-end leaves q
+    raw and the core applies its norm and RoPE as it loads q (``sparse_core.q_norm_inside``); the layer's output
+    equals the one with the norm on the q branch (``CoreTuning(q_norm_inside=False)``) within bf16 rounding (the sums
+    of squares round in another order), overlapped equals serial bit for bit, and both are bit-stable. Elsewhere (no
+    Hopper, decode) q arrives normalised."""
     from moe_wave.attention.schedule import run_frontend
-    attn, x, pos = _prefill_layer(layer_type, 3, head_dim=128, window=64, topk=64, rope_dim=32)
+    from moe_wave.attention.sparse_core import CoreTuning, q_norm_inside
+    attn, x, pos = _prefill_layer(layer_type, 3, head_dim=512, window=128, topk=128, rope_dim=64)
     S = x.shape[1]
     with torch.no_grad():
         fe = run_frontend(attn, x, pos, attn.new_cache(1, S), False)
-        assert fe.q_raw == core_kernel.q_norm_inside(fe.q_BSHd, len(fe.parts))
+        assert fe.q_raw == q_norm_inside(fe.q_BSHd, len(fe.parts))
         assert not run_frontend(attn, x[:, :1], pos[:, :1], attn.new_cache(1, S), False).q_raw   # decode
         on = attn(x, positions=pos, overlap=True)
         assert torch.equal(on, attn(x, positions=pos, overlap=False))
         assert torch.equal(on, attn(x, positions=pos, overlap=True))
-        monkeypatch.setattr(core_kernel, "WS_Q_NORM", False)
+        attn.schedule = replace(attn.schedule, core=CoreTuning(q_norm_inside=False))
         assert not run_frontend(attn, x, pos, attn.new_cache(1, S), False).q_raw
         off = attn(x, positions=pos)
     if not fe.q_raw:
-        pytest.skip("the warp-specialized core does not run here (needs a Hopper GPU with Triton's Gluon)")
+        pytest.skip("the CUDA core does not run here (needs a Hopper GPU)")
     rel = ((on.float() - off.float()).norm() / off.float().norm()).item()
-    assert rel < 1e-2, rel
-
-
-@pytest.mark.parametrize("layer_type", ["compressed_sparse_attention", "heavily_compressed_attention"])
-def test_prefill_at_head_dim_512_takes_the_qk1_core(layer_type, monkeypatch):
-    """At V4's head_dim (512) and 64 heads, with items of 3 key tiles or more (a 128-key window and 128 top-k picks,
-    or HCA's compressed entries), the layer's prefill runs the QK1 kernel in the core's fused form (q's norm and
-    RoPE in, the output's inverse RoPE out): overlapped equals serial bit for bit, repeats its bits, and is within
-    bf16 rounding of the same layer with the warp-specialized kernel (``WS_OPTS["QK1"] = False``: the row sums add
-    in another order). (The CUDA C++ core, which takes these calls where it runs, is off here: the next test.)"""
-    from moe_wave.attention import core_cuda, core_gluon
-    monkeypatch.setattr(core_cuda, "ENABLED", False)
-    attn, x, pos = _prefill_layer(layer_type, 4, head_dim=512, window=128, topk=128, rope_dim=64)
-    chosen = []
-    ws_opts = core_gluon._ws_opts
-
-    def spy(*a, **kw):
-        o = ws_opts(*a, **kw)
-        chosen.append(o["QK1"])
-        return o
-
-    monkeypatch.setattr(core_gluon, "_ws_opts", spy)
-    with torch.no_grad():
-        on = attn(x, positions=pos, overlap=True)
-        if not chosen:
-            pytest.skip("the warp-specialized core does not run here (needs a Hopper GPU with Triton's Gluon)")
-        assert all(chosen), chosen
-        assert torch.equal(on, attn(x, positions=pos, overlap=False))
-        assert torch.equal(on, attn(x, positions=pos, overlap=True))
-        monkeypatch.setitem(core_gluon.WS_OPTS, "QK1", False)
-        chosen.clear()
-        ws = attn(x, positions=pos, overlap=True)
-        assert chosen and not any(chosen), chosen
-    rel = ((on.float() - ws.float()).norm() / ws.float().norm()).item()
     assert rel < 1e-2, rel
 
 
 @pytest.mark.parametrize("layer_type", list(TYPES))
 def test_prefill_at_head_dim_512_takes_the_cuda_core(layer_type, monkeypatch):
     """At V4's head_dim (512), 64 heads and a 64-channel RoPE tail, the layer's prefill runs the CUDA C++ core
-    (``core_cuda``) with q's norm and RoPE in and the output's inverse RoPE out: overlapped equals serial bit for
-    bit, repeats its bits, and is within bf16 rounding of the same layer on the Gluon kernels
-    (``core_cuda.ENABLED = False``)."""
-    from moe_wave.attention import core_cuda
-    if not core_cuda.available():
-        pytest.skip("needs a Hopper GPU and torch's NVRTC")
+    (``sparse_core.cuda_impl``) with q's norm and RoPE in and the output's inverse RoPE out: overlapped equals serial
+    bit for bit, repeats its bits, and is within bf16 rounding of the same layer on the Triton kernel
+    (``CoreTuning(cuda=False)``)."""
+    from moe_wave.attention.sparse_core import CoreTuning, cuda_impl
+    if not cuda_impl.available():
+        pytest.skip("needs a Hopper GPU")
     attn, x, pos = _prefill_layer(layer_type, 4, head_dim=512, window=128, topk=128, rope_dim=64)
     calls = []
-    launch = core_cuda.sparse_attention_cuda
+    launch = cuda_impl.sparse_attention_cuda
 
     def spy(*a, **kw):
         calls.append((kw.get("q_rope") is not None, kw.get("o_rope") is not None))
         return launch(*a, **kw)
 
-    monkeypatch.setattr(core_cuda, "sparse_attention_cuda", spy)
+    monkeypatch.setattr(cuda_impl, "sparse_attention_cuda", spy)
     with torch.no_grad():
         on = attn(x, positions=pos, overlap=True)
         assert calls and all(q and o for q, o in calls), calls
         assert torch.equal(on, attn(x, positions=pos, overlap=False))
         assert torch.equal(on, attn(x, positions=pos, overlap=True))
-        monkeypatch.setattr(core_cuda, "ENABLED", False)
+        attn.schedule = replace(attn.schedule, core=CoreTuning(cuda=False))
         calls.clear()
-        gluon = attn(x, positions=pos, overlap=True)
+        tri = attn(x, positions=pos, overlap=True)
         assert not calls
-    rel = ((on.float() - gluon.float()).norm() / gluon.float().norm()).item()
+    rel = ((on.float() - tri.float()).norm() / tri.float().norm()).item()
     assert rel < 1e-2, rel
 
 
@@ -321,11 +282,10 @@ def _replayed(attn, x, pos):
 
 @pytest.mark.parametrize("layer_type", list(TYPES))
 def test_prefill_fp8_wo_a_overlap_keeps_the_bits(layer_type, monkeypatch):
-    """An FP8 layer with the grouped FP8 wo_a at V4's head_dim, 64 heads, a 1100-token prefill: wo_a's output
-    quantised group by group on a side stream (``WO_A_OVERLAP`` 1; 2: every other group's GEMM there too; 3: the
-    GEMMs on a priority -1 stream) gives the serial chain's bits (0), eager and replayed from a CUDA graph; calls
-    below ``WO_A_OVERLAP_MIN_TOKENS`` keep the serial chain."""
-    from moe_wave.attention import attention as A
+    """An FP8 layer with the grouped FP8 wo_a at V4's head_dim, 64 heads, a 1100-token prefill: wo_a's GEMMs on a
+    priority -1 stream and its output quantised group by group on a side stream (``ScheduleConfig.wo_a_overlap``)
+    give the serial chain's bits (``wo_a_overlap=False``), eager and replayed from a CUDA graph; calls below
+    ``wo_a_overlap_min_tokens`` keep the serial chain."""
     torch.manual_seed(5)
     csa = layer_type == "compressed_sparse_attention"
     cfg = AttnConfig(layer_type=layer_type, hidden=512, heads=64, head_dim=512, q_lora_rank=128, o_groups=4,
@@ -336,17 +296,15 @@ def test_prefill_fp8_wo_a_overlap_keeps_the_bits(layer_type, monkeypatch):
     x = torch.randn(1, S, 512, device=dev, dtype=torch.bfloat16)
     pos = torch.arange(S, device=dev)[None]
     with torch.no_grad():
-        monkeypatch.setattr(A, "WO_A_OVERLAP", 0)
+        attn.schedule = replace(attn.schedule, wo_a_overlap=False)
         base = attn(x, positions=pos)
         assert torch.equal(base, _replayed(attn, x, pos))
         seen = []
         real = attn._wo_a_overlapped
-        monkeypatch.setattr(attn, "_wo_a_overlapped", lambda *a: seen.append(a[-1]) or real(*a))
-        monkeypatch.setattr(A, "WO_A_OVERLAP", 3)
+        monkeypatch.setattr(attn, "_wo_a_overlapped", lambda *a: seen.append(1) or real(*a))
+        attn.schedule = replace(attn.schedule, wo_a_overlap=True)
         assert torch.equal(attn(x, positions=pos), base) and not seen     # (1100 tokens: below the minimum)
-        monkeypatch.setattr(A, "WO_A_OVERLAP_MIN_TOKENS", S)
-        for mode in (1, 2, 3):
-            monkeypatch.setattr(A, "WO_A_OVERLAP", mode)
-            assert torch.equal(attn(x, positions=pos), base), mode
-            assert torch.equal(_replayed(attn, x, pos), base), mode
-        assert set(seen) == {1, 2, 3}
+        attn.schedule = replace(attn.schedule, wo_a_overlap_min_tokens=S)
+        assert torch.equal(attn(x, positions=pos), base)
+        assert torch.equal(_replayed(attn, x, pos), base)
+        assert seen

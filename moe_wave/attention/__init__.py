@@ -4,5 +4,6 @@ the multi-stream schedule (``ScheduleConfig``: overlap and the fused kernels).""
 from .attention import LAYER_TYPES, AttnConfig, V4Attention
 from .cache import AttnCache
 from .schedule import ScheduleConfig
+from .sparse_core import CoreTuning
 
-__all__ = ["V4Attention", "AttnConfig", "AttnCache", "ScheduleConfig", "LAYER_TYPES"]
+__all__ = ["V4Attention", "AttnConfig", "AttnCache", "ScheduleConfig", "CoreTuning", "LAYER_TYPES"]

@@ -20,30 +20,18 @@ from ..fp8 import (BLOCK, FP8, FP8Linear, GroupedFP8, QAct, act_quant, dequant_w
                    weight_quant)
 from .cache import AttnCache
 from .compressor import Compressor, CompressorConfig, rms_norm
-from .core import sparse_attention
-from .core_kernel import q_norm_inside
 from .indexer import Indexer, IndexerConfig
 from .kernels import norm_rope, picks, rms_norm_quant, use_kernels
 from .rope import RopeConfig, inv_freq, rope_config_from_hf, rope_tail
 from .schedule import ScheduleConfig, high_stream, is_capturing, run_frontend, side_streams
+from .sparse_core import q_norm_inside, sparse_attention
 
 __all__ = ["AttnConfig", "V4Attention", "LAYER_TYPES"]
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
-# quantize_fp8(wo_a_fp8="auto"): calls of at least this many tokens run the grouped FP8 wo_a (measured on one H200,
-# V4-Flash: the FP8 GEMMs win in prefill, the bf16 einsum at decode batches; benchmarks/results/README.md has the numbers)
+# quantize_fp8(wo_a_fp8="auto")'s default: calls of at least this many tokens run the grouped FP8 wo_a (the FP8
+# GEMMs win in prefill, the bf16 einsum at decode batches: benchmarks/results/attn.md)
 WO_A_FP8_MIN_TOKENS = 2048
-# the grouped FP8 wo_a (eight GEMMs of one wave each at V4-Flash's 4096-token prefill, 128 CTAs on an H200's 132 SMs)
-# and the quantisation of its output for wo_b: 0 one act_quant after the last group; 1 each group's act_quant on a
-# side stream as its GEMM ends, beside the next groups' GEMMs; 2 as 1 with every other group's GEMM on the side stream
-# too; 3 as 1 with the GEMMs on a priority -1 stream (their CTAs get the SMs first, the quantisation the rest). The
-# same bits whichever (``V4Attention._wo_a_overlapped``), for calls of at least WO_A_OVERLAP_MIN_TOKENS tokens (the
-# measured prefill; decode keeps one launch a step). On one H200, V4-Flash FP8 at 4096 tokens, CUDA graphs, two
-# alternating runs in one call: the output projections 461-465 us with 0, 455-456 with 1, 452-453 with 3; the sliding
-# layer 1013.7-1014.2 / 1006.2-1010.8 / 1006.0-1007.3 (2 was slower: 1042.0 against 1031.3 in another call; V4-Pro's
-# output projections 1216-1227 / 1211-1217 / 1199-1213; benchmarks/results/attn.md)
-WO_A_OVERLAP = 3
-WO_A_OVERLAP_MIN_TOKENS = 2048
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +130,8 @@ class V4Attention(nn.Module):
         """Whether the projections are in the FP8 format (``quantize_fp8``)."""
         return isinstance(self.o_b_proj, FP8Linear)
 
-    def quantize_fp8(self, wo_a_fp8: bool | str = False) -> "V4Attention":
+    def quantize_fp8(self, wo_a_fp8: bool | str = False,
+                     wo_a_fp8_min_tokens: int = WO_A_FP8_MIN_TOKENS) -> "V4Attention":
         """Store the projections as the released checkpoints do (spec section 5): wq_a, wq_b, wkv, wo_b and the
         indexer's wq_b in float8 e4m3 with one power-of-two scale per 128 x 128 block, their inputs quantised
         per (token, 128 channels) on the fly (``moe_wave.fp8``): on a Hopper GPU FP8 tensor-core GEMMs
@@ -151,13 +140,15 @@ class V4Attention(nn.Module):
 
         wo_a: as the official inference code does, its FP8 weight dequantised to the model dtype and the grouped
         product in that dtype (default); ``wo_a_fp8=True``: G FP8 GEMMs on the core's quantised output (as S4 /
-        S5 do; measured on one H200, V4-Flash: faster in 4096-token prefill, 3x slower at decode batch 64, where
-        the G small block-scaled GEMMs cost more than the bf16 einsum). ``wo_a_fp8="auto"``: both, the FP8 GEMMs
-        for calls of at least ``WO_A_FP8_MIN_TOKENS`` tokens (prefill), the dequantised bf16 product below (decode);
+        S5 do: faster in prefill, slower at decode batches, where the G small block-scaled GEMMs cost more than
+        the bf16 einsum: ``benchmarks/results/attn.md``). ``wo_a_fp8="auto"``: both, the FP8 GEMMs
+        for calls of at least ``wo_a_fp8_min_tokens`` tokens (prefill), the dequantised bf16 product below (decode);
         the two round differently, so a layer's prefill and decode outputs then come from two wo_a products.
         Returns self."""
         if wo_a_fp8 not in (False, True, "auto"):
             raise ValueError(f"quantize_fp8: wo_a_fp8={wo_a_fp8!r} must be False, True or 'auto'")
+        if wo_a_fp8_min_tokens < 0:
+            raise ValueError(f"quantize_fp8: wo_a_fp8_min_tokens={wo_a_fp8_min_tokens} must be >= 0")
         if self.fp8:
             return self
         for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"):
@@ -171,7 +162,7 @@ class V4Attention(nn.Module):
                 self.o_a_weight.copy_(dequant_weight(*weight_quant(self.o_a_weight.detach())))
         if self.indexer is not None:
             self.indexer.q_b_proj = FP8Linear.from_linear(self.indexer.q_b_proj)
-        self.o_a_fp8_min_tokens = WO_A_FP8_MIN_TOKENS if wo_a_fp8 == "auto" else 0
+        self.o_a_fp8_min_tokens = wo_a_fp8_min_tokens if wo_a_fp8 == "auto" else 0
         return self
 
     def fp8_out(self, tokens: int) -> bool:
@@ -252,10 +243,9 @@ class V4Attention(nn.Module):
 
     def q_branch(self, qr_BSL: torch.Tensor | QAct, pos_BS: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The q branch's result (``run_frontend``): (q [B, S, H, d], raw). raw: q is wq_b's output and the core
-        applies the norm and RoPE as it loads q (``core_norms_q``: Hopper prefill, the warp-specialized Gluon
-        kernel, which saves a pass over q). Elsewhere they stay on the q branch, beside the other branches: the
-        measured decode layer preferred that, V4-Flash CSA batch 64 245 vs 259 us on one H200 (the Triton
-        kernel's prologue)."""
+        applies the norm and RoPE as it loads q (``core_norms_q``: Hopper prefill, the CUDA core, which saves a
+        pass over q). Elsewhere they stay on the q branch, beside the other branches, which the decode layer
+        measured faster than the Triton kernel's prologue (``benchmarks/results/attn.md``)."""
         q = self.q_heads(qr_BSL, pos_BS, raw=True)
         if self.core_norms_q(q):
             return q, True
@@ -263,9 +253,9 @@ class V4Attention(nn.Module):
 
     def core_norms_q(self, q_BSHd: torch.Tensor) -> bool:
         """Whether this layer's core applies q's per-head RMSNorm and RoPE itself for a raw q like this one
-        (``core_kernel.q_norm_inside``: the fused kernels run, a large grid on Hopper)."""
+        (``sparse_core.q_norm_inside``: the CUDA core runs, a large grid on Hopper)."""
         return use_kernels(q_BSHd, self.schedule.kernels) and \
-            q_norm_inside(q_BSHd, 1 if self.compressor is None else 2)
+            q_norm_inside(q_BSHd, 1 if self.compressor is None else 2, self.schedule.core)
 
     def q_norm_rope(self, q: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
         """q [B, S, H, d] fresh from wq_b, normalised per head and its tail rotated, in place."""
@@ -332,19 +322,20 @@ class V4Attention(nn.Module):
     def output_q(self, o_q: torch.Tensor, s_KbM: torch.Tensor, B: int, S: int, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 output projections from the core's output already quantised (``act_quant`` format, the
         inverse RoPE applied): grouped wo_a, then wo_b on the group-major z read in place. [B, S, D]"""
-        if WO_A_OVERLAP and o_q.is_cuda and o_q.shape[0] >= WO_A_OVERLAP_MIN_TOKENS:
-            z_q, z_s = self._wo_a_overlapped(o_q, s_KbM, dtype, WO_A_OVERLAP)
+        sc = self.schedule
+        if sc.wo_a_overlap and o_q.is_cuda and o_q.shape[0] >= sc.wo_a_overlap_min_tokens:
+            z_q, z_s = self._wo_a_overlapped(o_q, s_KbM, dtype)
         else:
             z_GMR = self.o_a_fp8.forward_q(o_q, s_KbM, dtype)
             z_q, z_s = act_quant(z_GMR, groups=self.cfg.o_groups)
         return self.o_b_proj.forward_q(z_q, z_s, dtype).view(B, S, -1)
 
-    def _wo_a_overlapped(self, o_q: torch.Tensor, s_KbM: torch.Tensor, dtype: torch.dtype, mode: int):
-        """The grouped FP8 wo_a and the quantisation of its output z (``WO_A_OVERLAP``): each group's ``act_quant``
-        into its columns of z's FP8 pair as soon as its GEMM ends, on a side stream, beside the next groups' GEMMs
-        (mode 1); mode 2 also runs every other group's GEMM on the side stream, mode 3 the GEMMs on a priority -1
-        stream (``schedule.high_stream``). The same bits as the serial chain (each group's GEMM and each 128
-        channels' scale are the same calls). Returns (z_q [M, G*R], z_s)."""
+    def _wo_a_overlapped(self, o_q: torch.Tensor, s_KbM: torch.Tensor, dtype: torch.dtype):
+        """The grouped FP8 wo_a and the quantisation of its output z (``ScheduleConfig.wo_a_overlap``): the groups'
+        GEMMs on a priority -1 stream (``schedule.high_stream``: their CTAs get the SMs first), each group's
+        ``act_quant`` into its columns of z's FP8 pair on a side stream as soon as its GEMM ends, beside the next
+        groups' GEMMs. The same bits as the serial chain (each group's GEMM and each 128 channels' scale are the same
+        calls). Returns (z_q [M, G*R], z_s)."""
         a = self.o_a_fp8
         G, R = a.groups, a.rank
         nb = R // BLOCK
@@ -352,17 +343,15 @@ class V4Attention(nn.Module):
         z = torch.empty(G, M, R, dtype=dtype, device=dev)
         z_q = torch.empty(M, G * R, dtype=FP8, device=dev)
         z_s = torch.empty(G * nb, M, dtype=torch.float32, device=dev)
-        main, side = current_stream(dev), side_streams(dev)[0]
-        hi = high_stream(dev) if mode == 3 else None
-        others = (side,) if hi is None else (side, hi)
+        main, side, hi = current_stream(dev), side_streams(dev)[0], high_stream(dev)
+        others = (side, hi)
         start = record(main)                    # o_q, its scales and the fresh tensors: made on the caller's stream
         for s in others:
             wait(start, s)
         for g in range(G):
-            gemm_on = hi if mode == 3 else side if mode == 2 and g % 2 else main
-            with on(gemm_on):
+            with on(hi):
                 a.forward_group(o_q, s_KbM, g, dtype, out=z[g])
-                done = record(gemm_on)
+                done = record(hi)
             with on(side):
                 wait(done)
                 act_quant(z[g], out=(z_q[:, g * R:(g + 1) * R], z_s[g * nb:(g + 1) * nb]))
@@ -413,18 +402,18 @@ class V4Attention(nn.Module):
     def core(self, fe, pos_BS: torch.Tensor):
         """The sparse core on the front-end's result, V's RoPE undone: o [B, S, H, d], or with a grouped FP8
         wo_a (``quantize_fp8(wo_a_fp8=True)``) the quantised pair (o_q [B*S, H*d], s) that ``output_q`` takes.
-        The Triton kernel does the inverse RoPE and the quantisation in its epilogue (small grids) or as the
-        passes after it (``core_kernel.FUSE_MAX_WAVES``)."""
+        The kernels do the inverse RoPE and the quantisation in their epilogues (the CUDA core; the Triton kernel
+        on small grids) or as the passes after the core (``CoreTuning.fuse_max_waves``)."""
         scale, k = self.cfg.head_dim ** -0.5, self.schedule.kernels
         q, S = fe.q_BSHd, fe.q_BSHd.shape[1]
         fp8 = self.fp8_out(q.shape[0] * S)
         q_rope = (pos_BS, self.freq_F, self.cfg.eps) if fe.q_raw else None
         if use_kernels(q, k):   # the kernel gathers nothing, so it needs no query blocks
             return sparse_attention(q, fe.parts, self.sinks, scale, k, q_rope=q_rope, o_rope=(pos_BS, self.freq_F),
-                                    out_fp8=fp8)
+                                    out_fp8=fp8, tuning=self.schedule.core)
         if fe.q_raw:
             q = self.q_norm_rope(q, pos_BS)
         core = lambda sl: sparse_attention(  # noqa: E731
-            q[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, scale, k)
+            q[:, sl], [(src, idx[:, sl]) for src, idx in fe.parts], self.sinks, scale, k, tuning=self.schedule.core)
         o = rope_tail(self.chunked(core, S), pos_BS, self.freq_F, inverse=True, inplace=True, kernels=k)
         return act_quant(o.reshape(-1, o.shape[2] * o.shape[3])) if fp8 else o

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..fp8 import hf_weight
-from .kernels import norm_rope, pool_entries, ring_write, use_kernels
+from .compressor_kernels import pool_entries, ring_write
+from .kernels import norm_rope, use_kernels
 from .rope import rope_tail
 
 __all__ = ["CompressorConfig", "Compressor", "CompressorState", "rms_norm"]
@@ -129,7 +130,7 @@ class Compressor(nn.Module):
 
         Reads the ring (older tokens) and the chunk; does not modify the ring (``write_state`` does,
         and may run later on another stream, before this layer's next step). Where
-        ``use_kernels(kv, kernels)`` it is one kernel, two for HCA's long windows (``kernels.pool_entries``).
+        ``use_kernels(kv, kernels)`` it is one kernel, two for HCA's long windows (``compressor_kernels.pool_entries``).
         """
         cfg = self.cfg
         if use_kernels(kv_BSC, kernels):

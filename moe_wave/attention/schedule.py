@@ -14,19 +14,16 @@ chains joined once before the core:
            --idx_ready-->
   main:    wait kv_ready, comp_ready, idx_ready -> core -> output projection
 
-The ring and state writes are read only by the same layer's next step. ``DEFER_WRITES = True`` issues them after
-the ready events instead, beside the core: their events go to ``cache.pending`` and are waited on at the start of
-the next call (under capture, before the output projection). That was the default until session 22; it measured
-slower (see ``DEFER_WRITES``).
+The ring and state writes are read only by the same layer's next step; they run on their side streams before the
+branch's ready event, so that nothing of the layer runs beside the core (issuing them beside the core measured
+slower: ``benchmarks/results/attn.md``).
 Under CUDA-graph capture every side stream is joined before the call returns.
 
 Switches: ``ScheduleConfig.overlap`` (default on; the CLI maps ``MOE_WAVE_ATTN_OVERLAP`` onto it) and
 ``ScheduleConfig.kernels`` (the fused Triton kernels, ``attention/kernels.py``).
 ``decode_overlap_min_batch`` turns overlap off for decode steps (S == 1) with a smaller batch, should
-launch latency beat the overlap. Default 0 (always overlap): on one H200
-(benchmarks/bench_attn.py, CUDA graphs, 4096-token cache) overlap cut the decode front-end by 15-40% and the
-whole attention layer by 5-33% at every batch from 1 to 128, for V4-Flash and V4-Pro, all layer types;
-in prefill at 4096 tokens it neither gains nor loses more than ~4%. On CPU every stream op is a no-op
+launch latency beat the overlap. Default 0 (always overlap: it shortens the decode front-end and layer at every
+measured batch, ``benchmarks/results/attn.md``, ``benchmarks/bench_attn.py``). On CPU every stream op is a no-op
 and both settings run the same code serially.
 """
 
@@ -40,6 +37,7 @@ from moe_wave.comm.streams import Streams, current_stream, keep_alive, on, recor
 from moe_wave.fp8 import QAct
 
 from .kernels import KERNEL_MODES
+from .sparse_core.call import CoreTuning
 
 __all__ = ["ScheduleConfig", "FrontEnd", "run_frontend", "side_streams", "high_stream", "is_capturing"]
 
@@ -54,12 +52,19 @@ class ScheduleConfig:
         (the torch ops everywhere). The two agree to the dtype's rounding, not bit for bit.
     decode_overlap_min_batch: decode steps (S == 1) with batch < this run serially (0: never).
     q_block: queries per core block in prefill; bounds the gathered memory to q_block*(W+K)*d.
+    core: where the sparse core's implementations run (``sparse_core.CoreTuning``).
+    wo_a_overlap: an FP8 layer's grouped wo_a runs its GEMMs on a priority -1 stream and quantises each group's
+        output on a side stream beside the next groups' GEMMs (``V4Attention._wo_a_overlapped``: the same bits), for
+        calls of at least ``wo_a_overlap_min_tokens`` tokens (prefill; decode keeps one launch a step).
     """
 
     overlap: bool = True
     kernels: str = "auto"
     decode_overlap_min_batch: int = 0
     q_block: int = 1024
+    core: CoreTuning = CoreTuning()
+    wo_a_overlap: bool = True
+    wo_a_overlap_min_tokens: int = 2048
 
     def __post_init__(self):
         if not isinstance(self.overlap, bool):
@@ -70,42 +75,32 @@ class ScheduleConfig:
             raise ValueError(f"ScheduleConfig.decode_overlap_min_batch={self.decode_overlap_min_batch}: must be >= 0")
         if self.q_block <= 0:
             raise ValueError(f"ScheduleConfig.q_block={self.q_block}: must be > 0")
+        if not isinstance(self.wo_a_overlap, bool) or self.wo_a_overlap_min_tokens < 0:
+            raise ValueError(f"ScheduleConfig wo_a_overlap={self.wo_a_overlap!r}, wo_a_overlap_min_tokens="
+                             f"{self.wo_a_overlap_min_tokens}: must be True or False and >= 0")
+        if not isinstance(self.core, CoreTuning):
+            raise ValueError(f"ScheduleConfig.core={self.core!r}: must be a CoreTuning")
 
     def use_overlap(self, batch: int, seq: int) -> bool:
         return self.overlap and not (seq == 1 and batch < self.decode_overlap_min_batch)
 
 
-# the ring writes that only a next step reads (the window ring, the compressors' rings) run on their side streams
-# before the branch's ready event, so that nothing of the layer runs beside the core (False); True: after it, beside
-# the core and into the next layer. The results are the same either way (tested). On one H200, the layer replayed
-# from a CUDA graph (``dev/profile_attn.py --whole``, 4096-token prefill, FP8), V4-Pro's overlapped HCA layer took
-# 3103 / 3498 us with the writes deferred and 3045 / 3356 with them first (two runs; serial 3001 / 3314); the other
-# Pro and Flash layers and Flash decode at batch 64 moved within +-1.5 % either way
-# (benchmarks/results/attn.md).
-DEFER_WRITES = False
-
-# the side streams' priority (CUDA: lower is higher; 0 is the default stream's). A benchmark switch for now:
-# ``dev/profile_attn.py --whole`` compares 0 with -1, where the side branches' blocks are dispatched ahead of the
-# q chain's GEMM blocks still waiting for an SM. PyTorch instantiates its graphs with the node priorities
-# (cudaGraphInstantiateFlagUseNodePriority), so a replay keeps them.
-SIDE_PRIORITY = 0
-
-_SIDE: dict[tuple, Streams] = {}
+_SIDE: dict[torch.device, Streams] = {}   # a cache: one bundle a device
 
 
 def _streams(device: torch.device) -> Streams:
-    """The device's bundle: three side streams at ``SIDE_PRIORITY`` and a priority -1 one, shared by all layers."""
+    """The device's bundle: three side streams at the default priority (0) and a priority -1 one, shared by all
+    layers."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, SIDE_PRIORITY)
-    if key not in _SIDE:
-        _SIDE[key] = Streams.for_device(device, num_extra=3, priority=SIDE_PRIORITY)
-    return _SIDE[key]
+    if device not in _SIDE:
+        _SIDE[device] = Streams.for_device(device, num_extra=3, priority=0)
+    return _SIDE[device]
 
 
 def side_streams(device: torch.device) -> tuple:
-    """Three side streams per device (at ``SIDE_PRIORITY``), shared by all layers (None on CPU)."""
+    """Three side streams per device (at the default priority), shared by all layers (None on CPU)."""
     return _streams(device).extra
 
 
@@ -138,15 +133,10 @@ def _cache_tensors(cache) -> dict:
 
 
 def _ready(stream, cache, key: str, write) -> object:
-    """A branch's ready event on ``stream``, with its ring write (``write``, or False: none): deferred after the
-    event, its own event in ``cache.pending[key]`` (``DEFER_WRITES``), else before it."""
-    if write and not DEFER_WRITES:
+    """A branch's ready event on ``stream``, after its ring write (``write``, or False: none)."""
+    if write:
         write()
-    ev = record(stream)
-    if write and DEFER_WRITES:
-        write()
-        cache.pending[key] = record(stream)
-    return ev
+    return record(stream)
 
 
 def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap: bool,
@@ -162,8 +152,7 @@ def run_frontend(attn, x_BSD: torch.Tensor, pos_BS: torch.Tensor, cache, overlap
     hold = not is_capturing(dev)  # record_stream is for the caching allocator's eager mode only
     fork = record(main)
     # FP8 layers: x quantised once for wq_a (main) and wkv (side a). Only side a waits for it: the other sides fork
-    # before it (with every side behind it, V4-Flash HCA's overlapped prefill front-end took 484.4 us on one H200,
-    # its serial one 484.0; with only side a, 454.0: benchmarks/results/attn.md)
+    # before it (with every side behind it the overlapped front-end lost its gain: benchmarks/results/attn.md)
     xq = attn.x_quant(x_BSD)
     xq_ready = record(main) if xq is not None else fork
     if hold and overlap:

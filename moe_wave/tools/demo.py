@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from moe_wave.attention import ScheduleConfig
+from moe_wave.attention import CoreTuning, ScheduleConfig
 from moe_wave.comm import EPGroup
 from moe_wave.comm.layout import compute_layout
 from moe_wave.config import MoEConfig, WaveConfig
@@ -82,6 +82,7 @@ def resolve_defaults(args, env: EnvSettings | None = None) -> None:
     if args.graph and not torch.cuda.is_available():
         raise ValueError("--graph (or MOE_WAVE_GRAPH=1): CUDA graphs need a GPU, and none is visible")
     args.autowave_cache = env.pick("autowave_cache", args.autowave_cache, None)
+    args.kernel_cache = env.pick("kernel_cache", getattr(args, "kernel_cache", None), None)
     args.nvtx = env.pick("nvtx", None, False)
     args.fp8_gemm = env.pick("fp8_gemm", None, "auto")
 
@@ -216,7 +217,8 @@ def demo_configs(args) -> tuple[WaveConfig, ScheduleConfig]:
     """The MoE schedule and the attention schedule of the overlapped run, from resolved ``args``."""
     wave = WaveConfig(num_waves=args.waves, partition=args.partition, sends=args.sends, backend=args.backend,
                       overlap=args.overlap, symm=args.symm, autowave_cache=args.autowave_cache)
-    return wave, ScheduleConfig(overlap=args.attn_overlap, kernels=args.attn_kernels)
+    core = CoreTuning(kernel_cache=getattr(args, "kernel_cache", None))
+    return wave, ScheduleConfig(overlap=args.attn_overlap, kernels=args.attn_kernels, core=core)
 
 
 def run_demo_rank(ep, args) -> dict:

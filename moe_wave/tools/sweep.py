@@ -36,6 +36,7 @@ from moe_wave.comm.bootstrap import spawn_plan
 from moe_wave.comm.layout import PARTITION_SPECS, split_partition
 from moe_wave.config import BACKENDS, PRESETS, SHARED_PLACEMENTS, MoEConfig, WaveConfig
 from moe_wave.env import EnvSettings, read_env
+from moe_wave.fp8 import resolve_precision
 from moe_wave.graphs import graph_capable
 from moe_wave.moe import WaveMoE
 from moe_wave.profiling import set_nvtx
@@ -122,6 +123,8 @@ def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = N
         dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype={dtype!r}: must be one of auto, float32, bfloat16, float16")
+    precision = resolve_precision(env.pick("precision", getattr(args, "precision", None), "auto"),
+                                  "cuda" if torch.cuda.is_available() else "cpu")
     grid = dict(
         shapes=_shapes(args, world_size),
         tokens=_int_list("--tokens", args.tokens_grid, 1, "tokens per rank must be >= 1"),
@@ -144,12 +147,13 @@ def build_spec(args, world_size: int, launcher: str, env: EnvSettings | None = N
     else:
         prefix = f"torchrun --nproc-per-node={world_size} -m moe_wave sweep"
     graph_flag = [] if graph is None else ["--graph" if graph else "--no-graph"]
-    return dict(grid=grid, dtype=dtype, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots, graph=graph,
+    return dict(grid=grid, dtype=dtype, precision=precision, out=str(out), trace=args.trace, auto=args.auto, plots=args.plots, graph=graph,
                 bench=dict(warmup=args.warmup, iters=args.iters, pool=args.pool, seed=args.seed), symm=symm,
                 autowave_cache=env.pick("autowave_cache", args.autowave_cache, None),
                 nvtx=env.pick("nvtx", None, False),
                 git_sha=env.pick("git_sha", None, None),
-                prefix=prefix, common=" ".join([f"--dtype {dtype} --iters {args.iters} --warmup {args.warmup}",
+                prefix=prefix, common=" ".join([f"--dtype {dtype} --precision {precision} --iters {args.iters} "
+                                                f"--warmup {args.warmup}",
                                                 f"--out {out}", *graph_flag, *symm_argv(symm)]),
                 argv=command_line())
 
@@ -208,11 +212,13 @@ def run_rank(ep, spec: dict) -> list[tuple]:
     this call."""
     set_nvtx(spec["nvtx"])   # a spawned rank is a fresh process
     out, dtype, P = Path(spec["out"]), spec["dtype"], ep.size
+    fp8 = spec.get("precision") == "fp8"
+    dtype_col = "fp8" if fp8 else dtype     # the CSV's dtype column: the experts' format
     todo = None
     if ep.rank == 0:
         rows, writer = sweep_csv.resume(out)
         done = {tuple(r[k] for k in KEY) for r in rows}
-        todo = [p for p in points(spec) if p.key(dtype, P) not in done]
+        todo = [p for p in points(spec) if p.key(dtype_col, P) not in done]
     todo = ep.broadcast_object(todo)
     bar = _progress(len(todo), ep.rank == 0)
     bench = BenchConfig(**spec["bench"])
@@ -231,6 +237,8 @@ def run_rank(ep, spec: dict) -> list[tuple]:
                 moe_shape = s["shape"]
                 m = init_random_(WaveMoE(cfg, ep=ep, device=ep.device, dtype=getattr(torch, dtype)),
                                  seed=spec["bench"]["seed"])
+                if fp8:
+                    m.quantize_fp8()
             # each point is a view of the last one: it keeps the comm backend while backend and symm options do
             partition, sends = split_partition(pt.partition)
             sched = dict(partition=partition, sends=sends, backend=pt.backend, shared_placement=pt.shared,
@@ -242,7 +250,7 @@ def run_rank(ep, spec: dict) -> list[tuple]:
             m = m.rescheduled(WaveConfig(num_waves=pt.waves, **sched))
             label = f"{s['shape']} T={pt.tokens} W={pt.waves} {pt.partition} {pt.backend} shared={pt.shared}"
             row = measure(m, pt.tokens, _graphed(bench, spec.get("graph"), m, label), tracer=tracer, label=label)
-            key = pt.key(dtype, P)
+            key = pt.key(dtype_col, P)
             if ep.rank == 0:
                 a_w, a_us = auto.get(pt.group(), ("", ""))
                 writer.write({**dict(zip(KEY, key)), **{k: row.get(k, "") for k in COLUMNS if k in row},
@@ -439,6 +447,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared", default="bubbles,serial",
                    help=f"comma list of shared-expert placements: {', '.join(SHARED_PLACEMENTS)}")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp8"), default=None,
+                   help="fp8: the experts in DeepSeek-V4's FP8 format (WaveMoE.quantize_fp8; the CSV's dtype column "
+                        "reads fp8); bf16: --dtype. auto: fp8 on a Hopper GPU with deep_gemm, else bf16. Default: env "
+                        "MOE_WAVE_PRECISION, else auto")
     p.add_argument("--iters", type=at_least(1), default=20, help="timed iterations per kind (median)")
     p.add_argument("--warmup", type=at_least(0), default=3, help="untimed iterations per kind")
     p.add_argument("--pool", type=at_least(1), default=4, help="distinct random inputs rotated through")

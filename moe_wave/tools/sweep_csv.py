@@ -36,7 +36,8 @@ KEY = ("shape", "hidden", "intermediate", "experts", "topk", "tokens_per_rank", 
 COLUMNS = KEY + ("effective_waves", "serial_us", "pipelined_us", "comm_only_us", "compute_only_us", "ideal_us",
                  "exposed_us", "overlap_ratio", "speedup", "link_bytes", "GBps", "check", "max_err",
                  "auto_num_waves", "auto_us", "device", "command")
-DTYPES = ("float32", "bfloat16", "float16")
+# "fp8": the experts in DeepSeek-V4's FP8 format (sweep --precision fp8), activations bf16
+DTYPES = ("float32", "bfloat16", "float16", "fp8")
 
 
 def _int(lo: int, optional: bool = False):
