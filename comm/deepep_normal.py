@@ -2,7 +2,7 @@
 
 ``deep_ep.Buffer`` runs this on gloo ranks (the CPU emulation) and where the direct kernels do not run
 (``moe_wave.deepep_compat.normal_kernels``: one Triton launch per call on CUDA ranks), and with
-``MOE_WAVE_NORMAL_PATH=engine`` for comparisons.
+``Buffer(normal="engine")`` for comparisons.
 
 Legend: T local tokens, K top-k, P ranks, e local experts (E = P*e), H row width (elements), C capacity rows per
 source block, X rows of a compact receive buffer (the received count, or a caller's worst case), M meta slots
