@@ -61,9 +61,10 @@ def capacity_for(rows: int) -> int:
 
 
 def routing_counts(topk_idx_TK: torch.Tensor, num_experts: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(is_token_in_rank [T, P] bool, tokens per expert [E] int32) from top-k ids (-1: none), on the device."""
+    """(is_token_in_rank [T, P] bool, tokens per expert [E] int32) from top-k ids (-1, or any id outside [0, E):
+    none), on the device."""
     ids = topk_idx_TK.long()
-    valid = ids >= 0
+    valid = (ids >= 0) & (ids < num_experts)
     e = num_experts // P
     dump_E = torch.where(valid, ids, num_experts).reshape(-1)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)

@@ -7,8 +7,11 @@ when the Buffer is made (``CompatOptions``: a keyword, else ``moe_wave.env.deepe
     low-latency mode   ll_direct.DirectLowLatency (two kernels straight through peer memory)
                        ll_engine.EngineLowLatency (the exchange engine; gloo ranks, comparisons)
 
-Arguments are checked on the host (``checks``). Stream rules are DeepEP's (``streams``); on CPU every call is
-synchronous. Internode calls raise ``NotImplementedError``.
+Arguments are checked on the host (``checks``); what only the device can see (expert ids out of range, an
+``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) is checked on the device
+with no host sync (``guard``): the outputs turn NaN and a later call, on every rank, or ``check()``, raises.
+Stream rules are DeepEP's (``streams``); on CPU every call is synchronous. Internode calls raise
+``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from moe_wave.comm.triton_gate import triton_ok
 from . import checks
 from . import normal_kernels as nk
 from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config
+from .guard import Guard
 from .ll_direct import DirectLowLatency
 from .ll_engine import EngineLowLatency
 from .low_latency import check_overlap_kwargs, rdma_size_hint
@@ -104,6 +108,7 @@ class Buffer:
         self._ep = EPGroup(self.rank, self.group_size, self._device, backend if self.group_size > 1 else "none",
                            pg if self.group_size > 1 else None)
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
+        self._guard = Guard(self.rank, self._device)
         options = options or SymmOptions()
         self._normal = self._normal_mode(options)
         self._ll = self._ll_mode(options)
@@ -112,7 +117,7 @@ class Buffer:
     def _normal_mode(self, options: SymmOptions):
         """The normal-mode implementation ``compat.normal`` names ("auto": the direct kernels where they run)."""
         ep, cuda, c = self._ep, self._device.type == "cuda", self.compat
-        engine = EngineNormal(ep, options, self._comm_stream)
+        engine = EngineNormal(ep, options, self._comm_stream, self._guard)
         # one CPU rank runs them under the interpreter (the tests); several CPU ranks share no memory
         fits = (triton_ok(self._device, None if cuda else True) and (cuda and (ep.size == 1 or "nccl" in ep.backend)
                                                                      or not cuda and ep.size == 1))
@@ -122,7 +127,7 @@ class Buffer:
                              f"{ep.backend}")
         if c.normal == "engine" or not fits or (c.normal == "auto" and not cuda):
             return engine
-        return DirectNormal(ep, engine, c.normal_channels, c.normal_rows, options.timeout_ms,
+        return DirectNormal(ep, engine, self._guard, c.normal_channels, c.normal_rows, options.timeout_ms,
                             c.normal_fast_launch)
 
     def _ll_mode(self, options: SymmOptions):
@@ -162,9 +167,16 @@ class Buffer:
         self._ll.close()
         self._destroyed = True
 
+    def check(self) -> None:
+        """(moe-wave's) Raise a fault the device recorded (an expert id out of range, an ``is_token_in_rank`` that
+        contradicts ``topk_idx``, rows due past ``num_worst_tokens``) now, instead of at a later call. HOST SYNC;
+        every rank calls it (every rank holds the same fault after the dispatch that found it)."""
+        self._guard.check("check")
+
     def _enter(self, what: str) -> None:
         if self._destroyed:
             raise RuntimeError(f"Buffer.{what}: the buffer was destroyed")
+        self._guard.raise_if_flagged(what)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -216,12 +228,15 @@ class Buffer:
                             async_finish: bool = False, allocate_on_comm_stream: bool = False
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
         """From ``topk_idx`` [T, K] (``topk_idx_t``; -1: no expert): ``num_tokens_per_rank`` int32 [P], None (no RDMA
-        ranks), ``num_tokens_per_expert`` int32 [E], ``is_token_in_rank`` bool [T, P], the event."""
+        ranks), ``num_tokens_per_expert`` int32 [E], ``is_token_in_rank`` bool [T, P], the event. An id outside
+        [-1, E) counts as -1 and is a fault (see the module docstring)."""
         what = "get_dispatch_layout"
         checks.tensor(what, "topk_idx", topk_idx, 2, (torch.int64, torch.int32))
         checks.num_experts_arg(what, num_experts, self.group_size)
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,)) as s:
-            per_rank, per_expert, in_rank = s.out(*self._normal.layout(topk_idx, num_experts))
+            per_rank, per_expert, in_rank = s.out(*self._normal.layout(self._guard.check_ids(topk_idx, num_experts),
+                                                                       num_experts))
+        self._guard.snapshot()
         return per_rank, None, per_expert, in_rank, s.event
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
@@ -237,11 +252,14 @@ class Buffer:
             x: bf16 [T, H] (fp16 / fp32 also move), or ``(fp8 [T, H], scales [T, S] float32 or int32, or [T])``;
                 scales may have any strides.
             handle: a previous dispatch's handle: the same routing again (cached; no top-k arguments then).
-            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: ``get_dispatch_layout``'s outputs.
-            topk_idx, topk_weights: [T, K] (int64, float32) or both None.
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: ``get_dispatch_layout``'s outputs;
+                ``is_token_in_rank`` must name exactly the ranks of each token's experts (checked on the device
+                when ``topk_idx`` is given).
+            topk_idx, topk_weights: [T, K] (int64, float32) or both None; ids in [-1, E).
             expert_alignment: rounds up each count of the returned per-expert list.
             num_worst_tokens: > 0: the outputs have this many rows (padding rows: top-k -1, weight 0, x 0), nothing is
-                read on the host and the per-expert list is empty; the same on every rank.
+                read on the host and the per-expert list is empty; the same on every rank; a rank due more rows
+                is a fault (the rows past it are dropped, the outputs NaN, a later call raises).
             config: accepted and checked; it does not change the exchange.
 
         Returns:
@@ -262,6 +280,8 @@ class Buffer:
                 raise ValueError(f"{what}: a cached dispatch (handle given) takes no topk_idx / topk_weights")
             with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x,)) as s:
                 recv_x = s.out(self._normal.cached_dispatch(x, handle))
+                self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)))
+            self._guard.snapshot()
             return recv_x, None, None, None, None, s.event
         route = Route(*checks.route_args(what, self.group_size, T, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
@@ -269,10 +289,24 @@ class Buffer:
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream,
                          (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                           topk_weights)) as s:
+            route = self._guarded(route)
             recv_x, recv_idx, recv_w, counts_e, handle = self._normal.dispatch(
                 x, route, config or self.get_dispatch_config(self.group_size))
+            self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_w)
             s.out(recv_x, recv_idx, recv_w, *handle)
+        self._guard.snapshot()
         return recv_x, recv_idx, recv_w, counts_e, handle, s.event
+
+    def _guarded(self, route: Route) -> Route:
+        """The route with the device-side checks queued: top-k ids outside [-1, E) become -1 and
+        ``is_token_in_rank`` is compared with the top-k's ranks (faults go to the guard)."""
+        if route.topk_idx is None:
+            return route
+        E = route.per_expert.numel()
+        ids = self._guard.check_ids(route.topk_idx, E)
+        self._guard.check_in_rank(route.in_rank, ids, E)
+        return Route(route.per_rank, route.in_rank, route.per_expert, ids, route.topk_weights, route.alignment,
+                     route.worst)
 
     def _handle_rows(self, what: str, handle, T: Optional[int]) -> int:
         """X, the received rows of ``handle``'s dispatch (ValueError for a foreign handle or other tokens)."""
@@ -315,6 +349,8 @@ class Buffer:
         biases = checks.biases(what, bias, (T, x.shape[1]))
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights, *biases)) as s:
             combined, weights = s.out(*self._normal.combine(x, handle, topk_weights, biases))
+            self._guard.poison(combined, weights)
+        self._guard.snapshot()
         return combined, weights, s.event
 
     def internode_dispatch(self, *args, **kwargs):

@@ -1,5 +1,5 @@
 """``deep_ep.Buffer``'s argument checks: a ValueError naming the call, the field, its value and the rule, raised
-on the host before anything runs.
+on the host before anything runs (the device-side checks of values are ``guard``'s).
 
 Legend: T local tokens, H hidden, K top-k, P ranks, E experts.
 """
@@ -7,6 +7,7 @@ Legend: T local tokens, H hidden, K top-k, P ranks, E experts.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .config import Config
 from .utils import EventHandle, EventOverlap
@@ -30,6 +31,9 @@ def group_arg(group, comm) -> None:
             raise unsupported("__init__(comm=<mpi4py communicator>)", "pass group=<a torch.distributed "
                               "ProcessGroup over the same ranks> (e.g. dist.new_group(ranks))")
         raise ValueError("Buffer(group=None): pass the torch.distributed process group of the EP ranks")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"Buffer(group={group!r}): must be a torch.distributed ProcessGroup (e.g. "
+                         f"dist.group.WORLD or dist.new_group(ranks)), got {type(group).__name__}")
 
 
 def byte_size(name: str, v) -> None:
@@ -48,6 +52,10 @@ def device_arg(device, backend: str) -> torch.device | None:
         raise ValueError(f"Buffer(device={device!r}): must be a CUDA device or 'cpu'") from None
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"Buffer(device={device!r}): must be a CUDA device or 'cpu'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"Buffer(device={device!r}): CUDA is not available in this process (torch "
+                         f"{torch.__version__}, {'a CPU-only build' if torch.version.cuda is None else 'no GPU'}); "
+                         f"pass device='cpu' with a gloo group")
     if dev.type == "cpu" and "nccl" in backend:
         raise ValueError(f"Buffer(device={device!r}): an NCCL group needs a CUDA device")
     return dev

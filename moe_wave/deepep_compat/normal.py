@@ -60,7 +60,8 @@ class NormalMode(ABC):
 
     @abstractmethod
     def layout(self, topk_idx_TK: torch.Tensor, num_experts: int) -> tuple:
-        """(num_tokens_per_rank int32 [P], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, P])."""
+        """(num_tokens_per_rank int32 [P], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, P]);
+        ``topk_idx_TK`` holds ids in [-1, E) (the guard has replaced the others)."""
 
     @abstractmethod
     def dispatch(self, x, route: Route, config: Config) -> tuple:

@@ -16,9 +16,10 @@ from moe_wave.comm.group import EPGroup
 
 from . import normal_kernels as nk
 from .config import Config, topk_idx_t
+from .guard import WORDS, Guard
 from .normal import IntranodeHandle, NormalMode, Route, handle_matrices, words
 from .normal_engine import EngineNormal
-from .normal_plan import DirectPlan, NormalState
+from .normal_plan import DirectPlan, NormalState, clip_plan
 
 __all__ = ["DirectNormal", "symm_alloc"]
 
@@ -27,14 +28,14 @@ class DirectNormal(NormalMode):
     """Normal mode on the direct kernels (see the module docstring).
 
     Args:
-        ep: the group; engine: the fallback (``EngineNormal``) for rows of other widths; channels, rows: the
-        kernels' channels and tokens per chunk; timeout_ms: how long a wait for a peer lasts; fast_launch:
-        ``triton_launch.Launcher``'s fast path.
+        ep: the group; engine: the fallback (``EngineNormal``) for rows of other widths; guard: the Buffer's
+        fault status; channels, rows: the kernels' channels and tokens per chunk; timeout_ms: how long a wait for a
+        peer lasts; fast_launch: ``triton_launch.Launcher``'s fast path.
     """
 
-    def __init__(self, ep: EPGroup, engine: EngineNormal, channels: int, rows: int, timeout_ms: int,
+    def __init__(self, ep: EPGroup, engine: EngineNormal, guard: Guard, channels: int, rows: int, timeout_ms: int,
                  fast_launch: bool = True):
-        self.ep, self.engine = ep, engine
+        self.ep, self.engine, self.guard = ep, engine, guard
         self.nch, self.rows = channels, rows
         self.state = NormalState(ep.rank, ep.size, ep.device, symm_alloc(ep, timeout_ms), timeout_ms,
                                  fast_launch=fast_launch)
@@ -79,9 +80,11 @@ class DirectNormal(NormalMode):
         E = per_expert.numel()
         e = E // P
         chan = nk.channel_counts(in_rank, nch)
-        G = self.engine.exchange.count_matrix(torch.cat([chan.reshape(-1), per_expert.long(), chan.new_full((1,), T)]))
+        G = self.engine.exchange.count_matrix(torch.cat([chan.reshape(-1), per_expert.long(), chan.new_full((1,), T),
+                                                         self.guard.words()]))
         chan_G = G[:, :P * nch].reshape(P, P, nch)
         counts_PP = chan_G.sum(2)
+        self.guard.fold(G[:, P * nch + E + 1:P * nch + E + 1 + WORDS], counts_PP.sum(0), route.worst)
         if route.worst:
             X, cap, num_recv, counts_e = route.worst, capacity_for(route.worst), None, []
         else:
@@ -95,6 +98,8 @@ class DirectNormal(NormalMode):
             counts_e = [-(-c // route.alignment) * route.alignment for c in got_e.tolist()]
             self.state.check("dispatch")        # a fault of an earlier call (the host already waited here)
         plan = nk.make_plan(me, in_rank, chan_G, X, cap, num_recv)
+        if route.worst:
+            plan = clip_plan(plan, X)           # rows past num_worst_tokens are neither sent nor received
         S = sc.shape[1] if sc is not None else 0
         K = topk_idx.shape[1] if topk_idx is not None else 0
         parts = [] if sc is None else [sc]

@@ -13,6 +13,7 @@ from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_f
 from moe_wave.comm.options import SymmOptions
 
 from .config import Config, topk_idx_t
+from .guard import WORDS, Guard
 from .normal import IntranodeHandle, NormalMode, Route, handle_matrices, pack_x
 
 __all__ = ["EngineNormal"]
@@ -22,11 +23,12 @@ class EngineNormal(NormalMode):
     """Normal mode on ``CompactExchange`` (see the module docstring).
 
     Args:
-        ep: the group; options: the symm backend's options; comm_stream: the Buffer's communication stream.
+        ep: the group; options: the symm backend's options; comm_stream: the Buffer's communication stream;
+        guard: the Buffer's fault status (``guard.Guard``).
     """
 
-    def __init__(self, ep, options: SymmOptions | None, comm_stream):
-        self.ep = ep
+    def __init__(self, ep, options: SymmOptions | None, comm_stream, guard: Guard):
+        self.ep, self.guard = ep, guard
         self.exchange = CompactExchange(ep, options, comm_stream=comm_stream)
 
     def close(self) -> None:
@@ -58,8 +60,10 @@ class EngineNormal(NormalMode):
         rows, unpack = pack_x("dispatch", x)
         P, me, T = self.ep.size, self.ep.rank, rows.shape[0]
         per_rank, in_rank, worst = route.per_rank, route.in_rank, route.worst
-        G = self.exchange.count_matrix(torch.cat([per_rank.long(), per_rank.new_full((1,), T).long()]))
+        G = self.exchange.count_matrix(torch.cat([per_rank.long(), per_rank.new_full((1,), T).long(),
+                                                  self.guard.words()]))
         counts_PP, tokens_P = G[:, :P], G[:, P]
+        self.guard.fold(G[:, P + 1:P + 1 + WORDS], counts_PP.sum(0), worst)
         if worst:
             capacity, X, num_recv = self._capacity(worst), worst, None
         else:

@@ -8,14 +8,14 @@ capacity (rows, the same on every rank), nch channels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moe_wave.comm.triton_gate import sm_count
 
-__all__ = ["NormalState", "DirectPlan", "make_plan", "channel_counts", "send_heads", "layout_torch", "NCH_MAX",
-           "DEFAULT_CHANNELS", "DEFAULT_ROWS", "device_sms"]
+__all__ = ["NormalState", "DirectPlan", "make_plan", "clip_plan", "channel_counts", "send_heads", "layout_torch",
+           "NCH_MAX", "DEFAULT_CHANNELS", "DEFAULT_ROWS", "device_sms"]
 
 NCH_MAX = 64                # channels at most (flag slots per source)
 DEFAULT_CHANNELS = 32
@@ -156,6 +156,23 @@ def make_plan(me: int, in_rank_TP: torch.Tensor, chan_PPN: torch.Tensor, rows: i
         pad = (torch.arange(rows, device=tab.device) >= counts[:, me].sum())[:, None]
     return DirectPlan(me=me, P=P, T=T, nch=nch, per=max(-(-T // nch), 1), rows=rows, capacity=capacity, tab=tab,
                       head=send_heads(in_rank_TP) if head is None else head, recv_pad=pad, num_recv=num_recv)
+
+
+def clip_plan(plan: DirectPlan, rows: int) -> DirectPlan:
+    """``plan`` with every row past compact row ``rows`` (worst-case outputs that are too small) left out: senders
+    skip the tokens whose row would land there (``head`` -1) and receivers stop at it, so no kernel writes past a
+    region or an output. Device ops; the guard reports the overflow."""
+    P, nch = plan.P, plan.nch
+    tab = plan.tab.long()
+    send_base, recv_base = tab[:P], tab[P:2 * P]
+    room = (rows - recv_base).clamp(min=0)[:, None]                       # [P(src), 1] rows each source may fill
+    rstart = tab[2 * P:2 * P + P * nch].view(P, nch)
+    rend = tab[2 * P + P * nch:2 * P + 2 * P * nch].view(P, nch)
+    clipped = torch.cat([tab[:2 * P], torch.minimum(rstart, room).reshape(-1), torch.minimum(rend, room).reshape(-1),
+                         tab[2 * P + 2 * P * nch:]]).to(torch.int32)
+    head = plan.head.long()
+    head = torch.where((head >= 0) & (send_base[None, :] + head < rows), head, -1).to(torch.int32)
+    return replace(plan, tab=clipped, head=head)
 
 
 def layout_torch(topk_idx_TK: torch.Tensor, num_experts: int, P: int) -> tuple:
