@@ -142,7 +142,7 @@ def _tune(buf, disp, comb, args):
     """Graph (dispatch, combine) us of ours under each ``--tune`` variant (``LLTune`` fields), in one run."""
     from dataclasses import fields, replace
 
-    from moe_wave.deepep_compat.options import LLTune
+    from moe_wave.deepep_compat.config import LLTune
 
     direct = buf._ll.direct
     keep = direct.tune

@@ -36,7 +36,7 @@ MOE_WAVE_GIT_SHA           the commit named in result files      text (a copy of
 
 ``deep_ep.Buffer`` (``moe_wave.deepep_compat``) is made by serving stacks with no moe-wave CLI in between: its
 constructor asks ``deepep_options`` for the defaults of the keywords it was not given (the variables
-``MOE_WAVE_NORMAL_*`` and ``MOE_WAVE_LL_*``: the table in ``moe_wave.deepep_compat.options``).
+``MOE_WAVE_NORMAL_*`` and ``MOE_WAVE_LL_*``: the table in ``moe_wave.deepep_compat.config``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
-from moe_wave.deepep_compat.options import PARTIALS, PATHS, CompatOptions
+from moe_wave.deepep_compat.config import PARTIALS, PATHS, CompatOptions
 from moe_wave.fp8 import FP8_GEMMS
 
 __all__ = ["EnvSettings", "read_env", "deepep_options", "VARIABLES"]

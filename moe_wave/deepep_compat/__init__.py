@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .buffer import Buffer
 from .config import Config, topk_idx_t
-from .options import CompatOptions
+from .config import CompatOptions
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["Buffer", "CompatOptions", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "install", "shim_path",

@@ -10,7 +10,7 @@ when the Buffer is made (``CompatOptions``: a keyword, else ``moe_wave.env.deepe
 Arguments are checked on the host (``checks``); what only the device can see (expert ids out of range, an
 ``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) is checked on the device
 with no host sync (``guard``): the outputs turn NaN and a later call, on every rank, or ``check()``, raises.
-Stream rules are DeepEP's (``streams``); on CPU every call is synchronous. Internode calls raise
+Stream rules are DeepEP's (``normal.comm_scope``); on CPU every call is synchronous. Internode calls raise
 ``NotImplementedError``.
 """
 
@@ -34,10 +34,9 @@ from .guard import Guard
 from .ll_direct import DirectLowLatency
 from .ll_engine import EngineLowLatency
 from .low_latency import check_overlap_kwargs, rdma_size_hint
-from .normal import IntranodeHandle, Route
+from .normal import IntranodeHandle, Route, comm_scope
 from .normal_direct import DirectNormal
 from .normal_engine import EngineNormal
-from .streams import comm_scope
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["Buffer", "IntranodeHandle"]
@@ -218,7 +217,7 @@ class Buffer:
                                  "are sized per call; use the tensors dispatch returns")
 
     def _scope(self, what: str, previous_event, async_finish: bool, allocate_on_comm_stream: bool, inputs=()):
-        """The call's stream scope (``streams.comm_scope``), after the argument and fault checks."""
+        """The call's stream scope (``normal.comm_scope``), after the argument and fault checks."""
         checks.stream_args(what, previous_event, async_finish, allocate_on_comm_stream)
         self._enter(what)
         return comm_scope(self._comm_stream, self._device, what, previous_event, async_finish, inputs)

@@ -71,7 +71,7 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, triton
 
 from .ll_direct_kernels import combine_kernel, dispatch_kernel
 from .low_latency import LowLatencyHandle, LowLatencyMode, check_shape, outputs
-from .options import LLTune
+from .config import LLTune
 from .utils import EventHandle, EventOverlap
 from .triton_launch import Launcher, spec
 
