@@ -170,6 +170,8 @@ class Buffer:
         """(moe-wave's) Raise a fault the device recorded (an expert id out of range, an ``is_token_in_rank`` that
         contradicts ``topk_idx``, rows due past ``num_worst_tokens``) now, instead of at a later call. HOST SYNC;
         every rank calls it (every rank holds the same fault after the dispatch that found it)."""
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()     # HOST SYNC: the status is written on the communication stream
         self._guard.check("check")
 
     def _enter(self, what: str) -> None:
@@ -235,7 +237,6 @@ class Buffer:
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,)) as s:
             per_rank, per_expert, in_rank = s.out(*self._normal.layout(self._guard.check_ids(topk_idx, num_experts),
                                                                        num_experts))
-        self._guard.snapshot()
         return per_rank, None, per_expert, in_rank, s.event
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
@@ -280,7 +281,6 @@ class Buffer:
             with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x,)) as s:
                 recv_x = s.out(self._normal.cached_dispatch(x, handle))
                 self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)))
-            self._guard.snapshot()
             return recv_x, None, None, None, None, s.event
         route = Route(*checks.route_args(what, self.group_size, T, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
@@ -292,8 +292,8 @@ class Buffer:
             recv_x, recv_idx, recv_w, counts_e, handle = self._normal.dispatch(
                 x, route, config or self.get_dispatch_config(self.group_size))
             self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_w)
+            self._guard.snapshot()      # the only call that changes the status; on the stream that wrote it
             s.out(recv_x, recv_idx, recv_w, *handle)
-        self._guard.snapshot()
         return recv_x, recv_idx, recv_w, counts_e, handle, s.event
 
     def _guarded(self, route: Route) -> Route:
@@ -349,7 +349,6 @@ class Buffer:
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights, *biases)) as s:
             combined, weights = s.out(*self._normal.combine(x, handle, topk_weights, biases))
             self._guard.poison(combined, weights)
-        self._guard.snapshot()
         return combined, weights, s.event
 
     def internode_dispatch(self, *args, **kwargs):

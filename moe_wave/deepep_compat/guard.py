@@ -8,8 +8,10 @@ A check is a few tensor ops on the device. What one rank finds alone (its ids, i
 call; what the gathered counts show (a rank receiving more rows than ``num_worst_tokens``) every rank computes
 itself. The first fault sticks in ``status`` (kind, rank, count, limit); from then on the outputs of every call
 (received rows, combined sums, weights) are NaN, so no plausible wrong result leaves the buffer. ``status`` is
-copied to pinned host memory at the end of each call (non-blocking) and raised at the start of a later call on
-every rank (on a GPU one or two calls later), or at once by ``check()`` (a host sync). Raising clears it.
+copied to pinned host memory at the end of each dispatch (non-blocking, on the stream that wrote it) and raised at
+the start of a later call on every rank (on a GPU one or two calls later), or at once by ``check()`` (a host
+sync). Raising clears it. A fault found by ``get_dispatch_layout`` alone waits in ``pending`` for the next
+dispatch: raising it on one rank before a collective would leave the others waiting.
 """
 
 from __future__ import annotations
