@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_ll.py [--tokens 128 --hidden 7168 --topk 8 --experts 288]
 
-Implementations: moe-wave's direct kernels ("ours"), moe-wave on its exchange engine (``MOE_WAVE_LL_PATH=engine``,
+Implementations: moe-wave's direct kernels ("ours"), moe-wave on its exchange engine (``Buffer(ll="engine")``,
 "ours-engine"), and real DeepEP when ``import deep_ep`` finds it (put its build on PYTHONPATH; moe-wave's shim is
 never taken for it). Each is timed three ways, FP8 dispatch (as DeepEP's test) and bf16 combine:
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -61,17 +60,10 @@ def _buffer(impl, group, N, H, E):
         return deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=E // P,
                               allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True)
     from moe_wave.deepep_compat import Buffer
-    from moe_wave.deepep_compat import ll_direct
 
-    ll_direct._DISPATCH.fast = ll_direct._COMBINE.fast = impl != "ours-jit"
-    os.environ["MOE_WAVE_LL_PATH"] = "engine" if impl == "ours-engine" else "auto"
-    os.environ["MOE_WAVE_LL_PARTIAL"] = "fp32" if impl == "ours-fp32" else "bf16"
-    try:
-        return Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(N, H, P, E), low_latency_mode=True,
-                      explicitly_destroy=True)
-    finally:
-        os.environ.pop("MOE_WAVE_LL_PATH", None)
-        os.environ.pop("MOE_WAVE_LL_PARTIAL", None)
+    return Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(N, H, P, E), low_latency_mode=True,
+                  explicitly_destroy=True, ll="engine" if impl == "ours-engine" else "auto",
+                  ll_partial="fp32" if impl == "ours-fp32" else "bf16", ll_fast_launch=impl != "ours-jit")
 
 
 def _time(fn_a, fn_b, iters):
@@ -116,49 +108,55 @@ def _graph_time(buf, disp, comb, args):
     return graph
 
 
-def _phases(disp, comb, iters):
+def _phases(buf, disp, comb, iters):
     """Where the kernels' time goes: each call alone (a barrier before it, a sync after), the kernels recording the
-    GPU's global timer at their phase boundaries (``ll_direct.TIMES``); median us from the kernel's start, per
+    GPU's global timer at their phase boundaries (``DirectLL.times``); median us from the kernel's start, per
     word (``ll_direct.TIME_WORDS``), this rank. A wait includes the peer's lateness (ranks start apart)."""
-    from moe_wave.deepep_compat import ll_direct as L
+    from moe_wave.deepep_compat.ll_direct import TIME_WORDS
 
-    L.TIMES = torch.zeros(16, dtype=torch.int64, device="cuda")
+    direct = buf._ll.direct
+    times = direct.times = torch.zeros(16, dtype=torch.int64, device="cuda")
     got = {"d": [], "c": []}
     try:
         for i in range(iters + 3):
             for kind, fn in (("d", disp), ("c", comb)):
-                L.TIMES.zero_()
-                L.TIMES[0] = 2 ** 63 - 1
+                times.zero_()
+                times[0] = 2 ** 63 - 1
                 torch.cuda.synchronize()
                 dist.barrier()
                 fn()
                 torch.cuda.synchronize()
                 if i >= 3:
-                    got[kind].append(L.TIMES.tolist())
+                    got[kind].append(times.tolist())
     finally:
-        L.TIMES = None
+        direct.times = None
     out = {}
     for kind, runs in got.items():
-        for w, name in enumerate(L.TIME_WORDS[kind]):
+        for w, name in enumerate(TIME_WORDS[kind]):
             ds = sorted((r[w] - r[0]) / 1e3 for r in runs if r[w] > 0)
             out[f"{'dispatch' if kind == 'd' else 'combine'}: {name}"] = round(ds[len(ds) // 2], 2) if ds else None
     return out
 
 
 def _tune(buf, disp, comb, args):
-    """Graph (dispatch, combine) us of ours under each ``--tune`` variant (``ll_direct.TUNE`` keys), in one run."""
-    from moe_wave.deepep_compat import ll_direct as L
+    """Graph (dispatch, combine) us of ours under each ``--tune`` variant (``LLTune`` fields), in one run."""
+    from dataclasses import fields, replace
 
-    keep = dict(L.TUNE)
+    from moe_wave.deepep_compat.config import LLTune
+
+    direct = buf._ll.direct
+    keep = direct.tune
+    names = sorted(f.name for f in fields(LLTune))
     rows = []
     try:
         for var in args.tune.split(";"):
-            L.TUNE.update(keep)
+            tune = keep
             for kv in filter(None, var.split(",")):
                 k, v = kv.split("=")
-                if k not in L.TUNE:
-                    raise SystemExit(f"--tune {var!r}: {k!r} is not one of {sorted(L.TUNE)}")
-                L.TUNE[k] = int(v)
+                if k not in names:
+                    raise SystemExit(f"--tune {var!r}: {k!r} is not one of {names}")
+                tune = replace(tune, **{k: int(v)})
+            direct.tune = tune
             for _ in range(3):
                 disp(), comb()
             torch.cuda.synchronize()
@@ -166,7 +164,7 @@ def _tune(buf, disp, comb, args):
             rows.append(dict(variant=var or "default", graph_dispatch_us=round(g[0] * 1e3, 1),
                              graph_combine_us=round(g[1] * 1e3, 1)))
     finally:
-        L.TUNE.update(keep)
+        direct.tune = keep
     return rows
 
 
@@ -211,7 +209,7 @@ def bench_impl(impl, ep, args):
     graph = _graph_time(buf, disp, comb, args)
     extra = {}
     if impl == "ours" and args.phases:
-        extra["phases"] = _phases(disp, comb, args.phases)
+        extra["phases"] = _phases(buf, disp, comb, args.phases)
     if impl == "ours" and args.tune:
         extra["tune"] = _tune(buf, disp, comb, args)
     buf.destroy()
@@ -258,7 +256,7 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=0, metavar="N",
                     help="N calls of ours with the kernels' phase timestamps (median us from each kernel's start)")
     ap.add_argument("--tune", default="", help="variants of ours' launch knobs, e.g. 'warps=8;bh=4096,br=8192' "
-                    "(ll_direct.TUNE keys; an empty variant is the default), timed from CUDA graphs")
+                    "(LLTune fields; an empty variant is the default), timed from CUDA graphs")
     args = ap.parse_args()
     ep = init_ep()
     p2p = p2p_limit_GBps(ep)

@@ -2,7 +2,7 @@
 
 ``deep_ep.Buffer`` runs this on gloo ranks (the CPU emulation) and where the direct kernels do not run
 (``moe_wave.deepep_compat.normal_kernels``: one Triton launch per call on CUDA ranks), and with
-``MOE_WAVE_NORMAL_PATH=engine`` for comparisons.
+``Buffer(normal="engine")`` for comparisons.
 
 Legend: T local tokens, K top-k, P ranks, e local experts (E = P*e), H row width (elements), C capacity rows per
 source block, X rows of a compact receive buffer (the received count, or a caller's worst case), M meta slots
@@ -61,9 +61,10 @@ def capacity_for(rows: int) -> int:
 
 
 def routing_counts(topk_idx_TK: torch.Tensor, num_experts: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(is_token_in_rank [T, P] bool, tokens per expert [E] int32) from top-k ids (-1: none), on the device."""
+    """(is_token_in_rank [T, P] bool, tokens per expert [E] int32) from top-k ids (-1, or any id outside [0, E):
+    none), on the device."""
     ids = topk_idx_TK.long()
-    valid = ids >= 0
+    valid = (ids >= 0) & (ids < num_experts)
     e = num_experts // P
     dump_E = torch.where(valid, ids, num_experts).reshape(-1)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)

@@ -42,9 +42,8 @@ SIGNALS = ("barrier", "flags", "memops")
 KERNELS = ("auto", "triton", "torch")
 # the expected fraction of a dense block's rows that carry a pair, from which "auto" takes dense blocks
 DENSE_FILL = 0.8
-# mode "auto": copy mode with dense blocks from this capacity, kernel mode below. On 2 x H200 kernel mode has
-# the lower latency alone up to 2048 tokens, and dense copy mode hides better beside a GEMM from 512 tokens on
-# and is as fast alone from 4096 (benchmarks/results/README.md).
+# mode "auto": copy mode with dense blocks from this capacity, kernel mode below: kernel mode has the lower latency
+# alone at small token counts, dense copy mode hides better beside a GEMM (benchmarks/results/comm.md).
 AUTO_COPY_MIN_TOKENS = 1024
 _WARPS = (0, 1, 2, 4, 8, 16, 32)
 

@@ -39,7 +39,7 @@ from moe_wave.comm.layout import WavePlan
 
 from .probe import probe_times
 
-__all__ = ["AutoChoice", "CostModel", "calibrate", "choose_waves", "resolve", "shape_key", "cache_path",
+__all__ = ["AutoChoice", "WaveTimeModel", "calibrate", "choose_waves", "resolve", "shape_key", "cache_path",
            "clear_memory_cache"]
 
 _MEMORY: dict[str, dict] = {}
@@ -47,7 +47,7 @@ TIE_TOL = 0.02  # prefer the smaller W when its predicted time is within 2% of t
 
 
 @dataclass(frozen=True)
-class CostModel:
+class WaveTimeModel:
     """The fitted model; see the module docstring. All fields in microseconds, all >= 0."""
 
     fixed_us: float
@@ -73,10 +73,10 @@ class CostModel:
 
     @classmethod
     def fit(cls, W: int, fixed_us: float, comm1_us: float, commW_us: float, comp1_us: float,
-            compW_us: float) -> "CostModel":
+            compW_us: float) -> "WaveTimeModel":
         """From comm-only and compute-only times at W=1 and W (> 1); comm-only includes ``fixed_us``."""
         if W < 2:
-            raise ValueError(f"CostModel.fit: W={W}: needs a second wave count >= 2")
+            raise ValueError(f"WaveTimeModel.fit: W={W}: needs a second wave count >= 2")
         a = max(0.0, (commW_us - comm1_us) / (2 * (W - 1)))
         X = max(0.0, (comm1_us - fixed_us) / 2 - a)
         o = max(0.0, (compW_us - comp1_us) / (W - 1))
@@ -93,7 +93,7 @@ def candidates(max_waves: int) -> list[int]:
     return out + [max_waves]
 
 
-def choose_waves(model: CostModel, max_waves: int = 8) -> int:
+def choose_waves(model: WaveTimeModel, max_waves: int = 8) -> int:
     """The W in ``candidates(max_waves)`` with the lowest predicted time (ties go to the smaller W)."""
     preds = {W: model.predict(W) for W in candidates(max_waves)}
     best = min(preds.values())
@@ -196,16 +196,16 @@ def _plan(moe, W: int) -> WavePlan:
 
 
 @torch.no_grad()
-def calibrate(moe, x_TD, ids_TK, w_TK, iters: int = 5, warmup: int = 1) -> tuple[CostModel, int]:
+def calibrate(moe, x_TD, ids_TK, w_TK, iters: int = 5, warmup: int = 1) -> tuple[WaveTimeModel, int]:
     """Fit the cost model on this batch (every rank together). Returns (model, max_waves)."""
     max_waves = max_waves_of(moe)
     Wc = min(4, max_waves)
     t = probe_times(moe.backend, moe.routed_rows, x_TD, ids_TK, w_TK, [_plan(moe, W) for W in dict.fromkeys((1, Wc))],
                     ep=moe.ep, iters=iters, warmup=warmup)
     if Wc == 1:
-        return CostModel(fixed_us=t.fixed_us, comm_us=max(0.0, (t.comm_us[1] - t.fixed_us) / 2), comm_op_us=0.0,
+        return WaveTimeModel(fixed_us=t.fixed_us, comm_us=max(0.0, (t.comm_us[1] - t.fixed_us) / 2), comm_op_us=0.0,
                          compute_us=t.compute_us[1], compute_wave_us=0.0), 1
-    return CostModel.fit(Wc, t.fixed_us, t.comm_us[1], t.comm_us[Wc], t.compute_us[1], t.compute_us[Wc]), max_waves
+    return WaveTimeModel.fit(Wc, t.fixed_us, t.comm_us[1], t.comm_us[Wc], t.compute_us[1], t.compute_us[Wc]), max_waves
 
 
 @dataclass(frozen=True)
@@ -215,12 +215,12 @@ class AutoChoice:
     Attributes:
         plan: the wave plan to run.
         source: "memory", "file" (a cache hit), "measured" (calibrated now) or "empty" (no tokens anywhere).
-        model: the fitted CostModel when measured, else None.
+        model: the fitted WaveTimeModel when measured, else None.
     """
 
     plan: WavePlan
     source: str
-    model: CostModel | None = None
+    model: WaveTimeModel | None = None
 
 
 def resolve(moe, x_TD, ids_TK, w_TK) -> AutoChoice:

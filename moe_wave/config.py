@@ -96,7 +96,7 @@ PRESETS = {
     "v4-pro": MoEConfig(hidden_size=7168, intermediate_size=3072, num_experts=384, top_k=6,
                         routed_scaling_factor=2.5),
     # Thin experts and a wide hidden size: per routed row 2*3*D*I FLOPs against 2*D bytes each way,
-    # which puts expert time close to all-to-all time on 2 x H200 (see benchmarks/).
+    # which puts expert time close to all-to-all time over NVLink (benchmarks/results/moe.md).
     "balanced": MoEConfig(hidden_size=7168, intermediate_size=512, num_experts=64, top_k=6),
     # 128-channel multiples: the FP8 format quantises activations per 128 channels (--precision fp8 on CPU)
     "tiny": MoEConfig(hidden_size=128, intermediate_size=128, num_experts=8, top_k=2),
@@ -130,11 +130,9 @@ class WaveConfig:
         grouped_mm: "auto" (torch._grouped_mm on CUDA bf16, a loop elsewhere), "on" or "off".
         expert_streams: how many streams the pipelined schedule's expert stages take turns on (2, the default: every
             other wave on a second stream, so that one wave's kernels and the head of its grouped GEMM start in the
-            tail of the last one's; 1: the caller's stream only). The result is the same bit for bit. On one H200
-            (V4-Flash, 128 local experts, W=4, measured capacity) 2 streams took the routed experts from 1.135 /
-            1.099 / 1.041 x W=1's time to 1.025 / 1.040 / 1.009 x at 128 / 2048 / 8192 tokens
-            (benchmarks/results/experts.md); on 2 x H200 in session 8, with the older
-            expert stage, the pipeline changed within noise (benchmarks/results/moe.md).
+            tail of the last one's; 1: the caller's stream only). The result is the same bit for bit. Two streams
+            bring the routed experts of W waves close to one wave's time (benchmarks/results/experts.md; the
+            layer's timings: benchmarks/results/moe.md).
         symm: the symm backend's options (``moe_wave.comm.options.SymmOptions``: capacity, data mode, dense
             blocks, signal, timeouts, kernel tuning).
         autowave_cache: num_waves="auto": where the calibrated choices persist, a ``.json`` file or a folder

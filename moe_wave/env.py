@@ -36,6 +36,10 @@ MOE_WAVE_NVTX              profiling.set_nvtx                    1 | 0
 MOE_WAVE_NCCL_HIGH_PRIORITY init_from_env(high_priority=)        1 | 0
 MOE_WAVE_GIT_SHA           the commit named in result files      text (a copy of the tree without .git)
 ========================== ===================================== ==========================================
+
+``deep_ep.Buffer`` (``moe_wave.deepep_compat``) is made by serving stacks with no moe-wave CLI in between: its
+constructor asks ``deepep_options`` for the defaults of the keywords it was not given (the variables
+``MOE_WAVE_NORMAL_*`` and ``MOE_WAVE_LL_*``: the table in ``moe_wave.deepep_compat.config``).
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
+from moe_wave.deepep_compat.config import PARTIALS, PATHS, CompatOptions
 from moe_wave.fp8 import FP8_GEMMS, PRECISIONS
 
-__all__ = ["EnvSettings", "read_env", "VARIABLES"]
+__all__ = ["EnvSettings", "read_env", "deepep_options", "VARIABLES"]
 
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
@@ -131,7 +136,17 @@ _OTHER = {
     "MOE_WAVE_NCCL_HIGH_PRIORITY": ("nccl_high_priority", _flag),
     "MOE_WAVE_GIT_SHA": ("git_sha", lambda k, v: v.strip() or None),
 }
-VARIABLES = tuple(_SYMM) + tuple(_OTHER)
+# deep_ep.Buffer's defaults (``deepep_options``): variable -> (CompatOptions field, parser)
+_DEEPEP = {
+    "MOE_WAVE_NORMAL_PATH": ("normal", lambda k, v: _choice(k, v, PATHS)),
+    "MOE_WAVE_NORMAL_CHANNELS": ("normal_channels", lambda k, v: _int(k, v, 1)),
+    "MOE_WAVE_NORMAL_ROWS": ("normal_rows", lambda k, v: _int(k, v, 1)),
+    "MOE_WAVE_LL_PATH": ("ll", lambda k, v: _choice(k, v, PATHS)),
+    "MOE_WAVE_LL_PARTIAL": ("ll_partial", lambda k, v: _choice(k, v, PARTIALS)),
+    "MOE_WAVE_NORMAL_FAST_LAUNCH": ("normal_fast_launch", _flag),
+    "MOE_WAVE_LL_FAST_LAUNCH": ("ll_fast_launch", _flag),
+}
+VARIABLES = tuple(_SYMM) + tuple(_OTHER) + tuple(_DEEPEP)
 _RETIRED = {"MOE_WAVE_SYMM_FLAGS": "use MOE_WAVE_SYMM_SIGNAL=flags",
             "MOE_WAVE_ATTN_FP8": "use MOE_WAVE_PRECISION=fp8 (FP8 attention projections and FP8 experts)"}
 
@@ -207,3 +222,24 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         set_vars = ", ".join(f"{k}={env[k]}" for k in _SYMM if k in env)
         raise ValueError(f"the environment's symm options ({set_vars}): {e}") from None
     return EnvSettings(symm=symm, copy=copy, **other)
+
+
+def deepep_options(env: Mapping[str, str] | None = None, **given) -> CompatOptions:
+    """``deep_ep.Buffer``'s ``CompatOptions`` under the rule keyword > environment > default: ``given`` holds the
+    keywords the caller passed (None: not given); ``env`` defaults to ``os.environ`` and only the ``_DEEPEP``
+    variables are read. ValueError naming the keyword or the variable, its value and the rule."""
+    env = os.environ if env is None else env
+    fields = {}
+    for var, (name, parse) in _DEEPEP.items():
+        if var in env:
+            fields[name] = parse(var, env[var])
+    from_env = dict(fields)
+    fields.update({k: v for k, v in given.items() if v is not None})
+    try:
+        return CompatOptions(**fields)
+    except ValueError as e:
+        wrong = str(e).split("=", 1)[0].rsplit(".", 1)[-1]
+        var = next((v for v, (n, _) in _DEEPEP.items() if n == wrong), None)
+        if var is not None and wrong in from_env and given.get(wrong) is None:
+            raise ValueError(f"{var}={env[var]!r}: {str(e).split(': ', 1)[-1]}") from None
+        raise ValueError(f"Buffer({wrong}=...): {e}") from None

@@ -12,17 +12,15 @@ W waves, R received rows, C shared down_proj chunks.
 from __future__ import annotations
 
 import copy
-import socket
-import weakref
 
 import torch
 import torch.nn as nn
 
 from moe_wave.comm import EPGroup
 from moe_wave.comm import streams as st
+from moe_wave.comm.factory import shared_backend, shared_streams
 from moe_wave.comm.header import CallHeader, HeaderMismatch
 from moe_wave.comm.layout import WavePlan, compute_layout
-from moe_wave.comm.torch_backend import TorchBackend
 
 from . import autowave
 from .config import MoEConfig, WaveConfig, require_hf
@@ -32,11 +30,8 @@ from .graphs import BucketGraphs, graph_capable
 from .pipeline import run_waves
 from .profiling import annotate
 
-__all__ = ["WaveMoE", "make_backend", "resolve_backend", "shared_backend"]
+__all__ = ["WaveMoE"]
 
-# (group, rank, backend name, options) -> the backend every WaveMoE of this process shares (see ``shared_backend``)
-_SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-_ONE_HOST: dict = {}      # id(process group) -> whether its ranks share one host (asked once per group)
 _BUILT: dict = {}         # id(process group) -> WaveMoE schedules made over it (the ranks make them together)
 
 
@@ -48,66 +43,9 @@ def _number(ep: EPGroup) -> int:
     return _BUILT[key]
 
 
-def _one_host(ep: EPGroup) -> bool:
-    """Whether every rank of ``ep`` runs on this host (collective the first time for a group)."""
-    if ep.size == 1:
-        return True
-    key = id(ep.pg)
-    if key not in _ONE_HOST:
-        _ONE_HOST[key] = len(set(ep.gather_objects(socket.gethostname()))) == 1
-    return _ONE_HOST[key]
-
-
-def resolve_backend(name: str, ep: EPGroup, sends: str = "wave") -> str:
-    """``WaveConfig.backend`` as run: "auto" is "symm" on a CUDA group whose ranks share one host (no host sync,
-    CUDA-graph capturable), "torch" elsewhere (CPU and gloo, ROCm, groups across hosts); with ``sends="once"``
-    always "symm" (the backend that implements it; emulated over gloo off the GPU). Collective for "auto"
-    the first time a group is seen (every rank of ``ep`` calls it together, as WaveMoE's constructor does)."""
-    if name != "auto":
-        return name
-    if sends == "once" or (ep.device.type == "cuda" and torch.version.cuda is not None and _one_host(ep)):
-        return "symm"
-    return "torch"
-
-
-def shared_backend(name: str, ep: EPGroup, cfg: MoEConfig, wave: WaveConfig):
-    """The backend for (``ep``, ``name``, options) that every WaveMoE of this process shares: one set of
-    symmetric buffers for a whole stack (layers run one after another, and the backend orders each call's
-    writes behind the previous call's reads). It lives while some WaveMoE holds it."""
-    name = resolve_backend(name, ep, wave.sends)
-    key = (id(ep.pg) if ep.pg is not None else str(ep.device), ep.rank, name,
-           wave.symm if name == "symm" else None, cfg.hidden_size if name == "deepep" else None)
-    backend = _SHARED.get(key)
-    if backend is None:
-        streams = _shared_streams(ep.device)
-        backend = make_backend(name, ep, streams, cfg, wave)
-        _SHARED[key] = backend
-    return backend
-
-
-_STREAMS: dict = {}
-
-
-def _shared_streams(device) -> st.Streams:
-    """One set of side streams per device for every WaveMoE of the process (layers run one after another)."""
-    key = str(device)
-    if key not in _STREAMS:
-        _STREAMS[key] = st.Streams.for_device(device, num_extra=3)   # up to 4 expert streams (WaveConfig)
-    return _STREAMS[key]
-
-
-def make_backend(name: str, ep: EPGroup, streams: st.Streams, cfg: MoEConfig, wave: WaveConfig):
-    """Instantiate a new comm backend by name (``auto``, ``torch``, ``symm``, ``deepep``)."""
-    name = resolve_backend(name, ep, wave.sends)
-    if name == "torch":
-        return TorchBackend(ep, comm_stream=streams.comm)
-    if name == "symm":
-        from moe_wave.comm.symm import SymmBackend
-        return SymmBackend(ep, wave.symm, comm_stream=streams.comm)
-    if name == "deepep":
-        from moe_wave.comm.deepep import DeepEPBackend
-        return DeepEPBackend(ep, hidden_size=cfg.hidden_size, comm_stream=streams.comm)
-    raise ValueError(f"backend={name!r}: must be one of ('auto', 'torch', 'symm', 'deepep')")
+def _backend_for(ep: EPGroup, cfg: MoEConfig, wave: WaveConfig):
+    """The shared comm backend of ``wave``'s choice (``moe_wave.comm.factory.shared_backend``)."""
+    return shared_backend(wave.backend, ep, symm=wave.symm, hidden_size=cfg.hidden_size, sends=wave.sends)
 
 
 def _check_agree(ep: EPGroup, cfg: MoEConfig, wave: WaveConfig, dtype: torch.dtype) -> None:
@@ -203,8 +141,8 @@ class WaveMoE(nn.Module):
         self.gate = V4Router(cfg, device=device, dtype=dtype)
         self.experts = RoutedExperts(cfg, self.num_local, wave.grouped_mm, device=device, dtype=dtype)
         self.shared = SharedExpert(cfg, device=device, dtype=dtype) if cfg.num_shared_experts else None
-        self.streams = _shared_streams(device)
-        self._schedule(wave, shared_backend(wave.backend, ep, cfg, wave))
+        self.streams = shared_streams(device)
+        self._schedule(wave, _backend_for(ep, cfg, wave))
 
     def _schedule(self, wave: WaveConfig, backend) -> None:
         """Take ``wave`` as the schedule, over ``backend``."""
@@ -216,7 +154,7 @@ class WaveMoE(nn.Module):
         # num_waves="auto": the plan above is a placeholder until the first forward resolves it
         self._auto_pending = wave.num_waves == "auto" and wave.experts_per_wave is None
         self.auto_source: str | None = None
-        self.auto_model: autowave.CostModel | None = None
+        self.auto_model: autowave.WaveTimeModel | None = None
         self.graphs: BucketGraphs | None = None     # capture_graphs() fills it
 
     def rescheduled(self, wave: WaveConfig) -> "WaveMoE":
@@ -229,7 +167,7 @@ class WaveMoE(nn.Module):
                              f"{self.wave.grouped_mm!r}; build a new WaveMoE to change it")
         _check_agree(self.ep, self.cfg, wave, self.gate.weight.dtype)
         m = copy.copy(self)
-        m._schedule(wave, shared_backend(wave.backend, self.ep, self.cfg, wave))
+        m._schedule(wave, _backend_for(self.ep, self.cfg, wave))
         return m
 
     # ------------------------------------------------------------------ loading

@@ -12,7 +12,7 @@ dispatch(w+1) is always issued before combine(w), so the next wave's tokens trav
 wave computes, and the finished wave's results travel while the next one computes. With
 ``expert_streams`` the expert stages take turns on the current stream and those (wave w on stream w mod n):
 experts(w+1) depends only on dispatch(w+1), so its small kernels and the head of its grouped GEMM may fill
-the tail of experts(w) instead of waiting behind it (at EP2 on H200 it measured no gain). The combines keep
+the tail of experts(w) instead of waiting behind it (its timings: benchmarks/results/moe.md). The combines keep
 their order on the comm stream, so the sums are the same bit for bit. With
 ``overlap=False`` the very same operations run strictly one after another: the ``serial``
 baseline of every benchmark. Compute stages never communicate.

@@ -27,7 +27,7 @@ import torch.distributed as dist
 __all__ = ["Clock", "align", "l2_flush_buffer", "iteration_us", "sample_us", "median_us", "paired_us", "slowest",
            "as_graph", "L2_FLUSH_BYTES"]
 
-L2_FLUSH_BYTES = 256 << 20   # larger than any GPU's L2 today (H200: 60 MB)
+L2_FLUSH_BYTES = 256 << 20   # larger than the L2 of the GPUs moe-wave runs on (H200: 60 MB)
 
 
 def _device(ep, device) -> torch.device:

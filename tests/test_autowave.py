@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moe_wave import autowave
-from moe_wave.autowave import CostModel, candidates, choose_waves
+from moe_wave.autowave import WaveTimeModel, candidates, choose_waves
 
 
 def _model(comm, compute, comm_op=0.0, wave=0.0, fixed=0.0):
-    return CostModel(fixed_us=fixed, comm_us=comm, comm_op_us=comm_op, compute_us=compute, compute_wave_us=wave)
+    return WaveTimeModel(fixed_us=fixed, comm_us=comm, comm_op_us=comm_op, compute_us=compute, compute_wave_us=wave)
 
 
 def test_candidates():
@@ -50,11 +50,11 @@ def test_fit_recovers_parameters():
     commW = truth.fixed_us + 2 * (W * truth.comm_op_us + truth.comm_us)
     comp1 = truth.compute_wave_us + truth.compute_us
     compW = W * truth.compute_wave_us + truth.compute_us
-    fit = CostModel.fit(W, truth.fixed_us, comm1, commW, comp1, compW)
+    fit = WaveTimeModel.fit(W, truth.fixed_us, comm1, commW, comp1, compW)
     for f in ("fixed_us", "comm_us", "comm_op_us", "compute_us", "compute_wave_us"):
         assert getattr(fit, f) == pytest.approx(getattr(truth, f))
     with pytest.raises(ValueError, match="W=1"):
-        CostModel.fit(1, 0, 1, 1, 1, 1)
+        WaveTimeModel.fit(1, 0, 1, 1, 1, 1)
 
 
 def test_cache_path():

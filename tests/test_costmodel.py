@@ -1,4 +1,4 @@
-"""The cost model (moe_wave.costmodel) and ``python -m moe_wave plan``: the fit recovers known parameters from
+"""The cost model (moe_wave.tools.costmodel) and ``python -m moe_wave plan``: the fit recovers known parameters from
 synthetic points, says which ones the points cannot fix, projects monotonically and to the right limits, and
 the CLI refuses bad flags with one line."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from moe_wave.cli import main
 from moe_wave.config import MoEConfig
-from moe_wave.costmodel import (CommSample, CostModel, LinearFit, MoESample, Topology, fit, fit_linear, held_out,
-                                leave_one_out, rows_per_token, schedule_us, summarize, traffic_MB)
+from moe_wave.tools.costmodel import (CommSample, LayerCostModel, LinearFit, MoESample, Topology, fit, fit_linear,
+                                      held_out, leave_one_out, rows_per_token, schedule_us, summarize, traffic_MB)
 from moe_wave.tools.plan import default_data, load_points
 
 FLASH, PRO = MoEConfig.preset("v4-flash"), MoEConfig.preset("v4-pro")
@@ -89,16 +89,17 @@ def test_fit_linear_keeps_the_prior_where_the_points_cannot_tell_and_clamps_nega
         fit_linear(("a",), [[1.0]], [0.0], prior=(1,))
 
 
-TRUE = CostModel(dispatch=LinearFit(("us_per_MB", "latency_us", "per_peer_us"), (2.8, 12.0, 1.5), ("fitted",) * 3, 0),
-                 combine=LinearFit(("us_per_MB", "latency_us", "per_peer_us"), (3.8, 11.0, 2.0), ("fitted",) * 3, 0),
-                 prepare=LinearFit(("latency_us", "per_peer_us"), (30.0, 3.0), ("fitted",) * 2, 0),
-                 compute=LinearFit(("us_per_TFLOP", "us_per_GB", "per_wave_us", "fixed_us"),
-                                   (1400.0, 300.0, 60.0, 25.0), ("fitted",) * 4, 0),
-                 layer_comm=LinearFit(("scale", "extra_us", "per_wave_us"), (1.4, 50.0, 20.0), ("fitted",) * 3, 0),
-                 unhidden=0.4, unhidden_status="fitted")
+TRUE = LayerCostModel(
+    dispatch=LinearFit(("us_per_MB", "latency_us", "per_peer_us"), (2.8, 12.0, 1.5), ("fitted",) * 3, 0),
+    combine=LinearFit(("us_per_MB", "latency_us", "per_peer_us"), (3.8, 11.0, 2.0), ("fitted",) * 3, 0),
+    prepare=LinearFit(("latency_us", "per_peer_us"), (30.0, 3.0), ("fitted",) * 2, 0),
+    compute=LinearFit(("us_per_TFLOP", "us_per_GB", "per_wave_us", "fixed_us"),
+                      (1400.0, 300.0, 60.0, 25.0), ("fitted",) * 4, 0),
+    layer_comm=LinearFit(("scale", "extra_us", "per_wave_us"), (1.4, 50.0, 20.0), ("fitted",) * 3, 0),
+    unhidden=0.4, unhidden_status="fitted")
 
 
-def _synthetic(model: CostModel, ranks=(2, 4, 8), noise=0.0, seed=0):
+def _synthetic(model: LayerCostModel, ranks=(2, 4, 8), noise=0.0, seed=0):
     """Points that ``model`` would measure (one host), with relative noise."""
     rnd = random.Random(seed)
     jitter = lambda v: v * (1 + rnd.gauss(0, noise))  # noqa: E731

@@ -80,7 +80,9 @@ def _normal_contract(ep: EPGroup, T_list, kernels: str, normal: str | None = Non
     buf = Buffer(ep.pg, int(1e8), 0, low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True,
                  allow_mnnvl=False, use_fabric=False, options=SymmOptions(kernels=kernels), device="cpu",
                  normal=normal, normal_channels=3, normal_rows=4)
-    assert (buf._direct is not None) == (normal == "direct")
+    from moe_wave.deepep_compat.normal_direct import DirectNormal
+
+    assert isinstance(buf._normal, DirectNormal) == (normal == "direct")
     res = {}
     # layout
     n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(ids, E)
@@ -309,6 +311,23 @@ def _errors_and_lifetime(ep: EPGroup) -> int:
 
 def test_errors_and_lifetime(ranks):
     assert ranks(2).run(_errors_and_lifetime) == [32, 32]
+
+
+def test_options_keyword_over_environment_over_default():
+    """``Buffer``'s implementation choices: a keyword wins over its variable, which wins over the default; a bad
+    value names the keyword or the variable, the value and the rule (read by moe_wave.env, the one reader)."""
+    from moe_wave.deepep_compat import CompatOptions
+    from moe_wave.env import deepep_options
+
+    assert deepep_options({}) == CompatOptions()
+    env = {"MOE_WAVE_NORMAL_PATH": "engine", "MOE_WAVE_LL_PARTIAL": "fp32", "MOE_WAVE_LL_FAST_LAUNCH": "0"}
+    got = deepep_options(env, normal="direct", normal_rows=16)
+    assert (got.normal, got.normal_rows, got.ll_partial, got.ll_fast_launch) == ("direct", 16, "fp32", False)
+    for env, kw, words in [({"MOE_WAVE_NORMAL_ROWS": "3"}, {}, ("MOE_WAVE_NORMAL_ROWS='3'", "power of two")),
+                           ({"MOE_WAVE_LL_PATH": "fast"}, {}, ("MOE_WAVE_LL_PATH='fast'", "auto")),
+                           ({}, {"normal": "fast"}, ("normal", "'fast'", "auto")),
+                           ({}, {"normal_channels": 65}, ("normal_channels", "65", "[1, 64]"))]:
+        _raises(lambda: deepep_options(env, **kw), ValueError, *words)
 
 
 def test_switch_and_shim(tmp_path, monkeypatch):

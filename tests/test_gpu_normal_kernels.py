@@ -53,7 +53,9 @@ def _compare(ep: EPGroup, T_list, H: int, E: int, K: int, seeds=(1, 2), cached_c
     from moe_wave.deepep_compat import Buffer
 
     bufs = {p: Buffer(ep.pg, int(1e8), 0, explicitly_destroy=True, normal=p) for p in ("direct", "engine")}
-    assert bufs["direct"]._direct is not None and bufs["engine"]._direct is None
+    from moe_wave.deepep_compat.normal_direct import DirectNormal
+
+    assert isinstance(bufs["direct"]._normal, DirectNormal) and not isinstance(bufs["engine"]._normal, DirectNormal)
     T = T_list[ep.rank]
     for seed in seeds:
         x, ids, w = _route(seed, ep.rank, T, H, E, K)
@@ -89,7 +91,7 @@ def _compare(ep: EPGroup, T_list, H: int, E: int, K: int, seeds=(1, 2), cached_c
                     if topk:
                         assert torch.allclose(d[7][1], e[7][1], atol=1e-6), f"{tag}: combined weights"
     torch.cuda.synchronize()
-    bufs["direct"]._direct.check("test")
+    bufs["direct"]._normal.state.check("test")
     print(f"rank {ep.rank}: programs per phase {Buffer.last_sms()}")
     for buf in bufs.values():
         buf.destroy()
@@ -125,7 +127,7 @@ def _many_calls(ep: EPGroup) -> None:
         ref = (xi.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16)
         assert torch.allclose(combined.float(), ref.float(), rtol=1e-2, atol=1e-1), f"rank {ep.rank} call {i}"
     torch.cuda.synchronize()
-    buf._direct.check("test")
+    buf._normal.state.check("test")
 
 
 def test_many_cached_calls():

@@ -1,5 +1,6 @@
-"""The import graph of moe_wave and comm (read with ast, nothing imported): no cycles, the library never
-imports a tool, comm never imports the model side, and no library module reads MOE_WAVE_* variables.
+"""The import graph of moe_wave and comm (read with ast, nothing imported): no cycles (the ``deep_ep`` shim
+included), the library never imports a tool, comm never imports the model side, no library module but
+moe_wave.env reads MOE_WAVE_* variables, and the environment is read in three named modules only.
 
 Every import counts, a function-level (lazy) one too: a lazy import hides a cycle from Python, not from
 a reader. ``import a.b.c`` and ``from a.b import c`` are edges to the deepest module named; the implicit
@@ -15,23 +16,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # entry points and tools: they may import anything of the library, the library none of them
 TOOLS = re.compile(r"^moe_wave\.(tools(\..*)?|cli|__main__)$")
-# the only modules under moe_wave/ and comm/ that may read MOE_WAVE_* variables
-# moe_wave.env, and the DeepEP front door, which serving stacks import with no moe-wave CLI in between (its path
-# switches MOE_WAVE_{NORMAL,LL}_PATH and tunables are read where a Buffer is made)
-ENV_READERS = {"moe_wave.env", "moe_wave.deepep_compat.buffer", "moe_wave.deepep_compat.low_latency",
-               "moe_wave.deepep_compat.ll_direct", "moe_wave.deepep_compat.normal_kernels",
-               "moe_wave.deepep_compat.triton_launch"}
+# the only module under moe_wave/ and comm/ that may read MOE_WAVE_* variables (the DeepEP front door, which
+# serving stacks import with no moe-wave CLI in between, asks it for its defaults: env.deepep_options)
+ENV_READERS = {"moe_wave.env"}
+# the library modules that may read the environment at all: moe_wave.env (MOE_WAVE_*), the launcher's variables
+# (RANK, MASTER_ADDR, ...: comm.bootstrap) and Triton's own TRITON_INTERPRET (comm.triton_gate)
+ENVIRON_READERS = {"moe_wave.env", "moe_wave.comm.bootstrap", "moe_wave.comm.triton_gate"}
+SHIM = ROOT / "moe_wave" / "deepep_compat" / "shim"
 
 
 def _modules() -> dict[str, Path]:
-    """Module name -> file, comm/ mounted as moe_wave.comm (moe_wave/comm is a link to it)."""
+    """Module name -> file, comm/ mounted as moe_wave.comm (moe_wave/comm is a link to it), the shim's files as
+    the ``deep_ep`` package they are imported as."""
     mods = {}
-    for base, prefix in ((ROOT / "moe_wave", "moe_wave"), (ROOT / "comm", "moe_wave.comm")):
+    for base, prefix in ((ROOT / "moe_wave", "moe_wave"), (ROOT / "comm", "moe_wave.comm"), (SHIM, "")):
         for f in sorted(base.rglob("*.py")):
             rel = f.relative_to(base)
-            if prefix == "moe_wave" and rel.parts[0] == "comm":
+            if prefix == "moe_wave" and (rel.parts[0] == "comm" or f.is_relative_to(SHIM)):
                 continue
-            parts = [prefix, *rel.with_suffix("").parts]
+            parts = [prefix, *rel.with_suffix("").parts] if prefix else list(rel.with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             mods[".".join(parts)] = f
@@ -111,6 +114,17 @@ def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
 
+def test_the_shim_imports_the_package_never_the_reverse():
+    """``deep_ep`` (the shim) imports moe_wave.deepep_compat; nothing of moe_wave.deepep_compat imports ``deep_ep``
+    back (a function-level ``import deep_ep`` in ``install()`` made the house's only import circle). The
+    ``deepep`` comm backend imports a real DeepEP by that name; the graph counts it too (no cycle through it)."""
+    g = import_graph()
+    assert "deep_ep" in g and "moe_wave.deepep_compat" in g["deep_ep"]
+    back = {m: sorted(d for d in deps if d.split(".")[0] == "deep_ep") for m, deps in g.items()
+            if m.startswith("moe_wave.deepep_compat")}
+    assert {m: d for m, d in back.items() if d} == {}
+
+
 def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -121,7 +135,8 @@ def test_library_never_imports_a_tool():
 
 
 def test_comm_never_imports_the_model_side():
-    bad = {m: sorted(d for d in deps if not d.startswith("moe_wave.comm"))
+    # ``import deep_ep`` in the deepep backend means a real DeepEP (the graph names the shim by that name)
+    bad = {m: sorted(d for d in deps if not d.startswith("moe_wave.comm") and d.split(".")[0] != "deep_ep")
            for m, deps in import_graph().items() if m.startswith("moe_wave.comm")}
     assert {m: d for m, d in bad.items() if d} == {}
 
@@ -130,4 +145,12 @@ def test_library_reads_no_moe_wave_variables():
     """The environment is read in one place (moe_wave.env, called by the CLI and the launch scripts)."""
     reads = re.compile(r"(os\.environ|os\.getenv|environ\.get)[^\n]*MOE_WAVE_|MOE_WAVE_\w+\"?\s*in\s+os\.environ")
     bad = [m for m, p in _modules().items() if m not in ENV_READERS and reads.search(p.read_text())]
+    assert bad == []
+
+
+def test_library_reads_the_environment_in_three_modules():
+    """No library module but ``ENVIRON_READERS`` touches ``os.environ`` (the tools and the CLI may)."""
+    reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
+    bad = [m for m, p in _modules().items()
+           if not TOOLS.match(m) and m not in ENVIRON_READERS and reads.search(p.read_text())]
     assert bad == []

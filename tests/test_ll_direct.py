@@ -254,7 +254,7 @@ def test_relaunch_keys_tell_regions_apart(monkeypatch):
 
     keys = []
 
-    def record(grid, args, consts, opts, key=None):
+    def record(grid, args, consts, opts, key=None, fast=True):
         keys.append((key, consts["P"]))
 
     monkeypatch.setattr(L, "_DISPATCH", record)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_wave.comm.triton_gate import interpreting, triton
+from moe_wave.deepep_compat import normal_kernels as nk
 
 # On a GPU the emulated ranks' regions are device memory and the kernels run for real (one GPU is enough: the phases
 # run rank after rank); on CPU under Triton's interpreter. Tests build inputs and references on the CPU.
@@ -19,7 +20,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and not interpreting()),
                                 reason="needs triton: a GPU, or TRITON_INTERPRET=1 on CPU (set by conftest)")
 
-nk = pytest.importorskip("moe_wave.deepep_compat.normal_kernels")
 
 
 class World:

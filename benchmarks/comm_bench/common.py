@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_wave import MoEConfig, WaveConfig
+from moe_wave import MoEConfig
 from moe_wave.comm import EPGroup
 from moe_wave.comm import streams as st
 from moe_wave.comm.deepep import MAX_LOCAL_EXPERTS
+from moe_wave.comm.factory import make_backend
 from moe_wave.comm.layout import WavePlan, compute_layout
 from moe_wave.comm.options import SymmOptions
-from moe_wave.moe import make_backend
 from moe_wave.timing import median_us, paired_us
 
 __all__ = ["LAYOUTS", "MB", "SECTIONS", "DEFAULT_SECTIONS", "Settings", "Run", "beside", "beside_gemm", "token_case",
@@ -189,8 +189,8 @@ def token_cases(ep: EPGroup, layouts, tokens, seed: int):
 
 def backend(ep: EPGroup, name: str, cfg: MoEConfig, symm: SymmOptions | None = None):
     """A fresh backend ``name`` on its own streams (``symm``: these options, default capacity)."""
-    wave = WaveConfig(backend=name, symm=symm or SymmOptions())
-    return make_backend(name, ep, st.Streams.for_device(ep.device), cfg, wave)
+    return make_backend(name, ep, st.Streams.for_device(ep.device).comm, symm=symm or SymmOptions(),
+                        hidden_size=cfg.hidden_size)
 
 
 def deepep_skip(num_experts: int, ep: EPGroup) -> str | None:

@@ -13,15 +13,18 @@ and the path switch is an explicit choice on the command line (``deep-ep-path`` 
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import sys
 from pathlib import Path
 
 from .buffer import Buffer
 from .config import Config, topk_idx_t
+from .config import CompatOptions
 from .utils import EventHandle, EventOverlap
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "install", "shim_path", "real_deep_ep"]
+__all__ = ["Buffer", "CompatOptions", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "install", "shim_path",
+           "real_deep_ep"]
 
 
 def shim_path() -> Path:
@@ -42,7 +45,9 @@ def real_deep_ep() -> str | None:
 
 
 def install(force: bool = False) -> None:
-    """Make ``import deep_ep`` (and ``deep_ep.utils``, ``deep_ep.buffer``) give this module in this process.
+    """Make ``import deep_ep`` (and ``deep_ep.utils``, ``deep_ep.buffer``) give this module in this process: the
+    shim's folder goes first on ``sys.path`` and a ``deep_ep`` already imported is forgotten (nothing is imported
+    here: the shim imports this package, never the other way round).
 
     Raises:
         RuntimeError: a real DeepEP is importable (or already imported) and ``force`` is False.
@@ -60,4 +65,4 @@ def install(force: bool = False) -> None:
         sys.path.insert(0, path)
     for name in [m for m in sys.modules if m == "deep_ep" or m.startswith("deep_ep.")]:
         del sys.modules[name]
-    import deep_ep  # noqa: F401  (the shim, now first on the path)
+    importlib.invalidate_caches()       # the next ``import deep_ep`` finds the shim, first on the path

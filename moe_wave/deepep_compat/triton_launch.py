@@ -5,8 +5,6 @@ a launch's host time, which DeepEP's tests count): the first launch of each spec
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moe_wave.comm.triton_gate import interpreting
@@ -29,19 +27,19 @@ class Launcher:
 
     Args:
         fn: the ``triton.jit`` function; its constexpr parameters follow its runtime ones.
-        env: a variable that turns the relaunch path off when "0" (every launch through the JIT), read once.
 
     ``key`` (optional, per call) must name everything the JIT specializes on that can change between calls with
-    the same constants; without it every runtime argument's ``spec`` is the key. ``fast`` may be set to False.
+    the same constants; without it every runtime argument's ``spec`` is the key. ``fast=False`` (per call, from the
+    Buffer's ``fast_launch`` option) sends the launch through the JIT.
     """
 
-    def __init__(self, fn, env: str):
+    def __init__(self, fn):
         self.fn = fn
-        self.fast = os.environ.get(env, "1") != "0"
         self._runners: dict = {}
 
-    def __call__(self, grid: int, args: tuple, consts: dict, opts: dict, key: tuple | None = None) -> None:
-        if not self.fast or interpreting():
+    def __call__(self, grid: int, args: tuple, consts: dict, opts: dict, key: tuple | None = None,
+                 fast: bool = True) -> None:
+        if not fast or interpreting():
             self.fn[(grid,)](*args, **consts, **opts)
             return
         if key is None:

@@ -1,4 +1,4 @@
-"""``python -m moe_wave plan``: fit the cost model (``moe_wave.costmodel``) on committed benchmark results and
+"""``python -m moe_wave plan``: fit the cost model (``moe_wave.tools.costmodel``) on committed benchmark results and
 print its projection of one MoE layer to larger EP sizes and to several hosts.
 
     python -m moe_wave plan --ep 8,16,64 --preset v4-flash --tokens 128,4096 --rdma-GBps 50
@@ -7,7 +7,7 @@ The points come from the JSON result files of ``benchmarks/bench_comm.py`` (the 
 dispatch, combine and prepare per layout and token count) and ``benchmarks/bench_moe.py`` (comm_only, compute_only,
 pipelined per wave count). ``--backend`` picks which rows of those files describe the backend to project. The
 default files are the points committed in ``benchmarks/results/points/``: ``comm-ep<N>.json`` and ``moe-ep<N>.json``
-per EP size measured (EP2 today; ``launch/gpu_ep.sh``'s comm.json and moe_graph.json go there for EP4 / EP8).
+per EP size measured (the committed ones cover EP2; ``launch/gpu_ep.sh``'s comm.json and moe_graph.json go there for EP4 / EP8).
 
 Every flag is checked when it is parsed (one line naming the flag, the value and the rule; exit 2).
 """
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from moe_wave.config import PRESETS, MoEConfig
-from moe_wave.costmodel import (CommSample, CostModel, MoESample, Topology, fit, held_out, leave_one_out,
+from moe_wave.tools.costmodel import (CommSample, LayerCostModel, MoESample, Topology, fit, held_out, leave_one_out,
                                 summarize)
 from moe_wave.tools.demo import format_table
 from moe_wave.tools.flags import HelpFormatter, at_least, number
@@ -160,7 +160,7 @@ def check_args(args) -> str | None:
 
 # ----------------------------------------------------------------------------- report
 
-def _fit_rows(model: CostModel) -> list[list]:
+def _fit_rows(model: LayerCostModel) -> list[list]:
     rows = []
     for what, f in (("dispatch", model.dispatch), ("combine", model.combine), ("prepare", model.prepare),
                     ("layer comm", model.layer_comm), ("compute", model.compute)):

@@ -22,8 +22,8 @@ Model, each term linear in its parameters (so that a least-squares fit finds the
     layer, pipelined                         = schedule + unhidden * (serial - schedule)
 
 The exchange terms are fitted on the comm benchmark's one-wave exchanges; "comm in the layer" on the MoE
-benchmark's comm_only (layout, count exchange and every wave's exchanges inside WaveMoE), which costs more (on
-2 x H200 about 1.5 x): ``scale`` carries that to larger EP sizes, RDMA included, as fitted within one host.
+benchmark's comm_only (layout, count exchange and every wave's exchanges inside WaveMoE), which costs more
+(benchmarks/results/comm.md and moe.md): ``scale`` carries that to larger EP sizes, RDMA included, as fitted within one host.
 
 ``schedule`` replays the issue order of ``moe_wave.pipeline.run_waves`` on two streams (as ``autowave`` does:
 the comm stream runs d0 d1 c0 d2 c1 ..., wave w's experts start when d_w has landed and wave w-1's experts are
@@ -47,8 +47,8 @@ import numpy as np
 
 from moe_wave.config import MoEConfig
 
-__all__ = ["Topology", "CommSample", "MoESample", "LinearFit", "CostModel", "Projection", "Error", "rows_per_token",
-           "traffic_MB", "fit_linear", "fit", "leave_one_out", "held_out", "summarize", "schedule_us", "replayed_us"]
+__all__ = ["Topology", "CommSample", "MoESample", "LinearFit", "LayerCostModel", "Projection", "Error",
+           "rows_per_token", "traffic_MB", "fit_linear", "fit", "leave_one_out", "held_out", "summarize", "schedule_us", "replayed_us"]
 
 BYTES_PER_ELEMENT = 2       # bf16 activations and weights
 META_BYTES_PER_SLOT = 8     # dispatch: an int32 expert id and an fp32 weight per top-k slot
@@ -333,7 +333,7 @@ class Projection:
 
 
 @dataclass(frozen=True)
-class CostModel:
+class LayerCostModel:
     """The fitted terms (see the module docstring); build it with ``fit``."""
 
     dispatch: LinearFit
@@ -394,14 +394,14 @@ class CostModel:
                    key=lambda p: (round(p.pipelined_us, 6), p.waves))
 
 
-def fit(comm: list[CommSample], moe: list[MoESample]) -> CostModel:
+def fit(comm: list[CommSample], moe: list[MoESample]) -> LayerCostModel:
     """Fit every term on the measured points (either list may be empty: its terms keep their priors)."""
     k, how = _fit_unhidden(moe)
     notes = []
     if len({s.ranks for s in comm}) < 2:
         notes.append("every comm point has the same EP size: per_peer_us is its prior")
     prior = LinearFit(LAYER_COMM_TERMS, LAYER_COMM_PRIOR, ("prior",) * 3, 0)
-    model = CostModel(dispatch=_fit_comm(comm, "dispatch"), combine=_fit_comm(comm, "combine"),
+    model = LayerCostModel(dispatch=_fit_comm(comm, "dispatch"), combine=_fit_comm(comm, "combine"),
                       prepare=_fit_comm(comm, "prepare"), compute=_fit_compute(moe), layer_comm=prior, unhidden=k,
                       unhidden_status=how, notes=tuple(notes))
     # the exchanges of each MoE point as the comm terms see them, then the layer's comm fitted on them
@@ -416,7 +416,7 @@ def fit(comm: list[CommSample], moe: list[MoESample]) -> CostModel:
 QUANTITIES = ("dispatch", "combine", "compute", "pipelined", "comm_only")
 
 
-def _predict(model: CostModel, s, what: str) -> float:
+def _predict(model: LayerCostModel, s, what: str) -> float:
     topo = Topology(ranks=s.ranks, gpus_per_host=s.ranks)
     if what in ("dispatch", "combine"):
         return model.exchange_us(what, s.cfg, topo, s.tokens, 1)

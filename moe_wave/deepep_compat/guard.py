@@ -1,0 +1,123 @@
+"""What DeepEP leaves unchecked, checked on the device with no host sync: expert ids out of range, an
+``is_token_in_rank`` that contradicts ``topk_idx``, and rows due beyond ``num_worst_tokens``.
+
+Legend: T local tokens, K top-k, P ranks, E experts.
+
+A check is a few tensor ops on the device. What one rank finds alone (its ids, its ``is_token_in_rank``) waits in
+``pending`` and travels with the dispatch's count all-gather, so every rank learns every rank's fault in the same
+call; what the gathered counts show (a rank receiving more rows than ``num_worst_tokens``) every rank computes
+itself. The first fault sticks in ``status`` (kind, rank, count, limit); from then on the outputs of every call
+(received rows, combined sums, weights) are NaN, so no plausible wrong result leaves the buffer. ``status`` is
+copied to pinned host memory at the end of each dispatch (non-blocking, on the stream that wrote it) and raised at
+the start of a later call on every rank (on a GPU one or two calls later), or at once by ``check()`` (a host
+sync). Raising clears it. A fault found by ``get_dispatch_layout`` alone waits in ``pending`` for the next
+dispatch: raising it on one rank before a collective would leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK"]
+
+NONE, WORST, IDS, IN_RANK = 0, 1, 2, 3
+WORDS = 3                   # what a rank adds to the gathered counts: kind, count, limit
+
+
+class Guard:
+    """The device-side fault status of one Buffer (see the module docstring)."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        self.status = torch.zeros(4, dtype=torch.int64, device=device)     # kind, rank, count, limit
+        self.pending = torch.zeros(WORDS, dtype=torch.int64, device=device)
+        self._host = torch.zeros(4, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
+
+    # ------------------------------------------------------------------ local checks
+    def check_ids(self, topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """``topk_idx`` with every id outside [-1, E) replaced by -1 (so no kernel indexes with it); the count of
+        such ids is recorded in ``pending`` (limit E)."""
+        bad = (topk_idx_TK >= num_experts) | (topk_idx_TK < -1)
+        self._note(IDS, bad.sum(), num_experts)
+        return topk_idx_TK.masked_fill(bad, -1)
+
+    def check_in_rank(self, in_rank_TP: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int) -> None:
+        """Record the tokens whose ``is_token_in_rank`` row is not the ranks of their valid top-k experts (limit:
+        T, the tokens)."""
+        T, P = in_rank_TP.shape
+        ids = topk_idx_TK.long()
+        valid = (ids >= 0) & (ids < num_experts)
+        want = torch.zeros(T, P + 1, dtype=torch.bool, device=ids.device)
+        want.scatter_(1, torch.where(valid, ids // max(num_experts // P, 1), P), True)
+        wrong = (want[:, :P] != in_rank_TP).any(1).sum()
+        self._note(IN_RANK, wrong, T)
+
+    def _note(self, kind: int, count: torch.Tensor, limit: int) -> None:
+        new = torch.stack([torch.full_like(count, kind), count, torch.full_like(count, limit)]).to(torch.int64)
+        take = (self.pending[0] == 0) & (count > 0)
+        self.pending.copy_(torch.where(take, new, self.pending))
+
+    # ------------------------------------------------------------------ after the gather
+    def words(self) -> torch.Tensor:
+        """[WORDS] int64: what this rank adds to the gathered counts (its pending fault; then cleared)."""
+        w = self.pending.clone()
+        self.pending.zero_()
+        return w
+
+    def fold(self, words_PW: torch.Tensor, recv_P: torch.Tensor | None, worst: int) -> None:
+        """Every rank's gathered words [P, WORDS] and (``worst`` > 0) the rows each rank receives [P]: the first
+        fault (lowest rank; a worst-case overflow before the others) sticks in ``status``."""
+        P = words_PW.shape[0]
+        ranks = torch.arange(P, device=words_PW.device)
+        cand = torch.cat([ranks[:, None], words_PW[:, 1:]], 1)
+        kind = words_PW[:, 0]
+        if worst and recv_P is not None:
+            over = recv_P.to(torch.int64) > worst
+            cand = torch.where(over[:, None], torch.stack([ranks, recv_P.to(torch.int64),
+                                                           torch.full_like(ranks, worst)], 1), cand)
+            kind = torch.where(over, WORST, kind)
+        hit = kind != 0
+        first = torch.argmax(hit.to(torch.int8))
+        new = torch.cat([kind[first].view(1), cand[first]])
+        take = (self.status[0] == 0) & hit.any()
+        self.status.copy_(torch.where(take, new, self.status))
+
+    # ------------------------------------------------------------------ poison and raise
+    def poison(self, *tensors) -> None:
+        """NaN into the floating-point tensors while a fault is recorded (device ops, no sync)."""
+        flagged = self.status[0] != 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and t.element_size() > 1:
+                t.masked_fill_(flagged, float("nan"))
+
+    def snapshot(self) -> None:
+        """Copy the status to pinned host memory (non-blocking on a GPU): the next call reads it without a sync."""
+        self._host.copy_(self.status, non_blocking=self.device.type == "cuda")
+
+    def raise_if_flagged(self, what: str) -> None:
+        """Raise the fault the last snapshot holds (no sync), then clear it."""
+        kind, rank, count, limit = self._host.tolist()
+        if kind:
+            self._host.zero_()
+            self.status.zero_()
+            raise fault_error(what, kind, rank, count, limit)
+
+    def check(self, what: str = "Buffer.check") -> None:
+        """Raise a recorded fault now. HOST SYNC: reads the device status."""
+        self._host.copy_(self.status)
+        self.raise_if_flagged(what)
+
+
+def fault_error(what: str, kind: int, rank: int, count: int, limit: int) -> Exception:
+    if kind == WORST:
+        return RuntimeError(f"deep_ep.Buffer.{what}: rank {rank} was due {count} received rows, more than "
+                            f"num_worst_tokens={limit}: the rows past it were dropped and the outputs since were "
+                            f"poisoned with NaN; pass num_worst_tokens >= the most rows a rank receives (<= the "
+                            f"tokens of every rank together)")
+    if kind == IDS:
+        return ValueError(f"deep_ep.Buffer.{what}: rank {rank} passed {count} topk_idx entries outside [-1, "
+                          f"{limit}) (num_experts={limit}): they were treated as -1 and the outputs since were "
+                          f"poisoned with NaN")
+    return ValueError(f"deep_ep.Buffer.{what}: rank {rank} passed an is_token_in_rank that contradicts topk_idx in "
+                      f"{count} of its {limit} tokens (a token goes exactly to the ranks of its experts; "
+                      f"get_dispatch_layout computes it): the outputs since were poisoned with NaN")

@@ -1,0 +1,102 @@
+"""Normal mode on the exchange engine (``moe_wave.comm.deepep_normal``): the symm backend's one-wave exchange with
+compact receive buffers; its CPU emulation on gloo ranks. ``Buffer`` runs it where the direct kernels do not
+(``CompatOptions.normal``), and the direct path hands it rows that are not whole 4-byte words.
+
+Legend: T local tokens, H hidden, K top-k, P ranks, E experts (e = E / P local), X received rows (compact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_for, routing_counts, routing_layout
+from moe_wave.comm.options import SymmOptions
+
+from .config import Config, topk_idx_t
+from .guard import WORDS, Guard
+from .normal import IntranodeHandle, NormalMode, Route, handle_matrices, pack_x
+
+__all__ = ["EngineNormal"]
+
+
+class EngineNormal(NormalMode):
+    """Normal mode on ``CompactExchange`` (see the module docstring).
+
+    Args:
+        ep: the group; options: the symm backend's options; comm_stream: the Buffer's communication stream;
+        guard: the Buffer's fault status (``guard.Guard``).
+    """
+
+    def __init__(self, ep, options: SymmOptions | None, comm_stream, guard: Guard):
+        self.ep, self.guard = ep, guard
+        self.exchange = CompactExchange(ep, options, comm_stream=comm_stream)
+
+    def close(self) -> None:
+        self.exchange.close()
+
+    def layout(self, topk_idx_TK, num_experts):
+        in_rank, per_expert = routing_counts(topk_idx_TK, num_experts, self.ep.size)
+        return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
+
+    def handle_rows(self, handle):
+        cp = handle.state
+        if not isinstance(cp, CompactPlan):
+            raise ValueError("the handle comes from the direct kernels, x does not fit them (rows of whole 4-byte "
+                             "words)")
+        return cp.plan.layout.num_tokens, cp.rows
+
+    def _capacity(self, rows: int) -> int:
+        """The smallest block capacity already made that holds ``rows``, else a new one (the same on every rank:
+        ``rows`` is a global figure and the backends were made in the same order everywhere)."""
+        made = [c for c in self.exchange._backends if c >= rows]
+        return min(made) if made else capacity_for(rows)
+
+    def cached_dispatch(self, x, handle):
+        rows, unpack = pack_x("dispatch", x)
+        got, _, _ = self.exchange.dispatch(rows, handle.state)
+        return unpack(got)
+
+    def dispatch(self, x, route: Route, config: Config):
+        rows, unpack = pack_x("dispatch", x)
+        P, me, T = self.ep.size, self.ep.rank, rows.shape[0]
+        per_rank, in_rank, worst = route.per_rank, route.in_rank, route.worst
+        G = self.exchange.count_matrix(torch.cat([per_rank.long(), per_rank.new_full((1,), T).long(),
+                                                  self.guard.words()]))
+        counts_PP, tokens_P = G[:, :P], G[:, P]
+        self.guard.fold(G[:, P + 1:P + 1 + WORDS], counts_PP.sum(0), worst)
+        if worst:
+            capacity, X, num_recv = self._capacity(worst), worst, None
+        else:
+            # HOST SYNC (DeepEP waits on the CPU here too): the received count and the capacity every rank agrees on
+            host = counts_PP.tolist()
+            num_recv = sum(row[me] for row in host)
+            capacity, X = self._capacity(max(max(row) for row in host)), num_recv
+        layout = routing_layout(in_rank, route.topk_idx, route.topk_weights, route.per_expert)
+        cp = self.exchange.make_plan(layout, counts_PP, capacity, X, num_recv)
+        got, meta, weight = self.exchange.dispatch(rows, cp)
+        recv_src = meta[:, -1].contiguous()
+        recv_idx = recv_w = None
+        if route.topk_idx is not None:
+            K = route.topk_idx.shape[1]
+            recv_idx, recv_w = meta[:, :K].to(topk_idx_t), weight[:, :K].contiguous()
+        counts_e = []
+        if not worst:
+            # HOST SYNC: the per-expert list is a host list (DeepEP's CPU wait covers it)
+            a = route.alignment
+            counts_e = [-(-c // a) * a for c in cp.plan.pairs_We[0].tolist()]
+        src_X = torch.div(cp.row_X, cp.plan.capacity, rounding_mode="floor").clamp(max=P - 1)
+        mats = handle_matrices(counts_PP, tokens_P, in_rank, src_X, cp.valid_X, recv_src, config.num_channels, me)
+        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, mats[3]), cp)
+        return unpack(got), recv_idx, recv_w, counts_e, handle
+
+    def combine(self, x, handle, topk_weights, biases):
+        cp = handle.state
+        add = None
+        for b in biases:
+            add = b.float() if add is None else add + b.float()
+        combined = torch.empty(cp.plan.layout.num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+        self.exchange.combine(x.contiguous(), cp, out_TH=combined, add_TH=add)
+        weights = None
+        if topk_weights is not None:
+            weights = self.exchange.combine(topk_weights.contiguous(), cp)
+        return combined, weights
