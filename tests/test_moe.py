@@ -183,7 +183,7 @@ def _mismatched_experts(ep: EPGroup):
 
 def test_expert_count_mismatch_detected_at_setup(ranks):
     for msg in ranks(2).run(_mismatched_experts):
-        assert "MoE shape (hidden, intermediate, num_experts, top_k): rank 0 (64, 32, 8, 2), rank 1 (64, 32, 12, 2)" \
+        assert "MoE shape (hidden, intermediate, num_experts, top_k): rank 0 (128, 128, 8, 2), rank 1 (128, 128, 12, 2)" \
             in msg, msg
 
 

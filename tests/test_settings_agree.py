@@ -35,7 +35,7 @@ def _build(ep, which: str) -> str:
                 "rank 1 (2, None, 'experts', 'wave', 'auto', False"),
     ("sends", "rank 0 (2, None, 'experts', 'wave', 'symm', True, 'bubbles'), rank 1 (2, None, 'experts', 'once'"),
     ("capacity", "capacity=16"), ("signal", "signal='memops'"), ("waves", "rank 0 (1, None"),
-    ("dtype", "dtype: rank 0 'torch.float32', rank 1 'torch.bfloat16'"), ("hidden", "rank 0 (64, 32, 4, 2)")])
+    ("dtype", "dtype: rank 0 'torch.float32', rank 1 'torch.bfloat16'"), ("hidden", "rank 0 (64, 128, 4, 2)")])
 def test_mismatched_settings_raise_the_same_error_on_every_rank(ranks, which, names):
     msgs = ranks(2).run(_build, which)
     assert msgs[0] == msgs[1], msgs
