@@ -81,7 +81,7 @@ def test_symm_dispatch_combine_matches_reference(ranks, P):
 
 
 def _moe_symm_vs_torch(ep: EPGroup, T_per_rank: list, dense: str = "auto") -> list:
-    cfg = MoEConfig.preset("tiny", num_experts=12, top_k=3)
+    cfg = MoEConfig.preset("tiny", num_experts=12, top_k=3, hidden_size=64, intermediate_size=32)
     torch.manual_seed(0)
     full = {"gate": torch.randn(12, 64) * 0.3, "bias": torch.randn(12) * 0.1,
             "gate_up": torch.randn(12, 64, 64) * 0.2, "down": torch.randn(12, 64, 32) * 0.2,
