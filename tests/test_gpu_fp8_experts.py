@@ -76,15 +76,19 @@ def test_graph_replay_equals_eager_and_waves_agree():
         y = moe(x)
         assert torch.equal(y, moe(x, overlap=False)), f"W={W}: pipelined != serial"
         outs[W] = y
-    for W in (2, 3, 4):
-        assert torch.equal(outs[W], outs[1]), f"W={W} differs from W=1 (max {(outs[W] - outs[1]).abs().max()})"
+    for W in (2, 3, 4):   # DeepGEMM picks its tiles by the rows of a call: a row's sums may round differently
+        d = calc_diff(outs[W].float(), outs[1].float())
+        assert d < 1e-5, f"W={W} differs from W=1 beyond rounding (calc_diff {d})"
     moe = _moe(2)
     moe.capture_graphs([64, 256])
     for T, seed in ((200, 7), (40, 8), (256, 9), (3, 10)):
         xs = _x(T, seed)
         got = moe(xs).clone()
         g, moe.graphs = moe.graphs, None
-        want = moe(xs)
+        b = 64 if T <= 64 else 256            # eager on the bucket's padded input: the same GEMM shapes as the replay
+        xp = torch.zeros(b, CFG.hidden_size, device=xs.device, dtype=xs.dtype)
+        xp[:T] = xs
+        want = moe(xp, num_valid=torch.full((), T, dtype=torch.int64, device=xs.device))[:T]
         moe.graphs = g
         assert torch.equal(got, want), f"T={T}: replay != eager"
 
