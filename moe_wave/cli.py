@@ -103,14 +103,25 @@ def info_lines(environ=None) -> list[tuple[str, str]]:
     rows = [("moe-wave", moe_wave.__version__), ("python", platform.python_version()),
             ("torch", torch.__version__), ("accelerator", accel), ("nccl/rccl", nccl or "n/a")]
     for name, mod in (("transformers", "transformers"), ("mpi4py", "mpi4py"), ("triton", "triton"),
-                      ("deep_ep", "deep_ep")):
+                      ("deep_ep", "deep_ep"), ("deep_gemm", "deep_gemm")):
         rows.append((name, _version(mod) or "not installed"))
+    rows.append(("precision", _precision_line(torch)))
     launch = detect_launcher()
     rows += [("devices", ", ".join(_devices())), ("comm backends", ", ".join(comm_backends())),
              ("launcher", f"{launch.kind} (rank {launch.rank}/{launch.world_size}, "
                           f"local {launch.local_rank}/{launch.local_world_size})"),
              ("environment", ", ".join(f"{v}={environ[v]}" for v in VARIABLES if v in environ) or "no MOE_WAVE_*")]
     return rows
+
+
+def _precision_line(torch) -> str:
+    """What --precision auto means here and what runs the FP8 GEMMs (the FP8 projections; the FP8 experts)."""
+    from moe_wave.fp8 import fp8_gemm_library, resolve_precision
+    from moe_wave.fp8_experts import fp8_gemm_grouped_library
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return (f"auto = {resolve_precision('auto', dev)}; FP8 projections on {fp8_gemm_library(dev)}, FP8 experts "
+            f"on {fp8_gemm_grouped_library(dev)}")
 
 
 def _bad_input(cmd: str, e: ValueError) -> int:

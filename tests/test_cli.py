@@ -145,3 +145,11 @@ def test_info_reads_the_environment_it_is_given():
 def test_table_is_aligned():
     lines = format_table(["a", "bbb"], [[1, 2], [333, 4]]).splitlines()
     assert len({len(ln) for ln in lines}) == 1
+
+
+def test_info_says_what_precision_auto_means_and_what_runs_the_fp8_gemms():
+    rows = dict(info_lines({}))
+    if not torch.cuda.is_available():
+        assert rows["precision"] == "auto = bf16; FP8 projections on torch-ref, FP8 experts on per-expert"
+    assert rows["precision"].startswith("auto = ") and "FP8 experts on " in rows["precision"]
+    assert "deep_gemm" in rows
