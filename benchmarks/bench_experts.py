@@ -207,8 +207,7 @@ def main() -> int:
                     ex = experts[prec]
 
                     def stage(g, ex=ex):
-                        return expert_rows(g.x_RD, g.expert_RK, g.weight_RK, ex, g.pairs_e, g.pairs_e_dev, g.local,
-                                           g.rows_P, g.once)
+                        return expert_rows(g, ex)
                     t = median_graph_us(lambda: routed_only(stage, got, extra), dev, args.iters, flush)
                     row = {"shape": shape, "local_experts": int(e), "tokens_per_rank": T, "num_waves": W,
                            "precision": prec, "stage_us": round(t, 1), "capacity": cap,

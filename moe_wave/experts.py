@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe_wave.comm import streams as st
-from moe_wave.comm.backend import OnceRows, rows_of
+from moe_wave.comm.backend import OnceRows, Received, rows_of
 
 from .config import MoEConfig
 from .fp8_experts import fp8_fused_ok, fp8_fused_rows
@@ -105,11 +105,18 @@ class RoutedExperts(nn.Module):
         return out
 
 
-def expert_rows(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
-                pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None,
-                local: tuple | None = None, rows_P: torch.Tensor | None = None,
-                once: OnceRows | None = None) -> torch.Tensor:
-    """Apply the local experts to received rows: y[r] = sum_k w[r,k] * expert_{id[r,k]}(x[r]).
+def expert_rows(got: Received, experts: nn.Module) -> torch.Tensor:
+    """Apply the local experts to one wave's received rows (``comm.backend.Received``): y[r] = sum_k w[r,k] *
+    expert_{id[r,k]}(x[r]), [R, D] in x's dtype (see ``_stage``)."""
+    return _stage(got.x_RD, got.expert_RK, got.weight_RK, experts, got.pairs_e, got.pairs_e_dev, got.local,
+                  got.rows_P, got.once)
+
+
+def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
+           pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None,
+           local: tuple | None = None, rows_P: torch.Tensor | None = None,
+           once: OnceRows | None = None) -> torch.Tensor:
+    """``expert_rows`` on the fields of ``Received``.
 
     ``local`` (``Received.local``): rows of x_RD held elsewhere, read there. ``rows_P`` (``Received.rows_P``): the
     device path reads and writes only the rows that the combine reads (the others of y are left as allocated);

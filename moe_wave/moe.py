@@ -266,8 +266,7 @@ class WaveMoE(nn.Module):
 
     def routed_rows(self, got) -> torch.Tensor:
         """Expert compute for one wave's received rows (local; never communicates)."""
-        return expert_rows(got.x_RD, got.expert_RK, got.weight_RK, self.experts, got.pairs_e, got.pairs_e_dev,
-                           got.local, got.rows_P, got.once)
+        return expert_rows(got, self.experts)
 
     @torch.no_grad()
     def capture_graphs(self, buckets, overlaps=(True,)) -> "WaveMoE":

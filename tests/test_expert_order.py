@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,8 +164,8 @@ def test_fused_expert_rows_matches_torch_path(R):
     offs = counts.cumsum(0).to(torch.int32)
     with torch.no_grad():
         y = _expert_rows_fused(x, ids, w, ex, offs)
-        y_dev = expert_rows(x, ids, w, ex, None, counts)
-        y_host = expert_rows(x, ids, w, ex, counts.tolist(), counts)
+        y_dev = expert_rows(Received(x, ids, w, None, counts, None), ex)
+        y_host = expert_rows(Received(x, ids, w, counts.tolist(), counts, None), ex)
     assert y.shape == (R, cfg.hidden_size)
     torch.testing.assert_close(y, y_dev, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(y, y_host, rtol=1e-5, atol=1e-6)

@@ -9,6 +9,7 @@ counts (a lifetime bug would corrupt rows).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm import EPGroup
+from moe_wave.comm.backend import Received
 from moe_wave.reference import random_full_weights, reference_moe
 
 pytestmark = pytest.mark.gpu
@@ -142,8 +144,8 @@ def test_device_count_expert_stage_matches_host_counts():
         counts = torch.bincount(ids[ids >= 0].long(), minlength=8).to(dev)
         assert _fused_ok(x, ex)
         with torch.no_grad():
-            y_dev = expert_rows(x, ids, w, ex, None, counts)
-            y_host = expert_rows(x, ids, w, ex, counts.tolist(), counts)
+            y_dev = expert_rows(Received(x, ids, w, None, counts, None), ex)
+            y_host = expert_rows(Received(x, ids, w, counts.tolist(), counts, None), ex)
         assert y_dev.shape == y_host.shape == (R, cfg.hidden_size) and y_dev.dtype == torch.bfloat16
         if R:
             err = float((y_dev.float() - y_host.float()).norm() / y_host.float().norm().clamp_min(1e-6))
@@ -191,8 +193,7 @@ def _every_row(moe):
     """A routed_rows for ``moe`` that ignores ``Received.rows_P`` (computes every row of the buffer)."""
     from moe_wave.experts import expert_rows
 
-    return lambda got: expert_rows(got.x_RD, got.expert_RK, got.weight_RK, moe.experts, got.pairs_e, got.pairs_e_dev,
-                                   got.local, None, got.once)
+    return lambda got: expert_rows(dataclasses.replace(got, rows_P=None), moe.experts)
 
 
 @pytest.mark.parametrize("mode", ["kernel", "copy"])
