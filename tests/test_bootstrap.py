@@ -171,6 +171,7 @@ def test_slow_rank_is_blamed_not_the_one_that_waited():
     assert "rank 1 (PROBABLE ROOT CAUSE" in msg, msg[-3000:]
     assert msg.index("rank 1 (PROBABLE ROOT CAUSE") < msg.index("===== rank 0"), msg[-3000:]
     assert "rank 0 (ROOT CAUSE" not in msg
+    assert info.value.root_rank == 1          # the rank the message blames
 
 
 def test_visible_gpu_shortfall_is_an_error(monkeypatch):
