@@ -448,6 +448,15 @@ def deep_gemm_version() -> str | None:
         return None
 
 
+def _choices(flag: str, text: str, allowed: tuple) -> list[str]:
+    """A comma list of ``allowed`` values; exits with one line naming the flag, the value and the choices."""
+    got = [p for p in text.split(",") if p]
+    for p in got:
+        if p not in allowed:
+            sys.exit(f"bench_attn: {flag} {p!r}: must be {', '.join(allowed[:-1])} or {allowed[-1]}")
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="V4-Flash only, decode batches 1 and 64, fewer iterations")
@@ -490,22 +499,13 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     gemm = gemm_tflops(dev)
-    precisions = [p for p in args.precision.split(",") if p]
-    for p in precisions:
-        if p not in ("bf16", "fp8", "fp8a"):
-            sys.exit(f"bench_attn: --precision {p!r}: must be bf16, fp8 or fp8a")
-    q_norms = [p for p in args.q_norm.split(",") if p]
-    for p in q_norms:
-        if p not in ("core", "branch"):
-            sys.exit(f"bench_attn: --q-norm {p!r}: must be core or branch")
+    precisions = _choices("--precision", args.precision, ("bf16", "fp8", "fp8a"))
+    q_norms = _choices("--q-norm", args.q_norm, ("core", "branch"))
     try:
         layer_opts = [(v or "default", parse_layer_opts(v)) for v in args.layer_opts.split("|")]
     except ValueError as e:
         sys.exit(f"bench_attn: {e}")
-    cudas = [p for p in args.core_cuda.split(",") if p]
-    for p in cudas:
-        if p not in ("on", "off"):
-            sys.exit(f"bench_attn: --core-cuda {p!r}: must be on or off")
+    cudas = _choices("--core-cuda", args.core_cuda, ("on", "off"))
     try:
         gemms = [p for p in (args.fp8_gemm or read_env().fp8_gemm or "auto").split(",") if p]
     except ValueError as e:

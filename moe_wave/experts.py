@@ -19,7 +19,6 @@ from moe_wave.comm import streams as st
 from moe_wave.comm.backend import OnceRows, Received, rows_of
 
 from .config import MoEConfig
-from .fp8_experts import fp8_fused_ok, fp8_fused_rows
 
 __all__ = ["V4Router", "RoutedExperts", "SharedExpert", "swiglu", "expert_rows"]
 
@@ -127,9 +126,9 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
     Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32
     (in slot order k = 0..K-1, so the result is bitwise reproducible).
     With host counts (``pairs_e``) only the valid pairs are computed; without them (device-side
-    counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero. FP8 experts
-    (``fp8_experts.FP8RoutedExperts``) take DeepGEMM's fused stage on a Hopper GPU with ``deep_gemm``
-    (``fp8_experts.fp8_fused_rows``), their own per-expert forward elsewhere.
+    counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero. Experts with a
+    ``fused_stage`` (``fp8_experts.FP8RoutedExperts``: DeepGEMM's fused stage on a Hopper GPU with ``deep_gemm``)
+    take it where it returns a result, their own per-expert forward elsewhere.
     """
     R, K = expert_RK.shape
     e = experts.num_local
@@ -141,8 +140,10 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
         if offs is None or pairs_e is not None:
             raise ValueError("expert_rows: once= needs device counts only (pairs_e=None, pairs_e_dev given)")
         return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once)
-    if offs is not None and e and fp8_fused_ok(x_RD, experts):
-        return fp8_fused_rows(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
+    fused = getattr(experts, "fused_stage", None)      # experts with a device-count stage of their own (FP8)
+    y = fused(x_RD, expert_RK, weight_RK, offs, local, rows_P) if fused is not None and offs is not None and e else None
+    if y is not None:
+        return y
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
         return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
     return _slot_sums(x_RD, expert_RK, weight_RK, experts, pairs_e, offs, local).to(x_RD.dtype)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from moe_wave.comm.backend import rows_of
 from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
-from .fp8 import AMAX_FLOOR, BLOCK, FP8, FP8_MAX, pow2_ceil
+from .fp8 import BLOCK, FP8, act_quant_torch
 
 __all__ = ["ALIGN", "aligned_groups", "quant_pairs", "quant_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
            "aligned_capacity"]
@@ -54,18 +54,6 @@ def aligned_groups(offs_e: torch.Tensor, align: int = ALIGN) -> tuple[torch.Tens
     return starts, starts + cnt
 
 
-def _scales_of(xb: torch.Tensor) -> torch.Tensor:
-    """pow2 scales of [..., 128]-blocked fp32 values (``fp8.act_quant_torch``'s)."""
-    return pow2_ceil(xb.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX)
-
-
-def _quant_rows_torch(v_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    M, D = v_MD.shape
-    vb = v_MD.float().view(M, D // BLOCK, BLOCK)
-    s = _scales_of(vb)
-    return (vb * (1.0 / s)[..., None]).to(FP8).view(M, D), s
-
-
 def quant_pairs_torch(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
                       local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant_pairs`` by torch ops (rows of the layout that no pair takes are zeros here, where the kernel leaves
@@ -77,9 +65,7 @@ def quant_pairs_torch(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
     ok = pos_RK >= 0
     r = torch.arange(R, device=x_RD.device)[:, None].expand(R, K)[ok]
     p = pos_RK[ok]
-    qr, sr = _quant_rows_torch(rows_of(x_RD, r, local))
-    q[p] = qr
-    s[:, p] = sr.t()
+    q[p], s[:, p] = act_quant_torch(rows_of(x_RD, r, local))
     return q, s
 
 
@@ -91,11 +77,9 @@ def swiglu_quant_torch(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float)
     gate, up = gu_J2I[p, :I].float(), gu_J2I[p, I:].float()
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    qr, sr = _quant_rows_torch(F.silu(gate) * up)
     hq = torch.zeros(JA, I, dtype=FP8, device=gu_J2I.device)
     hs = torch.zeros(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
-    hq[p] = qr
-    hs[:, p] = sr.t()
+    hq[p], hs[:, p] = act_quant_torch(F.silu(gate) * up)
     return hq, hs
 
 

@@ -26,11 +26,11 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .fp8 import BLOCK, FP8, FP8_MAX, AMAX_FLOOR, act_quant, fp8_matmul, pow2_ceil
+from .experts import SharedExpert, swiglu
+from .fp8 import BLOCK, FP8, act_quant, fp8_matmul, weight_quant
 
 __all__ = ["quant_experts", "dequant_experts", "fp4_to_fp8", "dequant_fp4", "FP8RoutedExperts", "FP8SharedExpert",
            "fp8_fused_ok", "fp8_fused_rows", "fp8_gemm_grouped_library"]
@@ -49,10 +49,7 @@ def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(e, N, K, dtype=FP8, device=w_eNK.device)
     s = torch.empty(e, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w_eNK.device)
     for j in range(e):          # one expert at a time: the fp32 copy of all of them would not fit (V4-Pro)
-        b = w_eNK[j].float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
-        sj = pow2_ceil(b.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) / FP8_MAX)
-        q[j] = (b * (1.0 / sj)[:, None, :, None]).to(FP8).view(N, K)
-        s[j] = sj
+        q[j], s[j] = weight_quant(w_eNK[j])
     return q, s
 
 
@@ -156,14 +153,14 @@ class FP8RoutedExperts(nn.Module):
 
     def expert(self, x_MD: torch.Tensor, j: int) -> torch.Tensor:
         """Expert j on rows x [M, D]: bf16 [M, D] (the module docstring's math)."""
-        I, lim = self.cfg.intermediate_size, self.cfg.swiglu_limit
-        x_q, s = act_quant(x_MD)
-        gu = fp8_matmul(x_q, s, self.gate_up[j], self.gate_up_scale[j], torch.bfloat16).float()
-        gate, up = gu[:, :I], gu[:, I:]
-        if lim > 0:
-            gate, up = gate.clamp(max=lim), up.clamp(min=-lim, max=lim)
-        h_q, hs = act_quant(F.silu(gate) * up)
+        h_q, hs = _gate_up_act(x_MD, self.gate_up[j], self.gate_up_scale[j], self.cfg.swiglu_limit)
         return fp8_matmul(h_q, hs, self.down[j], self.down_scale[j], torch.bfloat16)
+
+    def fused_stage(self, x_RD, expert_RK, weight_RK, offs, local=None, rows_P=None) -> torch.Tensor | None:
+        """``expert_rows``' stage on DeepGEMM (``fp8_fused_rows``) where it runs (``fp8_fused_ok``), else None."""
+        if not fp8_fused_ok(x_RD, self):
+            return None
+        return fp8_fused_rows(x_RD, expert_RK, weight_RK, self, offs, local, rows_P)
 
     def forward(self, x_ND: torch.Tensor, counts_e: list | None, offs_e: torch.Tensor | None = None) -> torch.Tensor:
         if counts_e is None:
@@ -178,6 +175,15 @@ class FP8RoutedExperts(nn.Module):
         return out
 
 
+def _gate_up_act(x_MD: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, limit: float):
+    """The first half of an FP8 expert: x quantised, gu = bf16(x @ [gate | up]^T), h = the clamped SwiGLU in fp32,
+    returned quantised for the second GEMM: (h_q [M, I], h_s [I/128, M])."""
+    x_q, s = act_quant(x_MD)
+    gu = fp8_matmul(x_q, s, w_q, w_s, torch.bfloat16).float()
+    I = gu.shape[1] // 2
+    return act_quant(swiglu(gu[:, :I], gu[:, I:], limit))
+
+
 class FP8SharedExpert(nn.Module):
     """The shared expert in FP8 (``SharedExpert``'s interface: ``up(x)``, ``down_chunk(h, c, C, out)``,
     ``chunk_bounds``): gate and up as one [2I, D] FP8 weight (one GEMM), down [D, I]; x quantised once per call,
@@ -185,29 +191,21 @@ class FP8SharedExpert(nn.Module):
 
     def __init__(self, cfg: MoEConfig, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
         super().__init__()
-        from .fp8 import weight_quant
-
         self.cfg = cfg
         for name, w in (("gate_up", torch.cat([gate, up])), ("down", down)):
             q, s = weight_quant(w.detach())
             self.register_buffer(name, q)
             self.register_buffer(name + "_scale", s)
 
-    chunk_bounds = staticmethod(lambda T, c, C: (c * T // C, (c + 1) * T // C))
+    chunk_bounds = staticmethod(SharedExpert.chunk_bounds)
 
     def up(self, x_TD: torch.Tensor):
-        """(h_q, h_s, dtype): the activation quantised for ``down_chunk``."""
-        I = self.cfg.intermediate_size
+        """(h_q, h_s): the activation quantised for ``down_chunk``."""
         lim = self.cfg.swiglu_limit if self.cfg.clamp_shared else 0.0
-        x_q, s = act_quant(x_TD)
-        gu = fp8_matmul(x_q, s, self.gate_up, self.gate_up_scale, torch.bfloat16).float()
-        gate, up = gu[:, :I], gu[:, I:]
-        if lim > 0:
-            gate, up = gate.clamp(max=lim), up.clamp(min=-lim, max=lim)
-        return (*act_quant(F.silu(gate) * up), x_TD.dtype)
+        return _gate_up_act(x_TD, self.gate_up, self.gate_up_scale, lim)
 
     def down_chunk(self, h, c: int, C: int, out_TD: torch.Tensor) -> None:
-        h_q, h_s, dtype = h
+        h_q, h_s = h
         lo, hi = self.chunk_bounds(h_q.shape[0], c, C)
         if hi > lo:
             y = fp8_matmul(h_q[lo:hi], h_s[:, lo:hi], self.down, self.down_scale, torch.bfloat16)

@@ -261,13 +261,9 @@ def test_fp8_block_single_process_matches_the_fp32_reference_and_serial():
     assert 1e-8 < d < 3e-3, d                     # FP8, not the fp32 block itself, and within the bound
 
 
-def _ranks_check(ep, T):
-    return _fp8_block_ranks(ep, T)
-
-
 @pytest.mark.parametrize("n", [2, 3])
 def test_fp8_block_on_ranks_matches_the_reference_at_every_wave_count(ranks, n):
-    for rank_rows in ranks(n).run(_ranks_check, 9):
+    for rank_rows in ranks(n).run(_fp8_block_ranks, 9):
         for W, err, same in rank_rows:
             assert err < 1e-6, (W, err)
             assert same, f"W={W}: pipelined != serial"
@@ -299,7 +295,6 @@ class _TorchDeepGEMM:
 def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound):
     """The fused stage (aligned ordering, quant_pairs, two grouped GEMMs, swiglu_quant, weighted sum) with DeepGEMM
     replaced by its psum semantics gives the per-expert path's output; rows past rows_P are not read."""
-    import moe_wave.experts as mex
     import moe_wave.fp8_experts as fx
     from moe_wave.experts import expert_rows
 
@@ -318,7 +313,7 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()
     want = expert_rows(Received(x, ids, w, None, counts, None), ex)
     monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
-    monkeypatch.setattr(mex, "fp8_fused_ok", lambda x, e: True)
+    monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
     _TorchDeepGEMM.calls = 0
     got = expert_rows(Received(x, ids, w, None, counts, None, rows_P=rows_P), ex)
     assert _TorchDeepGEMM.calls == 2

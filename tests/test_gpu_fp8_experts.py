@@ -50,16 +50,16 @@ def _x(T: int, seed: int) -> torch.Tensor:
 def test_deepgemm_stage_matches_the_per_expert_reference(T, monkeypatch):
     """The fused stage (aligned layout, DeepGEMM's grouped GEMMs; empty experts included at small T) against the
     same block with the per-expert FP8 path (fp8_matmul per expert), within DeepGEMM's FP8 GEMM bound."""
-    import moe_wave.experts as mex
+    import moe_wave.fp8_experts as fx
 
     moe = _moe(2)
     x = _x(T, T)
     calls = []
-    real = mex.fp8_fused_rows
-    monkeypatch.setattr(mex, "fp8_fused_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fx.fp8_fused_rows
+    monkeypatch.setattr(fx, "fp8_fused_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = moe(x)
     assert calls, "the fused stage did not run"
-    monkeypatch.setattr(mex, "fp8_fused_ok", lambda x, e: False)
+    monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: False)
     ref = moe(x)
     assert torch.isfinite(y).all()
     assert calc_diff(y.float(), ref.float()) < 1e-4, calc_diff(y.float(), ref.float())
