@@ -2,7 +2,7 @@
 
     python dev/profile_experts.py [--preset v4-flash] [--experts 128] [--tokens 128,2048] [--waves 1,4]
                                      [--sends wave,once]
-                                     [--capacity measured|max]
+                                     [--capacity measured|max] [--precision bf16|fp8]
 
 One process holds ``--experts`` routed experts (128: one rank's share of V4-Flash at EP2), so the expert stage
 sees what a rank of EP2 sees. For each token count and wave count it times the routed experts on pre-received
@@ -58,6 +58,8 @@ def main() -> int:
                     "measured), or the largest --tokens for every point (the per-wave launches then sized for it)")
     ap.add_argument("--sends", default="wave", help="comma list of WaveConfig.sends (wave, once): a row per (token, "
                     "wave) or once per layer (its sum kept over the waves); each gets its own tables")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="the routed experts in bf16 or "
+                    "in FP8 (WaveMoE.quantize_fp8: DeepGEMM's grouped GEMMs where deep_gemm imports)")
     ap.add_argument("--expert-streams", type=int, default=1, help="streams the waves' expert stages take turns "
                     "on (WaveConfig.expert_streams: 2 lets one wave's kernels start in the last one's GEMM tail)")
     args = ap.parse_args()
@@ -71,9 +73,11 @@ def main() -> int:
     base = WaveMoE(cfg, ep=EPGroup.single(dev), wave=WaveConfig(backend="symm", symm=SymmOptions(
         capacity=max(tokens))), device=dev, dtype=torch.bfloat16)
     init_random_(base)
+    if args.precision == "fp8":
+        base.quantize_fp8()
     flush = l2_flush_buffer(dev)
     lines = [f"profile_experts: {args.preset} shapes, {args.experts} local experts, top-{cfg.top_k}, one GPU, "
-             f"routed experts on pre-received rows, capacity {args.capacity}, expert streams {args.expert_streams}"]
+             f"routed experts ({args.precision}) on pre-received rows, capacity {args.capacity}, expert streams {args.expert_streams}"]
     for sends in args.sends.split(","):
         lines.append(f"\n== sends: {sends}")
         for T in tokens:

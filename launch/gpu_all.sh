@@ -2,7 +2,9 @@
 # Every GPU test and benchmark in one call, for the GPU host (2 x H200 today; any GPU count).
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
-#   partitions (bench_moe with both wave partitions under graphs), experts (profile_experts, one GPU),
+#   partitions (bench_moe with both wave partitions under graphs), experts (tests + bench_experts + demo bf16/fp8,
+#   one GPU), xprofile (the expert stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree
+#   against this one, alternately: OLD_TREE, AB_ARGS),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
@@ -145,6 +147,20 @@ raise SystemExit(not cuda_impl.available())"; then
                if [ "${ATTN_PROFILE:-1}" != 0 ]; then
                    stage profile_attn ${T_PROF:-120} "$PY" dev/profile_attn.py ${PROFILE_ARGS:---types csa}
                fi ;;
+        attn_ab)  # before / after a change: bench_attn of the tree in OLD_TREE (default .deps/old, e.g. `git archive
+                  # <commit> moe_wave comm launch pyproject.toml | tar -x -C .deps/old`) against this tree, alternately
+                  # twice (AB_ARGS: the points, default V4-Flash prefill layers + decode 64, fp8a, graphs), then
+                  # dev/compare_attn.py (after / before per point, within 2 %)
+               OLD="${OLD_TREE:-.deps/old}"
+               OLD_BENCH="$OLD/benchmarks/bench_attn.py"; [ -f "$OLD_BENCH" ] || OLD_BENCH="$OLD/launch/bench_attn.py"
+               AB="${AB_ARGS:---shapes v4-flash --precision fp8a --batches 64 --no-eager --iters 20}"
+               for k in 1 2; do
+                   stage attn_before_$k ${T_AB:-200} env PYTHONPATH="$PWD/$OLD" "$PY" "$OLD_BENCH" $AB \
+                       --out "$RES/attn_before_$k.json"
+                   stage attn_after_$k ${T_AB:-200} "$PY" benchmarks/bench_attn.py $AB --out "$RES/attn_after_$k.json"
+               done
+               stage attn_compare 30 "$PY" dev/compare_attn.py "$RES"/attn_before_?.log -- "$RES"/attn_after_?.log
+               cat "$RES/attn_compare.log" ;;
         whole)  # the whole attention layer from a CUDA graph, overlap off / on / on without a cache
                 # (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
                for shape in $(echo "${WHOLE_SHAPES:-v4-pro,v4-flash}" | tr ',' ' '); do
@@ -162,8 +178,11 @@ raise SystemExit(not cuda_impl.available())"; then
                true ;;
         deepep_api)   # DeepEP's tests on moe-wave's deep_ep and on DeepEP (built from .deps/deepep), side by side
                stage deepep_api ${T_DEEPEP_API:-330} env RES="$RES/deepep_api" bash launch/deepep_api.sh ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts streams comm attn whole trace demo" \
-               "sweep deepep_api)" ;;
+        xprofile)  # the expert stage's kernels under torch.profiler at W=1 and W=4 (XPROF_ARGS; default FP8)
+               stage xprofile ${T_XPROF:-240} "$PY" dev/profile_experts.py ${XPROF_ARGS:---precision fp8 --tokens \
+                   128,2048,8192 --waves 1,4 --rows 16} ;;
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts xprofile streams comm attn attn_ab" \
+               "whole trace demo sweep deepep_api)" ;;
     esac
 done
 

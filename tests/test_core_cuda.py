@@ -342,8 +342,12 @@ def test_cuda_core_prologue_is_norm_rope(name):
 _CHILD = r"""
 import sys, time, torch
 from moe_wave.attention.sparse_core import cuda_build, cuda_impl
+compiles = []
 if sys.argv[2] == "cached":     # the second process: nothing may compile
     cuda_build.compile_cubin = lambda *a, **k: sys.exit("compiled again")
+else:
+    _compile = cuda_build.compile_cubin
+    cuda_build.compile_cubin = lambda *a, **k: compiles.append(1) or _compile(*a, **k)
 q = torch.randn(1, 4, 64, 512, device="cuda").to(torch.bfloat16)
 kv = torch.randn(1, 300, 512, device="cuda").to(torch.bfloat16)
 idx = torch.randint(0, 300, (1, 4, 200), device="cuda", dtype=torch.int32)
@@ -351,7 +355,7 @@ t = time.perf_counter()
 cuda_impl.sparse_attention_cuda(q, torch.empty_like(q), torch.zeros(64, device="cuda"), kv, idx, kv, idx, 0.05, True,
                                 cache_dir=sys.argv[1])
 torch.cuda.synchronize()
-print(f"first call {1e3 * (time.perf_counter() - t):.1f} ms")
+print(f"compiled {len(compiles)} first call {1e3 * (time.perf_counter() - t):.1f} ms")
 """
 
 
@@ -359,15 +363,18 @@ print(f"first call {1e3 * (time.perf_counter() - t):.1f} ms")
 @pytest.mark.gpu
 def test_second_process_loads_the_cached_cubin(tmp_path):
     """The compiled kernel is cached on disk (``CoreTuning.kernel_cache``): a second process's first call compiles
-    nothing (its compile is replaced by an exit) and takes a fraction of the first process's (NVRTC's seconds)."""
+    nothing (its compile is replaced by an exit), where the first process compiled. Both first calls' times are
+    printed (run with -s): the figure for the results table, not a test threshold."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    times = []
+    times, compiled = [], []
     for mode in ("fresh", "cached"):
         r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), mode], capture_output=True, text=True,
                            env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
-        times.append(float(r.stdout.split()[-2]))
+        words = r.stdout.split()
+        compiled.append(int(words[words.index("compiled") + 1]))
+        times.append(float(words[-2]))
     print(f"first call: {times[0]:.1f} ms compiling, {times[1]:.1f} ms from the disk cache")
-    assert times[1] < times[0]
+    assert compiled[0] >= 1 and compiled[1] == 0, compiled
