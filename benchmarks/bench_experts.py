@@ -8,8 +8,11 @@ so the stage sees what one rank of that EP size sees at T tokens per rank (top-6
 local). For each point it times, replayed from a CUDA graph with the L2 flushed, the stage from received rows to
 rows ready for the combine (``expert_rows`` on pre-received rows, every wave in order, the layer's expert streams)
 in bf16 (``torch._grouped_mm``) and in FP8 (``fp8_experts``: DeepGEMM's grouped GEMMs where ``deep_gemm``
-imports), at each wave count. Beside them, in the same run:
+imports; the rows arrive as FP8, ``fp8_rows``, as the layer sends them), at each wave count. Beside them, in the
+same run:
 
+- ``pack_us``: the sender's quantisation of its T rows (``fp8_rows.pack_rows``, before dispatch), and
+  ``stage_bf16_rows_us``: the FP8 stage from bf16 rows (``WaveConfig.fp8_rows=False``: quantised at the stage);
 - ``deepgemm_gemms_us``: DeepGEMM's two grouped FP8 GEMMs alone on rows already sorted and quantised (the
   contiguous psum layout and the masked layout; the faster of the two): the DeepEP + DeepGEMM baseline without
   its glue (ordering, quantisation, SwiGLU, the weighted sum);
@@ -40,6 +43,7 @@ from moe_wave.experts import expert_rows  # noqa: E402
 from moe_wave.fp8 import act_quant, fp8_matmul, weight_quant  # noqa: E402
 from moe_wave.fp8_expert_kernels import aligned_capacity, aligned_groups  # noqa: E402
 from moe_wave.fp8_experts import FP8RoutedExperts, fp8_gemm_grouped_library  # noqa: E402
+from moe_wave.fp8_rows import pack_rows  # noqa: E402
 from moe_wave.probe import pre_receive, routed_only  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us, l2_flush_buffer  # noqa: E402
 from moe_wave.tools.bench import init_random_, random_inputs  # noqa: E402
@@ -126,7 +130,7 @@ GOALS = ("FP8 W=1 <= 0.60 x bf16 at 128 / 2048 tokens, <= 0.55 x at 8192 (v4-fla
 
 def table(rows: list[dict]) -> str:
     head = ["shape", "e", "T", "bf16 W1", "fp8 W1", "fp8/bf16", "DG GEMMs", "fp8/DG", "floor", "fp8/floor",
-            "bf16 W4/W1", "fp8 W4/W1"]
+            "bf16 W4/W1", "fp8 W4/W1", "pack", "fp8 bf16 rows"]
     by = {(r["shape"], r["local_experts"], r["tokens_per_rank"], r["precision"], r["num_waves"]): r for r in rows}
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for (shape, e, T) in sorted({k[:3] for k in by}, key=lambda k: (k[0], -k[1], k[2])):
@@ -141,7 +145,8 @@ def table(rows: list[dict]) -> str:
             return f"{a / b:.3f}" if a and b else "-"
         lines.append(" | ".join([shape, str(e), str(T), f"{b1:.1f}" if b1 else "-", f"{f1:.1f}" if f1 else "-",
                                  ratio(f1, b1), f"{dgu:.1f}" if dgu else "-", ratio(f1, dgu), f"{fl:.1f}" if fl else "-",
-                                 ratio(f1, fl), ratio(b4, b1), ratio(f4, f1)]))
+                                 ratio(f1, fl), ratio(b4, b1), ratio(f4, f1),
+                                 str(r1.get("pack_us", "-")), str(r1.get("stage_bf16_rows_us", "-"))]))
     return "\n".join(lines)
 
 
@@ -202,22 +207,28 @@ def main() -> int:
                 moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, symm=base.wave.symm.replace(
                     capacity=cap)))
                 got = pre_receive(moe.backend, x, ids, w, moe.plan)
+                packed = pre_receive(moe.backend, pack_rows(x), ids, w, moe.plan, combine_width=D) \
+                    if "fp8" in precs else None
                 extra = moe.streams.extra[:1]
-                for prec in precs:
-                    ex = experts[prec]
 
-                    def stage(g, ex=ex):
-                        return expert_rows(g, ex)
-                    t = median_graph_us(lambda: routed_only(stage, got, extra), dev, args.iters, flush)
+                def stage_us(ex, rows_in, fp8_rows: bool) -> float:
+                    fn = (lambda g: expert_rows(g, ex, packed=fp8_rows))
+                    return median_graph_us(lambda: routed_only(fn, rows_in, extra), dev, args.iters, flush)
+                for prec in precs:
+                    # FP8: from rows that arrived as FP8 (the layer's default, WaveConfig.fp8_rows)
+                    t = stage_us(experts[prec], packed if prec == "fp8" else got, prec == "fp8")
                     row = {"shape": shape, "local_experts": int(e), "tokens_per_rank": T, "num_waves": W,
                            "precision": prec, "stage_us": round(t, 1), "capacity": cap,
                            "floor_us": round(floor_us(prec, int(e), pairs, I, D, c), 1),
                            "copy_TBps": round(c["copy_TBps"], 3), "gemm_TFLOPs": round(c[f"{prec}_TFLOPs"], 1)}
                     if prec == "fp8":
                         row.update({k: (round(v, 1) if isinstance(v, float) else v) for k, v in dgx.items()})
+                        if W == 1:      # the sender's quantisation, and the stage from bf16 rows (fp8_rows=False)
+                            row["pack_us"] = round(median_graph_us(lambda: pack_rows(x), dev, args.iters, flush), 1)
+                            row["stage_bf16_rows_us"] = round(stage_us(experts[prec], got, False), 1)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                del moe, got
+                del moe, got, packed
             with open(path, "w") as f:          # after every token count: a run cut short keeps what it measured
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
         del base, experts

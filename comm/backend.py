@@ -20,6 +20,11 @@ stored in ``dst_TD``'s dtype (WaveMoE's last wave: the shared expert's output ad
 written in the same pass; ``out_TD`` is then scratch). ``add_TD`` is read when ``wait()`` runs, on the
 stream current then.
 
+``dispatch(..., combine_width=D)``: the rows the combine will send back are D wide where x's rows are not (rows
+that travel packed: ``moe_wave.fp8_rows``' FP8 rows + scales in a bf16 container); a backend that sizes its
+buffers ahead (symm) sizes the combine's by it. Backends copy dispatched rows and never compute on them, so any
+bytes a row holds arrive as they were sent.
+
 ``dispatch(..., local_view=True)`` lets the backend leave this rank's own rows in x instead of copying
 them into ``x_RD`` (``Received.local`` then says where they are; ``rows_of`` reads rows either way). A
 backend may ignore it (``local`` is then None).
@@ -254,6 +259,6 @@ class CommBackend(Protocol):
         ...
 
     def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int, *,
-                 local_view: bool = False) -> Pending[Received]: ...
+                 local_view: bool = False, combine_width: int | None = None) -> Pending[Received]: ...
 
     def combine(self, y_RD: torch.Tensor, handle: WaveHandle, out: CombineOut) -> Pending[None]: ...

@@ -134,9 +134,11 @@ class DeepEPBackend:
                           ids_WTK=ids_WTK, w_WTK=w_WTK)
 
     def dispatch(self, x_TD: torch.Tensor, plan: DeepEPPlan, wave: int, *,
-                 local_view: bool = False) -> Pending[Received]:
+                 local_view: bool = False, combine_width: int | None = None) -> Pending[Received]:
         if x_TD.dtype != torch.bfloat16:
             raise ValueError(f"x.dtype={x_TD.dtype}: the deepep backend moves bfloat16 rows")
+        # combine_width: DeepEP's combine takes any width (its buffer is sized for the hidden size, which packed
+        # rows do not exceed)
         ids_TK, w_TK = plan.ids_WTK[wave], plan.w_WTK[wave]
         E = plan.layout.plan.num_experts
         buf, Buffer = self.buffer, self.deep_ep.Buffer

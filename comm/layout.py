@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["WavePlan", "DispatchLayout", "compute_layout", "check_topk", "PARTITIONS", "SENDS", "PARTITION_SPECS",
-           "split_partition"]
+           "split_partition", "rows_to_peers"]
 
 PARTITIONS = ("experts", "tokens")
 SENDS = ("wave", "once")
@@ -217,3 +217,11 @@ def compute_layout(topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor, plan: Wav
                           send_weight_SK=send_weight_SK, send_counts_WP=send_counts_WP,
                           pair_counts_WPe=pair_counts_WPe, ids_min=ids_min, ids_max=ids_max, last_TP=last_TP,
                           send_last_S=send_last_S)
+
+
+def rows_to_peers(layout: DispatchLayout, rank: int) -> int:
+    """Rows that ``rank``'s dispatches send to other ranks over the whole layer, every wave (HOST SYNC: for tools
+    and tests). Its combines bring as many back: a row per (token, peer, wave) with sends "wave", one per (token,
+    peer) with "once". The bytes on the wire are these rows times a row's bytes (``WaveMoE.traffic``)."""
+    counts = layout.send_counts_WP.sum(0)
+    return int(counts.sum()) - (int(counts[rank]) if 0 <= rank < counts.numel() else 0)

@@ -224,17 +224,19 @@ class SymmBackend:
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x_TD: torch.Tensor, plan: SymmPlan, wave: int, *,
-                 local_view: bool = False) -> Pending[Received]:
+                 local_view: bool = False, combine_width: int | None = None) -> Pending[Received]:
         """See ``comm.backend``. ``local_view``: with dense blocks this rank's own rows are not copied into its
         receive block (on the GPU a same-device copy runs on the SMs, which a GEMM beside it holds):
-        ``Received.local`` names them in x instead, and the caller's consumer must read them there."""
+        ``Received.local`` names them in x instead, and the caller's consumer must read them there.
+        ``combine_width``: the width of the rows the combine sends back, where it differs from x's (packed rows)."""
         lay = plan.layout
         P, C = self.ep.size, plan.capacity
         K, D = lay.send_expert_SK.shape[1], x_TD.shape[1]
         if x_TD.shape[0] != lay.num_tokens:
             raise ValueError(f"x.shape[0]={x_TD.shape[0]}: must equal the layout's {lay.num_tokens} tokens")
         self.transport.raise_watchdog()
-        bufs = self.transport.buffers(x_TD.dtype, D, plan.num_waves, K)
+        bufs = self.transport.buffers(x_TD.dtype, D if combine_width is None else combine_width, plan.num_waves, K,
+                                      D)
         dev, cur = x_TD.device, st.current_stream(x_TD.device)
         local = (self.ep.rank * C, wave_rows(x_TD, plan, wave)) if local_view and plan.dense is not None else None
         with st.on(self.comm_stream):
@@ -280,7 +282,7 @@ class SymmBackend:
     def _start_combine(self, y_RD: torch.Tensor, handle: SymmHandle, out: CombineOut):
         plan, wave, bufs = handle.plan, handle.wave, handle.bufs
         P, me, C = self.ep.size, self.ep.rank, plan.capacity
-        D = y_RD.shape[1]
+        D = bufs.comb.shape[-1]
         R = P * C * (plan.num_waves if plan.once is not None else 1)
         if y_RD.shape != (R, D) or y_RD.dtype != bufs.comb.dtype:
             raise ValueError(f"y: shape {tuple(y_RD.shape)} dtype {y_RD.dtype}: must be {(R, D)} "

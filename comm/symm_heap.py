@@ -1,11 +1,11 @@
 """The ``symm`` backend's buffers: every allocation, collective ones first of all.
 
-Legend: P ranks, W waves, C capacity rows per (wave, peer), D hidden, M = 2K metadata int32 per row, X count
-words per rank.
+Legend: P ranks, W waves, C capacity rows per (wave, peer), D hidden, Dx the width of dispatched rows (D, or
+fewer where the rows travel packed, e.g. as FP8 + scales), M = 2K metadata int32 per row, X count words per rank.
 
 Every rank owns, in CUDA symmetric memory (``torch.distributed._symmetric_memory``):
 
-    recv_x   [W, P(src), C, D]   rows that peer ``src`` sent us in wave w
+    recv_x   [W, P(src), C, Dx]  rows that peer ``src`` sent us in wave w
     comb     [W, P(dst), C, D]   results that peer ``dst`` sent back for the rows we sent it
     recv_meta[W, P(src), C, M]   their (local expert, weight) slots, in an allocation of its own shared by every
                                  dtype and width of x, so that prepare can write this rank's own dense block
@@ -31,7 +31,7 @@ __all__ = ["Buffers", "PeerHeap", "LocalHeap"]
 
 @dataclass
 class Buffers:
-    """One rank's data buffers for one (dtype, D, W, K), with what the transport needs to reach them.
+    """One rank's data buffers for one (dtype, Dx, D, W, K), with what the transport needs to reach them.
 
     Attributes:
         recv_x, recv_meta, comb: see the module docstring.
@@ -40,8 +40,8 @@ class Buffers:
         flags: peer memory: [P] of rank p's flag rows [2W, P] int64 (see the module docstring), else None.
         targets: per wave, RowTargets of block (w, me) of every rank's (recv_x, recv_meta, comb) (peer memory,
             Triton), or of every block of the staging (x, meta, None) (emulated, Triton); else None.
-        stage: emulated transport: (x [W, P, C, D], meta [W, P, C, M]) packed locally, then exchanged.
-        pack: peer memory, copy mode with Triton: per wave (stage_x [P, C, D], stage_m [P, C, M], targets x,
+        stage: emulated transport: (x [W, P, C, Dx], meta [W, P, C, M]) packed locally, then exchanged.
+        pack: peer memory, copy mode with Triton: per wave (stage_x [P, C, Dx], stage_m [P, C, M], targets x,
             targets meta): the peers' rows packed locally, this rank's own straight into place.
         once_targets: rows crossing once per layer, Triton: the comb blocks the combine writes
             (``symm_once.home_targets``).
@@ -112,8 +112,10 @@ class PeerHeap:
             self._meta[key] = (peers[self.ep.rank], peers, hdl)
         return self._meta[key]
 
-    def buffers(self, dtype: torch.dtype, D: int, W: int, K: int) -> Buffers:
-        key = (dtype, D, W, K)
+    def buffers(self, dtype: torch.dtype, D: int, W: int, K: int, Dx: int | None = None) -> Buffers:
+        """The buffers for combined rows of D and dispatched rows of ``Dx`` (default D) elements of ``dtype``."""
+        Dx = D if Dx is None else Dx
+        key = (dtype, Dx, D, W, K)
         if key in self._data:
             return self._data[key]
         import torch.distributed._symmetric_memory as symm_mem
@@ -124,11 +126,11 @@ class PeerHeap:
             raise ValueError(f"num_waves={W}: the symm backend needs 2*W*P={2 * W * P} signal slots, the signal pad "
                              f"has {pad_slots}; use fewer waves or call symm_mem.set_signal_pad_size first")
         _, meta_peers, _ = self.meta(W, K)
-        shape_x = [W, P, C, D]
-        nx = W * P * C * D
-        data_words = -(-2 * nx * torch.empty((), dtype=dtype).element_size() // 8)    # the flags start 8-aligned
+        shape_x, shape_c = [W, P, C, Dx], [W, P, C, D]
+        nx, nc = W * P * C * Dx, W * P * C * D
+        data_words = -(-(nx + nc) * torch.empty((), dtype=dtype).element_size() // 8)   # the flags start 8-aligned
         _, hdl = self.alloc((data_words + 2 * W * P) * 8)
-        peers = [(hdl.get_buffer(p, shape_x, dtype, 0), meta_peers[p], hdl.get_buffer(p, shape_x, dtype, nx))
+        peers = [(hdl.get_buffer(p, shape_x, dtype, 0), meta_peers[p], hdl.get_buffer(p, shape_c, dtype, nx))
                  for p in range(P)]
         flags = [hdl.get_buffer(p, [2 * W, P], torch.int64, data_words) for p in range(P)]
         hdl.barrier(channel=0, timeout_ms=self.timeout_ms)
@@ -178,14 +180,16 @@ class LocalHeap:
             self._meta[key] = (torch.zeros(shape, dtype=torch.int32, device=self.ep.device), None, None)
         return self._meta[key]
 
-    def buffers(self, dtype: torch.dtype, D: int, W: int, K: int) -> Buffers:
-        key = (dtype, D, W, K)
+    def buffers(self, dtype: torch.dtype, D: int, W: int, K: int, Dx: int | None = None) -> Buffers:
+        """As ``PeerHeap.buffers``."""
+        Dx = D if Dx is None else Dx
+        key = (dtype, Dx, D, W, K)
         if key in self._data:
             return self._data[key]
         P, C, dev = self.ep.size, self.capacity, self.ep.device
-        shape_x, shape_m = [W, P, C, D], [W, P, C, 2 * K]
+        shape_x, shape_m = [W, P, C, Dx], [W, P, C, 2 * K]
         bufs = Buffers(torch.zeros(shape_x, dtype=dtype, device=dev), self.meta(W, K)[0],
-                       torch.zeros(shape_x, dtype=dtype, device=dev))
+                       torch.zeros([W, P, C, D], dtype=dtype, device=dev))
         # rows are packed into a local stage, then exchanged with one all_to_all_single (one rank: in place)
         bufs.stage = ((bufs.recv_x, bufs.recv_meta) if P == 1 else
                       (torch.zeros(shape_x, dtype=dtype, device=dev), torch.zeros(shape_m, dtype=torch.int32, device=dev)))

@@ -113,8 +113,8 @@ class PeerTransport:
     def meta(self, W: int, K: int) -> torch.Tensor:
         return self.heap.meta(W, K)[0]
 
-    def buffers(self, dtype, D: int, W: int, K: int) -> Buffers:
-        return self.heap.buffers(dtype, D, W, K)
+    def buffers(self, dtype, D: int, W: int, K: int, Dx: int | None = None) -> Buffers:
+        return self.heap.buffers(dtype, D, W, K, Dx)
 
     def write_own_meta(self, plan: SymmPlan, W: int, K: int) -> None:
         """Dense blocks: this rank's own metadata block, at prepare: the dispatch sends the peers' only."""
@@ -322,8 +322,8 @@ class EmulatedTransport:
     def meta(self, W: int, K: int) -> torch.Tensor:
         return self.heap.meta(W, K)[0]
 
-    def buffers(self, dtype, D: int, W: int, K: int) -> Buffers:
-        return self.heap.buffers(dtype, D, W, K)
+    def buffers(self, dtype, D: int, W: int, K: int, Dx: int | None = None) -> Buffers:
+        return self.heap.buffers(dtype, D, W, K, Dx)
 
     def write_own_meta(self, plan: SymmPlan, W: int, K: int) -> None:
         """Nothing to do: the staging carries this rank's own block with the others."""

@@ -132,7 +132,7 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x_TD: torch.Tensor, plan: TorchPlan, wave: int, *,
-                 local_view: bool = False) -> Pending[Received]:
+                 local_view: bool = False, combine_width: int | None = None) -> Pending[Received]:
         lay = plan.layout
         K = lay.send_expert_SK.shape[1]
         lo, hi = plan.send_offsets[wave], plan.send_offsets[wave + 1]

@@ -30,9 +30,9 @@ from bench_common import report  # noqa: E402
 from moe_wave import MoEConfig, WaveConfig, WaveMoE  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.comm.options import SymmOptions  # noqa: E402
-from moe_wave.probe import pre_receive, routed_only  # noqa: E402
+from moe_wave.probe import routed_only  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us, l2_flush_buffer  # noqa: E402
-from moe_wave.tools.bench import init_random_, random_inputs  # noqa: E402
+from moe_wave.tools.bench import init_random_, pre_receive, random_inputs  # noqa: E402
 
 
 def kernels(prof) -> dict:
@@ -88,7 +88,7 @@ def main() -> int:
                        max(128, fullest_cell_capacity(base, ids, w, W, sends=sends)))
                 moe = base.rescheduled(WaveConfig(backend="symm", num_waves=W, sends=sends,
                                                   symm=base.wave.symm.replace(capacity=cap)))
-                got = pre_receive(moe.backend, x, ids, w, moe.plan)
+                got = pre_receive(moe, x, ids, w)       # the rows as the layer sends them (FP8 rows included)
                 extra = moe.streams.extra[:args.expert_streams - 1]
                 replay = as_graph(lambda i: routed_only(moe.routed_rows, got, extra), dev)[0]
                 times[W] = statistics.median(iteration_us(replay, args.iters, 3, device=dev, flush=flush))

@@ -200,8 +200,10 @@ def calibrate(moe, x_TD, ids_TK, w_TK, iters: int = 5, warmup: int = 1) -> tuple
     """Fit the cost model on this batch (every rank together). Returns (model, max_waves)."""
     max_waves = max_waves_of(moe)
     Wc = min(4, max_waves)
-    t = probe_times(moe.backend, moe.routed_rows, x_TD, ids_TK, w_TK, [_plan(moe, W) for W in dict.fromkeys((1, Wc))],
-                    ep=moe.ep, iters=iters, warmup=warmup)
+    x_send, width = moe.wire(x_TD)      # the rows as the layer sends them (FP8 rows included)
+    t = probe_times(moe.backend, moe.routed_rows, x_send, ids_TK, w_TK,
+                    [_plan(moe, W) for W in dict.fromkeys((1, Wc))], ep=moe.ep, iters=iters, warmup=warmup,
+                    combine_width=width)
     if Wc == 1:
         return WaveTimeModel(fixed_us=t.fixed_us, comm_us=max(0.0, (t.comm_us[1] - t.fixed_us) / 2), comm_op_us=0.0,
                          compute_us=t.compute_us[1], compute_wave_us=0.0), 1

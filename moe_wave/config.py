@@ -133,6 +133,9 @@ class WaveConfig:
             tail of the last one's; 1: the caller's stream only). The result is the same bit for bit. Two streams
             bring the routed experts of W waves close to one wave's time (benchmarks/results/experts.md; the
             layer's timings: benchmarks/results/moe.md).
+        fp8_rows: with FP8 experts (``WaveMoE.quantize_fp8``) and bf16 activations, rows are quantised once before
+            dispatch and travel as FP8 + scales (``moe_wave.fp8_rows``: 0.52 x the bytes of a bf16 row; the same
+            result bit for bit), True, the default; False sends bf16 rows and quantises them at the expert stage.
         symm: the symm backend's options (``moe_wave.comm.options.SymmOptions``: capacity, data mode, dense
             blocks, signal, timeouts, kernel tuning).
         autowave_cache: num_waves="auto": where the calibrated choices persist, a ``.json`` file or a folder
@@ -150,6 +153,7 @@ class WaveConfig:
     shared_tail_chunks: int = 1
     grouped_mm: str = "auto"
     expert_streams: int = 2
+    fp8_rows: bool = True
     symm: SymmOptions = field(default_factory=SymmOptions)
     autowave_cache: str | None = None
 
@@ -178,8 +182,9 @@ class WaveConfig:
         if isinstance(self.expert_streams, bool) or not isinstance(self.expert_streams, int) \
                 or not 1 <= self.expert_streams <= 4:
             raise ValueError(f"WaveConfig.expert_streams={self.expert_streams!r}: must be an int in [1, 4]")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"WaveConfig.overlap={self.overlap!r}: must be True or False")
+        for name in ("overlap", "fp8_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"WaveConfig.{name}={getattr(self, name)!r}: must be True or False")
         if not isinstance(self.symm, SymmOptions):
             raise ValueError(f"WaveConfig.symm={self.symm!r}: must be a moe_wave.comm.options.SymmOptions")
 

@@ -104,11 +104,33 @@ class RoutedExperts(nn.Module):
         return out
 
 
-def expert_rows(got: Received, experts: nn.Module) -> torch.Tensor:
+def expert_rows(got: Received, experts: nn.Module, *, packed: bool = False) -> torch.Tensor:
     """Apply the local experts to one wave's received rows (``comm.backend.Received``): y[r] = sum_k w[r,k] *
-    expert_{id[r,k]}(x[r]), [R, D] in x's dtype (see ``_stage``)."""
-    return _stage(got.x_RD, got.expert_RK, got.weight_RK, experts, got.pairs_e, got.pairs_e_dev, got.local,
-                  got.rows_P, got.once)
+    expert_{id[r,k]}(x[r]), [R, D] in x's dtype (see ``_stage``). ``packed``: the rows arrived as FP8 rows
+    (``moe_wave.fp8_rows``, FP8 experts): the FP8 stage takes them as they are, any other path reads them
+    dequantised (exactly: the same products); y is bf16 then."""
+    x_RD, local = got.x_RD, got.local
+    if packed:
+        fused = getattr(experts, "fused_stage", None)
+        if fused is not None and got.once is None and got.pairs_e_dev is not None and experts.num_local:
+            offs = _group_ends(got.pairs_e_dev, *got.expert_RK.shape)
+            y = fused(x_RD, got.expert_RK, got.weight_RK, offs, local, got.rows_P, packed=True)
+            if y is not None:
+                return y
+        from .fp8_rows import dequant_rows
+
+        D = experts.cfg.hidden_size
+        x_RD = dequant_rows(x_RD, D)
+        local = None if local is None else (local[0], dequant_rows(local[1], D))
+    return _stage(x_RD, got.expert_RK, got.weight_RK, experts, got.pairs_e, got.pairs_e_dev, local, got.rows_P,
+                  got.once)
+
+
+def _group_ends(pairs_e_dev: torch.Tensor, R: int, K: int) -> torch.Tensor:
+    """int32 [e] cumulative group ends from the device counts, clamped to the R*K slots (a capacity overflow,
+    reported later, must not send a group past them). Built on the device: from a host list it would be a
+    pageable host-to-device copy, which synchronises the host with the stream once per wave."""
+    return pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32)
 
 
 def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
@@ -132,10 +154,7 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
     """
     R, K = expert_RK.shape
     e = experts.num_local
-    # Group offsets from the device counts: building them from the host list would be a pageable
-    # host-to-device copy, which synchronises the host with the stream once per wave.
-    # (clamped to the R*K rows: a capacity overflow, reported later, must not send a group past them)
-    offs = pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32) if pairs_e_dev is not None else None
+    offs = _group_ends(pairs_e_dev, R, K) if pairs_e_dev is not None else None
     if once is not None:
         if offs is None or pairs_e is not None:
             raise ValueError("expert_rows: once= needs device counts only (pairs_e=None, pairs_e_dev given)")

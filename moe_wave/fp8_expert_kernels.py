@@ -12,12 +12,16 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
     quant_pairs(x_RD, pos_RK, JA)          q [JA, D] e4m3 and s [D/128, JA] fp32 (``moe_wave.fp8``'s activation
                                            format): each received row read once, quantised per 128 channels and
                                            written to the rows of its local pairs
+    gather_pairs(p_RW, D, pos_RK, JA)      the same from rows that arrived quantised (``fp8_rows``' packed rows):
+                                           each pair's e4m3 row and scales copied, no arithmetic
     swiglu_quant(gu_J2I, pos_RK, limit)    the V4 SwiGLU (gate clamped from above, up both ways) of each pair's
                                            row in fp32, quantised the same way for the second GEMM: hq [JA, I],
                                            hs [I/128, JA]
 
 Each has a torch twin (``*_torch``) with the same bits; tests/test_fp8_experts.py compares them on CPU under
-``TRITON_INTERPRET=1``. The kernels' grids are capped by the SM count and loop over the rows.
+``TRITON_INTERPRET=1``. The kernels' grids are capped by the SM count and loop over the rows; a row's K
+positions are loaded once, each step takes several 128-channel blocks, and a step's results go to every pair of
+the row in one masked store.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .fp8 import BLOCK, FP8, act_quant_torch
 
-__all__ = ["ALIGN", "aligned_groups", "quant_pairs", "quant_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
-           "aligned_capacity"]
+__all__ = ["ALIGN", "aligned_groups", "quant_pairs", "quant_pairs_torch", "gather_pairs", "gather_pairs_torch",
+           "swiglu_quant", "swiglu_quant_torch", "aligned_capacity"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
@@ -69,6 +73,22 @@ def quant_pairs_torch(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
     return q, s
 
 
+def gather_pairs_torch(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int,
+                       local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_pairs`` by torch ops (unused rows zeros)."""
+    from .fp8_rows import unpack_rows
+
+    R, K = pos_RK.shape
+    q = torch.zeros(JA, D, dtype=FP8, device=p_RW.device)
+    s = torch.zeros(D // BLOCK, JA, dtype=torch.float32, device=p_RW.device)
+    ok = pos_RK >= 0
+    r = torch.arange(R, device=p_RW.device)[:, None].expand(R, K)[ok]
+    p = pos_RK[ok]
+    q_R, s_R = unpack_rows(rows_of(p_RW, r, local), D)
+    q[p], s[:, p] = q_R, s_R.t()
+    return q, s
+
+
 def swiglu_quant_torch(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``swiglu_quant`` by torch ops (unused rows zeros)."""
     JA, I2 = gu_J2I.shape
@@ -95,6 +115,29 @@ def _check_pos(pos_RK: torch.Tensor, R: int) -> torch.Tensor:
     return pos_RK.contiguous()
 
 
+def _blocks_per_step(C: int, most: int) -> int:
+    """128-channel blocks a kernel step takes: the largest power of two <= most that divides C / 128."""
+    nb = 1
+    while nb * 2 <= most and (C // BLOCK) % (nb * 2) == 0:
+        nb *= 2
+    return nb
+
+
+def _rows_to_pairs(src: tuple, row0: int, loc: tuple | None, pos: torch.Tensor, R: int, D: int, JA: int,
+                   packed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.empty(JA, D, dtype=FP8, device=device)
+    s = torch.empty(D // BLOCK, JA, dtype=torch.float32, device=device)
+    if R and D:
+        L = 0 if loc is None else loc[0].shape[0]
+        loc = src if not L else loc
+        K = pos.shape[1]
+        _pairs_kernel[(_grid(R, device),)](
+            src[0], src[1], src[0].stride(0), src[1].stride(0), loc[0], loc[1], loc[0].stride(0), loc[1].stride(0),
+            row0, L, pos, q, s, R, K, D, JA, KP=triton.next_power_of_2(K), NB=_blocks_per_step(D, 8), PACKED=packed,
+            INTERP=interpreting(), num_warps=8)
+    return q, s
+
+
 def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
                 local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [JA, D] e4m3, s [D/128, JA] fp32): row pos[r, k] of q is x[r] quantised per 128 channels (pow2 scales,
@@ -104,17 +147,26 @@ def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
     if D % BLOCK:
         raise ValueError(f"quant_pairs: D={D} must be a multiple of {BLOCK}")
     pos = _check_pos(pos_RK, R)
-    q = torch.empty(JA, D, dtype=FP8, device=x_RD.device)
-    s = torch.empty(D // BLOCK, JA, dtype=torch.float32, device=x_RD.device)
-    row0, loc = (0, x_RD[:0]) if local is None else local
-    if loc.numel() and (loc.shape[1] != D or loc.dtype != x_RD.dtype or loc.stride(0) != D):
-        raise ValueError(f"quant_pairs: local rows {tuple(loc.shape)} {loc.dtype} must be contiguous [L, {D}] "
-                         f"{x_RD.dtype} rows")
-    if R and D:
-        _quant_pairs_kernel[(_grid(R, x_RD.device),)](
-            x_RD.contiguous(), loc if loc.numel() else x_RD, row0, loc.shape[0], pos, q, s, R, pos.shape[1], D, JA,
-            INTERP=interpreting(), num_warps=4)
-    return q, s
+    row0, loc = (0, None) if local is None or not local[1].numel() else local
+    if loc is not None and (loc.shape[1] != D or loc.dtype != x_RD.dtype or loc.stride(1) != 1):
+        raise ValueError(f"quant_pairs: local rows {tuple(loc.shape)} {loc.dtype} must be [L, {D}] {x_RD.dtype} "
+                         f"rows with unit channel stride")
+    x = x_RD if x_RD.stride(1) == 1 else x_RD.contiguous()
+    return _rows_to_pairs((x, x), row0, None if loc is None else (loc, loc), pos, R, D, JA, False, x_RD.device)
+
+
+def gather_pairs(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int,
+                 local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_pairs`` for rows that arrived quantised (``fp8_rows``' packed rows of D channels, [R, Dw] bf16):
+    each pair's row of q and column of s copied from its row's e4m3 values and scales, no arithmetic. ``local``
+    = (row0, packed rows [L, Dw]) as ``Received.local``."""
+    from .fp8_rows import unpack_rows
+
+    R = p_RW.shape[0]
+    pos = _check_pos(pos_RK, R)
+    row0, loc = (0, None) if local is None or not local[1].numel() else local
+    return _rows_to_pairs(unpack_rows(p_RW, D), row0, None if loc is None else unpack_rows(loc, D), pos, R, D, JA,
+                          True, p_RW.device)
 
 
 def swiglu_quant(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +182,10 @@ def swiglu_quant(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tu
     hq = torch.empty(JA, I, dtype=FP8, device=gu_J2I.device)
     hs = torch.empty(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
     if R and I:
-        _swiglu_quant_kernel[(_grid(R, gu_J2I.device),)](gu_J2I, pos, hq, hs, R, pos.shape[1], I, JA, float(limit),
-                                                          CLAMP=limit > 0, INTERP=interpreting(), num_warps=4)
+        K = pos.shape[1]
+        _swiglu_quant_kernel[(_grid(R, gu_J2I.device),)](
+            gu_J2I, pos, hq, hs, R, K, I, JA, float(limit), KP=triton.next_power_of_2(K), NB=_blocks_per_step(I, 4),
+            CLAMP=limit > 0, INTERP=interpreting(), num_warps=8)
     return hq, hs
 
 
@@ -139,56 +193,68 @@ if triton is not None:
     from .fp8 import e4m3_rne, pow2_scale_bits
 
     @triton.jit
-    def _quant_block(v, INTERP: tl.constexpr):
-        # (q e4m3 [128], s fp32) of one 128-channel block in fp32: moe_wave.fp8's activation format
-        sbits, ibits = pow2_scale_bits(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-4))
-        z = v * ibits.to(tl.float32, bitcast=True)
+    def _quant_tile(v, KP: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr):
+        # (q e4m3, s fp32 [KP, NB]) of a [KP, NB * 128] fp32 tile: one pow2 scale per row and 128 channels
+        # (moe_wave.fp8's activation format)
+        v3 = tl.reshape(v, [KP, NB, 128])
+        sbits, ibits = pow2_scale_bits(tl.maximum(tl.max(tl.abs(v3), axis=2), 1e-4))
+        z = v3 * ibits.to(tl.float32, bitcast=True)[:, :, None]
         if INTERP:                      # the interpreter's float8 cast is off (fp8.e4m3_rne)
             q = e4m3_rne(z)
         else:
             q = z.to(tl.float8e4nv)
-        return q, sbits.to(tl.float32, bitcast=True)
+        return tl.reshape(q, [KP, NB * 128]), sbits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _quant_pairs_kernel(x_ptr, loc_ptr, ROW0, L, pos_ptr, q_ptr, s_ptr, R, K, D, JA, INTERP: tl.constexpr):
-        # rows r = pid, pid + programs, ...: a row with a local pair is read once per 128-channel block and its
-        # quantised block stored at each of its pairs' rows
-        c = tl.arange(0, 128)
+    def _pairs_kernel(q_src, s_src, sq_row, ss_row, q_loc, s_loc, lq_row, ls_row, ROW0, L, pos_ptr, q_ptr, s_ptr,
+                      R, K, D, JA, KP: tl.constexpr, NB: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr):
+        # rows r = pid, pid + programs, ...: the row's K positions loaded once; a row with a local pair is read
+        # once, NB 128-channel blocks a step, and each step's e4m3 values and scales stored at every pair's row in
+        # one masked store. PACKED: the source holds e4m3 values (q_src) and scales (s_src) already (fp8_rows);
+        # else q_src is the bf16 rows, quantised here. Rows ROW0 .. ROW0 + L - 1 come from the *_loc pointers.
+        kk = tl.arange(0, KP)
+        c = tl.arange(0, NB * 128)
+        nb = tl.arange(0, NB)
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr
-            has = tl.zeros([], tl.int32)
-            for k in range(K):
-                has = has | (tl.load(pos_ptr + r * K + k) >= 0).to(tl.int32)
-            if has != 0:
+            p = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
+            ok = p >= 0
+            if tl.max(ok.to(tl.int32), axis=0) != 0:
                 if (r >= ROW0) & (r < ROW0 + L):
-                    base = loc_ptr + (r - ROW0) * D
+                    qb = q_loc + (r - ROW0) * lq_row
+                    sb = s_loc + (r - ROW0) * ls_row
                 else:
-                    base = x_ptr + r * D
-                for d0 in range(0, D, 128):
-                    q, s = _quant_block(tl.load(base + d0 + c).to(tl.float32), INTERP)
-                    for k in range(K):
-                        p = tl.load(pos_ptr + r * K + k)
-                        if p >= 0:
-                            tl.store(q_ptr + p * D + d0 + c, q)
-                            tl.store(s_ptr + (d0 // 128) * JA + p, s)
+                    qb = q_src + r * sq_row
+                    sb = s_src + r * ss_row
+                for d0 in range(0, D, NB * 128):
+                    if PACKED:
+                        q = tl.load(qb + d0 + c)[None, :]
+                        sc = tl.load(sb + d0 // 128 + nb)[None, :]
+                    else:
+                        q, sc = _quant_tile(tl.load(qb + d0 + c).to(tl.float32)[None, :], 1, NB, INTERP)
+                    tl.store(q_ptr + p[:, None] * D + d0 + c[None, :], q, mask=ok[:, None])
+                    tl.store(s_ptr + (d0 // 128 + nb[None, :]).to(tl.int64) * JA + p[:, None], sc, mask=ok[:, None])
 
     @triton.jit
-    def _swiglu_quant_kernel(gu_ptr, pos_ptr, hq_ptr, hs_ptr, R, K, I, JA, limit, CLAMP: tl.constexpr,
-                             INTERP: tl.constexpr):
-        # the pairs of rows r = pid, pid + programs, ...: each pair's gate/up row turned and quantised per 128
-        c = tl.arange(0, 128)
+    def _swiglu_quant_kernel(gu_ptr, pos_ptr, hq_ptr, hs_ptr, R, K, I, JA, limit, KP: tl.constexpr,
+                             NB: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
+        # the pairs of rows r = pid, pid + programs, ...: the row's K positions loaded once, then NB 128-channel
+        # blocks of every pair's gate / up rows a step, turned and quantised as one [KP, NB * 128] tile
+        kk = tl.arange(0, KP)
+        c = tl.arange(0, NB * 128)
+        nb = tl.arange(0, NB)
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr
-            for k in range(K):
-                p = tl.load(pos_ptr + r * K + k)
-                if p >= 0:
-                    row = gu_ptr + p * 2 * I
-                    for i0 in range(0, I, 128):
-                        gate = tl.load(row + i0 + c).to(tl.float32)
-                        up = tl.load(row + I + i0 + c).to(tl.float32)
-                        if CLAMP:
-                            gate = tl.minimum(gate, limit)
-                            up = tl.minimum(tl.maximum(up, -limit), limit)
-                        q, s = _quant_block(gate / (1.0 + tl.exp(-gate)) * up, INTERP)
-                        tl.store(hq_ptr + p * I + i0 + c, q)
-                        tl.store(hs_ptr + (i0 // 128) * JA + p, s)
+            p = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
+            ok = p >= 0
+            if tl.max(ok.to(tl.int32), axis=0) != 0:
+                row = gu_ptr + p[:, None] * 2 * I + c[None, :]
+                for i0 in range(0, I, NB * 128):
+                    gate = tl.load(row + i0, mask=ok[:, None], other=0.0).to(tl.float32)
+                    up = tl.load(row + I + i0, mask=ok[:, None], other=0.0).to(tl.float32)
+                    if CLAMP:
+                        gate = tl.minimum(gate, limit)
+                        up = tl.minimum(tl.maximum(up, -limit), limit)
+                    q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, KP, NB, INTERP)
+                    tl.store(hq_ptr + p[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
+                    tl.store(hs_ptr + (i0 // 128 + nb[None, :]).to(tl.int64) * JA + p[:, None], sc, mask=ok[:, None])

@@ -14,7 +14,8 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
 
 - ``fp8_fused_rows`` (a Hopper GPU with ``deep_gemm``, device counts): one ordering of the pairs into the aligned
   expert-major layout (``expert_order`` with group starts rounded up to DeepGEMM's 128-row blocks), one kernel
-  that reads each received row once and writes its FP8 rows and scales there (``quant_pairs``), DeepGEMM's
+  that reads each received row once and writes its FP8 rows and scales there (``quant_pairs``; rows that
+  travelled as FP8, ``fp8_rows``, are copied there as they are: ``gather_pairs``), DeepGEMM's
   ``m_grouped_fp8_gemm_nt_contiguous`` with the group ends as its psum layout (the counts stay on the device: a
   CUDA graph replays it), SwiGLU + clamps + requant in one kernel (``swiglu_quant``), the second grouped GEMM into
   bf16 rows, and the weighted sum.
@@ -156,11 +157,12 @@ class FP8RoutedExperts(nn.Module):
         h_q, hs = _gate_up_act(x_MD, self.gate_up[j], self.gate_up_scale[j], self.cfg.swiglu_limit)
         return fp8_matmul(h_q, hs, self.down[j], self.down_scale[j], torch.bfloat16)
 
-    def fused_stage(self, x_RD, expert_RK, weight_RK, offs, local=None, rows_P=None) -> torch.Tensor | None:
+    def fused_stage(self, x_RD, expert_RK, weight_RK, offs, local=None, rows_P=None,
+                    packed: bool = False) -> torch.Tensor | None:
         """``expert_rows``' stage on DeepGEMM (``fp8_fused_rows``) where it runs (``fp8_fused_ok``), else None."""
         if not fp8_fused_ok(x_RD, self):
             return None
-        return fp8_fused_rows(x_RD, expert_RK, weight_RK, self, offs, local, rows_P)
+        return fp8_fused_rows(x_RD, expert_RK, weight_RK, self, offs, local, rows_P, packed=packed)
 
     def forward(self, x_ND: torch.Tensor, counts_e: list | None, offs_e: torch.Tensor | None = None) -> torch.Tensor:
         if counts_e is None:
@@ -241,11 +243,12 @@ def fp8_fused_ok(x_RD: torch.Tensor, experts: nn.Module) -> bool:
 
 
 def fp8_fused_rows(x_RD, expert_RK, weight_RK, experts: FP8RoutedExperts, offs, local=None, rows_P=None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """``expert_rows`` for FP8 experts on DeepGEMM (see the module docstring); [R, D] in x's dtype. ``offs``: the
-    device cumulative group ends (int32 [e])."""
+                   out: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
+    """``expert_rows`` for FP8 experts on DeepGEMM (see the module docstring); [R, D] in x's dtype (bf16 for
+    ``packed`` rows: x_RD holds ``fp8_rows``' FP8 rows, copied into the layout as they are). ``offs``: the device
+    cumulative group ends (int32 [e])."""
     from .expert_kernels import expert_order, weighted_sum
-    from .fp8_expert_kernels import ALIGN, aligned_capacity, aligned_groups, quant_pairs, swiglu_quant
+    from .fp8_expert_kernels import ALIGN, aligned_capacity, aligned_groups, gather_pairs, quant_pairs, swiglu_quant
 
     dg = _deep_gemm_grouped(x_RD.device)
     if dg.get_mk_alignment_for_contiguous_layout() != ALIGN:
@@ -256,7 +259,7 @@ def fp8_fused_rows(x_RD, expert_RK, weight_RK, experts: FP8RoutedExperts, offs, 
     JA = aligned_capacity(R * K, experts.num_local)
     starts, ends = aligned_groups(offs)
     _, pos = expert_order(expert_RK, experts.num_local, offs, rows_P, starts_e=starts, capacity=JA)
-    q, s = quant_pairs(x_RD, pos, JA, local)
+    q, s = gather_pairs(x_RD, D, pos, JA, local) if packed else quant_pairs(x_RD, pos, JA, local)
     gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, ends,
                                         use_psum_layout=True)
@@ -264,4 +267,4 @@ def fp8_fused_rows(x_RD, expert_RK, weight_RK, experts: FP8RoutedExperts, offs, 
     y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
     dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, ends,
                                         use_psum_layout=True)
-    return weighted_sum(y, pos, weight_RK, ends[-1:], x_RD.dtype, rows_P, out=out)
+    return weighted_sum(y, pos, weight_RK, ends[-1:], torch.bfloat16 if packed else x_RD.dtype, rows_P, out=out)

@@ -20,12 +20,13 @@ from moe_wave.comm import EPGroup
 from moe_wave.comm import streams as st
 from moe_wave.comm.factory import shared_backend, shared_streams
 from moe_wave.comm.header import CallHeader, HeaderMismatch
-from moe_wave.comm.layout import WavePlan, compute_layout
+from moe_wave.comm.layout import WavePlan, compute_layout, rows_to_peers
 
 from . import autowave
 from .config import MoEConfig, WaveConfig, require_hf
 from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
 from .fp8_experts import FP8RoutedExperts, FP8SharedExpert
+from .fp8_rows import pack_rows, packed_width
 from .graphs import BucketGraphs, graph_capable
 from .pipeline import run_waves
 from .profiling import annotate
@@ -56,7 +57,7 @@ def _check_agree(ep: EPGroup, cfg: MoEConfig, wave: WaveConfig, dtype: torch.dty
         "WaveConfig (num_waves, experts_per_wave, partition, sends, backend, overlap, shared_placement)":
             (wave.num_waves, wave.experts_per_wave, wave.partition, wave.sends, wave.backend, wave.overlap,
              wave.shared_placement),
-        "WaveConfig.expert_streams": wave.expert_streams,
+        "WaveConfig.expert_streams": wave.expert_streams, "WaveConfig.fp8_rows": wave.fp8_rows,
         "SymmOptions": wave.symm, "dtype": str(dtype)})
 
 
@@ -264,9 +265,23 @@ class WaveMoE(nn.Module):
         with annotate("router"):
             return self.gate(x_TD, input_ids)
 
+    @property
+    def packs_rows(self) -> bool:
+        """Whether rows travel as FP8 (``WaveConfig.fp8_rows``, FP8 experts, bf16 activations)."""
+        return self.wave.fp8_rows and self.fp8 and self.gate.weight.dtype == torch.bfloat16
+
+    def wire(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """(the rows the dispatches send for x_TD, the combine's row width where it differs from theirs): x_TD and
+        None, or where rows travel as FP8 (``packs_rows``) ``fp8_rows.pack_rows(x_TD)`` (quantised once for every
+        wave and peer) and D."""
+        if not self.packs_rows:
+            return x_TD, None
+        with annotate("pack_rows"):
+            return pack_rows(x_TD), x_TD.shape[1]
+
     def routed_rows(self, got) -> torch.Tensor:
         """Expert compute for one wave's received rows (local; never communicates)."""
-        return expert_rows(got, self.experts)
+        return expert_rows(got, self.experts, packed=self.packs_rows)
 
     @torch.no_grad()
     def capture_graphs(self, buckets, overlaps=(True,)) -> "WaveMoE":
@@ -319,6 +334,23 @@ class WaveMoE(nn.Module):
         self.calls += 1
         return self._forward_routed(x_TD, ids_TK, w_TK, overlap=overlap, num_valid=num_valid)
 
+    @torch.no_grad()
+    def traffic(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> dict:
+        """What one forward of x moves between this rank and the others (counted from its layout; local, HOST
+        SYNC: for tools and tests): ``rows`` (rows dispatched to other ranks over every wave; the combines return as
+        many), ``row_bytes`` (a dispatched row on the wire: its values, bf16 or ``fp8_rows``' FP8 + scales, plus
+        the K (expert id, weight) slots), ``back_bytes`` (a returned row), ``dispatch_bytes``, ``combine_bytes``
+        and ``bytes``, their sum. With sends "once" the rows are W = 1's at every W."""
+        x_TD = self._check_input(x)
+        ids_TK, w_TK = self.route(x_TD, input_ids)
+        plan = self.plan if not self._auto_pending else WavePlan.make(
+            num_ranks=self.ep.size, num_local_experts=self.num_local, num_waves=1, partition=self.wave.partition)
+        rows = rows_to_peers(compute_layout(ids_TK, w_TK, plan), self.ep.rank)
+        D, K, elt = x_TD.shape[1], self.cfg.top_k, x_TD.element_size()
+        row = (2 * packed_width(D) if self.packs_rows else D * elt) + 8 * K
+        return {"rows": rows, "row_bytes": row, "back_bytes": D * elt, "dispatch_bytes": rows * row,
+                "combine_bytes": rows * D * elt, "bytes": rows * (row + D * elt)}
+
     def header(self, x_TD: torch.Tensor, overlap: bool) -> CallHeader:
         """This call's header (``moe_wave.comm.header``), checked across ranks by the count exchange."""
         return CallHeader(kind="WaveMoE.forward", module=self.number, call=self.calls, overlap=bool(overlap),
@@ -345,7 +377,8 @@ class WaveMoE(nn.Module):
         # the last wave's combine sums its rows, adds shared(x) (fp32) and writes the result in x's dtype in
         # one pass: the same fp32 operations as accumulating, adding and casting one after another
         out_TD = torch.empty_like(x_TD)
-        return run_waves(x_TD, xplan, self.backend, self.routed_rows, acc_TD, overlap=overlap, hooks=shared,
+        x_send, width = self.wire(x_TD)
+        return run_waves(x_send, xplan, self.backend, self.routed_rows, acc_TD, overlap=overlap, hooks=shared,
                          fresh=True, add_TD=shared.out if shared is not None else None, dst_TD=out_TD,
                          local_view=True,    # routed_rows reads this rank's own rows where they are
-                         expert_streams=self.streams.extra[:self.wave.expert_streams - 1])
+                         expert_streams=self.streams.extra[:self.wave.expert_streams - 1], combine_width=width)

@@ -61,7 +61,8 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
               expert_fn: Callable[[Received], torch.Tensor], out_TD: torch.Tensor, *,
               overlap: bool = True, hooks: PipelineHooks | None = None, fresh: bool = False,
               add_TD: torch.Tensor | None = None, dst_TD: torch.Tensor | None = None,
-              local_view: bool = False, expert_streams: tuple = ()) -> torch.Tensor:
+              local_view: bool = False, expert_streams: tuple = (),
+              combine_width: int | None = None) -> torch.Tensor:
     """Run every wave; ``out_TD`` (fp32) receives sum_k w_k * expert_k(x) per token: added to what it
     holds, or, with ``fresh``, written over it (wave 0 combines with accumulate=False, so out_TD may
     come from ``torch.empty``). The last wave's sum adds ``add_TD`` and goes to ``dst_TD`` (see
@@ -69,8 +70,12 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
     ``hooks.before_last_wait()`` runs just before the last combine's wait (``add_TD`` is read then).
     ``local_view``: the dispatches may leave this rank's own rows in x (``Received.local``; ``expert_fn``
     must read rows with ``comm.backend.rows_of`` or honour ``local`` itself). ``expert_streams``: more
-    streams the expert stages take turns on (pipelined schedule only; see the module docstring)."""
+    streams the expert stages take turns on (pipelined schedule only; see the module docstring).
+    ``combine_width``: the width of ``expert_fn``'s rows where x's rows travel packed (``comm.backend``)."""
     W = plan.num_waves
+
+    def dispatch(w: int):
+        return backend.dispatch(x_TD, plan, w, local_view=local_view, combine_width=combine_width)
 
     def combine(w: int, y_RD, handle):
         last = w == W - 1
@@ -86,7 +91,7 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
     if not overlap:
         for w in range(W):
             with annotate(f"wave{w}.dispatch"):
-                got = backend.dispatch(x_TD, plan, w, local_view=local_view).wait()
+                got = dispatch(w).wait()
             with annotate(f"wave{w}.experts"):
                 y_RD = expert_fn(got)
             if w == W - 1 and hooks is not None:
@@ -96,10 +101,10 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
         return out_TD if dst_TD is None else dst_TD
 
     with annotate("wave0.dispatch"):
-        dispatches = {0: backend.dispatch(x_TD, plan, 0, local_view=local_view)}
+        dispatches = {0: dispatch(0)}
     if W > 1:
         with annotate("wave1.dispatch"):
-            dispatches[1] = backend.dispatch(x_TD, plan, 1, local_view=local_view)
+            dispatches[1] = dispatch(1)
     turns = fork_turns(x_TD.device, expert_streams if W > 1 else ())
     combines = []
     for w in range(W):
@@ -113,7 +118,7 @@ def run_waves(x_TD: torch.Tensor, plan: ExchangePlan, backend: CommBackend,
                 combines.append(combine(w, y_RD, got.handle))
             if w + 2 < W:
                 with annotate(f"wave{w + 2}.dispatch"):
-                    dispatches[w + 2] = backend.dispatch(x_TD, plan, w + 2, local_view=local_view)
+                    dispatches[w + 2] = dispatch(w + 2)
     join_turns(x_TD.device, turns)
     for w, c in enumerate(combines):
         wait(w, c)

@@ -42,24 +42,30 @@ def _identity(got: Received) -> torch.Tensor:
 
 
 def comm_only(backend: CommBackend, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
-              plan: WavePlan) -> torch.Tensor:
+              plan: WavePlan, combine_width: int | None = None) -> torch.Tensor:
     """Layout, count exchange, every wave's dispatch and combine; no expert compute. Returns the fp32
-    sum of the received rows sent back (x times the routing weights)."""
+    sum of the received rows sent back (x times the routing weights). ``combine_width``: x's rows are packed
+    (``WaveMoE.wire``): the rows sent back are that wide, as allocated (no compute), and the sum means nothing."""
     with annotate("layout"):
         layout = compute_layout(ids_TK, w_TK, plan)
     with annotate("prepare"):
         xplan = backend.prepare(layout)
-    out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-    return run_waves(x_TD, xplan, backend, _identity, out_TD, overlap=True)
+    if combine_width is None:
+        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+        return run_waves(x_TD, xplan, backend, _identity, out_TD, overlap=True)
+    out_TD = torch.zeros(x_TD.shape[0], combine_width, dtype=torch.float32, device=x_TD.device)
+    return run_waves(x_TD, xplan, backend, lambda got: got.x_RD.new_empty(got.x_RD.shape[0], combine_width), out_TD,
+                     overlap=True, combine_width=combine_width)
 
 
 def pre_receive(backend: CommBackend, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
-                plan: WavePlan) -> list[Received]:
-    """Every wave's received rows, copied: fixed-buffer backends reuse their receive buffers."""
+                plan: WavePlan, combine_width: int | None = None) -> list[Received]:
+    """Every wave's received rows, copied: fixed-buffer backends reuse their receive buffers. ``combine_width``:
+    as ``comm_only``'s (the buffers then sized for packed rows out, rows of that width back)."""
     xplan = backend.prepare(compute_layout(ids_TK, w_TK, plan))
     got = []
     for w in range(xplan.num_waves):
-        r = backend.dispatch(x_TD, xplan, w).wait()
+        r = backend.dispatch(x_TD, xplan, w, combine_width=combine_width).wait()
         got.append(dataclasses.replace(r, x_RD=r.x_RD.clone(), expert_RK=r.expert_RK.clone(),
                                        weight_RK=r.weight_RK.clone()))
     return got
@@ -96,17 +102,19 @@ class ProbeTimes:
 
 @torch.no_grad()
 def probe_times(backend: CommBackend, expert_fn: ExpertFn, x_TD: torch.Tensor, ids_TK: torch.Tensor,
-                w_TK: torch.Tensor, plans: list[WavePlan], *, ep, iters: int = 5, warmup: int = 1) -> ProbeTimes:
+                w_TK: torch.Tensor, plans: list[WavePlan], *, ep, iters: int = 5, warmup: int = 1,
+                combine_width: int | None = None) -> ProbeTimes:
     """Time the probes on this batch at every plan of ``plans`` (the first one also times ``prepare``).
 
     ``ep`` is the backend's ``EPGroup``: every rank calls together, the ranks are aligned before each
-    iteration and each median is the slowest rank's."""
+    iteration and each median is the slowest rank's. x_TD: the rows as dispatched (``WaveMoE.wire``), with
+    ``combine_width`` where they are packed."""
     def med(fn) -> float:
         return statistics.median(iteration_us(lambda i: fn(), iters, warmup, ep=ep, device=x_TD.device))
 
     fixed = med(lambda: backend.prepare(compute_layout(ids_TK, w_TK, plans[0])))
-    comm = [med(lambda p=p: comm_only(backend, x_TD, ids_TK, w_TK, p)) for p in plans]
-    got = [pre_receive(backend, x_TD, ids_TK, w_TK, p) for p in plans]
+    comm = [med(lambda p=p: comm_only(backend, x_TD, ids_TK, w_TK, p, combine_width)) for p in plans]
+    got = [pre_receive(backend, x_TD, ids_TK, w_TK, p, combine_width) for p in plans]
     comp = [med(lambda g=g: routed_only(expert_fn, g)) for g in got]
     agg = slowest(ep, [fixed, *comm, *comp])
     n = len(plans)

@@ -1,5 +1,7 @@
 """FP8 experts on one GPU: DeepGEMM's fused stage against the per-expert reference, CUDA-graph replay against
-eager, and the same output at every wave count (skips without a GPU; the DeepGEMM tests skip without deep_gemm)."""
+eager, the same output at every wave count, and rows that travel as FP8 (``fp8_rows``: the pack kernel against
+its twin, the block equal to bf16 rows bit for bit) (skips without a GPU; the DeepGEMM tests skip without
+deep_gemm)."""
 
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ def calc_diff(x, y) -> float:
     return 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
 
 
-def _moe(W: int, backend: str = "symm", seed: int = 4) -> WaveMoE:
+def _moe(W: int, backend: str = "symm", seed: int = 4, fp8_rows: bool = True) -> WaveMoE:
     dev = torch.device("cuda")
-    wave = WaveConfig(num_waves=W, backend=backend, symm=SymmOptions(capacity=512))
+    wave = WaveConfig(num_waves=W, backend=backend, symm=SymmOptions(capacity=512), fp8_rows=fp8_rows)
     moe = WaveMoE(CFG, ep=EPGroup.single(dev), wave=wave, device=dev, dtype=torch.bfloat16).quantize_fp8()
     moe.load_full({k: v.to(dev) for k, v in random_full_weights(CFG, seed=seed, scale=0.1).items()})
     return moe
@@ -107,3 +109,36 @@ def test_fp8_block_runs_on_any_gpu_against_bf16():
     x = _x(150, 3)
     d = calc_diff(fp8(x).float(), dense(x).float())
     assert 1e-8 < d < 3e-3, d
+
+
+def test_pack_kernel_equals_its_twin_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from moe_wave.fp8_rows import pack_rows, pack_rows_torch, unpack_rows
+
+    x = (torch.randn(333, 4096, device="cuda") * torch.logspace(-3, 3, 4096, device="cuda")).to(torch.bfloat16)
+    x[5] = 0
+    (q, s), (qt, st) = unpack_rows(pack_rows(x), 4096), unpack_rows(pack_rows_torch(x), 4096)
+    assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s, st)
+
+
+@needs_dg
+@pytest.mark.parametrize("backend", ["symm", "torch"])
+def test_fp8_rows_equal_bf16_rows_bit_for_bit(backend, monkeypatch):
+    """The block whose rows travel as FP8 (packed before dispatch, copied into the layout by gather_pairs) gives
+    the output of the block that quantises bf16 rows at the expert stage, bit for bit (the same q and scales into
+    the same GEMMs); graph replay too."""
+    import moe_wave.fp8_expert_kernels as fk
+
+    x = _x(300, 11)
+    packed, plain = _moe(2, backend), _moe(2, backend, fp8_rows=False)
+    gathered = []
+    real = fk.gather_pairs
+    monkeypatch.setattr(fk, "gather_pairs", lambda *a, **k: gathered.append(1) or real(*a, **k))
+    y = packed(x)
+    assert gathered, "the packed rows did not reach gather_pairs"
+    assert torch.equal(y, plain(x))
+    if backend == "symm":
+        packed.capture_graphs([512])
+        plain.capture_graphs([512])
+        assert torch.equal(packed(x), plain(x))

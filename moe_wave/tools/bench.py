@@ -121,13 +121,17 @@ def random_inputs(moe: WaveMoE, tokens: int, n: int, seed: int = 0) -> list[tupl
 # ----------------------------------------------------------------------------- the kinds without the pipeline
 
 def comm_only(moe: WaveMoE, x_TD, ids_TK, w_TK) -> torch.Tensor:
-    """Layout, count exchange, every wave's dispatch and combine; no expert compute (``moe_wave.probe``)."""
-    return _comm_only(moe.backend, x_TD, ids_TK, w_TK, moe.plan)
+    """Layout, count exchange, every wave's dispatch and combine of the rows the layer sends (``WaveMoE.wire``:
+    FP8 rows included, their packing too); no expert compute (``moe_wave.probe``)."""
+    x_send, width = moe.wire(x_TD)
+    return _comm_only(moe.backend, x_send, ids_TK, w_TK, moe.plan, width)
 
 
 def pre_receive(moe: WaveMoE, x_TD, ids_TK, w_TK) -> list[Received]:
-    """Every wave's received rows under ``moe.plan`` (copied out of the backend's buffers)."""
-    return _pre_receive(moe.backend, x_TD, ids_TK, w_TK, moe.plan)
+    """Every wave's received rows under ``moe.plan`` as the layer sends them (copied out of the backend's
+    buffers)."""
+    x_send, width = moe.wire(x_TD)
+    return _pre_receive(moe.backend, x_send, ids_TK, w_TK, moe.plan, width)
 
 
 def compute_only(moe: WaveMoE, x_TD, received: list[Received]) -> None:
