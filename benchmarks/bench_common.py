@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:     # a plain checkout runs without an install
 
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.env import read_env  # noqa: E402
-from moe_wave.tools.sweep import git_sha as _git_sha  # noqa: E402
+from moe_wave.tools.sweep_report import git_sha as _git_sha  # noqa: E402
 
 __all__ = ["init_ep", "git_sha", "out_dir", "out_path", "report", "now"]
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_attn import gemm_tflops, time_alone  # noqa: E402  (the attention benchmarks' yardstick and timer)
+from attn_kit import gemm_tflops, time_alone  # noqa: E402  (the attention benchmarks' yardstick and timer)
 
 from moe_wave.attention.sparse_core import (core_flops, cuda_impl, sparse_attention,  # noqa: E402
                                             sparse_attention_fused)

@@ -39,7 +39,7 @@ from moe_wave.timing import slowest  # noqa: E402
 from moe_wave.tools.bench import BenchConfig, init_random_, measure, random_inputs  # noqa: E402
 from moe_wave.tools.demo import format_table  # noqa: E402
 from moe_wave.tools.flags import add_symm_args, symm_options  # noqa: E402
-from moe_wave.tools.sweep import run_meta  # noqa: E402
+from moe_wave.tools.sweep_report import run_meta  # noqa: E402
 from moe_wave.tools.trace import Tracer  # noqa: E402
 
 FULL = dict(shapes=("v4-flash", "v4-pro", "balanced"), tokens=(128, 512, 2048, 8192), waves=(1, 2, 4, 8),

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from bench_attn import SHAPES, fp8_gemm_tflops, meta, time_alone  # noqa: E402
+from attn_kit import SHAPES, fp8_gemm_tflops, meta, time_alone  # noqa: E402
 
 from moe_wave.fp8 import GroupedFP8, act_quant, fp8_matmul, weight_quant  # noqa: E402
 

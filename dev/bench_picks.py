@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_attn import CTX, core_fn, core_parts, make_attn, meta, time_alone  # noqa: E402
+from attn_kit import CTX, core_fn, core_parts, make_attn, meta, time_alone  # noqa: E402
 from bench_common import out_path  # noqa: E402
 
 

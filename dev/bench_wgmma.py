@@ -17,7 +17,7 @@ SM, so that the time a tile is what the tensor cores and shared memory give that
   queries' heads sharing a tile, or two wgmma streams in one SM).
 
 Each row gives us a tile and TFLOP/s over all SMs (median of --iters CUDA-graph replays,
-``bench_attn.time_alone``), against the dense bf16 GEMM timed in the same run (``bench_attn.gemm_tflops``,
+``attn_kit.time_alone``), against the dense bf16 GEMM timed in the same run (``attn_kit.gemm_tflops``,
 8192^3). A JSON of the rows goes to --out (default $OUT/wgmma.json).
 """
 
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_attn import gemm_tflops, time_alone  # noqa: E402
+from attn_kit import gemm_tflops, time_alone  # noqa: E402
 from bench_common import out_path  # noqa: E402
 try:  # Gluon: Triton's experimental dialect (absent or moved in some Triton releases: this probe then refuses)
     from triton.experimental import gluon

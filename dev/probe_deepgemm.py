@@ -3,7 +3,7 @@
 Each projection (``SHAPES`` below) runs in the layer's format, 1 x 128 activation by 128 x 128
 weight block scales (``fp8.act_quant`` / ``fp8.weight_quant``), with the activations' scales as the layer keeps
 them ([K/128, M] contiguous, which is DeepGEMM's MN-major layout for SM90 as it is). Timed from CUDA graphs
-(``bench_attn.time_alone``): torch's product (``fp8.fp8_matmul``), ``deep_gemm.fp8_gemm_nt`` per group on the
+(``attn_kit.time_alone``): torch's product (``fp8.fp8_matmul``), ``deep_gemm.fp8_gemm_nt`` per group on the
 column slices of the input, and for the grouped wo_a DeepGEMM's masked grouped GEMM over a [G, M, K] view of the
 same input and its contiguous grouped GEMM over a copy in group-major rows. Each output is compared with torch's
 (bits, largest difference). Needs ``deep_gemm`` importable (``source launch/deepgemm.sh``).
@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_attn import time_alone  # noqa: E402
+from attn_kit import time_alone  # noqa: E402
 from moe_wave import fp8  # noqa: E402
 
 SHAPES = {  # name: (N, K, groups); x [T, groups * K] -> y [T, groups * N] (groups > 1: wo_a)

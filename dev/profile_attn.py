@@ -27,8 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_attn import (CTX, _clone, branches, core_fn, core_parts, fill_cache, make_attn, out_fn,  # noqa: E402
-                        time_eager)
+from attn_kit import (CTX, _clone, branches, core_fn, core_parts, fill_cache, make_attn, out_fn,  # noqa: E402
+                      time_eager)
 from bench_common import out_path  # noqa: E402
 
 

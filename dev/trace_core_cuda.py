@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from bench_attn import time_alone  # noqa: E402
+from attn_kit import time_alone  # noqa: E402
 from bench_core import make  # noqa: E402
 from bench_common import git_sha  # noqa: E402
 
