@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from moe_wave.comm.backend import rows_of
 from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
-from .fp8 import BLOCK, FP8, act_quant_torch
+from .fp8_quant import BLOCK, FP8, act_quant_torch
 
 __all__ = ["ALIGN", "aligned_groups", "quant_pairs", "quant_pairs_torch", "gather_pairs", "gather_pairs_torch",
            "swiglu_quant", "swiglu_quant_torch", "aligned_capacity"]
@@ -190,7 +190,7 @@ def swiglu_quant(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tu
 
 
 if triton is not None:
-    from .fp8 import e4m3_rne, pow2_scale_bits
+    from .fp8_quant import e4m3_rne, pow2_scale_bits
 
     @triton.jit
     def _quant_tile(v, KP: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr):

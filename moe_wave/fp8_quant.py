@@ -106,10 +106,12 @@ if triton is not None:
         return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, s_xm, s_xg, s_qm, NPG: tl.constexpr, BM: tl.constexpr):
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, s_xm, s_xg, s_qm, s_sj, s_sm, NPG: tl.constexpr,
+                          BM: tl.constexpr):
         # Program (row block, 128-channel block j): j's group g = j // NPG holds NPG blocks; the input row m of
         # group g starts at x + g*s_xg + m*s_xm (a flat [M, K] row: s_xg = NPG*128; a group-major [G, M, Kg]
-        # stack: s_xg = M*Kg). Output: q [M, K] with rows s_qm apart (K, or a column slice's), s [K/128, M].
+        # stack: s_xg = M*Kg). Output: q [M, K] with rows s_qm apart (K, or a column slice's), s [K/128, M] with
+        # strides (s_sj, s_sm) ((M, 1) contiguous; (1, row) for scales stored beside each row, fp8_rows).
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         j = tl.program_id(1)
         g = j // NPG
@@ -122,7 +124,7 @@ if triton is not None:
         s = sbits.to(tl.float32, bitcast=True)
         q = (x * ibits.to(tl.float32, bitcast=True)[:, None]).to(tl.float8e4nv)
         tl.store(q_ptr + m.to(tl.int64)[:, None] * s_qm + j * 128 + c[None, :], q, mask=rmask[:, None])
-        tl.store(s_ptr + j.to(tl.int64) * M + m, s, mask=rmask)
+        tl.store(s_ptr + j.to(tl.int64) * s_sj + m.to(tl.int64) * s_sm, s, mask=rmask)
 
 
 def act_quant(x: torch.Tensor, groups: int = 1, kernels: bool | None = None,
@@ -136,7 +138,8 @@ def act_quant(x: torch.Tensor, groups: int = 1, kernels: bool | None = None,
         kernels: the Triton kernel on a GPU (None or True; False: the torch ops). On CPU always
             ``act_quant_torch``: Triton's interpreter does not round to float8 correctly. Both give the same bits.
         out: (q, s) to write into, returned: q [M, K] e4m3 with unit channel stride (any row stride: e.g. a
-            column slice of a wider activation), s [K/128, M] fp32 contiguous (e.g. a row slice of its scales).
+            column slice of a wider activation), s [K/128, M] fp32 with any strides (e.g. a row slice of its
+            scales, or the transposed view of scales stored beside each row: ``fp8_rows``).
     """
     if groups > 1:
         if x.dim() != 3 or x.shape[0] != groups:
@@ -154,10 +157,10 @@ def act_quant(x: torch.Tensor, groups: int = 1, kernels: bool | None = None,
     if out is not None:
         q, s = out
         if tuple(q.shape) != (M, K) or q.dtype != FP8 or (M and q.stride(-1) != 1) or \
-                tuple(s.shape) != (K // BLOCK, M) or s.dtype != torch.float32 or not s.is_contiguous():
+                tuple(s.shape) != (K // BLOCK, M) or s.dtype != torch.float32:
             raise ValueError(f"act_quant: out q {tuple(q.shape)} {q.dtype} stride {q.stride()}, s {tuple(s.shape)} "
                              f"{s.dtype}: need q [M={M}, K={K}] {FP8} with unit channel stride and s [K/128, M] "
-                             "fp32 contiguous")
+                             "fp32")
     if not (x.is_cuda and triton_ok(x.device, want=kernels) and M):
         flat = x if G == 1 else x.permute(1, 0, 2).reshape(M, K)
         if out is None:
@@ -170,6 +173,6 @@ def act_quant(x: torch.Tensor, groups: int = 1, kernels: bool | None = None,
     s_xm = x.stride(-2)
     s_xg = x.stride(0) if G > 1 else Kg
     bm = 16
-    _act_quant_kernel[(triton.cdiv(M, bm), K // BLOCK)](x, q, s, M, s_xm, s_xg, q.stride(0), NPG=Kg // BLOCK, BM=bm,
-                                                        num_warps=4)
+    _act_quant_kernel[(triton.cdiv(M, bm), K // BLOCK)](x, q, s, M, s_xm, s_xg, q.stride(0), s.stride(0), s.stride(1),
+                                                        NPG=Kg // BLOCK, BM=bm, num_warps=4)
     return q, s

@@ -9,7 +9,7 @@ Dw = that byte count / 2): every comm backend moves bf16 rows by copying them an
 computes on dispatched rows, so each carries packed rows as it is (``WaveMoE`` dispatches them with
 ``combine_width=D``: the results come back as bf16 rows of D).
 
-    pack_rows(x_TD)          -> [T, Dw] bf16 container (one pass: quantise and write)
+    pack_rows(x_TD)          -> [T, Dw] bf16 container (one pass: ``fp8.act_quant`` into the container)
     unpack_rows(p_TW, D)     -> (q [T, D] e4m3, s [T, D/128] fp32): views of the container, no copy
     dequant_rows(p_TW, D)    -> [T, D] bf16, q * s: exact (an e4m3 value times a power of two is a bf16 value),
                                 so ``fp8.act_quant`` of it gives back the same values (the same q and s, or 2q and
@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .comm.triton_gate import interpreting, tl, triton, triton_ok
-from .fp8 import BLOCK, FP8, act_quant_torch
+from .fp8_quant import BLOCK, FP8, act_quant
 
-__all__ = ["packed_width", "is_packed", "pack_rows", "pack_rows_torch", "unpack_rows", "dequant_rows"]
+__all__ = ["packed_width", "is_packed", "pack_rows", "unpack_rows", "dequant_rows"]
 
 
 def packed_width(D: int) -> int:
@@ -58,55 +57,14 @@ def dequant_rows(p_TW: torch.Tensor, D: int) -> torch.Tensor:
     return (q.float().view(T, D // BLOCK, BLOCK) * s[..., None]).view(T, D).to(torch.bfloat16)
 
 
-def pack_rows_torch(x_TD: torch.Tensor) -> torch.Tensor:
-    """``pack_rows`` by torch ops (``fp8.act_quant_torch``): the same bits."""
-    T, D = x_TD.shape
-    out = torch.empty(T, packed_width(D), dtype=torch.bfloat16, device=x_TD.device)
-    q, s = unpack_rows(out, D)
-    q_t, s_t = act_quant_torch(x_TD)
-    q.copy_(q_t)
-    s.copy_(s_t.t())
-    return out
-
-
 def pack_rows(x_TD: torch.Tensor, kernels: bool | None = None) -> torch.Tensor:
-    """[T, Dw] bf16 container of x's rows quantised per 128 channels (see the module docstring). ``kernels``: the
-    Triton kernel on a GPU (None or True; True also on CPU under Triton's interpreter; False: ``pack_rows_torch``);
-    the same bits either way."""
+    """[T, Dw] bf16 container of x's rows quantised per 128 channels (see the module docstring): ``fp8.act_quant``
+    writing straight into the container (``kernels``: its Triton kernel on a GPU, None or True; False: the torch
+    ops; the same bits either way)."""
     if x_TD.dim() != 2:
         raise ValueError(f"pack_rows: x {tuple(x_TD.shape)} must be [T, D]")
     T, D = x_TD.shape
-    packed_width(D)
-    if not (triton_ok(x_TD.device, want=kernels) and T):
-        return pack_rows_torch(x_TD)
-    if x_TD.stride(1) != 1:
-        x_TD = x_TD.contiguous()
     out = torch.empty(T, packed_width(D), dtype=torch.bfloat16, device=x_TD.device)
     q, s = unpack_rows(out, D)
-    br = 16
-    _pack_kernel[(triton.cdiv(T, br), D // BLOCK)](x_TD, q, s, T, x_TD.stride(0), q.stride(0), s.stride(0), BR=br,
-                                                   INTERP=interpreting(), num_warps=4)
+    act_quant(x_TD, kernels=kernels, out=(q, s.t()))
     return out
-
-
-if triton is not None:
-    from .fp8 import e4m3_rne, pow2_scale_bits
-
-    @triton.jit
-    def _pack_kernel(x_ptr, q_ptr, s_ptr, T, s_x, s_q, s_s, BR: tl.constexpr, INTERP: tl.constexpr):
-        # program (block of BR rows, 128-channel block j): the block's per-row scales and e4m3 values, written
-        # into each row's packed bytes (q at row * s_q + j * 128, its scale at row * s_s + j)
-        r = tl.program_id(0) * BR + tl.arange(0, BR)
-        j = tl.program_id(1)
-        c = tl.arange(0, 128)
-        ok = r < T
-        r64 = r.to(tl.int64)
-        x = tl.load(x_ptr + r64[:, None] * s_x + j * 128 + c[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        sbits, ibits = pow2_scale_bits(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4))
-        z = x * ibits.to(tl.float32, bitcast=True)[:, None]
-        if INTERP:
-            q = e4m3_rne(z)
-        else:
-            q = z.to(tl.float8e4nv)
-        tl.store(q_ptr + r64[:, None] * s_q + j * 128 + c[None, :], q, mask=ok[:, None])
-        tl.store(s_ptr + r64 * s_s + j, sbits.to(tl.float32, bitcast=True), mask=ok)

@@ -769,7 +769,8 @@ def test_from_hf_refuses_other_fp8_blocks():
 
 def test_act_quant_into_column_slices():
     """act_quant(out=(q, s)): each group of a group-major stack quantised into its columns of one [M, G*K] pair (as
-    the overlapped wo_a does, ``ScheduleConfig.wo_a_overlap``) gives the whole stack's bits; bad outs are named."""
+    the overlapped wo_a does, ``ScheduleConfig.wo_a_overlap``) gives the whole stack's bits; scales may be any
+    strided view; bad outs are named."""
     z = torch.randn(3, 37, 256) * torch.logspace(-2, 2, 256)
     want_q, want_s = F.act_quant(z, groups=3)
     q = torch.zeros(37, 768, dtype=F.FP8)
@@ -781,5 +782,8 @@ def test_act_quant_into_column_slices():
     assert torch.equal(s, want_s)
     with pytest.raises(ValueError, match=r"need q \[M=37, K=256\]"):
         F.act_quant(z[0], out=(q[:, :128], s[:2]))
-    with pytest.raises(ValueError, match="s \\[K/128, M\\] fp32 contiguous"):
-        F.act_quant(z[0], out=(q[:, :256], torch.zeros(37, 2).t()))
+    with pytest.raises(ValueError, match="s \\[K/128, M\\] fp32"):
+        F.act_quant(z[0], out=(q[:, :256], torch.zeros(3, 37)))
+    beside = torch.zeros(37, 2)             # scales stored beside each row (fp8_rows): the transposed view
+    F.act_quant(z[0], out=(q[:, :256], beside.t()))
+    assert torch.equal(beside.t(), want_s[:2])

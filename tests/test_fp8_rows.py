@@ -16,7 +16,7 @@ from moe_wave.comm.options import SymmOptions
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import act_quant_torch, dequant_act
 from moe_wave.fp8_expert_kernels import gather_pairs, gather_pairs_torch, quant_pairs_torch
-from moe_wave.fp8_rows import dequant_rows, pack_rows, pack_rows_torch, packed_width, unpack_rows
+from moe_wave.fp8_rows import dequant_rows, pack_rows, packed_width, unpack_rows
 from tests.test_fp8_experts import _pos
 
 needs_kernels = pytest.mark.skipif(not triton_ok("cpu", want=True),
@@ -45,10 +45,9 @@ def test_packed_width_holds_values_and_scales_in_16_byte_rows():
         packed_width(100)
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_kernels)])
-def test_pack_rows_is_act_quant_per_row_and_dequantises_exactly(kernels):
+def test_pack_rows_is_act_quant_per_row_and_dequantises_exactly():
     x = _rows(37, 384, seed=1)
-    p = pack_rows(x, kernels=kernels)
+    p = pack_rows(x)
     assert p.shape == (37, packed_width(384)) and p.dtype == torch.bfloat16
     q, s = unpack_rows(p, 384)
     q_ref, s_ref = act_quant_torch(x)
@@ -57,8 +56,8 @@ def test_pack_rows_is_act_quant_per_row_and_dequantises_exactly(kernels):
     # re-quantising the dequantised rows gives the same values (the expert paths that read them so)
     q2, s2 = act_quant_torch(dequant_rows(p, 384))
     assert torch.equal(dequant_act(q2, s2), dequant_act(q_ref, s_ref))
-    if kernels:
-        assert _same(unpack_rows(pack_rows_torch(x), 384)[0], q)
+    with pytest.raises(ValueError, match=r"must be packed rows of D=384"):
+        unpack_rows(x, 384)
 
 
 @needs_kernels
@@ -69,9 +68,9 @@ def test_gather_pairs_copies_what_quant_pairs_computes():
     own = _rows(5, D, seed=3)                                   # rows 8..12 live in own
     full = x.clone()
     full[8:13] = own
-    local = (8, pack_rows_torch(own))
-    q, s = gather_pairs(pack_rows_torch(x), D, pos, JA, local)
-    qt, st_ = gather_pairs_torch(pack_rows_torch(x), D, pos, JA, local)
+    local = (8, pack_rows(own, kernels=False))
+    q, s = gather_pairs(pack_rows(x, kernels=False), D, pos, JA, local)
+    qt, st_ = gather_pairs_torch(pack_rows(x, kernels=False), D, pos, JA, local)
     qr, sr = quant_pairs_torch(full, pos, JA)
     used = pos[pos >= 0]
     assert _same(q[used], qt[used]) and torch.equal(s[:, used], st_[:, used])
@@ -221,6 +220,7 @@ def test_fused_stage_takes_fp8_rows_as_they_are(monkeypatch):
     real = fk.gather_pairs
     monkeypatch.setattr(fk, "gather_pairs", lambda *a, **k: gathered.append(1) or real(*a, **k))
     plain = expert_rows(Received(x, ids, w, None, counts, None, local=(20, own)), ex)
-    got = expert_rows(Received(pack_rows(x), ids, w, None, counts, None, local=(20, pack_rows(own))), ex, packed=True)
+    got = expert_rows(Received(pack_rows(x), ids, w, None, counts, None, local=(20, pack_rows(own))), ex,
+                      packed=True)
     assert gathered and got.dtype == torch.bfloat16
     assert torch.equal(got, plain)
