@@ -255,7 +255,8 @@ class CommBackend(Protocol):
 
     def prepare(self, layout: DispatchLayout, header=None) -> ExchangePlan:
         """The count exchange. ``header``: a ``comm.header.CallHeader`` checked across ranks before any row moves
-        where the backend has a host sync to check it at (torch); the others accept and ignore it."""
+        where the count exchange reaches the host anyway (torch; symm over its CPU emulation); the others accept
+        and ignore it (``comm.header`` says why)."""
         ...
 
     def dispatch(self, x_TD: torch.Tensor, plan: ExchangePlan, wave: int, *,

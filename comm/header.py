@@ -1,19 +1,26 @@
-"""The call header: what every rank must agree on before a layer's rows move.
+"""The call header: what every rank must agree on before a call's rows move.
 
 Legend: P ranks, H header fields.
 
 A desync (one rank calls ``moe(x, overlap=False)`` while its peer calls ``overlap=True``, one rank caught an error
 and called again while its peer is still in the previous call, two ranks call layers of different hidden sizes)
 would otherwise send payloads of different sizes into one collective, which gloo ends with a size-mismatch abort
-(SIGABRT) and NCCL with a hang or garbage. The header travels folded into the first columns of the count exchange
-that precedes every layer's rows (the torch backend's ``prepare``: one small all-to-all with one host sync, so the
-header costs no collective and no sync of its own), and every rank checks every rank's header on the host before
-any row moves. A mismatch is then the same ``HeaderMismatch`` (a ValueError) on every rank, naming each field that
-differs and each rank's value.
+(SIGABRT) and NCCL with a hang or garbage. The header travels folded into the first columns of a count exchange
+that precedes the rows anyway, so it costs no collective and no host sync of its own, and every rank checks every
+rank's header before any row moves. A mismatch is then the same ``HeaderMismatch`` (a ValueError) on every rank,
+naming each field that differs, each rank's value and the rule of the call's kind.
 
-Where it is checked: under the ``torch`` backend only. The ``symm`` backend exchanges its counts on the device with
-no host sync (CUDA-graph capturable) and ``deepep`` inside DeepEP's dispatch; both accept the header and ignore it,
-and keep their own guards (symm: the capacity watchdog; deepep: DeepEP's own checks).
+Where it is checked:
+
+- ``torch`` backend: in ``prepare``'s count exchange, on the host (that exchange's one host sync);
+- ``symm`` backend over the emulated transport (CPU ranks on gloo): in ``prepare``'s count exchange, on the host
+  (the all-to-all there is host-synchronous anyway). On peer memory (GPU) the count exchange is a device-side
+  write with no host read (CUDA-graph capturable), and the row copies are sized on each rank's host from its own
+  arguments before any device word could stop them: the header is not checked there (``symm_transport``);
+- ``moe_wave.deepep_compat``'s ``Buffer.dispatch`` and ``low_latency_dispatch`` (kinds below): in their count
+  all-gather (normal mode) or the symm backend's count exchange (low-latency mode on the exchange engine); see
+  ``moe_wave.deepep_compat.guard`` for the paths with no host read;
+- ``deepep`` backend (``comm.deepep``): not checked; DeepEP's dispatch exchanges its own counts inside its kernels.
 """
 
 from __future__ import annotations
@@ -22,14 +29,42 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CallHeader", "HeaderMismatch", "check_headers", "NUM_FIELDS"]
+__all__ = ["CallHeader", "HeaderMismatch", "check_headers", "agreed_call", "describe", "label", "NUM_FIELDS",
+           "FIELDS", "KINDS"]
 
-# The kind column's value for a WaveMoE forward; a row of zeros is a call made without a header (a probe, a
-# benchmark calling ``prepare`` directly).
-KINDS = {0: "none", 0x4D570001: "WaveMoE.forward"}
-_KIND_CODE = {v: k for k, v in KINDS.items()}
-_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)
-FIELDS = ("kind", "module", "call", "overlap", "hidden", "dtype")
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of call: its name, the rule a mismatch breaks, and the caller's names for generic fields."""
+
+    name: str
+    rule: str
+    labels: tuple = ()      # (field, the caller's name for it) pairs
+
+
+_MOE_RULE = ("every rank must call the same module, the same number of times, with the same overlap, hidden size and "
+             "dtype, before any row moves")
+# The kind column's value; a row of zeros is a call made without a header (a probe, a benchmark calling ``prepare``
+# directly).
+KINDS = {
+    0: Kind("none", _MOE_RULE),
+    0x4D570001: Kind("WaveMoE.forward", _MOE_RULE),
+    0x4D570002: Kind("deep_ep.Buffer.dispatch",
+                     "every rank must call dispatch (without a handle) the same number of times, with x of the same "
+                     "hidden size, dtype and scale columns, topk_idx of the same width, the same number of experts "
+                     "and the same num_worst_tokens, before any row moves",
+                     (("rows", "num_worst_tokens"), ("experts", "num_experts"))),
+    0x4D570003: Kind("deep_ep.Buffer.low_latency_dispatch",
+                     "every rank must call low_latency_dispatch the same number of times, with x of the same hidden "
+                     "size, the same use_fp8, topk_idx of the same width, the same num_experts and the same "
+                     "num_max_dispatch_tokens_per_rank, before any row moves",
+                     (("rows", "num_max_dispatch_tokens_per_rank"), ("experts", "num_experts"),
+                      ("dtype", "dtype (use_fp8)"))),
+}
+_KIND_CODE = {k.name: c for c, k in KINDS.items()}
+_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
+           getattr(torch, "float8_e5m2", None))
+FIELDS = ("kind", "module", "call", "overlap", "hidden", "dtype", "top_k", "experts", "rows", "scales")
 NUM_FIELDS = len(FIELDS)
 
 
@@ -38,13 +73,16 @@ class CallHeader:
     """One call's header.
 
     Attributes:
-        kind: what is called ("WaveMoE.forward").
+        kind: what is called (a name in ``KINDS``: "WaveMoE.forward", "deep_ep.Buffer.dispatch", ...).
         module: the module's number in its group (the ranks build modules together, in the same order).
         call: how many times the module was called on this rank, this call included (counted on entry, before
             the input is checked, so a call that raised on one rank only still counts there).
         overlap: the call's wave overlap (the order of the collectives depends on it).
-        hidden: the row width D.
+        hidden: the row width H (elements).
         dtype: the rows' dtype.
+        top_k, experts, rows, scales: the width of the top-k, the number of experts, a per-call receive bound
+            (DeepEP's ``num_worst_tokens`` / ``num_max_dispatch_tokens_per_rank``), the FP8 scale columns; 0
+            where the kind has no such argument (WaveMoE's are fixed by its config, checked when it is built).
     """
 
     kind: str
@@ -53,18 +91,54 @@ class CallHeader:
     overlap: bool
     hidden: int
     dtype: torch.dtype
+    top_k: int = 0
+    experts: int = 0
+    rows: int = 0
+    scales: int = 0
 
     def encode(self) -> list[int]:
         """The H int64 columns sent to every peer."""
         return [_KIND_CODE[self.kind], self.module, self.call, int(self.overlap), self.hidden,
-                _DTYPES.index(self.dtype) if self.dtype in _DTYPES else -1]
+                _DTYPES.index(self.dtype) if self.dtype in _DTYPES else -1, self.top_k, self.experts, self.rows,
+                self.scales]
+
+
+def encode(header: CallHeader | None) -> list[int]:
+    """``header.encode()``, or H zeros for a call made without one."""
+    return header.encode() if header is not None else [0] * NUM_FIELDS
+
+
+def _kind(code: int) -> Kind:
+    return KINDS.get(code, Kind(f"code {code}", _MOE_RULE))
+
+
+def _value(field: str, v: int):
+    if field == "kind":
+        return _kind(v).name
+    if field == "overlap":
+        return bool(v)
+    if field == "dtype":
+        dtype = _DTYPES[v] if 0 <= v < len(_DTYPES) and _DTYPES[v] is not None else f"code {v}"
+        return "none" if v == 0 else str(dtype).removeprefix("torch.")
+    return v
 
 
 def _decode(row: list[int]) -> dict:
-    kind, module, call, overlap, hidden, dt = row
-    dtype = _DTYPES[dt] if 0 <= dt < len(_DTYPES) else f"code {dt}"
-    return {"kind": KINDS.get(kind, f"code {kind}"), "module": module, "call": call, "overlap": bool(overlap),
-            "hidden": hidden, "dtype": str(dtype).removeprefix("torch.")}
+    return {f: _value(f, v) for f, v in zip(FIELDS, row)}
+
+
+def label(kind_code: int, field: str) -> str:
+    """The caller's name of ``field`` in a call of kind ``kind_code``."""
+    return dict(_kind(kind_code).labels).get(field, field)
+
+
+def describe(kind_code: int, field: str, values: list[int]) -> str:
+    """``"{field}: rank 0 {value}, rank 1 {value}, ..."`` for one field, values decoded, in rank order."""
+    return f"{label(kind_code, field)}: " + ", ".join(f"rank {r} {_value(field, v)}" for r, v in enumerate(values))
+
+
+def rule(kind_code: int) -> str:
+    return _kind(kind_code).rule
 
 
 class HeaderMismatch(ValueError):
@@ -81,8 +155,16 @@ def check_headers(rows_PH: list[list[int]]) -> None:
     if all(r == rows_PH[0] for r in rows_PH):
         return
     heads = [_decode(r) for r in rows_PH]
-    diff = [f for f in FIELDS if any(h[f] != heads[0][f] for h in heads)]
-    desc = "; ".join(f"{f}: " + ", ".join(f"rank {r} {h[f]}" for r, h in enumerate(heads)) for f in diff)
-    raise HeaderMismatch(f"{heads[0]['kind'] if heads[0]['kind'] != 'none' else 'the call'} out of step between "
-                         f"ranks ({desc}): every rank must call the same module, the same number of times, with the "
-                         f"same overlap, hidden size and dtype, before any row moves", heads)
+    code = next((r[0] for r in rows_PH if r[0]), 0)          # the first rank's kind that is not "none"
+    diff = [i for i, f in enumerate(FIELDS) if any(r[i] != rows_PH[0][i] for r in rows_PH)]
+    desc = "; ".join(describe(code, FIELDS[i], [r[i] for r in rows_PH]) for i in diff)
+    what = KINDS[rows_PH[0][0]].name if rows_PH[0][0] in KINDS and rows_PH[0][0] else "the call"
+    raise HeaderMismatch(f"{what} out of step between ranks ({desc}): {rule(code)}", heads)
+
+
+def agreed_call(e: HeaderMismatch, kind: str, module: int, calls: int) -> int:
+    """The call count a caller takes after ``e`` so that its next call is in step again: the largest of the ranks'
+    where every rank called this kind and module (each rank computes the same), else ``calls`` unchanged."""
+    if all(h["kind"] == kind and h["module"] == module for h in e.headers):
+        return max(h["call"] for h in e.headers)
+    return calls

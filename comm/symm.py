@@ -168,8 +168,10 @@ class SymmBackend:
     # ---------------------------------------------------------------- count exchange
     def prepare(self, layout: DispatchLayout, header=None) -> SymmPlan:
         """Exchange counts and build the index tables (device-side). Dispatch the plan's waves before the
-        next ``prepare``: its count writes are ordered behind the peers' reads by the wave barriers. ``header`` is
-        not checked here (no host sync to check it at, see ``moe_wave.comm.header``)."""
+        next ``prepare``: its count writes are ordered behind the peers' reads by the wave barriers. ``header``
+        (``moe_wave.comm.header``) travels with the counts and is checked on the host by the emulated transport (CPU
+        ranks: ``HeaderMismatch`` on every rank before any row moves); on peer memory it is not checked (no host
+        read there, see ``symm_transport.PeerTransport.exchange_counts``)."""
         plan = layout.plan
         P, W, e, me = plan.num_ranks, plan.num_waves, plan.num_local_experts, self.ep.rank
         if P != self.ep.size:
@@ -191,7 +193,7 @@ class SymmBackend:
                   layout.ids_min, layout.ids_max)
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
-            recv_PX = self.transport.exchange_counts(counts, W * P + W * e + 2)
+            recv_PX = self.transport.exchange_counts(counts, W * P + W * e + 2, header)
             slot_WTP = torch.full((W, T, P), -1, dtype=torch.long, device=dev) if self.kernels else None
             build = build_tables if self.kernels else build_tables_torch
             # the send side always from the sparse rows (dense blocks are derived from them below); the

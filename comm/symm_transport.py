@@ -5,7 +5,8 @@ M = 2K metadata int32 per row, X count words per rank.
 
 Both transports have the same small interface, and the backend picks one at construction:
 
-    exchange_counts(counts, X) -> recv_PX      row src: what rank src sent this rank (``symm_tables``)
+    exchange_counts(counts, X, header) -> recv_PX   row src: what rank src sent this rank (``symm_tables``); the
+                                               emulation also checks the call header (``comm.header``)
     write_own_meta(plan, W, K)                 dense blocks: this rank's own metadata block, at prepare
     dispatch(x_TD, plan, bufs, wave, local_view) -> works
     combine(y_RD, plan, bufs, wave, own_from_y) -> works
@@ -44,6 +45,8 @@ import torch.distributed as dist
 
 from . import streams as st
 from . import symm_memops as memops
+from .header import NUM_FIELDS, check_headers
+from .header import encode as encode_header
 from .options import SymmOptions
 from .symm_heap import Buffers, LocalHeap, PeerHeap
 from .symm_kernels import scatter_rows
@@ -165,9 +168,16 @@ class PeerTransport:
         return loc
 
     # ------------------------------------------------------------------ counts
-    def exchange_counts(self, counts, X: int) -> torch.Tensor:
+    def exchange_counts(self, counts, X: int, header=None) -> torch.Tensor:
         """[P, X]: one kernel (or a copy per peer) writes my row into every peer's ctrl, then the count barrier
-        (ours in every signal mode: a missing peer is named, and the layer's output poisoned)."""
+        (ours in every signal mode: a missing peer is named, and the layer's output poisoned).
+
+        ``header`` (``comm.header``) is not checked here: the caller trusts that every rank makes the same call.
+        Nothing is read on the host on this path (it is captured in CUDA graphs), and by the time a device-side
+        comparison could flag a mismatch the dispatch's copies are already queued with sizes each rank took from
+        its own arguments (the copy modes move whole blocks whose bytes the host chose; the buffers are allocated
+        by a rendezvous each rank sizes alone): a device check could only report an overrun afterwards, not stop
+        it. The torch backend checks the header on GPUs (its count exchange has a host sync)."""
         mine, targets, hdl, flags = self.heap.ctrl(X)
         key = ("counts", X)
         if key not in self._signals:
@@ -331,13 +341,20 @@ class EmulatedTransport:
     def raise_watchdog(self) -> None:
         """No watchdog: gloo's timeout bounds every wait."""
 
-    def exchange_counts(self, counts, X: int) -> torch.Tensor:
+    def exchange_counts(self, counts, X: int, header=None) -> torch.Tensor:
+        """[P, X] as ``PeerTransport.exchange_counts``, with the call header (``comm.header``; None: zeros) in the
+        first columns of the one all-to-all, checked on the host before any row moves: with more than one rank this
+        transport runs on CPU (gloo, where the all-to-all has already waited for every rank), so the check reads no
+        device and adds no sync. A mismatch is the same ``HeaderMismatch`` on every rank."""
         send_PX = count_rows_torch(*counts)
         if self.ep.size == 1:
             return send_PX
-        recv_PX = torch.empty_like(send_PX)
-        dist.all_to_all_single(recv_PX, send_PX, group=self.ep.pg)
-        return recv_PX
+        head = torch.tensor(encode_header(header), dtype=send_PX.dtype, device=send_PX.device)
+        send = torch.cat([head.expand(send_PX.shape[0], NUM_FIELDS), send_PX], 1)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep.pg)
+        check_headers(recv[:, :NUM_FIELDS].tolist())
+        return recv[:, NUM_FIELDS:].contiguous()
 
     def dispatch(self, x_TD, plan: SymmPlan, bufs: Buffers, wave: int, local_view: bool) -> tuple:
         P, C, D, K = self.ep.size, plan.capacity, x_TD.shape[1], bufs.recv_meta.shape[3] // 2

@@ -18,12 +18,11 @@ from moe_wave.comm import RankFailure, spawn
 from moe_wave.comm.header import CallHeader, HeaderMismatch, check_headers
 
 CFG = MoEConfig.preset("tiny", num_experts=4, top_k=2)
-WAVE = WaveConfig(num_waves=2, backend="torch")
 
 
-def _moe(ep, cfg=CFG) -> WaveMoE:
+def _moe(ep, backend: str, cfg=CFG) -> WaveMoE:
     torch.manual_seed(0)
-    m = WaveMoE(cfg, ep=ep, wave=WAVE)
+    m = WaveMoE(cfg, ep=ep, wave=WaveConfig(num_waves=2, backend=backend))
     for p in m.parameters():
         torch.nn.init.normal_(p, 0, 0.3)
     return m
@@ -40,15 +39,15 @@ def _call(fn):
         return str(e)
 
 
-def _overlap_by_rank(ep):
-    m = _moe(ep)
+def _overlap_by_rank(ep, backend):
+    m = _moe(ep, backend)
     first = _call(lambda: m(_x(ep), overlap=ep.rank == 0))
     again = m(_x(ep), overlap=True)        # in step again: the next call runs
     return first, tuple(again.shape)
 
 
-def _error_on_one_rank(ep):
-    m = _moe(ep)
+def _error_on_one_rank(ep, backend):
+    m = _moe(ep, backend)
     if ep.rank == 0:                       # a serving loop catches this error and goes on
         assert "dtype" in _call(lambda: m(_x(ep).double()))
     first = _call(lambda: m(_x(ep)))
@@ -56,20 +55,22 @@ def _error_on_one_rank(ep):
     return first, tuple(again.shape)
 
 
-def _hidden_by_rank(ep):
-    a, b = _moe(ep), _moe(ep, MoEConfig.preset("tiny", num_experts=4, top_k=2, hidden_size=CFG.hidden_size + 32))
+def _hidden_by_rank(ep, backend):
+    a, b = _moe(ep, backend), _moe(ep, backend, MoEConfig.preset("tiny", num_experts=4, top_k=2,
+                                                               hidden_size=CFG.hidden_size + 32))
     m = (a, b)[ep.rank]
     return _call(lambda: m(_x(ep, m.cfg.hidden_size))), None
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["torch", "symm"])     # symm: its emulated count exchange on gloo
 @pytest.mark.parametrize("fn, fields", [
     (_overlap_by_rank, "overlap: rank 0 True, rank 1 False"),
     (_error_on_one_rank, "call: rank 0 2, rank 1 1"),
     (_hidden_by_rank, f"hidden: rank 0 {CFG.hidden_size}, rank 1 {CFG.hidden_size + 32}"),
 ])
-def test_a_desync_is_the_same_error_on_every_rank(ranks, fn, fields):
-    (msg0, again0), (msg1, again1) = ranks(2).run(fn)
+def test_a_desync_is_the_same_error_on_every_rank(ranks, fn, fields, backend):
+    (msg0, again0), (msg1, again1) = ranks(2).run(fn, backend)
     assert msg0 == msg1, (msg0, msg1)
     assert "WaveMoE.forward out of step between ranks" in msg0 and fields in msg0, msg0
     assert len(msg0.splitlines()) == 1
