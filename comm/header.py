@@ -132,9 +132,11 @@ def label(kind_code: int, field: str) -> str:
     return dict(_kind(kind_code).labels).get(field, field)
 
 
-def describe(kind_code: int, field: str, values: list[int]) -> str:
-    """``"{field}: rank 0 {value}, rank 1 {value}, ..."`` for one field, values decoded, in rank order."""
-    return f"{label(kind_code, field)}: " + ", ".join(f"rank {r} {_value(field, v)}" for r, v in enumerate(values))
+def describe(kind_code: int, field: str, values: list[int], ranks: list[int] | None = None) -> str:
+    """``"{field}: rank 0 {value}, rank 1 {value}, ..."`` for one field, values decoded (``ranks``: whose values
+    they are; default 0, 1, ...)."""
+    ranks = range(len(values)) if ranks is None else ranks
+    return f"{label(kind_code, field)}: " + ", ".join(f"rank {r} {_value(field, v)}" for r, v in zip(ranks, values))
 
 
 def rule(kind_code: int) -> str:

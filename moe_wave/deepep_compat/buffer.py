@@ -17,6 +17,7 @@ Stream rules are DeepEP's (``normal.comm_scope``); on CPU every call is synchron
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from typing import Optional, Tuple, Union
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from moe_wave import env as moe_env
 from moe_wave.comm.group import EPGroup
+from moe_wave.comm.header import HeaderMismatch, agreed_call
 from moe_wave.comm.options import SymmOptions
 from moe_wave.comm.triton_gate import triton_ok
 
@@ -108,6 +110,7 @@ class Buffer:
                            pg if self.group_size > 1 else None)
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
         self._guard = Guard(self.rank, self._device)
+        self._calls = 0         # dispatches without a handle, counted on entry (the call header's call number)
         options = options or SymmOptions()
         self._normal = self._normal_mode(options)
         self._ll = self._ll_mode(options)
@@ -269,6 +272,8 @@ class Buffer:
             event)``.
         """
         what = "dispatch"
+        if handle is None:      # counted before any check: a call that raised on one rank only still counts there
+            self._calls += 1
         if num_tokens_per_rdma_rank is not None:
             raise checks.unsupported("dispatch(num_tokens_per_rdma_rank=...)", "within a node pass None "
                                      "(get_dispatch_layout returns None there)")
@@ -284,13 +289,17 @@ class Buffer:
             return recv_x, None, None, None, None, s.event
         route = Route(*checks.route_args(what, self.group_size, T, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                         num_worst_tokens))
+                                         num_worst_tokens), call=self._calls)
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream,
                          (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                           topk_weights)) as s:
             route = self._guarded(route)
-            recv_x, recv_idx, recv_w, counts_e, handle = self._normal.dispatch(
-                x, route, config or self.get_dispatch_config(self.group_size))
+            try:
+                recv_x, recv_idx, recv_w, counts_e, handle = self._normal.dispatch(
+                    x, route, config or self.get_dispatch_config(self.group_size))
+            except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
+                self._calls = agreed_call(e, "deep_ep.Buffer.dispatch", 0, self._calls)
+                raise
             self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_w)
             self._guard.snapshot()      # the only call that changes the status; on the stream that wrote it
             s.out(recv_x, recv_idx, recv_w, *handle)
@@ -304,8 +313,7 @@ class Buffer:
         E = route.per_expert.numel()
         ids = self._guard.check_ids(route.topk_idx, E)
         self._guard.check_in_rank(route.in_rank, ids, E)
-        return Route(route.per_rank, route.in_rank, route.per_expert, ids, route.topk_weights, route.alignment,
-                     route.worst)
+        return replace(route, topk_idx=ids)
 
     def _handle_rows(self, what: str, handle, T: Optional[int]) -> int:
         """X, the received rows of ``handle``'s dispatch (ValueError for a foreign handle or other tokens)."""

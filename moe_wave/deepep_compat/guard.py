@@ -1,5 +1,6 @@
 """What DeepEP leaves unchecked, checked on the device with no host sync: expert ids out of range, an
-``is_token_in_rank`` that contradicts ``topk_idx``, and rows due beyond ``num_worst_tokens``.
+``is_token_in_rank`` that contradicts ``topk_idx``, rows due beyond ``num_worst_tokens``, and ranks whose
+dispatches are out of step (the call header, below).
 
 Legend: T local tokens, K top-k, P ranks, E experts.
 
@@ -12,15 +13,33 @@ copied to pinned host memory at the end of each dispatch (non-blocking, on the s
 the start of a later call on every rank (on a GPU one or two calls later), or at once by ``check()`` (a host
 sync). Raising clears it. A fault found by ``get_dispatch_layout`` alone waits in ``pending`` for the next
 dispatch: raising it on one rank before a collective would leave the others waiting.
+
+The call header. Every dispatch (without a handle) adds its header (``moe_wave.comm.header``, kind
+"deep_ep.Buffer.dispatch": the Buffer's call number, x's hidden size, dtype and scale columns, the top-k width,
+the number of experts, ``num_worst_tokens``) to the same count all-gather, so every rank holds every rank's header
+before any row moves. Where the dispatch reads the gathered counts on the host anyway (without
+``num_worst_tokens``, as DeepEP's CPU wait; and always on CPU ranks, where the gather is host memory) a mismatch is
+a ``HeaderMismatch`` (a ValueError) raised there on every rank, naming each field that differs, each rank's value
+and the rule (without it: gloo's size-mismatch abort, SIGABRT, on CPU ranks; rows of mismatched sizes on GPUs).
+With ``num_worst_tokens`` on a GPU nothing is read on the host (the call can be captured in a CUDA graph): the
+mismatch is then a fault here like the others (the outputs NaN, a later call raises naming the field, the first
+rank that differs from rank 0 and both values), which cannot stop that call's rows, whose sizes each rank took from
+its own arguments. What no header covers: a cached dispatch or a combine (no count exchange precedes their rows),
+and, in the direct kernels, ranks passing different numbers of experts (the gathered row's width depends on it,
+so the gather itself is mismatched).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-__all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK"]
+from moe_wave.comm.header import FIELDS, CallHeader, check_headers, describe, rule
 
-NONE, WORST, IDS, IN_RANK = 0, 1, 2, 3
+__all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK", "HEADER"]
+
+NONE, WORST, IDS, IN_RANK, HEADER = 0, 1, 2, 3, 4
 WORDS = 3                   # what a rank adds to the gathered counts: kind, count, limit
 
 
@@ -29,9 +48,11 @@ class Guard:
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
-        self.status = torch.zeros(4, dtype=torch.int64, device=device)     # kind, rank, count, limit
+        # kind, rank, count, limit, and for HEADER the header kind and field (count: that rank's value, limit: rank 0's)
+        self.status = torch.zeros(6, dtype=torch.int64, device=device)
         self.pending = torch.zeros(WORDS, dtype=torch.int64, device=device)
-        self._host = torch.zeros(4, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
+        self._host = torch.zeros(6, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
+        self._headers: dict = {}        # header words on the device, per header (``header_words``)
 
     # ------------------------------------------------------------------ local checks
     def check_ids(self, topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -64,23 +85,61 @@ class Guard:
         self.pending.zero_()
         return w
 
-    def fold(self, words_PW: torch.Tensor, recv_P: torch.Tensor | None, worst: int) -> None:
-        """Every rank's gathered words [P, WORDS] and (``worst`` > 0) the rows each rank receives [P]: the first
-        fault (lowest rank; a worst-case overflow before the others) sticks in ``status``."""
+    def fold(self, words_PW: torch.Tensor, recv_P: torch.Tensor | None, worst: int,
+             head_PH: torch.Tensor | None = None) -> None:
+        """Every rank's gathered words [P, WORDS], (``worst`` > 0) the rows each rank receives [P] and (where the
+        caller does not check them on the host, ``agree``) every rank's call header [P, H]: the first fault (a
+        header mismatch, then the lowest rank; a worst-case overflow before the others) sticks in ``status``."""
         P = words_PW.shape[0]
         ranks = torch.arange(P, device=words_PW.device)
-        cand = torch.cat([ranks[:, None], words_PW[:, 1:]], 1)
+        cand = torch.cat([ranks[:, None], words_PW[:, 1:], torch.zeros(P, 2, dtype=torch.int64,
+                                                                        device=words_PW.device)], 1)
         kind = words_PW[:, 0]
         if worst and recv_P is not None:
             over = recv_P.to(torch.int64) > worst
             cand = torch.where(over[:, None], torch.stack([ranks, recv_P.to(torch.int64),
-                                                           torch.full_like(ranks, worst)], 1), cand)
+                                                           torch.full_like(ranks, worst)] + [ranks * 0] * 2, 1), cand)
             kind = torch.where(over, WORST, kind)
+        if head_PH is not None:
+            # the first rank whose header differs from rank 0's, its first differing field (index_select: indexing
+            # with a 0-dim tensor would read it on the host)
+            diff_PH = head_PH != head_PH[:1]
+            bad_P = diff_PH.any(1)
+            r = torch.argmax(bad_P.to(torch.int8)).view(1)
+            f = torch.argmax(diff_PH.index_select(0, r)[0].to(torch.int8)).view(1)
+            mine, first_row = head_PH.index_select(0, r)[0], head_PH[0]
+            row = torch.cat([r, mine.index_select(0, f), first_row.index_select(0, f), first_row[:1], f])
+            cand = torch.where(bad_P.any(), row.expand(P, -1), cand)
+            kind = torch.where(bad_P.any(), torch.full_like(kind, HEADER), kind)
         hit = kind != 0
         first = torch.argmax(hit.to(torch.int8))
         new = torch.cat([kind[first].view(1), cand[first]])
         take = (self.status[0] == 0) & hit.any()
         self.status.copy_(torch.where(take, new, self.status))
+
+    def header_words(self, header: CallHeader, on_host: bool) -> torch.Tensor:
+        """[H] int64 on the device: ``header`` encoded, for the count all-gather. ``on_host``: the dispatch reads
+        the gather on the host (CPU ranks; a GPU dispatch without ``num_worst_tokens``): made from this call's values
+        (a GPU copy from pinned memory, behind which that read waits anyway). Else (a GPU path with no host read,
+        which a CUDA graph may capture and replay): a device tensor made once per header, with the call number left
+        0 (a replay could not update it), so the call number is not compared there."""
+        if self.device.type == "cpu":
+            return torch.tensor(header.encode(), dtype=torch.int64)
+        if on_host:
+            return torch.tensor(header.encode(), dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        key = tuple(replace(header, call=0).encode())
+        if key not in self._headers:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("deep_ep.Buffer.dispatch: run one dispatch of this shape eagerly before capturing "
+                                   "a CUDA graph (its call header is set up on first use)")
+            self._headers[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
+        return self._headers[key]
+
+    @staticmethod
+    def agree(head_rows: list[list[int]]) -> None:
+        """Every rank's call header as read on the host (rank order): ``HeaderMismatch`` on every rank if they
+        differ (see the module docstring)."""
+        check_headers(head_rows)
 
     # ------------------------------------------------------------------ poison and raise
     def poison(self, *tensors) -> None:
@@ -96,11 +155,11 @@ class Guard:
 
     def raise_if_flagged(self, what: str) -> None:
         """Raise the fault the last snapshot holds (no sync), then clear it."""
-        kind, rank, count, limit = self._host.tolist()
+        kind, rank, count, limit, head_kind, field = self._host.tolist()
         if kind:
             self._host.zero_()
             self.status.zero_()
-            raise fault_error(what, kind, rank, count, limit)
+            raise fault_error(what, kind, rank, count, limit, head_kind, field)
 
     def check(self, what: str = "Buffer.check") -> None:
         """Raise a recorded fault now. HOST SYNC: reads the device status."""
@@ -108,7 +167,13 @@ class Guard:
         self.raise_if_flagged(what)
 
 
-def fault_error(what: str, kind: int, rank: int, count: int, limit: int) -> Exception:
+def fault_error(what: str, kind: int, rank: int, count: int, limit: int, head_kind: int = 0,
+                field: int = 0) -> Exception:
+    if kind == HEADER:
+        values = describe(head_kind, FIELDS[field], [limit, count], [0, rank])
+        return ValueError(f"deep_ep.Buffer.{what}: the ranks' dispatches were out of step ({values}): "
+                          f"{rule(head_kind)}; with num_worst_tokens on a GPU nothing is read on the host, so that "
+                          f"dispatch's rows moved unchecked and the outputs since were poisoned with NaN")
     if kind == WORST:
         return RuntimeError(f"deep_ep.Buffer.{what}: rank {rank} was due {count} received rows, more than "
                             f"num_worst_tokens={limit}: the rows past it were dropped and the outputs since were "

@@ -27,11 +27,14 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_wave.comm.header import CallHeader
+
 from .checks import ROW_DTYPES, fp8_pair, tensor
 from .config import Config
 from .utils import EventHandle, EventOverlap
 
-__all__ = ["NormalMode", "Route", "IntranodeHandle", "pack_x", "words", "handle_matrices", "Scope", "comm_scope"]
+__all__ = ["NormalMode", "Route", "IntranodeHandle", "pack_x", "words", "dispatch_header", "handle_matrices", "Scope",
+           "comm_scope"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Route:
     topk_weights: Optional[torch.Tensor]
     alignment: int
     worst: int
+    call: int = 0           # the Buffer's dispatch number (the call header's)
 
 
 class IntranodeHandle(tuple):
@@ -136,6 +140,16 @@ def words(what: str, x):
     # reading a row's S words 4*T bytes apart issues one memory transaction per word
     return x8.contiguous().view(torch.uint8).view(torch.int32), sc.reshape(T, S).contiguous().view(torch.int32), \
         unpack
+
+
+def dispatch_header(x, route: Route) -> CallHeader:
+    """A dispatch's call header (``guard``'s module docstring): x's hidden size, dtype and scale columns, the top-k
+    width, the experts, ``num_worst_tokens`` and the Buffer's dispatch number."""
+    x8 = x if isinstance(x, torch.Tensor) else x[0]
+    scales = 0 if isinstance(x, torch.Tensor) else (x[1].shape[1] if x[1].dim() == 2 else 1)
+    return CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=route.call, overlap=False, hidden=x8.shape[1],
+                      dtype=x8.dtype, top_k=0 if route.topk_idx is None else route.topk_idx.shape[1],
+                      experts=route.per_expert.numel(), rows=route.worst, scales=scales)
 
 
 def handle_matrices(counts_PP, tokens_P, in_rank_TP, src_X, valid_X, recv_src_X, ch: int, me: int):

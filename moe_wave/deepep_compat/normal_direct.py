@@ -17,7 +17,7 @@ from moe_wave.comm.group import EPGroup
 from . import normal_kernels as nk
 from .config import Config, topk_idx_t
 from .guard import WORDS, Guard
-from .normal import IntranodeHandle, NormalMode, Route, handle_matrices, words
+from .normal import IntranodeHandle, NormalMode, Route, dispatch_header, handle_matrices, words
 from .normal_engine import EngineNormal
 from .normal_plan import DirectPlan, NormalState, clip_plan
 
@@ -80,17 +80,23 @@ class DirectNormal(NormalMode):
         E = per_expert.numel()
         e = E // P
         chan = nk.channel_counts(in_rank, nch)
+        # the call header rides the count all-gather (guard): read on the host where the counts are
+        on_host = not route.worst or a.device.type == "cpu"
         G = self.engine.exchange.count_matrix(torch.cat([chan.reshape(-1), per_expert.long(), chan.new_full((1,), T),
-                                                         self.guard.words()]))
+                                                         self.guard.words(),
+                                                         self.guard.header_words(dispatch_header(x, route), on_host)]))
         chan_G = G[:, :P * nch].reshape(P, P, nch)
         counts_PP = chan_G.sum(2)
-        self.guard.fold(G[:, P * nch + E + 1:P * nch + E + 1 + WORDS], counts_PP.sum(0), route.worst)
+        H0 = P * nch + E + 1 + WORDS
+        host = G.cpu() if on_host else None
+        self.guard.fold(G[:, P * nch + E + 1:H0], counts_PP.sum(0), route.worst, None if on_host else G[:, H0:])
+        if on_host:
+            self.guard.agree(host[:, H0:].tolist())           # before any row moves: the same error on every rank
         if route.worst:
             X, cap, num_recv, counts_e = route.worst, capacity_for(route.worst), None, []
         else:
-            # HOST SYNC (DeepEP waits on the CPU here too): the received counts, the capacity every rank agrees on,
-            # the per-expert list
-            host = G.cpu()
+            # HOST SYNC (DeepEP waits on the CPU here too; ``host`` above): the received counts, the capacity every
+            # rank agrees on, the per-expert list
             recv = host[:, :P * nch].reshape(P, P, nch).sum(2).sum(0)
             X = num_recv = int(recv[me])
             cap = capacity_for(int(recv.max()))

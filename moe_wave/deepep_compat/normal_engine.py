@@ -14,7 +14,7 @@ from moe_wave.comm.options import SymmOptions
 
 from .config import Config, topk_idx_t
 from .guard import WORDS, Guard
-from .normal import IntranodeHandle, NormalMode, Route, handle_matrices, pack_x
+from .normal import IntranodeHandle, NormalMode, Route, dispatch_header, handle_matrices, pack_x
 
 __all__ = ["EngineNormal"]
 
@@ -60,17 +60,23 @@ class EngineNormal(NormalMode):
         rows, unpack = pack_x("dispatch", x)
         P, me, T = self.ep.size, self.ep.rank, rows.shape[0]
         per_rank, in_rank, worst = route.per_rank, route.in_rank, route.worst
+        # the call header rides the count all-gather (guard): read on the host where the counts are
+        on_host = not worst or rows.device.type == "cpu"
         G = self.exchange.count_matrix(torch.cat([per_rank.long(), per_rank.new_full((1,), T).long(),
-                                                  self.guard.words()]))
-        counts_PP, tokens_P = G[:, :P], G[:, P]
-        self.guard.fold(G[:, P + 1:P + 1 + WORDS], counts_PP.sum(0), worst)
+                                                  self.guard.words(),
+                                                  self.guard.header_words(dispatch_header(x, route), on_host)]))
+        counts_PP, tokens_P, H0 = G[:, :P], G[:, P], P + 1 + WORDS
+        # HOST SYNC (DeepEP waits on the CPU here too) without num_worst_tokens: the received count and the capacity
+        # every rank agrees on; on CPU ranks the gather is host memory (no sync)
+        host = G.tolist() if on_host else None
+        self.guard.fold(G[:, P + 1:H0], counts_PP.sum(0), worst, None if on_host else G[:, H0:])
+        if on_host:
+            self.guard.agree([row[H0:] for row in host])      # before any row moves: the same error on every rank
         if worst:
             capacity, X, num_recv = self._capacity(worst), worst, None
         else:
-            # HOST SYNC (DeepEP waits on the CPU here too): the received count and the capacity every rank agrees on
-            host = counts_PP.tolist()
             num_recv = sum(row[me] for row in host)
-            capacity, X = self._capacity(max(max(row) for row in host)), num_recv
+            capacity, X = self._capacity(max(max(row[:P]) for row in host)), num_recv
         layout = routing_layout(in_rank, route.topk_idx, route.topk_weights, route.per_expert)
         cp = self.exchange.make_plan(layout, counts_PP, capacity, X, num_recv)
         got, meta, weight = self.exchange.dispatch(rows, cp)

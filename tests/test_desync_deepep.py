@@ -1,0 +1,125 @@
+"""DeepEP-API ranks out of step (issue 53, item 2): ranks calling ``deep_ep.Buffer.dispatch`` with different hidden
+sizes, dtypes, top-k widths, receive bounds, or after an error caught on one rank only. The call header rides the
+dispatch's count all-gather, so each is the same ValueError on every rank, naming the field,
+each rank's value and the rule, before any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls
+paired out of step), and the next call in step runs. Also the device-side form (a GPU dispatch with
+``num_worst_tokens`` reads nothing on the host): the guard records the first differing field and raises it later.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_wave.comm import EPGroup
+
+E, K, T = 12, 3, 12
+RULE = "every rank must call dispatch (without a handle) the same number of times"
+
+
+def _route(rank: int, H: int = 128, dtype=torch.bfloat16, k: int = K):
+    g = torch.Generator().manual_seed(31 + rank)
+    x = torch.randn(T, H, generator=g, dtype=torch.float32).to(dtype)
+    ids = torch.rand(T, E, generator=g, dtype=torch.float32).topk(k, dim=1).indices
+    w = torch.rand(T, k, generator=g, dtype=torch.float32)
+    return x, ids, w
+
+
+def _dispatch(buf, x, ids, w, worst: int = 0):
+    from moe_wave.deepep_compat import Config
+
+    n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(ids, E)
+    return buf.dispatch(x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_exp,
+                        topk_idx=ids, topk_weights=w, num_worst_tokens=worst, config=Config(24, 8, 256))
+
+
+def _in_step_round(buf, ep) -> None:
+    """A dispatch and combine every rank makes alike: it runs, and sums what it should."""
+    x, ids, w = _route(ep.rank)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, x, ids, w)
+    out, _, _ = buf.combine(recv_x, handle)
+    n_rank, _, _, in_rank, _ = buf.get_dispatch_layout(ids, E)
+    assert torch.allclose(out.float(), x.float() * in_rank.sum(1, keepdim=True), rtol=1e-2, atol=1e-2)
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _normal_case(ep: EPGroup, case: str) -> str:
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, device="cpu", normal="engine")
+    one = ep.rank == 1
+    x, ids, w = _route(ep.rank)
+    if case == "hidden":
+        x, ids, w = _route(ep.rank, H=256 if one else 128)
+        msg = _message(lambda: _dispatch(buf, x, ids, w))
+    elif case == "hidden_worst":            # num_worst_tokens: on CPU ranks the gather is host memory
+        x, ids, w = _route(ep.rank, H=256 if one else 128)
+        msg = _message(lambda: _dispatch(buf, x, ids, w, worst=2 * T))
+    elif case == "dtype":
+        x, ids, w = _route(ep.rank, dtype=torch.float32 if one else torch.bfloat16)
+        msg = _message(lambda: _dispatch(buf, x, ids, w))
+    elif case == "top_k":
+        x, ids, w = _route(ep.rank, k=2 if one else K)
+        msg = _message(lambda: _dispatch(buf, x, ids, w))
+    elif case == "worst":
+        msg = _message(lambda: _dispatch(buf, x, ids, w, worst=2 * T if one else 0))
+    elif case == "error_on_one_rank":       # a serving loop catches an argument error on rank 0 and goes on
+        if ep.rank == 0:
+            assert "num_worst_tokens" in _message(lambda: _dispatch(buf, x, ids, w, worst=-1))
+        msg = _message(lambda: _dispatch(buf, x, ids, w))
+    else:
+        raise AssertionError(case)
+    _in_step_round(buf, ep)                 # in step again: the next calls run
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, fields", [
+    ("hidden", "(hidden: rank 0 128, rank 1 256)"),
+    ("hidden_worst", "(hidden: rank 0 128, rank 1 256)"),
+    ("dtype", "(dtype: rank 0 bfloat16, rank 1 float32)"),
+    ("top_k", "(top_k: rank 0 3, rank 1 2)"),
+    ("worst", "(num_worst_tokens: rank 0 0, rank 1 24)"),
+    ("error_on_one_rank", "(call: rank 0 2, rank 1 1)"),
+])
+def test_normal_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
+    msg0, msg1 = ranks(2).run(_normal_case, case)
+    assert msg0 == msg1, (msg0, msg1)
+    assert msg0.startswith("deep_ep.Buffer.dispatch out of step between ranks " + fields) and RULE in msg0, msg0
+    assert "\n" not in msg0
+
+
+def test_device_side_header_fault_names_the_field_rank_and_values():
+    """The form a GPU dispatch with num_worst_tokens takes (no host read): the guard folds the gathered headers on
+    the device, poisons, and the next call raises naming the field, the first differing rank and both values."""
+    from moe_wave.comm.header import CallHeader
+    from moe_wave.deepep_compat.guard import WORDS, Guard
+
+    def head(hidden, call=1):
+        return CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=call, overlap=False, hidden=hidden,
+                          dtype=torch.bfloat16, top_k=K, experts=E, rows=24).encode()
+
+    g = Guard(0, torch.device("cpu"))
+    words = torch.zeros(3, WORDS, dtype=torch.int64)
+    g.fold(words, None, 24, torch.tensor([head(128)] * 3))       # in step: nothing recorded
+    g.snapshot()
+    g.raise_if_flagged("dispatch")
+    g.fold(words, None, 24, torch.tensor([head(128), head(128), head(256)]))
+    out = torch.ones(2, 2)
+    g.poison(out)
+    assert torch.isnan(out).all()
+    g.snapshot()
+    with pytest.raises(ValueError) as info:
+        g.raise_if_flagged("combine")
+    msg = str(info.value)
+    assert msg.startswith("deep_ep.Buffer.combine: the ranks' dispatches were out of step (hidden: rank 0 128, "
+                          "rank 2 256): " + RULE), msg
+    assert "poisoned with NaN" in msg and "\n" not in msg
+    g.raise_if_flagged("dispatch")          # raising cleared it
