@@ -1,6 +1,7 @@
-"""DeepEP-API ranks out of step (issue 53, item 2): ranks calling ``deep_ep.Buffer.dispatch`` with different hidden
-sizes, dtypes, top-k widths, receive bounds, or after an error caught on one rank only. The call header rides the
-dispatch's count all-gather, so each is the same ValueError on every rank, naming the field,
+"""DeepEP-API ranks out of step (issue 53, item 2): ranks calling ``deep_ep.Buffer.dispatch`` or
+``low_latency_dispatch`` with different hidden sizes, dtypes, top-k widths, receive bounds, or after an error caught
+on one rank only. The call header rides the dispatch's count all-gather (normal mode) or the symm backend's count
+exchange (low-latency mode on the exchange engine), so each is the same ValueError on every rank, naming the field,
 each rank's value and the rule, before any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls
 paired out of step), and the next call in step runs. Also the device-side form (a GPU dispatch with
 ``num_worst_tokens`` reads nothing on the host): the guard records the first differing field and raises it later.
@@ -15,6 +16,7 @@ from moe_wave.comm import EPGroup
 
 E, K, T = 12, 3, 12
 RULE = "every rank must call dispatch (without a handle) the same number of times"
+LL_RULE = "every rank must call low_latency_dispatch the same number of times"
 
 
 def _route(rank: int, H: int = 128, dtype=torch.bfloat16, k: int = K):
@@ -94,6 +96,42 @@ def test_normal_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case
     assert msg0 == msg1, (msg0, msg1)
     assert msg0.startswith("deep_ep.Buffer.dispatch out of step between ranks " + fields) and RULE in msg0, msg0
     assert "\n" not in msg0
+
+
+LL_H, LL_T = 256, 16
+
+
+def _ll_case(ep: EPGroup, case: str) -> str:
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True, device="cpu")
+    one = ep.rank == 1
+    g = torch.Generator().manual_seed(7 + ep.rank)
+    H = 2 * LL_H if case == "hidden" and one else LL_H
+    x = torch.randn(T, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=g, dtype=torch.float32).topk(K, dim=1).indices
+    fp8 = case == "use_fp8" and one
+    tokens = 2 * LL_T if case == "tokens" and one else LL_T
+    msg = _message(lambda: buf.low_latency_dispatch(x, ids, tokens, E, use_fp8=fp8))
+    x = x[:, :LL_H].contiguous()
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, ids, LL_T, E, use_fp8=False)   # in step again
+    e = E // ep.size
+    assert int(count.sum()) == int(handle[1].bitwise_and(0xFFFFFFFF).sum())
+    assert recv_x.shape == (e, ep.size * LL_T, LL_H)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, fields", [
+    ("hidden", f"(hidden: rank 0 {LL_H}, rank 1 {2 * LL_H})"),
+    ("use_fp8", "(dtype (use_fp8): rank 0 bfloat16, rank 1 float8_e4m3fn)"),
+    ("tokens", f"(num_max_dispatch_tokens_per_rank: rank 0 {LL_T}, rank 1 {2 * LL_T})"),
+])
+def test_low_latency_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
+    msg0, msg1 = ranks(2).run(_ll_case, case)
+    assert msg0 == msg1, (msg0, msg1)
+    assert msg0.startswith("deep_ep.Buffer.low_latency_dispatch out of step between ranks " + fields), msg0
+    assert LL_RULE in msg0 and "\n" not in msg0
 
 
 def test_device_side_header_fault_names_the_field_rank_and_values():

@@ -34,6 +34,7 @@ import torch
 
 from moe_wave.comm.backend import CombineOut
 from moe_wave.comm.deepep_normal import CompactExchange, routing_counts, routing_layout
+from moe_wave.comm.header import CallHeader
 from moe_wave.comm.options import SymmOptions
 from moe_wave.comm.symm_plan import SymmPlan
 from moe_wave.comm.triton_gate import triton_ok
@@ -150,8 +151,11 @@ class EngineLowLatency(LowLatencyMode):
                 rows = x.clone(memory_format=torch.contiguous_format) if hook else x.contiguous()
             return rows, layout
 
+        header = CallHeader(kind="deep_ep.Buffer.low_latency_dispatch", module=0, call=self.calls, overlap=False,
+                            hidden=H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, top_k=K, experts=E, rows=T)
+
         def send(rows, layout):
-            plan = ex.prepare(layout, T)
+            plan = ex.prepare(layout, T, header)       # the header is checked there on CPU ranks (low_latency)
             pending, bufs = ex.send(rows, plan)
             return plan, pending, bufs
 

@@ -12,6 +12,16 @@ combine buffer (``next_combine_buffer``), one per set.
 
 Expert ids outside [-1, E) are sent nowhere, as -1 (DeepEP's kernels index with them unchecked); unlike normal
 mode this is not reported: a check would cost the decode path more launches than its own.
+
+Ranks out of step (different hidden sizes, ``use_fp8``, top-k widths or ``num_max_dispatch_tokens_per_rank``, or a
+dispatch one rank skipped): on the exchange engine over gloo (CPU ranks) the dispatch's call header
+(``moe_wave.comm.header``, kind "deep_ep.Buffer.low_latency_dispatch") travels in the symm backend's count
+exchange and a mismatch is the same ValueError on every rank, naming each field and each rank's value, before any
+row moves. Not covered there: different ``num_experts`` (the count row's width depends on it, so the count exchange
+itself is mismatched: gloo's abort). On GPUs neither implementation checks (the caller is trusted, as in DeepEP):
+the engine's count exchange on peer memory reads nothing on the host (``comm.symm_transport``), and the direct
+kernels have no exchange before the rows (each token's row, its ids and the counts travel in one launch and the
+receivers wait only on call-number flags), so there is nothing a header could ride that would stop the rows.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from moe_wave.comm.header import HeaderMismatch, agreed_call
 
 __all__ = ["LowLatencyMode", "LowLatencyHandle", "rdma_size_hint", "check_overlap_kwargs", "outputs", "check_shape",
            "OVERLAP_KWARGS"]
@@ -101,6 +112,7 @@ class LowLatencyMode(ABC):
 
     def __init__(self, ep, comm_stream):
         self.ep, self.comm_stream = ep, comm_stream
+        self.calls = 0          # dispatches, counted on entry (the call header's call number, where one is checked)
         self._next = 0
         self._combine_bufs: dict = {}
 
@@ -137,6 +149,7 @@ class LowLatencyMode(ABC):
             column-major in the last two dimensions); recv_count int32 [e]; the handle; the event; the hook or None.
         """
         what = "low_latency_dispatch"
+        self.calls += 1         # counted before any check: a call that raised on one rank only still counts there
         P = self.ep.size
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
             raise ValueError(f"{what}: x must be a bf16 [N, H] tensor, got "
@@ -164,8 +177,12 @@ class LowLatencyMode(ABC):
         if wait_stats is not None and (not isinstance(wait_stats, torch.Tensor) or wait_stats.dtype != torch.int64
                                        or wait_stats.shape[0] != P):
             raise ValueError(f"{what}: dispatch_wait_recv_cost_stats must be int64 with {P} rows")
-        return self._dispatch(x, topk_idx, T, E, K, stats, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-                              async_finish, hook)
+        try:
+            return self._dispatch(x, topk_idx, T, E, K, stats, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
+                                  async_finish, hook)
+        except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
+            self.calls = agreed_call(e, "deep_ep.Buffer.low_latency_dispatch", 0, self.calls)
+            raise
 
     def next_combine_buffer(self, handle) -> torch.Tensor:
         """The zero-copy combine buffer of the handle's buffer set: bf16 [e, PT, H], to be filled by the caller."""
