@@ -20,6 +20,14 @@ capturable; use ``symm`` for graphs. Combine sums each token's rows over the ran
 ``out_TD`` accumulates that in fp32. DeepEP runs on its own communication stream; ``previous_event``
 / ``async_finish`` order it against the caller's stream.
 
+Ranks out of step: the call header (``comm.header``) is accepted and not checked. This backend has no count
+exchange of its own: DeepEP's dispatch exchanges its counts inside its kernels and waits for them on the host
+there, and nothing of ours can ride that exchange. What is checked: ``prepare`` checks this rank's plan (the
+group size, sends per wave, DeepEP's limit on experts per rank), ``dispatch`` x's dtype, and the settings that
+must agree across ranks (hidden size, waves, experts, overlap default) are compared when a ``WaveMoE`` is built.
+A per-call desync (a per-call ``overlap`` that differs by rank, a call one rank skipped) reaches DeepEP unchecked;
+run the same calls on the ``torch`` backend, which checks the header before any row moves, to find it.
+
 Install: https://github.com/deepseek-ai/DeepEP (needs NVSHMEM for internode; intranode needs NVLink).
 """
 
@@ -118,7 +126,8 @@ class DeepEPBackend:
         self.buffer = Buffer(ep.pg, nvl, 0)
 
     def prepare(self, layout: DispatchLayout, header=None) -> DeepEPPlan:
-        """The layout per wave (DeepEP exchanges counts inside each dispatch); ``header`` is not checked here."""
+        """The layout per wave (DeepEP exchanges counts inside each dispatch); ``header`` is not checked here (see
+        the module docstring)."""
         plan = layout.plan
         if plan.num_ranks != self.ep.size:
             raise ValueError(f"WavePlan.num_ranks={plan.num_ranks}: must equal the EP group size {self.ep.size}")

@@ -44,8 +44,10 @@ Phases: without a receive hook a call is one launch (send, then receive); with o
 
 Flags never need resetting: a call number c per (set, exchange) lives on the device (``state``); a sender stores c,
 a receiver waits until the flag holds at least c. Ranks call in the same order, so their numbers agree; graph
-replays advance them. A region is rewritten only two calls later (two sets, in turn), after every rank has read it:
-a rank reaches its next use of a set only through exchanges that need every peer's progress past the last one.
+replays advance them (they order the exchanges; they do not check that the ranks made the same call: ranks
+passing different shapes are not detected here, see ``low_latency``). A region is rewritten only two calls later
+(two sets, in turn), after every rank has read it: a rank reaches its next use of a set only through exchanges that
+need every peer's progress past the last one.
 
 A peer that does not arrive within ``timeout_ms`` (the GPU's global timer; bounded spins in the interpreter) is
 marked in the rank mask and recorded in the fault words ``[1, peer, call, site]`` (pinned host memory the kernel
