@@ -354,10 +354,16 @@ class GroupedFP8(_FP8Module):
     Each group's rows are whole 128-row weight blocks (R % 128 == 0), so group g's weight and scales are row
     slices of one quantised matrix; its input is the column slice g of the quantised [M, G*Kg] activations."""
 
+    @staticmethod
+    def fits(weight_GRK: torch.Tensor, groups: int) -> bool:
+        """Whether the weight's groups are whole 128 x 128 blocks (the constructor's rule)."""
+        GR, Kg = weight_GRK.shape
+        return GR % groups == 0 and (GR // groups) % BLOCK == 0 and Kg % BLOCK == 0
+
     def __init__(self, weight_GRK: torch.Tensor, groups: int):
         super().__init__()
         GR, Kg = weight_GRK.shape
-        if GR % groups or (GR // groups) % BLOCK or Kg % BLOCK:
+        if not self.fits(weight_GRK, groups):
             raise ValueError(f"GroupedFP8: weight {tuple(weight_GRK.shape)} with groups={groups}: rows per group "
                              f"and Kg must be multiples of {BLOCK}")
         self.groups, self.rank, self.in_per_group = groups, GR // groups, Kg

@@ -29,7 +29,6 @@ import torch
 
 from moe_wave.attention import CoreTuning, ScheduleConfig
 from moe_wave.comm import EPGroup
-from moe_wave.comm.layout import compute_layout
 from moe_wave.config import MoEConfig, WaveConfig
 from moe_wave.env import EnvSettings
 from moe_wave.fp8 import resolve_precision, set_fp8_gemm
@@ -125,12 +124,10 @@ def _layerwise(layers, inputs, serial_outs, overlap) -> list[torch.Tensor]:
 
 
 def _bytes_hooks(layers, counter: list):
-    """Pre-hooks on every MoE: rows that leave this rank, once per (token, peer, wave), there and back."""
+    """Pre-hooks on every MoE: the bytes of the rows that leave this rank and of their results coming back
+    (``WaveMoE.traffic``: FP8 rows as they travel, the routing slots included)."""
     def hook(moe, args, kwargs):
-        x_TD = args[0]
-        sent_WP = compute_layout(*moe.route(x_TD, kwargs.get("input_ids")), moe.plan).send_counts_WP
-        remote = int(sent_WP.sum() - sent_WP[:, moe.ep.rank].sum())
-        counter[0] += 2 * remote * x_TD.shape[-1] * x_TD.element_size()
+        counter[0] += moe.traffic(args[0], kwargs.get("input_ids"))["bytes"]
 
     return [layer.moe.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
 

@@ -32,6 +32,7 @@ from moe_wave.attention import AttnConfig, ScheduleConfig, V4Attention
 from moe_wave.attention.rope import RopeConfig
 from moe_wave.comm import EPGroup
 from moe_wave.config import MoEConfig, WaveConfig
+from moe_wave.fp8 import GroupedFP8
 from moe_wave.layer import V4DecoderLayer
 from moe_wave.mhc import HCConfig, HyperConnection
 from moe_wave.moe import WaveMoE
@@ -173,7 +174,10 @@ def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig
         seed: same seed, same weights on every rank.
         num_experts: override E (default: the preset's, rounded up to a multiple of the EP size).
         fp8: DeepSeek-V4's own precision: the attention projections and the routed and shared experts in the
-            checkpoints' FP8 format (``V4Attention.quantize_fp8``, ``WaveMoE.quantize_fp8``).
+            checkpoints' FP8 format (``V4Attention.quantize_fp8`` with ``wo_a_fp8="auto"`` where wo_a's groups are
+            whole 128 x 128 blocks, as at V4's shapes: the grouped FP8 wo_a for prefill-sized calls, the faster one
+            there (``benchmarks/results/attn.md``, fp8a); and
+            ``WaveMoE.quantize_fp8``).
     Returns:
         ``nn.ModuleList`` of ``V4DecoderLayer`` (run it with ``run_stack``).
     """
@@ -197,7 +201,7 @@ def build_layer_stack(preset: str, num_layers: int, *, ep=None, wave: WaveConfig
         _randomise(layer, _gen(device, _seed(seed, i)))
         _randomise_experts(layer, seed, i)
         if fp8:
-            attn.quantize_fp8()
+            attn.quantize_fp8(wo_a_fp8="auto" if GroupedFP8.fits(attn.o_a_weight, attn.cfg.o_groups) else False)
             moe.quantize_fp8()
         layers.append(layer)
     return layers
