@@ -135,9 +135,11 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: 
     """
     R, K = expert_RK.shape
     cap = R * K if capacity is None else capacity
-    if cap < R * K:
+    if cap < R * K and starts_e is None:
         raise ValueError(f"expert_order: capacity={cap} must be >= the {R * K} pairs")
-    src = torch.empty(cap, dtype=torch.long, device=expert_RK.device)
+    # with starts_e the positions run below the aligned layout's end, which the caller sizes ``capacity`` for
+    # (it may hold fewer rows than R * K slots where the counts are bounded: rows that stay over several waves)
+    src = torch.empty(max(cap, R * K), dtype=torch.long, device=expert_RK.device)[:cap]
     pos = torch.empty(R, K, dtype=torch.long, device=expert_RK.device)
     _order_into(expert_RK, e, offs_e, src, pos, rows_P, starts_e)
     return src, pos

@@ -107,23 +107,24 @@ class RoutedExperts(nn.Module):
 def expert_rows(got: Received, experts: nn.Module, *, packed: bool = False) -> torch.Tensor:
     """Apply the local experts to one wave's received rows (``comm.backend.Received``): y[r] = sum_k w[r,k] *
     expert_{id[r,k]}(x[r]), [R, D] in x's dtype (see ``_stage``). ``packed``: the rows arrived as FP8 rows
-    (``moe_wave.fp8_rows``, FP8 experts): the FP8 stage takes them as they are, any other path reads them
-    dequantised (exactly: the same products); y is bf16 then."""
+    (``moe_wave.fp8_rows``, FP8 experts): the experts' own device stage takes them as they are, any other path
+    reads them dequantised (exactly: the same products); y is bf16 then."""
     x_RD, local = got.x_RD, got.local
-    if packed:
-        fused = getattr(experts, "fused_stage", None)
-        if fused is not None and got.once is None and got.pairs_e_dev is not None and experts.num_local:
-            offs = _group_ends(got.pairs_e_dev, *got.expert_RK.shape)
-            y = fused(x_RD, got.expert_RK, got.weight_RK, offs, local, got.rows_P, packed=True)
-            if y is not None:
-                return y
+    if packed and not _own_stage(x_RD, experts, got.pairs_e_dev):
         from .fp8_rows import dequant_rows
 
         D = experts.cfg.hidden_size
         x_RD = dequant_rows(x_RD, D)
         local = None if local is None else (local[0], dequant_rows(local[1], D))
+        packed = False
     return _stage(x_RD, got.expert_RK, got.weight_RK, experts, got.pairs_e, got.pairs_e_dev, local, got.rows_P,
-                  got.once)
+                  got.once, packed)
+
+
+def _own_stage(x_RD: torch.Tensor, experts: nn.Module, pairs_e_dev: torch.Tensor | None) -> bool:
+    """Whether the experts' own device-count stage runs here (``fused_pairs``: the FP8 experts on DeepGEMM)."""
+    ok = getattr(experts, "fused_ok", None)
+    return ok is not None and pairs_e_dev is not None and experts.num_local > 0 and ok(x_RD)
 
 
 def _group_ends(pairs_e_dev: torch.Tensor, R: int, K: int) -> torch.Tensor:
@@ -136,7 +137,7 @@ def _group_ends(pairs_e_dev: torch.Tensor, R: int, K: int) -> torch.Tensor:
 def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
            pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None,
            local: tuple | None = None, rows_P: torch.Tensor | None = None,
-           once: OnceRows | None = None) -> torch.Tensor:
+           once: OnceRows | None = None, packed: bool = False) -> torch.Tensor:
     """``expert_rows`` on the fields of ``Received``.
 
     ``local`` (``Received.local``): rows of x_RD held elsewhere, read there. ``rows_P`` (``Received.rows_P``): the
@@ -148,9 +149,10 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
     Pairs are sorted expert-major, run as one grouped GEMM, weighted, and summed per row in fp32
     (in slot order k = 0..K-1, so the result is bitwise reproducible).
     With host counts (``pairs_e``) only the valid pairs are computed; without them (device-side
-    counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero. Experts with a
-    ``fused_stage`` (``fp8_experts.FP8RoutedExperts``: DeepGEMM's fused stage on a Hopper GPU with ``deep_gemm``)
-    take it where it returns a result, their own per-expert forward elsewhere.
+    counts, CUDA graphs) all R*K slots are computed with the invalid ones masked to zero. Experts with a device
+    stage of their own (``fused_pairs``: ``fp8_experts.FP8RoutedExperts`` on DeepGEMM, a Hopper GPU with
+    ``deep_gemm``; ``packed`` FP8 rows only there) take it where it runs (``fused_ok``), their own per-expert
+    forward elsewhere.
     """
     R, K = expert_RK.shape
     e = experts.num_local
@@ -158,11 +160,12 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
     if once is not None:
         if offs is None or pairs_e is not None:
             raise ValueError("expert_rows: once= needs device counts only (pairs_e=None, pairs_e_dev given)")
-        return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once)
-    fused = getattr(experts, "fused_stage", None)      # experts with a device-count stage of their own (FP8)
-    y = fused(x_RD, expert_RK, weight_RK, offs, local, rows_P) if fused is not None and offs is not None and e else None
-    if y is not None:
-        return y
+        return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, packed)
+    if _own_stage(x_RD, experts, pairs_e_dev):
+        from .expert_kernels import weighted_sum
+
+        out, pos, n = experts.fused_pairs(x_RD, expert_RK, offs, local, rows_P, packed)
+        return weighted_sum(out, pos, weight_RK, n, torch.bfloat16 if packed else x_RD.dtype, rows_P)
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
         return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
     return _slot_sums(x_RD, expert_RK, weight_RK, experts, pairs_e, offs, local).to(x_RD.dtype)
@@ -190,7 +193,7 @@ def _slot_sums(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_e, offs
 
 
 def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P,
-                      once: OnceRows) -> torch.Tensor:
+                      once: OnceRows, packed: bool = False) -> torch.Tensor:
     """``expert_rows`` for rows that stay over several waves (``comm.backend.OnceRows``): the pairs of this wave's
     experts only (``offs`` counts no other expert), each row's sum over k in slot order added to what its earlier
     waves left in its row of y (a row's first wave writes it), y in x's dtype and kept in ``once.state["y"]`` for
@@ -198,7 +201,7 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     reads (the partial sums are rounded to x's dtype between waves, as a row per wave's are when they travel).
     Returns y: [R, D], the rows no wave has touched as allocated."""
     R, K = expert_RK.shape
-    D, e, w, W = x_RD.shape[1], experts.num_local, once.wave, once.num_waves
+    D, e, w, W = experts.cfg.hidden_size, experts.num_local, once.wave, once.num_waves   # x may be packed rows
     rpw = R // W                      # the rows of one wave's blocks
     y = once.state.get("y")
     if w == 0 or y is None or y.shape != (R, D) or y.dtype != x_RD.dtype or y.device != x_RD.device:
@@ -210,8 +213,8 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     # backend reports a source whose rows over the layer pass one block): the grouped GEMM is sized for them,
     # as a row per wave's is, not for every block
     offs = offs.clamp(max=rpw * K)
-    if _fused_ok(x_RD, experts):
-        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y)
+    if _own_stage(x_RD, experts, offs) or _fused_ok(x_RD, experts):
+        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y, packed)
         return y
     _after_last_sums(once, y)         # the torch path reads y's sums from the start: no overlap of waves here
     ids = expert_RK.long()
@@ -231,16 +234,19 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
 
 
 def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P, once: OnceRows,
-                y) -> None:
-    """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``), into y; the gathered pairs
-    sized for one wave's blocks (offs is clamped to them)."""
+                y, packed: bool = False) -> None:
+    """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``, or the experts' own
+    ``fused_pairs``), into y; the pairs sized for one wave's blocks (offs is clamped to them)."""
     from .expert_kernels import expert_order, weighted_sum_once
 
-    n = offs[-1:]
     R, K = expert_RK.shape
     # the other waves' experts have empty groups in offs: their pairs get pos -1 (expert_order's guard)
-    src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P)
-    out = _grouped_experts(x_RD, src[:R // once.num_waves * K], n, offs, local, experts)
+    if _own_stage(x_RD, experts, offs):
+        out, pos, n = experts.fused_pairs(x_RD, expert_RK, offs, local, rows_P, packed, R // once.num_waves * K)
+    else:
+        n = offs[-1:]
+        src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P)
+        out = _grouped_experts(x_RD, src[:R // once.num_waves * K], n, offs, local, experts)
     # the waves may take turns on streams (WaveConfig.expert_streams): everything above may overlap the last
     # wave's stage, but its sums (read here) must be done
     _after_last_sums(once, y)

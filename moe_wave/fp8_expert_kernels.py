@@ -14,9 +14,9 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
                                            written to the rows of its local pairs
     gather_pairs(p_RW, D, pos_RK, JA)      the same from rows that arrived quantised (``fp8_rows``' packed rows):
                                            each pair's e4m3 row and scales copied, no arithmetic
-    swiglu_quant(gu_J2I, pos_RK, limit)    the V4 SwiGLU (gate clamped from above, up both ways) of each pair's
+    swiglu_quant(gu_J2I, starts, ends, lim) the V4 SwiGLU (gate clamped from above, up both ways) of each group
                                            row in fp32, quantised the same way for the second GEMM: hq [JA, I],
-                                           hs [I/128, JA]
+                                           hs [I/128, JA]; by 128-row blocks of the layout (``block_ends``)
 
 Each has a torch twin (``*_torch``) with the same bits; tests/test_fp8_experts.py compares them on CPU under
 ``TRITON_INTERPRET=1``. The kernels' grids are capped by the SM count and loop over the rows; a row's K
@@ -35,7 +35,7 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 from .fp8_quant import BLOCK, FP8, act_quant_torch
 
 __all__ = ["ALIGN", "aligned_groups", "quant_pairs", "quant_pairs_torch", "gather_pairs", "gather_pairs_torch",
-           "swiglu_quant", "swiglu_quant_torch", "aligned_capacity"]
+           "swiglu_quant", "swiglu_quant_torch", "aligned_capacity", "block_ends"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
@@ -89,11 +89,13 @@ def gather_pairs_torch(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int
     return q, s
 
 
-def swiglu_quant_torch(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``swiglu_quant`` by torch ops (unused rows zeros)."""
+def swiglu_quant_torch(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Tensor,
+                       limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_quant`` by torch ops (rows outside the groups zeros)."""
     JA, I2 = gu_J2I.shape
     I = I2 // 2
-    p = pos_RK[pos_RK >= 0]
+    j = torch.arange(JA, device=gu_J2I.device)
+    p = j[((j[:, None] >= starts_e[None, :]) & (j[:, None] < ends_e[None, :])).any(1)]
     gate, up = gu_J2I[p, :I].float(), gu_J2I[p, I:].float()
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
@@ -101,6 +103,18 @@ def swiglu_quant_torch(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float)
     hs = torch.zeros(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
     hq[p], hs[:, p] = act_quant_torch(F.silu(gate) * up)
     return hq, hs
+
+
+def block_ends(starts_e: torch.Tensor, ends_e: torch.Tensor, JA: int, align: int = ALIGN) -> torch.Tensor:
+    """int32 [JA / align]: for each ``align``-row block of the aligned layout, the end (exclusive) of the group
+    it belongs to, or its own start where it holds no group's row (past the last group): the block's rows in
+    use are [b * align, min(b * align + align, end)). On the device, no host sync."""
+    nb = JA // align
+    b0 = torch.arange(nb, device=starts_e.device, dtype=torch.int32) * align
+    padded = (ends_e - starts_e + (align - 1)) // align * align
+    x = torch.searchsorted(torch.cumsum(padded, 0, dtype=torch.int32), b0, right=True)   # the group of block b
+    ends = torch.cat([ends_e.to(torch.int32), ends_e.new_zeros(1, dtype=torch.int32)])
+    return torch.maximum(ends[x], b0)
 
 
 def _grid(R: int, device: torch.device) -> int:
@@ -169,23 +183,24 @@ def gather_pairs(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int,
                           True, p_RW.device)
 
 
-def swiglu_quant(gu_J2I: torch.Tensor, pos_RK: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hq [JA, I] e4m3, hs [I/128, JA] fp32): for every pair's row p = pos[r, k] >= 0, h = silu(min(gate,
-    limit)) * clamp(up, -limit, limit) in fp32 from gu[p] = [gate | up] (limit <= 0: no clamp), quantised per 128
-    channels. I % 128 == 0."""
+def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Tensor,
+                 limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hq [JA, I] e4m3, hs [I/128, JA] fp32): for every row of the groups (rows starts[x] .. ends[x] - 1 of
+    expert x, the aligned layout), h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 from the row's
+    [gate | up] (limit <= 0: no clamp), quantised per 128 channels; the padding rows are left as allocated. By
+    128-row blocks of the layout (each within one group: ``block_ends``), dense rows, no pair positions: the cost
+    follows the pairs, whatever number of slots each received row has. I % 128 == 0, JA % 128 == 0."""
     JA, I2 = gu_J2I.shape
     I = I2 // 2
-    if I % BLOCK or I2 % 2:
-        raise ValueError(f"swiglu_quant: gu has {I2} columns: must be 2 * I with I a multiple of {BLOCK}")
-    R = pos_RK.shape[0]
-    pos = _check_pos(pos_RK, R)
+    if I % BLOCK or I2 % 2 or JA % ALIGN:
+        raise ValueError(f"swiglu_quant: gu {tuple(gu_J2I.shape)}: must be [JA, 2 * I] with I a multiple of {BLOCK} "
+                         f"and JA of {ALIGN}")
     hq = torch.empty(JA, I, dtype=FP8, device=gu_J2I.device)
     hs = torch.empty(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
-    if R and I:
-        K = pos.shape[1]
-        _swiglu_quant_kernel[(_grid(R, gu_J2I.device),)](
-            gu_J2I, pos, hq, hs, R, K, I, JA, float(limit), KP=triton.next_power_of_2(K), NB=_blocks_per_step(I, 4),
-            CLAMP=limit > 0, INTERP=interpreting(), num_warps=8)
+    if JA and I:
+        _swiglu_quant_kernel[(JA // ALIGN,)](gu_J2I, block_ends(starts_e, ends_e, JA), hq, hs, I, JA, float(limit),
+                                             BR=16, NB=_blocks_per_step(I, 4), CLAMP=limit > 0,
+                                             INTERP=interpreting(), num_warps=8)
     return hq, hs
 
 
@@ -236,25 +251,24 @@ if triton is not None:
                     tl.store(s_ptr + (d0 // 128 + nb[None, :]).to(tl.int64) * JA + p[:, None], sc, mask=ok[:, None])
 
     @triton.jit
-    def _swiglu_quant_kernel(gu_ptr, pos_ptr, hq_ptr, hs_ptr, R, K, I, JA, limit, KP: tl.constexpr,
-                             NB: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
-        # the pairs of rows r = pid, pid + programs, ...: the row's K positions loaded once, then NB 128-channel
-        # blocks of every pair's gate / up rows a step, turned and quantised as one [KP, NB * 128] tile
-        kk = tl.arange(0, KP)
+    def _swiglu_quant_kernel(gu_ptr, bend_ptr, hq_ptr, hs_ptr, I, JA, limit, BR: tl.constexpr, NB: tl.constexpr,
+                             CLAMP: tl.constexpr, INTERP: tl.constexpr):
+        # one 128-row block of the aligned layout: its rows in use (up to its group's end) BR at a time, NB
+        # 128-channel blocks a step, each [BR, NB * 128] tile of gate / up turned and quantised per row and block
+        b0 = tl.program_id(0) * 128
+        n = tl.minimum(tl.load(bend_ptr + tl.program_id(0)) - b0, 128)
         c = tl.arange(0, NB * 128)
         nb = tl.arange(0, NB)
-        for rr in range(tl.program_id(0), R, tl.num_programs(0)):
-            r = tl.zeros([], tl.int64) + rr
-            p = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
-            ok = p >= 0
-            if tl.max(ok.to(tl.int32), axis=0) != 0:
-                row = gu_ptr + p[:, None] * 2 * I + c[None, :]
-                for i0 in range(0, I, NB * 128):
-                    gate = tl.load(row + i0, mask=ok[:, None], other=0.0).to(tl.float32)
-                    up = tl.load(row + I + i0, mask=ok[:, None], other=0.0).to(tl.float32)
-                    if CLAMP:
-                        gate = tl.minimum(gate, limit)
-                        up = tl.minimum(tl.maximum(up, -limit), limit)
-                    q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, KP, NB, INTERP)
-                    tl.store(hq_ptr + p[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
-                    tl.store(hs_ptr + (i0 // 128 + nb[None, :]).to(tl.int64) * JA + p[:, None], sc, mask=ok[:, None])
+        for r0 in range(0, n, BR):
+            rows = b0 + r0 + tl.arange(0, BR)
+            ok = (r0 + tl.arange(0, BR)) < n
+            row = gu_ptr + rows.to(tl.int64)[:, None] * 2 * I + c[None, :]
+            for i0 in range(0, I, NB * 128):
+                gate = tl.load(row + i0, mask=ok[:, None], other=0.0).to(tl.float32)
+                up = tl.load(row + I + i0, mask=ok[:, None], other=0.0).to(tl.float32)
+                if CLAMP:
+                    gate = tl.minimum(gate, limit)
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BR, NB, INTERP)
+                tl.store(hq_ptr + rows.to(tl.int64)[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
+                tl.store(hs_ptr + (i0 // 128 + nb[None, :]).to(tl.int64) * JA + rows[:, None], sc, mask=ok[:, None])

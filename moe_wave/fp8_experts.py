@@ -12,7 +12,7 @@ The expert math per pair (row x, expert j): gu = bf16(q(x) @ W13_j^T), h = SwiGL
 out = bf16(q(h) @ W2_j^T), q(.) the per-128-channel activation quantisation; the weighted sum over a row's slots
 runs in fp32 in slot order, as the bf16 stage's. Where it runs:
 
-- ``fp8_fused_rows`` (a Hopper GPU with ``deep_gemm``, device counts): one ordering of the pairs into the aligned
+- ``fp8_fused_pairs`` (a Hopper GPU with ``deep_gemm``, device counts): one ordering of the pairs into the aligned
   expert-major layout (``expert_order`` with group starts rounded up to DeepGEMM's 128-row blocks), one kernel
   that reads each received row once and writes its FP8 rows and scales there (``quant_pairs``; rows that
   travelled as FP8, ``fp8_rows``, are copied there as they are: ``gather_pairs``), DeepGEMM's
@@ -34,7 +34,7 @@ from .experts import SharedExpert, swiglu
 from .fp8 import BLOCK, FP8, act_quant, fp8_matmul, weight_quant
 
 __all__ = ["quant_experts", "dequant_experts", "fp4_to_fp8", "dequant_fp4", "FP8RoutedExperts", "FP8SharedExpert",
-           "fp8_fused_ok", "fp8_fused_rows", "fp8_gemm_grouped_library"]
+           "fp8_fused_ok", "fp8_fused_pairs", "fp8_gemm_grouped_library"]
 
 # e2m1 codes 0..7 (the sign is bit 3)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -157,12 +157,15 @@ class FP8RoutedExperts(nn.Module):
         h_q, hs = _gate_up_act(x_MD, self.gate_up[j], self.gate_up_scale[j], self.cfg.swiglu_limit)
         return fp8_matmul(h_q, hs, self.down[j], self.down_scale[j], torch.bfloat16)
 
-    def fused_stage(self, x_RD, expert_RK, weight_RK, offs, local=None, rows_P=None,
-                    packed: bool = False) -> torch.Tensor | None:
-        """``expert_rows``' stage on DeepGEMM (``fp8_fused_rows``) where it runs (``fp8_fused_ok``), else None."""
-        if not fp8_fused_ok(x_RD, self):
-            return None
-        return fp8_fused_rows(x_RD, expert_RK, weight_RK, self, offs, local, rows_P, packed=packed)
+    def fused_ok(self, x_RD: torch.Tensor) -> bool:
+        """Whether ``fused_pairs`` runs for rows on x_RD's device (``fp8_fused_ok``)."""
+        return fp8_fused_ok(x_RD, self)
+
+    def fused_pairs(self, x_RD, expert_RK, offs, local=None, rows_P=None, packed: bool = False,
+                    max_pairs: int | None = None) -> tuple:
+        """``expert_rows``' stage up to the weighted sum on DeepGEMM (``fp8_fused_pairs``); call where
+        ``fused_ok``."""
+        return fp8_fused_pairs(x_RD, expert_RK, self, offs, local, rows_P, packed, max_pairs)
 
     def forward(self, x_ND: torch.Tensor, counts_e: list | None, offs_e: torch.Tensor | None = None) -> torch.Tensor:
         if counts_e is None:
@@ -242,12 +245,13 @@ def fp8_fused_ok(x_RD: torch.Tensor, experts: nn.Module) -> bool:
             and _deep_gemm_grouped(x_RD.device) is not None)
 
 
-def fp8_fused_rows(x_RD, expert_RK, weight_RK, experts: FP8RoutedExperts, offs, local=None, rows_P=None,
-                   out: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
-    """``expert_rows`` for FP8 experts on DeepGEMM (see the module docstring); [R, D] in x's dtype (bf16 for
-    ``packed`` rows: x_RD holds ``fp8_rows``' FP8 rows, copied into the layout as they are). ``offs``: the device
-    cumulative group ends (int32 [e])."""
-    from .expert_kernels import expert_order, weighted_sum
+def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None, rows_P=None, packed: bool = False,
+                    max_pairs: int | None = None) -> tuple:
+    """The FP8 stage on DeepGEMM (see the module docstring) up to the weighted sum: (y_JD bf16, each pair's row
+    there, pos_RK, the rows in use n = ends[-1:]). ``offs``: the device cumulative group ends (int32 [e]);
+    ``packed``: x_RD holds ``fp8_rows``' FP8 rows, copied into the layout as they are; ``max_pairs``: the most
+    pairs the counts can hold (default R * K; rows that stay over several waves bound a wave's by its blocks)."""
+    from .expert_kernels import expert_order
     from .fp8_expert_kernels import ALIGN, aligned_capacity, aligned_groups, gather_pairs, quant_pairs, swiglu_quant
 
     dg = _deep_gemm_grouped(x_RD.device)
@@ -256,15 +260,15 @@ def fp8_fused_rows(x_RD, expert_RK, weight_RK, experts: FP8RoutedExperts, offs, 
                            f"rows; the FP8 expert stage lays them out at {ALIGN}")
     R, K = expert_RK.shape
     I, D = experts.cfg.intermediate_size, experts.cfg.hidden_size
-    JA = aligned_capacity(R * K, experts.num_local)
+    JA = aligned_capacity(R * K if max_pairs is None else max_pairs, experts.num_local)
     starts, ends = aligned_groups(offs)
     _, pos = expert_order(expert_RK, experts.num_local, offs, rows_P, starts_e=starts, capacity=JA)
     q, s = gather_pairs(x_RD, D, pos, JA, local) if packed else quant_pairs(x_RD, pos, JA, local)
     gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, ends,
                                         use_psum_layout=True)
-    hq, hs = swiglu_quant(gu, pos, experts.cfg.swiglu_limit)
+    hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit)
     y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
     dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, ends,
                                         use_psum_layout=True)
-    return weighted_sum(y, pos, weight_RK, ends[-1:], torch.bfloat16 if packed else x_RD.dtype, rows_P, out=out)
+    return y, pos, ends[-1:]

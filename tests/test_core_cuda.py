@@ -88,7 +88,10 @@ def test_supported_and_errors_name_the_rule():
         g = q.cuda()
         assert "RoPE tails" in cuda_impl.rule(g, 1, qrf=32)
         assert "cuda_max_picks=2048" in cuda_impl.rule(g, 2, picks=2049)
-    assert core_impl(q, [(torch.zeros(1, 4, 512), torch.zeros(1, 2, 3, dtype=torch.int32))]) == "triton"
+    # on the device Triton runs on (a GPU, else the CPU interpreter): fp32 keys leave it to Triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert core_impl(q.to(dev), [(torch.zeros(1, 4, 512, device=dev),
+                                  torch.zeros(1, 2, 3, dtype=torch.int32, device=dev))]) == "triton"
     kv, idx = torch.zeros(1, 8, 512, dtype=torch.bfloat16), torch.zeros(1, 2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q must be bf16 \[B, S, H, 512\] with H a multiple of 64"):
         cuda_impl.sparse_attention_cuda(q[:, :, :32], q[:, :, :32], torch.zeros(32), kv, idx, kv, idx, 0.1, True)
@@ -116,15 +119,16 @@ def test_dispatcher_order_and_an_unsupported_calls_error():
     kernels only) names each implementation with the rule it fails."""
     from moe_wave.attention.sparse_core import IMPLS
     assert [impl.NAME for impl in IMPLS] == ["cuda", "chain", "triton", "reference"]
-    q = torch.zeros(1, 2, 4, 64)
-    parts = [(torch.zeros(1, 3, 64), torch.zeros(1, 2, 2, dtype=torch.int32))] * 3
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # where Triton runs (on CPU: its interpreter)
+    q = torch.zeros(1, 2, 4, 64, device=dev)
+    parts = [(torch.zeros(1, 3, 64, device=dev), torch.zeros(1, 2, 2, dtype=torch.int32, device=dev))] * 3
     with pytest.raises(ValueError, match="no implementation takes this call") as e:
-        sparse_attention_fused(q, parts, torch.zeros(4), 0.1)
+        sparse_attention_fused(q, parts, torch.zeros(4, device=dev), 0.1)
     lines = str(e.value).splitlines()[1:]
     assert [ln.split(":")[0].strip() for ln in lines] == ["cuda", "chain", "triton", "reference"]
     assert "3 parts: it takes 1 or 2" in lines[2] and "kernel was asked for" in lines[3]
     with pytest.raises(ValueError, match=r"impl='gluon' must be one of \('auto', 'cuda', 'triton'\)"):
-        sparse_attention(q, parts[:1], torch.zeros(4), 0.1, impl="gluon")
+        sparse_attention(q, parts[:1], torch.zeros(4, device=dev), 0.1, impl="gluon")
 
 
 @needs_cuda_core

@@ -13,8 +13,8 @@ from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
-from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, quant_pairs, quant_pairs_torch,
-                                         swiglu_quant, swiglu_quant_torch)
+from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, quant_pairs,
+                                         quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -97,14 +97,27 @@ def test_quant_pairs_reads_local_rows_where_they_are():
     assert torch.equal(q[used].view(torch.uint8), qt[used].view(torch.uint8)) and torch.equal(s[:, used], st_[:, used])
 
 
+def test_block_ends_cover_every_group_row_and_no_padding():
+    """swiglu_quant's blocks: each 128-row block of the aligned layout covers the rows of its group up to the
+    group's end, and nothing else (empty groups, a group over one block, a last block past every group)."""
+    cnt = torch.tensor([0, 5, 130, 0, 128, 1, 0], dtype=torch.int32)
+    starts, ends = aligned_groups(cnt.cumsum(0).to(torch.int32))
+    JA = aligned_capacity(int(cnt.sum()), cnt.numel())
+    bend = block_ends(starts, ends, JA)
+    assert bend.shape == (JA // ALIGN,)
+    covered = {r for b, end in enumerate(bend.tolist()) for r in range(b * ALIGN, min(b * ALIGN + ALIGN, end))}
+    assert covered == {r for s, e in zip(starts.tolist(), ends.tolist()) for r in range(s, e)}
+
+
 @needs_kernels
 @pytest.mark.parametrize("limit", [10.0, 0.0])
 def test_swiglu_quant_kernel_equals_its_twin(limit):
     R, K, e, I = 23, 3, 4, 256
     ids, pos, offs, JA = _pos(R, K, e, 7)
     gu = (torch.randn(JA, 2 * I) * 6).to(torch.bfloat16)
-    hq, hs = swiglu_quant(gu, pos, limit)
-    hqt, hst = swiglu_quant_torch(gu, pos, limit)
+    starts, ends = aligned_groups(offs)
+    hq, hs = swiglu_quant(gu, starts, ends, limit)
+    hqt, hst = swiglu_quant_torch(gu, starts, ends, limit)
     used = pos[pos >= 0]
     assert torch.equal(hs[:, used], hst[:, used])
     a, b = dequant_act(hq[used], hs[:, used]), dequant_act(hqt[used], hst[:, used])

@@ -224,3 +224,28 @@ def test_fused_stage_takes_fp8_rows_as_they_are(monkeypatch):
                       packed=True)
     assert gathered and got.dtype == torch.bfloat16
     assert torch.equal(got, plain)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sends", ["wave", "once"])
+def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, sends):
+    """A whole FP8 block (bf16 activations, FP8 rows, symm backend, W = 3) on the fused stage's logic (DeepGEMM
+    replaced by its psum semantics, the Triton kernels interpreted) against the per-expert path, with rows that
+    cross once per layer (each wave's pairs summed into the rows' running sums: weighted_sum_once) and per wave."""
+    import moe_wave.fp8_experts as fx
+    from moe_wave.reference import random_full_weights
+    from tests.test_fp8_experts import _TorchDeepGEMM, calc_diff
+
+    moe = WaveMoE(CFG, wave=WaveConfig(num_waves=3, backend="symm", sends=sends), dtype=torch.bfloat16).quantize_fp8()
+    moe.load_full(random_full_weights(CFG, seed=3, scale=0.2))
+    x = _rows(23, 256, seed=12) / 64
+    want = moe(x)
+    monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
+    monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
+    _TorchDeepGEMM.calls = 0
+    got = moe(x)
+    assert _TorchDeepGEMM.calls == 2 * 3 and moe.plan.once == (sends == "once")
+    # the same products; a row's partial sums round to bf16 between waves in either path, in another order with
+    # rows once per layer: within rounding, where a wrong layout is off by 1e-3 or more
+    assert calc_diff(got.float(), want.float()) < 5e-5
+    assert torch.equal(got, moe(x, overlap=False))

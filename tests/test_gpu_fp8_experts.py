@@ -57,8 +57,8 @@ def test_deepgemm_stage_matches_the_per_expert_reference(T, monkeypatch):
     moe = _moe(2)
     x = _x(T, T)
     calls = []
-    real = fx.fp8_fused_rows
-    monkeypatch.setattr(fx, "fp8_fused_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fx.fp8_fused_pairs
+    monkeypatch.setattr(fx, "fp8_fused_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = moe(x)
     assert calls, "the fused stage did not run"
     monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: False)
@@ -120,6 +120,22 @@ def test_pack_kernel_equals_its_twin_on_the_gpu():
     x[5] = 0
     (q, s), (qt, st) = unpack_rows(pack_rows(x), 4096), unpack_rows(pack_rows(x, kernels=False), 4096)
     assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s, st)
+
+
+@needs_dg
+def test_rows_once_per_layer_on_deepgemm_match_rows_per_wave():
+    """sends="once" (a row crosses once, each wave adds its pairs to the row's running sum) on DeepGEMM's stage
+    against sends="wave", W = 3: the same products, summed over the waves in another order (bf16 partial sums)."""
+    x = _x(200, 12)
+    ys = []
+    for sends in ("wave", "once"):
+        dev = torch.device("cuda")
+        wave = WaveConfig(num_waves=3, backend="symm", sends=sends, symm=SymmOptions(capacity=512))
+        moe = WaveMoE(CFG, ep=EPGroup.single(dev), wave=wave, device=dev, dtype=torch.bfloat16).quantize_fp8()
+        moe.load_full({k: v.to(dev) for k, v in random_full_weights(CFG, seed=4, scale=0.1).items()})
+        ys.append(moe(x))
+        assert torch.equal(ys[-1], moe(x, overlap=False))
+    assert calc_diff(ys[1].float(), ys[0].float()) < 1e-4
 
 
 @needs_dg
