@@ -236,7 +236,8 @@ def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, send
     from moe_wave.reference import random_full_weights
     from tests.test_fp8_experts import _TorchDeepGEMM, calc_diff
 
-    moe = WaveMoE(CFG, wave=WaveConfig(num_waves=3, backend="symm", sends=sends), dtype=torch.bfloat16).quantize_fp8()
+    wave = WaveConfig(num_waves=3, backend="symm", sends=sends, symm=SymmOptions(capacity=24))    # 23 tokens
+    moe = WaveMoE(CFG, wave=wave, dtype=torch.bfloat16).quantize_fp8()
     moe.load_full(random_full_weights(CFG, seed=3, scale=0.2))
     x = _rows(23, 256, seed=12) / 64
     want = moe(x)
