@@ -19,7 +19,9 @@ Where it is checked:
   arguments before any device word could stop them: the header is not checked there (``symm_transport``);
 - ``moe_wave.deepep_compat``'s ``Buffer.dispatch`` and ``low_latency_dispatch`` (kinds below): in their count
   all-gather (normal mode) or the symm backend's count exchange (low-latency mode on the exchange engine); see
-  ``moe_wave.deepep_compat.guard`` for the paths with no host read;
+  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine`` has no exchange before its
+  rows: on CPU ranks (gloo, host-driven anyway) it gathers its header first, one small collective; on GPUs the
+  caller is trusted, as in DeepEP;
 - ``deepep`` backend (``comm.deepep``): not checked; DeepEP's dispatch exchanges its own counts inside its kernels.
 """
 
@@ -60,6 +62,10 @@ KINDS = {
                      "num_max_dispatch_tokens_per_rank, before any row moves",
                      (("rows", "num_max_dispatch_tokens_per_rank"), ("experts", "num_experts"),
                       ("dtype", "dtype (use_fp8)"))),
+    0x4D570004: Kind("deep_ep.Buffer.combine",
+                     "every rank must call combine the same number of times, with x of the same hidden size and "
+                     "dtype and topk_weights of the same width (or none), before any row moves",
+                     (("top_k", "topk_weights columns"),)),
 }
 _KIND_CODE = {k.name: c for c, k in KINDS.items()}
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,

@@ -3,7 +3,8 @@
 on one rank only. The call header rides the dispatch's count all-gather (normal mode) or the symm backend's count
 exchange (low-latency mode on the exchange engine), so each is the same ValueError on every rank, naming the field,
 each rank's value and the rule, before any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls
-paired out of step), and the next call in step runs. Also the device-side form (a GPU dispatch with
+paired out of step), and the next call in step runs. ``combine`` has no exchange before its rows: on CPU ranks it
+gathers its own header first (hidden size, dtype, topk_weights width, call number). Also the device-side form (a GPU dispatch with
 ``num_worst_tokens`` reads nothing on the host): the guard records the first differing field and raises it later.
 """
 
@@ -96,6 +97,45 @@ def test_normal_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case
     assert msg0 == msg1, (msg0, msg1)
     assert msg0.startswith("deep_ep.Buffer.dispatch out of step between ranks " + fields) and RULE in msg0, msg0
     assert "\n" not in msg0
+
+
+COMBINE_RULE = "every rank must call combine the same number of times"
+
+
+def _combine_case(ep: EPGroup, case: str) -> str:
+    """A dispatch in step, then a combine out of step: on CPU ranks its header is gathered before its rows."""
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, device="cpu", normal="engine")
+    x, ids, w = _route(ep.rank)
+    recv_x, _, recv_w, _, handle, _ = _dispatch(buf, x, ids, w)
+    one = ep.rank == 1
+    if case == "hidden":                    # rank 1 sends back rows of another width
+        y = torch.cat([recv_x, recv_x], 1) if one else recv_x
+        msg = _message(lambda: buf.combine(y, handle))
+    elif case == "weights":                 # rank 1 sums topk_weights too, rank 0 does not
+        msg = _message(lambda: buf.combine(recv_x, handle, topk_weights=recv_w if one else None))
+    elif case == "error_on_one_rank":       # rank 0 catches an argument error and goes on
+        if ep.rank == 0:
+            assert "rows" in _message(lambda: buf.combine(recv_x[:1], handle))
+        msg = _message(lambda: buf.combine(recv_x, handle))
+    else:
+        raise AssertionError(case)
+    _in_step_round(buf, ep)                 # in step again: the next calls run
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, fields", [
+    ("hidden", "(hidden: rank 0 128, rank 1 256)"),
+    ("weights", "(topk_weights columns: rank 0 0, rank 1 3)"),
+    ("error_on_one_rank", "(call: rank 0 2, rank 1 1)"),
+])
+def test_combine_out_of_step_on_cpu_ranks_is_the_same_error_on_every_rank(ranks, case, fields):
+    msg0, msg1 = ranks(2).run(_combine_case, case)
+    assert msg0 == msg1, (msg0, msg1)
+    assert msg0.startswith("deep_ep.Buffer.combine out of step between ranks " + fields), msg0
+    assert COMBINE_RULE in msg0 and "\n" not in msg0
 
 
 LL_H, LL_T = 256, 16

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moe_wave import env as moe_env
 from moe_wave.comm.group import EPGroup
-from moe_wave.comm.header import HeaderMismatch, agreed_call
+from moe_wave.comm.header import CallHeader, HeaderMismatch, agreed_call, check_headers
 from moe_wave.comm.options import SymmOptions
 from moe_wave.comm.triton_gate import triton_ok
 
@@ -111,6 +111,7 @@ class Buffer:
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
         self._guard = Guard(self.rank, self._device)
         self._calls = 0         # dispatches without a handle, counted on entry (the call header's call number)
+        self._combines = 0      # combines, counted the same way (their header: CPU ranks only, see combine)
         options = options or SymmOptions()
         self._normal = self._normal_mode(options)
         self._ll = self._ll_mode(options)
@@ -344,6 +345,7 @@ class Buffer:
             combined_x [T, H] in x's dtype (fp32 sums, one rounding), combined_topk_weights [T, K] or None, the event.
         """
         what = "combine"
+        self._combines += 1     # counted before any check: a call that raised on one rank only still counts there
         X = self._handle_rows(what, handle, None)
         T = self._normal.handle_rows(handle)[0]
         checks.tensor(what, "x", x, 2, checks.ROW_DTYPES)
@@ -354,10 +356,26 @@ class Buffer:
             if topk_weights.shape[0] != X:
                 raise ValueError(f"{what}: topk_weights has {topk_weights.shape[0]} rows: must have {X}")
         biases = checks.biases(what, bias, (T, x.shape[1]))
+        self._combine_agrees(x, topk_weights)
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights, *biases)) as s:
             combined, weights = s.out(*self._normal.combine(x, handle, topk_weights, biases))
             self._guard.poison(combined, weights)
         return combined, weights, s.event
+
+    def _combine_agrees(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
+        """On CPU ranks (gloo), the combine's call header (call number, hidden size, dtype, topk_weights width)
+        checked across ranks before its rows move (one small all-gather: the exchange is host-driven there anyway):
+        the same ``HeaderMismatch`` on every rank instead of gloo's size-mismatch abort. On GPUs nothing is
+        checked (no exchange precedes the rows; the caller is trusted, as in DeepEP)."""
+        if self.group_size == 1 or x.device.type != "cpu":
+            return
+        head = CallHeader(kind="deep_ep.Buffer.combine", module=0, call=self._combines, overlap=False,
+                          hidden=x.shape[1], dtype=x.dtype, top_k=0 if topk_weights is None else topk_weights.shape[1])
+        try:
+            check_headers(self._ep.gather_objects(head.encode()))
+        except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
+            self._combines = agreed_call(e, "deep_ep.Buffer.combine", 0, self._combines)
+            raise
 
     def internode_dispatch(self, *args, **kwargs):
         raise checks.unsupported("internode_dispatch", "within one node call dispatch(); across nodes use DeepEP "
