@@ -110,7 +110,8 @@ def expert_rows(got: Received, experts: nn.Module, *, packed: bool = False) -> t
     (``moe_wave.fp8_rows``, FP8 experts): the experts' own device stage takes them as they are, any other path
     reads them dequantised (exactly: the same products); y is bf16 then."""
     x_RD, local = got.x_RD, got.local
-    if packed and not _own_stage(x_RD, experts, got.pairs_e_dev):
+    own = _own_stage(x_RD, experts, got.pairs_e_dev)        # decided once a wave, passed down
+    if packed and not own:
         from .fp8_rows import dequant_rows
 
         D = experts.cfg.hidden_size
@@ -118,7 +119,7 @@ def expert_rows(got: Received, experts: nn.Module, *, packed: bool = False) -> t
         local = None if local is None else (local[0], dequant_rows(local[1], D))
         packed = False
     return _stage(x_RD, got.expert_RK, got.weight_RK, experts, got.pairs_e, got.pairs_e_dev, local, got.rows_P,
-                  got.once, packed)
+                  got.once, packed, own)
 
 
 def _own_stage(x_RD: torch.Tensor, experts: nn.Module, pairs_e_dev: torch.Tensor | None) -> bool:
@@ -137,8 +138,8 @@ def _group_ends(pairs_e_dev: torch.Tensor, R: int, K: int) -> torch.Tensor:
 def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
            pairs_e: list | None, pairs_e_dev: torch.Tensor | None = None,
            local: tuple | None = None, rows_P: torch.Tensor | None = None,
-           once: OnceRows | None = None, packed: bool = False) -> torch.Tensor:
-    """``expert_rows`` on the fields of ``Received``.
+           once: OnceRows | None = None, packed: bool = False, own: bool = False) -> torch.Tensor:
+    """``expert_rows`` on the fields of ``Received``; ``own``: the experts' own stage runs here (``_own_stage``).
 
     ``local`` (``Received.local``): rows of x_RD held elsewhere, read there. ``rows_P`` (``Received.rows_P``): the
     device path reads and writes only the rows that the combine reads (the others of y are left as allocated);
@@ -160,8 +161,8 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
     if once is not None:
         if offs is None or pairs_e is not None:
             raise ValueError("expert_rows: once= needs device counts only (pairs_e=None, pairs_e_dev given)")
-        return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, packed)
-    if _own_stage(x_RD, experts, pairs_e_dev):
+        return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, packed, own)
+    if own:
         from .expert_kernels import weighted_sum
 
         out, pos, n = experts.fused_pairs(x_RD, expert_RK, offs, local, rows_P, packed)
@@ -193,7 +194,7 @@ def _slot_sums(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_e, offs
 
 
 def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P,
-                      once: OnceRows, packed: bool = False) -> torch.Tensor:
+                      once: OnceRows, packed: bool = False, own: bool = False) -> torch.Tensor:
     """``expert_rows`` for rows that stay over several waves (``comm.backend.OnceRows``): the pairs of this wave's
     experts only (``offs`` counts no other expert), each row's sum over k in slot order added to what its earlier
     waves left in its row of y (a row's first wave writes it), y in x's dtype and kept in ``once.state["y"]`` for
@@ -213,8 +214,8 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     # backend reports a source whose rows over the layer pass one block): the grouped GEMM is sized for them,
     # as a row per wave's is, not for every block
     offs = offs.clamp(max=rpw * K)
-    if _own_stage(x_RD, experts, offs) or _fused_ok(x_RD, experts):
-        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y, packed)
+    if own or _fused_ok(x_RD, experts):
+        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y, packed, own)
         return y
     _after_last_sums(once, y)         # the torch path reads y's sums from the start: no overlap of waves here
     ids = expert_RK.long()
@@ -234,14 +235,14 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
 
 
 def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P, once: OnceRows,
-                y, packed: bool = False) -> None:
+                y, packed: bool = False, own: bool = False) -> None:
     """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``, or the experts' own
     ``fused_pairs``), into y; the pairs sized for one wave's blocks (offs is clamped to them)."""
     from .expert_kernels import expert_order, weighted_sum_once
 
     R, K = expert_RK.shape
     # the other waves' experts have empty groups in offs: their pairs get pos -1 (expert_order's guard)
-    if _own_stage(x_RD, experts, offs):
+    if own:
         out, pos, n = experts.fused_pairs(x_RD, expert_RK, offs, local, rows_P, packed, R // once.num_waves * K)
     else:
         n = offs[-1:]

@@ -50,12 +50,10 @@ def comm_only(backend: CommBackend, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_
         layout = compute_layout(ids_TK, w_TK, plan)
     with annotate("prepare"):
         xplan = backend.prepare(layout)
-    if combine_width is None:
-        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-        return run_waves(x_TD, xplan, backend, _identity, out_TD, overlap=True)
-    out_TD = torch.zeros(x_TD.shape[0], combine_width, dtype=torch.float32, device=x_TD.device)
-    return run_waves(x_TD, xplan, backend, lambda got: got.x_RD.new_empty(got.x_RD.shape[0], combine_width), out_TD,
-                     overlap=True, combine_width=combine_width)
+    back = _identity if combine_width is None else (
+        lambda got: got.x_RD.new_empty(got.x_RD.shape[0], combine_width))
+    out_TD = torch.zeros(x_TD.shape[0], combine_width or x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
+    return run_waves(x_TD, xplan, backend, back, out_TD, overlap=True, combine_width=combine_width)
 
 
 def pre_receive(backend: CommBackend, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,

@@ -45,6 +45,14 @@ def _in_step_round(buf, ep) -> None:
     assert torch.allclose(out.float(), x.float() * in_rank.sum(1, keepdim=True), rtol=1e-2, atol=1e-2)
 
 
+def _assert_same_error(msgs: list, call: str, fields: str, rule: str) -> None:
+    """Both ranks' messages: the same one line, ``call`` out of step naming ``fields``, with the kind's rule."""
+    msg0, msg1 = msgs
+    assert msg0 == msg1, (msg0, msg1)
+    assert msg0.startswith(f"deep_ep.Buffer.{call} out of step between ranks " + fields), msg0
+    assert rule in msg0 and "\n" not in msg0
+
+
 def _message(fn) -> str:
     try:
         fn()
@@ -93,10 +101,7 @@ def _normal_case(ep: EPGroup, case: str) -> str:
     ("error_on_one_rank", "(call: rank 0 2, rank 1 1)"),
 ])
 def test_normal_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
-    msg0, msg1 = ranks(2).run(_normal_case, case)
-    assert msg0 == msg1, (msg0, msg1)
-    assert msg0.startswith("deep_ep.Buffer.dispatch out of step between ranks " + fields) and RULE in msg0, msg0
-    assert "\n" not in msg0
+    _assert_same_error(ranks(2).run(_normal_case, case), "dispatch", fields, RULE)
 
 
 COMBINE_RULE = "every rank must call combine the same number of times"
@@ -132,10 +137,7 @@ def _combine_case(ep: EPGroup, case: str) -> str:
     ("error_on_one_rank", "(call: rank 0 2, rank 1 1)"),
 ])
 def test_combine_out_of_step_on_cpu_ranks_is_the_same_error_on_every_rank(ranks, case, fields):
-    msg0, msg1 = ranks(2).run(_combine_case, case)
-    assert msg0 == msg1, (msg0, msg1)
-    assert msg0.startswith("deep_ep.Buffer.combine out of step between ranks " + fields), msg0
-    assert COMBINE_RULE in msg0 and "\n" not in msg0
+    _assert_same_error(ranks(2).run(_combine_case, case), "combine", fields, COMBINE_RULE)
 
 
 LL_H, LL_T = 256, 16
@@ -168,10 +170,7 @@ def _ll_case(ep: EPGroup, case: str) -> str:
     ("tokens", f"(num_max_dispatch_tokens_per_rank: rank 0 {LL_T}, rank 1 {2 * LL_T})"),
 ])
 def test_low_latency_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
-    msg0, msg1 = ranks(2).run(_ll_case, case)
-    assert msg0 == msg1, (msg0, msg1)
-    assert msg0.startswith("deep_ep.Buffer.low_latency_dispatch out of step between ranks " + fields), msg0
-    assert LL_RULE in msg0 and "\n" not in msg0
+    _assert_same_error(ranks(2).run(_ll_case, case), "low_latency_dispatch", fields, LL_RULE)
 
 
 def test_device_side_header_fault_names_the_field_rank_and_values():
