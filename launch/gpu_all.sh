@@ -108,12 +108,16 @@ for s in "${STAGES[@]}"; do
         experts)  # one EP rank's expert stage on one GPU: the tests (FP8 on DeepGEMM against its reference, graph
                   # replay, every W; the bf16 stage's row bound and sends once), then bench_experts (bf16 vs FP8 vs
                   # DeepGEMM's GEMMs alone vs the floor; EXP_SHAPES, EXP_TOKENS) and the default demo in bf16 and FP8
-               stage tests_experts ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_fp8_experts.py \
-                   tests/test_gpu_moe.py tests/test_expert_order.py tests/test_fp8_experts.py
+               # (EXP_TESTS / EXP_DEMO set but empty: that part left out, e.g. to split the stage over two calls)
+               EXP_TESTS="${EXP_TESTS-tests/test_gpu_fp8_experts.py tests/test_gpu_moe.py tests/test_expert_order.py \
+                   tests/test_fp8_experts.py}"
+               if [ -n "$EXP_TESTS" ]; then
+                   stage tests_experts ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider $EXP_TESTS
+               fi
                stage bench_experts ${T_EXPERTS:-300} "$PY" benchmarks/bench_experts.py \
                    --shapes ${EXP_SHAPES:-v4-flash:128,v4-flash:32,v4-pro:192,v4-pro:48} \
                    --tokens ${EXP_TOKENS:-128,2048,8192} --out "$RES/experts.json"
-               for p in ${EXP_DEMO:-bf16 fp8}; do
+               for p in ${EXP_DEMO-bf16 fp8}; do
                    stage demo_$p ${T_DEMO:-300} "$PY" -m moe_wave demo --precision $p
                done ;;
         streams)  # issue 15: the pipeline with the waves' expert stages on one stream and on two (the default)
