@@ -198,9 +198,10 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Ten
     hq = torch.empty(JA, I, dtype=FP8, device=gu_J2I.device)
     hs = torch.empty(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
     if JA and I:
-        _swiglu_quant_kernel[(JA // ALIGN,)](gu_J2I, block_ends(starts_e, ends_e, JA), hq, hs, I, JA, float(limit),
-                                             BR=16, NB=_blocks_per_step(I, 4), CLAMP=limit > 0,
-                                             INTERP=interpreting(), num_warps=8)
+        nb = _blocks_per_step(I, 2)
+        _swiglu_quant_kernel[(JA // ALIGN, I // (nb * BLOCK))](
+            gu_J2I, block_ends(starts_e, ends_e, JA), hq, hs, I, JA, float(limit), BR=16, NB=nb, CLAMP=limit > 0,
+            INTERP=interpreting(), num_warps=4)
     return hq, hs
 
 
@@ -253,22 +254,23 @@ if triton is not None:
     @triton.jit
     def _swiglu_quant_kernel(gu_ptr, bend_ptr, hq_ptr, hs_ptr, I, JA, limit, BR: tl.constexpr, NB: tl.constexpr,
                              CLAMP: tl.constexpr, INTERP: tl.constexpr):
-        # one 128-row block of the aligned layout: its rows in use (up to its group's end) BR at a time, NB
-        # 128-channel blocks a step, each [BR, NB * 128] tile of gate / up turned and quantised per row and block
+        # program (b, t): the 128-row block b of the aligned layout (its rows in use, up to its group's end) by
+        # channels t * NB * 128 ..: BR rows a step, each [BR, NB * 128] tile of gate / up turned and quantised per
+        # row and 128 channels
         b0 = tl.program_id(0) * 128
+        i0 = tl.program_id(1) * NB * 128
         n = tl.minimum(tl.load(bend_ptr + tl.program_id(0)) - b0, 128)
         c = tl.arange(0, NB * 128)
         nb = tl.arange(0, NB)
         for r0 in range(0, n, BR):
             rows = b0 + r0 + tl.arange(0, BR)
             ok = (r0 + tl.arange(0, BR)) < n
-            row = gu_ptr + rows.to(tl.int64)[:, None] * 2 * I + c[None, :]
-            for i0 in range(0, I, NB * 128):
-                gate = tl.load(row + i0, mask=ok[:, None], other=0.0).to(tl.float32)
-                up = tl.load(row + I + i0, mask=ok[:, None], other=0.0).to(tl.float32)
-                if CLAMP:
-                    gate = tl.minimum(gate, limit)
-                    up = tl.minimum(tl.maximum(up, -limit), limit)
-                q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BR, NB, INTERP)
-                tl.store(hq_ptr + rows.to(tl.int64)[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
-                tl.store(hs_ptr + (i0 // 128 + nb[None, :]).to(tl.int64) * JA + rows[:, None], sc, mask=ok[:, None])
+            row = gu_ptr + rows.to(tl.int64)[:, None] * 2 * I + i0 + c[None, :]
+            gate = tl.load(row, mask=ok[:, None], other=0.0).to(tl.float32)
+            up = tl.load(row + I, mask=ok[:, None], other=0.0).to(tl.float32)
+            if CLAMP:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BR, NB, INTERP)
+            tl.store(hq_ptr + rows.to(tl.int64)[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
+            tl.store(hs_ptr + (i0 // 128 + nb[None, :]).to(tl.int64) * JA + rows[:, None], sc, mask=ok[:, None])

@@ -18,7 +18,9 @@ from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
-needs_kernels = pytest.mark.skipif(not triton_ok("cpu", want=True),
+# the glue kernels' twin tests run where Triton does: on the GPU when there is one, else the CPU interpreter
+KDEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not triton_ok(KDEV, want=True),
                                    reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
 CFG = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=6, top_k=3)
 
@@ -72,7 +74,7 @@ def test_quant_pairs_kernel_equals_its_twin_bit_for_bit(seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(R, D, generator=g) * torch.logspace(-3, 3, D)).to(torch.bfloat16)
     x[3] = 0                                                    # an all-zero row: the amax floor
-    q, s = quant_pairs(x, pos, JA)
+    q, s = (t.cpu() for t in quant_pairs(x.to(KDEV), pos.to(KDEV), JA))
     qt, st_ = quant_pairs_torch(x, pos, JA)
     used = pos[pos >= 0]
     assert torch.equal(q[used].view(torch.uint8), qt[used].view(torch.uint8))
@@ -91,7 +93,7 @@ def test_quant_pairs_reads_local_rows_where_they_are():
     own = torch.randn(4, D).to(torch.bfloat16)                  # rows 6..9 live in own, not in x
     full = x.clone()
     full[6:10] = own
-    q, s = quant_pairs(x, pos, JA, local=(6, own))
+    q, s = (t.cpu() for t in quant_pairs(x.to(KDEV), pos.to(KDEV), JA, local=(6, own.to(KDEV))))
     qt, st_ = quant_pairs_torch(full, pos, JA)
     used = pos[pos >= 0]
     assert torch.equal(q[used].view(torch.uint8), qt[used].view(torch.uint8)) and torch.equal(s[:, used], st_[:, used])
@@ -110,13 +112,13 @@ def test_block_ends_cover_every_group_row_and_no_padding():
 
 
 @needs_kernels
-@pytest.mark.parametrize("limit", [10.0, 0.0])
-def test_swiglu_quant_kernel_equals_its_twin(limit):
-    R, K, e, I = 23, 3, 4, 256
+@pytest.mark.parametrize("limit,I", [(10.0, 256), (0.0, 256), (10.0, 768)])
+def test_swiglu_quant_kernel_equals_its_twin(limit, I):
+    R, K, e = 23, 3, 4
     ids, pos, offs, JA = _pos(R, K, e, 7)
     gu = (torch.randn(JA, 2 * I) * 6).to(torch.bfloat16)
     starts, ends = aligned_groups(offs)
-    hq, hs = swiglu_quant(gu, starts, ends, limit)
+    hq, hs = (t.cpu() for t in swiglu_quant(gu.to(KDEV), starts.to(KDEV), ends.to(KDEV), limit))
     hqt, hst = swiglu_quant_torch(gu, starts, ends, limit)
     used = pos[pos >= 0]
     assert torch.equal(hs[:, used], hst[:, used])
