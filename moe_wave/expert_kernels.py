@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_wave.comm.backend import rows_of
-from moe_wave.comm.triton_gate import sm_count, tl, triton
+from moe_wave.comm.triton_gate import sm_count, tl, triton, triton_ok
 
 __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_torch", "swiglu_rows",
            "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch", "weighted_sum_once"]
@@ -133,6 +133,9 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: 
     offs_e[x - 1]): the aligned layout of the FP8 stage (``fp8_expert_kernels.aligned_groups``), whose positions
     run up to ``capacity`` (default J): src_J then has ``capacity`` entries, and only those of pairs are written.
     """
+    if not triton_ok(expert_RK.device, want=True):
+        raise ValueError(f"expert_order: expert_RK is on {expert_RK.device}, where its Triton kernels cannot run: it "
+                         f"needs a GPU tensor (or, on CPU, Triton's interpreter: TRITON_INTERPRET=1)")
     R, K = expert_RK.shape
     cap = R * K if capacity is None else capacity
     if cap < R * K and starts_e is None:

@@ -88,10 +88,12 @@ def test_supported_and_errors_name_the_rule():
         g = q.cuda()
         assert "RoPE tails" in cuda_impl.rule(g, 1, qrf=32)
         assert "cuda_max_picks=2048" in cuda_impl.rule(g, 2, picks=2049)
-    # on the device Triton runs on (a GPU, else the CPU interpreter): fp32 keys leave it to Triton
+    # fp32 keys are cast to q's dtype (CoreCall.build): on Hopper the CUDA kernel takes them, elsewhere Triton
+    # (a GPU, else the CPU interpreter)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    want = "cuda" if dev == "cuda" and cuda_impl.available() else "triton"
     assert core_impl(q.to(dev), [(torch.zeros(1, 4, 512, device=dev),
-                                  torch.zeros(1, 2, 3, dtype=torch.int32, device=dev))]) == "triton"
+                                  torch.zeros(1, 2, 3, dtype=torch.int32, device=dev))]) == want
     kv, idx = torch.zeros(1, 8, 512, dtype=torch.bfloat16), torch.zeros(1, 2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q must be bf16 \[B, S, H, 512\] with H a multiple of 64"):
         cuda_impl.sparse_attention_cuda(q[:, :, :32], q[:, :, :32], torch.zeros(32), kv, idx, kv, idx, 0.1, True)

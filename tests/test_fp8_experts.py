@@ -44,8 +44,8 @@ def _pos(R: int, K: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor,
     offs = counts.cumsum(0).to(torch.int32)
     JA = aligned_capacity(R * K, e)
     starts, _ = aligned_groups(offs)
-    _, pos = expert_order(ids, e, offs, starts_e=starts, capacity=JA)
-    return ids, pos, offs, JA
+    _, pos = expert_order(ids.to(KDEV), e, offs.to(KDEV), starts_e=starts.to(KDEV), capacity=JA)
+    return ids, pos.cpu(), offs, JA
 
 
 @needs_kernels
