@@ -21,7 +21,7 @@ TOOLS = re.compile(r"^moe_wave\.(tools(\..*)?|cli|__main__)$")
 ENV_READERS = {"moe_wave.env"}
 # the library modules that may read the environment at all: moe_wave.env (MOE_WAVE_*), the launcher's variables
 # (RANK, MASTER_ADDR, ...: comm.bootstrap) and Triton's own TRITON_INTERPRET (comm.triton_gate)
-ENVIRON_READERS = {"moe_wave.env", "moe_wave.comm.bootstrap", "moe_wave.comm.triton_gate"}
+ENVIRON_READERS = {"moe_wave.comm.environ", "moe_wave.env", "moe_wave.comm.bootstrap", "moe_wave.comm.triton_gate"}
 SHIM = ROOT / "moe_wave" / "deepep_compat" / "shim"
 
 
