@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from . import environ
 from .group import EPGroup
 from .supervise import (RankError, RankFailure, StderrTails, collect, format_failures, install_stack_dump,  # noqa: F401
                         is_secondary, order_errors, rank_error, root_rank, stop)
@@ -43,8 +44,11 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 
 def set_safe_env(env: dict | None = None) -> None:
-    """Set the multicast-off variables in ``env`` (default ``os.environ``)."""
-    (os.environ if env is None else env).update(MULTICAST_OFF)
+    """Set the multicast-off variables in ``env`` (default: the process environment)."""
+    if env is None:
+        environ.update(MULTICAST_OFF)
+    else:
+        env.update(MULTICAST_OFF)
 
 
 # ----------------------------------------------------------------------------- launcher detection
@@ -85,12 +89,14 @@ def _info(kind, env, rank, size, local_rank, local_size) -> LaunchInfo:
     return LaunchInfo(kind, r, w, lr, lw)
 
 
-def detect_launcher(env: Mapping[str, str] = os.environ) -> LaunchInfo:
+def detect_launcher(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """The launcher of this process, by priority torchrun > MPI (Open MPI, MPICH) > SLURM (srun).
 
     A launcher is recognised by its marker variable; its other variables must then be valid
     (``ValueError`` names the variable otherwise). Without a launcher: ``kind="none"``, one rank.
+    ``env`` defaults to the process environment (``environ.view()``).
     """
+    env = environ.view() if env is None else env
     if "TORCHELASTIC_RUN_ID" not in env and "RANK" in env and "WORLD_SIZE" in env:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing:     # a half-set env:// launch would wait for a rendezvous that never comes
@@ -137,7 +143,7 @@ def _pick_backend(local_world_size: int, local_rank: int, device) -> tuple[str, 
         torch.cuda.set_device(0)
         return "nccl", torch.device("cuda", 0)
     raise ValueError(f"{local_world_size} local ranks but {gpus} GPUs visible to this process "
-                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give every rank all "
+                     f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give every rank all "
                      f"the host's GPUs or exactly one, or pass device='cpu' to run on CPU with gloo")
 
 
@@ -164,24 +170,24 @@ def _mpi_rendezvous(info: LaunchInfo) -> str:
         raise ImportError("launching under mpirun needs mpi4py: pip install 'moe-wave[mpi]'") from e
     comm = MPI.COMM_WORLD
     hosts = comm.allgather(socket.gethostname())
-    if len(set(hosts)) == 1 and "MASTER_ADDR" not in os.environ:
+    if len(set(hosts)) == 1 and not environ.present("MASTER_ADDR"):
         path = tempfile.mkdtemp(prefix="moe_wave_mpi_") if info.rank == 0 else None
         path = comm.bcast(path, root=0)
         # the file store deletes its file when its last user is gone; the last rank to exit removes the folder
         atexit.register(_rmdir_quietly, path)
         return f"file://{os.path.join(path, 'store')}"
     default = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
-    addr = os.environ.get("MASTER_ADDR", default)
+    addr = environ.get("MASTER_ADDR", default)
     port = None
     if info.rank == 0:
-        port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else _free_port(
+        port = int(environ.get("MASTER_PORT")) if environ.present("MASTER_PORT") else _free_port(
             "" if addr == hosts[0] else addr)
     port = comm.bcast(port, root=0)
     return f"tcp://{addr}:{port}"
 
 
 def _env_names(info: LaunchInfo) -> str:
-    return ", ".join(f"{k}={os.environ.get(k)}" for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return ", ".join(f"{k}={environ.get(k)}" for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def _no_launch(info: LaunchInfo, why: str) -> ValueError:
@@ -194,8 +200,9 @@ def _env_store(info: LaunchInfo, timeout_s: float, join_s: float):
     rank 0 listens on MASTER_ADDR only (not on every interface), the others connect; every rank must have joined
     within ``join_s`` seconds, else a ValueError naming the variables (variables left in a shell from an earlier
     run are no launch: nobody else comes)."""
-    addr = os.environ["MASTER_ADDR"]
-    port = _int(os.environ, "MASTER_PORT")
+    env = environ.view()
+    addr = env["MASTER_ADDR"]
+    port = _int(env, "MASTER_PORT")
     deadline = time.monotonic() + join_s
     if info.rank == 0:
         try:
@@ -257,19 +264,19 @@ def init_from_env(timeout_s: float = 60, device=None, *, high_priority: bool = T
     backend, dev = _pick_backend(info.local_world_size, info.local_rank, device)
     store = None
     if info.local_world_size == info.world_size:     # every rank local: gloo's own sockets on loopback only
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        environ.set_default("GLOO_SOCKET_IFNAME", "lo")
     if info.kind == "torchrun":
         init_method = "env://"
-        if "TORCHELASTIC_RUN_ID" not in os.environ:      # no agent: we make the store, and check that peers come
+        if not environ.present("TORCHELASTIC_RUN_ID"):      # no agent: we make the store, and check that peers come
             init_method, store = None, _env_store(info, timeout_s, join_s)
     elif info.kind in ("openmpi", "mpich"):
         init_method = _mpi_rendezvous(info)
     else:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not environ.present(k)]
         if missing:
             raise ValueError(f"under srun {' and '.join(missing)} must be set, e.g. "
                              "export MASTER_ADDR=$(scontrol show hostnames | head -n1) MASTER_PORT=29500")
-        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        init_method = f"tcp://{environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
     dist.init_process_group(backend, init_method=init_method, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **pg_options(backend, high_priority))
     if info.rank == 0:
@@ -295,9 +302,9 @@ def child_setup(rank: int, world_size: int, backend: str, store_path: str, timeo
                 high_priority: bool = True) -> EPGroup:
     """In a self-spawned rank: loopback-only env, thread budget, then the group over a file store."""
     set_safe_env()
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores
+    environ.set("MASTER_ADDR", "127.0.0.1")
+    environ.set("GLOO_SOCKET_IFNAME", "lo")
+    if not environ.present("OMP_NUM_THREADS"):  # N ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = None
     if backend == "nccl":

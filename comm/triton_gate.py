@@ -9,9 +9,10 @@ caller asks for them (``want=True``): the tests do, to check each kernel against
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from . import environ
 
 try:  # optional: without Triton the torch ops run
     import triton
@@ -29,7 +30,7 @@ def interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None and hasattr(knobs, "runtime"):
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)

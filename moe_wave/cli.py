@@ -80,13 +80,15 @@ def _devices() -> list[str]:
 
 
 def info_lines(environ=None) -> list[tuple[str, str]]:
-    """The rows of ``info``; ``environ`` (default ``os.environ``) is read once, through ``read_env``."""
+    """The rows of ``info``; ``environ`` (default: the process environment, ``moe_wave.comm.environ.view()``) is
+    read once, through ``read_env``."""
     import torch
 
     from moe_wave.comm import detect_launcher
+    from moe_wave.comm.environ import view
     from moe_wave.env import VARIABLES, read_env
 
-    environ = os.environ if environ is None else environ
+    environ = view() if environ is None else environ
     read_env(environ)   # a malformed MOE_WAVE_* value is an error here too
     accel = "none"
     if torch.version.hip:
@@ -151,7 +153,8 @@ def cmd_info(args) -> int:
 # ----------------------------------------------------------------------------- demo
 
 def demo_args(args, environ=None):
-    """``args`` completed (``resolve_defaults``) with the environment (default ``os.environ``), read once."""
+    """``args`` completed (``resolve_defaults``) with the environment (default: the process environment), read
+    once."""
     from moe_wave.env import read_env
     from moe_wave.tools.demo import resolve_defaults
 

@@ -1,4 +1,4 @@
-"""The one reader of moe-wave's environment variables, for the CLI and the launch scripts.
+"""The one parser of moe-wave's own environment variables (``MOE_WAVE_*``), for the CLI and the launch scripts.
 
 The library itself never reads ``MOE_WAVE_*``: every knob is a typed argument (``WaveConfig``,
 ``SymmOptions``, ``ScheduleConfig``, ``init_from_env(high_priority=)``). ``read_env`` turns the variables
@@ -6,7 +6,9 @@ into those arguments once, and the callers merge them under one rule everywhere:
 
     an explicit argument (a CLI flag, a keyword)  >  the environment  >  the default
 
-A malformed value is a ValueError naming the variable, the value and the rule. Every on/off variable takes 1 | 0,
+The variables are read through ``moe_wave.comm.environ`` (the one module that touches the process environment;
+its table declares the ``MOE_WAVE_*`` family, this module's table below documents each variable). A malformed
+value is a ValueError naming the variable, the value and the rule. Every on/off variable takes 1 | 0,
 on | off, true | false, yes | no.
 
 ========================== ===================================== ==========================================
@@ -44,10 +46,10 @@ constructor asks ``deepep_options`` for the defaults of the keywords it was not 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from moe_wave.comm import environ
 from moe_wave.comm.options import KERNELS, MODES, SIGNALS, SymmOptions
 from moe_wave.deepep_compat.config import PARTIALS, PATHS, CompatOptions
 from moe_wave.fp8 import FP8_GEMMS, PRECISIONS
@@ -197,8 +199,9 @@ class EnvSettings:
 
 
 def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
-    """Read every ``MOE_WAVE_*`` variable once (``env`` defaults to ``os.environ``); see the module docstring."""
-    env = os.environ if env is None else env
+    """Read every ``MOE_WAVE_*`` variable once (``env`` defaults to the process environment, ``environ.view()``);
+    see the module docstring."""
+    env = environ.view() if env is None else env
     for var, hint in _RETIRED.items():
         if var in env:
             raise ValueError(f"{var}={env[var]!r}: no longer read; {hint}")
@@ -226,9 +229,10 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
 
 def deepep_options(env: Mapping[str, str] | None = None, **given) -> CompatOptions:
     """``deep_ep.Buffer``'s ``CompatOptions`` under the rule keyword > environment > default: ``given`` holds the
-    keywords the caller passed (None: not given); ``env`` defaults to ``os.environ`` and only the ``_DEEPEP``
-    variables are read. ValueError naming the keyword or the variable, its value and the rule."""
-    env = os.environ if env is None else env
+    keywords the caller passed (None: not given); ``env`` defaults to the process environment (``environ.view()``)
+    and only the ``_DEEPEP`` variables are read. ValueError naming the keyword or the variable, its value and the
+    rule."""
+    env = environ.view() if env is None else env
     fields = {}
     for var, (name, parse) in _DEEPEP.items():
         if var in env:

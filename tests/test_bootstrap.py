@@ -14,13 +14,31 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_wave.comm import LaunchInfo, RankFailure, detect_launcher, init_from_env, spawn
+from moe_wave.comm import LaunchInfo, RankFailure, detect_launcher, environ, init_from_env, spawn
 from tests.ranks import RanksFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- launcher detection
+
+# every variable bootstrap declares in comm/environ.py's table: unset for a detection from the process environment
+LAUNCH_VARS = [k for k, row in environ.TABLE.items() if "comm.bootstrap" in row.users and not k.endswith("*")]
+
+
+def _detect(env: dict, source: str, monkeypatch) -> LaunchInfo:
+    """``detect_launcher`` given ``env`` as a dict, or with ``env`` as the process environment (its default)."""
+    if source == "dict":
+        return detect_launcher(env)
+    for k in LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return detect_launcher()
+
+
+SOURCES = pytest.mark.parametrize("source", ["dict", "process"])
+
 
 @pytest.mark.parametrize("env, expected", [
     ({}, LaunchInfo("none", 0, 1, 0, 1)),
@@ -34,9 +52,12 @@ ROOT = Path(__file__).resolve().parents[1]
      LaunchInfo("mpich", 1, 2, 1, 2)),
     ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
       "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, LaunchInfo("slurm", 5, 8, 1, 4)),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
+      "SLURM_NTASKS_PER_NODE": "2"}, LaunchInfo("slurm", 2, 4, 0, 2)),
 ])
-def test_detect_each_launcher(env, expected):
-    assert detect_launcher(env) == expected
+@SOURCES
+def test_detect_each_launcher(env, expected, source, monkeypatch):
+    assert _detect(env, source, monkeypatch) == expected
 
 
 def test_detect_priority_torchrun_over_mpi_over_slurm():
@@ -63,9 +84,10 @@ def test_detect_slurm_needs_srun_and_stray_vars_are_ignored():
     ({"PMI_RANK": "2", "PMI_SIZE": "2"}, r"PMI_RANK=2: must be in \[0, PMI_SIZE=2\)"),
     ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "PMI_RANK='x': must be a non-negative integer"),
 ])
-def test_detect_incomplete_env_names_the_variable(env, match):
+@SOURCES
+def test_detect_incomplete_env_names_the_variable(env, match, source, monkeypatch):
     with pytest.raises(ValueError, match=match):
-        detect_launcher(env)
+        _detect(env, source, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- spawn

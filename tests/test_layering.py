@@ -1,6 +1,7 @@
 """The import graph of moe_wave and comm (read with ast, nothing imported): no cycles (the ``deep_ep`` shim
 included), the library never imports a tool, comm never imports the model side, no library module but
-moe_wave.env reads MOE_WAVE_* variables, and the environment is read in three named modules only.
+moe_wave.env reads MOE_WAVE_* variables, and one module only touches the process environment (comm.environ, whose
+table declares every variable: tests/test_environ.py checks the names given to it).
 
 Every import counts, a function-level (lazy) one too: a lazy import hides a cycle from Python, not from
 a reader. ``import a.b.c`` and ``from a.b import c`` are edges to the deepest module named; the implicit
@@ -13,15 +14,26 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # entry points and tools: they may import anything of the library, the library none of them
 TOOLS = re.compile(r"^moe_wave\.(tools(\..*)?|cli|__main__)$")
-# the only module under moe_wave/ and comm/ that may read MOE_WAVE_* variables (the DeepEP front door, which
-# serving stacks import with no moe-wave CLI in between, asks it for its defaults: env.deepep_options)
+# the only module under moe_wave/ and comm/ that may read MOE_WAVE_* variables, through comm.environ (the DeepEP
+# front door, which serving stacks import with no moe-wave CLI in between, asks it for its defaults:
+# env.deepep_options)
 ENV_READERS = {"moe_wave.env"}
-# the library modules that may read the environment at all: moe_wave.env (MOE_WAVE_*), the launcher's variables
-# (RANK, MASTER_ADDR, ...: comm.bootstrap) and Triton's own TRITON_INTERPRET (comm.triton_gate)
-ENVIRON_READERS = {"moe_wave.env", "moe_wave.comm.bootstrap", "moe_wave.comm.triton_gate"}
+# the only module under moe_wave/ and comm/, the CLI and the tools included, that touches os.environ: the others read
+# and set the process environment through it (moe_wave.env the MOE_WAVE_* family, comm.bootstrap the launchers'
+# variables, comm.triton_gate TRITON_INTERPRET, ...), by the names its table declares
+ENVIRON_READERS = {"moe_wave.comm.environ"}
+# reading or setting the process environment other than through comm.environ
+TOUCHES_ENVIRON = re.compile(r"\bos\.(environb?|getenv|putenv|unsetenv)\b|\bgetenv\(|"
+                             r"\bfrom\s+os\s+import\b[^\n]*\b(environb?|getenv|putenv|unsetenv)\b")
+# a MOE_WAVE_* variable read from os.environ or through comm.environ (tests/test_environ.py also checks the names
+# the accessors are given, by ast)
+READS_MOE_WAVE = re.compile(r"\b(os\.environ|os\.getenv|environ\.(get|present|set|set_default|update|view))\b"
+                            r"[^\n]*MOE_WAVE_|MOE_WAVE_\w+\"?\s*in\s+(os\.)?environ\b")
 SHIM = ROOT / "moe_wave" / "deepep_compat" / "shim"
 
 
@@ -142,15 +154,25 @@ def test_comm_never_imports_the_model_side():
 
 
 def test_library_reads_no_moe_wave_variables():
-    """The environment is read in one place (moe_wave.env, called by the CLI and the launch scripts)."""
-    reads = re.compile(r"(os\.environ|os\.getenv|environ\.get)[^\n]*MOE_WAVE_|MOE_WAVE_\w+\"?\s*in\s+os\.environ")
-    bad = [m for m, p in _modules().items() if m not in ENV_READERS and reads.search(p.read_text())]
+    """The MOE_WAVE_* variables are parsed in one place (moe_wave.env, called by the CLI and the launch scripts)."""
+    bad = [m for m, p in _modules().items() if m not in ENV_READERS and READS_MOE_WAVE.search(p.read_text())]
     assert bad == []
 
 
-def test_library_reads_the_environment_in_three_modules():
-    """No library module but ``ENVIRON_READERS`` touches ``os.environ`` (the tools and the CLI may)."""
-    reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
-    bad = [m for m, p in _modules().items()
-           if not TOOLS.match(m) and m not in ENVIRON_READERS and reads.search(p.read_text())]
+def test_one_module_touches_the_process_environment():
+    """No module but ``ENVIRON_READERS`` (comm.environ) touches ``os.environ``: the library, the CLI and the tools
+    read and set the environment through it."""
+    bad = [m for m, p in _modules().items() if m not in ENVIRON_READERS and TOUCHES_ENVIRON.search(p.read_text())]
     assert bad == []
+    assert all(TOUCHES_ENVIRON.search(_modules()[m].read_text()) for m in ENVIRON_READERS), "the readers are seen"
+
+
+@pytest.mark.parametrize("line, touches, moe_wave", [
+    ('x = os.environ.get("RANK")', True, False), ("os.environ['MOE_WAVE_NVTX'] = '1'", True, True),
+    ('os.getenv("MOE_WAVE_X")', True, True), ("from os import environ, path", True, False),
+    ("from os import getenv", True, False), ('os.putenv("A", "1")', True, False),
+    ('environ.present("MOE_WAVE_OVERLAP")', False, True), ('env = environ.view()["MOE_WAVE_CACHE"]', False, True),
+    ('if "MOE_WAVE_NVTX" in environ.view():', False, True), ('environ.get("RANK")', False, False),
+    ("n = os.cpu_count()", False, False), ("from os import path", False, False)])
+def test_the_environment_rules_see_a_read(line, touches, moe_wave):
+    assert (bool(TOUCHES_ENVIRON.search(line)), bool(READS_MOE_WAVE.search(line))) == (touches, moe_wave)

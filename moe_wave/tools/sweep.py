@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from moe_wave.comm import detect_launcher, init_from_env, spawn
+from moe_wave.comm import detect_launcher, environ, init_from_env, spawn
 from moe_wave.comm.bootstrap import spawn_plan
 from moe_wave.comm.layout import PARTITION_SPECS, split_partition
 from moe_wave.config import BACKENDS, PRESETS, SHARED_PLACEMENTS, MoEConfig, WaveConfig
@@ -407,7 +406,7 @@ def _sweep_cmd(args) -> int:
         env = read_env()
         set_nvtx(env.pick("nvtx", None, False))
         # $OUT: the folder the GPU scripts hand every tool for its results
-        return run(args, env, os.environ.get("OUT") or None)
+        return run(args, env, environ.get("OUT") or None)
     except ValueError as e:
         print(f"moe-wave sweep: error: {e}", file=sys.stderr)
         return 2

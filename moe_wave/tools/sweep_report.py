@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from moe_wave.comm import environ
+
 from .demo import CPU_NOTE, format_table, without_columns
 from .sweep_csv import read_rows
 
@@ -55,7 +57,7 @@ def run_meta(world_size: int, command: str, sha: str | None = None, settings: di
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command, "git_sha": git_sha(sha),
             "gpus": gpus, "torch": torch.__version__, "nccl": nccl, "world_size": world_size,
             "devices": names, "python": platform.python_version(), "host": platform.node(),
-            "env": {k: os.environ[k] for k in _ENV if k in os.environ}, "settings": settings or {}}
+            "env": {k: environ.get(k) for k in _ENV if environ.present(k)}, "settings": settings or {}}
 
 
 def write_sidecar(spec: dict, ep) -> Path:
