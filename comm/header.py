@@ -14,7 +14,9 @@ Where it is checked:
 
 - ``torch`` backend: in ``prepare``'s count exchange, on the host (that exchange's one host sync);
 - ``symm`` backend over the emulated transport (CPU ranks on gloo): in ``prepare``'s count exchange, on the host
-  (the all-to-all there is host-synchronous anyway). On peer memory (GPU) the count exchange is a device-side
+  (the all-to-all there is host-synchronous anyway): the header and the count row's width travel first, in an
+  all-to-all of the same width on every rank, so counts of different widths (another number of experts) are
+  a ``HeaderMismatch`` too, not gloo's abort. On peer memory (GPU) the count exchange is a device-side
   write with no host read (CUDA-graph capturable), and the row copies are sized on each rank's host from its own
   arguments before any device word could stop them: the header is not checked there (``symm_transport``);
 - ``moe_wave.deepep_compat``'s ``Buffer.dispatch`` and ``low_latency_dispatch`` (kinds below): in their count
@@ -157,11 +159,18 @@ class HeaderMismatch(ValueError):
         self.headers = headers
 
 
-def check_headers(rows_PH: list[list[int]]) -> None:
+def check_headers(rows_PH: list[list[int]], widths: list[int] | None = None) -> None:
     """Raise ``HeaderMismatch`` if the P rows (every rank's header, in rank order, as each rank received them)
-    differ. Every rank receives the same rows, so every rank raises the same error."""
+    differ, or, where they agree, if ``widths`` (each rank's width of the exchange the header precedes) differ.
+    Every rank receives the same rows, so every rank raises the same error."""
     if all(r == rows_PH[0] for r in rows_PH):
-        return
+        if widths is None or all(w == widths[0] for w in widths):
+            return
+        what = KINDS[rows_PH[0][0]].name if rows_PH[0][0] in KINDS and rows_PH[0][0] else "the call"
+        raise HeaderMismatch(f"{what} out of step between ranks (count row width: "
+                             + ", ".join(f"rank {r} {w}" for r, w in enumerate(widths))
+                             + "): every rank must exchange counts of the same layout (ranks, waves, local "
+                               "experts) before any row moves", [_decode(r) for r in rows_PH])
     heads = [_decode(r) for r in rows_PH]
     code = next((r[0] for r in rows_PH if r[0]), 0)          # the first rank's kind that is not "none"
     diff = [i for i, f in enumerate(FIELDS) if any(r[i] != rows_PH[0][i] for r in rows_PH)]

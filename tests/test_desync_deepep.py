@@ -154,7 +154,8 @@ def _ll_case(ep: EPGroup, case: str) -> str:
     ids = torch.rand(T, E, generator=g, dtype=torch.float32).topk(K, dim=1).indices
     fp8 = case == "use_fp8" and one
     tokens = 2 * LL_T if case == "tokens" and one else LL_T
-    msg = _message(lambda: buf.low_latency_dispatch(x, ids, tokens, E, use_fp8=fp8))
+    experts = 2 * E if case == "experts" and one else E     # the count row's width follows it
+    msg = _message(lambda: buf.low_latency_dispatch(x, ids, tokens, experts, use_fp8=fp8))
     x = x[:, :LL_H].contiguous()
     recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, ids, LL_T, E, use_fp8=False)   # in step again
     e = E // ep.size
@@ -168,6 +169,7 @@ def _ll_case(ep: EPGroup, case: str) -> str:
     ("hidden", f"(hidden: rank 0 {LL_H}, rank 1 {2 * LL_H})"),
     ("use_fp8", "(dtype (use_fp8): rank 0 bfloat16, rank 1 float8_e4m3fn)"),
     ("tokens", f"(num_max_dispatch_tokens_per_rank: rank 0 {LL_T}, rank 1 {2 * LL_T})"),
+    ("experts", f"(num_experts: rank 0 {E}, rank 1 {2 * E})"),
 ])
 def test_low_latency_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
     _assert_same_error(ranks(2).run(_ll_case, case), "low_latency_dispatch", fields, LL_RULE)
