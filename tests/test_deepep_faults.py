@@ -98,7 +98,7 @@ def _faults(ep: EPGroup, normal: str | None) -> list[str]:
                                                     config=_cfg())
         assert torch.isnan(recv_x.float()).all() and torch.isnan(r_w).all()
         msg = _message(buf.check, ValueError)
-        assert f"rank {P - 1} passed 2 topk_idx entries outside [-1, {E})" in msg, msg
+        assert f"rank {P - 1} passed 2 topk_idx entries outside [-1, {E}) (the first: {bad};" in msg, msg
         msgs.append(msg)
         _ok_round(buf, ep)
 

@@ -40,7 +40,7 @@ from moe_wave.comm.header import FIELDS, CallHeader, check_headers, describe, ru
 __all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK", "HEADER"]
 
 NONE, WORST, IDS, IN_RANK, HEADER = 0, 1, 2, 3, 4
-WORDS = 3                   # what a rank adds to the gathered counts: kind, count, limit
+WORDS = 4                   # what a rank adds to the gathered counts: kind, count, limit, value (IDS: the first bad id)
 
 
 class Guard:
@@ -48,7 +48,8 @@ class Guard:
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
-        # kind, rank, count, limit, and for HEADER the header kind and field (count: that rank's value, limit: rank 0's)
+        # kind, rank, count, limit, then for IDS the first bad id, for HEADER the header kind and field (count: that
+        # rank's value, limit: rank 0's)
         self.status = torch.zeros(6, dtype=torch.int64, device=device)
         self.pending = torch.zeros(WORDS, dtype=torch.int64, device=device)
         self._host = torch.zeros(6, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
@@ -57,9 +58,11 @@ class Guard:
     # ------------------------------------------------------------------ local checks
     def check_ids(self, topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
         """``topk_idx`` with every id outside [-1, E) replaced by -1 (so no kernel indexes with it); the count of
-        such ids is recorded in ``pending`` (limit E)."""
+        such ids and the first of them (row-major) are recorded in ``pending`` (limit E)."""
         bad = (topk_idx_TK >= num_experts) | (topk_idx_TK < -1)
-        self._note(IDS, bad.sum(), num_experts)
+        first = torch.argmax(bad.reshape(-1).to(torch.int8)).view(1)       # index_select: no host read
+        value = topk_idx_TK.reshape(-1).index_select(0, first)[0] if bad.numel() else bad.sum()
+        self._note(IDS, bad.sum(), num_experts, value)
         return topk_idx_TK.masked_fill(bad, -1)
 
     def check_in_rank(self, in_rank_TP: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int) -> None:
@@ -73,8 +76,10 @@ class Guard:
         wrong = (want[:, :P] != in_rank_TP).any(1).sum()
         self._note(IN_RANK, wrong, T)
 
-    def _note(self, kind: int, count: torch.Tensor, limit: int) -> None:
-        new = torch.stack([torch.full_like(count, kind), count, torch.full_like(count, limit)]).to(torch.int64)
+    def _note(self, kind: int, count: torch.Tensor, limit: int, value: torch.Tensor | None = None) -> None:
+        count = count.to(torch.int64)
+        new = torch.stack([torch.full_like(count, kind), count, torch.full_like(count, limit),
+                           torch.zeros_like(count) if value is None else value.to(torch.int64)])
         take = (self.pending[0] == 0) & (count > 0)
         self.pending.copy_(torch.where(take, new, self.pending))
 
@@ -92,7 +97,7 @@ class Guard:
         header mismatch, then the lowest rank; a worst-case overflow before the others) sticks in ``status``."""
         P = words_PW.shape[0]
         ranks = torch.arange(P, device=words_PW.device)
-        cand = torch.cat([ranks[:, None], words_PW[:, 1:], torch.zeros(P, 2, dtype=torch.int64,
+        cand = torch.cat([ranks[:, None], words_PW[:, 1:], torch.zeros(P, 1, dtype=torch.int64,
                                                                         device=words_PW.device)], 1)
         kind = words_PW[:, 0]
         if worst and recv_P is not None:
@@ -155,11 +160,11 @@ class Guard:
 
     def raise_if_flagged(self, what: str) -> None:
         """Raise the fault the last snapshot holds (no sync), then clear it."""
-        kind, rank, count, limit, head_kind, field = self._host.tolist()
+        kind, rank, count, limit, a, b = self._host.tolist()
         if kind:
             self._host.zero_()
             self.status.zero_()
-            raise fault_error(what, kind, rank, count, limit, head_kind, field)
+            raise fault_error(what, kind, rank, count, limit, a, b)
 
     def check(self, what: str = "Buffer.check") -> None:
         """Raise a recorded fault now. HOST SYNC: reads the device status."""
@@ -167,12 +172,13 @@ class Guard:
         self.raise_if_flagged(what)
 
 
-def fault_error(what: str, kind: int, rank: int, count: int, limit: int, head_kind: int = 0,
-                field: int = 0) -> Exception:
+def fault_error(what: str, kind: int, rank: int, count: int, limit: int, a: int = 0, b: int = 0) -> Exception:
+    """The error of a recorded fault (``Guard.status``'s words; ``a``, ``b``: IDS the first bad id, HEADER the
+    header kind and field)."""
     if kind == HEADER:
-        values = describe(head_kind, FIELDS[field], [limit, count], [0, rank])
+        values = describe(a, FIELDS[b], [limit, count], [0, rank])
         return ValueError(f"deep_ep.Buffer.{what}: the ranks' dispatches were out of step ({values}): "
-                          f"{rule(head_kind)}; with num_worst_tokens on a GPU nothing is read on the host, so that "
+                          f"{rule(a)}; with num_worst_tokens on a GPU nothing is read on the host, so that "
                           f"dispatch's rows moved unchecked and the outputs since were poisoned with NaN")
     if kind == WORST:
         return RuntimeError(f"deep_ep.Buffer.{what}: rank {rank} was due {count} received rows, more than "
@@ -181,8 +187,8 @@ def fault_error(what: str, kind: int, rank: int, count: int, limit: int, head_ki
                             f"tokens of every rank together)")
     if kind == IDS:
         return ValueError(f"deep_ep.Buffer.{what}: rank {rank} passed {count} topk_idx entries outside [-1, "
-                          f"{limit}) (num_experts={limit}): they were treated as -1 and the outputs since were "
-                          f"poisoned with NaN")
+                          f"{limit}) (the first: {a}; num_experts={limit}; an expert id must be -1 or in [0, "
+                          f"num_experts)): they were treated as -1 and the outputs since were poisoned with NaN")
     return ValueError(f"deep_ep.Buffer.{what}: rank {rank} passed an is_token_in_rank that contradicts topk_idx in "
                       f"{count} of its {limit} tokens (a token goes exactly to the ranks of its experts; "
                       f"get_dispatch_layout computes it): the outputs since were poisoned with NaN")
