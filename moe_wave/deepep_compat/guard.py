@@ -60,8 +60,10 @@ class Guard:
         """``topk_idx`` with every id outside [-1, E) replaced by -1 (so no kernel indexes with it); the count of
         such ids and the first of them (row-major) are recorded in ``pending`` (limit E)."""
         bad = (topk_idx_TK >= num_experts) | (topk_idx_TK < -1)
-        first = torch.argmax(bad.reshape(-1).to(torch.int8)).view(1)       # index_select: no host read
-        value = topk_idx_TK.reshape(-1).index_select(0, first)[0] if bad.numel() else bad.sum()
+        value = None
+        if bad.numel():     # the first bad id (index_select: indexing with a 0-dim tensor would read it on the host)
+            first = torch.argmax(bad.reshape(-1).to(torch.int8)).view(1)
+            value = topk_idx_TK.reshape(-1).index_select(0, first)[0]
         self._note(IDS, bad.sum(), num_experts, value)
         return topk_idx_TK.masked_fill(bad, -1)
 
@@ -148,11 +150,20 @@ class Guard:
 
     # ------------------------------------------------------------------ poison and raise
     def poison(self, *tensors) -> None:
-        """NaN into the floating-point tensors while a fault is recorded (device ops, no sync)."""
+        """NaN into the floating-point tensors while a fault is recorded (device ops, no sync); FP8 ones get the
+        byte 0x7F (NaN in e4m3fn and e5m2)."""
         flagged = self.status[0] != 0
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and t.element_size() > 1:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+                continue
+            if t.element_size() > 1:
                 t.masked_fill_(flagged, float("nan"))
+            else:
+                t.view(torch.uint8).masked_fill_(flagged, 0x7F)
+
+    def poison_words(self, t: torch.Tensor, value: int) -> None:
+        """``value`` into the integer tensor ``t`` while a fault is recorded (UE8M0 scales: -1, four NaN bytes)."""
+        t.masked_fill_(self.status[0] != 0, value)
 
     def snapshot(self) -> None:
         """Copy the status to pinned host memory (non-blocking on a GPU): the next call reads it without a sync."""
