@@ -142,9 +142,9 @@ class Buffer:
             raise ValueError(f"Buffer(ll='direct'): needs CUDA ranks of an NCCL group with Triton; here: "
                              f"{ep.device.type}, {ep.size} rank(s), {ep.backend}, Triton {kernels}")
         if peer and c.ll != "engine":
-            return DirectLowLatency(ep, self._comm_stream, options, shrink=self.enable_shrink,
+            return DirectLowLatency(ep, self._comm_stream, self._guard, options, shrink=self.enable_shrink,
                                     part_bf16=c.ll_partial == "bf16", fast_launch=c.ll_fast_launch)
-        return EngineLowLatency(ep, self._comm_stream, options)
+        return EngineLowLatency(ep, self._comm_stream, self._guard, options)
 
     @staticmethod
     def last_sms() -> dict:

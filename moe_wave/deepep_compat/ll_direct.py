@@ -360,9 +360,9 @@ class DirectLowLatency(LowLatencyMode):
         engine's options (``timeout_ms``); shrink, part_bf16, fast_launch: as ``DirectLL``.
     """
 
-    def __init__(self, ep, comm_stream, options: SymmOptions, shrink: bool = False, part_bf16: bool = True,
+    def __init__(self, ep, comm_stream, guard, options: SymmOptions, shrink: bool = False, part_bf16: bool = True,
                  fast_launch: bool = True):
-        super().__init__(ep, comm_stream)
+        super().__init__(ep, comm_stream, guard)
         self.direct = DirectLL(ep, options.timeout_ms, shrink, part_bf16, fast_launch)
 
     def close(self) -> None:
