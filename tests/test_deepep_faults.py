@@ -3,9 +3,10 @@ ranks (the exchange engine) and on one CPU rank under Triton's interpreter (the 
 
 - rows due past ``num_worst_tokens``: the rows past it are dropped (no kernel writes past a region or an output),
   the outputs are NaN, and the next call raises on every rank naming the rank, the count and the limit;
-- expert ids equal to ``num_experts``, above it, or below -1 (in ``get_dispatch_layout`` and ``dispatch``): they
-  count as -1 (no raw index error), the outputs are NaN, the next call raises on every rank naming the rank, the
-  count and the limit; ``Buffer.check()`` raises at once;
+- expert ids equal to ``num_experts``, above it, or below -1 (in ``get_dispatch_layout``, ``dispatch`` and
+  ``low_latency_dispatch``): they count as -1 (no raw index error), the outputs are NaN (bf16, FP8 and UE8M0 in
+  low-latency mode), the next call raises on every rank naming the rank, the count, the first bad id and the
+  limit; ``Buffer.check()`` raises at once;
 - an ``is_token_in_rank`` that contradicts ``topk_idx``: the same, naming the tokens;
 - constructor arguments of the wrong kind: one-line ValueErrors naming field, value and rule.
 

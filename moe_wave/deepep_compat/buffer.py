@@ -7,9 +7,9 @@ when the Buffer is made (``CompatOptions``: a keyword, else ``moe_wave.env.deepe
     low-latency mode   ll_direct.DirectLowLatency (two kernels straight through peer memory)
                        ll_engine.EngineLowLatency (the exchange engine; gloo ranks, comparisons)
 
-Arguments are checked on the host (``checks``); what only the device can see (expert ids out of range, an
-``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) is checked on the device
-with no host sync (``guard``): the outputs turn NaN and a later call, on every rank, or ``check()``, raises.
+Arguments are checked on the host (``checks``); what only the device can see (expert ids out of range, in both
+modes, an ``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) is checked on the
+device with no host sync (``guard``): the outputs turn NaN and a later call, on every rank, or ``check()``, raises.
 Stream rules are DeepEP's (``normal.comm_scope``); on CPU every call is synchronous. Internode calls raise
 ``NotImplementedError``.
 """
@@ -171,8 +171,9 @@ class Buffer:
         self._destroyed = True
 
     def check(self) -> None:
-        """(moe-wave's) Raise a fault the device recorded (an expert id out of range, an ``is_token_in_rank`` that
-        contradicts ``topk_idx``, rows due past ``num_worst_tokens``) now, instead of at a later call. HOST SYNC;
+        """(moe-wave's) Raise a fault the device recorded (an expert id out of range, in either mode, an
+        ``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) now, instead of at a
+        later call. HOST SYNC;
         every rank calls it (every rank holds the same fault after the dispatch that found it)."""
         if self._comm_stream is not None:
             self._comm_stream.synchronize()     # HOST SYNC: the status is written on the communication stream

@@ -1,12 +1,15 @@
 """What DeepEP leaves unchecked, checked on the device with no host sync: expert ids out of range, an
 ``is_token_in_rank`` that contradicts ``topk_idx``, rows due beyond ``num_worst_tokens``, and ranks whose
-dispatches are out of step (the call header, below).
+dispatches are out of step (the call header, below). One ``Guard`` per Buffer serves both modes: low-latency
+dispatches check their expert ids here too (``low_latency``), their fault words riding the count exchange of the
+exchange engine, or, in the direct kernels, the dispatch launch itself, which also folds them and writes ``status``
+and its host copy (``ll_direct``).
 
 Legend: T local tokens, K top-k, P ranks, E experts.
 
 A check is a few tensor ops on the device. What one rank finds alone (its ids, its ``is_token_in_rank``) waits in
-``pending`` and travels with the dispatch's count all-gather, so every rank learns every rank's fault in the same
-call; what the gathered counts show (a rank receiving more rows than ``num_worst_tokens``) every rank computes
+``pending`` (``WORDS``: kind, count, limit, value) and travels with the dispatch's count all-gather, so every rank
+learns every rank's fault in the same call; what the gathered counts show (a rank receiving more rows than ``num_worst_tokens``) every rank computes
 itself. The first fault sticks in ``status`` (kind, rank, count, limit); from then on the outputs of every call
 (received rows, combined sums, weights) are NaN, so no plausible wrong result leaves the buffer. ``status`` is
 copied to pinned host memory at the end of each dispatch (non-blocking, on the stream that wrote it) and raised at
@@ -54,6 +57,12 @@ class Guard:
         self.pending = torch.zeros(WORDS, dtype=torch.int64, device=device)
         self._host = torch.zeros(6, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
         self._headers: dict = {}        # header words on the device, per header (``header_words``)
+
+    @property
+    def addresses(self) -> tuple[int, int]:
+        """(``status``'s address, the pinned host words' address): the low-latency direct kernels record a fault
+        in both (``ll_direct``)."""
+        return self.status.data_ptr(), self._host.data_ptr()
 
     # ------------------------------------------------------------------ local checks
     def check_ids(self, topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -15,8 +15,9 @@ of the Buffer's guard (``guard``), as in normal mode: that dispatch's received r
 the outputs of every call since are NaN, and the next call on every rank, or ``Buffer.check()``, raises naming the
 rank, the count, the first bad id and the rule. Every rank learns of it in the same call, with no host sync: on the
 exchange engine the rank's fault words ride the count exchange the dispatch makes anyway (``CompactExchange.prepare``'s
-``extra``) and every rank folds every rank's words there. The direct kernels send such ids nowhere and do not report
-them.
+``extra``) and every rank folds every rank's words there; in the direct kernels they travel in the dispatch's own
+launch, next to the per-expert counts, and the receiving side folds them, stores the rows as NaN and records the
+fault in the guard's words (``ll_direct``): no launch of its own.
 
 Ranks out of step (different hidden sizes, ``use_fp8``, top-k widths or ``num_max_dispatch_tokens_per_rank``, or a
 dispatch one rank skipped): on the exchange engine over gloo (CPU ranks) the dispatch's call header
