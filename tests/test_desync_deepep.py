@@ -104,6 +104,53 @@ def test_normal_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case
     _assert_same_error(ranks(2).run(_normal_case, case), "dispatch", fields, RULE)
 
 
+def _count_gather_case(ep: EPGroup, case: str) -> str:
+    """The direct kernels' count all-gather (``normal_direct.CountGather``: the GPU path, whose rows need peer
+    memory, gathers its counts like this) on gloo ranks: rank 1 passes another number of experts, whose per-expert
+    counts are part of the gather. Its tail has the width every rank agreed on, so the gather matches and the
+    header names the mismatch on every rank; then gathers in step return every rank's counts, also after the
+    number of experts changes on every rank."""
+    from moe_wave.comm.deepep_normal import CompactExchange
+    from moe_wave.comm.header import CallHeader
+    from moe_wave.deepep_compat.guard import Guard
+    from moe_wave.deepep_compat.normal_direct import CountGather
+    from moe_wave.deepep_compat.normal_plan import channel_counts
+
+    P, nch = ep.size, 3
+    gather = CountGather(CompactExchange(ep), Guard(ep.rank, ep.device), nch)
+    calls = [0]
+
+    def call(experts: int):
+        calls[0] += 1
+        _, ids, _ = _route(ep.rank)
+        ids = ids * (experts // E)                      # ids in [0, experts)
+        in_rank = torch.zeros(T, P, dtype=torch.bool).scatter_(1, ids // (experts // P), True)
+        per_expert = torch.bincount(ids.reshape(-1), minlength=experts).to(torch.int32)
+        head = CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=calls[0], overlap=False, hidden=128,
+                          dtype=torch.bfloat16, top_k=K, experts=experts)
+        chan = channel_counts(in_rank, nch)
+        chan_G, tokens_P, _, per_expert_PE = gather(chan, per_expert, T, head, 0, True)
+        mine = ep.rank
+        assert torch.equal(chan_G[mine], chan) and tokens_P.tolist() == [T] * P
+        assert torch.equal(per_expert_PE[mine], per_expert.long()), (per_expert_PE, per_expert)
+        assert gather.experts == experts
+
+    if case == "later":                     # the tail has the agreed width of an earlier call
+        call(E)
+    msg = _message(lambda: call(2 * E if ep.rank == 1 else E))
+    call(E)                                 # in step again: the counts of every rank
+    call(2 * E)                             # every rank changes its number of experts: one more gather
+    call(2 * E)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["first", "later"])
+def test_direct_count_gather_with_another_num_experts_is_the_same_error_on_every_rank(ranks, case):
+    _assert_same_error(ranks(2).run(_count_gather_case, case), "dispatch", f"(num_experts: rank 0 {E}, rank 1 {2 * E})",
+                       RULE)
+
+
 COMBINE_RULE = "every rank must call combine the same number of times"
 
 

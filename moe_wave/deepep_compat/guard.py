@@ -27,9 +27,10 @@ and the rule (without it: gloo's size-mismatch abort, SIGABRT, on CPU ranks; row
 With ``num_worst_tokens`` on a GPU nothing is read on the host (the call can be captured in a CUDA graph): the
 mismatch is then a fault here like the others (the outputs NaN, a later call raises naming the field, the first
 rank that differs from rank 0 and both values), which cannot stop that call's rows, whose sizes each rank took from
-its own arguments. What no header covers: a cached dispatch or a combine (no count exchange precedes their rows),
-and, in the direct kernels, ranks passing different numbers of experts (the gathered row's width depends on it,
-so the gather itself is mismatched).
+its own arguments. The gathered row's width must not depend on anything the header checks: the direct kernels'
+per-expert counts travel in a tail of the width every rank agreed on before (``normal_direct.CountGather``), so
+ranks passing different numbers of experts are a header mismatch like the others. What no header covers: a cached
+dispatch or a combine (no count exchange precedes their rows).
 """
 
 from __future__ import annotations
