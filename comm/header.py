@@ -21,9 +21,10 @@ Where it is checked:
   arguments before any device word could stop them: the header is not checked there (``symm_transport``);
 - ``moe_wave.deepep_compat``'s ``Buffer.dispatch`` and ``low_latency_dispatch`` (kinds below): in their count
   all-gather (normal mode) or the symm backend's count exchange (low-latency mode on the exchange engine); see
-  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine`` has no exchange before its
-  rows: on CPU ranks (gloo, host-driven anyway) it gathers its header first, one small collective; on GPUs the
-  caller is trusted, as in DeepEP;
+  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine`` and a cached
+  ``Buffer.dispatch`` (with a handle) have no exchange before their rows: on CPU ranks (gloo, host-driven anyway)
+  each gathers its header first, one small collective (a cached dispatch's of the same shape as a dispatch's count
+  all-gather, so the two meeting are a mismatch of ``cached``); on GPUs the caller is trusted, as in DeepEP;
 - ``deepep`` backend (``comm.deepep``): not checked; DeepEP's dispatch exchanges its own counts inside its kernels.
 """
 
@@ -54,10 +55,11 @@ KINDS = {
     0: Kind("none", _MOE_RULE),
     0x4D570001: Kind("WaveMoE.forward", _MOE_RULE),
     0x4D570002: Kind("deep_ep.Buffer.dispatch",
-                     "every rank must call dispatch (without a handle) the same number of times, with x of the same "
-                     "hidden size, dtype and scale columns, topk_idx of the same width, the same number of experts "
-                     "and the same num_worst_tokens, before any row moves",
-                     (("rows", "num_worst_tokens"), ("experts", "num_experts"))),
+                     "every rank must call dispatch the same number of times, each with a handle where the others "
+                     "pass one (a cached dispatch), with x of the same hidden size, dtype and scale columns, topk_idx "
+                     "of the same width, the same number of experts and the same num_worst_tokens, before any row "
+                     "moves",
+                     (("rows", "num_worst_tokens"), ("experts", "num_experts"), ("cached", "handle given"))),
     0x4D570003: Kind("deep_ep.Buffer.low_latency_dispatch",
                      "every rank must call low_latency_dispatch the same number of times, with x of the same hidden "
                      "size, the same use_fp8, topk_idx of the same width, the same num_experts and the same "
@@ -72,7 +74,7 @@ KINDS = {
 _KIND_CODE = {k.name: c for c, k in KINDS.items()}
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
            getattr(torch, "float8_e5m2", None))
-FIELDS = ("kind", "module", "call", "overlap", "hidden", "dtype", "top_k", "experts", "rows", "scales")
+FIELDS = ("kind", "module", "call", "overlap", "hidden", "dtype", "top_k", "experts", "rows", "scales", "cached")
 NUM_FIELDS = len(FIELDS)
 
 
@@ -91,6 +93,7 @@ class CallHeader:
         top_k, experts, rows, scales: the width of the top-k, the number of experts, a per-call receive bound
             (DeepEP's ``num_worst_tokens`` / ``num_max_dispatch_tokens_per_rank``), the FP8 scale columns; 0
             where the kind has no such argument (WaveMoE's are fixed by its config, checked when it is built).
+        cached: the call reuses an earlier call's routing (DeepEP's dispatch with a handle).
     """
 
     kind: str
@@ -103,12 +106,13 @@ class CallHeader:
     experts: int = 0
     rows: int = 0
     scales: int = 0
+    cached: bool = False
 
     def encode(self) -> list[int]:
         """The H int64 columns sent to every peer."""
         return [_KIND_CODE[self.kind], self.module, self.call, int(self.overlap), self.hidden,
                 _DTYPES.index(self.dtype) if self.dtype in _DTYPES else -1, self.top_k, self.experts, self.rows,
-                self.scales]
+                self.scales, int(self.cached)]
 
 
 def encode(header: CallHeader | None) -> list[int]:
@@ -123,7 +127,7 @@ def _kind(code: int) -> Kind:
 def _value(field: str, v: int):
     if field == "kind":
         return _kind(v).name
-    if field == "overlap":
+    if field in ("overlap", "cached"):
         return bool(v)
     if field == "dtype":
         dtype = _DTYPES[v] if 0 <= v < len(_DTYPES) and _DTYPES[v] is not None else f"code {v}"

@@ -1,11 +1,14 @@
 """DeepEP-API ranks out of step (issue 53, item 2): ranks calling ``deep_ep.Buffer.dispatch`` or
-``low_latency_dispatch`` with different hidden sizes, dtypes, top-k widths, receive bounds, or after an error caught
-on one rank only. The call header rides the dispatch's count all-gather (normal mode) or the symm backend's count
-exchange (low-latency mode on the exchange engine), so each is the same ValueError on every rank, naming the field,
-each rank's value and the rule, before any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls
-paired out of step), and the next call in step runs. ``combine`` has no exchange before its rows: on CPU ranks it
-gathers its own header first (hidden size, dtype, topk_weights width, call number). Also the device-side form (a GPU dispatch with
-``num_worst_tokens`` reads nothing on the host): the guard records the first differing field and raises it later.
+``low_latency_dispatch`` with different hidden sizes, dtypes, top-k widths, numbers of experts, receive bounds, or
+after an error caught on one rank only. The call header rides the dispatch's count all-gather (normal mode) or the
+symm backend's count exchange (low-latency mode on the exchange engine, which sends the header and the count row's
+width first), so each is the same ValueError on every rank, naming the field, each rank's value and the rule, before
+any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls paired out of step), and the next call in
+step runs. The direct kernels' count all-gather (``CountGather``) has a width every rank agreed on, so another
+number of experts is a header mismatch there too. ``combine`` and a cached ``dispatch`` have no exchange before their
+rows: on CPU ranks each gathers its own header first (a cached dispatch meeting a fresh one: without it, gloo's
+timeout). Also the device-side form (a GPU dispatch with ``num_worst_tokens`` reads nothing on the host): the guard
+records the first differing field and raises it later.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from moe_wave.comm import EPGroup
 
 E, K, T = 12, 3, 12
-RULE = "every rank must call dispatch (without a handle) the same number of times"
+RULE = "every rank must call dispatch the same number of times, each with a handle where the others pass one"
 LL_RULE = "every rank must call low_latency_dispatch the same number of times"
 
 
@@ -149,6 +152,42 @@ def _count_gather_case(ep: EPGroup, case: str) -> str:
 def test_direct_count_gather_with_another_num_experts_is_the_same_error_on_every_rank(ranks, case):
     _assert_same_error(ranks(2).run(_count_gather_case, case), "dispatch", f"(num_experts: rank 0 {E}, rank 1 {2 * E})",
                        RULE)
+
+
+def _cached_case(ep: EPGroup, case: str) -> str:
+    """A dispatch in step, then a cached dispatch (its handle) out of step: on CPU ranks the cached dispatch gathers
+    its header first, in the shape of a dispatch's count all-gather (without it: gloo's timeout or abort)."""
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, device="cpu", normal="engine")
+    x, ids, w = _route(ep.rank)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, x, ids, w)
+    one = ep.rank == 1
+    if case == "fresh_vs_cached":           # rank 1 reuses the handle, rank 0 dispatches afresh
+        msg = _message(lambda: buf.dispatch(x, handle=handle) if one else _dispatch(buf, x, ids, w))
+    elif case == "hidden":                  # both cached, rank 1 with rows of another width
+        y = torch.cat([x, x], 1) if one else x
+        msg = _message(lambda: buf.dispatch(y, handle=handle))
+    elif case == "error_on_one_rank":       # rank 0 catches an argument error of a cached dispatch and goes on
+        if ep.rank == 0:
+            assert "tokens" in _message(lambda: buf.dispatch(x[:2], handle=handle))
+        msg = _message(lambda: buf.dispatch(x, handle=handle))
+    else:
+        raise AssertionError(case)
+    again, *_ = buf.dispatch(x, handle=handle)        # in step again: a cached dispatch runs and matches
+    assert torch.equal(again, recv_x)
+    _in_step_round(buf, ep)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, fields", [
+    ("fresh_vs_cached", "(handle given: rank 0 False, rank 1 True)"),
+    ("hidden", "(hidden: rank 0 128, rank 1 256)"),
+    ("error_on_one_rank", "(call: rank 0 3, rank 1 2)"),
+])
+def test_cached_dispatch_out_of_step_on_cpu_ranks_is_the_same_error_on_every_rank(ranks, case, fields):
+    _assert_same_error(ranks(2).run(_cached_case, case), "dispatch", fields, RULE)
 
 
 COMBINE_RULE = "every rank must call combine the same number of times"

@@ -110,7 +110,7 @@ class Buffer:
                            pg if self.group_size > 1 else None)
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
         self._guard = Guard(self.rank, self._device)
-        self._calls = 0         # dispatches without a handle, counted on entry (the call header's call number)
+        self._calls = 0         # dispatches, cached ones too, counted on entry (the call header's call number)
         self._combines = 0      # combines, counted the same way (their header: CPU ranks only, see combine)
         options = options or SymmOptions()
         self._normal = self._normal_mode(options)
@@ -256,7 +256,9 @@ class Buffer:
         Args:
             x: bf16 [T, H] (fp16 / fp32 also move), or ``(fp8 [T, H], scales [T, S] float32 or int32, or [T])``;
                 scales may have any strides.
-            handle: a previous dispatch's handle: the same routing again (cached; no top-k arguments then).
+            handle: a previous dispatch's handle: the same routing again (cached; no top-k arguments then). On
+                CPU ranks its call header is checked first (a cached dispatch meeting a fresh one on another rank
+                is a ``HeaderMismatch`` on every rank); on GPUs it is not (``guard``).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: ``get_dispatch_layout``'s outputs;
                 ``is_token_in_rank`` must name exactly the ranks of each token's experts (checked on the device
                 when ``topk_idx`` is given).
@@ -274,8 +276,7 @@ class Buffer:
             event)``.
         """
         what = "dispatch"
-        if handle is None:      # counted before any check: a call that raised on one rank only still counts there
-            self._calls += 1
+        self._calls += 1        # counted before any check: a call that raised on one rank only still counts there
         if num_tokens_per_rdma_rank is not None:
             raise checks.unsupported("dispatch(num_tokens_per_rdma_rank=...)", "within a node pass None "
                                      "(get_dispatch_layout returns None there)")
@@ -286,7 +287,11 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{what}: a cached dispatch (handle given) takes no topk_idx / topk_weights")
             with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x,)) as s:
-                recv_x = s.out(self._normal.cached_dispatch(x, handle))
+                try:
+                    recv_x = s.out(self._normal.cached_dispatch(x, handle, self._calls))
+                except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again
+                    self._calls = agreed_call(e, "deep_ep.Buffer.dispatch", 0, self._calls)
+                    raise
                 self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)))
             return recv_x, None, None, None, None, s.event
         route = Route(*checks.route_args(what, self.group_size, T, num_tokens_per_rank, is_token_in_rank,

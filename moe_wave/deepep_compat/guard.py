@@ -9,8 +9,9 @@ Legend: T local tokens, K top-k, P ranks, E experts.
 
 A check is a few tensor ops on the device. What one rank finds alone (its ids, its ``is_token_in_rank``) waits in
 ``pending`` (``WORDS``: kind, count, limit, value) and travels with the dispatch's count all-gather, so every rank
-learns every rank's fault in the same call; what the gathered counts show (a rank receiving more rows than ``num_worst_tokens``) every rank computes
-itself. The first fault sticks in ``status`` (kind, rank, count, limit); from then on the outputs of every call
+learns every rank's fault in the same call; what the gathered counts show (a rank receiving more rows than
+``num_worst_tokens``) every rank computes itself. The first fault sticks in ``status`` (kind, rank, count, limit,
+and two words more: the first bad id, or a header mismatch's kind and field); from then on the outputs of every call
 (received rows, combined sums, weights) are NaN, so no plausible wrong result leaves the buffer. ``status`` is
 copied to pinned host memory at the end of each dispatch (non-blocking, on the stream that wrote it) and raised at
 the start of a later call on every rank (on a GPU one or two calls later), or at once by ``check()`` (a host
@@ -29,8 +30,16 @@ mismatch is then a fault here like the others (the outputs NaN, a later call rai
 rank that differs from rank 0 and both values), which cannot stop that call's rows, whose sizes each rank took from
 its own arguments. The gathered row's width must not depend on anything the header checks: the direct kernels'
 per-expert counts travel in a tail of the width every rank agreed on before (``normal_direct.CountGather``), so
-ranks passing different numbers of experts are a header mismatch like the others. What no header covers: a cached
-dispatch or a combine (no count exchange precedes their rows).
+ranks passing different numbers of experts are a header mismatch like the others.
+
+A cached dispatch (with a handle) and a combine have no count exchange before their rows. On CPU ranks each
+gathers its header first (a cached dispatch in the shape of a dispatch's count all-gather, its header marked
+``cached``, so a cached dispatch meeting a fresh one is a ``HeaderMismatch`` naming that field; ``normal_engine``).
+On GPUs nothing is gathered (it would cost a collective the call does not make; DeepEP trusts the caller): a
+cached dispatch meeting a fresh one leaves the cached rank's kernel waiting for rows its peer does not send, until
+``SymmOptions.timeout_ms``, which is recorded as a fault naming the peer (raised by a later dispatch); the call
+numbers count cached dispatches too, so the next dispatch header the ranks exchange shows the skew (a mismatch of
+``call``) rather than pairing the calls out of step.
 """
 
 from __future__ import annotations

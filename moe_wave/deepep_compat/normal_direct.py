@@ -105,11 +105,11 @@ class DirectNormal(NormalMode):
             return plan.T, plan.rows
         return self.engine.handle_rows(handle)
 
-    def cached_dispatch(self, x, handle):
+    def cached_dispatch(self, x, handle, call):
         plan = handle.state
         w = words("dispatch", x)
         if not isinstance(plan, DirectPlan):
-            return self.engine.cached_dispatch(x, handle)
+            return self.engine.cached_dispatch(x, handle, call)
         if w is None:
             raise ValueError("dispatch: the handle comes from the direct kernels, x does not fit them (rows of whole "
                              "4-byte words)")
@@ -133,8 +133,9 @@ class DirectNormal(NormalMode):
         e = E // P
         # the call header rides the count all-gather (guard): read on the host where the counts are
         on_host = not route.worst or a.device.type == "cpu"
-        chan_G, tokens_P, host, per_expert_PE = self.counts(nk.channel_counts(in_rank, nch), per_expert, T,
-                                                            dispatch_header(x, route), route.worst, on_host)
+        head = dispatch_header(x, route)
+        chan_G, tokens_P, host, per_expert_PE = self.counts(nk.channel_counts(in_rank, nch), per_expert, T, head,
+                                                            route.worst, on_host)
         counts_PP = chan_G.sum(2)
         if route.worst:
             X, cap, num_recv, counts_e = route.worst, capacity_for(route.worst), None, []
@@ -180,7 +181,7 @@ class DirectNormal(NormalMode):
         src_X = torch.searchsorted(end_P, torch.arange(X, device=a.device), right=True)
         mats = handle_matrices(counts_PP, tokens_P, in_rank, src_X.clamp(max=P - 1), src_X < P, recv_src,
                                config.num_channels, me)
-        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, plan.head), plan)
+        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, plan.head), plan, head)
         return unpack(oa, scales), recv_idx, recv_w, counts_e, handle
 
     def combine(self, x, handle, topk_weights, biases):
