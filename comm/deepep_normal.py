@@ -202,10 +202,10 @@ class CompactExchange:
                            valid_X=valid_X, num_recv=num_recv, meta_slots=layout.send_expert_SK.shape[1])
 
     # ------------------------------------------------------------------ the exchanges, fenced
-    def prepare(self, layout: DispatchLayout, capacity: int, header=None) -> SymmPlan:
-        """The backend's prepare (its count exchange ends with a barrier that fences every earlier read; ``header``:
-        the call header it carries, see ``SymmBackend.prepare``)."""
-        plan = self.backend(capacity).prepare(layout, header)
+    def prepare(self, layout: DispatchLayout, capacity: int, header=None, extra=None) -> SymmPlan:
+        """The backend's prepare (its count exchange ends with a barrier that fences every earlier read; ``header``
+        and ``extra``: the call header and the words it carries, see ``SymmBackend.prepare``)."""
+        plan = self.backend(capacity).prepare(layout, header, extra)
         self._unfenced.clear()
         return plan
 

@@ -14,14 +14,17 @@ Where it is checked:
 
 - ``torch`` backend: in ``prepare``'s count exchange, on the host (that exchange's one host sync);
 - ``symm`` backend over the emulated transport (CPU ranks on gloo): in ``prepare``'s count exchange, on the host
-  (the all-to-all there is host-synchronous anyway). On peer memory (GPU) the count exchange is a device-side
+  (the all-to-all there is host-synchronous anyway): the header and the count row's width travel first, in an
+  all-to-all of the same width on every rank, so counts of different widths (another number of experts) are
+  a ``HeaderMismatch`` too, not gloo's abort. On peer memory (GPU) the count exchange is a device-side
   write with no host read (CUDA-graph capturable), and the row copies are sized on each rank's host from its own
   arguments before any device word could stop them: the header is not checked there (``symm_transport``);
 - ``moe_wave.deepep_compat``'s ``Buffer.dispatch`` and ``low_latency_dispatch`` (kinds below): in their count
   all-gather (normal mode) or the symm backend's count exchange (low-latency mode on the exchange engine); see
-  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine`` has no exchange before its
-  rows: on CPU ranks (gloo, host-driven anyway) it gathers its header first, one small collective; on GPUs the
-  caller is trusted, as in DeepEP;
+  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine`` and a cached
+  ``Buffer.dispatch`` (with a handle) have no exchange before their rows: on CPU ranks (gloo, host-driven anyway)
+  each gathers its header first, one small collective (a cached dispatch's of the same shape as a dispatch's count
+  all-gather, so the two meeting are a mismatch of ``cached``); on GPUs the caller is trusted, as in DeepEP;
 - ``deepep`` backend (``comm.deepep``): not checked; DeepEP's dispatch exchanges its own counts inside its kernels.
 """
 
@@ -52,10 +55,11 @@ KINDS = {
     0: Kind("none", _MOE_RULE),
     0x4D570001: Kind("WaveMoE.forward", _MOE_RULE),
     0x4D570002: Kind("deep_ep.Buffer.dispatch",
-                     "every rank must call dispatch (without a handle) the same number of times, with x of the same "
-                     "hidden size, dtype and scale columns, topk_idx of the same width, the same number of experts "
-                     "and the same num_worst_tokens, before any row moves",
-                     (("rows", "num_worst_tokens"), ("experts", "num_experts"))),
+                     "every rank must call dispatch the same number of times, each with a handle where the others "
+                     "pass one (a cached dispatch), with x of the same hidden size, dtype and scale columns, topk_idx "
+                     "of the same width, the same number of experts and the same num_worst_tokens, before any row "
+                     "moves",
+                     (("rows", "num_worst_tokens"), ("experts", "num_experts"), ("cached", "handle given"))),
     0x4D570003: Kind("deep_ep.Buffer.low_latency_dispatch",
                      "every rank must call low_latency_dispatch the same number of times, with x of the same hidden "
                      "size, the same use_fp8, topk_idx of the same width, the same num_experts and the same "
@@ -70,7 +74,7 @@ KINDS = {
 _KIND_CODE = {k.name: c for c, k in KINDS.items()}
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
            getattr(torch, "float8_e5m2", None))
-FIELDS = ("kind", "module", "call", "overlap", "hidden", "dtype", "top_k", "experts", "rows", "scales")
+FIELDS = ("kind", "module", "call", "overlap", "hidden", "dtype", "top_k", "experts", "rows", "scales", "cached")
 NUM_FIELDS = len(FIELDS)
 
 
@@ -89,6 +93,7 @@ class CallHeader:
         top_k, experts, rows, scales: the width of the top-k, the number of experts, a per-call receive bound
             (DeepEP's ``num_worst_tokens`` / ``num_max_dispatch_tokens_per_rank``), the FP8 scale columns; 0
             where the kind has no such argument (WaveMoE's are fixed by its config, checked when it is built).
+        cached: the call reuses an earlier call's routing (DeepEP's dispatch with a handle).
     """
 
     kind: str
@@ -101,12 +106,13 @@ class CallHeader:
     experts: int = 0
     rows: int = 0
     scales: int = 0
+    cached: bool = False
 
     def encode(self) -> list[int]:
         """The H int64 columns sent to every peer."""
         return [_KIND_CODE[self.kind], self.module, self.call, int(self.overlap), self.hidden,
                 _DTYPES.index(self.dtype) if self.dtype in _DTYPES else -1, self.top_k, self.experts, self.rows,
-                self.scales]
+                self.scales, int(self.cached)]
 
 
 def encode(header: CallHeader | None) -> list[int]:
@@ -121,7 +127,7 @@ def _kind(code: int) -> Kind:
 def _value(field: str, v: int):
     if field == "kind":
         return _kind(v).name
-    if field == "overlap":
+    if field in ("overlap", "cached"):
         return bool(v)
     if field == "dtype":
         dtype = _DTYPES[v] if 0 <= v < len(_DTYPES) and _DTYPES[v] is not None else f"code {v}"
@@ -157,11 +163,18 @@ class HeaderMismatch(ValueError):
         self.headers = headers
 
 
-def check_headers(rows_PH: list[list[int]]) -> None:
+def check_headers(rows_PH: list[list[int]], widths: list[int] | None = None) -> None:
     """Raise ``HeaderMismatch`` if the P rows (every rank's header, in rank order, as each rank received them)
-    differ. Every rank receives the same rows, so every rank raises the same error."""
+    differ, or, where they agree, if ``widths`` (each rank's width of the exchange the header precedes) differ.
+    Every rank receives the same rows, so every rank raises the same error."""
     if all(r == rows_PH[0] for r in rows_PH):
-        return
+        if widths is None or all(w == widths[0] for w in widths):
+            return
+        what = KINDS[rows_PH[0][0]].name if rows_PH[0][0] in KINDS and rows_PH[0][0] else "the call"
+        raise HeaderMismatch(f"{what} out of step between ranks (count row width: "
+                             + ", ".join(f"rank {r} {w}" for r, w in enumerate(widths))
+                             + "): every rank must exchange counts of the same layout (ranks, waves, local "
+                               "experts) before any row moves", [_decode(r) for r in rows_PH])
     heads = [_decode(r) for r in rows_PH]
     code = next((r[0] for r in rows_PH if r[0]), 0)          # the first rank's kind that is not "none"
     diff = [i for i, f in enumerate(FIELDS) if any(r[i] != rows_PH[0][i] for r in rows_PH)]

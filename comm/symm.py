@@ -166,12 +166,13 @@ class SymmBackend:
             f"The rows past the capacity were not sent: that call's output (and any since) was poisoned with NaN.")
 
     # ---------------------------------------------------------------- count exchange
-    def prepare(self, layout: DispatchLayout, header=None) -> SymmPlan:
+    def prepare(self, layout: DispatchLayout, header=None, extra: torch.Tensor | None = None) -> SymmPlan:
         """Exchange counts and build the index tables (device-side). Dispatch the plan's waves before the
         next ``prepare``: its count writes are ordered behind the peers' reads by the wave barriers. ``header``
         (``moe_wave.comm.header``) travels with the counts and is checked on the host by the emulated transport (CPU
         ranks: ``HeaderMismatch`` on every rank before any row moves); on peer memory it is not checked (no host
-        read there, see ``symm_transport.PeerTransport.exchange_counts``)."""
+        read there, see ``symm_transport.PeerTransport.exchange_counts``). ``extra``: None or A int64 words on the
+        device that travel in this rank's count rows; every rank's come back in the plan's ``extra_PA``."""
         plan = layout.plan
         P, W, e, me = plan.num_ranks, plan.num_waves, plan.num_local_experts, self.ep.rank
         if P != self.ep.size:
@@ -193,7 +194,8 @@ class SymmBackend:
                   layout.ids_min, layout.ids_max)
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
-            recv_PX = self.transport.exchange_counts(counts, W * P + W * e + 2, header)
+            A = 0 if extra is None else extra.numel()
+            recv_PX = self.transport.exchange_counts(counts, W * P + W * e + A + 2, header, extra)
             slot_WTP = torch.full((W, T, P), -1, dtype=torch.long, device=dev) if self.kernels else None
             build = build_tables if self.kernels else build_tables_torch
             # the send side always from the sparse rows (dense blocks are derived from them below); the
@@ -213,6 +215,7 @@ class SymmBackend:
             xplan = SymmPlan(layout=layout, recv_pairs_WPe=recv_pairs_WPe, capacity=C, meta_SM=meta_SM, mode=mode,
                              slot_WTP=slot_WTP, src_PC=self._src_PC, pairs_We=recv_pairs_WPe.sum(1),
                              recv_rows_WP=recv_rows_WP, once=once,
+                             extra_PA=recv_PX[:, W * P + W * e:W * P + W * e + A] if A else None,
                              stale_WPC1=None if dense else (tabs["recv_dst_WPC"] < 0)[..., None],
                              **{**tabs, **extra})
             if dense:

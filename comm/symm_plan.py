@@ -90,6 +90,8 @@ class SymmPlan(ExchangePlan):
         meta_WPCM: [W, P, C, M] int32, dense blocks only: the (local expert, weight) slots of each row
             for peer p (expert -1 and weight 0 where the token has none of p's experts in wave w, and in
             the rows past the wave's tokens: the whole block is sent, so no stale row remains).
+        extra_PA: [P, A] int64 the words each source added to its count rows (``SymmBackend.prepare``'s
+            ``extra``), or None.
     """
 
     capacity: int = 0
@@ -107,11 +109,13 @@ class SymmPlan(ExchangePlan):
     once: OnceTables | None = None
     dense: tuple | None = None
     meta_WPCM: torch.Tensor | None = None
+    extra_PA: torch.Tensor | None = None
 
     def tensors(self) -> tuple:
         """Every device tensor the plan holds (for stream lifetimes)."""
         own = tuple(t for t in (self.tok_WPN, self.row_WPN, self.send_dst_WPN, self.recv_dst_WPC, self.meta_SM,
-                                self.slot_WTP, self.pairs_We, self.recv_rows_WP, self.stale_WPC1, self.meta_WPCM)
+                                self.slot_WTP, self.pairs_We, self.recv_rows_WP, self.stale_WPC1, self.meta_WPCM,
+                                self.extra_PA)
                     if t is not None)
         return own + (self.once.tensors() if self.once is not None else ())
 

@@ -4,12 +4,13 @@ prepare is on the critical path of every decode step) and as its torch twin (CPU
 the reference the CI checks the kernels against under ``TRITON_INTERPRET=1``).
 
 Legend: T local tokens, S send rows, K top-k, P ranks, W waves, e local experts, C capacity rows per
-(wave, peer) block, N = min(C, T) rows a block can hold from this rank, X = W*P + W*e + 2 int64 per
-count row, me this rank.
+(wave, peer) block, N = min(C, T) rows a block can hold from this rank, A extra words, X = W*P + W*e +
+A + 2 int64 per count row, me this rank.
 
 Count row for destination p (``count_rows``): [my send counts [W*P] | my pair counts for p's
-experts [W*e] | my expert id range (min, max)]. Rank p's ``ctrl[me]`` receives it; after the barrier
-``recv_PX[src]`` is source src's row for this rank.
+experts [W*e] | my extra words [A] (the caller's, the same for every destination) | my expert id range
+(min, max)]. Rank p's ``ctrl[me]`` receives it; after the barrier ``recv_PX[src]`` is source src's row
+for this rank.
 
 Tables (``build_tables``), all int64:
     row_WPN      send row (into the layout's S rows) of row i of block (w, p), clamped to S-1
@@ -48,25 +49,29 @@ STATUS_LEN = 12
 POISON = 9   # the poison word of the status (see the module docstring)
 
 
-def count_rows_torch(send_counts_WP, pair_counts_WPe, ids_min, ids_max) -> torch.Tensor:
-    """[P, X]: row p is what destination p receives (see the module docstring)."""
+def count_rows_torch(send_counts_WP, pair_counts_WPe, ids_min, ids_max, extra=None) -> torch.Tensor:
+    """[P, X]: row p is what destination p receives (see the module docstring); ``extra``: None or the A
+    int64 words added to every row."""
     W, P, e = pair_counts_WPe.shape
-    return torch.cat([send_counts_WP.reshape(1, W * P).expand(P, -1),
-                      pair_counts_WPe.permute(1, 0, 2).reshape(P, W * e),
-                      torch.stack([ids_min, ids_max]).view(1, 2).expand(P, -1)], 1).contiguous()
+    parts = [send_counts_WP.reshape(1, W * P).expand(P, -1), pair_counts_WPe.permute(1, 0, 2).reshape(P, W * e)]
+    if extra is not None:
+        parts.append(extra.to(torch.long).view(1, -1).expand(P, -1))
+    parts.append(torch.stack([ids_min, ids_max]).view(1, 2).expand(P, -1))
+    return torch.cat(parts, 1).contiguous()
 
 
-def count_rows(targets, send_counts_WP, pair_counts_WPe, ids_min, ids_max) -> None:
+def count_rows(targets, send_counts_WP, pair_counts_WPe, ids_min, ids_max, extra=None) -> None:
     """Write row p of ``count_rows_torch`` into block p of ``targets`` (a ``RowTargets`` of P [1, X]
     int64 blocks: row ``me`` of every peer's ``ctrl``), one launch, one program per peer."""
     W, P, e = pair_counts_WPe.shape
-    X = W * P + W * e + 2
+    A = 0 if extra is None else extra.numel()
+    X = W * P + W * e + A + 2
     if targets.num_blocks != P or targets.width != X or targets.base.dtype != torch.int64:
         raise ValueError(f"count_rows: targets must be {P} int64 blocks of width {X}, got {targets.num_blocks} "
                          f"{targets.base.dtype} of width {targets.width}")
     _count_rows_kernel[(P,)](targets.base, targets.offs_P, send_counts_WP.contiguous(), pair_counts_WPe.contiguous(),
-                             ids_min, ids_max, W * P, e, P, UNIT=targets.unit,
-                             BLOCK=triton.next_power_of_2(max(W * P, W * e)))
+                             ids_min, ids_max, extra.to(torch.long).contiguous() if A else ids_min, A, W * P, e, P,
+                             UNIT=targets.unit, BLOCK=triton.next_power_of_2(max(W * P, W * e, A)))
 
 
 def build_tables_torch(recv_PX, send_counts_WP, send_token_S, C: int, T: int, me: int, num_experts: int,
@@ -191,7 +196,7 @@ if triton is not None:
         tl.store(slot_ptr + sidx, tl.where(hit, p * C + r, -1), mask=in_wave)
 
     @triton.jit
-    def _count_rows_kernel(dst_ptr, offs_ptr, counts_ptr, pairs_ptr, lo_ptr, hi_ptr, WP, e, P,
+    def _count_rows_kernel(dst_ptr, offs_ptr, counts_ptr, pairs_ptr, lo_ptr, hi_ptr, extra_ptr, A, WP, e, P,
                            UNIT: tl.constexpr, BLOCK: tl.constexpr):
         p = tl.program_id(0)
         dst = dst_ptr + tl.load(offs_ptr + p) * UNIT
@@ -201,8 +206,9 @@ if triton is not None:
         for w in range(W):           # my pairs for p's experts, wave by wave
             m = k < e
             tl.store(dst + WP + w * e + k, tl.load(pairs_ptr + (w * P + p) * e + k, mask=m), mask=m)
-        tl.store(dst + WP + W * e, tl.load(lo_ptr))
-        tl.store(dst + WP + W * e + 1, tl.load(hi_ptr))
+        tl.store(dst + WP + W * e + k, tl.load(extra_ptr + k, mask=k < A), mask=k < A)
+        tl.store(dst + WP + W * e + A, tl.load(lo_ptr))
+        tl.store(dst + WP + W * e + A + 1, tl.load(hi_ptr))
 
     @triton.jit
     def _tables_kernel(recv_ptr, counts_ptr, tok_ptr, row_ptr, tokout_ptr, sdst_ptr, rdst_ptr, slot_ptr, status_ptr,

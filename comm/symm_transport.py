@@ -5,8 +5,9 @@ M = 2K metadata int32 per row, X count words per rank.
 
 Both transports have the same small interface, and the backend picks one at construction:
 
-    exchange_counts(counts, X, header) -> recv_PX   row src: what rank src sent this rank (``symm_tables``); the
-                                               emulation also checks the call header (``comm.header``)
+    exchange_counts(counts, X, header, extra) -> recv_PX   row src: what rank src sent this rank (``symm_tables``:
+                                               its counts and its extra words); the emulation also checks the
+                                               call header (``comm.header``) first
     write_own_meta(plan, W, K)                 dense blocks: this rank's own metadata block, at prepare
     dispatch(x_TD, plan, bufs, wave, local_view) -> works
     combine(y_RD, plan, bufs, wave, own_from_y) -> works
@@ -168,9 +169,10 @@ class PeerTransport:
         return loc
 
     # ------------------------------------------------------------------ counts
-    def exchange_counts(self, counts, X: int, header=None) -> torch.Tensor:
-        """[P, X]: one kernel (or a copy per peer) writes my row into every peer's ctrl, then the count barrier
-        (ours in every signal mode: a missing peer is named, and the layer's output poisoned).
+    def exchange_counts(self, counts, X: int, header=None, extra=None) -> torch.Tensor:
+        """[P, X]: one kernel (or a copy per peer) writes my row (``extra``: None or words added to it, see
+        ``symm_tables``) into every peer's ctrl, then the count barrier (ours in every signal mode: a missing peer is
+        named, and the layer's output poisoned).
 
         ``header`` (``comm.header``) is not checked here: the caller trusts that every rank makes the same call.
         Nothing is read on the host on this path (it is captured in CUDA graphs), and by the time a device-side
@@ -188,9 +190,9 @@ class PeerTransport:
             self._signals[key] = (BarrierSignal(self.ep, flags, t, self.fault) if self._own_barrier
                                   else _TorchBarrier(hdl, 0, t))
         if self.kernels:
-            count_rows(targets, *counts)
+            count_rows(targets, *counts, extra=extra)
         else:
-            send_PX = count_rows_torch(*counts)
+            send_PX = count_rows_torch(*counts, extra=extra)
             for p in range(self.ep.size):
                 targets[p][self.ep.rank].copy_(send_PX[p])     # peer write over NVLink (copy engine)
         self._signals[key].end()
@@ -341,20 +343,25 @@ class EmulatedTransport:
     def raise_watchdog(self) -> None:
         """No watchdog: gloo's timeout bounds every wait."""
 
-    def exchange_counts(self, counts, X: int, header=None) -> torch.Tensor:
-        """[P, X] as ``PeerTransport.exchange_counts``, with the call header (``comm.header``; None: zeros) in the
-        first columns of the one all-to-all, checked on the host before any row moves: with more than one rank this
-        transport runs on CPU (gloo, where the all-to-all has already waited for every rank), so the check reads no
-        device and adds no sync. A mismatch is the same ``HeaderMismatch`` on every rank."""
-        send_PX = count_rows_torch(*counts)
-        if self.ep.size == 1:
+    def exchange_counts(self, counts, X: int, header=None, extra=None) -> torch.Tensor:
+        """[P, X] as ``PeerTransport.exchange_counts``. First the call header (``comm.header``; None: zeros) and X,
+        in an all-to-all of the same width on every rank, checked on the host before the counts move (X depends on
+        the caller's arguments, e.g. the number of experts, and gloo aborts an all-to-all whose sizes differ): with
+        more than one rank this transport runs on CPU (gloo, where the all-to-all has already waited for every
+        rank), so the check reads no device and adds no sync. A mismatch is the same ``HeaderMismatch`` on every
+        rank. Then the counts, in a second all-to-all."""
+        send_PX = count_rows_torch(*counts, extra=extra)
+        P = self.ep.size
+        if P == 1:
             return send_PX
-        head = torch.tensor(encode_header(header), dtype=send_PX.dtype, device=send_PX.device)
-        send = torch.cat([head.expand(send_PX.shape[0], NUM_FIELDS), send_PX], 1)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.ep.pg)
-        check_headers(recv[:, :NUM_FIELDS].tolist())
-        return recv[:, NUM_FIELDS:].contiguous()
+        head = torch.tensor(encode_header(header) + [X], dtype=send_PX.dtype, device=send_PX.device)
+        got = torch.empty(P, NUM_FIELDS + 1, dtype=send_PX.dtype, device=send_PX.device)
+        dist.all_to_all_single(got, head.expand(P, -1).contiguous(), group=self.ep.pg)
+        rows = got.tolist()
+        check_headers([r[:NUM_FIELDS] for r in rows], [r[NUM_FIELDS] for r in rows])
+        recv = torch.empty_like(send_PX)
+        dist.all_to_all_single(recv, send_PX, group=self.ep.pg)
+        return recv
 
     def dispatch(self, x_TD, plan: SymmPlan, bufs: Buffers, wave: int, local_view: bool) -> tuple:
         P, C, D, K = self.ep.size, plan.capacity, x_TD.shape[1], bufs.recv_meta.shape[3] // 2

@@ -3,9 +3,10 @@ ranks (the exchange engine) and on one CPU rank under Triton's interpreter (the 
 
 - rows due past ``num_worst_tokens``: the rows past it are dropped (no kernel writes past a region or an output),
   the outputs are NaN, and the next call raises on every rank naming the rank, the count and the limit;
-- expert ids equal to ``num_experts``, above it, or below -1 (in ``get_dispatch_layout`` and ``dispatch``): they
-  count as -1 (no raw index error), the outputs are NaN, the next call raises on every rank naming the rank, the
-  count and the limit; ``Buffer.check()`` raises at once;
+- expert ids equal to ``num_experts``, above it, or below -1 (in ``get_dispatch_layout``, ``dispatch`` and
+  ``low_latency_dispatch``): they count as -1 (no raw index error), the outputs are NaN (bf16, FP8 and UE8M0 in
+  low-latency mode), the next call raises on every rank naming the rank, the count, the first bad id and the
+  limit; ``Buffer.check()`` raises at once;
 - an ``is_token_in_rank`` that contradicts ``topk_idx``: the same, naming the tokens;
 - constructor arguments of the wrong kind: one-line ValueErrors naming field, value and rule.
 
@@ -98,7 +99,7 @@ def _faults(ep: EPGroup, normal: str | None) -> list[str]:
                                                     config=_cfg())
         assert torch.isnan(recv_x.float()).all() and torch.isnan(r_w).all()
         msg = _message(buf.check, ValueError)
-        assert f"rank {P - 1} passed 2 topk_idx entries outside [-1, {E})" in msg, msg
+        assert f"rank {P - 1} passed 2 topk_idx entries outside [-1, {E}) (the first: {bad};" in msg, msg
         msgs.append(msg)
         _ok_round(buf, ep)
 
@@ -126,6 +127,73 @@ def test_faults_poison_and_raise_on_every_rank(ranks):
 def test_faults_on_three_ranks(ranks):
     got = ranks(3).run(_faults, "engine")
     assert got[0] == got[1] == got[2]
+
+
+LL_H, LL_T = 512, 16
+
+
+def _ll_ok_round(buf, ep) -> None:
+    """A clean low-latency dispatch and combine: finite, and the combine sums what it should (the experts return
+    the rows they got: token t comes back as x[t] times the sum of its valid weights)."""
+    x, ids, w = _route(ep.rank)
+    x = x.repeat(1, LL_H // H)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, ids, LL_T, E, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(recv, ids, w, handle)
+    assert torch.isfinite(out.float()).all()
+    ref = x.float() * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
+    assert torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2)
+    buf.check()
+
+
+def _ll_faults(ep: EPGroup) -> list[str]:
+    """Low-latency mode on the exchange engine (gloo ranks): ids outside [-1, E) on the last rank only are sent
+    nowhere, every rank's received rows (and scales) are NaN in that call, and the next call (or check()) raises on
+    every rank naming the rank, the count, the first bad id and the rule; then the calls run normally."""
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True, device="cpu")
+    P, me = ep.size, ep.rank
+    msgs = []
+    x, ids, w = _route(me)
+    x = x.repeat(1, LL_H // H)
+    def sent_ids(src: int, bad: int) -> torch.Tensor:      # rank src's ids in this call
+        got = _route(src)[1].clone()
+        if src == P - 1:
+            got[0, 0] = bad
+            got[3, 1] = bad
+        return got
+
+    for bad, fp8, ue8m0, raise_at in ((E, False, False, "combine"), (E + 5, True, False, "check"),
+                                      (-2, True, True, "dispatch")):
+        mine = sent_ids(me, bad)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, mine, LL_T, E, use_fp8=fp8, round_scale=ue8m0,
+                                                             use_ue8m0=ue8m0)
+        if fp8:
+            rows, scales = recv
+            assert bool((rows.view(torch.uint8) == 0x7F).all())                     # FP8 NaN bytes
+            assert torch.isnan(scales).all() if not ue8m0 else bool((scales == -1).all())
+        else:
+            assert torch.isnan(recv.float()).all()
+        # the counts leave the bad ids out (they name no expert: the reference counts only ids in [0, E))
+        e = E // P
+        want = [sum(int((sent_ids(s, bad) == me * e + i).any(1).sum()) for s in range(P)) for i in range(e)]
+        assert count.tolist() == want, (count.tolist(), want)
+        if raise_at == "combine":
+            msg = _message(lambda: buf.low_latency_combine(recv, mine, w, handle), ValueError)
+        elif raise_at == "check":
+            msg = _message(buf.check, ValueError)
+        else:
+            msg = _message(lambda: buf.low_latency_dispatch(x, ids, LL_T, E, use_fp8=False), ValueError)
+        assert f"rank {P - 1} passed 2 topk_idx entries outside [-1, {E}) (the first: {bad};" in msg, msg
+        assert "an expert id must be -1 or in [0, num_experts)" in msg and "\n" not in msg, msg
+        msgs.append(msg)
+        _ll_ok_round(buf, ep)
+    return msgs
+
+
+def test_low_latency_ids_out_of_range_poison_and_raise_on_every_rank(ranks):
+    got = ranks(2).run(_ll_faults)
+    assert got[0] == got[1] and len(got[0]) == 3
 
 
 def _direct_overflow(ep: EPGroup) -> str:

@@ -1,11 +1,14 @@
 """DeepEP-API ranks out of step (issue 53, item 2): ranks calling ``deep_ep.Buffer.dispatch`` or
-``low_latency_dispatch`` with different hidden sizes, dtypes, top-k widths, receive bounds, or after an error caught
-on one rank only. The call header rides the dispatch's count all-gather (normal mode) or the symm backend's count
-exchange (low-latency mode on the exchange engine), so each is the same ValueError on every rank, naming the field,
-each rank's value and the rule, before any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls
-paired out of step), and the next call in step runs. ``combine`` has no exchange before its rows: on CPU ranks it
-gathers its own header first (hidden size, dtype, topk_weights width, call number). Also the device-side form (a GPU dispatch with
-``num_worst_tokens`` reads nothing on the host): the guard records the first differing field and raises it later.
+``low_latency_dispatch`` with different hidden sizes, dtypes, top-k widths, numbers of experts, receive bounds, or
+after an error caught on one rank only. The call header rides the dispatch's count all-gather (normal mode) or the
+symm backend's count exchange (low-latency mode on the exchange engine, which sends the header and the count row's
+width first), so each is the same ValueError on every rank, naming the field, each rank's value and the rule, before
+any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls paired out of step), and the next call in
+step runs. The direct kernels' count all-gather (``CountGather``) has a width every rank agreed on, so another
+number of experts is a header mismatch there too. ``combine`` and a cached ``dispatch`` have no exchange before their
+rows: on CPU ranks each gathers its own header first (a cached dispatch meeting a fresh one: without it, gloo's
+timeout). Also the device-side form (a GPU dispatch with ``num_worst_tokens`` reads nothing on the host): the guard
+records the first differing field and raises it later.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from moe_wave.comm import EPGroup
 
 E, K, T = 12, 3, 12
-RULE = "every rank must call dispatch (without a handle) the same number of times"
+RULE = "every rank must call dispatch the same number of times, each with a handle where the others pass one"
 LL_RULE = "every rank must call low_latency_dispatch the same number of times"
 
 
@@ -104,6 +107,89 @@ def test_normal_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case
     _assert_same_error(ranks(2).run(_normal_case, case), "dispatch", fields, RULE)
 
 
+def _count_gather_case(ep: EPGroup, case: str) -> str:
+    """The direct kernels' count all-gather (``normal_direct.CountGather``: the GPU path, whose rows need peer
+    memory, gathers its counts like this) on gloo ranks: rank 1 passes another number of experts, whose per-expert
+    counts are part of the gather. Its tail has the width every rank agreed on, so the gather matches and the
+    header names the mismatch on every rank; then gathers in step return every rank's counts, also after the
+    number of experts changes on every rank."""
+    from moe_wave.comm.deepep_normal import CompactExchange
+    from moe_wave.comm.header import CallHeader
+    from moe_wave.deepep_compat.guard import Guard
+    from moe_wave.deepep_compat.normal_direct import CountGather
+    from moe_wave.deepep_compat.normal_plan import channel_counts
+
+    P, nch = ep.size, 3
+    gather = CountGather(CompactExchange(ep), Guard(ep.rank, ep.device), nch)
+    calls = [0]
+
+    def call(experts: int):
+        calls[0] += 1
+        _, ids, _ = _route(ep.rank)
+        ids = ids * (experts // E)                      # ids in [0, experts)
+        in_rank = torch.zeros(T, P, dtype=torch.bool).scatter_(1, ids // (experts // P), True)
+        per_expert = torch.bincount(ids.reshape(-1), minlength=experts).to(torch.int32)
+        head = CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=calls[0], overlap=False, hidden=128,
+                          dtype=torch.bfloat16, top_k=K, experts=experts)
+        chan = channel_counts(in_rank, nch)
+        chan_G, tokens_P, _, per_expert_PE = gather(chan, per_expert, T, head, 0, True)
+        mine = ep.rank
+        assert torch.equal(chan_G[mine], chan) and tokens_P.tolist() == [T] * P
+        assert torch.equal(per_expert_PE[mine], per_expert.long()), (per_expert_PE, per_expert)
+        assert gather.experts == experts
+
+    if case == "later":                     # the tail has the agreed width of an earlier call
+        call(E)
+    msg = _message(lambda: call(2 * E if ep.rank == 1 else E))
+    call(E)                                 # in step again: the counts of every rank
+    call(2 * E)                             # every rank changes its number of experts: one more gather
+    call(2 * E)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["first", "later"])
+def test_direct_count_gather_with_another_num_experts_is_the_same_error_on_every_rank(ranks, case):
+    _assert_same_error(ranks(2).run(_count_gather_case, case), "dispatch", f"(num_experts: rank 0 {E}, rank 1 {2 * E})",
+                       RULE)
+
+
+def _cached_case(ep: EPGroup, case: str) -> str:
+    """A dispatch in step, then a cached dispatch (its handle) out of step: on CPU ranks the cached dispatch gathers
+    its header first, in the shape of a dispatch's count all-gather (without it: gloo's timeout or abort)."""
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, device="cpu", normal="engine")
+    x, ids, w = _route(ep.rank)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, x, ids, w)
+    one = ep.rank == 1
+    if case == "fresh_vs_cached":           # rank 1 reuses the handle, rank 0 dispatches afresh
+        msg = _message(lambda: buf.dispatch(x, handle=handle) if one else _dispatch(buf, x, ids, w))
+    elif case == "hidden":                  # both cached, rank 1 with rows of another width
+        y = torch.cat([x, x], 1) if one else x
+        msg = _message(lambda: buf.dispatch(y, handle=handle))
+    elif case == "error_on_one_rank":       # rank 0 catches an argument error of a cached dispatch and goes on
+        if ep.rank == 0:
+            assert "tokens" in _message(lambda: buf.dispatch(x[:2], handle=handle))
+        msg = _message(lambda: buf.dispatch(x, handle=handle))
+    else:
+        raise AssertionError(case)
+    again, *_ = buf.dispatch(x, handle=handle)        # in step again: a cached dispatch runs and matches
+    assert torch.equal(again, recv_x)
+    _in_step_round(buf, ep)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, fields", [
+    ("fresh_vs_cached", "(handle given: rank 0 False, rank 1 True)"),
+    ("hidden", "(hidden: rank 0 128, rank 1 256)"),
+    ("error_on_one_rank", "(call: rank 0 3, rank 1 2)"),
+])
+def test_cached_dispatch_out_of_step_on_cpu_ranks_is_the_same_error_on_every_rank(ranks, case, fields):
+    _assert_same_error(ranks(2).run(_cached_case, case), "dispatch", fields, RULE)
+
+
 COMBINE_RULE = "every rank must call combine the same number of times"
 
 
@@ -154,7 +240,8 @@ def _ll_case(ep: EPGroup, case: str) -> str:
     ids = torch.rand(T, E, generator=g, dtype=torch.float32).topk(K, dim=1).indices
     fp8 = case == "use_fp8" and one
     tokens = 2 * LL_T if case == "tokens" and one else LL_T
-    msg = _message(lambda: buf.low_latency_dispatch(x, ids, tokens, E, use_fp8=fp8))
+    experts = 2 * E if case == "experts" and one else E     # the count row's width follows it
+    msg = _message(lambda: buf.low_latency_dispatch(x, ids, tokens, experts, use_fp8=fp8))
     x = x[:, :LL_H].contiguous()
     recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, ids, LL_T, E, use_fp8=False)   # in step again
     e = E // ep.size
@@ -168,6 +255,7 @@ def _ll_case(ep: EPGroup, case: str) -> str:
     ("hidden", f"(hidden: rank 0 {LL_H}, rank 1 {2 * LL_H})"),
     ("use_fp8", "(dtype (use_fp8): rank 0 bfloat16, rank 1 float8_e4m3fn)"),
     ("tokens", f"(num_max_dispatch_tokens_per_rank: rank 0 {LL_T}, rank 1 {2 * LL_T})"),
+    ("experts", f"(num_experts: rank 0 {E}, rank 1 {2 * E})"),
 ])
 def test_low_latency_dispatch_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
     _assert_same_error(ranks(2).run(_ll_case, case), "low_latency_dispatch", fields, LL_RULE)

@@ -5,7 +5,8 @@ that no wait blocks. Checked against a reference built from the inputs alone: De
 in rank order, each source's tokens in order), counts, ``layout_range``, source indices, bf16 rows bit for bit, FP8
 bytes and scales in the three scale layouts, the statistics, the combine's weighted sums; repeated calls on both
 buffer sets (the call numbers advance); a masked rank (skipped, not awaited); a rank that never sends (the wait
-gives up, masks it, records the fault).
+gives up, masks it, records the fault); expert ids out of range on one rank (every rank's outputs NaN, every rank's
+guard holds the fault).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from moe_wave.comm.triton_gate import interpreting, triton
+from moe_wave.deepep_compat.guard import IDS, Guard
 
 # On a GPU the emulated ranks' regions are device memory and the kernels run for real (one GPU is enough: the phases
 # still run rank after rank); on CPU under Triton's interpreter.
@@ -56,6 +58,7 @@ class Ranks:
         self.mask = [torch.zeros(P, dtype=torch.int32, device=DEVICE) for _ in range(P)]
         # host words the kernels write (pinned: reachable from the GPU)
         self.fault = [torch.zeros(4, dtype=torch.int64, pin_memory=DEVICE == "cuda") for _ in range(P)]
+        self.guards = [Guard(r, torch.device(DEVICE)) for r in range(P)]   # each rank's Buffer guard
 
     def dispatch(self, set_index, inputs, fp8=False, rnd=False, ue=False, send_ranks=None, timeout_ms=1000):
         from moe_wave.deepep_compat.ll_direct import dispatch_launch
@@ -78,14 +81,14 @@ class Ranks:
                 x, ids, _ = inputs[r]
                 o = outs[r]
                 dispatch_launch(self.rg[r], set_index, r, x, ids, self.mask[r], self.fault[r].data_ptr(), timeout_ms,
-                                o["recv"], o["sc"], o["info"], o["count"], o["rng"], o["stats"], send=True,
-                                recv=False, fp8=fp8, round_scale=rnd, ue8m0=ue, programs=3)
+                                o["recv"], o["sc"], o["info"], o["count"], o["rng"], o["stats"], guard=self.guards[r],
+                                send=True, recv=False, fp8=fp8, round_scale=rnd, ue8m0=ue, programs=3)
         for r in range(P):
             x, ids, _ = inputs[r]
             o = outs[r]
             dispatch_launch(self.rg[r], set_index, r, x, ids, self.mask[r], self.fault[r].data_ptr(), timeout_ms,
-                            o["recv"], o["sc"], o["info"], o["count"], o["rng"], o["stats"], send=False, recv=True,
-                            fp8=fp8, round_scale=rnd, ue8m0=ue, programs=3)
+                            o["recv"], o["sc"], o["info"], o["count"], o["rng"], o["stats"], guard=self.guards[r],
+                            send=False, recv=True, fp8=fp8, round_scale=rnd, ue8m0=ue, programs=3)
         return [{k: (v.cpu() if v is not None else None) for k, v in o.items()} for o in outs]
 
     def combine(self, set_index, inputs, ys, part_bf16=True, ranks=None, timeout_ms=1000):
@@ -99,7 +102,8 @@ class Ranks:
             for r in range(P) if ranks is None else ranks:
                 _, ids, w = inputs[r]
                 combine_launch(self.rg[r], set_index, r, ys[r].view(-1, H), ids, w, self.mask[r],
-                               self.fault[r].data_ptr(), timeout_ms, outs[r], weights=step == "weights",
+                               self.fault[r].data_ptr(), timeout_ms, outs[r], guard=self.guards[r],
+                               weights=step == "weights",
                                partials=step == "partials", recv=step == "recv", part_bf16=part_bf16, programs=3)
         return [o.cpu() for o in outs]
 
@@ -180,6 +184,52 @@ def test_dispatch_and_combine_match_the_reference(P, N_list):
         # two dispatches per set; combines after the bf16 calls 0 and 3 only
         assert rk.rg[r].state[:, 0].tolist() == [2, 2] and rk.rg[r].state[:, 1].tolist() == [1, 1]
         assert int(rk.fault[r][0]) == 0
+
+
+@pytest.mark.parametrize("fp8,ue", [(False, False), (True, False), (True, True)], ids=["bf16", "fp8", "ue8m0"])
+def test_ids_out_of_range_poison_every_rank_and_record_the_fault(fp8, ue):
+    """Rank 1 passes ids outside [-1, E) (E, below -1, far above E): they are sent nowhere (the counts, layout and
+    source indices are the reference's with them as -1), every rank's fault words reach every rank in the same
+    dispatch, so every rank's received rows and scales are NaN bytes and its guard holds [IDS, rank 1, 3 ids, E, the
+    first], in the device status and the pinned host words (read without a sync, raised naming the rank, the count,
+    the first bad id and the rule); the combine's outputs are NaN while it is held; once raised, a clean round
+    matches the reference."""
+    P, e = 2, E // 2
+    rk = Ranks(P)
+    inputs = _inputs(P, [6, 7], 5)
+    x1, ids1, w1 = inputs[1]
+    ids1 = ids1.clone()
+    ids1[0, 0], ids1[2, 1], ids1[4, 2] = E, -3, (1 << 40) + 1       # the last one wraps into range as int32
+    inputs[1] = (x1, ids1, w1)
+    outs = rk.dispatch(0, inputs, fp8=fp8, rnd=ue, ue=ue)
+    clean = [(x, torch.where((i >= 0) & (i < E), i, -1), w) for x, i, w in inputs]
+    for r in range(P):
+        o, ref = outs[r], _expect(clean, P, r)
+        assert [int(c) for c in o["count"]] == [len(q) for q in ref]
+        for i in range(e):
+            n = len(ref[i])
+            assert o["info"][i, :n].tolist() == [t for _, t in ref[i]]
+            rows = o["recv"][i, :n].view(torch.uint8)
+            assert bool((rows == (0x7F if fp8 else 0xC0)).logical_or(rows == 0x7F).all()), (r, i)
+            if fp8:
+                sc = o["sc"][i, ..., :n]
+                assert bool((sc.view(torch.uint8) == 0xFF).all()) if ue else bool(torch.isnan(sc).all())
+        g = rk.guards[r]
+        want = [IDS, 1, 3, E, E, 0]
+        assert g.status.tolist() == want and g._host.tolist() == want, (r, g.status.tolist(), g._host.tolist())
+    ys = [torch.ones(e, P * T, H, dtype=torch.bfloat16) for _ in range(P)]
+    got = rk.combine(0, inputs, ys)
+    assert all(bool(torch.isnan(o.float()).all()) for o in got)
+    for r in range(P):
+        with pytest.raises(ValueError) as info:
+            rk.guards[r].raise_if_flagged("low_latency_combine")
+        msg = str(info.value)
+        assert msg.startswith(f"deep_ep.Buffer.low_latency_combine: rank 1 passed 3 topk_idx entries outside [-1, {E}) "
+                              f"(the first: {E}; num_experts={E}; an expert id must be -1 or in [0, num_experts))"), msg
+    clean_inputs = _inputs(P, [6, 7], 6)
+    outs = rk.dispatch(1, clean_inputs)
+    _check_dispatch(outs, clean_inputs, P)
+    assert all(g.status.tolist() == [0] * 6 for g in rk.guards)
 
 
 def test_a_masked_rank_is_skipped():

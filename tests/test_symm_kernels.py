@@ -130,8 +130,11 @@ def test_gather_add_matches_torch(dev, dt, grid, rows):
 @pytest.mark.parametrize("dev", DEVICES)
 def test_count_rows_and_build_tables_match_torch(dev):
     g = torch.Generator().manual_seed(2)
-    for P, W, e, T, K, C in ((1, 1, 4, 9, 2, 16), (3, 2, 4, 20, 3, 7), (2, 4, 8, 33, 4, 5), (4, 1, 2, 0, 2, 3)):
+    for P, W, e, T, K, C, A in ((1, 1, 4, 9, 2, 16, 0), (3, 2, 4, 20, 3, 7, 4), (2, 4, 8, 33, 4, 5, 0),
+                                (4, 1, 2, 0, 2, 3, 3)):
         E = P * e
+        # the extra words a rank adds to its rows (A of them), before the id range that build_tables reads last
+        extra = [None if not A else (torch.arange(A) + 100 * src - 7).to(dev) for src in range(P)]
         layouts = []
         for src in range(P):    # every rank's layout; ids out of range on rank P-1 when P > 2
             ids = torch.argsort(torch.rand(T, E, generator=g), 1)[:, :K]
@@ -139,12 +142,16 @@ def test_count_rows_and_build_tables_match_torch(dev):
                 ids[0, 0] = E + 3
             layouts.append(compute_layout(ids.to(dev), torch.rand(T, K, generator=g).to(dev),
                                           WavePlan.make(num_ranks=P, num_local_experts=e, num_waves=W)))
-        X = W * P + W * e + 2
-        sent = [count_rows_torch(lay.send_counts_WP, lay.pair_counts_WPe, lay.ids_min, lay.ids_max) for lay in layouts]
+        X = W * P + W * e + A + 2
+        sent = [count_rows_torch(lay.send_counts_WP, lay.pair_counts_WPe, lay.ids_min, lay.ids_max, extra=extra[src])
+                for src, lay in enumerate(layouts)]
         for src, lay in enumerate(layouts):   # count_rows writes row src of every rank's ctrl
             ctrls = [torch.full((P, X), -7, dtype=torch.long, device=dev) for _ in range(P)]
             count_rows(RowTargets.of(c[src:src + 1] for c in ctrls), lay.send_counts_WP, lay.pair_counts_WPe,
-                       lay.ids_min, lay.ids_max)
+                       lay.ids_min, lay.ids_max, extra=extra[src])
+            if A:
+                assert torch.equal(sent[src][:, W * P + W * e:W * P + W * e + A].cpu(),
+                                   extra[src].cpu().view(1, A).expand(P, A))
             for p in range(P):
                 assert torch.equal(ctrls[p][src], sent[src][p]), (P, W, src, p)
                 assert bool((ctrls[p][torch.arange(P, device=dev) != src] == -7).all()), "only row src is written"

@@ -7,9 +7,9 @@ when the Buffer is made (``CompatOptions``: a keyword, else ``moe_wave.env.deepe
     low-latency mode   ll_direct.DirectLowLatency (two kernels straight through peer memory)
                        ll_engine.EngineLowLatency (the exchange engine; gloo ranks, comparisons)
 
-Arguments are checked on the host (``checks``); what only the device can see (expert ids out of range, an
-``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) is checked on the device
-with no host sync (``guard``): the outputs turn NaN and a later call, on every rank, or ``check()``, raises.
+Arguments are checked on the host (``checks``); what only the device can see (expert ids out of range, in both
+modes, an ``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) is checked on the
+device with no host sync (``guard``): the outputs turn NaN and a later call, on every rank, or ``check()``, raises.
 Stream rules are DeepEP's (``normal.comm_scope``); on CPU every call is synchronous. Internode calls raise
 ``NotImplementedError``.
 """
@@ -110,7 +110,7 @@ class Buffer:
                            pg if self.group_size > 1 else None)
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
         self._guard = Guard(self.rank, self._device)
-        self._calls = 0         # dispatches without a handle, counted on entry (the call header's call number)
+        self._calls = 0         # dispatches, cached ones too, counted on entry (the call header's call number)
         self._combines = 0      # combines, counted the same way (their header: CPU ranks only, see combine)
         options = options or SymmOptions()
         self._normal = self._normal_mode(options)
@@ -142,9 +142,9 @@ class Buffer:
             raise ValueError(f"Buffer(ll='direct'): needs CUDA ranks of an NCCL group with Triton; here: "
                              f"{ep.device.type}, {ep.size} rank(s), {ep.backend}, Triton {kernels}")
         if peer and c.ll != "engine":
-            return DirectLowLatency(ep, self._comm_stream, options, shrink=self.enable_shrink,
+            return DirectLowLatency(ep, self._comm_stream, self._guard, options, shrink=self.enable_shrink,
                                     part_bf16=c.ll_partial == "bf16", fast_launch=c.ll_fast_launch)
-        return EngineLowLatency(ep, self._comm_stream, options)
+        return EngineLowLatency(ep, self._comm_stream, self._guard, options)
 
     @staticmethod
     def last_sms() -> dict:
@@ -171,8 +171,9 @@ class Buffer:
         self._destroyed = True
 
     def check(self) -> None:
-        """(moe-wave's) Raise a fault the device recorded (an expert id out of range, an ``is_token_in_rank`` that
-        contradicts ``topk_idx``, rows due past ``num_worst_tokens``) now, instead of at a later call. HOST SYNC;
+        """(moe-wave's) Raise a fault the device recorded (an expert id out of range, in either mode, an
+        ``is_token_in_rank`` that contradicts ``topk_idx``, rows due past ``num_worst_tokens``) now, instead of at a
+        later call. HOST SYNC;
         every rank calls it (every rank holds the same fault after the dispatch that found it)."""
         if self._comm_stream is not None:
             self._comm_stream.synchronize()     # HOST SYNC: the status is written on the communication stream
@@ -255,7 +256,9 @@ class Buffer:
         Args:
             x: bf16 [T, H] (fp16 / fp32 also move), or ``(fp8 [T, H], scales [T, S] float32 or int32, or [T])``;
                 scales may have any strides.
-            handle: a previous dispatch's handle: the same routing again (cached; no top-k arguments then).
+            handle: a previous dispatch's handle: the same routing again (cached; no top-k arguments then). On
+                CPU ranks its call header is checked first (a cached dispatch meeting a fresh one on another rank
+                is a ``HeaderMismatch`` on every rank); on GPUs it is not (``guard``).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: ``get_dispatch_layout``'s outputs;
                 ``is_token_in_rank`` must name exactly the ranks of each token's experts (checked on the device
                 when ``topk_idx`` is given).
@@ -273,8 +276,7 @@ class Buffer:
             event)``.
         """
         what = "dispatch"
-        if handle is None:      # counted before any check: a call that raised on one rank only still counts there
-            self._calls += 1
+        self._calls += 1        # counted before any check: a call that raised on one rank only still counts there
         if num_tokens_per_rdma_rank is not None:
             raise checks.unsupported("dispatch(num_tokens_per_rdma_rank=...)", "within a node pass None "
                                      "(get_dispatch_layout returns None there)")
@@ -285,7 +287,11 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{what}: a cached dispatch (handle given) takes no topk_idx / topk_weights")
             with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x,)) as s:
-                recv_x = s.out(self._normal.cached_dispatch(x, handle))
+                try:
+                    recv_x = s.out(self._normal.cached_dispatch(x, handle, self._calls))
+                except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again
+                    self._calls = agreed_call(e, "deep_ep.Buffer.dispatch", 0, self._calls)
+                    raise
                 self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)))
             return recv_x, None, None, None, None, s.event
         route = Route(*checks.route_args(what, self.group_size, T, num_tokens_per_rank, is_token_in_rank,

@@ -1,13 +1,17 @@
 """What DeepEP leaves unchecked, checked on the device with no host sync: expert ids out of range, an
 ``is_token_in_rank`` that contradicts ``topk_idx``, rows due beyond ``num_worst_tokens``, and ranks whose
-dispatches are out of step (the call header, below).
+dispatches are out of step (the call header, below). One ``Guard`` per Buffer serves both modes: low-latency
+dispatches check their expert ids here too (``low_latency``), their fault words riding the count exchange of the
+exchange engine, or, in the direct kernels, the dispatch launch itself, which also folds them and writes ``status``
+and its host copy (``ll_direct``).
 
 Legend: T local tokens, K top-k, P ranks, E experts.
 
 A check is a few tensor ops on the device. What one rank finds alone (its ids, its ``is_token_in_rank``) waits in
-``pending`` and travels with the dispatch's count all-gather, so every rank learns every rank's fault in the same
-call; what the gathered counts show (a rank receiving more rows than ``num_worst_tokens``) every rank computes
-itself. The first fault sticks in ``status`` (kind, rank, count, limit); from then on the outputs of every call
+``pending`` (``WORDS``: kind, count, limit, value) and travels with the dispatch's count all-gather, so every rank
+learns every rank's fault in the same call; what the gathered counts show (a rank receiving more rows than
+``num_worst_tokens``) every rank computes itself. The first fault sticks in ``status`` (kind, rank, count, limit,
+and two words more: the first bad id, or a header mismatch's kind and field); from then on the outputs of every call
 (received rows, combined sums, weights) are NaN, so no plausible wrong result leaves the buffer. ``status`` is
 copied to pinned host memory at the end of each dispatch (non-blocking, on the stream that wrote it) and raised at
 the start of a later call on every rank (on a GPU one or two calls later), or at once by ``check()`` (a host
@@ -24,9 +28,18 @@ and the rule (without it: gloo's size-mismatch abort, SIGABRT, on CPU ranks; row
 With ``num_worst_tokens`` on a GPU nothing is read on the host (the call can be captured in a CUDA graph): the
 mismatch is then a fault here like the others (the outputs NaN, a later call raises naming the field, the first
 rank that differs from rank 0 and both values), which cannot stop that call's rows, whose sizes each rank took from
-its own arguments. What no header covers: a cached dispatch or a combine (no count exchange precedes their rows),
-and, in the direct kernels, ranks passing different numbers of experts (the gathered row's width depends on it,
-so the gather itself is mismatched).
+its own arguments. The gathered row's width must not depend on anything the header checks: the direct kernels'
+per-expert counts travel in a tail of the width every rank agreed on before (``normal_direct.CountGather``), so
+ranks passing different numbers of experts are a header mismatch like the others.
+
+A cached dispatch (with a handle) and a combine have no count exchange before their rows. On CPU ranks each
+gathers its header first (a cached dispatch in the shape of a dispatch's count all-gather, its header marked
+``cached``, so a cached dispatch meeting a fresh one is a ``HeaderMismatch`` naming that field; ``normal_engine``).
+On GPUs nothing is gathered (it would cost a collective the call does not make; DeepEP trusts the caller): a
+cached dispatch meeting a fresh one leaves the cached rank's kernel waiting for rows its peer does not send, until
+``SymmOptions.timeout_ms``, which is recorded as a fault naming the peer (raised by a later dispatch); the call
+numbers count cached dispatches too, so the next dispatch header the ranks exchange shows the skew (a mismatch of
+``call``) rather than pairing the calls out of step.
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from moe_wave.comm.header import FIELDS, CallHeader, check_headers, describe, ru
 __all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK", "HEADER"]
 
 NONE, WORST, IDS, IN_RANK, HEADER = 0, 1, 2, 3, 4
-WORDS = 3                   # what a rank adds to the gathered counts: kind, count, limit
+WORDS = 4                   # what a rank adds to the gathered counts: kind, count, limit, value (IDS: the first bad id)
 
 
 class Guard:
@@ -48,18 +61,29 @@ class Guard:
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
-        # kind, rank, count, limit, and for HEADER the header kind and field (count: that rank's value, limit: rank 0's)
+        # kind, rank, count, limit, then for IDS the first bad id, for HEADER the header kind and field (count: that
+        # rank's value, limit: rank 0's)
         self.status = torch.zeros(6, dtype=torch.int64, device=device)
         self.pending = torch.zeros(WORDS, dtype=torch.int64, device=device)
         self._host = torch.zeros(6, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
         self._headers: dict = {}        # header words on the device, per header (``header_words``)
 
+    @property
+    def addresses(self) -> tuple[int, int]:
+        """(``status``'s address, the pinned host words' address): the low-latency direct kernels record a fault
+        in both (``ll_direct``)."""
+        return self.status.data_ptr(), self._host.data_ptr()
+
     # ------------------------------------------------------------------ local checks
     def check_ids(self, topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
         """``topk_idx`` with every id outside [-1, E) replaced by -1 (so no kernel indexes with it); the count of
-        such ids is recorded in ``pending`` (limit E)."""
+        such ids and the first of them (row-major) are recorded in ``pending`` (limit E)."""
         bad = (topk_idx_TK >= num_experts) | (topk_idx_TK < -1)
-        self._note(IDS, bad.sum(), num_experts)
+        value = None
+        if bad.numel():     # the first bad id (index_select: indexing with a 0-dim tensor would read it on the host)
+            first = torch.argmax(bad.reshape(-1).to(torch.int8)).view(1)
+            value = topk_idx_TK.reshape(-1).index_select(0, first)[0]
+        self._note(IDS, bad.sum(), num_experts, value)
         return topk_idx_TK.masked_fill(bad, -1)
 
     def check_in_rank(self, in_rank_TP: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int) -> None:
@@ -73,8 +97,10 @@ class Guard:
         wrong = (want[:, :P] != in_rank_TP).any(1).sum()
         self._note(IN_RANK, wrong, T)
 
-    def _note(self, kind: int, count: torch.Tensor, limit: int) -> None:
-        new = torch.stack([torch.full_like(count, kind), count, torch.full_like(count, limit)]).to(torch.int64)
+    def _note(self, kind: int, count: torch.Tensor, limit: int, value: torch.Tensor | None = None) -> None:
+        count = count.to(torch.int64)
+        new = torch.stack([torch.full_like(count, kind), count, torch.full_like(count, limit),
+                           torch.zeros_like(count) if value is None else value.to(torch.int64)])
         take = (self.pending[0] == 0) & (count > 0)
         self.pending.copy_(torch.where(take, new, self.pending))
 
@@ -92,7 +118,7 @@ class Guard:
         header mismatch, then the lowest rank; a worst-case overflow before the others) sticks in ``status``."""
         P = words_PW.shape[0]
         ranks = torch.arange(P, device=words_PW.device)
-        cand = torch.cat([ranks[:, None], words_PW[:, 1:], torch.zeros(P, 2, dtype=torch.int64,
+        cand = torch.cat([ranks[:, None], words_PW[:, 1:], torch.zeros(P, 1, dtype=torch.int64,
                                                                         device=words_PW.device)], 1)
         kind = words_PW[:, 0]
         if worst and recv_P is not None:
@@ -143,11 +169,20 @@ class Guard:
 
     # ------------------------------------------------------------------ poison and raise
     def poison(self, *tensors) -> None:
-        """NaN into the floating-point tensors while a fault is recorded (device ops, no sync)."""
+        """NaN into the floating-point tensors while a fault is recorded (device ops, no sync); FP8 ones get the
+        byte 0x7F (NaN in e4m3fn and e5m2)."""
         flagged = self.status[0] != 0
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and t.element_size() > 1:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+                continue
+            if t.element_size() > 1:
                 t.masked_fill_(flagged, float("nan"))
+            else:
+                t.view(torch.uint8).masked_fill_(flagged, 0x7F)
+
+    def poison_words(self, t: torch.Tensor, value: int) -> None:
+        """``value`` into the integer tensor ``t`` while a fault is recorded (UE8M0 scales: -1, four NaN bytes)."""
+        t.masked_fill_(self.status[0] != 0, value)
 
     def snapshot(self) -> None:
         """Copy the status to pinned host memory (non-blocking on a GPU): the next call reads it without a sync."""
@@ -155,11 +190,11 @@ class Guard:
 
     def raise_if_flagged(self, what: str) -> None:
         """Raise the fault the last snapshot holds (no sync), then clear it."""
-        kind, rank, count, limit, head_kind, field = self._host.tolist()
+        kind, rank, count, limit, a, b = self._host.tolist()
         if kind:
             self._host.zero_()
             self.status.zero_()
-            raise fault_error(what, kind, rank, count, limit, head_kind, field)
+            raise fault_error(what, kind, rank, count, limit, a, b)
 
     def check(self, what: str = "Buffer.check") -> None:
         """Raise a recorded fault now. HOST SYNC: reads the device status."""
@@ -167,12 +202,13 @@ class Guard:
         self.raise_if_flagged(what)
 
 
-def fault_error(what: str, kind: int, rank: int, count: int, limit: int, head_kind: int = 0,
-                field: int = 0) -> Exception:
+def fault_error(what: str, kind: int, rank: int, count: int, limit: int, a: int = 0, b: int = 0) -> Exception:
+    """The error of a recorded fault (``Guard.status``'s words; ``a``, ``b``: IDS the first bad id, HEADER the
+    header kind and field)."""
     if kind == HEADER:
-        values = describe(head_kind, FIELDS[field], [limit, count], [0, rank])
+        values = describe(a, FIELDS[b], [limit, count], [0, rank])
         return ValueError(f"deep_ep.Buffer.{what}: the ranks' dispatches were out of step ({values}): "
-                          f"{rule(head_kind)}; with num_worst_tokens on a GPU nothing is read on the host, so that "
+                          f"{rule(a)}; with num_worst_tokens on a GPU nothing is read on the host, so that "
                           f"dispatch's rows moved unchecked and the outputs since were poisoned with NaN")
     if kind == WORST:
         return RuntimeError(f"deep_ep.Buffer.{what}: rank {rank} was due {count} received rows, more than "
@@ -181,8 +217,8 @@ def fault_error(what: str, kind: int, rank: int, count: int, limit: int, head_ki
                             f"tokens of every rank together)")
     if kind == IDS:
         return ValueError(f"deep_ep.Buffer.{what}: rank {rank} passed {count} topk_idx entries outside [-1, "
-                          f"{limit}) (num_experts={limit}): they were treated as -1 and the outputs since were "
-                          f"poisoned with NaN")
+                          f"{limit}) (the first: {a}; num_experts={limit}; an expert id must be -1 or in [0, "
+                          f"num_experts)): they were treated as -1 and the outputs since were poisoned with NaN")
     return ValueError(f"deep_ep.Buffer.{what}: rank {rank} passed an is_token_in_rank that contradicts topk_idx in "
                       f"{count} of its {limit} tokens (a token goes exactly to the ranks of its experts; "
                       f"get_dispatch_layout computes it): the outputs since were poisoned with NaN")

@@ -12,21 +12,28 @@ Every rank owns, per buffer set, a region of symmetric memory (``Region``) that 
     w    [P(src), T, K] float32  the combine's weights (0 where the id is -1), for every rank
     part [P(dst), T, H]          rank dst's weighted sum over its experts of token t (the combine's partial; bf16
                                  by default, fp32 with ``Buffer(ll_partial="fp32")``)
+    fw   [P(src), 4] int64       src's fault words for this dispatch (``guard``: kind, count, limit, value)
     ntok / dflag / wflag / pflag [P] int64: tokens src dispatched, and the three exchanges' flags (call numbers)
 
 Dispatch (``_ZN8moe_wave8dispatchEv``; the profilers demangle it to ``moe_wave::dispatch()``):
 
 - send: program-strided over the tokens, each token's row (FP8-cast where asked: DeepEP's per-128-channel
   ``amax / 448`` scales, or powers of two with ``round_scale``) goes once to every rank that holds one of its
-  experts, and its top-k ids with its slots (the tokens before it with the same expert) to every rank. The last
-  program to finish (an arrival counter) writes each rank its per-expert counts (a histogram of the ids), N, and
-  then the call number into that rank's flag for this rank, with release semantics at system scope.
+  experts, and its top-k ids with its slots (the tokens before it with the same expert) to every rank. Program 0
+  writes each rank its per-expert counts (a histogram of the ids) and this rank's fault words (ids outside
+  [-1, E): their count and the first of them; such ids are sent nowhere, as -1). The last program to finish (an
+  arrival counter) writes each rank N, and then the call number into that rank's flag for this rank, with release
+  semantics at system scope.
 - receive: every program waits (acquire, bounded) for every live rank's flag, then takes received tokens (s, t):
   the slot of token t in local expert i is its slot among s's tokens plus the counts of the sources before s
   (sources in rank order, each source's tokens in order), so the layout is deterministic and needs no atomics.
   The row, its scales (column-major float32 [e, S, PT], or UE8M0 bytes in int32 [e, S / 4, PT]) and t go to every
   slot; the last program writes the counts, DeepEP's ``layout_range`` and the statistics. Each (s, t, k) slot is
-  kept (``posmap``) for the combine.
+  kept (``posmap``) for the combine. Every rank's fault words are in every rank's region after the wait, so every
+  rank folds them in this call (the Buffer's ``guard``): where any live rank, or an earlier call, recorded a fault,
+  the rows and scales are stored as NaN (bf16 0x7FC0, FP8 0x7F, UE8M0 0xFF), and the last program records the
+  first rank's fault in the guard's device status and its pinned host words (kind last, release), which the next
+  call reads without a sync.
 
 Combine (``_ZN8moe_wave7combineEv``), three steps:
 
@@ -36,7 +43,8 @@ Combine (``_ZN8moe_wave7combineEv``), three steps:
   weights awaited only when its first token comes up, so this rank's own sums start before a peer's weights land;
   the weights travel (K floats a token), the expert rows do not
   (one row per (token, rank) instead of one per (token, expert));
-- receive: each token's partials summed in rank order (fp32), stored in the output's dtype.
+- receive: each token's partials summed in rank order (fp32), stored in the output's dtype (NaN while the guard's
+  status holds a fault).
 
 Phases: without a receive hook a call is one launch (send, then receive); with one, the call launches the send
 (dispatch) or the weights and partials (combine) and the hook the receive. ``_ZN8moe_wave8dispatchEv`` and
@@ -71,6 +79,7 @@ from moe_wave.comm.options import SymmOptions
 from moe_wave.comm.symm_signal import SPINS_PER_MS, globaltimer
 from moe_wave.comm.triton_gate import interpreting, sm_count, triton
 
+from .guard import IDS, WORDS, Guard
 from .ll_direct_kernels import combine_kernel, dispatch_kernel
 from .low_latency import LowLatencyHandle, LowLatencyMode, check_shape, outputs
 from .config import LLTune
@@ -92,9 +101,8 @@ def region_layout(P: int, T: int, H: int, K: int, E: int) -> dict:
     """Byte offsets of one buffer set's region (see the module docstring), and its size ``"bytes"``."""
     off, lay = 0, {}
     for name, nbytes in (("rows", P * T * 2 * H), ("ids", P * T * 2 * K * 4), ("cnt", P * (E // P) * 4),
-                         ("w", P * T * K * 4),
-                         ("part", P * T * H * 4), ("ntok", P * 8), ("dflag", P * 8), ("wflag", P * 8),
-                         ("pflag", P * 8)):
+                         ("w", P * T * K * 4), ("part", P * T * H * 4), ("fw", P * WORDS * 8), ("ntok", P * 8),
+                         ("dflag", P * 8), ("wflag", P * 8), ("pflag", P * 8)):
         lay[name] = off
         off += -(-nbytes // _ALIGN) * _ALIGN
     lay["bytes"] = off
@@ -201,7 +209,10 @@ def _dispatch_consts(rg: Region, send, recv, fp8, round_scale, ue8m0, stats, clo
     lay = rg.lay
     SP = _pad(H // 128)
     return dict(P=P, T=T, H=H, K=K, E_LOC=e, O_ROWS=lay["rows"], O_IDS=lay["ids"], O_CNT=lay["cnt"],
-                O_NTOK=lay["ntok"], O_FLAG=lay["dflag"], SEND=send, RECV=recv, FP8=fp8, ROUND=round_scale,
+                O_FW=lay["fw"], O_NTOK=lay["ntok"], O_FLAG=lay["dflag"], IDS=IDS, WORDS=WORDS,
+                # a poisoned row's 8-byte words: NaN bytes (FP8 0x7F, bf16 0x7FC0)
+                NANW=0x7F7F7F7F7F7F7F7F if fp8 else 0x7FC07FC07FC07FC0, SEND=send, RECV=recv, FP8=fp8,
+                ROUND=round_scale,
                 UE8M0=ue8m0, STATS=stats, CLOCK=clock, P_PAD=_pad(P), K_PAD=_pad(K), TB=min(128, _pad(T)),
                 G=min(SP, 64), SP=SP, NB=_pad(e + 1), NBE=_pad(rg.E + 1), FB=1024, WS=min(4096, _pad(H // 4)),
                 WR=min(_pad(H // 4), 8192 // _pad(K)), TIMES=timed)
@@ -209,15 +220,16 @@ def _dispatch_consts(rg: Region, send, recv, fp8, round_scale, ue8m0, stats, clo
 
 def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
                     fault_addr: int, timeout_ms: int, out: torch.Tensor, scales, info: torch.Tensor,
-                    count: torch.Tensor, layout_range: torch.Tensor, stats, *, send: bool, recv: bool, fp8: bool,
-                    round_scale: bool, ue8m0: bool, programs: int | None = None, tune: LLTune = LLTune(),
+                    count: torch.Tensor, layout_range: torch.Tensor, stats, *, guard: Guard, send: bool, recv: bool,
+                    fp8: bool, round_scale: bool, ue8m0: bool, programs: int | None = None, tune: LLTune = LLTune(),
                     times: torch.Tensor | None = None, fast: bool = True) -> None:
     """One dispatch launch (``send`` and/or ``recv``) on the current stream; see the module docstring.
 
     ``x`` bf16 [N, H] with 8-byte aligned rows; ``out`` is the receive tensor [e, PT, H] (fp8 rows as uint8),
     ``scales`` the physical scale tensor (float32 [e, S, PT] or int32 [e, S / 4, PT]) or None, ``info`` int32
-    [e, PT], ``count`` int32 [e], ``layout_range`` int64 [e, P], ``stats`` None or [e]. ``tune``, ``times``: see
-    ``TIME_WORDS``; ``fast``: ``Launcher``'s."""
+    [e, PT], ``count`` int32 [e], ``layout_range`` int64 [e, P], ``stats`` None or [e]; ``guard``: this rank's
+    ``Guard`` (the receive records a fault in its status words). ``tune``, ``times``: see ``TIME_WORDS``;
+    ``fast``: ``Launcher``'s."""
     N = x.shape[0]
     dev = x.device
     ckey = ("d", dev.type, timeout_ms, send, recv, fp8, round_scale, ue8m0, stats is not None, programs,
@@ -236,17 +248,19 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
     sx, sid = x.stride(0), ids.stride(0)
     _DISPATCH(nprog, (x, sx, ids, sid, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit, out,
                       sc.data_ptr(), info.data_ptr(), count.data_ptr(), layout_range.data_ptr(),
-                      stats if stats is not None else count, posmap, nrecv, hist, _times_addr(rg, times)),
+                      stats if stats is not None else count, posmap, nrecv, hist, *guard.addresses,
+                      _times_addr(rg, times)),
               consts, dict(num_warps=tune.warps),
               (ckey, rg.geometry, set_index, spec(x), spec(ids), spec(sx), spec(sid), spec(stats), me), fast=fast)
 
 
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                   mask: torch.Tensor, fault_addr: int, timeout_ms: int, out: torch.Tensor, *, weights: bool,
-                   partials: bool, recv: bool, part_bf16: bool = True, programs: int | None = None,
+                   mask: torch.Tensor, fault_addr: int, timeout_ms: int, out: torch.Tensor, *, guard: Guard,
+                   weights: bool, partials: bool, recv: bool, part_bf16: bool = True, programs: int | None = None,
                    tune: LLTune = LLTune(), times: torch.Tensor | None = None, fast: bool = True) -> None:
     """One combine launch (any run of its three steps) on the current stream; ``y`` is [e * PT, H] bf16 rows.
-    ``part_bf16``: partial sums travel in bf16 (else fp32); ``tune``, ``times``, ``fast``: as ``dispatch_launch``."""
+    ``guard``: this rank's ``Guard`` (the output is NaN while its status holds a fault). ``part_bf16``: partial
+    sums travel in bf16 (else fp32); ``tune``, ``times``, ``fast``: as ``dispatch_launch``."""
     N = ids.shape[0]
     dev = ids.device
     ckey = ("c", dev.type, timeout_ms, weights, partials, recv, part_bf16, programs, N) + _knobs(tune, times)
@@ -266,7 +280,7 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
     st, posmap, nrecv, _, set_off = rg.sets[set_index]
     sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
     _COMBINE(nprog, (y, sy, ids, sid, w, sw, N, rg.tab_addr, set_off, me, mask.data_ptr(), st, fault_addr, limit,
-                     out, so, posmap, nrecv, _times_addr(rg, times)),
+                     out, so, posmap, nrecv, guard.addresses[0], _times_addr(rg, times)),
              consts, dict(num_warps=tune.warps),
              (ckey, rg.geometry, set_index, spec(y), spec(ids), spec(w), spec(out), spec(sy), spec(sid), spec(sw),
               spec(so), me), fast=fast)
@@ -360,9 +374,9 @@ class DirectLowLatency(LowLatencyMode):
         engine's options (``timeout_ms``); shrink, part_bf16, fast_launch: as ``DirectLL``.
     """
 
-    def __init__(self, ep, comm_stream, options: SymmOptions, shrink: bool = False, part_bf16: bool = True,
+    def __init__(self, ep, comm_stream, guard, options: SymmOptions, shrink: bool = False, part_bf16: bool = True,
                  fast_launch: bool = True):
-        super().__init__(ep, comm_stream)
+        super().__init__(ep, comm_stream, guard)
         self.direct = DirectLL(ep, options.timeout_ms, shrink, part_bf16, fast_launch)
 
     def close(self) -> None:
@@ -406,8 +420,8 @@ class DirectLowLatency(LowLatencyMode):
 
         def go(send: bool, receive: bool):
             dispatch_launch(rg, set_index, me, xc, ids, d.mask, d.fault_addr, d.timeout_ms, out, phys, info, count,
-                            layout_range, stats, send=send, recv=receive, fp8=fp8, round_scale=round_scale,
-                            ue8m0=ue8m0, tune=d.tune, times=d.times, fast=d.fast_launch)
+                            layout_range, stats, guard=self.guard, send=send, recv=receive, fp8=fp8,
+                            round_scale=round_scale, ue8m0=ue8m0, tune=d.tune, times=d.times, fast=d.fast_launch)
 
         event, hook_fn = self._launch(lambda: go(True, True), async_finish, hook, (xc, ids, stats),
                                       (recv, phys, count, info, layout_range), lambda: go(True, False),
@@ -425,8 +439,8 @@ class DirectLowLatency(LowLatencyMode):
 
         def go(weights: bool, partials: bool, receive: bool):
             combine_launch(st.region, st.set_index, me, y2, ids, w, d.mask, d.fault_addr, d.timeout_ms, result,
-                           weights=weights, partials=partials, recv=receive, part_bf16=d.part_bf16, tune=d.tune,
-                           times=d.times, fast=d.fast_launch)
+                           guard=self.guard, weights=weights, partials=partials, recv=receive,
+                           part_bf16=d.part_bf16, tune=d.tune, times=d.times, fast=d.fast_launch)
 
         event, hook_fn = self._launch(lambda: go(True, True, True), async_finish, hook, (y, ids, w), (result,),
                                       lambda: go(True, True, False), lambda: go(False, False, True))

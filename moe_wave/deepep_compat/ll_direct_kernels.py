@@ -28,6 +28,12 @@ if triton is not None:
                 tl.atomic_max(times_ptr + slot, now)
 
     @triton.jit
+    def _valid(ids, E):
+        """Expert ids as int32, those outside [0, E) as -1 (compared in int64: a cast first could wrap one in)."""
+        g = ids.to(tl.int64)
+        return tl.where((g >= 0) & (g < E), g, -1).to(tl.int32)
+
+    @triton.jit
     def _wait(flag_ptr, target, limit, CLOCK: tl.constexpr):
         """Wait (acquire, system scope) until ``*flag_ptr >= target``; False after ``limit`` (ns or spins)."""
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
@@ -96,10 +102,13 @@ if triton is not None:
     @triton.jit
     def _ZN8moe_wave8dispatchEv(
             x_ptr, sx, ids_ptr, sid, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
-            out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr, hist_ptr, times_ptr,
+            out_ptr, sc_ptr, info_ptr, count_ptr, range_ptr, stats_ptr, posmap_ptr, nrecv_ptr, hist_ptr, gstat_ptr,
+            ghost_ptr, times_ptr,
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
-            O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_CNT: tl.constexpr, O_NTOK: tl.constexpr,
-            O_FLAG: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr, FP8: tl.constexpr, ROUND: tl.constexpr,
+            O_ROWS: tl.constexpr, O_IDS: tl.constexpr, O_CNT: tl.constexpr, O_FW: tl.constexpr, O_NTOK: tl.constexpr,
+            O_FLAG: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr, NANW: tl.constexpr, SEND: tl.constexpr,
+            RECV: tl.constexpr,
+            FP8: tl.constexpr, ROUND: tl.constexpr,
             UE8M0: tl.constexpr, STATS: tl.constexpr, CLOCK: tl.constexpr,
             P_PAD: tl.constexpr, K_PAD: tl.constexpr, TB: tl.constexpr, G: tl.constexpr,
             SP: tl.constexpr, NB: tl.constexpr, NBE: tl.constexpr, FB: tl.constexpr, WS: tl.constexpr,
@@ -116,6 +125,8 @@ if triton is not None:
         posmap_ptr = posmap_ptr.to(tl.pointer_type(tl.int32))
         nrecv_ptr = nrecv_ptr.to(tl.pointer_type(tl.int32))
         hist_ptr = hist_ptr.to(tl.pointer_type(tl.int32))
+        gstat_ptr = gstat_ptr.to(tl.pointer_type(tl.int64))       # the guard's status: device, pinned host
+        ghost_ptr = ghost_ptr.to(tl.pointer_type(tl.int64))
         if UE8M0:
             sc_ptr = sc_ptr.to(tl.pointer_type(tl.uint8))
         else:
@@ -129,6 +140,8 @@ if triton is not None:
         RB: tl.constexpr = 2 * H                      # row bytes in the region
         S: tl.constexpr = H // 128
         PT: tl.constexpr = P * T
+        E: tl.constexpr = P * E_LOC
+        ww = tl.arange(0, WORDS)
         kk = tl.arange(0, K_PAD)
         km = kk < K
         pp = tl.arange(0, P_PAD)
@@ -139,15 +152,15 @@ if triton is not None:
             bases = tl.load(tab_ptr + pp, mask=pm, other=0).to(tl.pointer_type(tl.uint8)) + set_off
             live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
             for t in range(pid, N, nprog):
-                ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
+                ids = _valid(tl.load(ids_ptr + t * sid + kk, mask=km, other=-1), E)
                 dst = tl.where(ids >= 0, ids // E_LOC, -1)
                 hit = (tl.sum((dst[None, :] == pp[:, None]).to(tl.int32), 1) > 0) & live     # [P_PAD]
                 # the token's slot among this rank's tokens of each of its experts: the tokens before it with it
                 before = tl.zeros([K_PAD], tl.int32)
                 for t0 in range(0, t, TB):
                     tm = (t0 + tt) < t
-                    blk = tl.load(ids_ptr + (t0 + tt)[:, None] * sid + kk[None, :], mask=tm[:, None] & km[None, :],
-                                  other=-1).to(tl.int32)                                          # [TB, K_PAD]
+                    blk = _valid(tl.load(ids_ptr + (t0 + tt)[:, None] * sid + kk[None, :],
+                                         mask=tm[:, None] & km[None, :], other=-1), E)            # [TB, K_PAD]
                     before += tl.sum(tl.sum((blk[:, :, None] == ids[None, None, :]).to(tl.int32), 0), 0)
                 slot = (me * T + t) * one
                 idp = (bases + O_IDS).to(tl.pointer_type(tl.int32)) + slot * (2 * K)              # [ids | slots]
@@ -185,25 +198,35 @@ if triton is not None:
                                 rowp = tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_ROWS + \
                                     slot * RB
                                 tl.store(rowp.to(tl.pointer_type(tl.int64)) + wo, v, mask=wm)
-            # program 0: this rank's count of each rank's local experts (one histogram of every id, bin E: none,
-            # through a local scratch row, then each rank's slice)
+            # program 0: this rank's count of each rank's local experts (one histogram of every id in [0, E), bin
+            # NBE - 1: none, through a local scratch row, then each rank's slice), and its fault words (ids outside
+            # [-1, E): their count and the first of them, row-major), to every live rank
             if pid == 0:
                 hb = tl.arange(0, NBE)
                 ff = tl.arange(0, FB)
                 h = tl.zeros([NBE], tl.int32)
+                nbad = one * 0
+                fbad = one * N * K
                 for f0 in range(0, N * K, FB):
                     f = f0 + ff
                     fm = f < N * K
-                    g = tl.load(ids_ptr + (f // K) * sid + f % K, mask=fm, other=-1).to(tl.int32)
-                    h += tl.histogram(tl.where(fm & (g >= 0), g, NBE - 1), NBE)
+                    g = tl.load(ids_ptr + (f // K) * sid + f % K, mask=fm, other=-1).to(tl.int64)
+                    bad = fm & ((g < -1) | (g >= E))
+                    h += tl.histogram(tl.where(fm & (g >= 0) & (g < E), g, NBE - 1).to(tl.int32), NBE)
+                    nbad += tl.sum(bad.to(tl.int64), 0)
+                    fbad = tl.minimum(fbad, tl.min(tl.where(bad, f.to(tl.int64), N * K * one), 0))
                 tl.store(hist_ptr + hb, h)
                 tl.debug_barrier()
+                val = tl.load(ids_ptr + (fbad // K) * sid + fbad % K, mask=nbad > 0, other=0).to(tl.int64)
+                word = tl.where(ww == 0, tl.where(nbad > 0, IDS, 0), tl.where(ww == 1, nbad,
+                                                                             tl.where(ww == 2, E, val)))
                 bb = tl.arange(0, NB)
                 for p in range(P):
                     if tl.load(mask_ptr + p) == 0:
-                        cnt = (tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off + O_CNT)
-                        tl.store(cnt.to(tl.pointer_type(tl.int32)) + me * E_LOC + bb,
+                        base_p = tl.load(tab_ptr + p).to(tl.pointer_type(tl.uint8)) + set_off
+                        tl.store((base_p + O_CNT).to(tl.pointer_type(tl.int32)) + me * E_LOC + bb,
                                  tl.load(hist_ptr + p * E_LOC + bb, mask=bb < E_LOC), mask=bb < E_LOC)
+                        tl.store((base_p + O_FW).to(tl.pointer_type(tl.int64)) + me * WORDS + ww, word)
             _stamp(times_ptr, 1, TIMES, False)
             # the last program to finish: N, then the flag (release: everything written before it), per rank
             tl.debug_barrier()
@@ -224,7 +247,13 @@ if triton is not None:
             ids_reg = (mine + O_IDS).to(tl.pointer_type(tl.int32))
             cnt_reg = (mine + O_CNT).to(tl.pointer_type(tl.int32))
             ntok_reg = (mine + O_NTOK).to(tl.pointer_type(tl.int64))
+            fw_reg = (mine + O_FW).to(tl.pointer_type(tl.int64))
             lo = me * E_LOC
+            # every live rank's fault words, and an earlier call's fault: the rows and scales are stored as NaN
+            live_w = pm & (tl.load(mask_ptr + pp, mask=pm, other=1, volatile=True) == 0)
+            kinds = tl.load(fw_reg + pp * WORDS, mask=live_w, other=0)
+            prior = tl.load(gstat_ptr, volatile=True)
+            poison = (tl.sum((kinds != 0).to(tl.int32), 0) > 0) | (prior != 0)
             # received tokens (s, t): their slots, rows, scales and source indices
             for item in range(pid, PT, nprog):
                 s = item // T
@@ -235,11 +264,13 @@ if triton is not None:
                     NW: tl.constexpr = H // 8 if FP8 else H // 4        # the row in 8-byte words
                     # the row's first words and its scales are read before the slots are known (no dependency)
                     w_first = tl.arange(0, WR)
-                    v_first = tl.load(src.to(tl.pointer_type(tl.int64)) + w_first, mask=w_first < NW)
+                    v_first = tl.where(poison, NANW, tl.load(src.to(tl.pointer_type(tl.int64)) + w_first,
+                                                             mask=w_first < NW))
                     if FP8:
                         ss = tl.arange(0, SP)
                         sm = ss < S
-                        sc = tl.load((src + H).to(tl.pointer_type(tl.float32)) + ss, mask=sm, other=1.0)
+                        sc = tl.where(poison, float("nan"),
+                                      tl.load((src + H).to(tl.pointer_type(tl.float32)) + ss, mask=sm, other=1.0))
                     msg = ids_reg + (s * T + t) * (2 * K)
                     g = tl.load(msg + kk, mask=km, other=-1)
                     loc = g - lo
@@ -259,13 +290,13 @@ if triton is not None:
                     for w0 in range(WR, NW, WR):
                         wo = w0 + tl.arange(0, WR)
                         wm = wo < NW
-                        v = tl.load(src.to(tl.pointer_type(tl.int64)) + wo, mask=wm)
+                        v = tl.where(poison, NANW, tl.load(src.to(tl.pointer_type(tl.int64)) + wo, mask=wm))
                         tl.store(ow + dest[:, None] * NW + wo[None, :], tl.broadcast_to(v[None, :], [K_PAD, WR]),
                                  mask=ok[:, None] & wm[None, :])
                     if FP8:
                         sl = slot.to(tl.int64)
                         if UE8M0:   # exponent byte s of int32 group s // 4, column-major [e, S / 4, PT] int32
-                            byte = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+                            byte = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)   # NaN: 0xFF
                             adr = loc.to(tl.int64)[:, None] * (S * PT) + (ss // 4)[None, :] * (PT * 4) + \
                                 sl[:, None] * 4 + (ss % 4)[None, :]
                             tl.store(sc_ptr + adr, tl.broadcast_to(byte[None, :], [K_PAD, SP]),
@@ -294,12 +325,27 @@ if triton is not None:
                 if STATS:
                     tl.store(stats_ptr + ee, tl.load(stats_ptr + ee, mask=em) + total.to(stats_ptr.dtype.element_ty),
                              mask=em)
+                # the first live rank's fault (none recorded before): [kind, rank, count, limit, value, 0] into the
+                # guard's status and its pinned host words, the kind last
+                hit = live_w & (kinds != 0)
+                r = tl.min(tl.where(hit, pp, P), 0)
+                if (prior == 0) & (r < P):
+                    got = tl.load(fw_reg + r * WORDS + ww)
+                    s8 = tl.arange(0, 8)
+                    rec = tl.where(s8 == 1, r.to(tl.int64), 0)
+                    for j in range(WORDS - 1):
+                        rec = tl.where(s8 == j + 2, tl.sum(tl.where(ww == j + 1, got, 0), 0), rec)
+                    kind = tl.sum(tl.where(ww == 0, got, 0), 0)
+                    tl.store(gstat_ptr + s8, rec, mask=(s8 > 0) & (s8 < 6))
+                    tl.store(ghost_ptr + s8, rec, mask=(s8 > 0) & (s8 < 6))
+                    tl.store(gstat_ptr, kind)
+                    tl.store(ghost_ptr, kind)
         _stamp(times_ptr, 4, TIMES, False)
 
     @triton.jit
     def _ZN8moe_wave7combineEv(
             y_ptr, sy, ids_ptr, sid, w_ptr, sw, N, tab_ptr, set_off, me, mask_ptr, state_ptr, fault_addr, limit,
-            out_ptr, so, posmap_ptr, nrecv_ptr, times_ptr,
+            out_ptr, so, posmap_ptr, nrecv_ptr, gstat_ptr, times_ptr,
             P: tl.constexpr, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
             O_W: tl.constexpr, O_PART: tl.constexpr, O_WFLAG: tl.constexpr, O_PFLAG: tl.constexpr,
             WEIGHTS: tl.constexpr, PARTIALS: tl.constexpr, RECV: tl.constexpr, PART_BF16: tl.constexpr,
@@ -389,8 +435,9 @@ if triton is not None:
             else:
                 part = (mine + O_PART).to(tl.pointer_type(tl.float32))
             live = pm & (tl.load(mask_ptr + pp, mask=pm, other=1) == 0)
+            flagged = tl.load(gstat_ptr.to(tl.pointer_type(tl.int64)), volatile=True) != 0  # the guard: NaN
             for t in range(pid, N, nprog):
-                ids = tl.load(ids_ptr + t * sid + kk, mask=km, other=-1).to(tl.int32)
+                ids = _valid(tl.load(ids_ptr + t * sid + kk, mask=km, other=-1), P * E_LOC)
                 dst = tl.where(ids >= 0, ids // E_LOC, -1)
                 has = (tl.sum((dst[None, :] == pp[:, None]).to(tl.int32), 1) > 0) & live           # [P_PAD]
                 for h0 in tl.range(0, H, BR, num_stages=STAGES):
@@ -398,7 +445,8 @@ if triton is not None:
                     hm = offs < H
                     v = tl.load(part + (pp.to(tl.int64) * T + t)[:, None] * H + offs[None, :],
                                 mask=has[:, None] & hm[None, :], other=0.0).to(tl.float32)
-                    tl.store(out_ptr + t * so + offs, tl.sum(v, 0).to(out_ptr.dtype.element_ty), mask=hm)
+                    acc = tl.where(flagged, float("nan"), tl.sum(v, 0))
+                    tl.store(out_ptr + t * so + offs, acc.to(out_ptr.dtype.element_ty), mask=hm)
         _stamp(times_ptr, 6, TIMES, False)
 
     dispatch_kernel, combine_kernel = _ZN8moe_wave8dispatchEv, _ZN8moe_wave7combineEv

@@ -83,8 +83,8 @@ class EngineLowLatency(LowLatencyMode):
         ep: the group; comm_stream: the buffer's communication stream (None on CPU); options: the engine's options.
     """
 
-    def __init__(self, ep, comm_stream, options: SymmOptions | None = None):
-        super().__init__(ep, comm_stream)
+    def __init__(self, ep, comm_stream, guard, options: SymmOptions | None = None):
+        super().__init__(ep, comm_stream, guard)
         options = options or SymmOptions()
         self.kernels = triton_ok(ep.device, _WANT[options.kernels])
         self._sets = [CompactExchange(ep, options, comm_stream) for _ in range(2)]
@@ -139,11 +139,14 @@ class EngineLowLatency(LowLatencyMode):
         info.fill_(-1)
         dest = torch.empty(P * T, K, dtype=torch.int64, device=dev)
 
+        guard = self.guard
+
         def prep():
             # on the caller's stream: the rows and the routing, so that x and topk_idx may be reused at once, as
-            # after DeepEP's send phase
-            in_rank, per_expert = routing_counts(topk_idx, E, P)
-            layout = routing_layout(in_rank, topk_idx, None, per_expert)
+            # after DeepEP's send phase; ids outside [-1, E) count as -1 and are a fault (guard)
+            ids = guard.check_ids(topk_idx, E)
+            in_rank, per_expert = routing_counts(ids, E, P)
+            layout = routing_layout(in_rank, ids, None, per_expert)
             if fp8:
                 rows = torch.empty(N, H + 4 * (H // 128), dtype=torch.uint8, device=dev)
                 (kern.pack_fp8 if self.kernels else kern.pack_fp8_torch)(x.contiguous(), rows, bool(round_scale))
@@ -155,7 +158,11 @@ class EngineLowLatency(LowLatencyMode):
                             hidden=H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, top_k=K, experts=E, rows=T)
 
         def send(rows, layout):
-            plan = ex.prepare(layout, T, header)       # the header is checked there on CPU ranks (low_latency)
+            # the header is checked there on CPU ranks (low_latency); the guard's words ride the count rows, so
+            # every rank folds every rank's fault in this call
+            plan = ex.prepare(layout, T, header, extra=guard.words())
+            guard.fold(plan.extra_PA, None, 0)
+            guard.snapshot()
             pending, bufs = ex.send(rows, plan)
             return plan, pending, bufs
 
@@ -172,6 +179,9 @@ class EngineLowLatency(LowLatencyMode):
             layout_range.copy_(((begin_Pe << 32) | count_Pe).t())
             if stats is not None:
                 stats.add_(counts.to(stats.dtype))
+            guard.poison(recv, phys)
+            if phys is not None and use_ue8m0:
+                guard.poison_words(phys, -1)
 
         made = [t for t in (recv, phys, count, info, layout_range, dest) if t is not None]
         sent, event, hook_fn = self._run(prep, send, receive, (x, topk_idx, stats), made, async_finish, hook)
@@ -203,6 +213,7 @@ class EngineLowLatency(LowLatencyMode):
             pending.wait()                    # the ranks' sums added per token (fp32), on this stream
             ex.read(plan, bufs, "comb")
             kern.store_out(acc, result, self.kernels)
+            self.guard.poison(result)
 
         _, event, hook_fn = self._run(prep, send, receive, (y, topk_idx, topk_weights), [result], async_finish, hook)
         return result, event, hook_fn

@@ -10,18 +10,29 @@ Two buffer sets, used in turn by successive dispatches (a combine uses its dispa
 operations can be in flight, as in DeepEP. The returned tensors are fresh (they stay valid), except the zero-copy
 combine buffer (``next_combine_buffer``), one per set.
 
-Expert ids outside [-1, E) are sent nowhere, as -1 (DeepEP's kernels index with them unchecked); unlike normal
-mode this is not reported: a check would cost the decode path more launches than its own.
+Expert ids outside [-1, E) (DeepEP's kernels index with them unchecked) are sent nowhere, as -1, and are a fault
+of the Buffer's guard (``guard``), as in normal mode: that dispatch's received rows and scales (on every rank) and
+the outputs of every call since are NaN, and the next call on every rank, or ``Buffer.check()``, raises naming the
+rank, the count, the first bad id and the rule. Every rank learns of it in the same call, with no host sync: on the
+exchange engine the rank's fault words ride the count exchange the dispatch makes anyway (``CompactExchange.prepare``'s
+``extra``) and every rank folds every rank's words there; in the direct kernels they travel in the dispatch's own
+launch, next to the per-expert counts, and the receiving side folds them, stores the rows as NaN and records the
+fault in the guard's words (``ll_direct``): no launch of its own.
 
-Ranks out of step (different hidden sizes, ``use_fp8``, top-k widths or ``num_max_dispatch_tokens_per_rank``, or a
-dispatch one rank skipped): on the exchange engine over gloo (CPU ranks) the dispatch's call header
-(``moe_wave.comm.header``, kind "deep_ep.Buffer.low_latency_dispatch") travels in the symm backend's count
-exchange and a mismatch is the same ValueError on every rank, naming each field and each rank's value, before any
-row moves. Not covered there: different ``num_experts`` (the count row's width depends on it, so the count exchange
-itself is mismatched: gloo's abort). On GPUs neither implementation checks (the caller is trusted, as in DeepEP):
-the engine's count exchange on peer memory reads nothing on the host (``comm.symm_transport``), and the direct
-kernels have no exchange before the rows (each token's row, its ids and the counts travel in one launch and the
-receivers wait only on call-number flags), so there is nothing a header could ride that would stop the rows.
+Ranks out of step (different hidden sizes, ``use_fp8``, top-k widths, ``num_experts`` or
+``num_max_dispatch_tokens_per_rank``, or a dispatch one rank skipped): on the exchange engine over gloo (CPU ranks)
+the dispatch's call header (``moe_wave.comm.header``, kind "deep_ep.Buffer.low_latency_dispatch") travels with the
+symm backend's count exchange, first and in an all-to-all of the same width on every rank (the count row's width
+follows ``num_experts``), and a mismatch is the same ValueError on every rank, naming each field and each rank's
+value, before any row moves. On GPUs neither implementation checks (the caller is trusted, as in DeepEP): the
+engine's count exchange on peer memory reads nothing on the host (``comm.symm_transport``), and the direct kernels
+have no exchange before the rows (each token's row, its ids and the counts travel in one launch and the receivers
+wait only on call-number flags), so there is nothing a header could ride that would stop the rows. There a rank
+with another ``num_experts`` (or hidden size, top-k width, ``num_max_dispatch_tokens_per_rank``: the direct
+kernels' region is chosen by all four) writes into and waits on another region than its peers: each rank's wait
+for the others gives up after ``SymmOptions.timeout_ms``, masks them and the next call raises naming them; a
+region that one rank allocates alone (its first call of a configuration) waits in the symmetric-memory rendezvous
+until the others allocate one.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from moe_wave.comm.header import HeaderMismatch, agreed_call
+
+from .guard import Guard
 
 __all__ = ["LowLatencyMode", "LowLatencyHandle", "rdma_size_hint", "check_overlap_kwargs", "outputs", "check_shape",
            "OVERLAP_KWARGS"]
@@ -107,11 +120,12 @@ class LowLatencyMode(ABC):
     """One implementation of the low-latency half of ``deep_ep.Buffer`` (see the module docstring).
 
     Args:
-        ep: the group; comm_stream: the buffer's communication stream (None on CPU).
+        ep: the group; comm_stream: the buffer's communication stream (None on CPU); guard: the Buffer's fault
+        status (``guard.Guard``), which the dispatch's expert-id check writes.
     """
 
-    def __init__(self, ep, comm_stream):
-        self.ep, self.comm_stream = ep, comm_stream
+    def __init__(self, ep, comm_stream, guard: Guard):
+        self.ep, self.comm_stream, self.guard = ep, comm_stream, guard
         self.calls = 0          # dispatches, counted on entry (the call header's call number, where one is checked)
         self._next = 0
         self._combine_bufs: dict = {}

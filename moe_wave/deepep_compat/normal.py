@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -33,8 +33,8 @@ from .checks import ROW_DTYPES, fp8_pair, tensor
 from .config import Config
 from .utils import EventHandle, EventOverlap
 
-__all__ = ["NormalMode", "Route", "IntranodeHandle", "pack_x", "words", "dispatch_header", "handle_matrices", "Scope",
-           "comm_scope"]
+__all__ = ["NormalMode", "Route", "IntranodeHandle", "pack_x", "words", "dispatch_header", "cached_header",
+           "handle_matrices", "Scope", "comm_scope"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Route:
     topk_weights: Optional[torch.Tensor]
     alignment: int
     worst: int
-    call: int = 0           # the Buffer's dispatch number (the call header's)
+    call: int = 0           # the Buffer's dispatch number, cached ones included (the call header's)
 
 
 class IntranodeHandle(tuple):
@@ -58,12 +58,13 @@ class IntranodeHandle(tuple):
     and combines reuse.
 
     ``rank_prefix_matrix[i][j]`` is the tokens ranks 0..i send rank j. ``send_head[t][p]`` is token t's row in the
-    block it sends rank p (-1: not sent), where DeepEP stores a ring-buffer slot.
+    block it sends rank p (-1: not sent), where DeepEP stores a ring-buffer slot. ``header``: the call header of the
+    dispatch that made it (a cached dispatch's header starts from it).
     """
 
-    def __new__(cls, items, state):
+    def __new__(cls, items, state, header: CallHeader | None = None):
         h = super().__new__(cls, items)
-        h.state = state
+        h.state, h.header = state, header
         return h
 
 
@@ -81,8 +82,8 @@ class NormalMode(ABC):
         """(recv_x, recv_topk_idx or None, recv_topk_weights or None, the per-expert list, the handle)."""
 
     @abstractmethod
-    def cached_dispatch(self, x, handle: IntranodeHandle):
-        """recv_x along a handle's routing."""
+    def cached_dispatch(self, x, handle: IntranodeHandle, call: int):
+        """recv_x along a handle's routing (``call``: the Buffer's dispatch number, for the call header)."""
 
     @abstractmethod
     def combine(self, x: torch.Tensor, handle: IntranodeHandle, topk_weights, biases: tuple) -> tuple:
@@ -150,6 +151,16 @@ def dispatch_header(x, route: Route) -> CallHeader:
     return CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=route.call, overlap=False, hidden=x8.shape[1],
                       dtype=x8.dtype, top_k=0 if route.topk_idx is None else route.topk_idx.shape[1],
                       experts=route.per_expert.numel(), rows=route.worst, scales=scales)
+
+
+def cached_header(x, handle: IntranodeHandle, call: int) -> CallHeader:
+    """A cached dispatch's call header: the handle's dispatch's top-k width, experts and ``num_worst_tokens``, x's
+    hidden size, dtype and scale columns, the Buffer's dispatch number, ``cached``."""
+    x8 = x if isinstance(x, torch.Tensor) else x[0]
+    scales = 0 if isinstance(x, torch.Tensor) else (x[1].shape[1] if x[1].dim() == 2 else 1)
+    base = handle.header or CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=0, overlap=False, hidden=0,
+                                       dtype=None)
+    return replace(base, call=call, hidden=x8.shape[1], dtype=x8.dtype, scales=scales, cached=True)
 
 
 def handle_matrices(counts_PP, tokens_P, in_rank_TP, src_X, valid_X, recv_src_X, ch: int, me: int):

@@ -13,6 +13,7 @@ import torch
 
 from moe_wave.comm.deepep_normal import capacity_for
 from moe_wave.comm.group import EPGroup
+from moe_wave.comm.header import NUM_FIELDS, CallHeader
 
 from . import normal_kernels as nk
 from .config import Config, topk_idx_t
@@ -21,7 +22,57 @@ from .normal import IntranodeHandle, NormalMode, Route, dispatch_header, handle_
 from .normal_engine import EngineNormal
 from .normal_plan import DirectPlan, NormalState, clip_plan
 
-__all__ = ["DirectNormal", "symm_alloc"]
+__all__ = ["DirectNormal", "CountGather", "symm_alloc"]
+
+
+class CountGather:
+    """A direct dispatch's count all-gather, of a width every rank agrees on before it is made.
+
+    Row of rank p: [its channel counts [P * nch] | its tokens | its guard words [WORDS] | its call header
+    [NUM_FIELDS] | its tokens per expert, in a tail of ``experts`` columns]. The tail's width is the number of
+    experts every rank agreed on at the last dispatch that read the gather on the host (0 before the first): a
+    rank whose ``num_experts`` differs sends zeros there, so the gather itself never mismatches (gloo aborts an
+    all-gather whose sizes differ; NCCL hangs or reads past a buffer), and the header (which holds
+    ``num_experts``) tells every rank of the mismatch. Where the header agrees and names another number of
+    experts than the tail's, every rank gathers its tokens per expert once more, at the new width, and keeps it
+    (one more all-gather and host read, only when the number of experts changes). Only a dispatch without
+    ``num_worst_tokens`` needs the per-expert counts (its list); with it the tail is never read.
+
+    Args:
+        exchange: what gathers (``CompactExchange.count_matrix``); guard: the Buffer's ``Guard``; nch: channels.
+    """
+
+    def __init__(self, exchange, guard: Guard, nch: int):
+        self.exchange, self.guard, self.nch = exchange, guard, nch
+        self.experts = 0
+
+    def __call__(self, chan_PN: torch.Tensor, per_expert_E: torch.Tensor, T: int, header: CallHeader, worst: int,
+                 on_host: bool):
+        """Gather, fold the guard words (and, without ``on_host``, the headers on the device) and, with
+        ``on_host``, check the headers on the host (``HeaderMismatch`` on every rank before any row moves).
+
+        Returns (chan_PPN [P(src), P(dst), nch] and tokens_P on the device; the gather on the host or None; every
+        rank's tokens per expert [P, E] on the host, or None with ``worst``)."""
+        P, nch = chan_PN.shape[0], self.nch
+        E, Ew = per_expert_E.numel(), self.experts
+        tail = per_expert_E.long() if E == Ew else chan_PN.new_zeros(Ew)
+        G = self.exchange.count_matrix(torch.cat([chan_PN.reshape(-1), chan_PN.new_full((1,), T), self.guard.words(),
+                                                  self.guard.header_words(header, on_host), tail]))
+        F = P * nch
+        H0, H1 = F + 1 + WORDS, F + 1 + WORDS + NUM_FIELDS
+        chan_G = G[:, :F].reshape(P, P, nch)
+        host = G.cpu() if on_host else None
+        self.guard.fold(G[:, F + 1:H0], chan_G.sum(2).sum(0), worst, None if on_host else G[:, H0:H1])
+        if on_host:
+            self.guard.agree(host[:, H0:H1].tolist())       # before any row moves: the same error on every rank
+        per_expert_PE = None
+        if not worst:
+            if E != Ew:         # every rank: the headers agree on E, and every rank agreed on Ew before
+                per_expert_PE = self.exchange.count_matrix(per_expert_E.long()).cpu()
+                self.experts = E
+            else:
+                per_expert_PE = host[:, H1:]
+        return chan_G, G[:, F], host, per_expert_PE
 
 
 class DirectNormal(NormalMode):
@@ -37,6 +88,7 @@ class DirectNormal(NormalMode):
                  fast_launch: bool = True):
         self.ep, self.engine, self.guard = ep, engine, guard
         self.nch, self.rows = channels, rows
+        self.counts = CountGather(engine.exchange, guard, channels)
         self.state = NormalState(ep.rank, ep.size, ep.device, symm_alloc(ep, timeout_ms), timeout_ms,
                                  fast_launch=fast_launch)
 
@@ -53,11 +105,11 @@ class DirectNormal(NormalMode):
             return plan.T, plan.rows
         return self.engine.handle_rows(handle)
 
-    def cached_dispatch(self, x, handle):
+    def cached_dispatch(self, x, handle, call):
         plan = handle.state
         w = words("dispatch", x)
         if not isinstance(plan, DirectPlan):
-            return self.engine.cached_dispatch(x, handle)
+            return self.engine.cached_dispatch(x, handle, call)
         if w is None:
             raise ValueError("dispatch: the handle comes from the direct kernels, x does not fit them (rows of whole "
                              "4-byte words)")
@@ -79,19 +131,12 @@ class DirectNormal(NormalMode):
             route.topk_weights
         E = per_expert.numel()
         e = E // P
-        chan = nk.channel_counts(in_rank, nch)
         # the call header rides the count all-gather (guard): read on the host where the counts are
         on_host = not route.worst or a.device.type == "cpu"
-        G = self.engine.exchange.count_matrix(torch.cat([chan.reshape(-1), per_expert.long(), chan.new_full((1,), T),
-                                                         self.guard.words(),
-                                                         self.guard.header_words(dispatch_header(x, route), on_host)]))
-        chan_G = G[:, :P * nch].reshape(P, P, nch)
+        head = dispatch_header(x, route)
+        chan_G, tokens_P, host, per_expert_PE = self.counts(nk.channel_counts(in_rank, nch), per_expert, T, head,
+                                                            route.worst, on_host)
         counts_PP = chan_G.sum(2)
-        H0 = P * nch + E + 1 + WORDS
-        host = G.cpu() if on_host else None
-        self.guard.fold(G[:, P * nch + E + 1:H0], counts_PP.sum(0), route.worst, None if on_host else G[:, H0:])
-        if on_host:
-            self.guard.agree(host[:, H0:].tolist())           # before any row moves: the same error on every rank
         if route.worst:
             X, cap, num_recv, counts_e = route.worst, capacity_for(route.worst), None, []
         else:
@@ -100,7 +145,7 @@ class DirectNormal(NormalMode):
             recv = host[:, :P * nch].reshape(P, P, nch).sum(2).sum(0)
             X = num_recv = int(recv[me])
             cap = capacity_for(int(recv.max()))
-            got_e = host[:, P * nch + me * e:P * nch + (me + 1) * e].sum(0)
+            got_e = per_expert_PE[:, me * e:(me + 1) * e].sum(0)
             counts_e = [-(-c // route.alignment) * route.alignment for c in got_e.tolist()]
             self.state.check("dispatch")        # a fault of an earlier call (the host already waited here)
         plan = nk.make_plan(me, in_rank, chan_G, X, cap, num_recv)
@@ -134,9 +179,9 @@ class DirectNormal(NormalMode):
         recv_P = counts_PP[:, me]
         end_P = torch.cumsum(recv_P, 0)
         src_X = torch.searchsorted(end_P, torch.arange(X, device=a.device), right=True)
-        mats = handle_matrices(counts_PP, G[:, P * nch + E], in_rank, src_X.clamp(max=P - 1), src_X < P, recv_src,
+        mats = handle_matrices(counts_PP, tokens_P, in_rank, src_X.clamp(max=P - 1), src_X < P, recv_src,
                                config.num_channels, me)
-        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, plan.head), plan)
+        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, plan.head), plan, head)
         return unpack(oa, scales), recv_idx, recv_w, counts_e, handle
 
     def combine(self, x, handle, topk_weights, biases):

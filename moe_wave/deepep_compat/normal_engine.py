@@ -14,7 +14,7 @@ from moe_wave.comm.options import SymmOptions
 
 from .config import Config, topk_idx_t
 from .guard import WORDS, Guard
-from .normal import IntranodeHandle, NormalMode, Route, dispatch_header, handle_matrices, pack_x
+from .normal import IntranodeHandle, NormalMode, Route, cached_header, dispatch_header, handle_matrices, pack_x
 
 __all__ = ["EngineNormal"]
 
@@ -51,8 +51,30 @@ class EngineNormal(NormalMode):
         made = [c for c in self.exchange._backends if c >= rows]
         return min(made) if made else capacity_for(rows)
 
-    def cached_dispatch(self, x, handle):
+    def _gather(self, per_rank_P: torch.Tensor, T: int, header, worst: int, on_host: bool):
+        """The count all-gather, row of rank p: [its tokens per rank [P] | its tokens | its guard words | its call
+        header] (the same width for a dispatch and a cached one); the guard words folded, and with ``on_host`` the
+        headers checked on the host (``HeaderMismatch`` on every rank before any row moves). Returns (the gather,
+        on the host as lists or None)."""
+        P = self.ep.size
+        G = self.exchange.count_matrix(torch.cat([per_rank_P.long(), per_rank_P.new_full((1,), T).long(),
+                                                  self.guard.words(), self.guard.header_words(header, on_host)]))
+        H0 = P + 1 + WORDS
+        # HOST SYNC (DeepEP waits on the CPU here too) where on_host on a GPU; on CPU ranks the gather is host memory
+        host = G.tolist() if on_host else None
+        self.guard.fold(G[:, P + 1:H0], G[:, :P].sum(0), worst, None if on_host else G[:, H0:])
+        if on_host:
+            self.guard.agree([row[H0:] for row in host])
+        return G, host
+
+    def cached_dispatch(self, x, handle, call):
         rows, unpack = pack_x("dispatch", x)
+        if rows.device.type == "cpu" and self.ep.size > 1:
+            # CPU ranks (gloo, host-driven anyway): the call header first, in the shape of a dispatch's count gather,
+            # so a cached dispatch meeting another call is a HeaderMismatch, not gloo's abort or a timeout
+            self._gather(torch.zeros(self.ep.size, dtype=torch.long), rows.shape[0], cached_header(x, handle, call),
+                         0, True)
+            self.guard.snapshot()       # the gather folded the guard words
         got, _, _ = self.exchange.dispatch(rows, handle.state)
         return unpack(got)
 
@@ -60,18 +82,11 @@ class EngineNormal(NormalMode):
         rows, unpack = pack_x("dispatch", x)
         P, me, T = self.ep.size, self.ep.rank, rows.shape[0]
         per_rank, in_rank, worst = route.per_rank, route.in_rank, route.worst
-        # the call header rides the count all-gather (guard): read on the host where the counts are
-        on_host = not worst or rows.device.type == "cpu"
-        G = self.exchange.count_matrix(torch.cat([per_rank.long(), per_rank.new_full((1,), T).long(),
-                                                  self.guard.words(),
-                                                  self.guard.header_words(dispatch_header(x, route), on_host)]))
-        counts_PP, tokens_P, H0 = G[:, :P], G[:, P], P + 1 + WORDS
-        # HOST SYNC (DeepEP waits on the CPU here too) without num_worst_tokens: the received count and the capacity
-        # every rank agrees on; on CPU ranks the gather is host memory (no sync)
-        host = G.tolist() if on_host else None
-        self.guard.fold(G[:, P + 1:H0], counts_PP.sum(0), worst, None if on_host else G[:, H0:])
-        if on_host:
-            self.guard.agree([row[H0:] for row in host])      # before any row moves: the same error on every rank
+        # the call header rides the count all-gather (guard): read on the host where the counts are (without
+        # num_worst_tokens: the received count and the capacity every rank agrees on)
+        head = dispatch_header(x, route)
+        G, host = self._gather(per_rank, T, head, worst, not worst or rows.device.type == "cpu")
+        counts_PP, tokens_P = G[:, :P], G[:, P]
         if worst:
             capacity, X, num_recv = self._capacity(worst), worst, None
         else:
@@ -92,7 +107,7 @@ class EngineNormal(NormalMode):
             counts_e = [-(-c // a) * a for c in cp.plan.pairs_We[0].tolist()]
         src_X = torch.div(cp.row_X, cp.plan.capacity, rounding_mode="floor").clamp(max=P - 1)
         mats = handle_matrices(counts_PP, tokens_P, in_rank, src_X, cp.valid_X, recv_src, config.num_channels, me)
-        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, mats[3]), cp)
+        handle = IntranodeHandle((*mats[:3], recv_src, in_rank, mats[3]), cp, head)
         return unpack(got), recv_idx, recv_w, counts_e, handle
 
     def combine(self, x, handle, topk_weights, biases):
