@@ -1,11 +1,12 @@
 """Where one V4 decoder layer's time goes, part by part, under CUDA graphs (one GPU, every expert on it).
 
-    python dev/profile_layer.py [--preset v4-flash] [--tokens 2048] [--layer 0] [--iters 20]
+    python dev/profile_layer.py [--preset v4-flash] [--tokens 2048] [--layer 0] [--iters 20] [--precision fp8]
 
 The layer is built as the demo builds it (``tools.stack``, layer ``--layer`` of the preset) in one process,
 and each of its parts is captured alone in a CUDA graph and timed (median of CUDA-event spans, L2 flushed):
 the mHC collapse at each site (``hc_pre``), the norms, the attention sublayer, the MoE block, the mHC expansion
-(``hc_post``), and the whole layer. The parts' sum against the whole says what a fused or overlapped layer
+(``hc_post``), and the whole layer, in bf16 or in FP8 (``--precision``: the demo's "auto" is FP8 where DeepGEMM
+runs). The parts' sum against the whole says what a fused or overlapped layer
 could save; the table goes to $OUT/profile_layer.txt when OUT is set.
 """
 
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench_common import report  # noqa: E402
 from moe_wave.attention.compressor import rms_norm  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
+from moe_wave.fp8 import PRECISIONS, resolve_precision  # noqa: E402
 from moe_wave.mhc import hc_post  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us, l2_flush_buffer  # noqa: E402
 from moe_wave.tools.stack import build_layer_stack, layer_kind, stack_inputs  # noqa: E402
@@ -36,13 +38,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layer", type=int, default=0, help="which layer of the preset (its type and routing)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--precision", default="auto", choices=PRECISIONS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_layer: needs a GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda", 0)
+    prec = resolve_precision(args.precision, dev)
     layers = build_layer_stack(args.preset, args.layer + 1, ep=EPGroup.single(dev), device=dev,
-                               dtype=torch.bfloat16)
+                               dtype=torch.bfloat16, fp8=prec == "fp8")
     layer = layers[args.layer]
     X, pos, ids = stack_inputs(layers, args.tokens, seed=1)
     k = layer.attn.schedule.kernels
@@ -84,8 +88,8 @@ def main() -> int:
                                                         flush=flush))) for name, fn in micro.items()]
     whole = rows[-1][1]
     summed = sum(t for _, t in rows[:-1]) + rows[1][1]     # rms_norm runs at both sites: counted twice
-    lines = [f"profile_layer: {args.preset} layer {args.layer} ({layer_kind(layer)}), {args.tokens} tokens, one GPU,"
-             f" CUDA graphs, median of {args.iters}",
+    lines = [f"profile_layer: {args.preset} layer {args.layer} ({layer_kind(layer)}), {args.tokens} tokens, {prec}, "
+             f"one GPU, CUDA graphs, median of {args.iters}",
              f"{'part':<28} {'us':>9} {'of whole':>9}"]
     lines += [f"{name:<28} {t:9.1f} {t / whole:9.2%}" for name, t in rows]
     lines.append(f"{'sum of parts (2 norms)':<28} {summed:9.1f} {summed / whole:9.2%}")

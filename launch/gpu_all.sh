@@ -3,7 +3,7 @@
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   partitions (bench_moe with both wave partitions under graphs), experts (tests + bench_experts + demo bf16/fp8,
-#   one GPU), xprofile (the expert stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree
+#   one GPU), layer (one V4 layer part by part in bf16 and FP8: dev/profile_layer.py), xprofile (the expert stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree
 #   against this one, alternately: OLD_TREE, AB_ARGS),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
@@ -182,10 +182,15 @@ raise SystemExit(not cuda_impl.available())"; then
                true ;;
         deepep_api)   # DeepEP's tests on moe-wave's deep_ep and on DeepEP (built from .deps/deepep), side by side
                stage deepep_api ${T_DEEPEP_API:-330} env RES="$RES/deepep_api" bash launch/deepep_api.sh ;;
+        layer)  # where one V4 layer's time goes, part by part (mHC, norms, attention, MoE), in bf16 and FP8
+                # (dev/profile_layer.py; LAYER_ARGS, e.g. "--layer 2 --tokens 2048")
+               for p in bf16 fp8; do
+                   stage profile_layer_$p ${T_LAYER:-120} "$PY" dev/profile_layer.py --precision $p ${LAYER_ARGS:-}
+               done ;;
         xprofile)  # the expert stage's kernels under torch.profiler at W=1 and W=4 (XPROF_ARGS; default FP8)
                stage xprofile ${T_XPROF:-240} "$PY" dev/profile_experts.py ${XPROF_ARGS:---precision fp8 --tokens \
                    128,2048,8192 --waves 1,4 --rows 16} ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts xprofile streams comm attn attn_ab" \
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts layer xprofile streams comm attn attn_ab" \
                "whole trace demo sweep deepep_api)" ;;
     esac
 done
