@@ -3,8 +3,9 @@
 #
 #   bash launch/gpu_all.sh [--quick] [STAGE ...]     STAGE: tests moe graph comm attn demo sweep (default: all),
 #   partitions (bench_moe with both wave partitions under graphs), experts (tests + bench_experts + demo bf16/fp8,
-#   one GPU), layer (one V4 layer part by part in bf16 and FP8: dev/profile_layer.py), xprofile (the expert stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree
-#   against this one, alternately: OLD_TREE, AB_ARGS),
+#   one GPU), layer (one V4 layer part by part in bf16 and FP8: dev/profile_layer.py), xprofile (the expert
+#   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
+#   OLD_TREE, AB_ARGS),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
