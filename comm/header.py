@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CallHeader", "HeaderMismatch", "check_headers", "agreed_call", "describe", "label", "NUM_FIELDS",
-           "FIELDS", "KINDS"]
+           "FIELDS", "KINDS", "ORDER_RULE"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,15 @@ KINDS = {
                      "every rank must call combine the same number of times, with x of the same hidden size and "
                      "dtype and topk_weights of the same width (or none), before any row moves",
                      (("top_k", "topk_weights columns"),)),
+    0x4D570005: Kind("deep_ep.Buffer.low_latency_combine",
+                     "every rank must call low_latency_combine the same number of times, each with the handle of "
+                     "the same low_latency_dispatch, before any row moves",
+                     (("rows", "num_max_dispatch_tokens_per_rank"), ("experts", "num_experts"))),
 }
+# The rule of calls of different kinds meeting (the fields past ``call`` mean different things per kind).
+ORDER_RULE = ("every rank must make the same calls in the same order (each call meets a call of the same kind on "
+              "every rank) before any row moves")
+_LABELS = {"kind": "call kind"}             # the names every kind gives these fields
 _KIND_CODE = {k.name: c for c, k in KINDS.items()}
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
            getattr(torch, "float8_e5m2", None))
@@ -141,7 +149,7 @@ def _decode(row: list[int]) -> dict:
 
 def label(kind_code: int, field: str) -> str:
     """The caller's name of ``field`` in a call of kind ``kind_code``."""
-    return dict(_kind(kind_code).labels).get(field, field)
+    return dict(_kind(kind_code).labels).get(field, _LABELS.get(field, field))
 
 
 def describe(kind_code: int, field: str, values: list[int], ranks: list[int] | None = None) -> str:
@@ -178,14 +186,18 @@ def check_headers(rows_PH: list[list[int]], widths: list[int] | None = None) -> 
     heads = [_decode(r) for r in rows_PH]
     code = next((r[0] for r in rows_PH if r[0]), 0)          # the first rank's kind that is not "none"
     diff = [i for i, f in enumerate(FIELDS) if any(r[i] != rows_PH[0][i] for r in rows_PH)]
+    what, why = (KINDS[rows_PH[0][0]].name if rows_PH[0][0] in KINDS and rows_PH[0][0] else "the call"), rule(code)
+    if diff[0] == 0:        # calls of different kinds: their other fields are not comparable past the call number
+        diff, what, why = [i for i in diff if FIELDS[i] in ("kind", "module", "call")], "calls", ORDER_RULE
     desc = "; ".join(describe(code, FIELDS[i], [r[i] for r in rows_PH]) for i in diff)
-    what = KINDS[rows_PH[0][0]].name if rows_PH[0][0] in KINDS and rows_PH[0][0] else "the call"
-    raise HeaderMismatch(f"{what} out of step between ranks ({desc}): {rule(code)}", heads)
+    raise HeaderMismatch(f"{what} out of step between ranks ({desc}): {why}", heads)
 
 
-def agreed_call(e: HeaderMismatch, kind: str, module: int, calls: int) -> int:
+def agreed_call(e: HeaderMismatch, kind, module: int, calls: int) -> int:
     """The call count a caller takes after ``e`` so that its next call is in step again: the largest of the ranks'
-    where every rank called this kind and module (each rank computes the same), else ``calls`` unchanged."""
-    if all(h["kind"] == kind and h["module"] == module for h in e.headers):
+    where every rank called one of ``kind`` (a name, or a collection of the names that share the caller's count)
+    on this module (each rank computes the same), else ``calls`` unchanged."""
+    kinds = {kind} if isinstance(kind, str) else set(kind)
+    if all(h["kind"] in kinds and h["module"] == module for h in e.headers):
         return max(h["call"] for h in e.headers)
     return calls
