@@ -2,21 +2,48 @@
 compact receive buffers; its CPU emulation on gloo ranks. ``Buffer`` runs it where the direct kernels do not
 (``CompatOptions.normal``), and the direct path hands it rows that are not whole 4-byte words.
 
+Also here: the gate (``gate``), the first exchange of every call on CPU ranks that has no count all-gather of
+its own (a combine, a low-latency dispatch or combine).
+
 Legend: T local tokens, H hidden, K top-k, P ranks, E experts (e = E / P local), X received rows (compact).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_for, routing_counts, routing_layout
+from moe_wave.comm.header import CallHeader, check_headers
 from moe_wave.comm.options import SymmOptions
 
 from .config import Config, topk_idx_t
 from .guard import WORDS, Guard
 from .normal import IntranodeHandle, NormalMode, Route, cached_header, dispatch_header, handle_matrices, pack_x
 
-__all__ = ["EngineNormal"]
+__all__ = ["EngineNormal", "gate", "head_at"]
+
+
+def head_at(P: int) -> int:
+    """The column where the call header starts in a row of the engine's count all-gather (``EngineNormal._gather``):
+    [tokens per rank [P] | tokens | guard words [WORDS] | call header]."""
+    return P + 1 + WORDS
+
+
+def gate(ep, header: CallHeader) -> None:
+    """CPU ranks (gloo): ``header`` gathered alone, in the shape of the engine's count all-gather (a row of
+    ``head_at(P)`` zeros, then the header; ``EngineNormal._gather``), and checked on the host before any row
+    moves: ``HeaderMismatch`` on every rank. Every call on CPU ranks that exchanges anything starts with an
+    all-gather of this shape (a dispatch's count gather, a cached dispatch's, and this gate for a combine, a
+    low-latency dispatch and a low-latency combine), so any two calls meet there, whatever their kinds: the
+    headers name each rank's call kind, never gloo's size-mismatch abort (SIGABRT) or a collective of another
+    type waiting until gloo's timeout. One all-gather and host read, on CPU ranks only (their exchanges are
+    host-driven anyway); the GPU paths never call it (``guard``)."""
+    P = ep.size
+    row = torch.tensor([0] * head_at(P) + header.encode(), dtype=torch.int64)
+    G = torch.empty(P, row.numel(), dtype=torch.int64)
+    dist.all_gather(list(G.unbind(0)), row, group=ep.pg)
+    check_headers(G[:, head_at(P):].tolist())
 
 
 class EngineNormal(NormalMode):
@@ -59,7 +86,7 @@ class EngineNormal(NormalMode):
         P = self.ep.size
         G = self.exchange.count_matrix(torch.cat([per_rank_P.long(), per_rank_P.new_full((1,), T).long(),
                                                   self.guard.words(), self.guard.header_words(header, on_host)]))
-        H0 = P + 1 + WORDS
+        H0 = head_at(P)
         # HOST SYNC (DeepEP waits on the CPU here too) where on_host on a GPU; on CPU ranks the gather is host memory
         host = G.tolist() if on_host else None
         self.guard.fold(G[:, P + 1:H0], G[:, :P].sum(0), worst, None if on_host else G[:, H0:])
