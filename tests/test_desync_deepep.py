@@ -377,3 +377,42 @@ def _ll_combine_case(ep: EPGroup, case: str) -> str:
 def test_low_latency_combine_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
     _assert_same_error(ranks(2).run(_ll_combine_case, case), "low_latency_combine", fields, LL_COMBINE_RULE)
 
+
+
+def _direct_widths_case(ep: EPGroup) -> str:
+    """``DirectNormal`` (the GPU path) on gloo ranks, each rank's regions its own memory (so no row crosses in the
+    direct kernels): rank 0's rows are whole 4-byte words (the direct kernels' path), rank 1's are not (the engine
+    path). Both paths gather the counts in the direct kernels' shape first, so the two meet as a HeaderMismatch
+    naming the hidden size (without it: count gathers of different widths, gloo's SIGABRT; NCCL a hang). Then a
+    round in step on the engine path, through the same gather."""
+    from moe_wave.comm.options import SymmOptions
+    from moe_wave.deepep_compat import Config
+    from moe_wave.deepep_compat.guard import Guard
+    from moe_wave.deepep_compat.normal import Route
+    from moe_wave.deepep_compat.normal_direct import DirectNormal
+    from moe_wave.deepep_compat.normal_engine import EngineNormal
+
+    guard = Guard(ep.rank, ep.device)
+    engine = EngineNormal(ep, SymmOptions(), None, guard)
+    own = lambda nbytes: [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep.size)]   # noqa: E731
+    normal = DirectNormal(ep, engine, guard, 3, 8, 1000, alloc=own)
+    P = ep.size
+
+    def call(H: int, n: int):
+        x, ids, w = _route(ep.rank, H=H)
+        per_rank, per_expert, in_rank = engine.layout(ids, E)       # the direct layout's values, in torch
+        route = Route(per_rank, in_rank, per_expert, ids, w, 1, 0, call=n)
+        return x, in_rank, normal.dispatch(x, route, Config(24, 8, 256))
+
+    msg = _message(lambda: call(127 if ep.rank == 1 else 128, 1))
+    for n in (2, 3):                        # in step again: odd rows on every rank take the engine path
+        x, in_rank, (recv_x, _, _, counts_e, handle) = call(127, n)
+        assert recv_x.shape[1] == 127 and len(counts_e) == E // P
+        out, _ = normal.combine(recv_x, handle, None, ())
+        assert torch.allclose(out.float(), x.float() * in_rank.sum(1, keepdim=True), rtol=1e-2, atol=1e-2)
+    return msg
+
+
+@pytest.mark.timeout(180)
+def test_direct_dispatch_with_rows_of_another_path_is_the_same_error_on_every_rank(ranks):
+    _assert_same_error(ranks(2).run(_direct_widths_case), "dispatch", "(hidden: rank 0 128, rank 1 127)", RULE)
