@@ -8,7 +8,9 @@ would otherwise send payloads of different sizes into one collective, which gloo
 (SIGABRT) and NCCL with a hang or garbage. The header travels folded into the first columns of a count exchange
 that precedes the rows anyway, so it costs no collective and no host sync of its own, and every rank checks every
 rank's header before any row moves. A mismatch is then the same ``HeaderMismatch`` (a ValueError) on every rank,
-naming each field that differs, each rank's value and the rule of the call's kind.
+naming each field that differs, each rank's value and the rule of the call's kind; calls of different kinds
+meeting name each rank's call kind (and call number, where it differs too), with the rule of calls in order
+(``ORDER_RULE``): the fields past the call number mean different things per kind.
 
 Where it is checked:
 
@@ -21,10 +23,12 @@ Where it is checked:
   arguments before any device word could stop them: the header is not checked there (``symm_transport``);
 - ``moe_wave.deepep_compat``'s ``Buffer.dispatch`` and ``low_latency_dispatch`` (kinds below): in their count
   all-gather (normal mode) or the symm backend's count exchange (low-latency mode on the exchange engine); see
-  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine`` and a cached
-  ``Buffer.dispatch`` (with a handle) have no exchange before their rows: on CPU ranks (gloo, host-driven anyway)
-  each gathers its header first, one small collective (a cached dispatch's of the same shape as a dispatch's count
-  all-gather, so the two meeting are a mismatch of ``cached``); on GPUs the caller is trusted, as in DeepEP;
+  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine``, a cached
+  ``Buffer.dispatch`` (with a handle), ``low_latency_dispatch`` and ``low_latency_combine`` have no count
+  all-gather before their rows: on CPU ranks (gloo, host-driven anyway) each gathers its header first, one small
+  all-gather of the shape of a dispatch's count all-gather, so any two of the Buffer's calls meet there (a cached
+  dispatch and a fresh one: a mismatch of ``cached``; calls of different kinds: of the call kind); on GPUs the
+  caller is trusted, as in DeepEP. One count numbers the Buffer's calls of every kind;
 - ``deepep`` backend (``comm.deepep``): not checked; DeepEP's dispatch exchanges its own counts inside its kernels.
 """
 

@@ -5,10 +5,13 @@ symm backend's count exchange (low-latency mode on the exchange engine, which se
 width first), so each is the same ValueError on every rank, naming the field, each rank's value and the rule, before
 any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls paired out of step), and the next call in
 step runs. The direct kernels' count all-gather (``CountGather``) has a width every rank agreed on, so another
-number of experts is a header mismatch there too. ``combine`` and a cached ``dispatch`` have no exchange before their
-rows: on CPU ranks each gathers its own header first (a cached dispatch meeting a fresh one: without it, gloo's
-timeout). Also the device-side form (a GPU dispatch with ``num_worst_tokens`` reads nothing on the host): the guard
-records the first differing field and raises it later.
+number of experts is a header mismatch there too, and the direct path gathers before it takes a path, so a rank
+whose rows take the engine (not whole 4-byte words) is one as well (without it: gathers of two widths, SIGABRT).
+``combine``, a cached ``dispatch``, ``low_latency_dispatch`` and ``low_latency_combine`` gather their headers
+first on CPU ranks, in an all-gather of the shape of a dispatch's count all-gather, so calls of different kinds
+meeting are the same ValueError naming each rank's call kind (without it: gloo's SIGABRT or its timeout), and
+the Buffer's one call count keeps the next calls in step. Also the device-side form (a GPU dispatch with
+``num_worst_tokens`` reads nothing on the host): the guard records the first differing field and raises it later.
 """
 
 from __future__ import annotations

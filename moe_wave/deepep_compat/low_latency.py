@@ -20,19 +20,24 @@ launch, next to the per-expert counts, and the receiving side folds them, stores
 fault in the guard's words (``ll_direct``): no launch of its own.
 
 Ranks out of step (different hidden sizes, ``use_fp8``, top-k widths, ``num_experts`` or
-``num_max_dispatch_tokens_per_rank``, or a dispatch one rank skipped): on the exchange engine over gloo (CPU ranks)
-the dispatch's call header (``moe_wave.comm.header``, kind "deep_ep.Buffer.low_latency_dispatch") travels with the
-symm backend's count exchange, first and in an all-to-all of the same width on every rank (the count row's width
-follows ``num_experts``), and a mismatch is the same ValueError on every rank, naming each field and each rank's
-value, before any row moves. On GPUs neither implementation checks (the caller is trusted, as in DeepEP): the
+``num_max_dispatch_tokens_per_rank``, a call one rank skipped or repeated, or calls of different kinds: a
+dispatch meeting a combine, a normal-mode call meeting a low-latency one): on the exchange engine over gloo (CPU
+ranks) each dispatch and combine gathers its call header first (``moe_wave.comm.header``, kinds
+"deep_ep.Buffer.low_latency_dispatch" and "deep_ep.Buffer.low_latency_combine"; the call number is the Buffer's
+one count), in an all-gather of the shape every call of the Buffer starts with there (``normal_engine.gate``), so
+a mismatch, of any field or of the call kind, is the same ValueError on every rank, naming each field and each
+rank's value, before any row moves and before the buffer set is taken; the dispatch's header also travels with
+the symm backend's count exchange, first and in an all-to-all of the same width on every rank (the count row's
+width follows ``num_experts``). On GPUs neither implementation checks (the caller is trusted, as in DeepEP): the
 engine's count exchange on peer memory reads nothing on the host (``comm.symm_transport``), and the direct kernels
 have no exchange before the rows (each token's row, its ids and the counts travel in one launch and the receivers
 wait only on call-number flags), so there is nothing a header could ride that would stop the rows. There a rank
 with another ``num_experts`` (or hidden size, top-k width, ``num_max_dispatch_tokens_per_rank``: the direct
-kernels' region is chosen by all four) writes into and waits on another region than its peers: each rank's wait
-for the others gives up after ``SymmOptions.timeout_ms``, masks them and the next call raises naming them; a
-region that one rank allocates alone (its first call of a configuration) waits in the symmetric-memory rendezvous
-until the others allocate one.
+kernels' region is chosen by all four) writes into and waits on another region than its peers, and a rank in a
+dispatch while its peer is in a combine (or in a normal-mode call) waits on flags the peer does not set: each
+rank's wait for the others gives up after ``SymmOptions.timeout_ms``, masks them and the rank's next low-latency
+call raises naming them; a region that one rank allocates alone (its first call of a configuration) waits in the
+symmetric-memory rendezvous until the others allocate one (``guard`` for a normal-mode rank's side).
 """
 
 from __future__ import annotations
