@@ -8,7 +8,9 @@ would otherwise send payloads of different sizes into one collective, which gloo
 (SIGABRT) and NCCL with a hang or garbage. The header travels folded into the first columns of a count exchange
 that precedes the rows anyway, so it costs no collective and no host sync of its own, and every rank checks every
 rank's header before any row moves. A mismatch is then the same ``HeaderMismatch`` (a ValueError) on every rank,
-naming each field that differs, each rank's value and the rule of the call's kind.
+naming each field that differs, each rank's value and the rule of the call's kind; calls of different kinds
+meeting name each rank's call kind (and call number, where it differs too), with the rule of calls in order
+(``ORDER_RULE``): the fields past the call number mean different things per kind.
 
 Where it is checked:
 
@@ -21,10 +23,12 @@ Where it is checked:
   arguments before any device word could stop them: the header is not checked there (``symm_transport``);
 - ``moe_wave.deepep_compat``'s ``Buffer.dispatch`` and ``low_latency_dispatch`` (kinds below): in their count
   all-gather (normal mode) or the symm backend's count exchange (low-latency mode on the exchange engine); see
-  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine`` and a cached
-  ``Buffer.dispatch`` (with a handle) have no exchange before their rows: on CPU ranks (gloo, host-driven anyway)
-  each gathers its header first, one small collective (a cached dispatch's of the same shape as a dispatch's count
-  all-gather, so the two meeting are a mismatch of ``cached``); on GPUs the caller is trusted, as in DeepEP;
+  ``moe_wave.deepep_compat.guard`` for the paths with no host read. ``Buffer.combine``, a cached
+  ``Buffer.dispatch`` (with a handle), ``low_latency_dispatch`` and ``low_latency_combine`` have no count
+  all-gather before their rows: on CPU ranks (gloo, host-driven anyway) each gathers its header first, one small
+  all-gather of the shape of a dispatch's count all-gather, so any two of the Buffer's calls meet there (a cached
+  dispatch and a fresh one: a mismatch of ``cached``; calls of different kinds: of the call kind); on GPUs the
+  caller is trusted, as in DeepEP. One count numbers the Buffer's calls of every kind;
 - ``deepep`` backend (``comm.deepep``): not checked; DeepEP's dispatch exchanges its own counts inside its kernels.
 """
 
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CallHeader", "HeaderMismatch", "check_headers", "agreed_call", "describe", "label", "NUM_FIELDS",
-           "FIELDS", "KINDS"]
+           "FIELDS", "KINDS", "ORDER_RULE"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,15 @@ KINDS = {
                      "every rank must call combine the same number of times, with x of the same hidden size and "
                      "dtype and topk_weights of the same width (or none), before any row moves",
                      (("top_k", "topk_weights columns"),)),
+    0x4D570005: Kind("deep_ep.Buffer.low_latency_combine",
+                     "every rank must call low_latency_combine the same number of times, each with the handle of "
+                     "the same low_latency_dispatch, before any row moves",
+                     (("rows", "num_max_dispatch_tokens_per_rank"), ("experts", "num_experts"))),
 }
+# The rule of calls of different kinds meeting (the fields past ``call`` mean different things per kind).
+ORDER_RULE = ("every rank must make the same calls in the same order (each call meets a call of the same kind on "
+              "every rank) before any row moves")
+_LABELS = {"kind": "call kind"}             # the names every kind gives these fields
 _KIND_CODE = {k.name: c for c, k in KINDS.items()}
 _DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
            getattr(torch, "float8_e5m2", None))
@@ -141,7 +153,7 @@ def _decode(row: list[int]) -> dict:
 
 def label(kind_code: int, field: str) -> str:
     """The caller's name of ``field`` in a call of kind ``kind_code``."""
-    return dict(_kind(kind_code).labels).get(field, field)
+    return dict(_kind(kind_code).labels).get(field, _LABELS.get(field, field))
 
 
 def describe(kind_code: int, field: str, values: list[int], ranks: list[int] | None = None) -> str:
@@ -178,14 +190,18 @@ def check_headers(rows_PH: list[list[int]], widths: list[int] | None = None) -> 
     heads = [_decode(r) for r in rows_PH]
     code = next((r[0] for r in rows_PH if r[0]), 0)          # the first rank's kind that is not "none"
     diff = [i for i, f in enumerate(FIELDS) if any(r[i] != rows_PH[0][i] for r in rows_PH)]
+    what, why = (KINDS[rows_PH[0][0]].name if rows_PH[0][0] in KINDS and rows_PH[0][0] else "the call"), rule(code)
+    if diff[0] == 0:        # calls of different kinds: their other fields are not comparable past the call number
+        diff, what, why = [i for i in diff if FIELDS[i] in ("kind", "module", "call")], "calls", ORDER_RULE
     desc = "; ".join(describe(code, FIELDS[i], [r[i] for r in rows_PH]) for i in diff)
-    what = KINDS[rows_PH[0][0]].name if rows_PH[0][0] in KINDS and rows_PH[0][0] else "the call"
-    raise HeaderMismatch(f"{what} out of step between ranks ({desc}): {rule(code)}", heads)
+    raise HeaderMismatch(f"{what} out of step between ranks ({desc}): {why}", heads)
 
 
-def agreed_call(e: HeaderMismatch, kind: str, module: int, calls: int) -> int:
+def agreed_call(e: HeaderMismatch, kind, module: int, calls: int) -> int:
     """The call count a caller takes after ``e`` so that its next call is in step again: the largest of the ranks'
-    where every rank called this kind and module (each rank computes the same), else ``calls`` unchanged."""
-    if all(h["kind"] == kind and h["module"] == module for h in e.headers):
+    where every rank called one of ``kind`` (a name, or a collection of the names that share the caller's count)
+    on this module (each rank computes the same), else ``calls`` unchanged."""
+    kinds = {kind} if isinstance(kind, str) else set(kind)
+    if all(h["kind"] in kinds and h["module"] == module for h in e.headers):
         return max(h["call"] for h in e.headers)
     return calls

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm import RankFailure, spawn
-from moe_wave.comm.header import CallHeader, HeaderMismatch, check_headers
+from moe_wave.comm.header import ORDER_RULE, CallHeader, HeaderMismatch, agreed_call, check_headers
 
 CFG = MoEConfig.preset("tiny", num_experts=4, top_k=2)
 
@@ -85,6 +85,21 @@ def test_headers_name_each_field_and_value():
     assert [x["call"] for x in e.value.headers] == [7, 7]
     with pytest.raises(ValueError, match=r"kind: rank 0 WaveMoE.forward, rank 1 none"):
         check_headers([h.encode(), [0] * len(h.encode())])
+
+
+def test_calls_of_different_kinds_name_the_kinds_and_the_order_rule():
+    """Fields past the call number mean different things per kind: a kind mismatch names the kind (and the module
+    and call number where they differ too), with the rule of calls in order; ``agreed_call`` realigns a count that
+    several kinds share."""
+    d = CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=4, overlap=False, hidden=64, dtype=torch.bfloat16,
+                   top_k=2, experts=8)
+    c = CallHeader(kind="deep_ep.Buffer.combine", module=0, call=3, overlap=False, hidden=64, dtype=torch.bfloat16)
+    with pytest.raises(HeaderMismatch) as e:
+        check_headers([d.encode(), c.encode()])
+    assert str(e.value) == ("calls out of step between ranks (call kind: rank 0 deep_ep.Buffer.dispatch, rank 1 "
+                            "deep_ep.Buffer.combine; call: rank 0 4, rank 1 3): " + ORDER_RULE)
+    assert agreed_call(e.value, ("deep_ep.Buffer.dispatch", "deep_ep.Buffer.combine"), 0, 3) == 4
+    assert agreed_call(e.value, "deep_ep.Buffer.combine", 0, 3) == 3
 
 
 # ----------------------------------------------------------------------------- failure reports

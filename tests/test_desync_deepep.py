@@ -5,10 +5,13 @@ symm backend's count exchange (low-latency mode on the exchange engine, which se
 width first), so each is the same ValueError on every rank, naming the field, each rank's value and the rule, before
 any row moves (without it: gloo's size-mismatch abort, SIGABRT, or calls paired out of step), and the next call in
 step runs. The direct kernels' count all-gather (``CountGather``) has a width every rank agreed on, so another
-number of experts is a header mismatch there too. ``combine`` and a cached ``dispatch`` have no exchange before their
-rows: on CPU ranks each gathers its own header first (a cached dispatch meeting a fresh one: without it, gloo's
-timeout). Also the device-side form (a GPU dispatch with ``num_worst_tokens`` reads nothing on the host): the guard
-records the first differing field and raises it later.
+number of experts is a header mismatch there too, and the direct path gathers before it takes a path, so a rank
+whose rows take the engine (not whole 4-byte words) is one as well (without it: gathers of two widths, SIGABRT).
+``combine``, a cached ``dispatch``, ``low_latency_dispatch`` and ``low_latency_combine`` gather their headers
+first on CPU ranks, in an all-gather of the shape of a dispatch's count all-gather, so calls of different kinds
+meeting are the same ValueError naming each rank's call kind (without it: gloo's SIGABRT or its timeout), and
+the Buffer's one call count keeps the next calls in step. Also the device-side form (a GPU dispatch with
+``num_worst_tokens`` reads nothing on the host): the guard records the first differing field and raises it later.
 """
 
 from __future__ import annotations
@@ -220,7 +223,7 @@ def _combine_case(ep: EPGroup, case: str) -> str:
 @pytest.mark.parametrize("case, fields", [
     ("hidden", "(hidden: rank 0 128, rank 1 256)"),
     ("weights", "(topk_weights columns: rank 0 0, rank 1 3)"),
-    ("error_on_one_rank", "(call: rank 0 2, rank 1 1)"),
+    ("error_on_one_rank", "(call: rank 0 3, rank 1 2)"),        # one count: the dispatch was call 1
 ])
 def test_combine_out_of_step_on_cpu_ranks_is_the_same_error_on_every_rank(ranks, case, fields):
     _assert_same_error(ranks(2).run(_combine_case, case), "combine", fields, COMBINE_RULE)
@@ -288,3 +291,131 @@ def test_device_side_header_fault_names_the_field_rank_and_values():
                           "rank 2 256): " + RULE), msg
     assert "poisoned with NaN" in msg and "\n" not in msg
     g.raise_if_flagged("dispatch")          # raising cleared it
+
+
+ORDER_RULE = "every rank must make the same calls in the same order"
+KIND = "deep_ep.Buffer."
+
+
+def _ll_round(buf, ep, H: int = LL_H):
+    """A low-latency dispatch and combine every rank makes alike: the combine sums each token's weighted rows."""
+    g = torch.Generator().manual_seed(7 + ep.rank)
+    x = torch.randn(T, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=g, dtype=torch.float32).topk(K, dim=1).indices
+    w = torch.rand(T, K, generator=g, dtype=torch.float32)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, ids, LL_T, E, use_fp8=False)
+    return x, ids, w, recv_x, handle
+
+
+def _ll_in_step_round(buf, ep) -> None:
+    x, ids, w, recv_x, handle = _ll_round(buf, ep)
+    out, _, _ = buf.low_latency_combine(recv_x, ids, w, handle)
+    assert torch.allclose(out.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+
+
+def _kinds_case(ep: EPGroup, case: str) -> str:
+    """Rank 0 makes one call, rank 1 another kind of call, on one Buffer of gloo ranks (both modes): each call's
+    first exchange on CPU ranks has the shape of a dispatch's count all-gather and carries its header, so the two
+    meet as a HeaderMismatch naming the call kinds (without it: gloo's SIGABRT or a hang)."""
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True, device="cpu", normal="engine")
+    x, ids, w = _route(ep.rank)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, x, ids, w)                  # in step: a handle for each kind
+    lx, lids, lw, lrecv, lhandle = _ll_round(buf, ep)
+    calls = {
+        "dispatch": lambda: _dispatch(buf, x, ids, w),
+        "cached": lambda: buf.dispatch(x, handle=handle),
+        "combine": lambda: buf.combine(recv_x, handle),
+        "low_latency_dispatch": lambda: buf.low_latency_dispatch(lx, lids, LL_T, E, use_fp8=False),
+        "low_latency_combine": lambda: buf.low_latency_combine(lrecv, lids, lw, lhandle),
+    }
+    mine = case.split("/")[ep.rank]
+    msg = _message(calls[mine])
+    _in_step_round(buf, ep)                 # in step again: the next calls of both modes run
+    _ll_in_step_round(buf, ep)
+    again, *_ = buf.dispatch(x, handle=handle)
+    assert torch.equal(again, recv_x)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["dispatch/combine", "cached/combine", "dispatch/low_latency_dispatch",
+                                  "low_latency_dispatch/low_latency_combine", "combine/low_latency_combine",
+                                  "low_latency_combine/dispatch"])
+def test_calls_of_another_kind_are_the_same_error_on_every_rank(ranks, case):
+    a, b = case.split("/")
+    msgs = ranks(2).run(_kinds_case, case)
+    a, b = ("dispatch" if k == "cached" else k for k in (a, b))
+    msg0, msg1 = msgs
+    assert msg0 == msg1, (msg0, msg1)
+    assert msg0.startswith(f"calls out of step between ranks (call kind: rank 0 {KIND}{a}, rank 1 {KIND}{b}): "
+                           + ORDER_RULE), msg0
+    assert "\n" not in msg0
+
+
+LL_COMBINE_RULE = "every rank must call low_latency_combine the same number of times"
+
+
+def _ll_combine_case(ep: EPGroup, case: str) -> str:
+    """A low-latency dispatch in step, then a low-latency combine out of step: on CPU ranks its header is gathered
+    before its rows (without it: the retry of rank 0 pairs with rank 1's first call)."""
+    from moe_wave.deepep_compat import Buffer
+
+    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True, device="cpu")
+    x, ids, w, recv_x, handle = _ll_round(buf, ep)
+    if case == "error_on_one_rank":         # rank 0 catches an argument error and goes on
+        if ep.rank == 0:
+            assert "x is" in _message(lambda: buf.low_latency_combine(recv_x[:, :3], ids, w, handle))
+        msg = _message(lambda: buf.low_latency_combine(recv_x, ids, w, handle))
+    else:
+        raise AssertionError(case)
+    _ll_in_step_round(buf, ep)
+    _in_step_round(buf, ep)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, fields", [("error_on_one_rank", "(call: rank 0 3, rank 1 2)")])
+def test_low_latency_combine_out_of_step_is_the_same_error_on_every_rank(ranks, case, fields):
+    _assert_same_error(ranks(2).run(_ll_combine_case, case), "low_latency_combine", fields, LL_COMBINE_RULE)
+
+
+
+def _direct_widths_case(ep: EPGroup) -> str:
+    """``DirectNormal`` (the GPU path) on gloo ranks, each rank's regions its own memory (so no row crosses in the
+    direct kernels): rank 0's rows are whole 4-byte words (the direct kernels' path), rank 1's are not (the engine
+    path). Both paths gather the counts in the direct kernels' shape first, so the two meet as a HeaderMismatch
+    naming the hidden size (without it: count gathers of different widths, gloo's SIGABRT; NCCL a hang). Then a
+    round in step on the engine path, through the same gather."""
+    from moe_wave.comm.options import SymmOptions
+    from moe_wave.deepep_compat import Config
+    from moe_wave.deepep_compat.guard import Guard
+    from moe_wave.deepep_compat.normal import Route
+    from moe_wave.deepep_compat.normal_direct import DirectNormal
+    from moe_wave.deepep_compat.normal_engine import EngineNormal
+
+    guard = Guard(ep.rank, ep.device)
+    engine = EngineNormal(ep, SymmOptions(), None, guard)
+    own = lambda nbytes: [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep.size)]   # noqa: E731
+    normal = DirectNormal(ep, engine, guard, 3, 8, 1000, alloc=own)
+    P = ep.size
+
+    def call(H: int, n: int):
+        x, ids, w = _route(ep.rank, H=H)
+        per_rank, per_expert, in_rank = engine.layout(ids, E)       # the direct layout's values, in torch
+        route = Route(per_rank, in_rank, per_expert, ids, w, 1, 0, call=n)
+        return x, in_rank, normal.dispatch(x, route, Config(24, 8, 256))
+
+    msg = _message(lambda: call(127 if ep.rank == 1 else 128, 1))
+    for n in (2, 3):                        # in step again: odd rows on every rank take the engine path
+        x, in_rank, (recv_x, _, _, counts_e, handle) = call(127, n)
+        assert recv_x.shape[1] == 127 and len(counts_e) == E // P
+        out, _ = normal.combine(recv_x, handle, None, ())
+        assert torch.allclose(out.float(), x.float() * in_rank.sum(1, keepdim=True), rtol=1e-2, atol=1e-2)
+    return msg
+
+
+@pytest.mark.timeout(180)
+def test_direct_dispatch_with_rows_of_another_path_is_the_same_error_on_every_rank(ranks):
+    _assert_same_error(ranks(2).run(_direct_widths_case), "dispatch", "(hidden: rank 0 128, rank 1 127)", RULE)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moe_wave import env as moe_env
 from moe_wave.comm.group import EPGroup
-from moe_wave.comm.header import CallHeader, HeaderMismatch, agreed_call, check_headers
+from moe_wave.comm.header import CallHeader, HeaderMismatch, agreed_call
 from moe_wave.comm.options import SymmOptions
 from moe_wave.comm.triton_gate import triton_ok
 
@@ -38,10 +38,14 @@ from .ll_engine import EngineLowLatency
 from .low_latency import check_overlap_kwargs, rdma_size_hint
 from .normal import IntranodeHandle, Route, comm_scope
 from .normal_direct import DirectNormal
-from .normal_engine import EngineNormal
+from .normal_engine import EngineNormal, gate
 from .utils import EventHandle, EventOverlap
 
-__all__ = ["Buffer", "IntranodeHandle"]
+__all__ = ["Buffer", "IntranodeHandle", "CALL_KINDS"]
+
+# the kinds of the calls that carry a header; they share the Buffer's one call count (``Buffer._count``)
+CALL_KINDS = ("deep_ep.Buffer.dispatch", "deep_ep.Buffer.combine", "deep_ep.Buffer.low_latency_dispatch",
+              "deep_ep.Buffer.low_latency_combine")
 
 
 class Buffer:
@@ -110,8 +114,8 @@ class Buffer:
                            pg if self.group_size > 1 else None)
         self._comm_stream = torch.cuda.Stream(device=self._device, priority=-1) if cuda else None
         self._guard = Guard(self.rank, self._device)
-        self._calls = 0         # dispatches, cached ones too, counted on entry (the call header's call number)
-        self._combines = 0      # combines, counted the same way (their header: CPU ranks only, see combine)
+        # the call header's call number, one count for every kind (``_count``)
+        self._calls = 0
         options = options or SymmOptions()
         self._normal = self._normal_mode(options)
         self._ll = self._ll_mode(options)
@@ -183,6 +187,20 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError(f"Buffer.{what}: the buffer was destroyed")
         self._guard.raise_if_flagged(what)
+
+    def _count(self) -> int:
+        """The call number of a call that carries a header (``dispatch``, cached too, ``combine``,
+        ``low_latency_dispatch``, ``low_latency_combine``): one count for all of them, taken on entry, before any
+        check (a call that raised on one rank only still counts there), so calls of different kinds meeting on
+        two ranks leave the counts in step, and a call one rank skipped shows in the next header the ranks
+        exchange."""
+        self._calls += 1
+        return self._calls
+
+    def _realign(self, e: HeaderMismatch) -> None:
+        """After a ``HeaderMismatch`` (raised on every rank): the call number every rank takes, so the next call is
+        in step again (``agreed_call``: the largest of the ranks' where every rank made one of these calls)."""
+        self._calls = agreed_call(e, CALL_KINDS, 0, self._calls)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -276,7 +294,7 @@ class Buffer:
             event)``.
         """
         what = "dispatch"
-        self._calls += 1        # counted before any check: a call that raised on one rank only still counts there
+        call = self._count()
         if num_tokens_per_rdma_rank is not None:
             raise checks.unsupported("dispatch(num_tokens_per_rdma_rank=...)", "within a node pass None "
                                      "(get_dispatch_layout returns None there)")
@@ -288,15 +306,15 @@ class Buffer:
                 raise ValueError(f"{what}: a cached dispatch (handle given) takes no topk_idx / topk_weights")
             with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x,)) as s:
                 try:
-                    recv_x = s.out(self._normal.cached_dispatch(x, handle, self._calls))
+                    recv_x = s.out(self._normal.cached_dispatch(x, handle, call))
                 except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again
-                    self._calls = agreed_call(e, "deep_ep.Buffer.dispatch", 0, self._calls)
+                    self._realign(e)
                     raise
                 self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)))
             return recv_x, None, None, None, None, s.event
         route = Route(*checks.route_args(what, self.group_size, T, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                         num_worst_tokens), call=self._calls)
+                                         num_worst_tokens), call=call)
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream,
                          (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                           topk_weights)) as s:
@@ -305,7 +323,7 @@ class Buffer:
                 recv_x, recv_idx, recv_w, counts_e, handle = self._normal.dispatch(
                     x, route, config or self.get_dispatch_config(self.group_size))
             except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
-                self._calls = agreed_call(e, "deep_ep.Buffer.dispatch", 0, self._calls)
+                self._realign(e)
                 raise
             self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_w)
             self._guard.snapshot()      # the only call that changes the status; on the stream that wrote it
@@ -351,7 +369,7 @@ class Buffer:
             combined_x [T, H] in x's dtype (fp32 sums, one rounding), combined_topk_weights [T, K] or None, the event.
         """
         what = "combine"
-        self._combines += 1     # counted before any check: a call that raised on one rank only still counts there
+        call = self._count()
         X = self._handle_rows(what, handle, None)
         T = self._normal.handle_rows(handle)[0]
         checks.tensor(what, "x", x, 2, checks.ROW_DTYPES)
@@ -362,25 +380,27 @@ class Buffer:
             if topk_weights.shape[0] != X:
                 raise ValueError(f"{what}: topk_weights has {topk_weights.shape[0]} rows: must have {X}")
         biases = checks.biases(what, bias, (T, x.shape[1]))
-        self._combine_agrees(x, topk_weights)
+        self._combine_agrees(x, topk_weights, call)
         with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights, *biases)) as s:
             combined, weights = s.out(*self._normal.combine(x, handle, topk_weights, biases))
             self._guard.poison(combined, weights)
         return combined, weights, s.event
 
-    def _combine_agrees(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
+    def _combine_agrees(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: int) -> None:
         """On CPU ranks (gloo), the combine's call header (call number, hidden size, dtype, topk_weights width)
-        checked across ranks before its rows move (one small all-gather: the exchange is host-driven there anyway):
-        the same ``HeaderMismatch`` on every rank instead of gloo's size-mismatch abort. On GPUs nothing is
-        checked (no exchange precedes the rows; the caller is trusted, as in DeepEP)."""
+        checked across ranks before its rows move, in the gate (``normal_engine.gate``: one small all-gather of
+        the shape of a dispatch's count all-gather; the exchange is host-driven there anyway): the same
+        ``HeaderMismatch`` on every rank, also where the peer makes a call of another kind, instead of gloo's
+        size-mismatch abort or timeout. On GPUs nothing is checked (no exchange precedes the rows; the caller is
+        trusted, as in DeepEP; see ``guard``)."""
         if self.group_size == 1 or x.device.type != "cpu":
             return
-        head = CallHeader(kind="deep_ep.Buffer.combine", module=0, call=self._combines, overlap=False,
+        head = CallHeader(kind="deep_ep.Buffer.combine", module=0, call=call, overlap=False,
                           hidden=x.shape[1], dtype=x.dtype, top_k=0 if topk_weights is None else topk_weights.shape[1])
         try:
-            check_headers(self._ep.gather_objects(head.encode()))
+            gate(self._ep, head)
         except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
-            self._combines = agreed_call(e, "deep_ep.Buffer.combine", 0, self._combines)
+            self._realign(e)
             raise
 
     def internode_dispatch(self, *args, **kwargs):
@@ -404,10 +424,15 @@ class Buffer:
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
         """DeepEP's ``low_latency_dispatch``; see ``low_latency.LowLatencyMode.dispatch``."""
+        call = self._count()
         self._enter("low_latency_dispatch")
-        return self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                 round_scale, use_ue8m0, async_finish, return_recv_hook)
+        try:
+            return self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                     round_scale, use_ue8m0, async_finish, return_recv_hook, call)
+        except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again after it
+            self._realign(e)
+            raise
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -415,10 +440,15 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, **overlap_kwargs):
         """DeepEP's ``low_latency_combine``; see ``low_latency.LowLatencyMode.combine``. SGLang's single-batch-overlap
         keywords are accepted while their feature is off (``overlap`` false)."""
+        call = self._count()
         self._enter("low_latency_combine")
         check_overlap_kwargs(overlap_kwargs)
-        return self._ll.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                return_recv_hook, out, combine_wait_recv_cost_stats)
+        try:
+            return self._ll.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                    return_recv_hook, out, combine_wait_recv_cost_stats, call)
+        except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again after it
+            self._realign(e)
+            raise
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The bf16 [e, P * T, H] buffer the next ``low_latency_combine(zero_copy=True)`` reads."""

@@ -1,6 +1,6 @@
 """What DeepEP leaves unchecked, checked on the device with no host sync: expert ids out of range, an
 ``is_token_in_rank`` that contradicts ``topk_idx``, rows due beyond ``num_worst_tokens``, and ranks whose
-dispatches are out of step (the call header, below). One ``Guard`` per Buffer serves both modes: low-latency
+calls are out of step (the call header, below). One ``Guard`` per Buffer serves both modes: low-latency
 dispatches check their expert ids here too (``low_latency``), their fault words riding the count exchange of the
 exchange engine, or, in the direct kernels, the dispatch launch itself, which also folds them and writes ``status``
 and its host copy (``ll_direct``).
@@ -30,16 +30,42 @@ mismatch is then a fault here like the others (the outputs NaN, a later call rai
 rank that differs from rank 0 and both values), which cannot stop that call's rows, whose sizes each rank took from
 its own arguments. The gathered row's width must not depend on anything the header checks: the direct kernels'
 per-expert counts travel in a tail of the width every rank agreed on before (``normal_direct.CountGather``), so
-ranks passing different numbers of experts are a header mismatch like the others.
+ranks passing different numbers of experts are a header mismatch like the others; and the direct path gathers its
+counts before it takes the direct kernels or, for rows that are not whole 4-byte words, the engine (which reads
+its counts from that gather), so a rank whose rows take the other path (another hidden size or dtype) is a
+mismatch too, not gathers of two widths (gloo's SIGABRT; NCCL a hang or a read past a buffer). With
+``num_worst_tokens`` on a GPU that mismatch is the device-side fault above, and the two ranks' exchanges then do not
+meet: each waits for its peer until ``SymmOptions.timeout_ms`` (the direct kernels record a fault naming the peer).
 
-A cached dispatch (with a handle) and a combine have no count exchange before their rows. On CPU ranks each
-gathers its header first (a cached dispatch in the shape of a dispatch's count all-gather, its header marked
-``cached``, so a cached dispatch meeting a fresh one is a ``HeaderMismatch`` naming that field; ``normal_engine``).
-On GPUs nothing is gathered (it would cost a collective the call does not make; DeepEP trusts the caller): a
-cached dispatch meeting a fresh one leaves the cached rank's kernel waiting for rows its peer does not send, until
-``SymmOptions.timeout_ms``, which is recorded as a fault naming the peer (raised by a later dispatch); the call
-numbers count cached dispatches too, so the next dispatch header the ranks exchange shows the skew (a mismatch of
-``call``) rather than pairing the calls out of step.
+The call number. One count per Buffer numbers every call that carries a header (``dispatch``, cached too,
+``combine``, ``low_latency_dispatch``, ``low_latency_combine``; ``Buffer._count``), taken on entry before any
+check, on GPUs too (it costs nothing there), so a call one rank skipped or made of another kind shows as a
+mismatch of ``call`` in the next header the ranks exchange, and calls of different kinds meeting leave the counts
+in step. After a ``HeaderMismatch`` every rank takes the largest of the ranks' numbers, so the next call runs.
+
+Calls without a count exchange before their rows: a cached dispatch (with a handle), a combine, a low-latency
+dispatch and a low-latency combine. On CPU ranks (gloo, host-driven anyway) each gathers its header first, in an
+all-gather of the shape of the engine's count all-gather (a cached dispatch's row holds its token count and guard
+words, its header marked ``cached``; the others' is ``normal_engine.gate``), so every call there starts with an
+all-gather of one shape, and any two calls meet: a cached dispatch meeting a fresh one is a ``HeaderMismatch``
+naming ``cached``, calls of different kinds (a dispatch and a combine, a normal dispatch and a low-latency one, a
+low-latency dispatch and a low-latency combine, ...) one naming each rank's call kind, never gloo's size-mismatch
+abort or a collective of another type waiting until gloo's timeout. On GPUs nothing is gathered for these calls
+(it would cost a collective the call does not make; DeepEP trusts the caller), so the ranks do not meet at a header:
+
+- a cached dispatch or a combine meeting another call: the rank in the direct kernels waits for rows its peer does
+  not send until ``SymmOptions.timeout_ms``, records a fault naming the peer (a combine's sums waiting for it are
+  NaN) and returns; that rank's next dispatch that reads its counts on the host (without ``num_worst_tokens``)
+  raises it;
+- a low-latency dispatch or combine meeting another call: its kernel gives up on the peer after
+  ``SymmOptions.timeout_ms``, masks it, and the rank's next low-latency call raises naming it (with
+  ``enable_shrink`` the peer stays masked, DeepEP's shrink mode; ``ll_direct``);
+- a fresh dispatch meeting one of these: it waits in its count all-gather (NCCL) until the other rank's next fresh
+  dispatch joins it; that dispatch's header carries a later call number (one count), so the pair is a
+  ``HeaderMismatch`` of ``call`` on both ranks (where read on the host; with ``num_worst_tokens`` the device-side
+  fault), not two dispatches paired out of step;
+- on the exchange engine (``normal="engine"``, ``ll="engine"`` on a GPU) the waits are its exchange's, each bounded
+  by ``SymmOptions.timeout_ms`` the same way.
 """
 
 from __future__ import annotations

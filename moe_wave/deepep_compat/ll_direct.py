@@ -404,7 +404,8 @@ class DirectLowLatency(LowLatencyMode):
                     t.record_stream(comm)
         return EventOverlap(EventHandle(comm), tuple(t for t in (*inputs, *outputs) if t is not None)), None
 
-    def _dispatch(self, x, topk_idx, T, E, K, stats, fp8, round_scale, ue8m0, async_finish, hook):
+    def _dispatch(self, x, topk_idx, T, E, K, stats, fp8, round_scale, ue8m0, async_finish, hook, call):
+        """``LowLatencyMode._dispatch``; ``call`` is not sent (no header travels here: ``low_latency``)."""
         d = self.direct
         d.check()
         P, me = self.ep.size, self.ep.rank
@@ -429,7 +430,8 @@ class DirectLowLatency(LowLatencyMode):
         handle = LowLatencyHandle((info, layout_range, T, H, E), _DirectState(set_index, rg, N, K))
         return (recv, scales) if fp8 else recv, count, handle, event, hook_fn
 
-    def _combine(self, st: _DirectState, y, topk_idx, topk_weights, result, async_finish, hook):
+    def _combine(self, st: _DirectState, y, topk_idx, topk_weights, result, async_finish, hook, call):
+        """``LowLatencyMode._combine``; ``call`` is not sent (no header travels here: ``low_latency``)."""
         d = self.direct
         d.check()
         me, H = self.ep.rank, y.shape[-1]

@@ -41,6 +41,7 @@ from moe_wave.comm.triton_gate import triton_ok
 
 from . import ll_kernels as kern
 from .low_latency import LowLatencyHandle, LowLatencyMode, outputs
+from .normal_engine import gate
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["EngineLowLatency", "slots"]
@@ -129,9 +130,19 @@ class EngineLowLatency(LowLatencyMode):
         return sent, EventOverlap(None), None
 
     # ------------------------------------------------------------------ dispatch and combine
-    def _dispatch(self, x, topk_idx, T, E, K, stats, fp8, round_scale, use_ue8m0, async_finish, hook):
+    def _gate(self, header: CallHeader) -> None:
+        """CPU ranks (gloo): the call header checked across ranks first (``normal_engine.gate``: an all-gather of
+        the shape every call's first exchange has there, so a call of another kind on a peer is a
+        ``HeaderMismatch`` too), before the buffer set is taken. GPUs: nothing (``low_latency``)."""
+        if self.ep.size > 1 and self.ep.device.type == "cpu":
+            gate(self.ep, header)
+
+    def _dispatch(self, x, topk_idx, T, E, K, stats, fp8, round_scale, use_ue8m0, async_finish, hook, call):
         P, (N, H) = self.ep.size, x.shape
         e = E // P
+        header = CallHeader(kind="deep_ep.Buffer.low_latency_dispatch", module=0, call=call, overlap=False,
+                            hidden=H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, top_k=K, experts=E, rows=T)
+        self._gate(header)
         set_index = self._take_set()
         ex = self._sets[set_index]
         dev = x.device
@@ -154,12 +165,9 @@ class EngineLowLatency(LowLatencyMode):
                 rows = x.clone(memory_format=torch.contiguous_format) if hook else x.contiguous()
             return rows, layout
 
-        header = CallHeader(kind="deep_ep.Buffer.low_latency_dispatch", module=0, call=self.calls, overlap=False,
-                            hidden=H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, top_k=K, experts=E, rows=T)
-
         def send(rows, layout):
-            # the header is checked there on CPU ranks (low_latency); the guard's words ride the count rows, so
-            # every rank folds every rank's fault in this call
+            # the header travels with the counts too (on CPU ranks the count row's width is checked there); the
+            # guard's words ride the count rows, so every rank folds every rank's fault in this call
             plan = ex.prepare(layout, T, header, extra=guard.words())
             guard.fold(plan.extra_PA, None, 0)
             guard.snapshot()
@@ -189,11 +197,13 @@ class EngineLowLatency(LowLatencyMode):
         handle = LowLatencyHandle((info, layout_range, T, H, E), state)
         return (recv, scales) if fp8 else recv, count, handle, event, hook_fn
 
-    def _combine(self, st, y, topk_idx, topk_weights, result, async_finish, hook):
+    def _combine(self, st, y, topk_idx, topk_weights, result, async_finish, hook, call):
         P, N = self.ep.size, st.num_tokens
         e, PT, H = y.shape
         T = PT // P
         ex, plan = self._sets[st.set_index], st.plan
+        self._gate(CallHeader(kind="deep_ep.Buffer.low_latency_combine", module=0, call=call, overlap=False, hidden=H,
+                              dtype=y.dtype, top_k=st.top_k, experts=e * P, rows=T))
 
         def prep():     # on the caller's stream: the weights as the combine is called
             return (torch.where(topk_idx >= 0, topk_weights, 0.0).contiguous(),)

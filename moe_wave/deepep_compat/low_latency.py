@@ -20,19 +20,24 @@ launch, next to the per-expert counts, and the receiving side folds them, stores
 fault in the guard's words (``ll_direct``): no launch of its own.
 
 Ranks out of step (different hidden sizes, ``use_fp8``, top-k widths, ``num_experts`` or
-``num_max_dispatch_tokens_per_rank``, or a dispatch one rank skipped): on the exchange engine over gloo (CPU ranks)
-the dispatch's call header (``moe_wave.comm.header``, kind "deep_ep.Buffer.low_latency_dispatch") travels with the
-symm backend's count exchange, first and in an all-to-all of the same width on every rank (the count row's width
-follows ``num_experts``), and a mismatch is the same ValueError on every rank, naming each field and each rank's
-value, before any row moves. On GPUs neither implementation checks (the caller is trusted, as in DeepEP): the
+``num_max_dispatch_tokens_per_rank``, a call one rank skipped or repeated, or calls of different kinds: a
+dispatch meeting a combine, a normal-mode call meeting a low-latency one): on the exchange engine over gloo (CPU
+ranks) each dispatch and combine gathers its call header first (``moe_wave.comm.header``, kinds
+"deep_ep.Buffer.low_latency_dispatch" and "deep_ep.Buffer.low_latency_combine"; the call number is the Buffer's
+one count), in an all-gather of the shape every call of the Buffer starts with there (``normal_engine.gate``), so
+a mismatch, of any field or of the call kind, is the same ValueError on every rank, naming each field and each
+rank's value, before any row moves and before the buffer set is taken; the dispatch's header also travels with
+the symm backend's count exchange, first and in an all-to-all of the same width on every rank (the count row's
+width follows ``num_experts``). On GPUs neither implementation checks (the caller is trusted, as in DeepEP): the
 engine's count exchange on peer memory reads nothing on the host (``comm.symm_transport``), and the direct kernels
 have no exchange before the rows (each token's row, its ids and the counts travel in one launch and the receivers
 wait only on call-number flags), so there is nothing a header could ride that would stop the rows. There a rank
 with another ``num_experts`` (or hidden size, top-k width, ``num_max_dispatch_tokens_per_rank``: the direct
-kernels' region is chosen by all four) writes into and waits on another region than its peers: each rank's wait
-for the others gives up after ``SymmOptions.timeout_ms``, masks them and the next call raises naming them; a
-region that one rank allocates alone (its first call of a configuration) waits in the symmetric-memory rendezvous
-until the others allocate one.
+kernels' region is chosen by all four) writes into and waits on another region than its peers, and a rank in a
+dispatch while its peer is in a combine (or in a normal-mode call) waits on flags the peer does not set: each
+rank's wait for the others gives up after ``SymmOptions.timeout_ms``, masks them and the rank's next low-latency
+call raises naming them; a region that one rank allocates alone (its first call of a configuration) waits in the
+symmetric-memory rendezvous until the others allocate one (``guard`` for a normal-mode rank's side).
 """
 
 from __future__ import annotations
@@ -40,8 +45,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
-from moe_wave.comm.header import HeaderMismatch, agreed_call
 
 from .guard import Guard
 
@@ -126,7 +129,6 @@ class LowLatencyMode(ABC):
 
     def __init__(self, ep, comm_stream, guard: Guard):
         self.ep, self.comm_stream, self.guard = ep, comm_stream, guard
-        self.calls = 0          # dispatches, counted on entry (the call header's call number, where one is checked)
         self._next = 0
         self._combine_bufs: dict = {}
 
@@ -145,7 +147,8 @@ class LowLatencyMode(ABC):
         set_index, self._next = self._next, self._next ^ 1
         return set_index
 
-    def dispatch(self, x, topk_idx, T, E, stats, wait_stats, use_fp8, round_scale, use_ue8m0, async_finish, hook):
+    def dispatch(self, x, topk_idx, T, E, stats, wait_stats, use_fp8, round_scale, use_ue8m0, async_finish, hook,
+                 call: int = 0):
         """DeepEP's ``low_latency_dispatch``.
 
         Args:
@@ -157,13 +160,13 @@ class LowLatencyMode(ABC):
             use_fp8, round_scale, use_ue8m0: FP8 rows with one scale per 128 channels, scales rounded to powers of
                 two, and those packed as UE8M0 bytes (needs round_scale).
             async_finish / hook: see the module docstring (not both).
+            call: the Buffer's call number (``Buffer._count``), for the call header where one is checked.
 
         Returns:
             recv_x: bf16 [e, PT, H], or (fp8 [e, PT, H], scales float32 [e, PT, S] or int32 [e, PT, S / 4], both
             column-major in the last two dimensions); recv_count int32 [e]; the handle; the event; the hook or None.
         """
         what = "low_latency_dispatch"
-        self.calls += 1         # counted before any check: a call that raised on one rank only still counts there
         P = self.ep.size
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
             raise ValueError(f"{what}: x must be a bf16 [N, H] tensor, got "
@@ -191,12 +194,8 @@ class LowLatencyMode(ABC):
         if wait_stats is not None and (not isinstance(wait_stats, torch.Tensor) or wait_stats.dtype != torch.int64
                                        or wait_stats.shape[0] != P):
             raise ValueError(f"{what}: dispatch_wait_recv_cost_stats must be int64 with {P} rows")
-        try:
-            return self._dispatch(x, topk_idx, T, E, K, stats, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-                                  async_finish, hook)
-        except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
-            self.calls = agreed_call(e, "deep_ep.Buffer.low_latency_dispatch", 0, self.calls)
-            raise
+        return self._dispatch(x, topk_idx, T, E, K, stats, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
+                              async_finish, hook, call)
 
     def next_combine_buffer(self, handle) -> torch.Tensor:
         """The zero-copy combine buffer of the handle's buffer set: bf16 [e, PT, H], to be filled by the caller."""
@@ -215,7 +214,8 @@ class LowLatencyMode(ABC):
                              f"{type(handle).__name__}")
         return handle.state
 
-    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, hook, out, wait_stats):
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, hook, out, wait_stats,
+                call: int = 0):
         """DeepEP's ``low_latency_combine``: ``combined[t] = sum_k topk_weights[t, k] * (expert topk_idx[t, k]'s row
         for t)`` over the slots with ``topk_idx >= 0``, fp32 sums stored in bf16.
 
@@ -224,6 +224,7 @@ class LowLatencyMode(ABC):
                 buffer ``next_combine_buffer`` gave is read instead).
             topk_idx, topk_weights: [N, K] (int64, float32): the dispatch's tokens.
             out: None or bf16 [N, H] to write into (returned).
+            call: the Buffer's call number (``Buffer._count``), for the call header where one is checked.
         """
         what = "low_latency_combine"
         st = self._state(what, handle)
@@ -246,14 +247,14 @@ class LowLatencyMode(ABC):
             raise ValueError(f"{what}: combine_wait_recv_cost_stats must be an int64 tensor")
         y = self.next_combine_buffer(handle) if zero_copy else x.contiguous()
         result = out if out is not None else torch.empty(N, H, dtype=torch.bfloat16, device=x.device)
-        return self._combine(st, y, topk_idx, topk_weights, result, async_finish, hook)
+        return self._combine(st, y, topk_idx, topk_weights, result, async_finish, hook, call)
 
     @abstractmethod
-    def _dispatch(self, x, topk_idx, T, E, K, stats, fp8, round_scale, ue8m0, async_finish, hook) -> tuple:
+    def _dispatch(self, x, topk_idx, T, E, K, stats, fp8, round_scale, ue8m0, async_finish, hook, call) -> tuple:
         """The checked dispatch: (recv_x, recv_count, handle, event, hook or None)."""
 
     @abstractmethod
-    def _combine(self, st, y, topk_idx, topk_weights, result, async_finish, hook) -> tuple:
+    def _combine(self, st, y, topk_idx, topk_weights, result, async_finish, hook, call) -> tuple:
         """The checked combine into ``result``: (result, event, hook or None)."""
 
     # ------------------------------------------------------------------ rank masks

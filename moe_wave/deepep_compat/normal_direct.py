@@ -3,6 +3,11 @@ straight into the peers' symmetric memory. ``Buffer`` runs it on CUDA ranks of a
 one CPU rank under TRITON_INTERPRET=1); rows that are not whole 4-byte words go to the exchange engine
 (``normal_engine``), as do cached dispatches and combines of the handles it made.
 
+Which path a dispatch's rows take is each rank's own choice (its x's row width), so the count all-gather comes
+first and has one shape on both (``CountGather``; the engine path reads its counts from it): a rank whose rows
+take the other path (another hidden size or dtype, which the header holds) is a ``HeaderMismatch`` on every
+rank, never gathers of different widths (gloo's SIGABRT; NCCL a hang or a read past a buffer).
+
 Legend: T local tokens, H hidden, K top-k, P ranks, E experts (e = E / P local), X received rows (compact), nch
 channels, S scale words.
 """
@@ -19,7 +24,7 @@ from . import normal_kernels as nk
 from .config import Config, topk_idx_t
 from .guard import WORDS, Guard
 from .normal import IntranodeHandle, NormalMode, Route, dispatch_header, handle_matrices, words
-from .normal_engine import EngineNormal
+from .normal_engine import Counts, EngineNormal
 from .normal_plan import DirectPlan, NormalState, clip_plan
 
 __all__ = ["DirectNormal", "CountGather", "symm_alloc"]
@@ -81,15 +86,16 @@ class DirectNormal(NormalMode):
     Args:
         ep: the group; engine: the fallback (``EngineNormal``) for rows of other widths; guard: the Buffer's
         fault status; channels, rows: the kernels' channels and tokens per chunk; timeout_ms: how long a wait for a
-        peer lasts; fast_launch: ``triton_launch.Launcher``'s fast path.
+        peer lasts; fast_launch: ``triton_launch.Launcher``'s fast path; alloc: ``NormalState``'s allocator
+        (default ``symm_alloc``; the tests give gloo ranks their own memory, where only the gathers cross).
     """
 
     def __init__(self, ep: EPGroup, engine: EngineNormal, guard: Guard, channels: int, rows: int, timeout_ms: int,
-                 fast_launch: bool = True):
+                 fast_launch: bool = True, alloc=None):
         self.ep, self.engine, self.guard = ep, engine, guard
         self.nch, self.rows = channels, rows
         self.counts = CountGather(engine.exchange, guard, channels)
-        self.state = NormalState(ep.rank, ep.size, ep.device, symm_alloc(ep, timeout_ms), timeout_ms,
+        self.state = NormalState(ep.rank, ep.size, ep.device, alloc or symm_alloc(ep, timeout_ms), timeout_ms,
                                  fast_launch=fast_launch)
 
     def close(self) -> None:
@@ -123,20 +129,24 @@ class DirectNormal(NormalMode):
 
     def dispatch(self, x, route: Route, config: Config):
         w = words("dispatch", x)
-        if w is None:
-            return self.engine.dispatch(x, route, config)
-        a, sc, unpack = w
-        P, me, T, nch = self.ep.size, self.ep.rank, a.shape[0], self.nch
+        P, me, nch = self.ep.size, self.ep.rank, self.nch
         in_rank, per_expert, topk_idx, topk_weights = route.in_rank, route.per_expert, route.topk_idx, \
             route.topk_weights
+        T = in_rank.shape[0]
         E = per_expert.numel()
         e = E // P
-        # the call header rides the count all-gather (guard): read on the host where the counts are
-        on_host = not route.worst or a.device.type == "cpu"
+        # the call header rides the count all-gather (guard), read on the host where the counts are; the gather
+        # comes before the path is taken, in one shape for both (module docstring)
+        on_host = not route.worst or in_rank.device.type == "cpu"
         head = dispatch_header(x, route)
         chan_G, tokens_P, host, per_expert_PE = self.counts(nk.channel_counts(in_rank, nch), per_expert, T, head,
                                                             route.worst, on_host)
         counts_PP = chan_G.sum(2)
+        if w is None:
+            # rows of another width: the engine's exchange, on these counts (``host``: read on the host above)
+            host_PP = None if host is None else host[:, :P * nch].reshape(P, P, nch).sum(2).tolist()
+            return self.engine.dispatch(x, route, config, Counts(counts_PP, tokens_P, host_PP))
+        a, sc, unpack = w
         if route.worst:
             X, cap, num_recv, counts_e = route.worst, capacity_for(route.worst), None, []
         else:

@@ -1,22 +1,63 @@
 """Normal mode on the exchange engine (``moe_wave.comm.deepep_normal``): the symm backend's one-wave exchange with
 compact receive buffers; its CPU emulation on gloo ranks. ``Buffer`` runs it where the direct kernels do not
-(``CompatOptions.normal``), and the direct path hands it rows that are not whole 4-byte words.
+(``CompatOptions.normal``), and the direct path hands it rows that are not whole 4-byte words, with the counts it
+gathered in its own shape (``Counts``: so every rank's first exchange of a dispatch has one shape, whichever path
+its rows take).
+
+Also here: the gate (``gate``), the first exchange of every call on CPU ranks that has no count all-gather of
+its own (a combine, a low-latency dispatch or combine).
 
 Legend: T local tokens, H hidden, K top-k, P ranks, E experts (e = E / P local), X received rows (compact).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
+import torch.distributed as dist
 
 from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_for, routing_counts, routing_layout
+from moe_wave.comm.header import CallHeader, check_headers
 from moe_wave.comm.options import SymmOptions
 
 from .config import Config, topk_idx_t
 from .guard import WORDS, Guard
 from .normal import IntranodeHandle, NormalMode, Route, cached_header, dispatch_header, handle_matrices, pack_x
 
-__all__ = ["EngineNormal"]
+__all__ = ["EngineNormal", "Counts", "gate", "head_at"]
+
+
+def head_at(P: int) -> int:
+    """The column where the call header starts in a row of the engine's count all-gather (``EngineNormal._gather``):
+    [tokens per rank [P] | tokens | guard words [WORDS] | call header]."""
+    return P + 1 + WORDS
+
+
+def gate(ep, header: CallHeader) -> None:
+    """CPU ranks (gloo): ``header`` gathered alone, in the shape of the engine's count all-gather (a row of
+    ``head_at(P)`` zeros, then the header; ``EngineNormal._gather``), and checked on the host before any row
+    moves: ``HeaderMismatch`` on every rank. Every call on CPU ranks that exchanges anything starts with an
+    all-gather of this shape (a dispatch's count gather, a cached dispatch's, and this gate for a combine, a
+    low-latency dispatch and a low-latency combine), so any two calls meet there, whatever their kinds: the
+    headers name each rank's call kind, never gloo's size-mismatch abort (SIGABRT) or a collective of another
+    type waiting until gloo's timeout. One all-gather and host read, on CPU ranks only (their exchanges are
+    host-driven anyway); the GPU paths never call it (``guard``)."""
+    P = ep.size
+    row = torch.tensor([0] * head_at(P) + header.encode(), dtype=torch.int64)
+    G = torch.empty(P, row.numel(), dtype=torch.int64)
+    dist.all_gather(list(G.unbind(0)), row, group=ep.pg)
+    check_headers(G[:, head_at(P):].tolist())
+
+
+class Counts(NamedTuple):
+    """A dispatch's gathered counts as ``EngineNormal.dispatch`` reads them: every rank's tokens per destination
+    [P(src), P(dst)] and its tokens [P], on the device, and the first on the host as lists (None where nothing is
+    read on the host: ``num_worst_tokens`` on a GPU)."""
+
+    counts_PP: torch.Tensor
+    tokens_P: torch.Tensor
+    host_PP: Optional[list]
 
 
 class EngineNormal(NormalMode):
@@ -59,7 +100,7 @@ class EngineNormal(NormalMode):
         P = self.ep.size
         G = self.exchange.count_matrix(torch.cat([per_rank_P.long(), per_rank_P.new_full((1,), T).long(),
                                                   self.guard.words(), self.guard.header_words(header, on_host)]))
-        H0 = P + 1 + WORDS
+        H0 = head_at(P)
         # HOST SYNC (DeepEP waits on the CPU here too) where on_host on a GPU; on CPU ranks the gather is host memory
         host = G.tolist() if on_host else None
         self.guard.fold(G[:, P + 1:H0], G[:, :P].sum(0), worst, None if on_host else G[:, H0:])
@@ -78,20 +119,25 @@ class EngineNormal(NormalMode):
         got, _, _ = self.exchange.dispatch(rows, handle.state)
         return unpack(got)
 
-    def dispatch(self, x, route: Route, config: Config):
+    def dispatch(self, x, route: Route, config: Config, counts: Counts | None = None):
+        """``NormalMode.dispatch``. ``counts``: what the caller gathered already, its headers checked and the guard
+        words folded (the direct path's count all-gather, ``normal_direct.CountGather``); None: this dispatch
+        gathers its own (``_gather``)."""
         rows, unpack = pack_x("dispatch", x)
         P, me, T = self.ep.size, self.ep.rank, rows.shape[0]
-        per_rank, in_rank, worst = route.per_rank, route.in_rank, route.worst
-        # the call header rides the count all-gather (guard): read on the host where the counts are (without
-        # num_worst_tokens: the received count and the capacity every rank agrees on)
+        in_rank, worst = route.in_rank, route.worst
         head = dispatch_header(x, route)
-        G, host = self._gather(per_rank, T, head, worst, not worst or rows.device.type == "cpu")
-        counts_PP, tokens_P = G[:, :P], G[:, P]
+        if counts is None:
+            # the call header rides the count all-gather (guard): read on the host where the counts are (without
+            # num_worst_tokens: the received count and the capacity every rank agrees on)
+            G, host = self._gather(route.per_rank, T, head, worst, not worst or rows.device.type == "cpu")
+            counts = Counts(G[:, :P], G[:, P], None if host is None else [row[:P] for row in host])
+        counts_PP, tokens_P, host_PP = counts
         if worst:
             capacity, X, num_recv = self._capacity(worst), worst, None
         else:
-            num_recv = sum(row[me] for row in host)
-            capacity, X = self._capacity(max(max(row[:P]) for row in host)), num_recv
+            num_recv = sum(row[me] for row in host_PP)
+            capacity, X = self._capacity(max(max(row) for row in host_PP)), num_recv
         layout = routing_layout(in_rank, route.topk_idx, route.topk_weights, route.per_expert)
         cp = self.exchange.make_plan(layout, counts_PP, capacity, X, num_recv)
         got, meta, weight = self.exchange.dispatch(rows, cp)
