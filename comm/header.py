@@ -78,6 +78,8 @@ KINDS = {
                      "every rank must call low_latency_combine the same number of times, each with the handle of "
                      "the same low_latency_dispatch, before any row moves",
                      (("rows", "num_max_dispatch_tokens_per_rank"), ("experts", "num_experts"))),
+    0x4D570006: Kind("deep_ep.Buffer.destroy",
+                     "every rank must call destroy after the same calls, the buffer's last collective"),
 }
 # The rule of calls of different kinds meeting (the fields past ``call`` mean different things per kind).
 ORDER_RULE = ("every rank must make the same calls in the same order (each call meets a call of the same kind on "

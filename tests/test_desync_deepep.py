@@ -319,7 +319,7 @@ def _kinds_case(ep: EPGroup, case: str) -> str:
     meet as a HeaderMismatch naming the call kinds (without it: gloo's SIGABRT or a hang)."""
     from moe_wave.deepep_compat import Buffer
 
-    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True, device="cpu", normal="engine")
+    buf = Buffer(ep.pg, 0, 0, low_latency_mode=True, explicitly_destroy=True, device="cpu", normal="engine")
     x, ids, w = _route(ep.rank)
     recv_x, _, _, _, handle, _ = _dispatch(buf, x, ids, w)                  # in step: a handle for each kind
     lx, lids, lw, lrecv, lhandle = _ll_round(buf, ep)
@@ -329,6 +329,7 @@ def _kinds_case(ep: EPGroup, case: str) -> str:
         "combine": lambda: buf.combine(recv_x, handle),
         "low_latency_dispatch": lambda: buf.low_latency_dispatch(lx, lids, LL_T, E, use_fp8=False),
         "low_latency_combine": lambda: buf.low_latency_combine(lrecv, lids, lw, lhandle),
+        "destroy": buf.destroy,
     }
     mine = case.split("/")[ep.rank]
     msg = _message(calls[mine])
@@ -336,13 +337,14 @@ def _kinds_case(ep: EPGroup, case: str) -> str:
     _ll_in_step_round(buf, ep)
     again, *_ = buf.dispatch(x, handle=handle)
     assert torch.equal(again, recv_x)
+    buf.destroy()                           # in step: the buffer's last call, on every rank
     return msg
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", ["dispatch/combine", "cached/combine", "dispatch/low_latency_dispatch",
                                   "low_latency_dispatch/low_latency_combine", "combine/low_latency_combine",
-                                  "low_latency_combine/dispatch"])
+                                  "low_latency_combine/dispatch", "destroy/dispatch", "combine/destroy"])
 def test_calls_of_another_kind_are_the_same_error_on_every_rank(ranks, case):
     a, b = case.split("/")
     msgs = ranks(2).run(_kinds_case, case)

@@ -45,7 +45,7 @@ __all__ = ["Buffer", "IntranodeHandle", "CALL_KINDS"]
 
 # the kinds of the calls that carry a header; they share the Buffer's one call count (``Buffer._count``)
 CALL_KINDS = ("deep_ep.Buffer.dispatch", "deep_ep.Buffer.combine", "deep_ep.Buffer.low_latency_dispatch",
-              "deep_ep.Buffer.low_latency_combine")
+              "deep_ep.Buffer.low_latency_combine", "deep_ep.Buffer.destroy")
 
 
 class Buffer:
@@ -160,15 +160,25 @@ class Buffer:
     def destroy(self) -> None:
         """Release the buffers. Needs ``explicitly_destroy``. Collective, as DeepEP's: this rank's work drains, then
         a barrier of the group, so that no peer's kernel still writes into a region (flags, acks, rows) when its
-        owner frees it."""
+        owner frees it. On CPU ranks its header is gathered first, as every call's there (``gate``): a destroy
+        meeting another call on a peer is the same ``HeaderMismatch`` on every rank, and the buffer stays usable."""
         if not self.explicitly_destroy:
             raise RuntimeError("Buffer.destroy(): the buffer was made with explicitly_destroy=False (DeepEP's rule); "
                                "its memory is released when it is garbage-collected")
+        if self._destroyed:
+            raise RuntimeError("Buffer.destroy: the buffer was destroyed")
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         if self.group_size > 1:
+            if self._device.type == "cpu":
+                try:
+                    gate(self._ep, CallHeader(kind="deep_ep.Buffer.destroy", module=0, call=self._count(),
+                                              overlap=False, hidden=0, dtype=None))
+                except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
+                    self._realign(e)
+                    raise
             dist.barrier(group=self._ep.pg)
         self._normal.close()
         self._ll.close()
@@ -190,7 +200,7 @@ class Buffer:
 
     def _count(self) -> int:
         """The call number of a call that carries a header (``dispatch``, cached too, ``combine``,
-        ``low_latency_dispatch``, ``low_latency_combine``): one count for all of them, taken on entry, before any
+        ``low_latency_dispatch``, ``low_latency_combine``, ``destroy``): one count for all of them, taken on entry, before any
         check (a call that raised on one rank only still counts there), so calls of different kinds meeting on
         two ranks leave the counts in step, and a call one rank skipped shows in the next header the ranks
         exchange."""
