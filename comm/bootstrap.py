@@ -302,8 +302,8 @@ def child_setup(rank: int, world_size: int, backend: str, store_path: str, timeo
                 high_priority: bool = True) -> EPGroup:
     """In a self-spawned rank: loopback-only env, thread budget, then the group over a file store."""
     set_safe_env()
-    environ.set("MASTER_ADDR", "127.0.0.1")
-    environ.set("GLOO_SOCKET_IFNAME", "lo")
+    environ.assign("MASTER_ADDR", "127.0.0.1")
+    environ.assign("GLOO_SOCKET_IFNAME", "lo")
     if not environ.present("OMP_NUM_THREADS"):  # N ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = None

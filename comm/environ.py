@@ -9,7 +9,7 @@ comm/environ.py's table).
 - ``view()``: a read-only Mapping over the process environment, restricted to the declared variables, for the
   functions that take ``env: Mapping`` (``detect_launcher``, ``moe_wave.env.read_env``). It is live: every
   lookup reads ``os.environ`` at that moment (``monkeypatch.setenv`` after import is seen).
-- ``set(name, value)``, ``set_default(name, value)``, ``update(mapping)``: write (values are str).
+- ``assign(name, value)``, ``set_default(name, value)``, ``update(mapping)``: write (values are str).
 
 ``moe_wave.env`` parses the ``MOE_WAVE_*`` family and documents each of its variables (its own table); this module
 only declares the family. The module is standard library only: comm and the model side both import it.
@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
-__all__ = ["Variable", "TABLE", "declared", "entry", "get", "present", "view", "set", "set_default", "update"]
+__all__ = ["Variable", "TABLE", "declared", "entry", "get", "present", "view", "assign", "set_default", "update"]
 
 
 class Variable(NamedTuple):
@@ -160,7 +160,7 @@ def view() -> Mapping[str, str]:
     return _VIEW
 
 
-def set(name: str, value: str) -> None:  # noqa: A001 - the module's verb, as os.environ[name] = value
+def assign(name: str, value: str) -> None:
     """Set the declared variable ``name`` to ``value`` (a str)."""
     entry(name)
     os.environ[name] = _value(name, value)

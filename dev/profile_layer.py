@@ -7,7 +7,7 @@ and each of its parts is captured alone in a CUDA graph and timed (median of CUD
 the mHC collapse at each site (``hc_pre``), the norms, the attention sublayer, the MoE block, the mHC expansion
 (``hc_post``), and the whole layer, in bf16 or in FP8 (``--precision``: the demo's "auto" is FP8 where DeepGEMM
 runs). The parts' sum against the whole says what a fused or overlapped layer
-could save; the table goes to $OUT/profile_layer.txt when OUT is set.
+could save; the table goes to $OUT/profile_layer_<precision>.txt when OUT is set.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> int:
     lines.append(f"{'sum of parts (2 norms)':<28} {summed:9.1f} {summed / whole:9.2%}")
     lines.append("mHC kernels alone (attention site):")
     lines += [f"  {name:<26} {t:9.1f}" for name, t in micro_rows]
-    report("\n".join(lines), "profile_layer.txt")
+    report("\n".join(lines), f"profile_layer_{prec}.txt")
     return 0
 
 

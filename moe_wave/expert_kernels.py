@@ -136,6 +136,9 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: 
     if not triton_ok(expert_RK.device, want=True):
         raise ValueError(f"expert_order: expert_RK is on {expert_RK.device}, where its Triton kernels cannot run: it "
                          f"needs a GPU tensor (or, on CPU, Triton's interpreter: TRITON_INTERPRET=1)")
+    for name, t in (("offs_e", offs_e), ("rows_P", rows_P), ("starts_e", starts_e)):
+        if t is not None and t.device != expert_RK.device:
+            raise ValueError(f"expert_order: {name} is on {t.device}: must be on expert_RK's device {expert_RK.device}")
     R, K = expert_RK.shape
     cap = R * K if capacity is None else capacity
     if cap < R * K and starts_e is None:

@@ -156,6 +156,7 @@ def _ll_faults(ep: EPGroup) -> list[str]:
     msgs = []
     x, ids, w = _route(me)
     x = x.repeat(1, LL_H // H)
+
     def sent_ids(src: int, bad: int) -> torch.Tensor:      # rank src's ids in this call
         got = _route(src)[1].clone()
         if src == P - 1:

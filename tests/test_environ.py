@@ -33,7 +33,7 @@ def test_declared_by_name_and_by_family():
 @pytest.mark.parametrize("call", [
     lambda: environ.get(UNDECLARED), lambda: environ.get(UNDECLARED, "x"), lambda: environ.present(UNDECLARED),
     lambda: environ.view()[UNDECLARED], lambda: environ.view().get(UNDECLARED), lambda: UNDECLARED in environ.view(),
-    lambda: environ.set(UNDECLARED, "1"), lambda: environ.set_default(UNDECLARED, "1"),
+    lambda: environ.assign(UNDECLARED, "1"), lambda: environ.set_default(UNDECLARED, "1"),
     lambda: environ.update({"RANK": "0", UNDECLARED: "1"})])
 def test_an_undeclared_name_is_a_value_error_naming_it(call, monkeypatch):
     monkeypatch.setenv(UNDECLARED, "set")      # set or not: the name is refused
@@ -45,7 +45,7 @@ def test_an_undeclared_name_is_a_value_error_naming_it(call, monkeypatch):
 def test_a_value_must_be_a_str(monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
     with pytest.raises(ValueError, match=r"OUT=1: an environment variable's value must be a str"):
-        environ.set("OUT", 1)
+        environ.assign("OUT", 1)
     with pytest.raises(ValueError, match=r"must be a str"):
         environ.update({"OUT": None})
     assert "OUT" not in os.environ
@@ -70,7 +70,7 @@ def test_the_view_is_live_and_read_only(monkeypatch):
 def test_writes(monkeypatch):
     for name in ("OUT", "GLOO_SOCKET_IFNAME", "NCCL_ALGO"):
         monkeypatch.delenv(name, raising=False)
-    environ.set("OUT", "/tmp/a")
+    environ.assign("OUT", "/tmp/a")
     assert os.environ["OUT"] == "/tmp/a"
     assert environ.set_default("OUT", "/tmp/b") == "/tmp/a" and os.environ["OUT"] == "/tmp/a"
     assert environ.set_default("GLOO_SOCKET_IFNAME", "lo") == "lo" and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
@@ -87,7 +87,7 @@ def test_every_row_names_its_users_and_meaning():
 # ----------------------------------------------------------------------------- the names the library gives it (ast)
 
 MODULE = "moe_wave.comm.environ"
-NAMED = {"get", "present", "set", "set_default", "update"}     # the accessors that take variable names
+NAMED = {"get", "present", "assign", "set_default", "update"}     # the accessors that take variable names
 SHAPE = re.compile(r"^[A-Z][A-Z0-9]*(_[A-Z0-9]+)*$")          # what an environment variable's name looks like
 
 
@@ -231,7 +231,7 @@ read("NOT_DECLARED_C", "x")
 penv.update(OFF)
 x = [k for k in NAMES if penv.get(k)]
 y = view()["NOT_DECLARED_D"]
-penv.set(name=some_name(), value="1")
+penv.assign(name=some_name(), value="1")
 '''
 
 
@@ -239,7 +239,7 @@ def test_the_scan_sees_every_way_of_naming_a_variable():
     names, unknown = environ_names("moe_wave.example", Path("moe_wave/example.py"), SCANNED)
     assert sorted(n for n in names if not environ.declared(n)) == [f"NOT_DECLARED_{c}" for c in "ABCD"]
     assert {"MOE_WAVE_OVERLAP", "RANK"} <= set(names)
-    assert unknown == ["moe_wave.example:11: penv.set(name=some_name(), value='1')"]
+    assert unknown == ["moe_wave.example:11: penv.assign(name=some_name(), value='1')"]
 
 
 def _literals(mod: str, path: Path) -> dict[str, set[str]]:

@@ -338,3 +338,17 @@ def test_once_fused_stage_matches_torch_path(monkeypatch):
         assert mine.any() or wave == 1
         torch.testing.assert_close(y_f.cpu()[touched], y_t.cpu()[touched], rtol=1e-5, atol=1e-6)
         assert bool(torch.isnan(y_f.cpu()[~touched]).all()), "a row with no pair so far was written"
+
+
+def test_expert_order_names_a_tensor_where_its_kernels_cannot_run(monkeypatch):
+    """Tensors its Triton kernels cannot take (a CPU tensor on a host without the interpreter, an argument on another
+    device) are a ValueError naming the argument and its device, before any launch."""
+    import moe_wave.expert_kernels as ek
+
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    offs = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"expert_order: offs_e is on meta: must be on expert_RK's device cpu"):
+        ek.expert_order(ids, 1, offs.to("meta"))
+    monkeypatch.setattr(ek, "triton_ok", lambda device, want=None: False)
+    with pytest.raises(ValueError, match=r"expert_order: expert_RK is on cpu, where its Triton kernels cannot run"):
+        ek.expert_order(ids, 1, offs)

@@ -112,7 +112,7 @@ def test_block_ends_cover_every_group_row_and_no_padding():
 
 
 @needs_kernels
-@pytest.mark.parametrize("limit,I", [(10.0, 256), (0.0, 256), (10.0, 768)])
+@pytest.mark.parametrize("limit,I", [(10.0, 256), (0.0, 256), (10.0, 384), (10.0, 768)])
 def test_swiglu_quant_kernel_equals_its_twin(limit, I):
     R, K, e = 23, 3, 4
     ids, pos, offs, JA = _pos(R, K, e, 7)

@@ -16,6 +16,7 @@ Stream rules are DeepEP's (``normal.comm_scope``); on CPU every call is synchron
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import replace
 from typing import Optional, Tuple, Union
@@ -167,18 +168,16 @@ class Buffer:
                                "its memory is released when it is garbage-collected")
         if self._destroyed:
             raise RuntimeError("Buffer.destroy: the buffer was destroyed")
+        call = self._count()
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         if self.group_size > 1:
             if self._device.type == "cpu":
-                try:
-                    gate(self._ep, CallHeader(kind="deep_ep.Buffer.destroy", module=0, call=self._count(),
-                                              overlap=False, hidden=0, dtype=None))
-                except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
-                    self._realign(e)
-                    raise
+                with self._in_step():
+                    gate(self._ep, CallHeader(kind="deep_ep.Buffer.destroy", module=0, call=call, overlap=False,
+                                              hidden=0, dtype=None))
             dist.barrier(group=self._ep.pg)
         self._normal.close()
         self._ll.close()
@@ -200,17 +199,29 @@ class Buffer:
 
     def _count(self) -> int:
         """The call number of a call that carries a header (``dispatch``, cached too, ``combine``,
-        ``low_latency_dispatch``, ``low_latency_combine``, ``destroy``): one count for all of them, taken on entry, before any
-        check (a call that raised on one rank only still counts there), so calls of different kinds meeting on
-        two ranks leave the counts in step, and a call one rank skipped shows in the next header the ranks
-        exchange."""
+        ``low_latency_dispatch``, ``low_latency_combine``, ``destroy``): one count for all of them, taken on entry,
+        before any check (a call that raised on one rank only still counts there), so calls of different kinds
+        meeting on two ranks leave the counts in step, and a call one rank skipped shows in the next header the
+        ranks exchange."""
         self._calls += 1
+        self._guard.count_call()        # its twin on the device, for the paths with no host read (GPU)
         return self._calls
+
+    @contextlib.contextmanager
+    def _in_step(self):
+        """A call whose ``HeaderMismatch`` (raised on every rank) leaves every rank's call numbers agreed again
+        (``_realign``), so the next call runs."""
+        try:
+            yield
+        except HeaderMismatch as e:
+            self._realign(e)
+            raise
 
     def _realign(self, e: HeaderMismatch) -> None:
         """After a ``HeaderMismatch`` (raised on every rank): the call number every rank takes, so the next call is
         in step again (``agreed_call``: the largest of the ranks' where every rank made one of these calls)."""
         self._calls = agreed_call(e, CALL_KINDS, 0, self._calls)
+        self._guard.set_count(self._calls)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -315,11 +326,8 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{what}: a cached dispatch (handle given) takes no topk_idx / topk_weights")
             with self._scope(what, previous_event, async_finish, allocate_on_comm_stream, (x,)) as s:
-                try:
+                with self._in_step():
                     recv_x = s.out(self._normal.cached_dispatch(x, handle, call))
-                except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again
-                    self._realign(e)
-                    raise
                 self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)))
             return recv_x, None, None, None, None, s.event
         route = Route(*checks.route_args(what, self.group_size, T, num_tokens_per_rank, is_token_in_rank,
@@ -329,14 +337,11 @@ class Buffer:
                          (x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                           topk_weights)) as s:
             route = self._guarded(route)
-            try:
+            with self._in_step():
                 recv_x, recv_idx, recv_w, counts_e, handle = self._normal.dispatch(
                     x, route, config or self.get_dispatch_config(self.group_size))
-            except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
-                self._realign(e)
-                raise
             self._guard.poison(*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_w)
-            self._guard.snapshot()      # the only call that changes the status; on the stream that wrote it
+            self._guard.snapshot()      # the status as this dispatch left it, on the stream that wrote it
             s.out(recv_x, recv_idx, recv_w, *handle)
         return recv_x, recv_idx, recv_w, counts_e, handle, s.event
 
@@ -407,11 +412,8 @@ class Buffer:
             return
         head = CallHeader(kind="deep_ep.Buffer.combine", module=0, call=call, overlap=False,
                           hidden=x.shape[1], dtype=x.dtype, top_k=0 if topk_weights is None else topk_weights.shape[1])
-        try:
+        with self._in_step():
             gate(self._ep, head)
-        except HeaderMismatch as e:     # raised on every rank: the call numbers agree again after it
-            self._realign(e)
-            raise
 
     def internode_dispatch(self, *args, **kwargs):
         raise checks.unsupported("internode_dispatch", "within one node call dispatch(); across nodes use DeepEP "
@@ -436,13 +438,10 @@ class Buffer:
         """DeepEP's ``low_latency_dispatch``; see ``low_latency.LowLatencyMode.dispatch``."""
         call = self._count()
         self._enter("low_latency_dispatch")
-        try:
+        with self._in_step():
             return self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                                      round_scale, use_ue8m0, async_finish, return_recv_hook, call)
-        except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again after it
-            self._realign(e)
-            raise
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -453,12 +452,9 @@ class Buffer:
         call = self._count()
         self._enter("low_latency_combine")
         check_overlap_kwargs(overlap_kwargs)
-        try:
+        with self._in_step():
             return self._ll.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                     return_recv_hook, out, combine_wait_recv_cost_stats, call)
-        except HeaderMismatch as e:     # (CPU ranks) raised on every rank: the call numbers agree again after it
-            self._realign(e)
-            raise
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The bf16 [e, P * T, H] buffer the next ``low_latency_combine(zero_copy=True)`` reads."""

@@ -10,14 +10,15 @@ Two buffer sets, used in turn by successive dispatches (a combine uses its dispa
 operations can be in flight, as in DeepEP. The returned tensors are fresh (they stay valid), except the zero-copy
 combine buffer (``next_combine_buffer``), one per set.
 
-Expert ids outside [-1, E) (DeepEP's kernels index with them unchecked) are sent nowhere, as -1, and are a fault
-of the Buffer's guard (``guard``), as in normal mode: that dispatch's received rows and scales (on every rank) and
-the outputs of every call since are NaN, and the next call on every rank, or ``Buffer.check()``, raises naming the
-rank, the count, the first bad id and the rule. Every rank learns of it in the same call, with no host sync: on the
-exchange engine the rank's fault words ride the count exchange the dispatch makes anyway (``CompactExchange.prepare``'s
-``extra``) and every rank folds every rank's words there; in the direct kernels they travel in the dispatch's own
-launch, next to the per-expert counts, and the receiving side folds them, stores the rows as NaN and records the
-fault in the guard's words (``ll_direct``): no launch of its own.
+Expert ids outside [-1, E) (DeepEP's kernels index with them unchecked) are sent nowhere, as -1, and are a fault of
+the Buffer's guard (``guard``), as in normal mode: that dispatch's received rows and scales (on every rank) and the
+outputs of every call since are NaN, and a later call on every rank, or ``Buffer.check()``, raises naming the rank,
+the count, the first bad id and the rule (on CPU ranks the next call; on a GPU each rank reads its own copy of the
+fault words with no sync, so one or two calls later, not necessarily the same call on every rank). Every rank learns
+of it in the same call, with no host sync: on the exchange engine the rank's fault words ride the count exchange the
+dispatch makes anyway (``CompactExchange.prepare``'s ``extra``) and every rank folds every rank's words there; in the
+direct kernels they travel in the dispatch's own launch, next to the per-expert counts, and the receiving side folds
+them, stores the rows as NaN and records the fault in the guard's words (``ll_direct``): no launch of its own.
 
 Ranks out of step (different hidden sizes, ``use_fp8``, top-k widths, ``num_experts`` or
 ``num_max_dispatch_tokens_per_rank``, a call one rank skipped or repeated, or calls of different kinds: a
