@@ -163,12 +163,14 @@ class EngineLowLatency(LowLatencyMode):
                 (kern.pack_fp8 if self.kernels else kern.pack_fp8_torch)(x.contiguous(), rows, bool(round_scale))
             else:
                 rows = x.clone(memory_format=torch.contiguous_format) if hook else x.contiguous()
-            return rows, layout
+            # the guard's words taken here, behind the check that wrote them: the next call's check (this stream)
+            # cannot meet them on the communication stream
+            return rows, layout, guard.words()
 
-        def send(rows, layout):
+        def send(rows, layout, words):
             # the header travels with the counts too (on CPU ranks the count row's width is checked there); the
             # guard's words ride the count rows, so every rank folds every rank's fault in this call
-            plan = ex.prepare(layout, T, header, extra=guard.words())
+            plan = ex.prepare(layout, T, header, extra=words)
             guard.fold(plan.extra_PA, None, 0)
             guard.snapshot()
             pending, bufs = ex.send(rows, plan)
