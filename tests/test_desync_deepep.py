@@ -293,44 +293,9 @@ def test_device_side_header_fault_names_the_field_rank_and_values():
     g.raise_if_flagged("dispatch")          # raising cleared it
 
 
-def test_device_call_number_shows_a_call_one_rank_skipped_and_realigns():
-    """Where nothing is read on the host (a GPU dispatch with num_worst_tokens, maybe replayed from a CUDA graph)
-    the header's call number is the device count every call bumps: a call one rank skipped is a fault naming
-    ``call`` and both numbers, and every rank then takes the largest, so the next calls are in step."""
-    from moe_wave.comm.header import CallHeader
-    from moe_wave.deepep_compat.guard import WORDS, Guard
-
-    h = CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=0, overlap=False, hidden=128,
-                   dtype=torch.bfloat16, top_k=K, experts=E, rows=24)
-    g0, g1 = Guard(0, torch.device("cpu")), Guard(1, torch.device("cpu"))
-    for g, calls in ((g0, 2), (g1, 1)):         # rank 1 skipped a call
-        for _ in range(calls):
-            g.count_call()
-    heads = torch.stack([g0.device_header(h), g1.device_header(h)])
-    assert heads[:, 2].tolist() == [2, 1] and heads[0, 3:].tolist() == h.encode()[3:]
-    words = torch.zeros(2, WORDS, dtype=torch.int64)
-    for g in (g0, g1):
-        g.fold(words, None, 24, heads)
-        g.snapshot()
-    msgs = []
-    for g in (g0, g1):
-        with pytest.raises(ValueError) as info:
-            g.raise_if_flagged("dispatch")
-        msgs.append(str(info.value))
-    assert msgs[0] == msgs[1] and "(call: rank 0 2, rank 1 1)" in msgs[0], msgs
-    for g in (g0, g1):                          # in step again: both at 2, the next call 3 on both
-        g.count_call()
-    heads = torch.stack([g0.device_header(h), g1.device_header(h)])
-    assert heads[:, 2].tolist() == [3, 3]
-    for g in (g0, g1):
-        g.fold(words, None, 24, heads)
-        g.snapshot()
-        g.raise_if_flagged("dispatch")
-
-
 def test_guard_reads_nothing_on_the_host():
-    """Every device-side step of the guard (the checks, the words, the fold with and without headers, the device
-    header, the poisoning) runs on the meta device, where any host read of a value raises: none of them syncs."""
+    """Every device-side step of the guard (the checks, the words, the fold with and without headers, the header
+    on the device, the poisoning) runs on the meta device, where any host read of a value raises: none of them syncs."""
     from moe_wave.comm.header import CallHeader
     from moe_wave.deepep_compat.guard import WORDS, Guard
 
@@ -341,7 +306,6 @@ def test_guard_reads_nothing_on_the_host():
     g.check_in_rank(torch.zeros(T, 2, dtype=torch.bool, device=meta), ids, E)
     words = torch.stack([g.words(), g.words()])
     g.fold(words, None, 0)
-    g.count_call()
     h = CallHeader(kind="deep_ep.Buffer.dispatch", module=0, call=0, overlap=False, hidden=128, dtype=torch.bfloat16)
     head = g.device_header(h)
     g.fold(words, torch.zeros(2, dtype=torch.int64, device=meta), 24, torch.stack([head, head]))

@@ -204,7 +204,6 @@ class Buffer:
         meeting on two ranks leave the counts in step, and a call one rank skipped shows in the next header the
         ranks exchange."""
         self._calls += 1
-        self._guard.count_call()        # its twin on the device, for the paths with no host read (GPU)
         return self._calls
 
     @contextlib.contextmanager
@@ -221,7 +220,6 @@ class Buffer:
         """After a ``HeaderMismatch`` (raised on every rank): the call number every rank takes, so the next call is
         in step again (``agreed_call``: the largest of the ranks' where every rank made one of these calls)."""
         self._calls = agreed_call(e, CALL_KINDS, 0, self._calls)
-        self._guard.set_count(self._calls)
 
     @staticmethod
     def is_sm90_compiled() -> bool:

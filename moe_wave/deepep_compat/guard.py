@@ -42,9 +42,10 @@ The call number. One count per Buffer numbers every call that carries a header (
 check, on GPUs too (it costs nothing there), so a call one rank skipped or made of another kind shows as a
 mismatch of ``call`` in the next header the ranks exchange, and calls of different kinds meeting leave the counts
 in step. After a ``HeaderMismatch`` every rank takes the largest of the ranks' numbers, so the next call runs.
-Its twin on the device (``count_call``, bumped by the same calls, and by their replays from a CUDA graph) is the
-call number of the headers gathered with no host read (``device_header``); the fold sets every rank's to the
-largest gathered, so after a device-side mismatch the calls are in step again too.
+On the GPU path with no host read (``num_worst_tokens``) the header's call number is 0: a CUDA-graph replay could
+not update a host value, and a device count bumped by calls that run on different streams would race. There a
+dispatch one rank skipped pairs with its peer's next one unnoticed where every other field agrees; the next
+dispatch that reads its counts on the host names ``call``.
 
 Calls without a count exchange before their rows: a cached dispatch (with a handle), a combine, a low-latency
 dispatch and a low-latency combine. On CPU ranks (gloo, host-driven anyway) each gathers its header first, in an
@@ -81,8 +82,6 @@ from moe_wave.comm.header import FIELDS, CallHeader, check_headers, describe, ru
 
 __all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK", "HEADER"]
 
-CALL = FIELDS.index("call")
-
 NONE, WORST, IDS, IN_RANK, HEADER = 0, 1, 2, 3, 4
 WORDS = 4                   # what a rank adds to the gathered counts: kind, count, limit, value (IDS: the first bad id)
 
@@ -98,8 +97,6 @@ class Guard:
         self.pending = torch.zeros(WORDS, dtype=torch.int64, device=device)
         self._host = torch.zeros(6, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
         self._headers: dict = {}        # header words on the device, per header (``header_words``)
-        # the Buffer's call number on the device (``count_call``, read by ``device_header``)
-        self._calls = torch.zeros(1, dtype=torch.int64, device=device)
 
     @property
     def addresses(self) -> tuple[int, int]:
@@ -170,8 +167,6 @@ class Guard:
             row = torch.cat([r, mine.index_select(0, f), first_row.index_select(0, f), first_row[:1], f])
             cand = torch.where(bad_P.any(), row.expand(P, -1), cand)
             kind = torch.where(bad_P.any(), torch.full_like(kind, HEADER), kind)
-            # every rank takes the largest call number gathered, so the calls after a skipped one are in step
-            self._calls.copy_(head_PH[:, CALL].max().view(1))
         hit = kind != 0
         first = torch.argmax(hit.to(torch.int8)).view(1)        # index_select: no host read of the index
         new = torch.cat([kind.index_select(0, first), cand.index_select(0, first)[0]])
@@ -189,27 +184,16 @@ class Guard:
             return torch.tensor(header.encode(), dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
         return self.device_header(header)
 
-    def count_call(self) -> None:
-        """One more call on the device count (every call that carries a header; a device op, which a CUDA
-        graph replays), so ranks that made the same calls, eagerly or by replay, hold the same number."""
-        self._calls.add_(1)
-
-    def set_count(self, n: int) -> None:
-        """The device count set to ``n`` (every rank the same ``n``, after a ``HeaderMismatch``)."""
-        self._calls.fill_(n)
-
     def device_header(self, header: CallHeader) -> torch.Tensor:
-        """``header`` encoded on the device: its fields but ``call`` from a tensor made once per header, ``call``
-        from the device count (``count_call``): a call one rank skipped shows here too, where nothing is read on
-        the host."""
+        """``header`` encoded on the device, made once per header with the call number 0 (a replay could not
+        update it; see the module docstring)."""
         key = tuple(replace(header, call=0).encode())
         if key not in self._headers:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("deep_ep.Buffer.dispatch: run one dispatch of this shape eagerly before capturing "
                                    "a CUDA graph (its call header is set up on first use)")
             self._headers[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
-        base = self._headers[key]
-        return torch.cat([base[:CALL], self._calls, base[CALL + 1:]])
+        return self._headers[key]
 
     @staticmethod
     def agree(head_rows: list[list[int]]) -> None:
