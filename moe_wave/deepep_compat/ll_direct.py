@@ -32,8 +32,8 @@ Dispatch (``_ZN8moe_wave8dispatchEv``; the profilers demangle it to ``moe_wave::
   kept (``posmap``) for the combine. Every rank's fault words are in every rank's region after the wait, so every
   rank folds them in this call (the Buffer's ``guard``): where any live rank, or an earlier call, recorded a fault,
   the rows and scales are stored as NaN (bf16 0x7FC0, FP8 0x7F, UE8M0 0xFF), and the last program records the
-  first rank's fault in the guard's device status and its pinned host words (kind last, release), which the next
-  call reads without a sync.
+  first rank's fault in the guard's device status and its pinned host words (kind last, plain stores with no
+  fence: a host reader may see the kind before the other words), which the next call reads without a sync.
 
 Combine (``_ZN8moe_wave7combineEv``), three steps:
 
