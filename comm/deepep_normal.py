@@ -44,7 +44,21 @@ from .symm import SymmBackend, SymmHandle
 from .symm_plan import SymmPlan
 
 __all__ = ["CompactExchange", "CompactPlan", "routing_counts", "routing_layout", "compact_rows", "capacity_for",
-           "ENTRY_CHANNEL"]
+           "gather_rows", "ENTRY_CHANNEL"]
+
+
+def gather_rows(ep, row: torch.Tensor) -> torch.Tensor:
+    """[P, n] int64: row i is rank i's ``row`` (n values; one all-gather on the current stream)."""
+    mine = row.to(torch.long).reshape(1, -1).contiguous()
+    if ep.size == 1:
+        return mine.clone()
+    out = torch.empty(ep.size, mine.shape[1], dtype=torch.long, device=mine.device)
+    if "nccl" in ep.backend:
+        dist.all_gather_into_tensor(out, mine, group=ep.pg)
+    else:
+        dist.all_gather(list(out.unbind(0)), mine[0], group=ep.pg)
+    return out
+
 
 # the barrier channel of the entry fence: the backend's one-wave exchanges use channels 0 (dispatch) and 1 (combine)
 ENTRY_CHANNEL = 2
@@ -182,16 +196,8 @@ class CompactExchange:
 
     # ------------------------------------------------------------------ counts and plans
     def count_matrix(self, per_rank_P: torch.Tensor) -> torch.Tensor:
-        """[P, P] int64: row i is rank i's ``per_rank_P`` (one all-gather on the current stream)."""
-        mine = per_rank_P.to(torch.long).reshape(1, -1).contiguous()
-        if self.ep.size == 1:
-            return mine.clone()
-        out = torch.empty(self.ep.size, mine.shape[1], dtype=torch.long, device=mine.device)
-        if "nccl" in self.ep.backend:
-            dist.all_gather_into_tensor(out, mine, group=self.ep.pg)
-        else:
-            dist.all_gather(list(out.unbind(0)), mine[0], group=self.ep.pg)
-        return out
+        """[P, P] int64: row i is rank i's ``per_rank_P`` (``gather_rows``)."""
+        return gather_rows(self.ep, per_rank_P)
 
     def make_plan(self, layout: DispatchLayout, counts_PP: torch.Tensor, capacity: int, rows: int,
                   num_recv: int | None) -> CompactPlan:

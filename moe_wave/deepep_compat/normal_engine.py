@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 
-from moe_wave.comm.deepep_normal import CompactExchange, CompactPlan, capacity_for, routing_counts, routing_layout
+from moe_wave.comm.deepep_normal import (CompactExchange, CompactPlan, capacity_for, gather_rows, routing_counts,
+                                        routing_layout)
 from moe_wave.comm.header import CallHeader, check_headers
 from moe_wave.comm.options import SymmOptions
 
@@ -43,11 +43,8 @@ def gate(ep, header: CallHeader) -> None:
     headers name each rank's call kind, never gloo's size-mismatch abort (SIGABRT) or a collective of another
     type waiting until gloo's timeout. One all-gather and host read, on CPU ranks only (their exchanges are
     host-driven anyway); the GPU paths never call it (``guard``)."""
-    P = ep.size
-    row = torch.tensor([0] * head_at(P) + header.encode(), dtype=torch.int64)
-    G = torch.empty(P, row.numel(), dtype=torch.int64)
-    dist.all_gather(list(G.unbind(0)), row, group=ep.pg)
-    check_headers(G[:, head_at(P):].tolist())
+    G = gather_rows(ep, torch.tensor([0] * head_at(ep.size) + header.encode(), dtype=torch.int64))
+    check_headers(G[:, head_at(ep.size):].tolist())
 
 
 class Counts(NamedTuple):
