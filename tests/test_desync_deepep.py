@@ -440,3 +440,38 @@ def _direct_widths_case(ep: EPGroup) -> str:
 @pytest.mark.timeout(180)
 def test_direct_dispatch_with_rows_of_another_path_is_the_same_error_on_every_rank(ranks):
     _assert_same_error(ranks(2).run(_direct_widths_case), "dispatch", "(hidden: rank 0 128, rank 1 127)", RULE)
+
+
+def _settings_case(ep: EPGroup, case: str) -> str:
+    """Ranks constructing their Buffers with different settings: the construction's one object gather compares
+    them, so it is the same ValueError on every rank (without it: ``normal_channels`` sizes the direct dispatch's
+    count gather, and ranks that differ meet in gathers of two sizes, NCCL's hang or gloo's abort, at the first
+    dispatch). Then Buffers made alike run."""
+    from moe_wave.comm.options import SymmOptions
+    from moe_wave.deepep_compat import Buffer
+
+    one = ep.rank == 1
+    if case == "normal_channels":
+        msg = _message(lambda: Buffer(ep.pg, 0, 0, device="cpu", normal_channels=16 if one else 32))
+    elif case == "normal":
+        msg = _message(lambda: Buffer(ep.pg, 0, 0, device="cpu", normal="engine" if one else "auto"))
+    elif case == "kernels":
+        msg = _message(lambda: Buffer(ep.pg, 0, 0, device="cpu",
+                                      options=SymmOptions(kernels="torch" if one else "auto")))
+    else:
+        raise AssertionError(case)
+    buf = Buffer(ep.pg, 0, 0, device="cpu", normal_channels=16)
+    _in_step_round(buf, ep)
+    return msg
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case, values", [
+    ("normal_channels", "Buffer(normal_channels): rank 0 32, rank 1 16"),
+    ("normal", "Buffer(normal): rank 0 'auto', rank 1 'engine'"),
+    ("kernels", "Buffer(options.kernels): rank 0 'auto', rank 1 'torch'"),
+])
+def test_buffers_built_with_different_settings_are_the_same_error_on_every_rank(ranks, case, values):
+    msg0, msg1 = ranks(2).run(_settings_case, case)
+    assert msg0 == msg1 and msg0.startswith(values), (msg0, msg1)
+    assert "every rank must construct its Buffer with the same settings" in msg0 and "\n" not in msg0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from dataclasses import replace
+from dataclasses import astuple, replace
 from typing import Optional, Tuple, Union
 
 import torch
@@ -97,11 +97,17 @@ class Buffer:
                                      f"{NUM_MAX_NVL_PEERS} ranks); for internode EP use DeepEP itself")
         backend = str(dist.get_backend(group)).lower()
         dev = checks.device_arg(device, backend)
-        hosts = [None] * self.group_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        # one object gather: the host (one node) and the settings every call's shapes depend on (the count
+        # gather's width is normal_channels wide: ranks that differ there would hang NCCL or abort gloo later)
+        options = options or SymmOptions()
+        mine = (socket.gethostname(), astuple(self.compat), options.kernels)
+        seen = [None] * self.group_size
+        dist.all_gather_object(seen, mine, group=group)
+        hosts = [h for h, _, _ in seen]
         if len(set(hosts)) > 1:
             raise checks.unsupported(f"__init__ over hosts {sorted(set(hosts))}", "every rank must share one node; "
                                      "for internode EP use DeepEP itself")
+        checks.same_settings(self.compat, [c for _, c, _ in seen], [k for _, _, k in seen])
         cuda = ("nccl" in backend or torch.cuda.is_available()) if dev is None else dev.type == "cuda"
         index = dev.index if dev is not None and cuda else None
         self._device = (torch.device("cuda", torch.cuda.current_device() if index is None else index) if cuda
@@ -117,7 +123,6 @@ class Buffer:
         self._guard = Guard(self.rank, self._device)
         # the call header's call number, one count for every kind (``_count``)
         self._calls = 0
-        options = options or SymmOptions()
         self._normal = self._normal_mode(options)
         self._ll = self._ll_mode(options)
         self._destroyed = False

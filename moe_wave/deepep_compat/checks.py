@@ -149,3 +149,20 @@ def fp8_pair(what: str, x) -> None:
 def num_experts_arg(what: str, num_experts, P: int) -> None:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0 or num_experts % P:
         raise ValueError(f"{what}: num_experts={num_experts!r} must be a positive multiple of the {P} ranks")
+
+
+def same_settings(mine, compat_per_rank: list, kernels_per_rank: list) -> None:
+    """Raise the same ValueError on every rank when the ranks' ``CompatOptions`` (as tuples, in rank order) or
+    ``SymmOptions.kernels`` differ: the calls' collectives are shaped by them (the direct dispatch's count gather
+    is ``normal_channels`` wide), so ranks that differ would meet in gathers of different sizes."""
+    names = type(mine).names()
+    for i, name in enumerate(names):
+        values = [c[i] for c in compat_per_rank]
+        if len(set(values)) > 1:
+            each = ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"Buffer({name}): {each}; every rank must construct its Buffer with the same "
+                             f"settings (arguments or MOE_WAVE_* environment)")
+    if len(set(kernels_per_rank)) > 1:
+        each = ", ".join(f"rank {r} {v!r}" for r, v in enumerate(kernels_per_rank))
+        raise ValueError(f"Buffer(options.kernels): {each}; every rank must construct its Buffer with the same "
+                         f"settings")
