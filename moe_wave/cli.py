@@ -235,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sliding, sliding, csa, hca, ...). Default: 3 (tiny), 4 (v4-flash), 2 (v4-pro)")
     d.add_argument("--tokens", type=at_least(1, "tokens per rank: attention runs on each rank's own sequence"),
                    default=None, help="tokens per rank (default: 32 tiny, else 2048)")
-    d.add_argument("--waves", type=waves, default=2,
-                   help="number of waves W, or 'auto'; with --partition experts at most the local experts per rank")
+    d.add_argument("--waves", type=waves, default=None,
+                   help="number of waves W, or 'auto'; with --partition experts at most the local experts per rank. "
+                        "Default: 2, or 1 on one rank (nothing crosses there, so waves would only split the experts' "
+                        "work)")
     d.add_argument("--partition", choices=("experts", "tokens"), default="experts")
     d.add_argument("--sends", choices=("wave", "once"), default="wave",
                    help="how often a (token, peer) row crosses with --partition experts: once per wave with one of "

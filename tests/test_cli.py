@@ -49,7 +49,7 @@ def test_info_runs_and_lists_backends():
 
 
 def _rank_options(ep, args):
-    wave, schedule = demo_configs(args)
+    wave, schedule = demo_configs(args, ep.size)
     return wave.symm, wave.overlap, schedule.overlap, schedule.kernels, os.environ.get("MOE_WAVE_SYMM_MODE")
 
 
@@ -153,3 +153,16 @@ def test_info_says_what_precision_auto_means_and_what_runs_the_fp8_gemms():
         assert rows["precision"] == "auto = bf16; FP8 projections on torch-ref, FP8 experts on per-expert"
     assert rows["precision"].startswith("auto = ") and "FP8 experts on " in rows["precision"]
     assert "deep_gemm" in rows
+
+
+def test_demo_waves_default_is_one_on_one_rank_and_two_on_several():
+    """One rank exchanges nothing, so the demo's default there is one wave (W=2 only splits the experts' work);
+    several ranks get two; a --waves the user gives is kept on any number of ranks."""
+    for ranks, want in ((1, 1), (2, 2), (4, 2)):
+        args = _demo([])
+        wave, _ = demo_configs(args, ranks)
+        assert (args.waves, wave.num_waves, args.waves_default) == (want, want, True), ranks
+    args = _demo(["--waves", "2"])
+    assert demo_configs(args, 1)[0].num_waves == 2 and not args.waves_default
+    args = _demo(["--waves", "auto"])
+    assert demo_configs(args, 1)[0].num_waves == "auto"

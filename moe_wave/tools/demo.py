@@ -87,8 +87,12 @@ def resolve_defaults(args, env: EnvSettings | None = None) -> None:
 
 
 def check_waves(args, world_size: int) -> None:
-    """ValueError when ``--waves`` asks for more waves than the local experts per rank under ``--partition
+    """Complete ``--waves`` (default: 2, or 1 on one rank, where no row crosses and waves would only split the
+    experts' work); ValueError when it asks for more waves than the local experts per rank under ``--partition
     experts`` (a wave is a block of local experts: the library would run fewer waves than asked)."""
+    args.waves_default = getattr(args, "waves_default", False) or args.waves is None
+    if args.waves is None:
+        args.waves = 1 if world_size == 1 else 2
     if args.partition != "experts" or args.waves == "auto":
         return
     E = MoEConfig.preset(STACK_PRESETS[args.preset].moe).num_experts
@@ -210,8 +214,10 @@ def _part_times(layers, inputs, ep, iters: int, warmup: int) -> list[dict]:
     return [dict(zip(names, worst[4 * i:4 * i + 4])) for i in range(len(layers))]
 
 
-def demo_configs(args) -> tuple[WaveConfig, ScheduleConfig]:
-    """The MoE schedule and the attention schedule of the overlapped run, from resolved ``args``."""
+def demo_configs(args, world_size: int) -> tuple[WaveConfig, ScheduleConfig]:
+    """The MoE schedule and the attention schedule of the overlapped run, from resolved ``args`` on
+    ``world_size`` ranks (``check_waves`` completes ``--waves``)."""
+    check_waves(args, world_size)
     wave = WaveConfig(num_waves=args.waves, partition=args.partition, sends=args.sends, backend=args.backend,
                       overlap=args.overlap, symm=args.symm, autowave_cache=args.autowave_cache)
     core = CoreTuning(kernel_cache=getattr(args, "kernel_cache", None))
@@ -226,7 +232,7 @@ def run_demo_rank(ep, args) -> dict:
     set_nvtx(args.nvtx)   # a spawned rank is a fresh process
     set_fp8_gemm(args.fp8_gemm)
     dtype = getattr(torch, args.dtype)
-    wave, schedule = demo_configs(args)
+    wave, schedule = demo_configs(args, ep.size)
     layers = build_layer_stack(args.preset, args.layers, ep=ep, wave=wave, schedule=schedule, device=ep.device,
                                  dtype=dtype, seed=args.seed, fp8=args.precision == "fp8")
     E = layers[0].moe.cfg.num_experts
@@ -343,7 +349,9 @@ def print_demo(res: dict, args) -> bool:
     has_ref = st["single"] is not None
     attn_on, moe_on = args.attn_overlap, args.overlap   # resolved by resolve_defaults
     print(f"moe-wave demo: preset {args.preset}, {len(layers)} layers, {res['experts']} experts, "
-          f"{res['backend_pg']} on {res['device']}, waves {args.waves} ({args.partition}, sends {args.sends}), "
+          f"{res['backend_pg']} on {res['device']}, waves {args.waves}"
+          f"{' (the default on one rank: no row crosses)' if getattr(args, 'waves_default', False) and res['ranks'] == 1 else ''}"
+          f" ({args.partition}, sends {args.sends}), "
           f"backend {args.backend}, "
           f"overlapped run: attention overlap {'on' if attn_on else 'off'}, MoE overlap {'on' if moe_on else 'off'}; "
           f"{args.dtype}, precision {_precision_text(args)}, seed {args.seed}")
