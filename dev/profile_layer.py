@@ -39,6 +39,8 @@ def main() -> int:
     ap.add_argument("--layer", type=int, default=0, help="which layer of the preset (its type and routing)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--precision", default="auto", choices=PRECISIONS)
+    ap.add_argument("--kernels", type=int, default=20,
+                    help="also list the MoE block's N longest kernels (device time of one eager call; 0: none)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_layer: needs a GPU", file=sys.stderr)
@@ -95,6 +97,19 @@ def main() -> int:
     lines.append(f"{'sum of parts (2 norms)':<28} {summed:9.1f} {summed / whole:9.2%}")
     lines.append("mHC kernels alone (attention site):")
     lines += [f"  {name:<26} {t:9.1f}" for name, t in micro_rows]
+    if args.kernels:
+        from profile_experts import kernels
+        from torch.profiler import ProfilerActivity, profile
+
+        layer.moe(m_in, input_ids=ids.reshape(-1))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            layer.moe(m_in, input_ids=ids.reshape(-1))
+            torch.cuda.synchronize()
+        table = sorted(kernels(prof).items(), key=lambda kv: -kv[1][0])
+        total = sum(us for us, _ in dict(table).values())
+        lines.append(f"MoE block, one eager call: {total:.1f} us of kernels (both streams summed); the longest:")
+        lines += [f"  {us:9.1f} {n:4d}x  {name[:100]}" for name, (us, n) in table[:args.kernels]]
     report("\n".join(lines), f"profile_layer_{prec}.txt")
     return 0
 
