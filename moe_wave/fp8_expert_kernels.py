@@ -34,7 +34,7 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .fp8_quant import BLOCK, FP8, act_quant_torch
 
-__all__ = ["ALIGN", "aligned_groups", "quant_pairs", "quant_pairs_torch", "gather_pairs", "gather_pairs_torch",
+__all__ = ["ALIGN", "aligned_groups", "masked_groups", "grouped_scales", "quant_pairs", "quant_pairs_torch", "gather_pairs", "gather_pairs_torch",
            "swiglu_quant", "swiglu_quant_torch", "aligned_capacity", "block_ends"]
 
 ALIGN = 128
@@ -55,6 +55,31 @@ def aligned_groups(offs_e: torch.Tensor, align: int = ALIGN) -> tuple[torch.Tens
     cnt = torch.diff(offs_e.to(torch.int32), prepend=offs_e.new_zeros(1, dtype=torch.int32))
     padded = (cnt + (align - 1)) // align * align
     starts = torch.cumsum(padded, 0, dtype=torch.int32) - padded
+    return starts, starts + cnt
+
+
+def grouped_scales(s_CJ: torch.Tensor, group_rows: int | None) -> torch.Tensor:
+    """Scales [C/128, JA] laid out as the kernels write them for ``group_rows`` = G: [JA / G, C/128, G] (each
+    group's scales MN-major, as DeepGEMM's masked GEMM reads them); None: as they are."""
+    if group_rows is None:
+        return s_CJ
+    C, JA = s_CJ.shape
+    return s_CJ.view(C, JA // group_rows, group_rows).permute(1, 0, 2).contiguous()
+
+
+def _group_rows(JA: int, group_rows: int | None, what: str) -> int:
+    if group_rows is None:
+        return max(JA, 1)
+    if group_rows <= 0 or JA % group_rows:
+        raise ValueError(f"{what}: group_rows={group_rows}: must be a positive divisor of the layout's rows {JA}")
+    return group_rows
+
+
+def masked_groups(offs_e: torch.Tensor, max_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts_e, ends_e) int32 of the masked layout: expert x's rows at x * max_m .. x * max_m + count[x] - 1
+    (DeepGEMM's ``m_grouped_fp8_gemm_nt_masked`` on [e, max_m, .] views); max_m % 128 == 0 and >= every count."""
+    cnt = torch.diff(offs_e.to(torch.int32), prepend=offs_e.new_zeros(1, dtype=torch.int32))
+    starts = torch.arange(cnt.numel(), device=offs_e.device, dtype=torch.int32) * max_m
     return starts, starts + cnt
 
 
@@ -106,15 +131,15 @@ def swiglu_quant_torch(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: tor
 
 
 def block_ends(starts_e: torch.Tensor, ends_e: torch.Tensor, JA: int, align: int = ALIGN) -> torch.Tensor:
-    """int32 [JA / align]: for each ``align``-row block of the aligned layout, the end (exclusive) of the group
-    it belongs to, or its own start where it holds no group's row (past the last group): the block's rows in
-    use are [b * align, min(b * align + align, end)). On the device, no host sync."""
+    """int32 [JA / align]: for each ``align``-row block of the layout, the end (exclusive) of the group it belongs
+    to, or its own start where it holds no group's row (padding, or past the last group): the block's rows in use
+    are [b * align, min(b * align + align, end)). Groups start at multiples of ``align`` in increasing order (the
+    aligned layout, or the masked one's x * max_m); a block belongs to the last group starting at or before it.
+    On the device, no host sync."""
     nb = JA // align
     b0 = torch.arange(nb, device=starts_e.device, dtype=torch.int32) * align
-    padded = (ends_e - starts_e + (align - 1)) // align * align
-    x = torch.searchsorted(torch.cumsum(padded, 0, dtype=torch.int32), b0, right=True)   # the group of block b
-    ends = torch.cat([ends_e.to(torch.int32), ends_e.new_zeros(1, dtype=torch.int32)])
-    return torch.maximum(ends[x], b0)
+    x = torch.searchsorted(starts_e.to(torch.int32).contiguous(), b0, right=True) - 1     # the group of block b
+    return torch.maximum(ends_e.to(torch.int32)[x.clamp_min(0)], b0)
 
 
 def _grid(R: int, device: torch.device) -> int:
@@ -138,25 +163,28 @@ def _blocks_per_step(C: int, most: int) -> int:
 
 
 def _rows_to_pairs(src: tuple, row0: int, loc: tuple | None, pos: torch.Tensor, R: int, D: int, JA: int,
-                   packed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+                   packed: bool, device, group_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    G = _group_rows(JA, group_rows, "gather_pairs" if packed else "quant_pairs")
     q = torch.empty(JA, D, dtype=FP8, device=device)
-    s = torch.empty(D // BLOCK, JA, dtype=torch.float32, device=device)
+    s = torch.empty((D // BLOCK, JA) if group_rows is None else (JA // G, D // BLOCK, G), dtype=torch.float32,
+                    device=device)
     if R and D:
         L = 0 if loc is None else loc[0].shape[0]
         loc = src if not L else loc
         K = pos.shape[1]
         _pairs_kernel[(_grid(R, device),)](
             src[0], src[1], src[0].stride(0), src[1].stride(0), loc[0], loc[1], loc[0].stride(0), loc[1].stride(0),
-            row0, L, pos, q, s, R, K, D, JA, KP=triton.next_power_of_2(K), NB=_blocks_per_step(D, 8), PACKED=packed,
+            row0, L, pos, q, s, R, K, D, G, KP=triton.next_power_of_2(K), NB=_blocks_per_step(D, 8), PACKED=packed,
             INTERP=interpreting(), num_warps=8)
     return q, s
 
 
-def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
-                local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int, local: tuple | None = None,
+                group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [JA, D] e4m3, s [D/128, JA] fp32): row pos[r, k] of q is x[r] quantised per 128 channels (pow2 scales,
     ``moe_wave.fp8``'s format), for every slot with pos >= 0; the other rows are left as allocated. ``local`` =
-    (row0, x_LD) (``Received.local``): rows row0 .. row0 + L - 1 are read from x_LD. D % 128 == 0."""
+    (row0, x_LD) (``Received.local``): rows row0 .. row0 + L - 1 are read from x_LD. D % 128 == 0.
+    ``group_rows`` = G: s is [JA / G, D/128, G] instead (``grouped_scales``: the masked layout's)."""
     R, D = x_RD.shape
     if D % BLOCK:
         raise ValueError(f"quant_pairs: D={D} must be a multiple of {BLOCK}")
@@ -166,11 +194,12 @@ def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
         raise ValueError(f"quant_pairs: local rows {tuple(loc.shape)} {loc.dtype} must be [L, {D}] {x_RD.dtype} "
                          f"rows with unit channel stride")
     x = x_RD if x_RD.stride(1) == 1 else x_RD.contiguous()
-    return _rows_to_pairs((x, x), row0, None if loc is None else (loc, loc), pos, R, D, JA, False, x_RD.device)
+    return _rows_to_pairs((x, x), row0, None if loc is None else (loc, loc), pos, R, D, JA, False, x_RD.device,
+                          group_rows)
 
 
-def gather_pairs(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int,
-                 local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_pairs(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int, local: tuple | None = None,
+                 group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant_pairs`` for rows that arrived quantised (``fp8_rows``' packed rows of D channels, [R, Dw] bf16):
     each pair's row of q and column of s copied from its row's e4m3 values and scales, no arithmetic. ``local``
     = (row0, packed rows [L, Dw]) as ``Received.local``."""
@@ -180,27 +209,30 @@ def gather_pairs(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int,
     pos = _check_pos(pos_RK, R)
     row0, loc = (0, None) if local is None or not local[1].numel() else local
     return _rows_to_pairs(unpack_rows(p_RW, D), row0, None if loc is None else unpack_rows(loc, D), pos, R, D, JA,
-                          True, p_RW.device)
+                          True, p_RW.device, group_rows)
 
 
-def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Tensor,
-                 limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Tensor, limit: float,
+                 group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hq [JA, I] e4m3, hs [I/128, JA] fp32): for every row of the groups (rows starts[x] .. ends[x] - 1 of
     expert x, the aligned layout), h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 from the row's
     [gate | up] (limit <= 0: no clamp), quantised per 128 channels; the padding rows are left as allocated. By
     128-row blocks of the layout (each within one group: ``block_ends``), dense rows, no pair positions: the cost
-    follows the pairs, whatever number of slots each received row has. I % 128 == 0, JA % 128 == 0."""
+    follows the pairs, whatever number of slots each received row has. I % 128 == 0, JA % 128 == 0.
+    ``group_rows`` = G: hs is [JA / G, I/128, G] (``grouped_scales``)."""
     JA, I2 = gu_J2I.shape
     I = I2 // 2
     if I % BLOCK or I2 % 2 or JA % ALIGN:
         raise ValueError(f"swiglu_quant: gu {tuple(gu_J2I.shape)}: must be [JA, 2 * I] with I a multiple of {BLOCK} "
                          f"and JA of {ALIGN}")
+    G = _group_rows(JA, group_rows, "swiglu_quant")
     hq = torch.empty(JA, I, dtype=FP8, device=gu_J2I.device)
-    hs = torch.empty(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
+    hs = torch.empty((I // BLOCK, JA) if group_rows is None else (JA // G, I // BLOCK, G), dtype=torch.float32,
+                     device=gu_J2I.device)
     if JA and I:
         nb = _blocks_per_step(I, 2)
         _swiglu_quant_kernel[(JA // ALIGN, I // (nb * BLOCK))](
-            gu_J2I, block_ends(starts_e, ends_e, JA), hq, hs, I, JA, float(limit), BR=16, NB=nb, CLAMP=limit > 0,
+            gu_J2I, block_ends(starts_e, ends_e, JA), hq, hs, I, G, float(limit), BR=16, NB=nb, CLAMP=limit > 0,
             INTERP=interpreting(), num_warps=4)
     return hq, hs
 
@@ -223,11 +255,12 @@ if triton is not None:
 
     @triton.jit
     def _pairs_kernel(q_src, s_src, sq_row, ss_row, q_loc, s_loc, lq_row, ls_row, ROW0, L, pos_ptr, q_ptr, s_ptr,
-                      R, K, D, JA, KP: tl.constexpr, NB: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr):
+                      R, K, D, G, KP: tl.constexpr, NB: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr):
         # rows r = pid, pid + programs, ...: the row's K positions loaded once; a row with a local pair is read
         # once, NB 128-channel blocks a step, and each step's e4m3 values and scales stored at every pair's row in
         # one masked store. PACKED: the source holds e4m3 values (q_src) and scales (s_src) already (fp8_rows);
         # else q_src is the bf16 rows, quantised here. Rows ROW0 .. ROW0 + L - 1 come from the *_loc pointers.
+        # The scales go in groups of G rows: [JA / G, D / 128, G] (G = JA: [D / 128, JA]).
         kk = tl.arange(0, KP)
         c = tl.arange(0, NB * 128)
         nb = tl.arange(0, NB)
@@ -249,14 +282,16 @@ if triton is not None:
                     else:
                         q, sc = _quant_tile(tl.load(qb + d0 + c).to(tl.float32)[None, :], 1, NB, INTERP)
                     tl.store(q_ptr + p[:, None] * D + d0 + c[None, :], q, mask=ok[:, None])
-                    tl.store(s_ptr + (d0 // 128 + nb[None, :]).to(tl.int64) * JA + p[:, None], sc, mask=ok[:, None])
+                    pg = p.to(tl.int64)[:, None]
+                    tl.store(s_ptr + (pg // G) * (D // 128) * G + (d0 // 128 + nb[None, :]).to(tl.int64) * G + pg % G,
+                             sc, mask=ok[:, None])
 
     @triton.jit
-    def _swiglu_quant_kernel(gu_ptr, bend_ptr, hq_ptr, hs_ptr, I, JA, limit, BR: tl.constexpr, NB: tl.constexpr,
+    def _swiglu_quant_kernel(gu_ptr, bend_ptr, hq_ptr, hs_ptr, I, G, limit, BR: tl.constexpr, NB: tl.constexpr,
                              CLAMP: tl.constexpr, INTERP: tl.constexpr):
         # program (b, t): the 128-row block b of the aligned layout (its rows in use, up to its group's end) by
         # channels t * NB * 128 ..: BR rows a step, each [BR, NB * 128] tile of gate / up turned and quantised per
-        # row and 128 channels
+        # row and 128 channels; the scales in groups of G rows as _pairs_kernel's
         b0 = tl.program_id(0) * 128
         i0 = tl.program_id(1) * NB * 128
         n = tl.minimum(tl.load(bend_ptr + tl.program_id(0)) - b0, 128)
@@ -273,4 +308,6 @@ if triton is not None:
                 up = tl.minimum(tl.maximum(up, -limit), limit)
             q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BR, NB, INTERP)
             tl.store(hq_ptr + rows.to(tl.int64)[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
-            tl.store(hs_ptr + (i0 // 128 + nb[None, :]).to(tl.int64) * JA + rows[:, None], sc, mask=ok[:, None])
+            rg = rows.to(tl.int64)[:, None]
+            tl.store(hs_ptr + (rg // G) * (I // 128) * G + (i0 // 128 + nb[None, :]).to(tl.int64) * G + rg % G, sc,
+                     mask=ok[:, None])

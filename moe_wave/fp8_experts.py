@@ -38,6 +38,7 @@ __all__ = ["quant_experts", "dequant_experts", "fp4_to_fp8", "dequant_fp4", "FP8
 
 # e2m1 codes 0..7 (the sign is bit 3)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+GEMM_LAYOUTS = ("auto", "contiguous", "masked")
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +115,7 @@ class FP8RoutedExperts(nn.Module):
             raise ValueError(f"FP8 experts: hidden_size={D}, intermediate_size={I}: both must be multiples of "
                              f"{BLOCK} (activations are quantised per {BLOCK} channels)")
         self.cfg, self.num_local = cfg, num_local
+        self.gemm_layout = "auto"       # the fused stage's layout and grouped GEMMs (fp8_gemm_layout)
         self.register_buffer("gate_up", torch.zeros(num_local, 2 * I, D, dtype=FP8, device=device))
         self.register_buffer("gate_up_scale", torch.ones(num_local, 2 * I // BLOCK, D // BLOCK, device=device))
         self.register_buffer("down", torch.zeros(num_local, D, I, dtype=FP8, device=device))
@@ -245,30 +247,59 @@ def fp8_fused_ok(x_RD: torch.Tensor, experts: nn.Module) -> bool:
             and _deep_gemm_grouped(x_RD.device) is not None)
 
 
+def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto") -> tuple[str, int, int]:
+    """(layout, rows of the layout JA, max_m) of the fused stage for R received rows holding at most ``pairs``
+    pairs over e experts. "contiguous": the aligned layout (groups at 128-row multiples, DeepGEMM's psum layout;
+    max_m 0); "masked": expert x at rows x * max_m .., max_m = min(R, pairs) rounded up to 128 (a row holds an
+    expert once), DeepGEMM's masked GEMMs; "auto": masked where its layout is no larger than the aligned one's
+    (few rows per expert, as in decode), else contiguous."""
+    from .fp8_expert_kernels import ALIGN, aligned_capacity
+
+    if choice not in GEMM_LAYOUTS:
+        raise ValueError(f"FP8RoutedExperts.gemm_layout={choice!r}: must be one of {GEMM_LAYOUTS}")
+    JA = aligned_capacity(pairs, e)
+    max_m = max(ALIGN, -(-min(R, pairs) // ALIGN) * ALIGN)
+    if choice == "masked" or (choice == "auto" and e * max_m <= JA):
+        return "masked", e * max_m, max_m
+    return "contiguous", JA, 0
+
+
 def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None, rows_P=None, packed: bool = False,
                     max_pairs: int | None = None) -> tuple:
     """The FP8 stage on DeepGEMM (see the module docstring) up to the weighted sum: (y_JD bf16, each pair's row
     there, pos_RK, the rows in use n = ends[-1:]). ``offs``: the device cumulative group ends (int32 [e]);
     ``packed``: x_RD holds ``fp8_rows``' FP8 rows, copied into the layout as they are; ``max_pairs``: the most
-    pairs the counts can hold (default R * K; rows that stay over several waves bound a wave's by its blocks)."""
+    pairs the counts can hold (default R * K; rows that stay over several waves bound a wave's by its blocks).
+    The layout and GEMMs: ``fp8_gemm_layout`` with ``experts.gemm_layout``."""
     from .expert_kernels import expert_order
-    from .fp8_expert_kernels import ALIGN, aligned_capacity, aligned_groups, gather_pairs, quant_pairs, swiglu_quant
+    from .fp8_expert_kernels import ALIGN, aligned_groups, gather_pairs, masked_groups, quant_pairs, swiglu_quant
 
     dg = _deep_gemm_grouped(x_RD.device)
     if dg.get_mk_alignment_for_contiguous_layout() != ALIGN:
         raise RuntimeError(f"deep_gemm aligns contiguous groups to {dg.get_mk_alignment_for_contiguous_layout()} "
                            f"rows; the FP8 expert stage lays them out at {ALIGN}")
     R, K = expert_RK.shape
-    I, D = experts.cfg.intermediate_size, experts.cfg.hidden_size
-    JA = aligned_capacity(R * K if max_pairs is None else max_pairs, experts.num_local)
-    starts, ends = aligned_groups(offs)
-    _, pos = expert_order(expert_RK, experts.num_local, offs, rows_P, starts_e=starts, capacity=JA)
-    q, s = gather_pairs(x_RD, D, pos, JA, local) if packed else quant_pairs(x_RD, pos, JA, local)
+    I, D, e = experts.cfg.intermediate_size, experts.cfg.hidden_size, experts.num_local
+    pairs = R * K if max_pairs is None else max_pairs
+    layout, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout)
+    G = max_m or None
+    starts, ends = masked_groups(offs, max_m) if G else aligned_groups(offs)
+    _, pos = expert_order(expert_RK, e, offs, rows_P, starts_e=starts, capacity=JA)
+    q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
     gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
+    y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
+    if G:
+        counts = (ends - starts).contiguous()
+        expected = max(1, -(-pairs // e))
+        dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
+                                        gu.view(e, G, 2 * I), counts, expected)
+        hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit, G)
+        dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
+                                        y.view(e, G, D), counts, expected)
+        return y, pos, ends[-1:]
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, ends,
                                         use_psum_layout=True)
     hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit)
-    y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
     dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, ends,
                                         use_psum_layout=True)
     return y, pos, ends[-1:]

@@ -13,8 +13,9 @@ from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
-from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, quant_pairs,
-                                         quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
+from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, grouped_scales,
+                                         masked_groups, quant_pairs, quant_pairs_torch, swiglu_quant,
+                                         swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -109,6 +110,59 @@ def test_block_ends_cover_every_group_row_and_no_padding():
     assert bend.shape == (JA // ALIGN,)
     covered = {r for b, end in enumerate(bend.tolist()) for r in range(b * ALIGN, min(b * ALIGN + ALIGN, end))}
     assert covered == {r for s, e in zip(starts.tolist(), ends.tolist()) for r in range(s, e)}
+
+
+@needs_kernels
+def test_masked_layout_kernels_write_each_groups_scales_mn_major():
+    """The masked layout (expert x at rows x * max_m ..): ``quant_pairs`` and ``swiglu_quant`` with group_rows =
+    max_m write the values the aligned layout's twins give, and the scales as [e, C/128, max_m] (DeepGEMM's
+    masked A scales, MN-major per group); ``block_ends`` covers each group's rows there and nothing else."""
+    from moe_wave.expert_kernels import expert_order
+
+    R, K, e, D, I = 29, 3, 4, 256, 384
+    ids, _, offs, _ = _pos(R, K, e, 3)
+    G = 128
+    JA = e * G
+    starts, ends = masked_groups(offs, G)
+    assert torch.equal(starts, torch.arange(e, dtype=torch.int32) * G) and torch.equal(ends - starts, torch.diff(
+        offs, prepend=offs.new_zeros(1)))
+    _, pos = expert_order(ids.to(KDEV), e, offs.to(KDEV), starts_e=starts.to(KDEV), capacity=JA)
+    pos = pos.cpu()
+    used = pos[pos >= 0]
+    assert ((used // G) == ids[ids >= 0].long()).all()          # each pair in its expert's group
+    x = (torch.randn(R, D) * 3).to(torch.bfloat16)
+    q, s = (t.cpu() for t in quant_pairs(x.to(KDEV), pos.to(KDEV), JA, group_rows=G))
+    qt, st_ = quant_pairs_torch(x, pos, JA)
+    assert s.shape == (e, D // 128, G)
+    assert torch.equal(q[used].view(torch.uint8), qt[used].view(torch.uint8))
+    sg = grouped_scales(st_, G)
+    assert torch.equal(s[used // G, :, used % G], sg[used // G, :, used % G])
+    assert torch.equal(s.permute(1, 0, 2).reshape(D // 128, JA)[:, used], st_[:, used])
+    bend = block_ends(starts, ends, JA)
+    covered = {r for b, end in enumerate(bend.tolist()) for r in range(b * ALIGN, min(b * ALIGN + ALIGN, end))}
+    assert covered == {r for a, b in zip(starts.tolist(), ends.tolist()) for r in range(a, b)}
+    gu = (torch.randn(JA, 2 * I) * 6).to(torch.bfloat16)
+    hq, hs = (t.cpu() for t in swiglu_quant(gu.to(KDEV), starts.to(KDEV), ends.to(KDEV), 10.0, group_rows=G))
+    hqt, hst = swiglu_quant_torch(gu, starts, ends, 10.0)
+    assert hs.shape == (e, I // 128, G)
+    assert torch.equal(hs.permute(1, 0, 2).reshape(I // 128, JA)[:, used], hst[:, used])
+    with pytest.raises(ValueError, match=r"swiglu_quant: group_rows=100: must be a positive divisor of the "
+                                         r"layout's rows 512"):
+        swiglu_quant(gu.to(KDEV), starts.to(KDEV), ends.to(KDEV), 10.0, group_rows=100)
+
+
+def test_fp8_gemm_layout_takes_masked_where_it_is_no_larger():
+    """"auto": the masked layout (e * max_m rows) where it is no larger than the aligned one (few rows an expert:
+    decode), the aligned one elsewhere; a named layout is kept; another name is an error naming the choices."""
+    from moe_wave.fp8_experts import fp8_gemm_layout
+
+    assert fp8_gemm_layout(128, 128 * 6, 128) == ("masked", 128 * 128, 128)              # 128 rows, 128 experts
+    assert fp8_gemm_layout(2048, 2048 * 6, 128)[0] == "contiguous"                       # 2048 rows
+    assert fp8_gemm_layout(2048, 2048 * 6, 128, "masked") == ("masked", 128 * 2048, 2048)
+    assert fp8_gemm_layout(100, 600, 8, "contiguous")[0] == "contiguous"
+    assert fp8_gemm_layout(300, 40, 8, "masked")[2] == 128                                # max_m bound by pairs
+    with pytest.raises(ValueError, match=r"gemm_layout='psum': must be one of \('auto', 'contiguous', 'masked'\)"):
+        fp8_gemm_layout(1, 1, 1, "psum")
 
 
 @needs_kernels
@@ -286,9 +340,10 @@ def test_fp8_block_on_ranks_matches_the_reference_at_every_wave_count(ranks, n):
 
 class _TorchDeepGEMM:
     """DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` with the psum layout, in torch: group g is rows
-    align_up(ends[g - 1], 128) .. ends[g] - 1 of a, times expert g's weight; other rows untouched."""
+    align_up(ends[g - 1], 128) .. ends[g] - 1 of a, times expert g's weight; other rows untouched. And its
+    ``m_grouped_fp8_gemm_nt_masked``."""
 
-    calls = 0
+    calls = masked = 0
 
     @staticmethod
     def get_mk_alignment_for_contiguous_layout():
@@ -304,12 +359,29 @@ class _TorchDeepGEMM:
                 d[start:end] = fp8_matmul_ref(a[0][start:end], a[1][start:end].t(), b[0][g], b[1][g], d.dtype)
             start = -(-end // 128) * 128
 
+    @classmethod
+    def m_grouped_fp8_gemm_nt_masked(cls, a, b, d, masked_m, expected_m):
+        """Group g: rows 0 .. masked_m[g] - 1 of a[0][g] (scales a[1][g], [max_m, K/128] MN-major) times expert g's
+        weight into d[g]; other rows untouched."""
+        e, max_m, Kd = a[0].shape
+        assert a[1].shape == (e, max_m, Kd // 128) and a[1].stride(1) == 1, (a[1].shape, a[1].stride())
+        assert masked_m.dtype == torch.int32 and masked_m.shape == (e,) and expected_m >= 1
+        assert d.shape[:2] == (e, max_m)
+        cls.calls += 1
+        cls.masked += 1
+        for g, m in enumerate(masked_m.tolist()):
+            assert m <= max_m
+            if m:
+                d[g, :m] = fp8_matmul_ref(a[0][g, :m], a[1][g, :m].t(), b[0][g], b[1][g], d.dtype)
+
 
 @needs_kernels
 @pytest.mark.parametrize("rows_bound", [False, True])
-def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound):
-    """The fused stage (aligned ordering, quant_pairs, two grouped GEMMs, swiglu_quant, weighted sum) with DeepGEMM
-    replaced by its psum semantics gives the per-expert path's output; rows past rows_P are not read."""
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout):
+    """The fused stage (ordering into the aligned or the masked layout, quant_pairs, two grouped GEMMs,
+    swiglu_quant, weighted sum) with DeepGEMM replaced by its contiguous psum or masked semantics gives the
+    per-expert path's output; rows past rows_P are not read."""
     import moe_wave.fp8_experts as fx
     from moe_wave.experts import expert_rows
 
@@ -329,9 +401,10 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     want = expert_rows(Received(x, ids, w, None, counts, None), ex)
     monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
     monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
-    _TorchDeepGEMM.calls = 0
+    _TorchDeepGEMM.calls = _TorchDeepGEMM.masked = 0
+    ex.gemm_layout = layout
     got = expert_rows(Received(x, ids, w, None, counts, None, rows_P=rows_P), ex)
-    assert _TorchDeepGEMM.calls == 2
+    assert _TorchDeepGEMM.calls == 2 and _TorchDeepGEMM.masked == (2 if layout == "masked" else 0)
     read = slice(None) if rows_P is None else keep
     # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element
     # of h to the next e4m3 step: the rows agree to bf16 rounding, where a wrong layout would be off by O(1)

@@ -49,12 +49,15 @@ def _x(T: int, seed: int) -> torch.Tensor:
 
 @needs_dg
 @pytest.mark.parametrize("T", [1, 5, 100, 300])
-def test_deepgemm_stage_matches_the_per_expert_reference(T, monkeypatch):
-    """The fused stage (aligned layout, DeepGEMM's grouped GEMMs; empty experts included at small T) against the
-    same block with the per-expert FP8 path (fp8_matmul per expert), within DeepGEMM's FP8 GEMM bound."""
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_deepgemm_stage_matches_the_per_expert_reference(T, layout, monkeypatch):
+    """The fused stage (aligned layout and psum GEMMs, or the masked layout and masked GEMMs; empty experts
+    included at small T) against the same block with the per-expert FP8 path (fp8_matmul per expert), within
+    DeepGEMM's FP8 GEMM bound."""
     import moe_wave.fp8_experts as fx
 
     moe = _moe(2)
+    moe.experts.gemm_layout = layout
     x = _x(T, T)
     calls = []
     real = fx.fp8_fused_pairs
