@@ -118,6 +118,26 @@ def deepgemm_alone(ex: FP8RoutedExperts, counts: torch.Tensor, dev, iters: int, 
     return out
 
 
+def layouts_us(ex: FP8RoutedExperts, packed, stage_us, D: int, I: int, most_bytes: float = 16e9) -> dict:
+    """The FP8 stage under each of the fused stage's layouts (``FP8RoutedExperts.gemm_layout``: the aligned one
+    with DeepGEMM's psum GEMMs, the masked one with its masked GEMMs) and the one "auto" takes; a layout whose
+    buffers would pass ``most_bytes`` is left out."""
+    from moe_wave.fp8_experts import fp8_gemm_layout
+
+    R, K = packed.expert_RK.shape
+    out = {"layout_auto": fp8_gemm_layout(R, R * K, ex.num_local)[0]}
+    keep = ex.gemm_layout
+    try:
+        for name in ("contiguous", "masked"):
+            JA = fp8_gemm_layout(R, R * K, ex.num_local, name)[1]
+            if JA * (3 * D + 5 * I) <= most_bytes:      # q, gu, hq, y
+                ex.gemm_layout = name
+                out[f"stage_{name}_us"] = round(stage_us(ex, packed, True), 1)
+    finally:
+        ex.gemm_layout = keep
+    return out
+
+
 def floor_us(prec: str, e: int, pairs: int, I: int, D: int, c: dict) -> float:
     flops = 2.0 * pairs * 3 * I * D
     weight_bytes = e * 3 * I * D * (1 if prec == "fp8" else 2)
@@ -130,7 +150,7 @@ GOALS = ("FP8 W=1 <= 0.60 x bf16 at 128 / 2048 tokens, <= 0.55 x at 8192 (v4-fla
 
 def table(rows: list[dict]) -> str:
     head = ["shape", "e", "T", "bf16 W1", "fp8 W1", "fp8/bf16", "DG GEMMs", "fp8/DG", "floor", "fp8/floor",
-            "bf16 W4/W1", "fp8 W4/W1", "pack", "fp8 bf16 rows"]
+            "bf16 W4/W1", "fp8 W4/W1", "pack", "fp8 bf16 rows", "fp8 contiguous / masked (auto)"]
     by = {(r["shape"], r["local_experts"], r["tokens_per_rank"], r["precision"], r["num_waves"]): r for r in rows}
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for (shape, e, T) in sorted({k[:3] for k in by}, key=lambda k: (k[0], -k[1], k[2])):
@@ -146,7 +166,9 @@ def table(rows: list[dict]) -> str:
         lines.append(" | ".join([shape, str(e), str(T), f"{b1:.1f}" if b1 else "-", f"{f1:.1f}" if f1 else "-",
                                  ratio(f1, b1), f"{dgu:.1f}" if dgu else "-", ratio(f1, dgu), f"{fl:.1f}" if fl else "-",
                                  ratio(f1, fl), ratio(b4, b1), ratio(f4, f1),
-                                 str(r1.get("pack_us", "-")), str(r1.get("stage_bf16_rows_us", "-"))]))
+                                 str(r1.get("pack_us", "-")), str(r1.get("stage_bf16_rows_us", "-")),
+                                 f"{r1.get('stage_contiguous_us', '-')} / {r1.get('stage_masked_us', '-')} "
+                                 f"({r1.get('layout_auto', '-')})"]))
     return "\n".join(lines)
 
 
@@ -226,6 +248,7 @@ def main() -> int:
                         if W == 1:      # the sender's quantisation, and the stage from bf16 rows (fp8_rows=False)
                             row["pack_us"] = round(median_graph_us(lambda: pack_rows(x), dev, args.iters, flush), 1)
                             row["stage_bf16_rows_us"] = round(stage_us(experts[prec], got, False), 1)
+                            row.update(layouts_us(experts[prec], packed, stage_us, D, I))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 del moe, got, packed
