@@ -18,7 +18,9 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   travelled as FP8, ``fp8_rows``, are copied there as they are: ``gather_pairs``), DeepGEMM's
   ``m_grouped_fp8_gemm_nt_contiguous`` with the group ends as its psum layout (the counts stay on the device: a
   CUDA graph replays it), SwiGLU + clamps + requant in one kernel (``swiglu_quant``), the second grouped GEMM into
-  bf16 rows, and the weighted sum.
+  bf16 rows, and the weighted sum. Where few rows reach each expert (decode) the layout is the masked one instead:
+  expert x at rows x * max_m (max_m bounds every count), DeepGEMM's ``m_grouped_fp8_gemm_nt_masked`` with the
+  per-expert counts on the device (``fp8_gemm_layout``, ``FP8RoutedExperts.gemm_layout``).
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
