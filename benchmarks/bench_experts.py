@@ -124,7 +124,7 @@ def layouts_us(ex: FP8RoutedExperts, packed, stage_us, D: int, I: int, most_byte
     buffers would pass ``most_bytes`` is left out."""
     from moe_wave.fp8_experts import fp8_gemm_layout
 
-    R, K = packed.expert_RK.shape
+    R, K = packed[0].expert_RK.shape
     out = {"layout_auto": fp8_gemm_layout(R, R * K, ex.num_local)[0]}
     keep = ex.gemm_layout
     try:

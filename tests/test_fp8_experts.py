@@ -403,7 +403,8 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
     _TorchDeepGEMM.calls = _TorchDeepGEMM.masked = 0
     ex.gemm_layout = layout
-    got = expert_rows(Received(x, ids, w, None, counts, None, rows_P=rows_P), ex)
+    d = (lambda t: None if t is None else t.to(KDEV))      # the kernels where they run (a GPU, or interpreted)
+    got = expert_rows(Received(d(x), d(ids), d(w), None, d(counts), None, rows_P=d(rows_P)), ex.to(KDEV)).cpu()
     assert _TorchDeepGEMM.calls == 2 and _TorchDeepGEMM.masked == (2 if layout == "masked" else 0)
     read = slice(None) if rows_P is None else keep
     # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element

@@ -87,9 +87,9 @@ if triton is not None:
         """Acquire-poll ``*ptr`` until it reaches ``want`` or the bound passes; returns the last value seen. Once a
         fault is recorded it does not wait (one missing peer costs one timeout, not one per wait)."""
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        n = want * 0
-        if tl.load(fault_ptr, volatile=True) != 0:
-            n = limit
+        n = tl.zeros([], tl.int64)      # int64 whatever the types of want and limit (Triton types an int
+        if tl.load(fault_ptr, volatile=True) != 0:    # argument by its value: int32 or int64)
+            n = n + limit
         if CLOCK:
             t0 = globaltimer()
         while (seen < want) & (n < limit):
@@ -179,9 +179,9 @@ if triton is not None:
                 en = tl.load(tab_ptr + 2 * P + P * NCH + s * NCH + c).to(tl.int64)
                 flag = ctrl_ptr + s * NCHM + c
                 done = st
-                n = target * 0
+                n = tl.zeros([], tl.int64)
                 if tl.load(fault_ptr, volatile=True) != 0:
-                    n = limit
+                    n = n + limit
                 if CLOCK:
                     t_0 = globaltimer()
                 while (done < en) & (n < limit):
