@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_common import report  # noqa: E402
 from moe_wave.attention.compressor import rms_norm  # noqa: E402
+from moe_wave import WaveConfig  # noqa: E402
 from moe_wave.comm import EPGroup  # noqa: E402
 from moe_wave.fp8 import PRECISIONS, resolve_precision  # noqa: E402
 from moe_wave.mhc import hc_post  # noqa: E402
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--layer", type=int, default=0, help="which layer of the preset (its type and routing)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--precision", default="auto", choices=PRECISIONS)
+    ap.add_argument("--waves", type=int, default=1, help="the MoE block's waves (default 1: the demo's on one rank)")
     ap.add_argument("--kernels", type=int, default=20,
                     help="also list the MoE block's N longest kernels (device time of one eager call; 0: none)")
     args = ap.parse_args()
@@ -48,7 +50,7 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     prec = resolve_precision(args.precision, dev)
     layers = build_layer_stack(args.preset, args.layer + 1, ep=EPGroup.single(dev), device=dev,
-                               dtype=torch.bfloat16, fp8=prec == "fp8")
+                               wave=WaveConfig(num_waves=args.waves), dtype=torch.bfloat16, fp8=prec == "fp8")
     layer = layers[args.layer]
     X, pos, ids = stack_inputs(layers, args.tokens, seed=1)
     k = layer.attn.schedule.kernels
@@ -91,6 +93,7 @@ def main() -> int:
     whole = rows[-1][1]
     summed = sum(t for _, t in rows[:-1]) + rows[1][1]     # rms_norm runs at both sites: counted twice
     lines = [f"profile_layer: {args.preset} layer {args.layer} ({layer_kind(layer)}), {args.tokens} tokens, {prec}, "
+             f"W={args.waves}, "
              f"one GPU, CUDA graphs, median of {args.iters}",
              f"{'part':<28} {'us':>9} {'of whole':>9}"]
     lines += [f"{name:<28} {t:9.1f} {t / whole:9.2%}" for name, t in rows]
