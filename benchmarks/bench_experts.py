@@ -120,15 +120,15 @@ def deepgemm_alone(ex: FP8RoutedExperts, counts: torch.Tensor, dev, iters: int, 
 
 def layouts_us(ex: FP8RoutedExperts, packed, stage_us, D: int, I: int, most_bytes: float = 16e9) -> dict:
     """The FP8 stage under each of the fused stage's layouts (``FP8RoutedExperts.gemm_layout``: the aligned one
-    with DeepGEMM's psum GEMMs, the masked one with its masked GEMMs) and the one "auto" takes; a layout whose
-    buffers would pass ``most_bytes`` is left out."""
-    from moe_wave.fp8_experts import fp8_gemm_layout
+    with DeepGEMM's psum GEMMs, the masked one with its masked GEMMs); a layout whose buffers would pass
+    ``most_bytes`` is left out."""
+    from moe_wave.fp8_experts import GEMM_LAYOUTS, fp8_gemm_layout
 
     R, K = packed[0].expert_RK.shape
-    out = {"layout_auto": fp8_gemm_layout(R, R * K, ex.num_local)[0]}
+    out = {}
     keep = ex.gemm_layout
     try:
-        for name in ("contiguous", "masked"):
+        for name in GEMM_LAYOUTS:
             JA = fp8_gemm_layout(R, R * K, ex.num_local, name)[1]
             if JA * (3 * D + 5 * I) <= most_bytes:      # q, gu, hq, y
                 ex.gemm_layout = name
@@ -150,7 +150,7 @@ GOALS = ("FP8 W=1 <= 0.60 x bf16 at 128 / 2048 tokens, <= 0.55 x at 8192 (v4-fla
 
 def table(rows: list[dict]) -> str:
     head = ["shape", "e", "T", "bf16 W1", "fp8 W1", "fp8/bf16", "DG GEMMs", "fp8/DG", "floor", "fp8/floor",
-            "bf16 W4/W1", "fp8 W4/W1", "pack", "fp8 bf16 rows", "fp8 contiguous / masked (auto)"]
+            "bf16 W4/W1", "fp8 W4/W1", "pack", "fp8 bf16 rows", "fp8 contiguous / masked"]
     by = {(r["shape"], r["local_experts"], r["tokens_per_rank"], r["precision"], r["num_waves"]): r for r in rows}
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for (shape, e, T) in sorted({k[:3] for k in by}, key=lambda k: (k[0], -k[1], k[2])):
@@ -167,8 +167,7 @@ def table(rows: list[dict]) -> str:
                                  ratio(f1, b1), f"{dgu:.1f}" if dgu else "-", ratio(f1, dgu), f"{fl:.1f}" if fl else "-",
                                  ratio(f1, fl), ratio(b4, b1), ratio(f4, f1),
                                  str(r1.get("pack_us", "-")), str(r1.get("stage_bf16_rows_us", "-")),
-                                 f"{r1.get('stage_contiguous_us', '-')} / {r1.get('stage_masked_us', '-')} "
-                                 f"({r1.get('layout_auto', '-')})"]))
+                                 f"{r1.get('stage_contiguous_us', '-')} / {r1.get('stage_masked_us', '-')}"]))
     return "\n".join(lines)
 
 

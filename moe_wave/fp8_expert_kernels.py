@@ -70,8 +70,9 @@ def grouped_scales(s_CJ: torch.Tensor, group_rows: int | None) -> torch.Tensor:
 def _group_rows(JA: int, group_rows: int | None, what: str) -> int:
     if group_rows is None:
         return max(JA, 1)
-    if group_rows <= 0 or JA % group_rows:
-        raise ValueError(f"{what}: group_rows={group_rows}: must be a positive divisor of the layout's rows {JA}")
+    if group_rows <= 0 or JA % group_rows or group_rows % ALIGN:
+        raise ValueError(f"{what}: group_rows={group_rows}: must be a multiple of {ALIGN} that divides the layout's "
+                         f"rows {JA}")
     return group_rows
 
 

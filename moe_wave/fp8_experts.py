@@ -18,9 +18,9 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   travelled as FP8, ``fp8_rows``, are copied there as they are: ``gather_pairs``), DeepGEMM's
   ``m_grouped_fp8_gemm_nt_contiguous`` with the group ends as its psum layout (the counts stay on the device: a
   CUDA graph replays it), SwiGLU + clamps + requant in one kernel (``swiglu_quant``), the second grouped GEMM into
-  bf16 rows, and the weighted sum. Where few rows reach each expert (decode) the layout is the masked one instead:
-  expert x at rows x * max_m (max_m bounds every count), DeepGEMM's ``m_grouped_fp8_gemm_nt_masked`` with the
-  per-expert counts on the device (``fp8_gemm_layout``, ``FP8RoutedExperts.gemm_layout``).
+  bf16 rows, and the weighted sum. ``FP8RoutedExperts.gemm_layout = "masked"`` lays expert x at rows x * max_m
+  instead and runs DeepGEMM's ``m_grouped_fp8_gemm_nt_masked`` with the per-expert counts on the device (for
+  decode-sized batches; ``fp8_gemm_layout``).
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -40,7 +40,7 @@ __all__ = ["quant_experts", "dequant_experts", "fp4_to_fp8", "dequant_fp4", "FP8
 
 # e2m1 codes 0..7 (the sign is bit 3)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-GEMM_LAYOUTS = ("auto", "contiguous", "masked")
+GEMM_LAYOUTS = ("contiguous", "masked")
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +117,7 @@ class FP8RoutedExperts(nn.Module):
             raise ValueError(f"FP8 experts: hidden_size={D}, intermediate_size={I}: both must be multiples of "
                              f"{BLOCK} (activations are quantised per {BLOCK} channels)")
         self.cfg, self.num_local = cfg, num_local
-        self.gemm_layout = "auto"       # the fused stage's layout and grouped GEMMs (fp8_gemm_layout)
+        self.gemm_layout = "contiguous"     # the fused stage's layout and grouped GEMMs (fp8_gemm_layout)
         self.register_buffer("gate_up", torch.zeros(num_local, 2 * I, D, dtype=FP8, device=device))
         self.register_buffer("gate_up_scale", torch.ones(num_local, 2 * I // BLOCK, D // BLOCK, device=device))
         self.register_buffer("down", torch.zeros(num_local, D, I, dtype=FP8, device=device))
@@ -249,21 +249,23 @@ def fp8_fused_ok(x_RD: torch.Tensor, experts: nn.Module) -> bool:
             and _deep_gemm_grouped(x_RD.device) is not None)
 
 
-def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto") -> tuple[str, int, int]:
+def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "contiguous") -> tuple[str, int, int]:
     """(layout, rows of the layout JA, max_m) of the fused stage for R received rows holding at most ``pairs``
-    pairs over e experts. "contiguous": the aligned layout (groups at 128-row multiples, DeepGEMM's psum layout;
-    max_m 0); "masked": expert x at rows x * max_m .., max_m = min(R, pairs) rounded up to 128 (a row holds an
-    expert once), DeepGEMM's masked GEMMs; "auto": masked where its layout is no larger than the aligned one's
-    (few rows per expert, as in decode), else contiguous."""
+    pairs over e experts. "contiguous" (the default): the aligned layout (groups at 128-row multiples, DeepGEMM's
+    psum layout; max_m 0); "masked": expert x at rows x * max_m .., max_m = min(R, pairs) rounded up to 128,
+    DeepGEMM's masked GEMMs. max_m bounds every expert's count where no row names an expert twice (top-k
+    routing); past it (a hash table that repeats an expert in a row, a capacity overflow) the rows whose pairs
+    did not fit come out NaN (``fp8_fused_pairs``), never another expert's rows. Its buffers are no larger than the aligned layout's where e * max_m <= JA
+    (decode-sized batches), where DeepGEMM's masked GEMMs alone are the faster (benchmarks/results/experts.md);
+    the stage's own timing decides whether it becomes the default there."""
     from .fp8_expert_kernels import ALIGN, aligned_capacity
 
     if choice not in GEMM_LAYOUTS:
         raise ValueError(f"FP8RoutedExperts.gemm_layout={choice!r}: must be one of {GEMM_LAYOUTS}")
-    JA = aligned_capacity(pairs, e)
-    max_m = max(ALIGN, -(-min(R, pairs) // ALIGN) * ALIGN)
-    if choice == "masked" or (choice == "auto" and e * max_m <= JA):
+    if choice == "masked":
+        max_m = max(ALIGN, -(-min(R, pairs) // ALIGN) * ALIGN)
         return "masked", e * max_m, max_m
-    return "contiguous", JA, 0
+    return "contiguous", aligned_capacity(pairs, e), 0
 
 
 def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None, rows_P=None, packed: bool = False,
@@ -285,11 +287,14 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None
     pairs = R * K if max_pairs is None else max_pairs
     layout, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout)
     G = max_m or None
+    if G:   # each group holds max_m rows: the pairs past it are not placed (pos -1 for now, see below)
+        cnt = torch.diff(offs.to(torch.int32), prepend=offs.new_zeros(1, dtype=torch.int32))
+        offs = torch.cumsum(cnt.clamp(max=G), 0, dtype=torch.int32)
     starts, ends = masked_groups(offs, max_m) if G else aligned_groups(offs)
     _, pos = expert_order(expert_RK, e, offs, rows_P, starts_e=starts, capacity=JA)
     q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
     gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
-    y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
+    y = torch.empty(JA + (1 if G else 0), D, dtype=torch.bfloat16, device=x_RD.device)
     if G:
         counts = (ends - starts).contiguous()
         expected = max(1, -(-pairs // e))
@@ -297,8 +302,12 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None
                                         gu.view(e, G, 2 * I), counts, expected)
         hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit, G)
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
-                                        y.view(e, G, D), counts, expected)
-        return y, pos, ends[-1:]
+                                        y[:JA].view(e, G, D), counts, expected)
+        # a pair of a local expert left unplaced (its group past max_m) reads row JA, all NaN: the rows that lost
+        # a pair come out NaN, the others stay right
+        y[JA].fill_(float("nan"))
+        lost = (pos < 0) & (expert_RK >= 0) & (expert_RK < e)
+        return y, torch.where(lost, JA, pos), torch.full((1,), JA + 1, dtype=torch.int32, device=y.device)
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, ends,
                                         use_psum_layout=True)
     hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit)

@@ -162,6 +162,9 @@ def test_demo_waves_default_is_one_on_one_rank_and_two_on_several():
         args = _demo([])
         wave, _ = demo_configs(args, ranks)
         assert (args.waves, wave.num_waves, args.waves_default) == (want, want, True), ranks
+    args = _demo([])
+    demo_configs(args, 1)
+    assert demo_configs(args, 2)[0].num_waves == 2       # the default follows each run's world size
     args = _demo(["--waves", "2"])
     assert demo_configs(args, 1)[0].num_waves == 2 and not args.waves_default
     args = _demo(["--waves", "auto"])

@@ -458,6 +458,12 @@ def _settings_case(ep: EPGroup, case: str) -> str:
     elif case == "kernels":
         msg = _message(lambda: Buffer(ep.pg, 0, 0, device="cpu",
                                       options=SymmOptions(kernels="torch" if one else "auto")))
+    elif case == "signal":
+        msg = _message(lambda: Buffer(ep.pg, 0, 0, device="cpu",
+                                      options=SymmOptions(signal="flags" if one else "barrier")))
+    elif case == "timeout":                 # a timeout may differ: every rank builds its Buffer
+        Buffer(ep.pg, 0, 0, device="cpu", options=SymmOptions(timeout_ms=5000 if one else 9000))
+        msg = "no error"
     else:
         raise AssertionError(case)
     buf = Buffer(ep.pg, 0, 0, device="cpu", normal_channels=16)
@@ -470,8 +476,11 @@ def _settings_case(ep: EPGroup, case: str) -> str:
     ("normal_channels", "Buffer(normal_channels): rank 0 32, rank 1 16"),
     ("normal", "Buffer(normal): rank 0 'auto', rank 1 'engine'"),
     ("kernels", "Buffer(options.kernels): rank 0 'auto', rank 1 'torch'"),
+    ("signal", "Buffer(options.signal): rank 0 'barrier', rank 1 'flags'"),
+    ("timeout", "no error"),
 ])
 def test_buffers_built_with_different_settings_are_the_same_error_on_every_rank(ranks, case, values):
     msg0, msg1 = ranks(2).run(_settings_case, case)
     assert msg0 == msg1 and msg0.startswith(values), (msg0, msg1)
-    assert "every rank must construct its Buffer with the same settings" in msg0 and "\n" not in msg0
+    if values != "no error":
+        assert "every rank must construct its Buffer with the same settings" in msg0 and "\n" not in msg0

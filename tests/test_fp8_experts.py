@@ -146,23 +146,59 @@ def test_masked_layout_kernels_write_each_groups_scales_mn_major():
     hqt, hst = swiglu_quant_torch(gu, starts, ends, 10.0)
     assert hs.shape == (e, I // 128, G)
     assert torch.equal(hs.permute(1, 0, 2).reshape(I // 128, JA)[:, used], hst[:, used])
-    with pytest.raises(ValueError, match=r"swiglu_quant: group_rows=100: must be a positive divisor of the "
-                                         r"layout's rows 512"):
-        swiglu_quant(gu.to(KDEV), starts.to(KDEV), ends.to(KDEV), 10.0, group_rows=100)
+    for bad in (100, 64):       # not a divisor; a divisor whose 128-row blocks would straddle two groups
+        with pytest.raises(ValueError, match=rf"swiglu_quant: group_rows={bad}: must be a multiple of 128 that "
+                                             rf"divides the layout's rows 512"):
+            swiglu_quant(gu.to(KDEV), starts.to(KDEV), ends.to(KDEV), 10.0, group_rows=bad)
 
 
-def test_fp8_gemm_layout_takes_masked_where_it_is_no_larger():
-    """"auto": the masked layout (e * max_m rows) where it is no larger than the aligned one (few rows an expert:
-    decode), the aligned one elsewhere; a named layout is kept; another name is an error naming the choices."""
+def test_fp8_gemm_layout_sizes_each_layout_and_names_the_choices():
+    """The aligned layout (the default) sized for the pairs; the masked one e * max_m rows, max_m the received rows
+    (or the pairs, if fewer) rounded up to 128; another name is an error naming the choices."""
     from moe_wave.fp8_experts import fp8_gemm_layout
 
-    assert fp8_gemm_layout(128, 128 * 6, 128) == ("masked", 128 * 128, 128)              # 128 rows, 128 experts
-    assert fp8_gemm_layout(2048, 2048 * 6, 128)[0] == "contiguous"                       # 2048 rows
+    assert fp8_gemm_layout(128, 128 * 6, 128) == ("contiguous", aligned_capacity(128 * 6, 128), 0)
+    assert fp8_gemm_layout(128, 128 * 6, 128, "masked") == ("masked", 128 * 128, 128)
     assert fp8_gemm_layout(2048, 2048 * 6, 128, "masked") == ("masked", 128 * 2048, 2048)
-    assert fp8_gemm_layout(100, 600, 8, "contiguous")[0] == "contiguous"
     assert fp8_gemm_layout(300, 40, 8, "masked")[2] == 128                                # max_m bound by pairs
-    with pytest.raises(ValueError, match=r"gemm_layout='psum': must be one of \('auto', 'contiguous', 'masked'\)"):
-        fp8_gemm_layout(1, 1, 1, "psum")
+    with pytest.raises(ValueError, match=r"gemm_layout='auto': must be one of \('contiguous', 'masked'\)"):
+        fp8_gemm_layout(1, 1, 1, "auto")
+
+
+@needs_kernels
+def test_masked_stage_with_a_group_past_max_m_is_nan_not_another_experts_rows(monkeypatch):
+    """A row naming one expert in several slots (a hash table that repeats it) can give an expert more pairs than
+    the masked layout's max_m: those pairs are not written into the next group's rows, and the rows that lost a
+    pair come out NaN (loud, as a capacity overflow's) while the others stay right; the aligned layout, sized for
+    every pair, computes them all."""
+    import moe_wave.fp8_experts as fx
+    from moe_wave.experts import expert_rows
+
+    ex = FP8RoutedExperts.from_dense(CFG, torch.randn(4, 256, 256) / 16, torch.randn(4, 256, 128) / 11)
+    ex.num_local = 4
+    R, K = 50, 3
+    ids = torch.zeros(R, K, dtype=torch.int32)              # every slot on expert 0: 150 pairs, max_m 128
+    ids[::7, 2] = 3
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=4)
+    x = torch.randn(R, 256).to(torch.bfloat16)
+    w = torch.rand(R, K)
+    want = expert_rows(Received(x, ids, w, None, counts, None), ex)
+    monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
+    monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
+    d = (lambda t: t.to(KDEV))
+    ex = ex.to(KDEV)
+    got = {}
+    for layout in ("contiguous", "masked"):
+        ex.gemm_layout = layout
+        got[layout] = expert_rows(Received(d(x), d(ids), d(w), None, d(counts), None), ex).cpu()
+    assert calc_diff(got["contiguous"].float(), want.float()) < 1e-5
+    # expert 0's first 128 pairs (flat order) fit; the rows holding one of the others are NaN, the rest right
+    flat0 = (ids == 0).reshape(-1).cumsum(0).view(R, K)
+    lost = ((ids == 0) & (flat0 > 128)).any(1)
+    assert lost.any() and not lost.all()
+    assert torch.isnan(got["masked"][lost]).all()
+    assert not torch.isnan(got["masked"][~lost]).any()
+    assert calc_diff(got["masked"][~lost].float(), want[~lost].float()) < 1e-5
 
 
 @needs_kernels

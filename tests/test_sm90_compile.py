@@ -1,8 +1,8 @@
 """The direct normal-mode kernels (``deepep_compat.normal_kernels``) compile for a Hopper GPU (sm_90) on a machine
 without one, whatever type Triton gives their wait bound: an int argument is typed by its value, so ``limit`` (the
-timeout in ns, or spins) is int32 below 2^31 and int64 above. The interpreter runs them untyped, so only a real
-compile catches a branch that gives a variable another type (a timeout under 2.1 s failed to compile on the GPU
-while every CPU test passed). Needs Triton's CUDA backend (its wheel ships ptxas); no GPU, no driver."""
+timeout in ns, or spins) is int32 below 2^31 (a timeout under about 2.1 s) and int64 above. The interpreter runs
+kernels untyped, so only a real compile checks that no branch gives a variable another type. Needs Triton's CUDA
+backend (its wheel ships ptxas); no GPU, no driver."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ KERNELS = {
     "_dispatch_kernel": ({"reg_ptr": "*i64", **COMMON},
                          dict(HAS_B=True, BLOCK_A=256, BLOCK_B=16, ROWS=8, NSEND=4, NRECV=4, PHASE=0, NCHM=64)),
     "_combine_kernel": ({"regb_ptr": "*fp32", "w_ptr": "*fp32", "ow_ptr": "*fp32", **COMMON},
-                        dict(HAS_W=True, HAS_B0=True, HAS_B1=True, UA=True, BLOCK_A=256, BLOCK_B=16, ROWS=8,
+                        dict(HAS_W=True, HAS_B0=True, HAS_B1=True, UA=2, BLOCK_A=256, BLOCK_B=16, ROWS=8,
                              NSEND=4, NRECV=4, PHASE=0, NCHM=64)),
 }
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from dataclasses import astuple, replace
+from dataclasses import astuple, fields, replace
 from typing import Optional, Tuple, Union
 
 import torch
@@ -32,7 +32,7 @@ from moe_wave.comm.triton_gate import triton_ok
 
 from . import checks
 from . import normal_kernels as nk
-from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config
+from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, CompatOptions, Config
 from .guard import Guard
 from .ll_direct import DirectLowLatency
 from .ll_engine import EngineLowLatency
@@ -97,18 +97,22 @@ class Buffer:
                                      f"{NUM_MAX_NVL_PEERS} ranks); for internode EP use DeepEP itself")
         backend = str(dist.get_backend(group)).lower()
         dev = checks.device_arg(device, backend)
-        # one object gather: the host (one node) and the settings every call's shapes depend on (the count
-        # gather's width is normal_channels wide: ranks that differ there would hang NCCL or abort gloo later)
+        cuda = ("nccl" in backend or torch.cuda.is_available()) if dev is None else dev.type == "cuda"
+        # one object gather: the host (one node) and the settings that shape every call's collectives (the count
+        # gather's width is normal_channels wide; a CUDA rank of a gloo group makes an NCCL twin group; the engine's
+        # data mode and signals are collective): ranks that differ would hang NCCL or abort gloo later
         options = options or SymmOptions()
-        mine = (socket.gethostname(), astuple(self.compat), options.kernels)
+        settings = dict(zip(CompatOptions.names(), astuple(self.compat)))
+        settings.update({f"options.{f.name}": getattr(options, f.name) for f in fields(options)
+                         if f.name not in ("timeout_ms", "grace_s")})
+        settings["device"] = "cuda" if cuda else "cpu"
         seen = [None] * self.group_size
-        dist.all_gather_object(seen, mine, group=group)
-        hosts = [h for h, _, _ in seen]
+        dist.all_gather_object(seen, (socket.gethostname(), settings), group=group)
+        hosts = [h for h, _ in seen]
         if len(set(hosts)) > 1:
             raise checks.unsupported(f"__init__ over hosts {sorted(set(hosts))}", "every rank must share one node; "
                                      "for internode EP use DeepEP itself")
-        checks.same_settings(self.compat, [c for _, c, _ in seen], [k for _, _, k in seen])
-        cuda = ("nccl" in backend or torch.cuda.is_available()) if dev is None else dev.type == "cuda"
+        checks.same_settings([st for _, st in seen])
         index = dev.index if dev is not None and cuda else None
         self._device = (torch.device("cuda", torch.cuda.current_device() if index is None else index) if cuda
                         else torch.device("cpu"))

@@ -151,18 +151,14 @@ def num_experts_arg(what: str, num_experts, P: int) -> None:
         raise ValueError(f"{what}: num_experts={num_experts!r} must be a positive multiple of the {P} ranks")
 
 
-def same_settings(mine, compat_per_rank: list, kernels_per_rank: list) -> None:
-    """Raise the same ValueError on every rank when the ranks' ``CompatOptions`` (as tuples, in rank order) or
-    ``SymmOptions.kernels`` differ: the calls' collectives are shaped by them (the direct dispatch's count gather
-    is ``normal_channels`` wide), so ranks that differ would meet in gathers of different sizes."""
-    names = type(mine).names()
-    for i, name in enumerate(names):
-        values = [c[i] for c in compat_per_rank]
-        if len(set(values)) > 1:
+def same_settings(per_rank: list) -> None:
+    """Raise the same ValueError on every rank when the ranks' Buffer settings (a dict of field -> value each, in
+    rank order: ``CompatOptions``, ``SymmOptions`` but its timeouts, the resolved device type) differ: the calls'
+    collectives are shaped by them (the direct dispatch's count gather is ``normal_channels`` wide), so ranks that
+    differ would meet in collectives of different sizes or kinds. Names the first differing field."""
+    for name, mine in per_rank[0].items():
+        values = [s.get(name) for s in per_rank]
+        if any(v != mine for v in values):
             each = ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values))
             raise ValueError(f"Buffer({name}): {each}; every rank must construct its Buffer with the same "
                              f"settings (arguments or MOE_WAVE_* environment)")
-    if len(set(kernels_per_rank)) > 1:
-        each = ", ".join(f"rank {r} {v!r}" for r, v in enumerate(kernels_per_rank))
-        raise ValueError(f"Buffer(options.kernels): {each}; every rank must construct its Buffer with the same "
-                         f"settings")

@@ -91,7 +91,7 @@ def check_waves(args, world_size: int) -> None:
     experts' work); ValueError when it asks for more waves than the local experts per rank under ``--partition
     experts`` (a wave is a block of local experts: the library would run fewer waves than asked)."""
     args.waves_default = getattr(args, "waves_default", False) or args.waves is None
-    if args.waves is None:
+    if args.waves_default:      # again for each world size (an args object may serve several runs)
         args.waves = 1 if world_size == 1 else 2
     if args.partition != "experts" or args.waves == "auto":
         return
@@ -288,7 +288,8 @@ def run_demo_rank(ep, args) -> dict:
              "onoff": worst("onoff", last), "single": worst("single", last), "graph": worst("graph", last)}
     return {"ranks": ep.size, "experts": E, "backend_pg": ep.backend, "device": str(ep.device), "graphed": graphed,
             "backend": layers[0].moe.backend.name, "symm_bytes": _symm_bytes(layers),
-            "tokens": args.tokens, "bytes": sum(r["bytes"] for r in rows), "layers": per_layer, "stack": stack}
+            "tokens": args.tokens, "bytes": sum(r["bytes"] for r in rows), "layers": per_layer, "stack": stack,
+            "waves": args.waves, "waves_default": args.waves_default}
 
 
 # ----------------------------------------------------------------------------- printing
@@ -349,9 +350,9 @@ def print_demo(res: dict, args) -> bool:
     has_ref = st["single"] is not None
     attn_on, moe_on = args.attn_overlap, args.overlap   # resolved by resolve_defaults
     print(f"moe-wave demo: preset {args.preset}, {len(layers)} layers, {res['experts']} experts, "
-          f"{res['backend_pg']} on {res['device']}, waves {args.waves}"
-          f"{' (the default on one rank: no row crosses)' if getattr(args, 'waves_default', False) and res['ranks'] == 1 else ''}"
-          f" ({args.partition}, sends {args.sends}), "
+          f"{res['backend_pg']} on {res['device']}, waves {res['waves']} ({args.partition}, sends {args.sends}"
+          f"{'; one wave, the default on one rank: no row crosses' if res['waves_default'] and res['ranks'] == 1 else ''}"
+          f"), "
           f"backend {args.backend}, "
           f"overlapped run: attention overlap {'on' if attn_on else 'off'}, MoE overlap {'on' if moe_on else 'off'}; "
           f"{args.dtype}, precision {_precision_text(args)}, seed {args.seed}")
