@@ -286,6 +286,9 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None
     I, D, e = experts.cfg.intermediate_size, experts.cfg.hidden_size, experts.num_local
     pairs = R * K if max_pairs is None else max_pairs
     layout, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout)
+    if max_m and not hasattr(dg, "m_grouped_fp8_gemm_nt_masked"):
+        raise ValueError("FP8RoutedExperts.gemm_layout='masked': this deep_gemm has no m_grouped_fp8_gemm_nt_masked; "
+                         "use 'contiguous'")
     G = max_m or None
     if G:   # each group holds max_m rows: the pairs past it are not placed (pos -1 for now, see below)
         cnt = torch.diff(offs.to(torch.int32), prepend=offs.new_zeros(1, dtype=torch.int32))
