@@ -255,9 +255,9 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "contiguous") -> t
     psum layout; max_m 0); "masked": expert x at rows x * max_m .., max_m = min(R, pairs) rounded up to 128,
     DeepGEMM's masked GEMMs. max_m bounds every expert's count where no row names an expert twice (top-k
     routing); past it (a hash table that repeats an expert in a row, a capacity overflow) the rows whose pairs
-    did not fit come out NaN (``fp8_fused_pairs``), never another expert's rows. Its buffers are no larger than the aligned layout's where e * max_m <= JA
-    (decode-sized batches), where DeepGEMM's masked GEMMs alone are the faster (benchmarks/results/experts.md);
-    the stage's own timing decides whether it becomes the default there."""
+    did not fit come out NaN (``fp8_fused_pairs``), never another expert's rows. Its buffers are no larger than
+    the aligned layout's where e * max_m <= JA (decode-sized batches), where DeepGEMM's masked GEMMs alone are the
+    faster (benchmarks/results/experts.md); the stage's own timing decides whether it becomes the default there."""
     from .fp8_expert_kernels import ALIGN, aligned_capacity
 
     if choice not in GEMM_LAYOUTS:

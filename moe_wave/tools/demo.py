@@ -349,10 +349,9 @@ def print_demo(res: dict, args) -> bool:
     st, layers = res["stack"], res["layers"]
     has_ref = st["single"] is not None
     attn_on, moe_on = args.attn_overlap, args.overlap   # resolved by resolve_defaults
+    one = "; one wave, the default on one rank: no row crosses" if res["waves_default"] and res["ranks"] == 1 else ""
     print(f"moe-wave demo: preset {args.preset}, {len(layers)} layers, {res['experts']} experts, "
-          f"{res['backend_pg']} on {res['device']}, waves {res['waves']} ({args.partition}, sends {args.sends}"
-          f"{'; one wave, the default on one rank: no row crosses' if res['waves_default'] and res['ranks'] == 1 else ''}"
-          f"), "
+          f"{res['backend_pg']} on {res['device']}, waves {res['waves']} ({args.partition}, sends {args.sends}{one}), "
           f"backend {args.backend}, "
           f"overlapped run: attention overlap {'on' if attn_on else 'off'}, MoE overlap {'on' if moe_on else 'off'}; "
           f"{args.dtype}, precision {_precision_text(args)}, seed {args.seed}")
