@@ -34,7 +34,7 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .fp8_quant import BLOCK, FP8, act_quant_torch
 
-__all__ = ["ALIGN", "aligned_groups", "masked_groups", "grouped_scales", "quant_pairs", "quant_pairs_torch",
+__all__ = ["ALIGN", "aligned_groups", "masked_groups", "quant_pairs", "quant_pairs_torch",
            "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch", "aligned_capacity", "block_ends"]
 
 ALIGN = 128
@@ -56,15 +56,6 @@ def aligned_groups(offs_e: torch.Tensor, align: int = ALIGN) -> tuple[torch.Tens
     padded = (cnt + (align - 1)) // align * align
     starts = torch.cumsum(padded, 0, dtype=torch.int32) - padded
     return starts, starts + cnt
-
-
-def grouped_scales(s_CJ: torch.Tensor, group_rows: int | None) -> torch.Tensor:
-    """Scales [C/128, JA] laid out as the kernels write them for ``group_rows`` = G: [JA / G, C/128, G] (each
-    group's scales MN-major, as DeepGEMM's masked GEMM reads them); None: as they are."""
-    if group_rows is None:
-        return s_CJ
-    C, JA = s_CJ.shape
-    return s_CJ.view(C, JA // group_rows, group_rows).permute(1, 0, 2).contiguous()
 
 
 def _group_rows(JA: int, group_rows: int | None, what: str) -> int:
@@ -185,7 +176,7 @@ def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int, local: tuple 
     """(q [JA, D] e4m3, s [D/128, JA] fp32): row pos[r, k] of q is x[r] quantised per 128 channels (pow2 scales,
     ``moe_wave.fp8``'s format), for every slot with pos >= 0; the other rows are left as allocated. ``local`` =
     (row0, x_LD) (``Received.local``): rows row0 .. row0 + L - 1 are read from x_LD. D % 128 == 0.
-    ``group_rows`` = G: s is [JA / G, D/128, G] instead (``grouped_scales``: the masked layout's)."""
+    ``group_rows`` = G: s is [JA / G, D/128, G] instead (each group's scales MN-major: the masked layout's)."""
     R, D = x_RD.shape
     if D % BLOCK:
         raise ValueError(f"quant_pairs: D={D} must be a multiple of {BLOCK}")
@@ -220,7 +211,7 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Ten
     [gate | up] (limit <= 0: no clamp), quantised per 128 channels; the padding rows are left as allocated. By
     128-row blocks of the layout (each within one group: ``block_ends``), dense rows, no pair positions: the cost
     follows the pairs, whatever number of slots each received row has. I % 128 == 0, JA % 128 == 0.
-    ``group_rows`` = G: hs is [JA / G, I/128, G] (``grouped_scales``)."""
+    ``group_rows`` = G: hs is [JA / G, I/128, G] (as ``quant_pairs``')."""
     JA, I2 = gu_J2I.shape
     I = I2 // 2
     if I % BLOCK or I2 % 2 or JA % ALIGN:

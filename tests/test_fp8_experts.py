@@ -13,9 +13,8 @@ from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
-from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, grouped_scales,
-                                         masked_groups, quant_pairs, quant_pairs_torch, swiglu_quant,
-                                         swiglu_quant_torch)
+from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, masked_groups,
+                                         quant_pairs, quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -110,6 +109,12 @@ def test_block_ends_cover_every_group_row_and_no_padding():
     assert bend.shape == (JA // ALIGN,)
     covered = {r for b, end in enumerate(bend.tolist()) for r in range(b * ALIGN, min(b * ALIGN + ALIGN, end))}
     assert covered == {r for s, e in zip(starts.tolist(), ends.tolist()) for r in range(s, e)}
+
+
+def grouped_scales(s_CJ: torch.Tensor, G: int) -> torch.Tensor:
+    """Scales [C/128, JA] laid out per group of G rows, [JA / G, C/128, G] (the kernels' ``group_rows`` form)."""
+    C, JA = s_CJ.shape
+    return s_CJ.view(C, JA // G, G).permute(1, 0, 2).contiguous()
 
 
 @needs_kernels

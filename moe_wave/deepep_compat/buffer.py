@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from dataclasses import astuple, fields, replace
+from dataclasses import asdict, replace
 from typing import Optional, Tuple, Union
 
 import torch
@@ -32,7 +32,7 @@ from moe_wave.comm.triton_gate import triton_ok
 
 from . import checks
 from . import normal_kernels as nk
-from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, CompatOptions, Config
+from .config import COMBINE_TABLE, DISPATCH_TABLE, NUM_MAX_NVL_PEERS, Config
 from .guard import Guard
 from .ll_direct import DirectLowLatency
 from .ll_engine import EngineLowLatency
@@ -102,9 +102,8 @@ class Buffer:
         # gather's width is normal_channels wide; a CUDA rank of a gloo group makes an NCCL twin group; the engine's
         # data mode and signals are collective): ranks that differ would hang NCCL or abort gloo later
         options = options or SymmOptions()
-        settings = dict(zip(CompatOptions.names(), astuple(self.compat)))
-        settings.update({f"options.{f.name}": getattr(options, f.name) for f in fields(options)
-                         if f.name not in ("timeout_ms", "grace_s")})
+        settings = asdict(self.compat)
+        settings.update({f"options.{k}": v for k, v in asdict(options).items() if k not in ("timeout_ms", "grace_s")})
         settings["device"] = "cuda" if cuda else "cpu"
         seen = [None] * self.group_size
         dist.all_gather_object(seen, (socket.gethostname(), settings), group=group)
