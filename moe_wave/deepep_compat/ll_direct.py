@@ -254,6 +254,16 @@ def dispatch_launch(rg: Region, set_index: int, me: int, x: torch.Tensor, ids: t
               (ckey, rg.geometry, set_index, spec(x), spec(ids), spec(sx), spec(sid), spec(stats), me), fast=fast)
 
 
+def _combine_consts(rg: Region, weights, partials, recv, part_bf16, clock, timed: bool, tune: LLTune) -> dict:
+    P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
+    lay = rg.lay
+    return dict(P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
+                O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16, CLOCK=clock,
+                P_PAD=_pad(P), K_PAD=_pad(K), BH=tune.bh or min(_pad(H), 16384 // _pad(K)),
+                BR=tune.br or min(_pad(H), 16384 // _pad(P)), TW=min(_pad(T), 4096 // _pad(K)),
+                TIMES=timed, STAGES=tune.stages)
+
+
 def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                    mask: torch.Tensor, fault_addr: int, timeout_ms: int, out: torch.Tensor, *, guard: Guard,
                    weights: bool, partials: bool, recv: bool, part_bf16: bool = True, programs: int | None = None,
@@ -266,16 +276,10 @@ def combine_launch(rg: Region, set_index: int, me: int, y: torch.Tensor, ids: to
     ckey = ("c", dev.type, timeout_ms, weights, partials, recv, part_bf16, programs, N) + _knobs(tune, times)
     cfg = rg.configs.get(ckey)
     if cfg is None:
-        P, T, H, K, e = rg.P, rg.T, rg.H, rg.K, rg.E // rg.P
         clock, limit = _clock_limit(dev.type, timeout_ms)
-        nprog = programs or num_programs(dev, max(N, P * T if partials else 1))
-        lay = rg.lay
-        cfg = rg.configs[ckey] = (nprog, limit, dict(
-            P=P, T=T, H=H, K=K, E_LOC=e, O_W=lay["w"], O_PART=lay["part"], O_WFLAG=lay["wflag"],
-            O_PFLAG=lay["pflag"], WEIGHTS=weights, PARTIALS=partials, RECV=recv, PART_BF16=part_bf16, CLOCK=clock,
-            P_PAD=_pad(P), K_PAD=_pad(K), BH=tune.bh or min(_pad(H), 16384 // _pad(K)),
-            BR=tune.br or min(_pad(H), 16384 // _pad(P)), TW=min(_pad(T), 4096 // _pad(K)),
-            TIMES=times is not None, STAGES=tune.stages))
+        nprog = programs or num_programs(dev, max(N, rg.P * rg.T if partials else 1))
+        cfg = rg.configs[ckey] = (nprog, limit, _combine_consts(rg, weights, partials, recv, part_bf16, clock,
+                                                                times is not None, tune))
     nprog, limit, consts = cfg
     st, posmap, nrecv, _, set_off = rg.sets[set_index]
     sy, sid, sw, so = y.stride(0), ids.stride(0), w.stride(0), out.stride(0)
