@@ -461,6 +461,12 @@ def _settings_case(ep: EPGroup, case: str) -> str:
     elif case == "signal":
         msg = _message(lambda: Buffer(ep.pg, 0, 0, device="cpu",
                                       options=SymmOptions(signal="flags" if one else "barrier")))
+    elif case == "bytes":                   # a bad argument on one rank: its error, on every rank
+        msg = _message(lambda: Buffer(ep.pg, -1 if one else 0, 0, device="cpu"))
+    elif case == "device":
+        msg = _message(lambda: Buffer(ep.pg, 0, 0, device="tpu" if one else "cpu"))
+    elif case == "channels":
+        msg = _message(lambda: Buffer(ep.pg, 0, 0, device="cpu", normal_channels=0 if one else 16))
     elif case == "timeout":                 # a timeout may differ: every rank builds its Buffer
         Buffer(ep.pg, 0, 0, device="cpu", options=SymmOptions(timeout_ms=5000 if one else 9000))
         msg = "no error"
@@ -478,9 +484,16 @@ def _settings_case(ep: EPGroup, case: str) -> str:
     ("kernels", "Buffer(options.kernels): rank 0 'auto', rank 1 'torch'"),
     ("signal", "Buffer(options.signal): rank 0 'barrier', rank 1 'flags'"),
     ("timeout", "no error"),
+    ("bytes", "rank 1: Buffer(num_nvl_bytes=-1): must be an int >= 0"),
+    ("device", "rank 1: Buffer(device='tpu'): must be a CUDA device or 'cpu'"),
+    ("channels", "rank 1: Buffer(normal_channels=...)"),
 ])
 def test_buffers_built_with_different_settings_are_the_same_error_on_every_rank(ranks, case, values):
+    """Settings that differ, and an argument one rank alone gets wrong (without the gather of each rank's argument
+    error: that rank's error, and the other's wait in the gather until its timeout)."""
     msg0, msg1 = ranks(2).run(_settings_case, case)
     assert msg0 == msg1 and msg0.startswith(values), (msg0, msg1)
-    if values != "no error":
+    if values.startswith("rank 1:"):
+        assert msg0.endswith("; every rank stops building its Buffer") and "\n" not in msg0, msg0
+    elif values != "no error":
         assert "every rank must construct its Buffer with the same settings" in msg0 and "\n" not in msg0

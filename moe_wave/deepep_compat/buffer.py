@@ -81,37 +81,49 @@ class Buffer:
                  ll: str | None = None, ll_partial: str | None = None, normal_fast_launch: bool | None = None,
                  ll_fast_launch: bool | None = None) -> None:
         checks.group_arg(group, comm)
-        checks.byte_size("num_nvl_bytes", num_nvl_bytes)
-        checks.byte_size("num_rdma_bytes", num_rdma_bytes)
-        if options is not None and not isinstance(options, SymmOptions):
-            raise ValueError(f"Buffer(options={options!r}): must be a moe_wave.comm.options.SymmOptions or None")
-        self.compat = moe_env.deepep_options(normal=normal, normal_channels=normal_channels, normal_rows=normal_rows,
-                                             ll=ll, ll_partial=ll_partial, normal_fast_launch=normal_fast_launch,
-                                             ll_fast_launch=ll_fast_launch)
         self.rank, self.group, self.group_size = group.rank(), group, group.size()
+        # this rank's own argument checks, held until the one object gather below: a bad argument (or MOE_WAVE_*
+        # variable) on one rank is then the same error on every rank, not one rank's error and the others' timeout
+        try:
+            checks.byte_size("num_nvl_bytes", num_nvl_bytes)
+            checks.byte_size("num_rdma_bytes", num_rdma_bytes)
+            if options is not None and not isinstance(options, SymmOptions):
+                raise ValueError(f"Buffer(options={options!r}): must be a moe_wave.comm.options.SymmOptions or None")
+            self.compat = moe_env.deepep_options(normal=normal, normal_channels=normal_channels,
+                                                 normal_rows=normal_rows, ll=ll, ll_partial=ll_partial,
+                                                 normal_fast_launch=normal_fast_launch, ll_fast_launch=ll_fast_launch)
+            backend = str(dist.get_backend(group)).lower()
+            dev = checks.device_arg(device, backend)
+            error = None
+        except (ValueError, NotImplementedError) as exc:
+            error = exc
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
         if self.group_size > NUM_MAX_NVL_PEERS:
             raise checks.unsupported(f"__init__ with {self.group_size} ranks", f"it runs within one node (<= "
                                      f"{NUM_MAX_NVL_PEERS} ranks); for internode EP use DeepEP itself")
-        backend = str(dist.get_backend(group)).lower()
-        dev = checks.device_arg(device, backend)
-        cuda = ("nccl" in backend or torch.cuda.is_available()) if dev is None else dev.type == "cuda"
-        # one object gather: the host (one node) and the settings that shape every call's collectives (the count
-        # gather's width is normal_channels wide; a CUDA rank of a gloo group makes an NCCL twin group; the engine's
-        # data mode and signals are collective): ranks that differ would hang NCCL or abort gloo later
-        options = options or SymmOptions()
-        settings = asdict(self.compat)
-        settings.update({f"options.{k}": v for k, v in asdict(options).items() if k not in ("timeout_ms", "grace_s")})
-        settings["device"] = "cuda" if cuda else "cpu"
+        settings = None
+        if error is None:
+            cuda = ("nccl" in backend or torch.cuda.is_available()) if dev is None else dev.type == "cuda"
+            # the settings that shape every call's collectives (the count gather's width is normal_channels wide;
+            # a CUDA rank of a gloo group makes an NCCL twin group; the engine's data mode and signals are
+            # collective): ranks that differ would hang NCCL or abort gloo later
+            options = options or SymmOptions()
+            settings = asdict(self.compat)
+            settings.update({f"options.{k}": v for k, v in asdict(options).items()
+                             if k not in ("timeout_ms", "grace_s")})
+            settings["device"] = "cuda" if cuda else "cpu"
+        # one object gather: the host (one node), the settings, and each rank's argument error
         seen = [None] * self.group_size
-        dist.all_gather_object(seen, (socket.gethostname(), settings), group=group)
-        hosts = [h for h, _ in seen]
+        dist.all_gather_object(seen, (socket.gethostname(), settings, None if error is None else str(error)),
+                               group=group)
+        checks.rank_errors([e for _, _, e in seen], error)
+        hosts = [h for h, _, _ in seen]
         if len(set(hosts)) > 1:
             raise checks.unsupported(f"__init__ over hosts {sorted(set(hosts))}", "every rank must share one node; "
                                      "for internode EP use DeepEP itself")
-        checks.same_settings([st for _, st in seen])
+        checks.same_settings([st for _, st, _ in seen])
         index = dev.index if dev is not None and cuda else None
         self._device = (torch.device("cuda", torch.cuda.current_device() if index is None else index) if cuda
                         else torch.device("cpu"))

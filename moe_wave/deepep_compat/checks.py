@@ -151,6 +151,24 @@ def num_experts_arg(what: str, num_experts, P: int) -> None:
         raise ValueError(f"{what}: num_experts={num_experts!r} must be a positive multiple of the {P} ranks")
 
 
+def rank_errors(per_rank: list, mine: Exception | None) -> None:
+    """After the construction's gather of each rank's argument error (its message, or None, in rank order): raise
+    on every rank when any rank's arguments were bad, naming the first such rank and its error. This rank's own
+    error is re-raised as it was (its type), with the rank (alone: unchanged); the others raise a ValueError quoting
+    it."""
+    bad = [(r, m) for r, m in enumerate(per_rank) if m]
+    if not bad:
+        return
+    if len(per_rank) == 1:
+        raise mine
+    r, msg = bad[0]
+    more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+    text = f"rank {r}: {msg}{more}; every rank stops building its Buffer"
+    if mine is not None and str(mine) == msg:
+        raise type(mine)(text) from None
+    raise ValueError(text)
+
+
 def same_settings(per_rank: list) -> None:
     """Raise the same ValueError on every rank when the ranks' Buffer settings (a dict of field -> value each, in
     rank order: ``CompatOptions``, ``SymmOptions`` but its timeouts, the resolved device type) differ: the calls'
