@@ -78,7 +78,7 @@ from dataclasses import replace
 
 import torch
 
-from moe_wave.comm.header import FIELDS, CallHeader, check_headers, describe, rule
+from moe_wave.comm.header import FIELDS, NUM_FIELDS, CallHeader, check_headers, describe, rule
 
 __all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK", "HEADER"]
 
@@ -140,6 +140,25 @@ class Guard:
         w = self.pending.clone()
         self.pending.zero_()
         return w
+
+    def count_row(self, counts: torch.Tensor, T: int, header: CallHeader, on_host: bool,
+                  tail: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's row of a count all-gather: [its counts (flattened, int64) | its tokens T | its guard words
+        [WORDS] | its call header [NUM_FIELDS] (| ``tail``)]; ``read_counts`` reads the gather."""
+        c = counts.reshape(-1).long()
+        parts = [c, c.new_full((1,), T), self.words(), self.header_words(header, on_host)]
+        return torch.cat(parts if tail is None else parts + [tail])
+
+    def read_counts(self, G: torch.Tensor, F: int, recv_P: torch.Tensor, worst: int, host=None) -> None:
+        """A gather of ``count_row`` rows with F count columns: every rank's guard words folded (``fold``; the
+        headers on the device where ``host`` is None). ``host``: the gather read on the host (a tensor, or its
+        rows as lists), where the headers are checked (``agree``: the same error on every rank before any row
+        moves)."""
+        H0 = F + 1 + WORDS
+        H1 = H0 + NUM_FIELDS
+        self.fold(G[:, F + 1:H0], recv_P, worst, None if host is not None else G[:, H0:H1])
+        if host is not None:
+            self.agree(host[:, H0:H1].tolist() if torch.is_tensor(host) else [row[H0:H1] for row in host])
 
     def fold(self, words_PW: torch.Tensor, recv_P: torch.Tensor | None, worst: int,
              head_PH: torch.Tensor | None = None) -> None:

@@ -61,15 +61,12 @@ class CountGather:
         P, nch = chan_PN.shape[0], self.nch
         E, Ew = per_expert_E.numel(), self.experts
         tail = per_expert_E.long() if E == Ew else chan_PN.new_zeros(Ew)
-        G = self.exchange.count_matrix(torch.cat([chan_PN.reshape(-1), chan_PN.new_full((1,), T), self.guard.words(),
-                                                  self.guard.header_words(header, on_host), tail]))
+        G = self.exchange.count_matrix(self.guard.count_row(chan_PN, T, header, on_host, tail))
         F = P * nch
-        H0, H1 = F + 1 + WORDS, F + 1 + WORDS + NUM_FIELDS
+        H1 = F + 1 + WORDS + NUM_FIELDS
         chan_G = G[:, :F].reshape(P, P, nch)
         host = G.cpu() if on_host else None
-        self.guard.fold(G[:, F + 1:H0], chan_G.sum(2).sum(0), worst, None if on_host else G[:, H0:H1])
-        if on_host:
-            self.guard.agree(host[:, H0:H1].tolist())       # before any row moves: the same error on every rank
+        self.guard.read_counts(G, F, chan_G.sum(2).sum(0), worst, host)
         per_expert_PE = None
         if not worst:
             if E != Ew:         # every rank: the headers agree on E, and every rank agreed on Ew before

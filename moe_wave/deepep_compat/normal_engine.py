@@ -95,14 +95,10 @@ class EngineNormal(NormalMode):
         headers checked on the host (``HeaderMismatch`` on every rank before any row moves). Returns (the gather,
         on the host as lists or None)."""
         P = self.ep.size
-        G = self.exchange.count_matrix(torch.cat([per_rank_P.long(), per_rank_P.new_full((1,), T).long(),
-                                                  self.guard.words(), self.guard.header_words(header, on_host)]))
-        H0 = head_at(P)
+        G = self.exchange.count_matrix(self.guard.count_row(per_rank_P, T, header, on_host))
         # HOST SYNC (DeepEP waits on the CPU here too) where on_host on a GPU; on CPU ranks the gather is host memory
         host = G.tolist() if on_host else None
-        self.guard.fold(G[:, P + 1:H0], G[:, :P].sum(0), worst, None if on_host else G[:, H0:])
-        if on_host:
-            self.guard.agree([row[H0:] for row in host])
+        self.guard.read_counts(G, P, G[:, :P].sum(0), worst, host)
         return G, host
 
     def cached_dispatch(self, x, handle, call):
