@@ -122,13 +122,13 @@ def layouts_us(ex: FP8RoutedExperts, packed, stage_us, D: int, I: int, most_byte
     """The FP8 stage under each of the fused stage's layouts (``FP8RoutedExperts.gemm_layout``: the aligned one
     with DeepGEMM's psum GEMMs, the masked one with its masked GEMMs); a layout whose buffers would pass
     ``most_bytes`` is left out."""
-    from moe_wave.fp8_experts import GEMM_LAYOUTS, fp8_gemm_layout
+    from moe_wave.fp8_experts import fp8_gemm_layout
 
     R, K = packed[0].expert_RK.shape
     out = {}
     keep = ex.gemm_layout
     try:
-        for name in GEMM_LAYOUTS:
+        for name in ("contiguous", "masked"):
             JA = fp8_gemm_layout(R, R * K, ex.num_local, name)[1]
             if JA * (3 * D + 5 * I) <= most_bytes:      # q, gu, hq, y
                 ex.gemm_layout = name

@@ -122,8 +122,10 @@ def _precision_line(torch) -> str:
     from moe_wave.fp8_experts import fp8_gemm_grouped_library
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    return (f"auto = {resolve_precision('auto', dev)}; FP8 projections on {fp8_gemm_library(dev)}, FP8 experts "
-            f"on {fp8_gemm_grouped_library(dev)}")
+    lib = fp8_gemm_grouped_library(dev)
+    if lib == "deepgemm":   # the layout "auto" takes (fp8_experts.fp8_gemm_layout)
+        lib += " (masked GEMMs at decode sizes on top-k layers, contiguous otherwise)"
+    return f"auto = {resolve_precision('auto', dev)}; FP8 projections on {fp8_gemm_library(dev)}, FP8 experts on {lib}"
 
 
 def _bad_input(cmd: str, e: ValueError) -> int:

@@ -5,6 +5,8 @@ On CPU the Triton kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py)."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,16 +160,25 @@ def test_masked_layout_kernels_write_each_groups_scales_mn_major():
 
 
 def test_fp8_gemm_layout_sizes_each_layout_and_names_the_choices():
-    """The aligned layout (the default) sized for the pairs; the masked one e * max_m rows, max_m the received rows
-    (or the pairs, if fewer) rounded up to 128; another name is an error naming the choices."""
+    """The aligned layout sized for the pairs; the masked one e * max_m rows, max_m the received rows (or the
+    pairs, if fewer) rounded up to 128; "auto" (the default) masked where that is no more rows than the aligned
+    layout's, the ids are distinct and deep_gemm has the masked GEMMs; another name is an error naming the
+    choices."""
     from moe_wave.fp8_experts import fp8_gemm_layout
 
-    assert fp8_gemm_layout(128, 128 * 6, 128) == ("contiguous", aligned_capacity(128 * 6, 128), 0)
+    aligned = aligned_capacity(128 * 6, 128)
+    assert fp8_gemm_layout(128, 128 * 6, 128, "contiguous") == ("contiguous", aligned, 0)
     assert fp8_gemm_layout(128, 128 * 6, 128, "masked") == ("masked", 128 * 128, 128)
     assert fp8_gemm_layout(2048, 2048 * 6, 128, "masked") == ("masked", 128 * 2048, 2048)
     assert fp8_gemm_layout(300, 40, 8, "masked")[2] == 128                                # max_m bound by pairs
-    with pytest.raises(ValueError, match=r"gemm_layout='auto': must be one of \('contiguous', 'masked'\)"):
-        fp8_gemm_layout(1, 1, 1, "auto")
+    # auto: decode (128 * 128 = 16384 rows <= 17024 aligned) masked; prefill (262144 > 28544) aligned
+    assert 128 * 128 <= aligned and fp8_gemm_layout(128, 128 * 6, 128) == ("masked", 128 * 128, 128)
+    assert fp8_gemm_layout(2048, 2048 * 6, 128)[0] == "contiguous"
+    assert fp8_gemm_layout(128, 128 * 6, 32)[0] == "masked"
+    assert fp8_gemm_layout(128, 128 * 6, 128, distinct=False) == ("contiguous", aligned, 0)     # hash routing
+    assert fp8_gemm_layout(128, 128 * 6, 128, masked_ok=False) == ("contiguous", aligned, 0)
+    with pytest.raises(ValueError, match=r"gemm_layout='any': must be one of \('auto', 'contiguous', 'masked'\)"):
+        fp8_gemm_layout(1, 1, 1, "any")
 
 
 @needs_kernels
@@ -197,6 +208,10 @@ def test_masked_stage_with_a_group_past_max_m_is_nan_not_another_experts_rows(mo
         ex.gemm_layout = layout
         got[layout] = expert_rows(Received(d(x), d(ids), d(w), None, d(counts), None), ex).cpu()
     assert calc_diff(got["contiguous"].float(), want.float()) < 1e-5
+    # "auto" on a hash-routed layer (whose table may repeat an expert in a row) keeps the aligned layout: all right
+    ex.gemm_layout, ex.cfg = "auto", dataclasses.replace(ex.cfg, hash_routing=True, vocab_size=8)
+    auto = expert_rows(Received(d(x), d(ids), d(w), None, d(counts), None), ex).cpu()
+    assert torch.equal(auto, got["contiguous"])
     # expert 0's first 128 pairs (flat order) fit; the rows holding one of the others are NaN, the rest right
     flat0 = (ids == 0).reshape(-1).cumsum(0).view(R, K)
     lost = ((ids == 0) & (flat0 > 128)).any(1)
