@@ -258,8 +258,8 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     - "contiguous": the aligned layout (groups at 128-row multiples, DeepGEMM's psum layout; max_m 0).
     - "masked": expert x at rows x * max_m .., max_m = min(R, pairs) rounded up to 128, DeepGEMM's masked GEMMs.
       max_m bounds every expert's count where no row names an expert twice (``distinct``: top-k routing); past
-      it (a hash table that repeats an expert in a row) the rows whose pairs did not fit come out NaN
-      (``fp8_fused_pairs``), never another expert's rows.
+      it (a hash table that repeats an expert in a row, or a capacity overflow, which is reported anyway) the
+      rows whose pairs did not fit come out NaN (``fp8_fused_pairs``), never another expert's rows.
     - "auto" (the default): masked where its rows e * max_m are no more than the aligned layout's (decode-sized
       batches), the ids are ``distinct`` and ``masked_ok`` (this deep_gemm has the masked GEMMs); else
       contiguous. At 128 tokens the masked stage measured 1.9-2.8 % faster than the aligned one on one H100
