@@ -315,10 +315,13 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None
         hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit, G)
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
                                         y[:JA].view(e, G, D), counts, expected)
-        # a pair of a local expert left unplaced (its group past max_m) reads row JA, all NaN: the rows that lost
-        # a pair come out NaN, the others stay right
+        # a pair of an expert whose group passed max_m, left unplaced, reads row JA, all NaN: the rows that lost a
+        # pair come out NaN, the others stay right (the pairs of experts with empty groups here, another wave's
+        # on rows that stay over several waves, keep pos -1)
         y[JA].fill_(float("nan"))
-        lost = (pos < 0) & (expert_RK >= 0) & (expert_RK < e)
+        ids = expert_RK.long()
+        valid = (ids >= 0) & (ids < e)
+        lost = (pos < 0) & valid & (cnt > G)[torch.where(valid, ids, 0)]
         return y, torch.where(lost, JA, pos), torch.full((1,), JA + 1, dtype=torch.int32, device=y.device)
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, ends,
                                         use_psum_layout=True)
