@@ -42,6 +42,8 @@ __all__ = ["quant_experts", "dequant_experts", "fp4_to_fp8", "dequant_fp4", "FP8
 # e2m1 codes 0..7 (the sign is bit 3)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GEMM_LAYOUTS = ("auto", "contiguous", "masked")
+# what "auto" takes (``fp8_gemm_layout``), in words for ``info``
+AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwise"
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,10 +80,21 @@ import torch
 
 from moe_wave.comm.header import FIELDS, NUM_FIELDS, CallHeader, check_headers, describe, rule
 
-__all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK", "HEADER"]
+__all__ = ["Guard", "WORDS", "NONE", "WORST", "IDS", "IN_RANK", "HEADER", "head_at", "tail_at"]
 
 NONE, WORST, IDS, IN_RANK, HEADER = 0, 1, 2, 3, 4
 WORDS = 4                   # what a rank adds to the gathered counts: kind, count, limit, value (IDS: the first bad id)
+
+
+def head_at(F: int) -> int:
+    """The column where the call header starts in a count all-gather's row (``Guard.count_row``) with F count
+    columns: [counts [F] | tokens | guard words [WORDS] | call header [NUM_FIELDS] | tail]."""
+    return F + 1 + WORDS
+
+
+def tail_at(F: int) -> int:
+    """The column where the tail starts in such a row (after the call header)."""
+    return head_at(F) + NUM_FIELDS
 
 
 class Guard:
@@ -154,8 +165,7 @@ class Guard:
         headers on the device where ``host`` is None). ``host``: the gather read on the host (a tensor, or its
         rows as lists), where the headers are checked (``agree``: the same error on every rank before any row
         moves)."""
-        H0 = F + 1 + WORDS
-        H1 = H0 + NUM_FIELDS
+        H0, H1 = head_at(F), tail_at(F)
         self.fold(G[:, F + 1:H0], recv_P, worst, None if host is not None else G[:, H0:H1])
         if host is not None:
             self.agree(host[:, H0:H1].tolist() if torch.is_tensor(host) else [row[H0:H1] for row in host])

@@ -18,11 +18,11 @@ import torch
 
 from moe_wave.comm.deepep_normal import capacity_for
 from moe_wave.comm.group import EPGroup
-from moe_wave.comm.header import NUM_FIELDS, CallHeader
+from moe_wave.comm.header import CallHeader
 
 from . import normal_kernels as nk
 from .config import Config, topk_idx_t
-from .guard import WORDS, Guard
+from .guard import Guard, tail_at
 from .normal import IntranodeHandle, NormalMode, Route, dispatch_header, handle_matrices, words
 from .normal_engine import Counts, EngineNormal
 from .normal_plan import DirectPlan, NormalState, clip_plan
@@ -63,7 +63,7 @@ class CountGather:
         tail = per_expert_E.long() if E == Ew else chan_PN.new_zeros(Ew)
         G = self.exchange.count_matrix(self.guard.count_row(chan_PN, T, header, on_host, tail))
         F = P * nch
-        H1 = F + 1 + WORDS + NUM_FIELDS
+        H1 = tail_at(F)
         chan_G = G[:, :F].reshape(P, P, nch)
         host = G.cpu() if on_host else None
         self.guard.read_counts(G, F, chan_G.sum(2).sum(0), worst, host)

@@ -22,16 +22,10 @@ from moe_wave.comm.header import CallHeader, check_headers
 from moe_wave.comm.options import SymmOptions
 
 from .config import Config, topk_idx_t
-from .guard import WORDS, Guard
+from .guard import Guard, head_at
 from .normal import IntranodeHandle, NormalMode, Route, cached_header, dispatch_header, handle_matrices, pack_x
 
-__all__ = ["EngineNormal", "Counts", "gate", "head_at"]
-
-
-def head_at(P: int) -> int:
-    """The column where the call header starts in a row of the engine's count all-gather (``EngineNormal._gather``):
-    [tokens per rank [P] | tokens | guard words [WORDS] | call header]."""
-    return P + 1 + WORDS
+__all__ = ["EngineNormal", "Counts", "gate"]
 
 
 def gate(ep, header: CallHeader) -> None:
