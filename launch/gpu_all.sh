@@ -5,7 +5,7 @@
 #   partitions (bench_moe with both wave partitions under graphs), experts (tests + bench_experts + demo bf16/fp8,
 #   one GPU), layer (one V4 layer part by part in bf16 and FP8: dev/profile_layer.py), xprofile (the expert
 #   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
-#   OLD_TREE, AB_ARGS),
+#   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
@@ -160,12 +160,26 @@ raise SystemExit(not cuda_impl.available())"; then
                OLD_BENCH="$OLD/benchmarks/bench_attn.py"; [ -f "$OLD_BENCH" ] || OLD_BENCH="$OLD/launch/bench_attn.py"
                AB="${AB_ARGS:---shapes v4-flash --precision fp8a --batches 64 --no-eager --iters 20}"
                for k in 1 2; do
-                   stage attn_before_$k ${T_AB:-200} env PYTHONPATH="$PWD/$OLD" "$PY" "$OLD_BENCH" $AB \
+                   stage attn_before_$k ${T_AB:-200} env PYTHONPATH="$PWD/$OLD:$PYTHONPATH" "$PY" "$OLD_BENCH" $AB \
                        --out "$RES/attn_before_$k.json"
                    stage attn_after_$k ${T_AB:-200} "$PY" benchmarks/bench_attn.py $AB --out "$RES/attn_after_$k.json"
                done
                stage attn_compare 30 "$PY" dev/compare_attn.py "$RES"/attn_before_?.log -- "$RES"/attn_after_?.log
                cat "$RES/attn_compare.log" ;;
+        experts_ab)  # before / after a change: bench_experts of the tree in OLD_TREE (default .deps/old, as attn_ab)
+                     # against this tree, alternately twice (EXP_AB_ARGS: the points, default V4-Flash with 32 and
+                     # 128 local experts at 128 and 2048 tokens, W = 1, 4, FP8), then dev/compare_experts.py
+               OLD="${OLD_TREE:-.deps/old}"
+               AB="${EXP_AB_ARGS:---shapes v4-flash:32,v4-flash:128 --tokens 128,2048 --waves 1,4 --precisions fp8}"
+               for k in ${EXP_AB_ROUNDS:-1 2}; do
+                   stage experts_before_$k ${T_AB:-200} env PYTHONPATH="$PWD/$OLD:$PYTHONPATH" "$PY" \
+                       "$OLD/benchmarks/bench_experts.py" $AB --out "$RES/experts_before_$k.json"
+                   stage experts_after_$k ${T_AB:-200} "$PY" benchmarks/bench_experts.py $AB \
+                       --out "$RES/experts_after_$k.json"
+               done
+               stage experts_compare 30 "$PY" dev/compare_experts.py "$RES"/experts_before_?.json -- \
+                   "$RES"/experts_after_?.json
+               cat "$RES/experts_compare.log" ;;
         whole)  # the whole attention layer from a CUDA graph, overlap off / on / on without a cache
                 # (WHOLE_SHAPES: presets, default v4-pro,v4-flash)
                for shape in $(echo "${WHOLE_SHAPES:-v4-pro,v4-flash}" | tr ',' ' '); do
@@ -191,8 +205,8 @@ raise SystemExit(not cuda_impl.available())"; then
         xprofile)  # the expert stage's kernels under torch.profiler at W=1 and W=4 (XPROF_ARGS; default FP8)
                stage xprofile ${T_XPROF:-240} "$PY" dev/profile_experts.py ${XPROF_ARGS:---precision fp8 --tokens \
                    128,2048,8192 --waves 1,4 --rows 16} ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts layer xprofile streams comm attn attn_ab" \
-               "whole trace demo sweep deepep_api)" ;;
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab layer xprofile streams comm attn" \
+               "attn_ab whole trace demo sweep deepep_api)" ;;
     esac
 done
 

@@ -104,7 +104,8 @@ def weighted_sum_torch(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.T
 
 
 def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: torch.Tensor | None = None, *,
-                 starts_e: torch.Tensor | None = None, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 starts_e: torch.Tensor | None = None, capacity: int | None = None,
+                 lost: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, slot) pairs sorted expert-major, without a sort or atomics: (src_J [J] int64, pos_RK [R, K] int64).
 
     The pair (r, k) with 0 <= expert_RK[r, k] = x < e sits at p = (offs_e[x - 1], or 0 for x = 0) + the number
@@ -132,11 +133,15 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: 
     ``starts_e`` (int32 [e]): group x starts there instead of at offs_e[x - 1] (its size is still offs_e[x] -
     offs_e[x - 1]): the aligned layout of the FP8 stage (``fp8_expert_kernels.aligned_groups``), whose positions
     run up to ``capacity`` (default J): src_J then has ``capacity`` entries, and only those of pairs are written.
+
+    ``lost`` = (over_e int32 [e], row): a pair of expert x with over_e[x] != 0 that falls outside its group gets
+    pos ``row`` instead of -1 (the masked FP8 layout's groups cut at max_m point their lost pairs at a NaN row).
     """
     if not triton_ok(expert_RK.device, want=True):
         raise ValueError(f"expert_order: expert_RK is on {expert_RK.device}, where its Triton kernels cannot run: it "
                          f"needs a GPU tensor (or, on CPU, Triton's interpreter: TRITON_INTERPRET=1)")
-    for name, t in (("offs_e", offs_e), ("rows_P", rows_P), ("starts_e", starts_e)):
+    for name, t in (("offs_e", offs_e), ("rows_P", rows_P), ("starts_e", starts_e),
+                    ("lost", None if lost is None else lost[0])):
         if t is not None and t.device != expert_RK.device:
             raise ValueError(f"expert_order: {name} is on {t.device}: must be on expert_RK's device {expert_RK.device}")
     R, K = expert_RK.shape
@@ -147,7 +152,7 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: 
     # (it may hold fewer rows than R * K slots where the counts are bounded: rows that stay over several waves)
     src = torch.empty(max(cap, R * K), dtype=torch.long, device=expert_RK.device)[:cap]
     pos = torch.empty(R, K, dtype=torch.long, device=expert_RK.device)
-    _order_into(expert_RK, e, offs_e, src, pos, rows_P, starts_e)
+    _order_into(expert_RK, e, offs_e, src, pos, rows_P, starts_e, lost)
     return src, pos
 
 
@@ -165,7 +170,8 @@ def _row_blocks(rows_P: torch.Tensor | None, R: int, like: torch.Tensor) -> tupl
 
 
 def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torch.Tensor, pos: torch.Tensor,
-                rows_P: torch.Tensor | None = None, starts_e: torch.Tensor | None = None) -> None:
+                rows_P: torch.Tensor | None = None, starts_e: torch.Tensor | None = None,
+                lost: tuple | None = None) -> None:
     """``expert_order`` into the caller's buffers: src (at least J entries; those at J and past untouched) and
     pos (contiguous [R, K])."""
     R, K = expert_RK.shape
@@ -182,8 +188,9 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
                         HAS_ROWS=rows_P is not None, num_warps=4)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
     starts, cap = (offs_e, J) if starts_e is None else (starts_e, src.shape[0])   # positions below cap only
-    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
-                         CH=PLACE_COLS, STARTS=starts_e is not None, num_warps=PLACE_WARPS)
+    over, row = (offs_e, -1) if lost is None else lost
+    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, over, row, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
+                         CH=PLACE_COLS, STARTS=starts_e is not None, LOST=lost is not None, num_warps=PLACE_WARPS)
 
 
 def _rows_grid(J: int, device: torch.device) -> int:
@@ -225,8 +232,8 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """[R, D] in ``dtype`` (see the module docstring), into ``out`` if given (contiguous). ``rows_P``
     (``Received.rows_P``): only the first rows_P[p] rows of each of the P blocks of R // P rows are written, the
-    others are left as they were; the grid is capped by the SM count and loops over the rows (``_rows_grid``), so
-    the launch follows the rows read, not R."""
+    others are left as they were; the grid (rows capped by the SM count, ``_rows_grid``, by blocks of channels)
+    loops over the rows, so the launch follows the rows read, not R."""
     R, K = pos_RK.shape
     D = out_JD.shape[1]
     y = torch.empty(R, D, dtype=dtype, device=out_JD.device) if out is None else out
@@ -234,9 +241,10 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
         raise ValueError(f"weighted_sum: out {tuple(y.shape)} {y.dtype}: must be contiguous {(R, D)} {dtype}")
     if R and D:
         cnt, rb = _row_blocks(rows_P, R, n)
-        _wsum_kernel[(_rows_grid(R, out_JD.device),)](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb,
-                                                       R, K, D, HAS_ROWS=rows_P is not None,
-                                                       BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+        bd = min(BLOCK_D, triton.next_power_of_2(D))
+        _wsum_kernel[(_rows_grid(R, out_JD.device), triton.cdiv(D, bd))](
+            out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, HAS_ROWS=rows_P is not None,
+            KP=triton.next_power_of_2(K), BLOCK=bd)
     return y
 
 
@@ -253,10 +261,10 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
     if not (R and D):
         return
     cnt, rb = _row_blocks(rows_P, R, n)
-    _wsum_once_kernel[(_rows_grid(R, out_JD.device),)](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt,
-                                                        rb, R, K, D, once.wave, R // once.num_waves,
-                                                        HAS_ROWS=rows_P is not None,
-                                                        BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+    bd = min(BLOCK_D, triton.next_power_of_2(D))
+    _wsum_once_kernel[(_rows_grid(R, out_JD.device), triton.cdiv(D, bd))](
+        out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, once.wave, R // once.num_waves,
+        HAS_ROWS=rows_P is not None, KP=triton.next_power_of_2(K), BLOCK=bd)
 
 
 if triton is not None:
@@ -303,12 +311,14 @@ if triton is not None:
             run += tl.sum(h, 0)
 
     @triton.jit
-    def _place_kernel(key_ptr, offs_ptr, starts_ptr, hist_ptr, src_ptr, pos_ptr, K, J, CAP, E, NBINS: tl.constexpr,
-                      BLOCK: tl.constexpr, CH: tl.constexpr, STARTS: tl.constexpr):
+    def _place_kernel(key_ptr, offs_ptr, starts_ptr, hist_ptr, src_ptr, pos_ptr, over_ptr, LOST_ROW, K, J, CAP, E,
+                      NBINS: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr, STARTS: tl.constexpr,
+                      LOST: tl.constexpr):
         # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1: the
         # scanned hist[b, x]) + (pairs of x before j in block b: compared CH columns at a time, against the keys
         # reloaded from memory, which keeps the [BLOCK, CH] masks small); outside its group (or past J, or no
-        # expert): pos -1, no write. A block with no valid pair skips the in-block ranks.
+        # expert): pos -1 (LOST: LOST_ROW where over[x] != 0), no write. A block with no valid pair skips the
+        # in-block ranks.
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         j = b * BLOCK + i
@@ -333,7 +343,11 @@ if triton is not None:
         end = tl.minimum(end, CAP)
         p = start + before + rank
         ok = valid & (p >= 0) & (p < end)
-        tl.store(pos_ptr + j, tl.where(ok, p, -1).to(tl.int64), mask=m)
+        miss = tl.full([BLOCK], -1, tl.int32)
+        if LOST:
+            over = tl.load(over_ptr + key, mask=valid, other=0)
+            miss = tl.where(over != 0, LOST_ROW, miss)
+        tl.store(pos_ptr + j, tl.where(ok, p, miss).to(tl.int64), mask=m)
         tl.store(src_ptr + p, (j // K).to(tl.int64), mask=ok)
 
     @triton.jit
@@ -380,49 +394,52 @@ if triton is not None:
         return r >= 0
 
     @triton.jit
-    def _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK: tl.constexpr):
-        # sum over k in order of w[r, k] * out[pos[r, k], d] for the slots with pos in [0, n), in fp32
+    def _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP: tl.constexpr, BLOCK: tl.constexpr):
+        # sum over k in order of w[r, k] * out[pos[r, k], d] for the slots with pos in [0, n), in fp32; the row's
+        # K positions and weights are loaded once, and its K rows' loads do not wait on one another
+        kk = tl.arange(0, KP)
+        pv = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
+        wv = tl.load(w_ptr + r * K + kk, mask=kk < K, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(K):
-            p = tl.load(pos_ptr + r * K + k)
-            if (p >= 0) & (p < n):
-                w = tl.load(w_ptr + r * K + k).to(tl.float32)
-                acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+        for k in tl.static_range(KP):
+            p = tl.sum(tl.where(kk == k, pv, 0), 0).to(tl.int64) + tl.zeros([BLOCK], tl.int64)
+            ok = (p >= 0) & (p < n)
+            w = tl.sum(tl.where(kk == k, wv, 0.0), 0)
+            x = tl.load(out_ptr + p * D + d, mask=m & ok, other=0.0).to(tl.float32)
+            acc += tl.where(ok, w * x, 0.0)
         return acc
 
     @triton.jit
     def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, HAS_ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-        # rows r = pid, pid + programs, ... of all R (a capped grid, whatever the blocks' fill); with HAS_ROWS the
-        # rows past their block's count are not written
+                     KP: tl.constexpr, BLOCK: tl.constexpr):
+        # program (i, c): rows r = i, i + programs, ... of all R (a capped grid, whatever the blocks' fill), channels
+        # c * BLOCK ..; with HAS_ROWS the rows past their block's count are not written
         n = tl.load(n_ptr)
+        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = d < D
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr                                # int64 offsets
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
-                for d0 in range(0, D, BLOCK):
-                    d = d0 + tl.arange(0, BLOCK)
-                    m = d < D
-                    acc = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK)
-                    tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+                acc = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP, BLOCK)
+                tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, WAVE, RPW,
-                          HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_ROWS: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
         # as _wsum_kernel, for the rows with a pair of this wave only, and adding the row's sum so far (y) unless
         # the row's block is of this wave
         n = tl.load(n_ptr)
+        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = d < D
+        kk = tl.arange(0, KP)
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr
             has = tl.zeros([], tl.int32)
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
-                for k in range(K):
-                    p = tl.load(pos_ptr + r * K + k)
-                    has = has | ((p >= 0) & (p < n)).to(tl.int32)
+                p = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
+                has = tl.max(((p >= 0) & (p < n)).to(tl.int32), 0)
             if has != 0:
-                for d0 in range(0, D, BLOCK):
-                    d = d0 + tl.arange(0, BLOCK)
-                    m = d < D
-                    s = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK)
-                    if r // RPW != WAVE:
-                        s = tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) + s
-                    tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)
+                s = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP, BLOCK)
+                if r // RPW != WAVE:
+                    s = tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) + s
+                tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)

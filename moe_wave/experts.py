@@ -157,16 +157,16 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
     """
     R, K = expert_RK.shape
     e = experts.num_local
-    offs = _group_ends(pairs_e_dev, R, K) if pairs_e_dev is not None else None
     if once is not None:
-        if offs is None or pairs_e is not None:
+        if pairs_e_dev is None or pairs_e is not None:
             raise ValueError("expert_rows: once= needs device counts only (pairs_e=None, pairs_e_dev given)")
-        return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, packed, own)
-    if own:
+        return _expert_rows_once(x_RD, expert_RK, weight_RK, experts, pairs_e_dev, local, rows_P, once, packed, own)
+    if own:         # the experts' stage takes the counts as they are (its groups come from one launch)
         from .expert_kernels import weighted_sum
 
-        out, pos, n = experts.fused_pairs(x_RD, expert_RK, offs, local, rows_P, packed)
+        out, pos, n = experts.fused_pairs(x_RD, expert_RK, pairs_e_dev, local, rows_P, packed)
         return weighted_sum(out, pos, weight_RK, n, torch.bfloat16 if packed else x_RD.dtype, rows_P)
+    offs = _group_ends(pairs_e_dev, R, K) if pairs_e_dev is not None else None
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
         return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
     return _slot_sums(x_RD, expert_RK, weight_RK, experts, pairs_e, offs, local).to(x_RD.dtype)
@@ -193,7 +193,7 @@ def _slot_sums(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_e, offs
     return slots.view(R, K, x_RD.shape[1]).sum(1)
 
 
-def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P,
+def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_e_dev, local, rows_P,
                       once: OnceRows, packed: bool = False, own: bool = False) -> torch.Tensor:
     """``expert_rows`` for rows that stay over several waves (``comm.backend.OnceRows``): the pairs of this wave's
     experts only (``offs`` counts no other expert), each row's sum over k in slot order added to what its earlier
@@ -213,8 +213,11 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
     # the pairs of one wave fit the rows of one wave's blocks (a source sends a token once per layer, and the
     # backend reports a source whose rows over the layer pass one block): the grouped GEMM is sized for them,
     # as a row per wave's is, not for every block
-    offs = offs.clamp(max=rpw * K)
-    if own or _fused_ok(x_RD, experts):
+    if own:
+        _once_fused(x_RD, expert_RK, weight_RK, experts, pairs_e_dev, local, rows_P, once, y, packed, own)
+        return y
+    offs = _group_ends(pairs_e_dev, R, K).clamp_(max=rpw * K)
+    if _fused_ok(x_RD, experts):
         _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y, packed, own)
         return y
     _after_last_sums(once, y)         # the torch path reads y's sums from the start: no overlap of waves here
@@ -237,7 +240,8 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, 
 def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P, once: OnceRows,
                 y, packed: bool = False, own: bool = False) -> None:
     """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``, or the experts' own
-    ``fused_pairs``), into y; the pairs sized for one wave's blocks (offs is clamped to them)."""
+    ``fused_pairs``), into y; the pairs sized for one wave's blocks (offs, the group ends clamped to them; with
+    ``own`` the device counts, which ``fused_pairs`` clamps)."""
     from .expert_kernels import expert_order, weighted_sum_once
 
     R, K = expert_RK.shape

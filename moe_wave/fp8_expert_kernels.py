@@ -26,6 +26,8 @@ the row in one masked store.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +36,7 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .fp8_quant import BLOCK, FP8, act_quant_torch
 
-__all__ = ["ALIGN", "aligned_groups", "masked_groups", "quant_pairs", "quant_pairs_torch",
+__all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs", "quant_pairs_torch",
            "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch", "aligned_capacity", "block_ends"]
 
 ALIGN = 128
@@ -83,7 +85,7 @@ def quant_pairs_torch(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int,
     D = x_RD.shape[1]
     q = torch.zeros(JA, D, dtype=FP8, device=x_RD.device)
     s = torch.zeros(D // BLOCK, JA, dtype=torch.float32, device=x_RD.device)
-    ok = pos_RK >= 0
+    ok = (pos_RK >= 0) & (pos_RK < JA)
     r = torch.arange(R, device=x_RD.device)[:, None].expand(R, K)[ok]
     p = pos_RK[ok]
     q[p], s[:, p] = act_quant_torch(rows_of(x_RD, r, local))
@@ -98,7 +100,7 @@ def gather_pairs_torch(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int
     R, K = pos_RK.shape
     q = torch.zeros(JA, D, dtype=FP8, device=p_RW.device)
     s = torch.zeros(D // BLOCK, JA, dtype=torch.float32, device=p_RW.device)
-    ok = pos_RK >= 0
+    ok = (pos_RK >= 0) & (pos_RK < JA)
     r = torch.arange(R, device=p_RW.device)[:, None].expand(R, K)[ok]
     p = pos_RK[ok]
     q_R, s_R = unpack_rows(rows_of(p_RW, r, local), D)
@@ -134,6 +136,61 @@ def block_ends(starts_e: torch.Tensor, ends_e: torch.Tensor, JA: int, align: int
     return torch.maximum(ends_e.to(torch.int32)[x.clamp_min(0)], b0)
 
 
+class Groups(NamedTuple):
+    """A wave's groups in one layout of the FP8 stage, from one launch (``layout_groups``); int32 views of one
+    buffer. offs: the cumulative group sizes (``expert_order``'s offs_e); starts, ends: each group's rows (ends
+    is the contiguous GEMMs' psum layout); m: each group's size (the masked GEMMs' masked_m); over: 1 where an
+    expert's pairs passed max_m (masked layout; 0 in the aligned one); n [1]: the rows the weighted sum may read
+    (the aligned layout's last end; the masked layout's JA + 1: its row JA is the lost pairs' NaN row); bend:
+    ``block_ends``."""
+    offs: torch.Tensor
+    starts: torch.Tensor
+    ends: torch.Tensor
+    m: torch.Tensor
+    over: torch.Tensor
+    n: torch.Tensor
+    bend: torch.Tensor
+
+
+def layout_groups(counts_e: torch.Tensor, cap: int, JA: int, max_m: int = 0) -> Groups:
+    """The groups of the aligned layout (max_m 0: ``aligned_groups``) or the masked one (``masked_groups``, each
+    count cut at max_m) from a wave's device pair counts per expert (int [e]), their running sum clamped to
+    ``cap`` pairs (a capacity overflow, reported elsewhere, must not send a group past them), for a layout of JA
+    rows, with ``block_ends``: what ``layout_groups_torch`` computes in about twenty small launches, in one."""
+    e = counts_e.numel()
+    if JA % ALIGN or max_m % ALIGN or max_m < 0 or e < 1:
+        raise ValueError(f"layout_groups: JA={JA}, max_m={max_m}, {e} experts: JA and max_m must be multiples of "
+                         f"{ALIGN} (max_m >= 0) over at least one expert")
+    nblk = JA // ALIGN
+    buf = torch.empty(5 * e + 1 + nblk, dtype=torch.int32, device=counts_e.device)
+    be = max(16, triton.next_power_of_2(e))
+    bb = max(1, min(64, 8192 // be))
+    _groups_kernel[(max(1, triton.cdiv(nblk, bb)),)](counts_e.contiguous(), buf, e, cap, max_m, nblk, JA + 1,
+                                                    MASKED=max_m > 0, BE=be, BB=bb, num_warps=4)
+    return _groups_of(buf, e)
+
+
+def _groups_of(buf: torch.Tensor, e: int) -> Groups:
+    m, offs, starts, ends, over = buf[:5 * e].view(5, e).unbind(0)
+    return Groups(offs, starts, ends, m, over, buf[5 * e:5 * e + 1], buf[5 * e + 1:])
+
+
+def layout_groups_torch(counts_e: torch.Tensor, cap: int, JA: int, max_m: int = 0) -> Groups:
+    """``layout_groups`` by torch ops (``aligned_groups`` / ``masked_groups`` and ``block_ends``)."""
+    offs = counts_e.cumsum(0).clamp(max=cap).to(torch.int32)
+    cnt = torch.diff(offs, prepend=offs.new_zeros(1))
+    if max_m:
+        offs = torch.cumsum(cnt.clamp(max=max_m), 0, dtype=torch.int32)
+        starts, ends = masked_groups(offs, max_m)
+        n = torch.full((1,), JA + 1, dtype=torch.int32, device=offs.device)
+    else:
+        starts, ends = aligned_groups(offs)
+        n = ends[-1:]
+    over = (cnt > max_m).to(torch.int32) if max_m else torch.zeros_like(cnt)
+    buf = torch.cat([ends - starts, offs, starts, ends, over, n, block_ends(starts, ends, JA)]).to(torch.int32)
+    return _groups_of(buf, counts_e.numel())
+
+
 def _grid(R: int, device: torch.device) -> int:
     if device.type != "cuda":
         return max(1, min(R, 16))
@@ -166,7 +223,7 @@ def _rows_to_pairs(src: tuple, row0: int, loc: tuple | None, pos: torch.Tensor, 
         K = pos.shape[1]
         _pairs_kernel[(_grid(R, device),)](
             src[0], src[1], src[0].stride(0), src[1].stride(0), loc[0], loc[1], loc[0].stride(0), loc[1].stride(0),
-            row0, L, pos, q, s, R, K, D, G, KP=triton.next_power_of_2(K), NB=_blocks_per_step(D, 8), PACKED=packed,
+            row0, L, pos, q, s, R, K, D, G, JA, KP=triton.next_power_of_2(K), NB=_blocks_per_step(D, 8), PACKED=packed,
             INTERP=interpreting(), num_warps=8)
     return q, s
 
@@ -174,7 +231,8 @@ def _rows_to_pairs(src: tuple, row0: int, loc: tuple | None, pos: torch.Tensor, 
 def quant_pairs(x_RD: torch.Tensor, pos_RK: torch.Tensor, JA: int, local: tuple | None = None,
                 group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [JA, D] e4m3, s [D/128, JA] fp32): row pos[r, k] of q is x[r] quantised per 128 channels (pow2 scales,
-    ``moe_wave.fp8``'s format), for every slot with pos >= 0; the other rows are left as allocated. ``local`` =
+    ``moe_wave.fp8``'s format), for every slot with 0 <= pos < JA (a position past the layout, the masked
+    layout's lost pairs, is not written); the other rows are left as allocated. ``local`` =
     (row0, x_LD) (``Received.local``): rows row0 .. row0 + L - 1 are read from x_LD. D % 128 == 0.
     ``group_rows`` = G: s is [JA / G, D/128, G] instead (each group's scales MN-major: the masked layout's)."""
     R, D = x_RD.shape
@@ -204,14 +262,15 @@ def gather_pairs(p_RW: torch.Tensor, D: int, pos_RK: torch.Tensor, JA: int, loca
                           True, p_RW.device, group_rows)
 
 
-def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Tensor, limit: float,
-                 group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: torch.Tensor | None, limit: float,
+                 group_rows: int | None = None, bend: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hq [JA, I] e4m3, hs [I/128, JA] fp32): for every row of the groups (rows starts[x] .. ends[x] - 1 of
     expert x, the aligned layout), h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 from the row's
     [gate | up] (limit <= 0: no clamp), quantised per 128 channels; the padding rows are left as allocated. By
     128-row blocks of the layout (each within one group: ``block_ends``), dense rows, no pair positions: the cost
     follows the pairs, whatever number of slots each received row has. I % 128 == 0, JA % 128 == 0.
-    ``group_rows`` = G: hs is [JA / G, I/128, G] (as ``quant_pairs``')."""
+    ``group_rows`` = G: hs is [JA / G, I/128, G] (as ``quant_pairs``'). ``bend``: the layout's ``block_ends``
+    where the caller has them (``layout_groups``), in place of starts and ends."""
     JA, I2 = gu_J2I.shape
     I = I2 // 2
     if I % BLOCK or I2 % 2 or JA % ALIGN:
@@ -224,7 +283,7 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: torch.Ten
     if JA and I:
         nb = _blocks_per_step(I, 2)
         _swiglu_quant_kernel[(JA // ALIGN, I // (nb * BLOCK))](
-            gu_J2I, block_ends(starts_e, ends_e, JA), hq, hs, I, G, float(limit), BR=16, NB=nb, CLAMP=limit > 0,
+            gu_J2I, block_ends(starts_e, ends_e, JA) if bend is None else bend, hq, hs, I, G, float(limit), BR=16, NB=nb, CLAMP=limit > 0,
             INTERP=interpreting(), num_warps=4)
     return hq, hs
 
@@ -247,19 +306,21 @@ if triton is not None:
 
     @triton.jit
     def _pairs_kernel(q_src, s_src, sq_row, ss_row, q_loc, s_loc, lq_row, ls_row, ROW0, L, pos_ptr, q_ptr, s_ptr,
-                      R, K, D, G, KP: tl.constexpr, NB: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr):
+                      R, K, D, G, JA, KP: tl.constexpr, NB: tl.constexpr, PACKED: tl.constexpr,
+                      INTERP: tl.constexpr):
         # rows r = pid, pid + programs, ...: the row's K positions loaded once; a row with a local pair is read
         # once, NB 128-channel blocks a step, and each step's e4m3 values and scales stored at every pair's row in
         # one masked store. PACKED: the source holds e4m3 values (q_src) and scales (s_src) already (fp8_rows);
         # else q_src is the bf16 rows, quantised here. Rows ROW0 .. ROW0 + L - 1 come from the *_loc pointers.
-        # The scales go in groups of G rows: [JA / G, D / 128, G] (G = JA: [D / 128, JA]).
+        # The scales go in groups of G rows: [JA / G, D / 128, G] (G = JA: [D / 128, JA]). Positions outside
+        # [0, JA) are not written.
         kk = tl.arange(0, KP)
         c = tl.arange(0, NB * 128)
         nb = tl.arange(0, NB)
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr
             p = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
-            ok = p >= 0
+            ok = (p >= 0) & (p < JA)
             if tl.max(ok.to(tl.int32), axis=0) != 0:
                 if (r >= ROW0) & (r < ROW0 + L):
                     qb = q_loc + (r - ROW0) * lq_row
@@ -277,6 +338,46 @@ if triton is not None:
                     pg = p.to(tl.int64)[:, None]
                     tl.store(s_ptr + (pg // G) * (D // 128) * G + (d0 // 128 + nb[None, :]).to(tl.int64) * G + pg % G,
                              sc, mask=ok[:, None])
+
+    @triton.jit
+    def _groups_kernel(cnt_ptr, out_ptr, E, CAP, G, NBLK, N_MASKED, MASKED: tl.constexpr, BE: tl.constexpr,
+                       BB: tl.constexpr):
+        # every program scans the E counts (out: [m | offs | starts | ends | over] E each, n, then the NBLK block
+        # ends; program 0 writes the first six) and writes BB block ends: the end of the last group starting at
+        # or before the block (groups start in increasing order, so their ends never decrease: the largest end
+        # among them), or the block's start where that end is before it
+        x = tl.arange(0, BE)
+        mx = x < E
+        c = tl.load(cnt_ptr + x, mask=mx, other=0).to(tl.int64)
+        inc = tl.cumsum(c, 0)
+        cnt = (tl.minimum(inc, CAP) - tl.minimum(inc - c, CAP)).to(tl.int32)
+        if MASKED:
+            m = tl.minimum(cnt, G)
+            starts = x * G
+            offs = tl.cumsum(m, 0)
+            over = (cnt > G).to(tl.int32)
+        else:
+            m = cnt
+            pad = (cnt + 127) // 128 * 128
+            starts = tl.cumsum(pad, 0) - pad
+            offs = tl.minimum(inc, CAP).to(tl.int32)
+            over = tl.zeros([BE], tl.int32)
+        ends = starts + m
+        if tl.program_id(0) == 0:
+            tl.store(out_ptr + x, m, mask=mx)
+            tl.store(out_ptr + E + x, offs, mask=mx)
+            tl.store(out_ptr + 2 * E + x, starts, mask=mx)
+            tl.store(out_ptr + 3 * E + x, ends, mask=mx)
+            tl.store(out_ptr + 4 * E + x, over, mask=mx)
+            if MASKED:
+                tl.store(out_ptr + 5 * E, N_MASKED)
+            else:
+                tl.store(out_ptr + 5 * E, tl.max(tl.where(mx, ends, 0), 0))
+        b = tl.program_id(0) * BB + tl.arange(0, BB)
+        b0 = b * 128
+        sel = (starts[None, :] <= b0[:, None]) & mx[None, :]
+        last = tl.max(tl.where(sel, ends[None, :], 0), 1)
+        tl.store(out_ptr + 5 * E + 1 + b, tl.maximum(last, b0), mask=b < NBLK)
 
     @triton.jit
     def _swiglu_quant_kernel(gu_ptr, bend_ptr, hq_ptr, hs_ptr, I, G, limit, BR: tl.constexpr, NB: tl.constexpr,

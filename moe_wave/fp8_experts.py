@@ -168,11 +168,11 @@ class FP8RoutedExperts(nn.Module):
         """Whether ``fused_pairs`` runs for rows on x_RD's device (``fp8_fused_ok``)."""
         return fp8_fused_ok(x_RD, self)
 
-    def fused_pairs(self, x_RD, expert_RK, offs, local=None, rows_P=None, packed: bool = False,
+    def fused_pairs(self, x_RD, expert_RK, counts_e, local=None, rows_P=None, packed: bool = False,
                     max_pairs: int | None = None) -> tuple:
         """``expert_rows``' stage up to the weighted sum on DeepGEMM (``fp8_fused_pairs``); call where
         ``fused_ok``."""
-        return fp8_fused_pairs(x_RD, expert_RK, self, offs, local, rows_P, packed, max_pairs)
+        return fp8_fused_pairs(x_RD, expert_RK, self, counts_e, local, rows_P, packed, max_pairs)
 
     def forward(self, x_ND: torch.Tensor, counts_e: list | None, offs_e: torch.Tensor | None = None) -> torch.Tensor:
         if counts_e is None:
@@ -277,16 +277,17 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
-def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None, rows_P=None, packed: bool = False,
-                    max_pairs: int | None = None) -> tuple:
+def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=None, rows_P=None,
+                    packed: bool = False, max_pairs: int | None = None) -> tuple:
     """The FP8 stage on DeepGEMM (see the module docstring) up to the weighted sum: (y_JD bf16, each pair's row
-    there, pos_RK, the rows in use n = ends[-1:]). ``offs``: the device cumulative group ends (int32 [e]);
-    ``packed``: x_RD holds ``fp8_rows``' FP8 rows, copied into the layout as they are; ``max_pairs``: the most
-    pairs the counts can hold (default R * K; rows that stay over several waves bound a wave's by its blocks).
-    The layout and GEMMs: ``fp8_gemm_layout`` with ``experts.gemm_layout`` (ids distinct on top-k layers, not
-    on hash-routed ones, whose table may repeat an expert in a row)."""
+    there, pos_RK, the rows in use n). ``counts_e``: the wave's device pair counts per expert (``Received``'s
+    pairs_e_dev); ``packed``: x_RD holds ``fp8_rows``' FP8 rows, copied into the layout as they are;
+    ``max_pairs``: the most pairs the counts can hold (default R * K; rows that stay over several waves bound a
+    wave's by its blocks), where their running sum is clamped. The layout and GEMMs: ``fp8_gemm_layout`` with
+    ``experts.gemm_layout`` (ids distinct on top-k layers, not on hash-routed ones, whose table may repeat an
+    expert in a row); the groups, their block ends and sizes from one launch (``layout_groups``)."""
     from .expert_kernels import expert_order
-    from .fp8_expert_kernels import ALIGN, aligned_groups, gather_pairs, masked_groups, quant_pairs, swiglu_quant
+    from .fp8_expert_kernels import ALIGN, gather_pairs, layout_groups, quant_pairs, swiglu_quant
 
     dg = _deep_gemm_grouped(x_RD.device)
     if dg.get_mk_alignment_for_contiguous_layout() != ALIGN:
@@ -301,33 +302,27 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, offs, local=None
                          "use 'contiguous' or 'auto'")
     layout, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
     G = max_m or None
-    if G:   # each group holds max_m rows: the pairs past it are not placed (pos -1 for now, see below)
-        cnt = torch.diff(offs.to(torch.int32), prepend=offs.new_zeros(1, dtype=torch.int32))
-        offs = torch.cumsum(cnt.clamp(max=G), 0, dtype=torch.int32)
-    starts, ends = masked_groups(offs, max_m) if G else aligned_groups(offs)
-    _, pos = expert_order(expert_RK, e, offs, rows_P, starts_e=starts, capacity=JA)
+    # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and reads row
+    # JA, all NaN: the rows that lost a pair come out NaN, the others stay right (the pairs of experts with empty
+    # groups here, another wave's on rows that stay over several waves, keep pos -1)
+    g = layout_groups(counts_e, pairs, JA, max_m)
+    _, pos = expert_order(expert_RK, e, g.offs, rows_P, starts_e=g.starts, capacity=JA,
+                          lost=(g.over, JA) if G else None)
     q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
     gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
     y = torch.empty(JA + (1 if G else 0), D, dtype=torch.bfloat16, device=x_RD.device)
     if G:
-        counts = (ends - starts).contiguous()
         expected = max(1, -(-pairs // e))
         dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
-                                        gu.view(e, G, 2 * I), counts, expected)
-        hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit, G)
+                                        gu.view(e, G, 2 * I), g.m, expected)
+        hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, G, bend=g.bend)
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
-                                        y[:JA].view(e, G, D), counts, expected)
-        # a pair of an expert whose group passed max_m, left unplaced, reads row JA, all NaN: the rows that lost a
-        # pair come out NaN, the others stay right (the pairs of experts with empty groups here, another wave's
-        # on rows that stay over several waves, keep pos -1)
+                                        y[:JA].view(e, G, D), g.m, expected)
         y[JA].fill_(float("nan"))
-        ids = expert_RK.long()
-        valid = (ids >= 0) & (ids < e)
-        lost = (pos < 0) & valid & (cnt > G)[torch.where(valid, ids, 0)]
-        return y, torch.where(lost, JA, pos), torch.full((1,), JA + 1, dtype=torch.int32, device=y.device)
-    dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, ends,
+        return y, pos, g.n
+    dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
                                         use_psum_layout=True)
-    hq, hs = swiglu_quant(gu, starts, ends, experts.cfg.swiglu_limit)
-    dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, ends,
+    hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, bend=g.bend)
+    dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
                                         use_psum_layout=True)
-    return y, pos, ends[-1:]
+    return y, pos, g.n

@@ -15,8 +15,9 @@ from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
-from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, masked_groups,
-                                         quant_pairs, quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
+from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, layout_groups,
+                                         layout_groups_torch, masked_groups, quant_pairs, quant_pairs_torch,
+                                         swiglu_quant, swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -111,6 +112,34 @@ def test_block_ends_cover_every_group_row_and_no_padding():
     assert bend.shape == (JA // ALIGN,)
     covered = {r for b, end in enumerate(bend.tolist()) for r in range(b * ALIGN, min(b * ALIGN + ALIGN, end))}
     assert covered == {r for s, e in zip(starts.tolist(), ends.tolist()) for r in range(s, e)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("counts,cap,max_m", [
+    ([0, 5, 130, 0, 128, 1, 0], 10 ** 6, 0),            # empty groups, one over a block, a last block past all
+    ([0, 5, 130, 0, 128, 1, 0], 200, 0),                # the running sum clamped at cap: later groups shrink to 0
+    ([3, 300, 0, 128, 129], 10 ** 6, 128),              # masked: counts past max_m cut there and flagged
+    ([3, 300, 0, 128, 129], 250, 256),
+    ([7], 7, 0), ([7], 7, 128),                         # one expert
+    (list(range(40)), 700, 0), (list(range(0, 200, 5)), 10 ** 6, 256)])   # more experts than one block of BB
+def test_layout_groups_kernel_equals_its_twin(counts, cap, max_m):
+    """``layout_groups`` (one launch) gives what ``aligned_groups`` / ``masked_groups`` and ``block_ends`` give
+    from the clamped running sum: offsets, starts, ends, sizes, the flags of groups cut at max_m, n and the block
+    ends, every entry."""
+    c = torch.tensor(counts, dtype=torch.long)
+    e = c.numel()
+    JA = max_m * e if max_m else aligned_capacity(max(int(c.sum()), 1), e)
+    want = layout_groups_torch(c, cap, JA, max_m)
+    got = layout_groups(c.to(KDEV), cap, JA, max_m)
+    for name, w, g in zip(want._fields, want, got):
+        assert torch.equal(g.cpu(), w), (name, g.cpu().tolist(), w.tolist())
+    if max_m:
+        sizes = c.cumsum(0).clamp(max=cap).diff(prepend=torch.zeros(1, dtype=torch.long))
+        assert want.over.tolist() == (sizes > max_m).int().tolist() and int(want.n) == JA + 1
+    else:
+        assert int(want.n) == int(want.ends[-1]) and not want.over.any()
+    with pytest.raises(ValueError, match=r"layout_groups: JA=100, max_m=0, 7 experts: JA and max_m must be "):
+        layout_groups(torch.zeros(7, dtype=torch.long, device=KDEV), cap, 100)
 
 
 def grouped_scales(s_CJ: torch.Tensor, G: int) -> torch.Tensor:
