@@ -163,9 +163,10 @@ def table(rows: list[dict]) -> str:
 
         def ratio(a, b):
             return f"{a / b:.3f}" if a and b else "-"
-        lines.append(" | ".join([shape, str(e), str(T), f"{b1:.1f}" if b1 else "-", f"{f1:.1f}" if f1 else "-",
-                                 ratio(f1, b1), f"{dgu:.1f}" if dgu else "-", ratio(f1, dgu), f"{fl:.1f}" if fl else "-",
-                                 ratio(f1, fl), ratio(b4, b1), ratio(f4, f1),
+        def num(v):
+            return f"{v:.1f}" if v else "-"
+        lines.append(" | ".join([shape, str(e), str(T), num(b1), num(f1), ratio(f1, b1), num(dgu), ratio(f1, dgu),
+                                 num(fl), ratio(f1, fl), ratio(b4, b1), ratio(f4, f1),
                                  str(r1.get("pack_us", "-")), str(r1.get("stage_bf16_rows_us", "-")),
                                  f"{r1.get('stage_contiguous_us', '-')} / {r1.get('stage_masked_us', '-')}"]))
     return "\n".join(lines)

@@ -36,8 +36,8 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .fp8_quant import BLOCK, FP8, act_quant_torch
 
-__all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs", "quant_pairs_torch",
-           "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch", "aligned_capacity", "block_ends"]
+__all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs",
+           "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch", "aligned_capacity", "block_ends"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
@@ -283,8 +283,8 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
     if JA and I:
         nb = _blocks_per_step(I, 2)
         _swiglu_quant_kernel[(JA // ALIGN, I // (nb * BLOCK))](
-            gu_J2I, block_ends(starts_e, ends_e, JA) if bend is None else bend, hq, hs, I, G, float(limit), BR=16, NB=nb, CLAMP=limit > 0,
-            INTERP=interpreting(), num_warps=4)
+            gu_J2I, block_ends(starts_e, ends_e, JA) if bend is None else bend, hq, hs, I, G, float(limit), BR=16,
+            NB=nb, CLAMP=limit > 0, INTERP=interpreting(), num_warps=4)
     return hq, hs
 
 
