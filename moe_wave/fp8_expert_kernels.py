@@ -37,7 +37,8 @@ from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 from .fp8_quant import BLOCK, FP8, act_quant_torch
 
 __all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs",
-           "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch", "aligned_capacity", "block_ends"]
+           "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
+           "aligned_capacity", "block_ends"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
