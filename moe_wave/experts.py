@@ -197,9 +197,10 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_
                       once: OnceRows, packed: bool = False, own: bool = False) -> torch.Tensor:
     """``expert_rows`` for rows that stay over several waves (``comm.backend.OnceRows``): the pairs of this wave's
     experts only (the device counts ``pairs_e_dev`` name no other expert), each row's sum over k in slot order
-    added to what its earlier waves left in its row of y (a row's first wave writes it), y in x's dtype and kept in ``once.state["y"]`` for
-    the waves of this call: after a row's last wave its row holds the finished sum, which the combine of that wave
-    reads (the partial sums are rounded to x's dtype between waves, as a row per wave's are when they travel).
+    added to what its earlier waves left in its row of y (a row's first wave writes it), y in x's dtype and kept
+    in ``once.state["y"]`` for the waves of this call: after a row's last wave its row holds the finished sum,
+    which the combine of that wave reads (the partial sums are rounded to x's dtype between waves, as a row per
+    wave's are when they travel).
     Returns y: [R, D], the rows no wave has touched as allocated."""
     R, K = expert_RK.shape
     D, e, w, W = experts.cfg.hidden_size, experts.num_local, once.wave, once.num_waves   # x may be packed rows
