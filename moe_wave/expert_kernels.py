@@ -227,13 +227,23 @@ def swiglu_rows(gu_J2I: torch.Tensor, limit: float, n: torch.Tensor, dtype: torc
     return out
 
 
+def _wsum_grid(R: int, D: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(row programs, channel-block programs) of the weighted sums: the rows as ``_rows_grid``; where they are
+    fewer than that cap (decode-sized waves) each row's channel blocks spread over programs up to it, so that a
+    small wave's sums do not wait on one program per row. A wave of many rows keeps one program per row: every
+    program of a row reloads its slots."""
+    rows = _rows_grid(R, device)
+    cap = _rows_grid(1 << 30, device)
+    return rows, max(1, min(triton.cdiv(D, block), cap // rows))
+
+
 def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor, n: torch.Tensor,
                  dtype: torch.dtype, rows_P: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """[R, D] in ``dtype`` (see the module docstring), into ``out`` if given (contiguous). ``rows_P``
     (``Received.rows_P``): only the first rows_P[p] rows of each of the P blocks of R // P rows are written, the
-    others are left as they were; the grid (rows capped by the SM count, ``_rows_grid``, by blocks of channels)
-    loops over the rows, so the launch follows the rows read, not R."""
+    others are left as they were; the grid (``_wsum_grid``: rows capped by the SM count, by blocks of channels
+    where the rows are few) loops over the rows, so the launch follows the rows read, not R."""
     R, K = pos_RK.shape
     D = out_JD.shape[1]
     y = torch.empty(R, D, dtype=dtype, device=out_JD.device) if out is None else out
@@ -242,7 +252,7 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
     if R and D:
         cnt, rb = _row_blocks(rows_P, R, n)
         bd = min(BLOCK_D, triton.next_power_of_2(D))
-        _wsum_kernel[(_rows_grid(R, out_JD.device), triton.cdiv(D, bd))](
+        _wsum_kernel[_wsum_grid(R, D, bd, out_JD.device)](
             out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, HAS_ROWS=rows_P is not None,
             KP=triton.next_power_of_2(K), BLOCK=bd)
     return y
@@ -262,7 +272,7 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
         return
     cnt, rb = _row_blocks(rows_P, R, n)
     bd = min(BLOCK_D, triton.next_power_of_2(D))
-    _wsum_once_kernel[(_rows_grid(R, out_JD.device), triton.cdiv(D, bd))](
+    _wsum_once_kernel[_wsum_grid(R, D, bd, out_JD.device)](
         out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, once.wave, R // once.num_waves,
         HAS_ROWS=rows_P is not None, KP=triton.next_power_of_2(K), BLOCK=bd)
 
@@ -394,34 +404,44 @@ if triton is not None:
         return r >= 0
 
     @triton.jit
-    def _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP: tl.constexpr, BLOCK: tl.constexpr):
-        # sum over k in order of w[r, k] * out[pos[r, k], d] for the slots with pos in [0, n), in fp32; the row's
-        # K positions and weights are loaded once, and its K rows' loads do not wait on one another
+    def _slot_sum(out_ptr, pv, wv, n, D, d, m, KP: tl.constexpr, BLOCK: tl.constexpr):
+        # sum over k in order of w[k] * out[p[k], d] for the slots with p in [0, n), in fp32, from the row's K
+        # positions pv and weights wv (loaded once, -1 past K): the row's K loads do not wait on one another, each
+        # from a scalar row start
+        kk = tl.arange(0, KP)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(KP):
+            p = tl.sum(tl.where(kk == k, pv, 0), 0).to(tl.int64)
+            ok = (p >= 0) & (p < n)
+            w = tl.sum(tl.where(kk == k, wv, 0.0), 0)
+            okv = (tl.zeros([BLOCK], tl.int32) + ok.to(tl.int32)) != 0
+            x = tl.load(out_ptr + p * D + d, mask=m & okv, other=0.0).to(tl.float32)
+            acc += tl.where(okv, w * x, 0.0)
+        return acc
+
+    @triton.jit
+    def _row_slots(pos_ptr, w_ptr, r, K, KP: tl.constexpr):
+        # (positions, weights) of row r's K slots as [KP] vectors, -1 and 0 past K
         kk = tl.arange(0, KP)
         pv = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
         wv = tl.load(w_ptr + r * K + kk, mask=kk < K, other=0.0).to(tl.float32)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in tl.static_range(KP):
-            p = tl.sum(tl.where(kk == k, pv, 0), 0).to(tl.int64) + tl.zeros([BLOCK], tl.int64)
-            ok = (p >= 0) & (p < n)
-            w = tl.sum(tl.where(kk == k, wv, 0.0), 0)
-            x = tl.load(out_ptr + p * D + d, mask=m & ok, other=0.0).to(tl.float32)
-            acc += tl.where(ok, w * x, 0.0)
-        return acc
+        return pv, wv
 
     @triton.jit
     def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, HAS_ROWS: tl.constexpr,
                      KP: tl.constexpr, BLOCK: tl.constexpr):
-        # program (i, c): rows r = i, i + programs, ... of all R (a capped grid, whatever the blocks' fill), channels
-        # c * BLOCK ..; with HAS_ROWS the rows past their block's count are not written
+        # program (i, c): rows r = i, i + programs, ... of all R (a capped grid, whatever the blocks' fill), channel
+        # blocks c, c + programs(1), ...; with HAS_ROWS the rows past their block's count are not written
         n = tl.load(n_ptr)
-        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = d < D
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr                                # int64 offsets
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
-                acc = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP, BLOCK)
-                tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+                pv, wv = _row_slots(pos_ptr, w_ptr, r, K, KP)
+                for d0 in range(tl.program_id(1) * BLOCK, D, tl.num_programs(1) * BLOCK):
+                    d = d0 + tl.arange(0, BLOCK)
+                    m = d < D
+                    acc = _slot_sum(out_ptr, pv, wv, n, D, d, m, KP, BLOCK)
+                    tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, WAVE, RPW,
@@ -429,17 +449,17 @@ if triton is not None:
         # as _wsum_kernel, for the rows with a pair of this wave only, and adding the row's sum so far (y) unless
         # the row's block is of this wave
         n = tl.load(n_ptr)
-        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = d < D
-        kk = tl.arange(0, KP)
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr
             has = tl.zeros([], tl.int32)
+            pv, wv = _row_slots(pos_ptr, w_ptr, r, K, KP)
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
-                p = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
-                has = tl.max(((p >= 0) & (p < n)).to(tl.int32), 0)
+                has = tl.max(((pv >= 0) & (pv < n)).to(tl.int32), 0)
             if has != 0:
-                s = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP, BLOCK)
-                if r // RPW != WAVE:
-                    s = tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) + s
-                tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)
+                for d0 in range(tl.program_id(1) * BLOCK, D, tl.num_programs(1) * BLOCK):
+                    d = d0 + tl.arange(0, BLOCK)
+                    m = d < D
+                    s = _slot_sum(out_ptr, pv, wv, n, D, d, m, KP, BLOCK)
+                    if r // RPW != WAVE:
+                        s = tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) + s
+                    tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)

@@ -191,7 +191,8 @@ def test_expert_count_mismatch_detected_at_setup(ranks):
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not triton_ok(DEVICE, want=True),
                                    reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
-KERNEL_CASES = [(7, 3, 37, 20, 11), (5, 2, 1030, 6, 10), (4, 2, 8, 4, 0), (3, 2, 5, 3, 6)]   # R, K, D, I, n
+KERNEL_CASES = [(7, 3, 37, 20, 11), (5, 2, 1030, 6, 10), (4, 2, 8, 4, 0), (3, 2, 5, 3, 6),
+                (70, 3, 1030, 6, 150)]   # R, K, D, I, n (70 rows: past the CPU grid cap of 64, a program per row)
 
 
 def _gen(case) -> torch.Generator:
