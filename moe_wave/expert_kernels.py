@@ -227,14 +227,16 @@ def swiglu_rows(gu_J2I: torch.Tensor, limit: float, n: torch.Tensor, dtype: torc
     return out
 
 
-def _wsum_grid(R: int, D: int, block: int, device: torch.device) -> tuple[int, int]:
-    """(row programs, channel-block programs) of the weighted sums: the rows as ``_rows_grid``; where they are
-    fewer than that cap (decode-sized waves) each row's channel blocks spread over programs up to it, so that a
-    small wave's sums do not wait on one program per row. A wave of many rows keeps one program per row: every
-    program of a row reloads its slots."""
-    rows = _rows_grid(R, device)
-    cap = _rows_grid(1 << 30, device)
-    return rows, max(1, min(triton.cdiv(D, block), cap // rows))
+def _wsum_grid(R: int, D: int, block: int, device: torch.device) -> tuple[tuple[int, int], bool]:
+    """(grid, split) of the weighted sums. Where a program per (row, block of channels) fits the row programs'
+    cap (``_rows_grid``; decode-sized waves), that grid, each program loading its row's slots at once
+    (``_slot_sum_split``): at 128 tokens a wave's sum took 5.3 us instead of 15.1 (V4-Flash, 32 local experts,
+    one H100). Else a program per row (capped), a slot at a time: the split form measured 1.5 x slower there on
+    the sparse rows of W=4 at 8192 tokens (benchmarks/results/experts.md)."""
+    blocks = triton.cdiv(D, block)
+    if R * blocks <= _rows_grid(1 << 30, device):
+        return (max(R, 1), blocks), True
+    return (_rows_grid(R, device), 1), False
 
 
 def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor, n: torch.Tensor,
@@ -242,8 +244,8 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """[R, D] in ``dtype`` (see the module docstring), into ``out`` if given (contiguous). ``rows_P``
     (``Received.rows_P``): only the first rows_P[p] rows of each of the P blocks of R // P rows are written, the
-    others are left as they were; the grid (``_wsum_grid``: rows capped by the SM count, by blocks of channels
-    where the rows are few) loops over the rows, so the launch follows the rows read, not R."""
+    others are left as they were; the grid (``_wsum_grid``: rows capped by the SM count, or rows by blocks of
+    channels where they are few) loops over the rows, so the launch follows the rows read, not R."""
     R, K = pos_RK.shape
     D = out_JD.shape[1]
     y = torch.empty(R, D, dtype=dtype, device=out_JD.device) if out is None else out
@@ -252,9 +254,9 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
     if R and D:
         cnt, rb = _row_blocks(rows_P, R, n)
         bd = min(BLOCK_D, triton.next_power_of_2(D))
-        _wsum_kernel[_wsum_grid(R, D, bd, out_JD.device)](
-            out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, HAS_ROWS=rows_P is not None,
-            KP=triton.next_power_of_2(K), BLOCK=bd)
+        grid, split = _wsum_grid(R, D, bd, out_JD.device)
+        _wsum_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D,
+                           HAS_ROWS=rows_P is not None, SPLIT=split, KP=triton.next_power_of_2(K), BLOCK=bd)
     return y
 
 
@@ -272,9 +274,10 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
         return
     cnt, rb = _row_blocks(rows_P, R, n)
     bd = min(BLOCK_D, triton.next_power_of_2(D))
-    _wsum_once_kernel[_wsum_grid(R, D, bd, out_JD.device)](
-        out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, once.wave, R // once.num_waves,
-        HAS_ROWS=rows_P is not None, KP=triton.next_power_of_2(K), BLOCK=bd)
+    grid, split = _wsum_grid(R, D, bd, out_JD.device)
+    _wsum_once_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, once.wave,
+                            R // once.num_waves, HAS_ROWS=rows_P is not None, SPLIT=split,
+                            KP=triton.next_power_of_2(K), BLOCK=bd)
 
 
 if triton is not None:
@@ -404,62 +407,75 @@ if triton is not None:
         return r >= 0
 
     @triton.jit
-    def _slot_sum(out_ptr, pv, wv, n, D, d, m, KP: tl.constexpr, BLOCK: tl.constexpr):
-        # sum over k in order of w[k] * out[p[k], d] for the slots with p in [0, n), in fp32, from the row's K
-        # positions pv and weights wv (loaded once, -1 past K): the row's K loads do not wait on one another, each
-        # from a scalar row start
-        kk = tl.arange(0, KP)
+    def _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK: tl.constexpr):
+        # sum over k in order of w[r, k] * out[pos[r, k], d] for the slots with pos in [0, n), in fp32, a slot at
+        # a time (a wave of many rows: one program per row)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in tl.static_range(KP):
-            p = tl.sum(tl.where(kk == k, pv, 0), 0).to(tl.int64)
-            ok = (p >= 0) & (p < n)
-            w = tl.sum(tl.where(kk == k, wv, 0.0), 0)
-            okv = (tl.zeros([BLOCK], tl.int32) + ok.to(tl.int32)) != 0
-            x = tl.load(out_ptr + p * D + d, mask=m & okv, other=0.0).to(tl.float32)
-            acc += tl.where(okv, w * x, 0.0)
+        for k in range(K):
+            p = tl.load(pos_ptr + r * K + k)
+            if (p >= 0) & (p < n):
+                w = tl.load(w_ptr + r * K + k).to(tl.float32)
+                acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
         return acc
 
     @triton.jit
-    def _row_slots(pos_ptr, w_ptr, r, K, KP: tl.constexpr):
-        # (positions, weights) of row r's K slots as [KP] vectors, -1 and 0 past K
+    def _slot_sum_split(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP: tl.constexpr, BLOCK: tl.constexpr):
+        # _slot_sum for one block of channels of a decode-sized wave (a program per (row, block)): the row's K
+        # positions and weights loaded once, and its K rows' loads not waiting on one another
         kk = tl.arange(0, KP)
         pv = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
         wv = tl.load(w_ptr + r * K + kk, mask=kk < K, other=0.0).to(tl.float32)
-        return pv, wv
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(KP):
+            p = tl.sum(tl.where(kk == k, pv, 0), 0).to(tl.int64) + tl.zeros([BLOCK], tl.int64)
+            ok = (p >= 0) & (p < n)
+            w = tl.sum(tl.where(kk == k, wv, 0.0), 0)
+            x = tl.load(out_ptr + p * D + d, mask=m & ok, other=0.0).to(tl.float32)
+            acc += tl.where(ok, w * x, 0.0)
+        return acc
+
+    @triton.jit
+    def _row_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d0, SPLIT: tl.constexpr, KP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+        # (the slot sum of row r on channels d0 .., the channel mask)
+        d = d0 + tl.arange(0, BLOCK)
+        m = d < D
+        if SPLIT:
+            acc = _slot_sum_split(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, KP, BLOCK)
+        else:
+            acc = _slot_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d, m, BLOCK)
+        return acc, d, m
 
     @triton.jit
     def _wsum_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, HAS_ROWS: tl.constexpr,
-                     KP: tl.constexpr, BLOCK: tl.constexpr):
-        # program (i, c): rows r = i, i + programs, ... of all R (a capped grid, whatever the blocks' fill), channel
-        # blocks c, c + programs(1), ...; with HAS_ROWS the rows past their block's count are not written
+                     SPLIT: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+        # rows r = pid, pid + programs, ... of all R (a capped grid, whatever the blocks' fill), every block of
+        # channels; SPLIT: program (r, c), the channels c * BLOCK .. only (``_wsum_grid``); with HAS_ROWS the rows
+        # past their block's count are not written
         n = tl.load(n_ptr)
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr                                # int64 offsets
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
-                pv, wv = _row_slots(pos_ptr, w_ptr, r, K, KP)
                 for d0 in range(tl.program_id(1) * BLOCK, D, tl.num_programs(1) * BLOCK):
-                    d = d0 + tl.arange(0, BLOCK)
-                    m = d < D
-                    acc = _slot_sum(out_ptr, pv, wv, n, D, d, m, KP, BLOCK)
+                    acc, d, m = _row_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d0, SPLIT, KP, BLOCK)
                     tl.store(y_ptr + r * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _wsum_once_kernel(out_ptr, pos_ptr, w_ptr, n_ptr, y_ptr, cnt_ptr, RB, R, K, D, WAVE, RPW,
-                          HAS_ROWS: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
         # as _wsum_kernel, for the rows with a pair of this wave only, and adding the row's sum so far (y) unless
         # the row's block is of this wave
         n = tl.load(n_ptr)
         for rr in range(tl.program_id(0), R, tl.num_programs(0)):
             r = tl.zeros([], tl.int64) + rr
             has = tl.zeros([], tl.int32)
-            pv, wv = _row_slots(pos_ptr, w_ptr, r, K, KP)
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
-                has = tl.max(((pv >= 0) & (pv < n)).to(tl.int32), 0)
+                for k in range(K):
+                    p = tl.load(pos_ptr + r * K + k)
+                    has = has | ((p >= 0) & (p < n)).to(tl.int32)
             if has != 0:
                 for d0 in range(tl.program_id(1) * BLOCK, D, tl.num_programs(1) * BLOCK):
-                    d = d0 + tl.arange(0, BLOCK)
-                    m = d < D
-                    s = _slot_sum(out_ptr, pv, wv, n, D, d, m, KP, BLOCK)
+                    s, d, m = _row_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d0, SPLIT, KP, BLOCK)
                     if r // RPW != WAVE:
                         s = tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) + s
                     tl.store(y_ptr + r * D + d, s.to(y_ptr.dtype.element_ty), mask=m)

@@ -192,7 +192,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not triton_ok(DEVICE, want=True),
                                    reason="Triton cannot run here (not installed, or CPU without TRITON_INTERPRET=1)")
 KERNEL_CASES = [(7, 3, 37, 20, 11), (5, 2, 1030, 6, 10), (4, 2, 8, 4, 0), (3, 2, 5, 3, 6),
-                (70, 3, 1030, 6, 150)]   # R, K, D, I, n (70 rows: past the CPU grid cap of 64, a program per row)
+                (70, 3, 1030, 6, 150)]   # R, K, D, I, n (70 rows x 2 channel blocks: past the CPU grid cap of 64)
 
 
 def _gen(case) -> torch.Generator:
@@ -236,6 +236,19 @@ def test_swiglu_rows_matches_torch(R, K, D, I, n, limit):
     torch.testing.assert_close(a[:n], b[:n], rtol=1e-5, atol=1e-6)
     if limit and n:
         assert float(b[:n].abs().max()) <= limit * limit, "gate and up are clamped"
+
+
+@needs_kernels
+def test_weighted_sum_grid_splits_channels_only_where_the_rows_are_few():
+    """The weighted sums take a program per (row, block of channels) where that fits the row programs' cap (64 on
+    CPU) and a program per row, capped, elsewhere: the cases of KERNEL_CASES run both forms."""
+    from moe_wave.expert_kernels import _wsum_grid
+
+    cpu = torch.device("cpu")
+    assert _wsum_grid(5, 1030, 1024, cpu) == ((5, 2), True)
+    assert _wsum_grid(32, 1030, 1024, cpu) == ((32, 2), True)
+    assert _wsum_grid(33, 1030, 1024, cpu) == ((33, 1), False)
+    assert _wsum_grid(70, 1030, 1024, cpu) == ((64, 1), False)
 
 
 @needs_kernels
