@@ -9,6 +9,8 @@ astart[x] a multiple of A, so each expert's rows are whole GEMM row blocks, as D
 slots of no local expert. The rows between a group's end and the next group's start are padding that no kernel
 writes and no consumer reads (a GEMM row depends only on its own input row).
 
+    layout_groups(counts_e, cap, JA, max_m) a wave's groups in the aligned (max_m 0) or masked layout, their
+                                           sizes, cut flags and block ends from the device counts, one launch
     quant_pairs(x_RD, pos_RK, JA)          q [JA, D] e4m3 and s [D/128, JA] fp32 (``moe_wave.fp8``'s activation
                                            format): each received row read once, quantised per 128 channels and
                                            written to the rows of its local pairs
