@@ -276,6 +276,8 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
     where the caller has them (``layout_groups``), in place of starts and ends."""
     JA, I2 = gu_J2I.shape
     I = I2 // 2
+    if bend is None and (starts_e is None or ends_e is None):
+        raise ValueError("swiglu_quant: starts_e and ends_e are needed where bend (the block ends) is not given")
     if I % BLOCK or I2 % 2 or JA % ALIGN:
         raise ValueError(f"swiglu_quant: gu {tuple(gu_J2I.shape)}: must be [JA, 2 * I] with I a multiple of {BLOCK} "
                          f"and JA of {ALIGN}")

@@ -261,6 +261,13 @@ def test_swiglu_quant_kernel_equals_its_twin(limit, I):
     hqt, hst = swiglu_quant_torch(gu, starts, ends, limit)
     used = pos[pos >= 0]
     assert torch.equal(hs[:, used], hst[:, used])
+    # the block ends given (as the stage passes layout_groups' own) in place of the groups: the same bits
+    bend = block_ends(starts, ends, JA).to(KDEV)
+    hq2, hs2 = (t.cpu() for t in swiglu_quant(gu.to(KDEV), None, None, limit, bend=bend))
+    assert torch.equal(hq2[used].view(torch.uint8), hq[used].view(torch.uint8))
+    assert torch.equal(hs2[:, used], hs[:, used])
+    with pytest.raises(ValueError, match="swiglu_quant: starts_e and ends_e are needed where bend"):
+        swiglu_quant(gu.to(KDEV), None, None, limit)
     a, b = dequant_act(hq[used], hs[:, used]), dequant_act(hqt[used], hst[:, used])
     # silu's exp may differ in its last fp32 bit between Triton and torch: at most one e4m3 step, rarely
     assert (a != b).float().mean() < 1e-3 and ((a - b).abs() <= b.abs() / 8 + 1e-30).all()
