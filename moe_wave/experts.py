@@ -128,11 +128,12 @@ def _own_stage(x_RD: torch.Tensor, experts: nn.Module, pairs_e_dev: torch.Tensor
     return ok is not None and pairs_e_dev is not None and experts.num_local > 0 and ok(x_RD)
 
 
-def _group_ends(pairs_e_dev: torch.Tensor, R: int, K: int) -> torch.Tensor:
-    """int32 [e] cumulative group ends from the device counts, clamped to the R*K slots (a capacity overflow,
-    reported later, must not send a group past them). Built on the device: from a host list it would be a
+def _group_ends(pairs_e_dev: torch.Tensor, cap: int) -> torch.Tensor:
+    """int32 [e] cumulative group ends from the device counts, clamped to ``cap`` pairs (the R*K slots, or one
+    wave's blocks' for rows that stay over several waves: a capacity overflow, reported later, must not send a
+    group past them). Built on the device: from a host list it would be a
     pageable host-to-device copy, which synchronises the host with the stream once per wave."""
-    return pairs_e_dev.cumsum(0).clamp_(max=R * K).to(torch.int32)
+    return pairs_e_dev.cumsum(0).clamp_(max=cap).to(torch.int32)
 
 
 def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor, experts: RoutedExperts,
@@ -166,7 +167,7 @@ def _stage(x_RD: torch.Tensor, expert_RK: torch.Tensor, weight_RK: torch.Tensor,
 
         out, pos, n = experts.fused_pairs(x_RD, expert_RK, pairs_e_dev, local, rows_P, packed)
         return weighted_sum(out, pos, weight_RK, n, torch.bfloat16 if packed else x_RD.dtype, rows_P)
-    offs = _group_ends(pairs_e_dev, R, K) if pairs_e_dev is not None else None
+    offs = _group_ends(pairs_e_dev, R * K) if pairs_e_dev is not None else None
     if pairs_e is None and offs is not None and e and _fused_ok(x_RD, experts):
         return _expert_rows_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P)
     return _slot_sums(x_RD, expert_RK, weight_RK, experts, pairs_e, offs, local).to(x_RD.dtype)
@@ -214,13 +215,10 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_
     # the pairs of one wave fit the rows of one wave's blocks (a source sends a token once per layer, and the
     # backend reports a source whose rows over the layer pass one block): the grouped GEMM is sized for them,
     # as a row per wave's is, not for every block
-    if own:
+    if own or _fused_ok(x_RD, experts):
         _once_fused(x_RD, expert_RK, weight_RK, experts, pairs_e_dev, local, rows_P, once, y, packed, own)
         return y
-    offs = _group_ends(pairs_e_dev, R, K).clamp_(max=rpw * K)
-    if _fused_ok(x_RD, experts):
-        _once_fused(x_RD, expert_RK, weight_RK, experts, offs, local, rows_P, once, y, packed, own)
-        return y
+    offs = _group_ends(pairs_e_dev, rpw * K)
     _after_last_sums(once, y)         # the torch path reads y's sums from the start: no overlap of waves here
     ids = expert_RK.long()
     ok = (ids >= 0) & (ids < e)
@@ -238,21 +236,22 @@ def _expert_rows_once(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_
     return y
 
 
-def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, offs, local, rows_P, once: OnceRows,
-                y, packed: bool = False, own: bool = False) -> None:
+def _once_fused(x_RD, expert_RK, weight_RK, experts: RoutedExperts, pairs_e_dev, local, rows_P,
+                once: OnceRows, y, packed: bool = False, own: bool = False) -> None:
     """``_expert_rows_once`` on the device-count kernels (as ``_expert_rows_fused``, or the experts' own
-    ``fused_pairs``), into y; the pairs sized for one wave's blocks (offs, the group ends clamped to them; with
-    ``own`` the device counts, which ``fused_pairs`` clamps)."""
+    ``fused_pairs``), into y; the pairs sized for one wave's blocks (the counts clamped to them)."""
     from .expert_kernels import expert_order, weighted_sum_once
 
     R, K = expert_RK.shape
-    # the other waves' experts have empty groups in offs: their pairs get pos -1 (expert_order's guard)
+    cap = R // once.num_waves * K
+    # the other waves' experts have empty groups: their pairs get pos -1 (expert_order's guard)
     if own:
-        out, pos, n = experts.fused_pairs(x_RD, expert_RK, offs, local, rows_P, packed, R // once.num_waves * K)
+        out, pos, n = experts.fused_pairs(x_RD, expert_RK, pairs_e_dev, local, rows_P, packed, cap)
     else:
+        offs = _group_ends(pairs_e_dev, cap)
         n = offs[-1:]
         src, pos = expert_order(expert_RK, experts.num_local, offs, rows_P)
-        out = _grouped_experts(x_RD, src[:R // once.num_waves * K], n, offs, local, experts)
+        out = _grouped_experts(x_RD, src[:cap], n, offs, local, experts)
     # the waves may take turns on streams (WaveConfig.expert_streams): everything above may overlap the last
     # wave's stage, but its sums (read here) must be done
     _after_last_sums(once, y)

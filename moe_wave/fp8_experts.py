@@ -300,7 +300,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     if experts.gemm_layout == "masked" and not masked_ok:
         raise ValueError("FP8RoutedExperts.gemm_layout='masked': this deep_gemm has no m_grouped_fp8_gemm_nt_masked; "
                          "use 'contiguous' or 'auto'")
-    layout, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
+    _, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
     G = max_m or None
     # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and reads row
     # JA, all NaN: the rows that lost a pair come out NaN, the others stay right (the pairs of experts with empty

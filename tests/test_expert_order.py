@@ -328,11 +328,10 @@ def test_once_fused_stage_matches_torch_path(monkeypatch):
         ok = ((r_ % C) < rows_P[r_ // C])[:, None] & (ids >= 0)
         pairs = torch.bincount(torch.where(ok & (ids * W // e == wave), ids, e).reshape(-1).long(),
                                minlength=e + 1)[:e]
-        offs = dev(pairs.cumsum(0).to(torch.int32))
         once = [OnceRows(wave, W, st) for st in states]
-        with torch.no_grad():
-            y_t = _expert_rows_once(dev(x), dev(ids), dev(w), ex, offs, None, dev(rows_P), once[0])
-            _once_fused(dev(x), dev(ids), dev(w), ex, offs, None, dev(rows_P), once[1], y_f)
+        with torch.no_grad():        # both take the wave's device pair counts (Received.pairs_e_dev)
+            y_t = _expert_rows_once(dev(x), dev(ids), dev(w), ex, dev(pairs), None, dev(rows_P), once[0])
+            _once_fused(dev(x), dev(ids), dev(w), ex, dev(pairs), None, dev(rows_P), once[1], y_f)
         mine = (ok & (ids * W // e == wave)).any(1)
         touched |= mine
         assert mine.any() or wave == 1
