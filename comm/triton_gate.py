@@ -20,7 +20,7 @@ try:  # optional: without Triton the torch ops run
 except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
-__all__ = ["triton", "tl", "triton_ok", "interpreting", "sm_count"]
+__all__ = ["triton", "tl", "triton_ok", "interpreting", "sm_count", "l2_bytes"]
 
 
 def interpreting() -> bool:
@@ -42,6 +42,17 @@ def sm_count(device: torch.device | str) -> int:
     """Streaming multiprocessors of a CUDA device (the current one when it has no index); cached."""
     device = torch.device(device)
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0))
+
+
+def l2_bytes(device: torch.device | str) -> int:
+    """The L2 cache's bytes of a CUDA device (0 where torch does not say); cached."""
+    device = torch.device(device)
+    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def triton_ok(device: torch.device | str, want: bool | None = None) -> bool:

@@ -277,6 +277,27 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
+def _ahead(w_eNK: torch.Tensor, counts_e: torch.Tensor, side=None):
+    """Fork the current stream's aside stream (``streams.aside``; ``side`` where the caller has it) and read
+    the first ``prefetch_budget`` bytes of the weights of the experts with pairs into L2 there
+    (``prefetch_experts``); returns the side stream (None on CPU or where the budget is 0), which the caller
+    joins back."""
+    from moe_wave.comm import streams as st
+
+    from .fp8_expert_kernels import prefetch_budget, prefetch_experts
+
+    budget = prefetch_budget(w_eNK.device)
+    cur = st.current_stream(w_eNK.device)
+    if not budget or cur is None:
+        return side
+    side = side or st.aside(cur)
+    st.wait_stream(side, cur)
+    with st.on(side):
+        prefetch_experts(w_eNK, counts_e, budget)
+    st.keep_alive(counts_e, side)
+    return side
+
+
 def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=None, rows_P=None,
                     packed: bool = False, max_pairs: int | None = None) -> tuple:
     """The FP8 stage on DeepGEMM (see the module docstring) up to the weighted sum: (y_JD bf16, each pair's row
@@ -286,6 +307,8 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     wave's by its blocks), where their running sum is clamped. The layout and GEMMs: ``fp8_gemm_layout`` with
     ``experts.gemm_layout`` (ids distinct on top-k layers, not on hash-routed ones, whose table may repeat an
     expert in a row); the groups, their block ends and sizes from one launch (``layout_groups``)."""
+    from moe_wave.comm import streams as st
+
     from .expert_kernels import expert_order
     from .fp8_expert_kernels import ALIGN, gather_pairs, layout_groups, quant_pairs, swiglu_quant
 
@@ -302,6 +325,9 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
                          "use 'contiguous' or 'auto'")
     _, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
     G = max_m or None
+    # masked (decode-sized) GEMMs read their weights at the copy rate: their first experts' weights are read into
+    # L2 on a side stream while the glue before each GEMM runs
+    side = _ahead(experts.gate_up, counts_e) if G else None
     # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and reads row
     # JA, all NaN: the rows that lost a pair come out NaN, the others stay right (the pairs of experts with empty
     # groups here, another wave's on rows that stay over several waves, keep pos -1)
@@ -315,9 +341,11 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         expected = max(1, -(-pairs // e))
         dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
                                         gu.view(e, G, 2 * I), g.m, expected)
+        side = _ahead(experts.down, counts_e, side)
         hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, G, bend=g.bend)
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
                                         y[:JA].view(e, G, D), g.m, expected)
+        st.wait_stream(st.current_stream(y.device), side)
         y[JA].fill_(float("nan"))
         return y, pos, g.n
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,

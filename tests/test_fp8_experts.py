@@ -16,8 +16,8 @@ from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
 from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, layout_groups,
-                                         layout_groups_torch, masked_groups, quant_pairs, quant_pairs_torch,
-                                         swiglu_quant, swiglu_quant_torch)
+                                         layout_groups_torch, masked_groups, prefetch_experts, prefetch_experts_torch,
+                                         quant_pairs, quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -140,6 +140,31 @@ def test_layout_groups_kernel_equals_its_twin(counts, cap, max_m):
         assert int(want.n) == int(want.ends[-1]) and not want.over.any()
     with pytest.raises(ValueError, match=r"layout_groups: JA=100, max_m=0, 7 experts: JA and max_m must be "):
         layout_groups(torch.zeros(7, dtype=torch.long, device=KDEV), cap, 100)
+
+
+@needs_kernels
+@pytest.mark.parametrize("counts,nbytes", [
+    ([5, 0, 3, 1], 4 * (2 * 8192 + 1000)),  # two whole experts with pairs (0 and 2), then 1000 words of expert 3
+    ([0, 0, 7, 0], 10 ** 9),                # fewer experts with pairs than the budget holds: only expert 2
+    ([1, 2, 3, 4], 4 * 100),                # part of the first expert only
+    ([0, 0, 0, 0], 10 ** 6)])               # no pairs: nothing read
+def test_prefetch_reads_the_first_bytes_of_the_experts_with_pairs(counts, nbytes):
+    """``prefetch_experts`` reads, expert by expert in index order, the first ``nbytes`` of the weights of the
+    experts with pairs: its programs' sums of the words read equal the twin's, which sums exactly those words."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(0, 256, (4, 128, 256), dtype=torch.uint8, generator=g).view(FP8)   # 8192 words an expert
+    c = torch.tensor(counts)
+    want = prefetch_experts_torch(w, c, nbytes)
+    got = prefetch_experts(w.to(KDEV), c.to(KDEV), nbytes).cpu()
+    assert torch.equal(got, want)
+    nz = [x for x, n in enumerate(counts) if n]
+    words = w.view(4, -1).view(torch.int32).long()
+    read = torch.cat([words[x, :max(0, min(8192, nbytes // 4 - s * 8192))] for s, x in enumerate(nz)]) if nz \
+        else torch.zeros(1, dtype=torch.long)
+    assert int(want.long().sum() - read.sum()) % 2 ** 32 == 0       # the twin sums exactly the words named
+    assert (want != 0).any() == bool(nz)
+    with pytest.raises(ValueError, match="prefetch_experts: counts_e has 3 entries for 4 experts"):
+        prefetch_experts(w.to(KDEV), c[:3].to(KDEV), nbytes)
 
 
 def grouped_scales(s_CJ: torch.Tensor, G: int) -> torch.Tensor:

@@ -71,6 +71,29 @@ def test_deepgemm_stage_matches_the_per_expert_reference(T, layout, monkeypatch)
 
 
 @needs_dg
+def test_masked_stage_reads_its_weights_ahead_without_changing_a_bit(monkeypatch):
+    """The masked stage reads each GEMM's first experts' weights into L2 on a side stream (two reads a wave, the
+    device's budget each); the output is the same bit for bit with the reads off, and replayed from a CUDA graph
+    (the side stream forked and joined inside the capture)."""
+    import moe_wave.fp8_expert_kernels as fk
+
+    moe = _moe(2)
+    moe.experts.gemm_layout = "masked"
+    x = _x(128, 11)
+    calls = []
+    real = fk.prefetch_experts
+    monkeypatch.setattr(fk, "prefetch_experts", lambda w, c, n: calls.append(n) or real(w, c, n))
+    y = moe(x)
+    assert len(calls) == 4 and set(calls) == {fk.prefetch_budget(x.device)} and calls[0] > 0, calls
+    monkeypatch.setattr(fk, "PREFETCH_L2_FRACTION", 0.0)
+    calls.clear()
+    assert torch.equal(moe(x), y) and not calls
+    monkeypatch.undo()
+    moe.capture_graphs([128])
+    assert torch.equal(moe(x), y)
+
+
+@needs_dg
 def test_graph_replay_equals_eager_and_waves_agree():
     """Replayed from a CUDA graph (changing tokens and routing) == eager, bit for bit; W = 1..4 and pipelined vs
     serial give the same output (a row's expert products do not depend on the other rows)."""
