@@ -1,11 +1,12 @@
 """The FP8 stage at decode sizes with its weights' L2 prefetch at several budgets (one GPU).
 
-    python dev/prefetch_sweep.py [--shapes v4-flash:32,v4-flash:128,v4-pro:48] [--tokens 128] [--waves 1,4]
+    python dev/prefetch_sweep.py [--shapes v4-flash:32,v4-flash:128,v4-pro:48] [--tokens 128,2048] [--waves 1,4]
                                  [--fractions 0,0.3,0.6,0.9] [--rounds 2]
 
 For each shape, token count and wave count it times ``bench_experts``' FP8 stage (rows arrived as FP8, the
-masked layout that "auto" takes at these sizes, CUDA-graph replay with the L2 flushed, median of --iters) with
-``fp8_expert_kernels.PREFETCH_L2_FRACTION`` set to each fraction (0: no prefetch), the fractions in turn
+layout "auto" takes, CUDA-graph replay with the L2 flushed, median of --iters) with
+``fp8_expert_kernels.PREFETCH_L2_FRACTION`` set to each fraction (0: no prefetch; the stage's rows-per-expert bound
+``fp8_experts.PREFETCH_ROWS_PER_EXPERT`` lifted, so that every point reads ahead), the fractions in turn
 --rounds times (each point the smallest of its rounds), beside the same run's DeepGEMM GEMMs alone. Prints a
 table and writes $OUT/prefetch_sweep.json.
 """
@@ -24,12 +25,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_experts as be  # noqa: E402
 from moe_wave import fp8_expert_kernels as fk  # noqa: E402
+from moe_wave import fp8_experts as fx  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="v4-flash:32,v4-flash:128,v4-pro:48")
-    ap.add_argument("--tokens", default="128")
+    ap.add_argument("--tokens", default="128,2048")
     ap.add_argument("--waves", default="1,4")
     ap.add_argument("--fractions", default="0,0.3,0.6,0.9")
     ap.add_argument("--rounds", type=int, default=2)
@@ -38,6 +40,7 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     flush = be.l2_flush_buffer(dev)
     fracs = [float(f) for f in args.fractions.split(",")]
+    fx.PREFETCH_ROWS_PER_EXPERT = 10 ** 9
     out = []
     for spec in args.shapes.split(","):
         shape, e = spec.split(":")

@@ -44,6 +44,10 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GEMM_LAYOUTS = ("auto", "contiguous", "masked")
 # what "auto" takes (``fp8_gemm_layout``), in words for ``info``
 AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwise"
+# the stage reads each GEMM's first experts' weights into L2 ahead of it (``_ahead``) where its pairs are at most
+# this many an expert (the GEMMs then read weights at the copy rate, and the glue before them leaves the memory
+# idle)
+PREFETCH_ROWS_PER_EXPERT = 128
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,9 +329,10 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
                          "use 'contiguous' or 'auto'")
     _, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
     G = max_m or None
-    # masked (decode-sized) GEMMs read their weights at the copy rate: their first experts' weights are read into
+    # GEMMs of few rows an expert read their weights at the copy rate: their first experts' weights are read into
     # L2 on a side stream while the glue before each GEMM runs
-    side = _ahead(experts.gate_up, counts_e) if G else None
+    ahead = pairs <= PREFETCH_ROWS_PER_EXPERT * e
+    side = _ahead(experts.gate_up, counts_e) if ahead else None
     # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and reads row
     # JA, all NaN: the rows that lost a pair come out NaN, the others stay right (the pairs of experts with empty
     # groups here, another wave's on rows that stay over several waves, keep pos -1)
@@ -341,7 +346,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         expected = max(1, -(-pairs // e))
         dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
                                         gu.view(e, G, 2 * I), g.m, expected)
-        side = _ahead(experts.down, counts_e, side)
+        side = _ahead(experts.down, counts_e, side) if ahead else side
         hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, G, bend=g.bend)
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
                                         y[:JA].view(e, G, D), g.m, expected)
@@ -350,7 +355,9 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         return y, pos, g.n
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
                                         use_psum_layout=True)
+    side = _ahead(experts.down, counts_e, side) if ahead else side
     hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, bend=g.bend)
     dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
                                         use_psum_layout=True)
+    st.wait_stream(st.current_stream(y.device), side)
     return y, pos, g.n

@@ -71,26 +71,32 @@ def test_deepgemm_stage_matches_the_per_expert_reference(T, layout, monkeypatch)
 
 
 @needs_dg
-def test_masked_stage_reads_its_weights_ahead_without_changing_a_bit(monkeypatch):
-    """The masked stage reads each GEMM's first experts' weights into L2 on a side stream (two reads a wave, the
-    device's budget each); the output is the same bit for bit with the reads off, and replayed from a CUDA graph
-    (the side stream forked and joined inside the capture)."""
+def test_stage_reads_its_weights_ahead_without_changing_a_bit(monkeypatch):
+    """The stage reads each GEMM's first experts' weights into L2 on a side stream (two reads a wave, the device's
+    budget each; both layouts); the output is the same bit for bit with the reads off, and replayed from a CUDA
+    graph (the side stream forked and joined inside the capture)."""
     import moe_wave.fp8_expert_kernels as fk
+    import moe_wave.fp8_experts as fx
 
-    moe = _moe(2)
-    moe.experts.gemm_layout = "masked"
-    x = _x(128, 11)
+    monkeypatch.setattr(fx, "PREFETCH_ROWS_PER_EXPERT", 10 ** 9)
     calls = []
     real = fk.prefetch_experts
     monkeypatch.setattr(fk, "prefetch_experts", lambda w, c, n: calls.append(n) or real(w, c, n))
-    y = moe(x)
-    assert len(calls) == 4 and set(calls) == {fk.prefetch_budget(x.device)} and calls[0] > 0, calls
-    monkeypatch.setattr(fk, "PREFETCH_L2_FRACTION", 0.0)
-    calls.clear()
-    assert torch.equal(moe(x), y) and not calls
-    monkeypatch.undo()
-    moe.capture_graphs([128])
-    assert torch.equal(moe(x), y)
+    on = fk.PREFETCH_L2_FRACTION
+    for layout in ("masked", "contiguous"):
+        moe = _moe(2)
+        moe.experts.gemm_layout = layout
+        x = _x(128, 11)
+        fk.PREFETCH_L2_FRACTION = on
+        calls.clear()
+        y = moe(x)
+        assert len(calls) == 4 and set(calls) == {fk.prefetch_budget(x.device)} and calls[0] > 0, (layout, calls)
+        monkeypatch.setattr(fk, "PREFETCH_L2_FRACTION", 0.0)
+        calls.clear()
+        assert torch.equal(moe(x), y) and not calls, layout
+        fk.PREFETCH_L2_FRACTION = on
+        moe.capture_graphs([128])
+        assert torch.equal(moe(x), y), layout
 
 
 @needs_dg
