@@ -1,13 +1,14 @@
 """The FP8 stage at decode sizes with its weights' L2 prefetch at several budgets (one GPU).
 
     python dev/prefetch_sweep.py [--shapes v4-flash:32,v4-flash:128,v4-pro:48] [--tokens 128,2048] [--waves 1,4]
-                                 [--fractions 0,0.3,0.6,0.9] [--rounds 2]
+                                 [--configs 0,0.4,0.8,0.4L,0.8L] [--rounds 2]
 
 For each shape, token count and wave count it times ``bench_experts``' FP8 stage (rows arrived as FP8, the
 layout "auto" takes, CUDA-graph replay with the L2 flushed, median of --iters) with
-``fp8_expert_kernels.PREFETCH_L2_FRACTION`` set to each fraction (0: no prefetch; the stage's rows-per-expert bound
-``fp8_experts.PREFETCH_ROWS_PER_EXPERT`` lifted, so that every point reads ahead), the fractions in turn
---rounds times (each point the smallest of its rounds), beside the same run's DeepGEMM GEMMs alone. Prints a
+``fp8_expert_kernels.PREFETCH_L2_FRACTION`` set to each configuration's fraction (0: no prefetch; the stage's rows-per-expert bound
+``fp8_experts.PREFETCH_ROWS_PER_EXPERT`` lifted, so that every point reads ahead; a trailing L sets
+``PREFETCH_EVICT_LAST``), the configurations in turn --rounds times (each point the smallest of its rounds),
+beside the same run's DeepGEMM GEMMs alone. Prints a
 table and writes $OUT/prefetch_sweep.json.
 """
 
@@ -33,13 +34,13 @@ def main() -> int:
     ap.add_argument("--shapes", default="v4-flash:32,v4-flash:128,v4-pro:48")
     ap.add_argument("--tokens", default="128,2048")
     ap.add_argument("--waves", default="1,4")
-    ap.add_argument("--fractions", default="0,0.3,0.6,0.9")
+    ap.add_argument("--configs", default="0,0.4,0.8,0.4L,0.8L")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     flush = be.l2_flush_buffer(dev)
-    fracs = [float(f) for f in args.fractions.split(",")]
+    fracs = args.configs.split(",")
     fx.PREFETCH_ROWS_PER_EXPERT = 10 ** 9
     out = []
     for spec in args.shapes.split(","):
@@ -64,12 +65,12 @@ def main() -> int:
                 best = {}
                 for _ in range(args.rounds):
                     for f in fracs:
-                        fk.PREFETCH_L2_FRACTION = f
+                        fk.PREFETCH_L2_FRACTION, fk.PREFETCH_EVICT_LAST = float(f.rstrip("L")), f.endswith("L")
                         t = be.median_graph_us(lambda: be.routed_only(
                             lambda g: be.expert_rows(g, ex, packed=True), packed, extra), dev, args.iters, flush)
                         best[f] = min(best.get(f, t), t)
                 for f in fracs:
-                    row = {"shape": spec, "tokens": T, "waves": W, "fraction": f, "stage_us": round(best[f], 1),
+                    row = {"shape": spec, "tokens": T, "waves": W, "config": f, "stage_us": round(best[f], 1),
                            "vs_off": round(best[f] / best[fracs[0]], 3), "deepgemm_gemms_us": round(dg, 1),
                            "vs_deepgemm": round(best[f] / dg, 3)}
                     out.append(row)
@@ -77,10 +78,10 @@ def main() -> int:
                 del moe, packed
         del base, ex
         torch.cuda.empty_cache()
-    head = ["shape", "T", "W", "fraction", "stage us", "/ first fraction", "DG alone", "/ DG"]
+    head = ["shape", "T", "W", "config", "stage us", "/ first config", "DG alone", "/ DG"]
     print("\n" + " | ".join(head) + "\n" + " | ".join("---" for _ in head))
     for r in out:
-        print(" | ".join(str(r[k]) for k in ("shape", "tokens", "waves", "fraction", "stage_us", "vs_off",
+        print(" | ".join(str(r[k]) for k in ("shape", "tokens", "waves", "config", "stage_us", "vs_off",
                                               "deepgemm_gemms_us", "vs_deepgemm")))
     path = os.path.join(os.environ.get("OUT", "."), "prefetch_sweep.json")
     with open(path, "w") as f:

@@ -51,6 +51,8 @@ ROW_PROGRAMS_PER_SM = 8
 # fraction of the L2 cache
 PREFETCH_L2_FRACTION = 0.6
 PREFETCH_PROGRAMS_PER_SM = 1
+# the prefetch's loads ask L2 to keep their lines past others (evict_last) or load plainly
+PREFETCH_EVICT_LAST = False
 
 
 def aligned_capacity(pairs: int, e: int, align: int = ALIGN) -> int:
@@ -232,7 +234,8 @@ def prefetch_experts(w_eNK: torch.Tensor, counts_e: torch.Tensor, nbytes: int) -
     if S:
         e = w_eNK.shape[0]
         _prefetch_kernel[(S, P)](w_eNK.view(-1).view(torch.int32), counts_e, sink, e, words, nbytes // 4, P,
-                                 BE=max(16, triton.next_power_of_2(e)), BLOCK=4096, num_warps=4)
+                                 BE=max(16, triton.next_power_of_2(e)), BLOCK=4096, LAST=PREFETCH_EVICT_LAST,
+                                 num_warps=4)
     return sink
 
 
@@ -402,10 +405,11 @@ if triton is not None:
                              sc, mask=ok[:, None])
 
     @triton.jit
-    def _prefetch_kernel(w_ptr, cnt_ptr, sink_ptr, E, WORDS, BUDGET, P, BE: tl.constexpr, BLOCK: tl.constexpr):
+    def _prefetch_kernel(w_ptr, cnt_ptr, sink_ptr, E, WORDS, BUDGET, P, BE: tl.constexpr, BLOCK: tl.constexpr,
+                         LAST: tl.constexpr):
         # program (s, p): the s-th expert with pairs (its rank among the nonzero counts), its first
-        # min(WORDS, BUDGET - s * WORDS) words in BLOCK-word steps p, p + P, ..; the loads are kept in L2 with a
-        # low eviction priority, and summed into the program's sink so that they are not dropped
+        # min(WORDS, BUDGET - s * WORDS) words in BLOCK-word steps p, p + P, ..; the loads bypass L1 (LAST: with
+        # L2's evict_last priority) and are summed into the program's sink so that they are not dropped
         s = tl.program_id(0)
         p = tl.program_id(1)
         x = tl.arange(0, BE)
@@ -417,7 +421,10 @@ if triton is not None:
             base = w_ptr + ex.to(tl.int64) * WORDS
             for i in range(p * BLOCK, n, P * BLOCK):
                 o = i + tl.arange(0, BLOCK)
-                acc += tl.load(base + o, mask=o < n, other=0, cache_modifier=".cg", eviction_policy="evict_last")
+                if LAST:
+                    acc += tl.load(base + o, mask=o < n, other=0, cache_modifier=".cg", eviction_policy="evict_last")
+                else:
+                    acc += tl.load(base + o, mask=o < n, other=0, cache_modifier=".cg")
         tl.store(sink_ptr + s * P + p, tl.sum(acc, 0))
 
     @triton.jit
