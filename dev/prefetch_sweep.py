@@ -4,12 +4,11 @@
                                  [--configs 0,0.4,0.8,0.4L,0.8L] [--rounds 2]
 
 For each shape, token count and wave count it times ``bench_experts``' FP8 stage (rows arrived as FP8, the
-layout "auto" takes, CUDA-graph replay with the L2 flushed, median of --iters) with
-``fp8_expert_kernels.PREFETCH_L2_FRACTION`` set to each configuration's fraction (0: no prefetch; the stage's rows-per-expert bound
-``fp8_experts.PREFETCH_ROWS_PER_EXPERT`` lifted, so that every point reads ahead; a trailing L sets
-``PREFETCH_EVICT_LAST``), the configurations in turn --rounds times (each point the smallest of its rounds),
-beside the same run's DeepGEMM GEMMs alone. Prints a
-table and writes $OUT/prefetch_sweep.json.
+layout "auto" takes, CUDA-graph replay with the L2 flushed, median of --iters) under each configuration:
+``fp8_expert_kernels.PREFETCH_L2_FRACTION`` set to its number (0: no prefetch), ``PREFETCH_EVICT_LAST`` where it
+ends in L, and ``fp8_experts.PREFETCH_ROWS_PER_EXPERT`` lifted so that every point reads ahead; the configurations
+in turn --rounds times (each point the smallest of its rounds), beside the same run's DeepGEMM GEMMs alone.
+Prints a table and writes $OUT/prefetch_sweep.json.
 """
 
 from __future__ import annotations
