@@ -40,6 +40,9 @@ __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_tor
 
 BLOCK_D = 1024
 ROW_PROGRAMS_PER_SM = 8
+# the weighted sums' row-per-program form loads a row's K slots at once (as the split form does) rather than a
+# slot at a time
+WSUM_SLOTS_AT_ONCE = True
 # (row, slot) pairs per program of expert_order; its in-block ranks compare each pair with the block's others,
 # PLACE_COLS columns per step (a [BLOCK_J, PLACE_COLS] mask: the whole [128, 128] one took 255 registers), on
 # PLACE_WARPS warps
@@ -256,7 +259,8 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
         bd = min(BLOCK_D, triton.next_power_of_2(D))
         grid, split = _wsum_grid(R, D, bd, out_JD.device)
         _wsum_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D,
-                           HAS_ROWS=rows_P is not None, SPLIT=split, KP=triton.next_power_of_2(K), BLOCK=bd)
+                           HAS_ROWS=rows_P is not None, SPLIT=split or WSUM_SLOTS_AT_ONCE,
+                           KP=triton.next_power_of_2(K), BLOCK=bd)
     return y
 
 
@@ -276,7 +280,7 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
     bd = min(BLOCK_D, triton.next_power_of_2(D))
     grid, split = _wsum_grid(R, D, bd, out_JD.device)
     _wsum_once_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, once.wave,
-                            R // once.num_waves, HAS_ROWS=rows_P is not None, SPLIT=split,
+                            R // once.num_waves, HAS_ROWS=rows_P is not None, SPLIT=split or WSUM_SLOTS_AT_ONCE,
                             KP=triton.next_power_of_2(K), BLOCK=bd)
 
 
@@ -437,7 +441,7 @@ if triton is not None:
     @triton.jit
     def _row_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d0, SPLIT: tl.constexpr, KP: tl.constexpr,
                  BLOCK: tl.constexpr):
-        # (the slot sum of row r on channels d0 .., the channel mask)
+        # (the slot sum of row r on channels d0 .., the channel mask); SPLIT: the row's slots loaded at once
         d = d0 + tl.arange(0, BLOCK)
         m = d < D
         if SPLIT:
