@@ -20,7 +20,8 @@ order without a sort (a stable argsort is a multi-pass radix sort, a fixed cost 
                                           (both: a grid capped by the SM count, each program looping over rows
                                           j = pid, pid + programs, ... below n: launch cost follows n, not J)
     weighted_sum(out_JD, pos_RK, w_RK, n) y[r] = sum over k in order of w[r, k] * out[pos[r, k]] for
-                                          the slots with pos < n, in fp32; rows with none are 0
+                                          the slots with pos < n, in fp32; rows with none are 0, rows with a
+                                          slot at pos LOST (a pair that found no room) NaN
 
 Each has a torch twin (``*_torch``) with the same meaning; tests/test_moe.py and tests/test_expert_order.py
 compare them (on CPU under ``TRITON_INTERPRET=1``). The kernels run wherever Triton does
@@ -36,9 +37,12 @@ from moe_wave.comm.backend import rows_of
 from moe_wave.comm.triton_gate import sm_count, tl, triton, triton_ok
 
 __all__ = ["expert_order", "expert_order_torch", "gather_rows", "gather_rows_torch", "swiglu_rows",
-           "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch", "weighted_sum_once"]
+           "swiglu_rows_torch", "weighted_sum", "weighted_sum_torch", "weighted_sum_once", "LOST"]
 
 BLOCK_D = 1024
+# the position of a pair that found no room in its group (``expert_order``'s ``lost``): the weighted sums make
+# its row NaN, loud as a capacity overflow's
+LOST = -2
 ROW_PROGRAMS_PER_SM = 8
 # the weighted sums' row-per-program form loads a row's K slots at once (as the split form does) rather than a
 # slot at a time
@@ -103,12 +107,13 @@ def weighted_sum_torch(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.T
         valid = (p >= 0) & (p < n)
         rows = out_JD.index_select(0, torch.where(valid, p, 0)).float()
         acc += torch.where(valid[:, None], rows * w_RK[:, k:k + 1].float(), 0.0)
+        acc[p == LOST] = float("nan")
     return acc.to(dtype)
 
 
 def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: torch.Tensor | None = None, *,
                  starts_e: torch.Tensor | None = None, capacity: int | None = None,
-                 lost: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lost: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, slot) pairs sorted expert-major, without a sort or atomics: (src_J [J] int64, pos_RK [R, K] int64).
 
     The pair (r, k) with 0 <= expert_RK[r, k] = x < e sits at p = (offs_e[x - 1], or 0 for x = 0) + the number
@@ -137,14 +142,14 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: 
     offs_e[x - 1]): the aligned layout of the FP8 stage (``fp8_expert_kernels.aligned_groups``), whose positions
     run up to ``capacity`` (default J): src_J then has ``capacity`` entries, and only those of pairs are written.
 
-    ``lost`` = (over_e int32 [e], row): a pair of expert x with over_e[x] != 0 that falls outside its group gets
-    pos ``row`` instead of -1 (the masked FP8 layout's groups cut at max_m point their lost pairs at a NaN row).
+    ``lost`` = over_e (int32 [e]): a pair of expert x with over_e[x] != 0 that falls outside its group gets pos
+    ``LOST`` instead of -1 (the masked FP8 layout's groups cut at max_m: the weighted sums make its row NaN).
     """
     if not triton_ok(expert_RK.device, want=True):
         raise ValueError(f"expert_order: expert_RK is on {expert_RK.device}, where its Triton kernels cannot run: it "
                          f"needs a GPU tensor (or, on CPU, Triton's interpreter: TRITON_INTERPRET=1)")
     for name, t in (("offs_e", offs_e), ("rows_P", rows_P), ("starts_e", starts_e),
-                    ("lost", None if lost is None else lost[0])):
+                    ("lost", lost)):
         if t is not None and t.device != expert_RK.device:
             raise ValueError(f"expert_order: {name} is on {t.device}: must be on expert_RK's device {expert_RK.device}")
     R, K = expert_RK.shape
@@ -174,7 +179,7 @@ def _row_blocks(rows_P: torch.Tensor | None, R: int, like: torch.Tensor) -> tupl
 
 def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torch.Tensor, pos: torch.Tensor,
                 rows_P: torch.Tensor | None = None, starts_e: torch.Tensor | None = None,
-                lost: tuple | None = None) -> None:
+                lost: torch.Tensor | None = None) -> None:
     """``expert_order`` into the caller's buffers: src (at least J entries; those at J and past untouched) and
     pos (contiguous [R, K])."""
     R, K = expert_RK.shape
@@ -191,8 +196,7 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
                         HAS_ROWS=rows_P is not None, num_warps=4)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
     starts, cap = (offs_e, J) if starts_e is None else (starts_e, src.shape[0])   # positions below cap only
-    over, row = (offs_e, -1) if lost is None else lost
-    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, over, row, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
+    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, offs_e if lost is None else lost, LOST, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
                          CH=PLACE_COLS, STARTS=starts_e is not None, LOST=lost is not None, num_warps=PLACE_WARPS)
 
 
@@ -285,6 +289,7 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
 
 
 if triton is not None:
+    LOST_POS = tl.constexpr(LOST)
 
     @triton.jit
     def _read_rows(j, K, J, cnt_ptr, RB, HAS_ROWS: tl.constexpr):
@@ -420,6 +425,8 @@ if triton is not None:
             if (p >= 0) & (p < n):
                 w = tl.load(w_ptr + r * K + k).to(tl.float32)
                 acc += w * tl.load(out_ptr + p.to(tl.int64) * D + d, mask=m, other=0.0).to(tl.float32)
+            elif p == LOST_POS:
+                acc += float("nan")
         return acc
 
     @triton.jit
@@ -435,7 +442,7 @@ if triton is not None:
             ok = (p >= 0) & (p < n)
             w = tl.sum(tl.where(kk == k, wv, 0.0), 0)
             x = tl.load(out_ptr + p * D + d, mask=m & ok, other=0.0).to(tl.float32)
-            acc += tl.where(ok, w * x, 0.0)
+            acc += tl.where(ok, w * x, tl.where(p == LOST_POS, float("nan"), 0.0))
         return acc
 
     @triton.jit
@@ -476,7 +483,7 @@ if triton is not None:
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
                 for k in range(K):
                     p = tl.load(pos_ptr + r * K + k)
-                    has = has | ((p >= 0) & (p < n)).to(tl.int32)
+                    has = has | (((p >= 0) & (p < n)) | (p == LOST_POS)).to(tl.int32)
             if has != 0:
                 for d0 in range(tl.program_id(1) * BLOCK, D, tl.num_programs(1) * BLOCK):
                     s, d, m = _row_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d0, SPLIT, KP, BLOCK)

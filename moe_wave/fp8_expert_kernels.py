@@ -153,7 +153,7 @@ class Groups(NamedTuple):
     buffer. offs: the cumulative group sizes (``expert_order``'s offs_e); starts, ends: each group's rows (ends
     is the contiguous GEMMs' psum layout); m: each group's size (the masked GEMMs' masked_m); over: 1 where an
     expert's pairs passed max_m (masked layout; 0 in the aligned one); n [1]: the rows the weighted sum may read
-    (the aligned layout's last end; the masked layout's JA + 1: its row JA is the lost pairs' NaN row); bend:
+    (the aligned layout's last end; the masked layout's JA: its pairs lie below, its lost ones at pos LOST); bend:
     ``block_ends``."""
     offs: torch.Tensor
     starts: torch.Tensor
@@ -177,7 +177,7 @@ def layout_groups(counts_e: torch.Tensor, cap: int, JA: int, max_m: int = 0) -> 
     buf = torch.empty(5 * e + 1 + nblk, dtype=torch.int32, device=counts_e.device)
     be = max(16, triton.next_power_of_2(e))
     bb = max(1, min(64, 8192 // be))
-    _groups_kernel[(max(1, triton.cdiv(nblk, bb)),)](counts_e.contiguous(), buf, e, cap, max_m, nblk, JA + 1,
+    _groups_kernel[(max(1, triton.cdiv(nblk, bb)),)](counts_e.contiguous(), buf, e, cap, max_m, nblk, JA,
                                                     MASKED=max_m > 0, BE=be, BB=bb, num_warps=4)
     return _groups_of(buf, e)
 
@@ -194,7 +194,7 @@ def layout_groups_torch(counts_e: torch.Tensor, cap: int, JA: int, max_m: int = 
     if max_m:
         offs = torch.cumsum(cnt.clamp(max=max_m), 0, dtype=torch.int32)
         starts, ends = masked_groups(offs, max_m)
-        n = torch.full((1,), JA + 1, dtype=torch.int32, device=offs.device)
+        n = torch.full((1,), JA, dtype=torch.int32, device=offs.device)
     else:
         starts, ends = aligned_groups(offs)
         n = ends[-1:]

@@ -333,15 +333,15 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     # L2 on a side stream while the glue before each GEMM runs
     ahead = pairs <= PREFETCH_ROWS_PER_EXPERT * e
     side = _ahead(experts.gate_up, counts_e) if ahead else None
-    # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and reads row
-    # JA, all NaN: the rows that lost a pair come out NaN, the others stay right (the pairs of experts with empty
-    # groups here, another wave's on rows that stay over several waves, keep pos -1)
+    # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and gets pos
+    # LOST: the weighted sum makes the rows that lost a pair NaN, the others stay right (the pairs of experts with
+    # empty groups here, another wave's on rows that stay over several waves, keep pos -1)
     g = layout_groups(counts_e, pairs, JA, max_m)
     _, pos = expert_order(expert_RK, e, g.offs, rows_P, starts_e=g.starts, capacity=JA,
-                          lost=(g.over, JA) if G else None)
+                          lost=g.over if G else None)
     q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
     gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
-    y = torch.empty(JA + (1 if G else 0), D, dtype=torch.bfloat16, device=x_RD.device)
+    y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
     if G:
         expected = max(1, -(-pairs // e))
         dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
@@ -349,9 +349,8 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         side = _ahead(experts.down, counts_e, side) if ahead else side
         hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, G, bend=g.bend)
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
-                                        y[:JA].view(e, G, D), g.m, expected)
+                                        y.view(e, G, D), g.m, expected)
         st.wait_stream(st.current_stream(y.device), side)
-        y[JA].fill_(float("nan"))
         return y, pos, g.n
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
                                         use_psum_layout=True)

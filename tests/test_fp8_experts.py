@@ -135,7 +135,7 @@ def test_layout_groups_kernel_equals_its_twin(counts, cap, max_m):
         assert torch.equal(g.cpu(), w), (name, g.cpu().tolist(), w.tolist())
     if max_m:
         sizes = c.cumsum(0).clamp(max=cap).diff(prepend=torch.zeros(1, dtype=torch.long))
-        assert want.over.tolist() == (sizes > max_m).int().tolist() and int(want.n) == JA + 1
+        assert want.over.tolist() == (sizes > max_m).int().tolist() and int(want.n) == JA
     else:
         assert int(want.n) == int(want.ends[-1]) and not want.over.any()
     with pytest.raises(ValueError, match=r"layout_groups: JA=100, max_m=0, 7 experts: JA and max_m must be "):

@@ -254,19 +254,23 @@ def test_weighted_sum_grid_splits_channels_only_where_the_rows_are_few():
 @needs_kernels
 @pytest.mark.parametrize("R, K, D, I, n", KERNEL_CASES)
 def test_weighted_sum_matches_torch(R, K, D, I, n):
-    """Pairs at positions >= n do not count; a row with none sums to 0, a row with one does not."""
-    from moe_wave.expert_kernels import weighted_sum, weighted_sum_torch
+    """Pairs at positions >= n do not count; a row with none sums to 0, a row with one does not; a row with a
+    pair at LOST (no room in its group) is NaN, whatever its other pairs."""
+    from moe_wave.expert_kernels import LOST, weighted_sum, weighted_sum_torch
 
     g, J = _gen((R, K, D, n)), R * K
     nt = torch.tensor([n], dtype=torch.int32)
     out = torch.randn(J, D, generator=g)
     pos = torch.randperm(J, generator=g).view(R, K)
+    pos[R // 2, K - 1] = LOST
     w = torch.rand(R, K, generator=g)
     a = weighted_sum(out.to(DEVICE), pos.to(DEVICE), w.to(DEVICE), nt.to(DEVICE), torch.float32).cpu()
     b = weighted_sum_torch(out, pos, w, nt, torch.float32)
-    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
+    lost = (pos == LOST).any(1)
+    assert a[lost].isnan().all() and not a[~lost].isnan().any()
     none = (pos >= n).all(1)
     assert torch.equal(a[none], torch.zeros_like(a[none]))
-    if n:
-        r = int((pos < n).any(1).nonzero()[0])
-        assert not torch.equal(a[r], torch.zeros(D))
+    real = ((pos >= 0) & (pos < n)).any(1) & ~lost
+    if real.any():
+        assert not torch.equal(a[int(real.nonzero()[0])], torch.zeros(D))
