@@ -45,8 +45,8 @@ BLOCK_D = 1024
 LOST = -2
 ROW_PROGRAMS_PER_SM = 8
 # the weighted sums' row-per-program form loads a row's K slots at once (as the split form does) rather than a
-# slot at a time
-WSUM_SLOTS_AT_ONCE = True
+# slot at a time: False (a slot at a time, the measured form) until a GPU run measures it (dev/stage_settings.py)
+WSUM_SLOTS_AT_ONCE = False
 # (row, slot) pairs per program of expert_order; its in-block ranks compare each pair with the block's others,
 # PLACE_COLS columns per step (a [BLOCK_J, PLACE_COLS] mask: the whole [128, 128] one took 255 registers), on
 # PLACE_WARPS warps

@@ -48,8 +48,8 @@ __all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_g
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
 # the bytes of an expert GEMM's weights that the stage reads into L2 ahead of it (``prefetch_budget``), as a
-# fraction of the L2 cache
-PREFETCH_L2_FRACTION = 0.6
+# fraction of the L2 cache; 0 (no read ahead) until a GPU run measures it (dev/stage_settings.py)
+PREFETCH_L2_FRACTION = 0.0
 PREFETCH_PROGRAMS_PER_SM = 1
 # the prefetch's loads ask L2 to keep their lines past others (evict_last) or load plainly
 PREFETCH_EVICT_LAST = False

@@ -79,6 +79,7 @@ def test_stage_reads_its_weights_ahead_without_changing_a_bit(monkeypatch):
     import moe_wave.fp8_experts as fx
 
     monkeypatch.setattr(fx, "PREFETCH_ROWS_PER_EXPERT", 10 ** 9)
+    monkeypatch.setattr(fk, "PREFETCH_L2_FRACTION", fk.PREFETCH_L2_FRACTION or 0.6)
     calls = []
     real = fk.prefetch_experts
     monkeypatch.setattr(fk, "prefetch_experts", lambda w, c, n: calls.append(n) or real(w, c, n))
