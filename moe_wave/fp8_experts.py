@@ -22,6 +22,9 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   ``m_grouped_fp8_gemm_nt_masked`` with the per-expert counts on the device) replaces the aligned one on top-k
   layers where its buffers are no larger (decode-sized batches), where it measured faster
   (``FP8RoutedExperts.gemm_layout``: "auto", the default; "contiguous" or "masked" force one; ``fp8_gemm_layout``).
+  Where a GEMM has few rows an expert (``PREFETCH_ROWS_PER_EXPERT``: it reads its weights at the copy rate), a
+  side stream can read its first experts' weights into L2 while the glue before it runs (``_ahead``; its budget
+  ``fp8_expert_kernels.PREFETCH_L2_FRACTION``, 0 until measured).
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
