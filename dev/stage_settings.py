@@ -8,7 +8,8 @@ are Python literals), e.g. ``off:fp8_expert_kernels.PREFETCH_L2_FRACTION=0``; th
 For each shape, token count and wave count it times ``bench_experts``' FP8 stage (rows arrived as FP8, the layout
 "auto" takes, CUDA-graph replay with the L2 flushed, median of --iters) under each CONFIG (the library's values
 restored between them), the CONFIGs in turn --rounds times (each point the smallest of its rounds), beside the
-same run's DeepGEMM GEMMs alone. Prints a table and writes $OUT/stage_settings.json.
+same run's DeepGEMM GEMMs alone. Prints a table and writes --out (default $OUT/stage_settings.json).
+``bash launch/gpu_all.sh settings`` runs it on the candidates of benchmarks/results/experts.md.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> int:
     ap.add_argument("--waves", default="1,4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/stage_settings.json, else ./)")
     args = ap.parse_args()
     configs = [parse(c) for c in args.configs]
     dev = torch.device("cuda", 0)
@@ -101,7 +103,7 @@ def main() -> int:
     print("\n" + " | ".join(keys) + "\n" + " | ".join("---" for _ in keys))
     for r in out:
         print(" | ".join(str(r[k]) for k in keys))
-    path = os.path.join(os.environ.get("OUT", "."), "stage_settings.json")
+    path = args.out or os.path.join(os.environ.get("OUT", "."), "stage_settings.json")
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(dev), "configs": args.configs, "rows": out}, f, indent=1)
     print(f"written: {path}")

@@ -5,7 +5,8 @@
 #   partitions (bench_moe with both wave partitions under graphs), experts (tests + bench_experts + demo bf16/fp8,
 #   one GPU), layer (one V4 layer part by part in bf16 and FP8: dev/profile_layer.py), xprofile (the expert
 #   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
-#   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS),
+#   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS), settings (the FP8 expert stage under
+#   library settings side by side: dev/stage_settings.py, SETTINGS_ARGS; default the candidates of experts.md),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
@@ -205,7 +206,15 @@ raise SystemExit(not cuda_impl.available())"; then
         xprofile)  # the expert stage's kernels under torch.profiler at W=1 and W=4 (XPROF_ARGS; default FP8)
                stage xprofile ${T_XPROF:-240} "$PY" dev/profile_experts.py ${XPROF_ARGS:---precision fp8 --tokens \
                    128,2048,8192 --waves 1,4 --rows 16} ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab layer xprofile streams comm attn" \
+        settings)  # the FP8 expert stage under library settings, alternately (dev/stage_settings.py; SETTINGS_ARGS,
+                   # default: the read-ahead and the weighted sum's slot loads against the library's defaults)
+               P=fp8_expert_kernels.PREFETCH_L2_FRACTION
+               stage settings ${T_SETTINGS:-300} "$PY" dev/stage_settings.py --out "$RES/stage_settings.json" \
+                   ${SETTINGS_ARGS:---tokens 128,2048,8192 \
+                   base pf6:$P=0.6 pf3:$P=0.3 once:expert_kernels.WSUM_SLOTS_AT_ONCE=True \
+                   "pfall:$P=0.6;fp8_experts.PREFETCH_ROWS_PER_EXPERT=1000000000"}
+               ;;
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile streams comm attn" \
                "attn_ab whole trace demo sweep deepep_api)" ;;
     esac
 done
