@@ -18,7 +18,7 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
                                            each pair's e4m3 row and scales copied, no arithmetic
     prefetch_experts(w_eNK, counts_e, nbytes) the first ``nbytes`` of the weights of the experts that have pairs,
                                            in expert order, read into the L2 cache (a side stream runs it while
-                                           the glue before a masked GEMM runs: ``fp8_experts.fp8_fused_pairs``)
+                                           the glue before a weight-bound GEMM runs: ``fp8_experts._ahead``)
     swiglu_quant(gu_J2I, starts, ends, lim) the V4 SwiGLU (gate clamped from above, up both ways) of each group
                                            row in fp32, quantised the same way for the second GEMM: hq [JA, I],
                                            hs [I/128, JA]; by 128-row blocks of the layout (``block_ends``)
