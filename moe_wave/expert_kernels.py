@@ -196,7 +196,8 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
                         HAS_ROWS=rows_P is not None, num_warps=4)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
     starts, cap = (offs_e, J) if starts_e is None else (starts_e, src.shape[0])   # positions below cap only
-    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, offs_e if lost is None else lost, LOST, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
+    over = offs_e if lost is None else lost                                       # read only with LOST=True
+    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, over, LOST, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
                          CH=PLACE_COLS, STARTS=starts_e is not None, LOST=lost is not None, num_warps=PLACE_WARPS)
 
 
