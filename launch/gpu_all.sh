@@ -214,7 +214,8 @@ raise SystemExit(not cuda_impl.available())"; then
                    base pf6:$P=0.6 pf3:$P=0.3 once:expert_kernels.WSUM_SLOTS_AT_ONCE=True \
                    "pfall:$P=0.6;fp8_experts.PREFETCH_ROWS_PER_EXPERT=1000000000"}
                ;;
-        *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile streams comm attn" \
+        *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile" \
+               "streams comm attn" \
                "attn_ab whole trace demo sweep deepep_api)" ;;
     esac
 done
