@@ -34,25 +34,24 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _props_of(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _props(device: torch.device | str):
+    """A CUDA device's properties (the current device's where it has no index); cached."""
+    device = torch.device(device)
+    return _props_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device | str) -> int:
     """Streaming multiprocessors of a CUDA device (the current one when it has no index); cached."""
-    device = torch.device(device)
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(index: int) -> int:
-    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0))
+    return _props(device).multi_processor_count
 
 
 def l2_bytes(device: torch.device | str) -> int:
     """The L2 cache's bytes of a CUDA device (0 where torch does not say); cached."""
-    device = torch.device(device)
-    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    return int(getattr(_props(device), "L2_cache_size", 0))
 
 
 def triton_ok(device: torch.device | str, want: bool | None = None) -> bool:

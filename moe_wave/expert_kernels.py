@@ -196,9 +196,10 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
                         HAS_ROWS=rows_P is not None, num_warps=4)
     _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
     starts, cap = (offs_e, J) if starts_e is None else (starts_e, src.shape[0])   # positions below cap only
-    over = offs_e if lost is None else lost                                       # read only with LOST=True
-    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, over, LOST, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
-                         CH=PLACE_COLS, STARTS=starts_e is not None, LOST=lost is not None, num_warps=PLACE_WARPS)
+    over = offs_e if lost is None else lost                                   # read only with HAS_LOST
+    _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, over, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
+                         CH=PLACE_COLS, STARTS=starts_e is not None, HAS_LOST=lost is not None,
+                         num_warps=PLACE_WARPS)
 
 
 def _rows_grid(J: int, device: torch.device) -> int:
@@ -334,13 +335,13 @@ if triton is not None:
             run += tl.sum(h, 0)
 
     @triton.jit
-    def _place_kernel(key_ptr, offs_ptr, starts_ptr, hist_ptr, src_ptr, pos_ptr, over_ptr, LOST_ROW, K, J, CAP, E,
+    def _place_kernel(key_ptr, offs_ptr, starts_ptr, hist_ptr, src_ptr, pos_ptr, over_ptr, K, J, CAP, E,
                       NBINS: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr, STARTS: tl.constexpr,
-                      LOST: tl.constexpr):
+                      HAS_LOST: tl.constexpr):
         # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1: the
         # scanned hist[b, x]) + (pairs of x before j in block b: compared CH columns at a time, against the keys
         # reloaded from memory, which keeps the [BLOCK, CH] masks small); outside its group (or past J, or no
-        # expert): pos -1 (LOST: LOST_ROW where over[x] != 0), no write. A block with no valid pair skips the
+        # expert): pos -1 (HAS_LOST: LOST where over[x] != 0), no write. A block with no valid pair skips the
         # in-block ranks.
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
@@ -367,9 +368,9 @@ if triton is not None:
         p = start + before + rank
         ok = valid & (p >= 0) & (p < end)
         miss = tl.full([BLOCK], -1, tl.int32)
-        if LOST:
+        if HAS_LOST:
             over = tl.load(over_ptr + key, mask=valid, other=0)
-            miss = tl.where(over != 0, LOST_ROW, miss)
+            miss = tl.where(over != 0, LOST_POS, miss)
         tl.store(pos_ptr + j, tl.where(ok, p, miss).to(tl.int64), mask=m)
         tl.store(src_ptr + p, (j // K).to(tl.int64), mask=ok)
 
@@ -482,9 +483,9 @@ if triton is not None:
             r = tl.zeros([], tl.int64) + rr
             has = tl.zeros([], tl.int32)
             if _row_read(r, cnt_ptr, RB, HAS_ROWS):
-                for k in range(K):
-                    p = tl.load(pos_ptr + r * K + k)
-                    has = has | (((p >= 0) & (p < n)) | (p == LOST_POS)).to(tl.int32)
+                kk = tl.arange(0, KP)
+                p = tl.load(pos_ptr + r * K + kk, mask=kk < K, other=-1)
+                has = tl.max((((p >= 0) & (p < n)) | (p == LOST_POS)).to(tl.int32), 0)
             if has != 0:
                 for d0 in range(tl.program_id(1) * BLOCK, D, tl.num_programs(1) * BLOCK):
                     s, d, m = _row_sum(out_ptr, pos_ptr, w_ptr, r, n, K, D, d0, SPLIT, KP, BLOCK)

@@ -333,9 +333,8 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     _, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
     G = max_m or None
     # GEMMs of few rows an expert read their weights at the copy rate: their first experts' weights are read into
-    # L2 on a side stream while the glue before each GEMM runs
-    ahead = pairs <= PREFETCH_ROWS_PER_EXPERT * e
-    side = _ahead(experts.gate_up, counts_e) if ahead else None
+    # L2 on a side stream while the glue before each GEMM runs (down's read where gate_up's ran: side not None)
+    side = _ahead(experts.gate_up, counts_e) if pairs <= PREFETCH_ROWS_PER_EXPERT * e else None
     # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and gets pos
     # LOST: the weighted sum makes the rows that lost a pair NaN, the others stay right (the pairs of experts with
     # empty groups here, another wave's on rows that stay over several waves, keep pos -1)
@@ -349,7 +348,8 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         expected = max(1, -(-pairs // e))
         dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
                                         gu.view(e, G, 2 * I), g.m, expected)
-        side = _ahead(experts.down, counts_e, side) if ahead else side
+        if side is not None:
+            _ahead(experts.down, counts_e, side)
         hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, G, bend=g.bend)
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
                                         y.view(e, G, D), g.m, expected)
@@ -357,7 +357,8 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         return y, pos, g.n
     dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
                                         use_psum_layout=True)
-    side = _ahead(experts.down, counts_e, side) if ahead else side
+    if side is not None:
+        _ahead(experts.down, counts_e, side)
     hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, bend=g.bend)
     dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
                                         use_psum_layout=True)
