@@ -22,6 +22,10 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
     swiglu_quant(gu_J2I, starts, ends, lim) the V4 SwiGLU (gate clamped from above, up both ways) of each group
                                            row in fp32, quantised the same way for the second GEMM: hq [JA, I],
                                            hs [I/128, JA]; by 128-row blocks of the layout (``block_ends``)
+    gate_up_swiglu(q, s, w, ws, starts, bend, lim) the first GEMM and ``swiglu_quant`` in one kernel: each
+                                           program's [gate | up] tile (BM rows x 128 channels of each) is
+                                           computed from the FP8 rows and weights with their block scales and
+                                           turned into h's e4m3 values and scales in registers, gu never written
 
 Each has a torch twin (``*_torch``) with the same bits; tests/test_fp8_experts.py compares them on CPU under
 ``TRITON_INTERPRET=1``. The kernels' grids are capped by the SM count and loop over the rows; a row's K
@@ -43,7 +47,8 @@ from .fp8_quant import BLOCK, FP8, act_quant_torch
 
 __all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs",
            "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
-           "aligned_capacity", "block_ends", "prefetch_experts", "prefetch_experts_torch", "prefetch_budget"]
+           "aligned_capacity", "block_ends", "prefetch_experts", "prefetch_experts_torch", "prefetch_budget",
+           "gate_up_swiglu", "gate_up_swiglu_torch"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
@@ -53,6 +58,10 @@ PREFETCH_L2_FRACTION = 0.0
 PREFETCH_PROGRAMS_PER_SM = 1
 # the prefetch's loads ask L2 to keep their lines past others (evict_last) or load plainly
 PREFETCH_EVICT_LAST = False
+# gate_up_swiglu's tiles: rows a program (64 or 128), its software pipeline's stages and warps
+GATE_UP_BM = 128
+GATE_UP_STAGES = 3
+GATE_UP_WARPS = 8
 
 
 def aligned_capacity(pairs: int, e: int, align: int = ALIGN) -> int:
@@ -134,6 +143,30 @@ def swiglu_quant_torch(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: tor
     hs = torch.zeros(I // BLOCK, JA, dtype=torch.float32, device=gu_J2I.device)
     hq[p], hs[:, p] = act_quant_torch(F.silu(gate) * up)
     return hq, hs
+
+
+def gate_up_swiglu_torch(q_JD: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
+                         starts_e: torch.Tensor, ends_e: torch.Tensor, limit: float,
+                         group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up_swiglu`` by torch ops, the kernel's arithmetic in its order: per 128-channel block of D, the
+    exact fp32 product of the e4m3 values times the row's and the weight block's scales, added up block by block;
+    gu rounded to bf16 (as a GEMM into bf16 rows), then ``swiglu_quant_torch``'s SwiGLU and quantisation (hs
+    [I/128, JA] whatever group_rows). Rows outside the groups zeros."""
+    JA, D = q_JD.shape
+    I = w_eND.shape[1] // 2
+    _group_rows(JA, group_rows, "gate_up_swiglu")
+    s_DJ = s if group_rows is None else s.permute(1, 0, 2).reshape(D // BLOCK, JA)
+    gu = torch.zeros(JA, 2 * I, dtype=torch.bfloat16, device=q_JD.device)
+    for x, (a, b) in enumerate(zip(starts_e.tolist(), ends_e.tolist())):
+        if b <= a:
+            continue
+        acc = torch.zeros(b - a, 2 * I, dtype=torch.float32, device=q_JD.device)
+        for kb in range(D // BLOCK):
+            k = slice(kb * BLOCK, (kb + 1) * BLOCK)
+            part = q_JD[a:b, k].float() @ w_eND[x, :, k].float().t()
+            acc += part * (s_DJ[kb, a:b, None] * ws[x, :, kb].repeat_interleave(BLOCK)[None, :])
+        gu[a:b] = acc.to(torch.bfloat16)
+    return swiglu_quant_torch(gu, starts_e, ends_e, limit)
 
 
 def block_ends(starts_e: torch.Tensor, ends_e: torch.Tensor, JA: int, align: int = ALIGN) -> torch.Tensor:
@@ -353,6 +386,41 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
     return hq, hs
 
 
+
+def gate_up_swiglu(q_JD: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
+                   starts_e: torch.Tensor, bend: torch.Tensor, limit: float,
+                   group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_quant`` of the first grouped GEMM's rows without the GEMM's bf16 rows: (hq [JA, I] e4m3, hs
+    [I/128, JA] fp32, or [JA / G, I/128, G] with ``group_rows`` = G) from the layout's FP8 rows q_JD with their
+    scales s (``quant_pairs``' format and group_rows) and the experts' [gate | up] weights w_eND [e, 2I, D] e4m3
+    with their 128 x 128 block scales ws [e, 2I/128, D/128]. Program (t, b) takes rows b * BM .. of the layout
+    (up to their group's end, ``bend``; the group, the last one starting at or before them, from ``starts_e``)
+    and h's channels t * 128 ..: per 128-channel block of D it adds the e4m3 product of the rows with the
+    gate's and the up's weight rows, times the row's and the weight block's scales (the GEMM's promotion in
+    fp32), rounds gu to bf16 as the GEMM writes it, and turns it into h's e4m3 values and scale in registers.
+    The channel tile varies fastest in the launch order, so that a block of rows is read from memory once and
+    from L2 by its other tiles. D % 128 == I % 128 == JA % 128 == 0."""
+    JA, D = q_JD.shape
+    e, I2, Dw = w_eND.shape
+    I = I2 // 2
+    if Dw != D or I % BLOCK or I2 % 2 or JA % ALIGN or D % BLOCK or ws.shape != (e, I2 // BLOCK, D // BLOCK):
+        raise ValueError(f"gate_up_swiglu: rows {tuple(q_JD.shape)}, weights {tuple(w_eND.shape)}, scales "
+                         f"{tuple(ws.shape)}: must be [JA, D], [e, 2I, D] and [e, 2I/128, D/128] with I and D "
+                         f"multiples of {BLOCK} and JA of {ALIGN}")
+    if GATE_UP_BM not in (64, 128):
+        raise ValueError(f"fp8_expert_kernels.GATE_UP_BM={GATE_UP_BM}: must be 64 or 128")
+    G = _group_rows(JA, group_rows, "gate_up_swiglu")
+    hq = torch.empty(JA, I, dtype=FP8, device=q_JD.device)
+    hs = torch.empty((I // BLOCK, JA) if group_rows is None else (JA // G, I // BLOCK, G), dtype=torch.float32,
+                     device=q_JD.device)
+    if JA and I and e:
+        _gate_up_kernel[(I // BLOCK, JA // GATE_UP_BM)](
+            q_JD, s, w_eND, ws, starts_e, bend, hq, hs, e, D, I, G, float(limit), BM=GATE_UP_BM,
+            BE=max(16, triton.next_power_of_2(e)), CLAMP=limit > 0, INTERP=interpreting(), num_warps=GATE_UP_WARPS,
+            num_stages=GATE_UP_STAGES)
+    return hq, hs
+
+
 if triton is not None:
     from .fp8_quant import e4m3_rne, pow2_scale_bits
 
@@ -492,3 +560,54 @@ if triton is not None:
             rg = rows.to(tl.int64)[:, None]
             tl.store(hs_ptr + (rg // G) * (I // 128) * G + (i0 // 128 + nb[None, :]).to(tl.int64) * G + rg % G, sc,
                      mask=ok[:, None])
+
+    @triton.jit
+    def _bf16_round(v, INTERP: tl.constexpr):
+        # fp32 v rounded to bf16 (nearest even) and back: the interpreter's bf16 cast does not round to nearest,
+        # so there by integer ops on the bits (finite values)
+        if INTERP:
+            b = v.to(tl.int32, bitcast=True)
+            return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return v.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def _gate_up_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, starts_ptr, bend_ptr, hq_ptr, hs_ptr, E, D, I, G, limit,
+                        BM: tl.constexpr, BE: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
+        # program (t, b): rows b * BM .. of the layout (those in use: up to their 128-row block's group end) by h's
+        # channels t * 128 ..; two [BM, 128] fp32 accumulators (gate, up), each 128-channel step of D promoted
+        # by the row's and the weight block's scales; then SwiGLU and the requant as _swiglu_quant_kernel's
+        m0 = tl.program_id(1) * BM
+        n = tl.minimum(tl.load(bend_ptr + m0 // 128) - m0, BM)
+        if n > 0:
+            x = tl.arange(0, BE)
+            st = tl.load(starts_ptr + x, mask=x < E, other=0x7FFFFFFF)
+            ex = tl.max(tl.where(st <= m0, x, -1), 0).to(tl.int64)
+            i0 = tl.program_id(0) * 128
+            r = tl.arange(0, BM)
+            ok = r < n
+            rows = (m0 + r).to(tl.int64)
+            c = tl.arange(0, 128)
+            DB = D // 128
+            a_ptrs = q_ptr + rows[:, None] * D + c[None, :]
+            sa_ptrs = s_ptr + (rows // G) * DB * G + rows % G
+            g_ptrs = w_ptr + ex * 2 * I * D + (i0 + c).to(tl.int64)[:, None] * D + c[None, :]
+            sw = ws_ptr + ex * (2 * I // 128) * DB + (i0 // 128) * DB
+            acc_g = tl.zeros([BM, 128], tl.float32)
+            acc_u = tl.zeros([BM, 128], tl.float32)
+            for kb in range(0, DB):
+                a = tl.load(a_ptrs + kb * 128, mask=ok[:, None], other=0.0)
+                sa = tl.load(sa_ptrs + kb * G, mask=ok, other=0.0)
+                bg = tl.load(g_ptrs + kb * 128)
+                bu = tl.load(g_ptrs + I * D + kb * 128)
+                sg = tl.load(sw + kb)
+                su = tl.load(sw + (I // 128) * DB + kb)
+                acc_g += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg)
+                acc_u += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su)
+            gate = _bf16_round(acc_g, INTERP)
+            up = _bf16_round(acc_u, INTERP)
+            if CLAMP:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BM, 1, INTERP)
+            tl.store(hq_ptr + rows[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
+            tl.store(hs_ptr + (rows // G) * (I // 128) * G + (i0 // 128) * G + rows % G, tl.reshape(sc, [BM]), mask=ok)

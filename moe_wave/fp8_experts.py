@@ -24,7 +24,9 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   (``FP8RoutedExperts.gemm_layout``: "auto", the default; "contiguous" or "masked" force one; ``fp8_gemm_layout``).
   Where a GEMM has few rows an expert (``PREFETCH_ROWS_PER_EXPERT``: it reads its weights at the copy rate), a
   side stream can read its first experts' weights into L2 while the glue before it runs (``_ahead``; its budget
-  ``fp8_expert_kernels.PREFETCH_L2_FRACTION``, 0 until measured).
+  ``fp8_expert_kernels.PREFETCH_L2_FRACTION``, 0 until measured); and the first GEMM with SwiGLU + requant can
+  run as one Triton kernel that never writes gu (``gate_up_swiglu``, where ``FUSED_GATE_UP_ROWS_PER_EXPERT``
+  allows: 0 until measured).
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -51,6 +53,10 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # this many an expert (the GEMMs then read weights at the copy rate, and the glue before them leaves the memory
 # idle)
 PREFETCH_ROWS_PER_EXPERT = 128
+# the first GEMM and SwiGLU + requant run as one kernel (``fp8_expert_kernels.gate_up_swiglu``: gu stays in
+# registers) where the pairs are at most this many an expert (the GEMM then streams weights, which a Triton tile
+# can do at the copy rate); 0 (DeepGEMM's GEMM and ``swiglu_quant`` everywhere) until a GPU run measures it
+FUSED_GATE_UP_ROWS_PER_EXPERT = 0
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +323,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     from moe_wave.comm import streams as st
 
     from .expert_kernels import expert_order
-    from .fp8_expert_kernels import ALIGN, gather_pairs, layout_groups, quant_pairs, swiglu_quant
+    from .fp8_expert_kernels import ALIGN, gate_up_swiglu, gather_pairs, layout_groups, quant_pairs, swiglu_quant
 
     dg = _deep_gemm_grouped(x_RD.device)
     if dg.get_mk_alignment_for_contiguous_layout() != ALIGN:
@@ -332,6 +338,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
                          "use 'contiguous' or 'auto'")
     _, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
     G = max_m or None
+    expected = max(1, -(-pairs // e))           # the masked GEMMs' hint: rows an expert
     # GEMMs of few rows an expert read their weights at the copy rate: their first experts' weights are read into
     # L2 on a side stream while the glue before each GEMM runs (down's read where gate_up's ran: side not None)
     side = _ahead(experts.gate_up, counts_e) if pairs <= PREFETCH_ROWS_PER_EXPERT * e else None
@@ -342,25 +349,27 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     _, pos = expert_order(expert_RK, e, g.offs, rows_P, starts_e=g.starts, capacity=JA,
                           lost=g.over if G else None)
     q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
-    gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
+    lim = experts.cfg.swiglu_limit
     y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
-    if G:
-        expected = max(1, -(-pairs // e))
-        dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
-                                        gu.view(e, G, 2 * I), g.m, expected)
+    if pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e:          # gu in registers: one kernel, no down read-ahead
+        hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
+    else:
+        gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
+        if G:
+            dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)),
+                                            (experts.gate_up, experts.gate_up_scale), gu.view(e, G, 2 * I), g.m,
+                                            expected)
+        else:
+            dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
+                                                use_psum_layout=True)
         if side is not None:
             _ahead(experts.down, counts_e, side)
-        hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, G, bend=g.bend)
+        hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)
+    if G:
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
                                         y.view(e, G, D), g.m, expected)
-        st.wait_stream(st.current_stream(y.device), side)
-        return y, pos, g.n
-    dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
-                                        use_psum_layout=True)
-    if side is not None:
-        _ahead(experts.down, counts_e, side)
-    hq, hs = swiglu_quant(gu, None, None, experts.cfg.swiglu_limit, bend=g.bend)
-    dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
-                                        use_psum_layout=True)
+    else:
+        dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
+                                            use_psum_layout=True)
     st.wait_stream(st.current_stream(y.device), side)
     return y, pos, g.n

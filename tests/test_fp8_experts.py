@@ -15,9 +15,10 @@ from moe_wave import MoEConfig, WaveConfig, WaveMoE
 from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
-from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, layout_groups,
-                                         layout_groups_torch, masked_groups, prefetch_experts, prefetch_experts_torch,
-                                         quant_pairs, quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
+from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, gate_up_swiglu,
+                                         gate_up_swiglu_torch, layout_groups, layout_groups_torch, masked_groups,
+                                         prefetch_experts, prefetch_experts_torch, quant_pairs, quant_pairs_torch,
+                                         swiglu_quant, swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -302,6 +303,68 @@ def test_swiglu_quant_kernel_equals_its_twin(limit, I):
     assert calc_diff(a, F.silu(gate) * up) < 1e-3
 
 
+@needs_kernels
+@pytest.mark.parametrize("bm", [128, 64])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_up_swiglu_kernel_equals_its_twin(monkeypatch, bm, masked):
+    """The first GEMM with SwiGLU + requant in one kernel against its twin (the same block-by-block promotion in
+    fp32, gu rounded to bf16, then swiglu_quant_torch): bit for bit on values whose products and sums are exact
+    in fp32 (small integers, power-of-two scales), on the aligned layout and the masked one (scales grouped by
+    max_m), with groups of 0, 1, 70 and 130 rows; and within rounding of the two-step path (the GEMM's bf16 rows
+    through swiglu_quant) on random values, where the dot's order of additions may differ."""
+    import moe_wave.fp8_expert_kernels as fk
+
+    monkeypatch.setattr(fk, "GATE_UP_BM", bm)
+    e, D, I = 4, 256, 256
+    cnt = torch.tensor([70, 0, 130, 1])
+    offs = cnt.cumsum(0).to(torch.int32)
+    if masked:
+        G = 256
+        JA = e * G
+        starts, ends = masked_groups(offs, G)
+    else:
+        G = None
+        JA = aligned_capacity(int(cnt.sum()), e)
+        starts, ends = aligned_groups(offs)
+    used = torch.cat([torch.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
+    gen = torch.Generator().manual_seed(5)
+
+    def run(q, s_DJ, w, ws, lim):
+        s = s_DJ if G is None else s_DJ.view(D // BLOCK, JA // G, G).permute(1, 0, 2).contiguous()
+        d = (lambda t: t.to(KDEV))
+        hq, hs = gate_up_swiglu(d(q), d(s), d(w), d(ws), d(starts), d(block_ends(starts, ends, JA)), lim, G)
+        hq, hs = hq.cpu(), hs.cpu()
+        if G is not None:
+            assert hs.shape == (JA // G, I // BLOCK, G)
+            hs = hs.permute(1, 0, 2).reshape(I // BLOCK, JA)
+        return hq[used], hs[:, used]
+
+    q = torch.randint(-4, 5, (JA, D), generator=gen).float().to(FP8)
+    s = 2.0 ** torch.randint(-3, 3, (D // BLOCK, JA), generator=gen).float()
+    w = torch.randint(-4, 5, (e, 2 * I, D), generator=gen).float().to(FP8)
+    ws = 2.0 ** torch.randint(-8, -4, (e, 2 * I // BLOCK, D // BLOCK), generator=gen).float()
+    for lim in (10.0, 0.0):
+        hq, hs = run(q, s, w, ws, lim)
+        hqt, hst = gate_up_swiglu_torch(q, s, w, ws, starts, ends, lim)
+        assert torch.equal(hq.view(torch.uint8), hqt[used].view(torch.uint8)) and torch.equal(hs, hst[:, used])
+    # random values: the two-step path's h (fp32 GEMM of the dequantised operands, bf16 rows, swiglu_quant)
+    q, s = act_quant_torch(torch.randn(JA, D, generator=gen) * 2)
+    w, ws = quant_experts(torch.randn(e, 2 * I, D, generator=gen) / 16)
+    hq, hs = run(q, s, w, ws, 10.0)
+    gu = torch.zeros(JA, 2 * I, dtype=torch.bfloat16)
+    for x, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+        gu[a:b] = (dequant_act(q[a:b], s[:, a:b]) @ dequant_experts(w[x], ws[x]).t()).to(torch.bfloat16)
+    hqt, hst = swiglu_quant_torch(gu, starts, ends, 10.0)
+    got, want = dequant_act(hq, hs), dequant_act(hqt[used], hst[:, used])
+    assert calc_diff(got, want) < 1e-4 and (got != want).float().mean() < 0.05
+    with pytest.raises(ValueError, match=r"gate_up_swiglu: rows \(512, 256\), weights \(4, 512, 128\)"):
+        gate_up_swiglu(q[:512].to(KDEV), s[:, :512].to(KDEV), w[:, :, :128].to(KDEV), ws.to(KDEV), starts.to(KDEV),
+                       block_ends(starts, ends, 512).to(KDEV), 10.0)
+    monkeypatch.setattr(fk, "GATE_UP_BM", 96)
+    with pytest.raises(ValueError, match=r"fp8_expert_kernels.GATE_UP_BM=96: must be 64 or 128"):
+        run(q, s, w, ws, 10.0)
+
+
 def test_quant_experts_is_weight_quant_per_expert_and_refuses_partial_blocks():
     from moe_wave.fp8 import weight_quant
 
@@ -493,13 +556,22 @@ class _TorchDeepGEMM:
 
 
 @needs_kernels
+@pytest.mark.parametrize("fused_gate_up", [False, True])
 @pytest.mark.parametrize("rows_bound", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout):
+def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout, fused_gate_up):
     """The fused stage (ordering into the aligned or the masked layout, quant_pairs, two grouped GEMMs,
-    swiglu_quant, weighted sum) with DeepGEMM replaced by its contiguous psum or masked semantics gives the
-    per-expert path's output; rows past rows_P are not read."""
+    swiglu_quant, weighted sum; or the first GEMM and swiglu_quant as one kernel, gate_up_swiglu) with DeepGEMM
+    replaced by its contiguous psum or masked semantics gives the per-expert path's output; rows past rows_P are
+    not read."""
+    import moe_wave.fp8_expert_kernels as fk
     import moe_wave.fp8_experts as fx
+
+    fused = []
+    if fused_gate_up:
+        monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9)
+        real = fk.gate_up_swiglu
+        monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a: fused.append(1) or real(*a))
     from moe_wave.experts import expert_rows
 
     ex = FP8RoutedExperts.from_dense(CFG, torch.randn(4, 256, 256) / 16, torch.randn(4, 256, 128) / 11)
@@ -522,7 +594,9 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     ex.gemm_layout = layout
     d = (lambda t: None if t is None else t.to(KDEV))      # the kernels where they run (a GPU, or interpreted)
     got = expert_rows(Received(d(x), d(ids), d(w), None, d(counts), None, rows_P=d(rows_P)), ex.to(KDEV)).cpu()
-    assert _TorchDeepGEMM.calls == 2 and _TorchDeepGEMM.masked == (2 if layout == "masked" else 0)
+    dg_calls = 1 if fused_gate_up else 2
+    assert _TorchDeepGEMM.calls == dg_calls and _TorchDeepGEMM.masked == (dg_calls if layout == "masked" else 0)
+    assert len(fused) == fused_gate_up
     read = slice(None) if rows_P is None else keep
     # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element
     # of h to the next e4m3 step: the rows agree to bf16 rounding, where a wrong layout would be off by O(1)

@@ -101,6 +101,36 @@ def test_stage_reads_its_weights_ahead_without_changing_a_bit(monkeypatch):
 
 
 @needs_dg
+@pytest.mark.parametrize("bm", [128, 64])
+def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatch, bm):
+    """The first GEMM with SwiGLU + requant as one Triton kernel (gate_up_swiglu) in the stage, both layouts:
+    within DeepGEMM's FP8 GEMM bound of the stage with DeepGEMM's GEMM and swiglu_quant, the same bits on a
+    second call, and replayed from a CUDA graph."""
+    import moe_wave.fp8_expert_kernels as fk
+    import moe_wave.fp8_experts as fx
+
+    monkeypatch.setattr(fk, "GATE_UP_BM", bm)
+    calls = []
+    real = fk.gate_up_swiglu
+    monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a: calls.append(1) or real(*a))
+    for layout in ("masked", "contiguous"):
+        moe = _moe(2)
+        moe.experts.gemm_layout = layout
+        x = _x(128, 12)
+        monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0)
+        ref = moe(x)
+        assert not calls
+        monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9)
+        y = moe(x)
+        assert len(calls) == 2, (layout, calls)        # one a wave
+        assert torch.isfinite(y).all() and calc_diff(y.float(), ref.float()) < 1e-4, layout
+        assert torch.equal(moe(x), y), layout
+        moe.capture_graphs([128])
+        assert torch.equal(moe(x), y), layout
+        calls.clear()
+
+
+@needs_dg
 def test_graph_replay_equals_eager_and_waves_agree():
     """Replayed from a CUDA graph (changing tokens and routing) == eager, bit for bit; W = 1..4 and pipelined vs
     serial give the same output (a row's expert products do not depend on the other rows)."""
