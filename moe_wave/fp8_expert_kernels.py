@@ -25,7 +25,8 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
     gate_up_swiglu(q, s, w, ws, starts, bend, lim) the first GEMM and ``swiglu_quant`` in one kernel: each
                                            program's [gate | up] tile (BM rows x 128 channels of each) is
                                            computed from the FP8 rows and weights with their block scales and
-                                           turned into h's e4m3 values and scales in registers, gu never written
+                                           turned into h's e4m3 values and scales in registers, gu never written;
+                                           the rows from the layout, or (src_J) from the received FP8 rows
 
 Each has a torch twin (``*_torch``) with the same bits; tests/test_fp8_experts.py compares them on CPU under
 ``TRITON_INTERPRET=1``. The kernels' grids are capped by the SM count and loop over the rows; a row's K
@@ -387,37 +388,55 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
 
 
 
-def gate_up_swiglu(q_JD: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
-                   starts_e: torch.Tensor, bend: torch.Tensor, limit: float,
-                   group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
+                   starts_e: torch.Tensor, bend: torch.Tensor, limit: float, group_rows: int | None = None,
+                   src_J: torch.Tensor | None = None, local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``swiglu_quant`` of the first grouped GEMM's rows without the GEMM's bf16 rows: (hq [JA, I] e4m3, hs
-    [I/128, JA] fp32, or [JA / G, I/128, G] with ``group_rows`` = G) from the layout's FP8 rows q_JD with their
-    scales s (``quant_pairs``' format and group_rows) and the experts' [gate | up] weights w_eND [e, 2I, D] e4m3
-    with their 128 x 128 block scales ws [e, 2I/128, D/128]. Program (t, b) takes rows b * BM .. of the layout
-    (up to their group's end, ``bend``; the group, the last one starting at or before them, from ``starts_e``)
-    and h's channels t * 128 ..: per 128-channel block of D it adds the e4m3 product of the rows with the
-    gate's and the up's weight rows, times the row's and the weight block's scales (the GEMM's promotion in
-    fp32), rounds gu to bf16 as the GEMM writes it, and turns it into h's e4m3 values and scale in registers.
-    The channel tile varies fastest in the launch order, so that a block of rows is read from memory once and
-    from L2 by its other tiles. D % 128 == I % 128 == JA % 128 == 0."""
-    JA, D = q_JD.shape
-    e, I2, Dw = w_eND.shape
+    [I/128, JA] fp32, or [JA / G, I/128, G] with ``group_rows`` = G) from FP8 rows and the experts' [gate | up]
+    weights w_eND [e, 2I, D] e4m3 with their 128 x 128 block scales ws [e, 2I/128, D/128]. The rows:
+
+    - src_J None: q [JA, D] and s, the layout's rows and scales (``quant_pairs``' format and group_rows);
+    - src_J [JA] (``expert_order``'s, with the layout's starts): row j of the layout is row src_J[j] of the
+      received FP8 rows q [R, D] e4m3 with their scales s [R, D/128] fp32 (``fp8_rows.unpack_rows``' views, any
+      row strides), read where they arrived: no copy into the layout. ``local`` = (row0, q_L, s_L): rows row0 ..
+      row0 + L - 1 are read from those views instead (``Received.local``'s packed rows, unpacked).
+
+    Program (t, b) takes rows b * BM .. of the layout (up to their group's end, ``bend``; the group, the last one
+    starting at or before them, from ``starts_e``) and h's channels t * 128 ..: per 128-channel block of D it adds
+    the e4m3 product of the rows with the gate's and the up's weight rows, times the row's and the weight block's
+    scales (the GEMM's promotion in fp32), rounds gu to bf16 as the GEMM writes it, and turns it into h's e4m3
+    values and scale in registers. The channel tile varies fastest in the launch order, so that a block of rows
+    is read from memory once and from L2 by its other tiles. D % 128 == I % 128 == JA % 128 == 0."""
+    e, I2, D = w_eND.shape
     I = I2 // 2
-    if Dw != D or I % BLOCK or I2 % 2 or JA % ALIGN or D % BLOCK or ws.shape != (e, I2 // BLOCK, D // BLOCK):
-        raise ValueError(f"gate_up_swiglu: rows {tuple(q_JD.shape)}, weights {tuple(w_eND.shape)}, scales "
-                         f"{tuple(ws.shape)}: must be [JA, D], [e, 2I, D] and [e, 2I/128, D/128] with I and D "
-                         f"multiples of {BLOCK} and JA of {ALIGN}")
+    JA = q.shape[0] if src_J is None else src_J.shape[0]
+    if (q.shape[1] != D or I % BLOCK or I2 % 2 or JA % ALIGN or D % BLOCK or ws.shape != (e, I2 // BLOCK, D // BLOCK)
+            or q.stride(1) != 1):
+        raise ValueError(f"gate_up_swiglu: rows {tuple(q.shape)}, weights {tuple(w_eND.shape)}, scales "
+                         f"{tuple(ws.shape)}: must be [rows, D] (unit channel stride), [e, 2I, D] and "
+                         f"[e, 2I/128, D/128] with I and D multiples of {BLOCK} and the layout's rows of {ALIGN}")
     if GATE_UP_BM not in (64, 128):
         raise ValueError(f"fp8_expert_kernels.GATE_UP_BM={GATE_UP_BM}: must be 64 or 128")
     G = _group_rows(JA, group_rows, "gate_up_swiglu")
-    hq = torch.empty(JA, I, dtype=FP8, device=q_JD.device)
+    hq = torch.empty(JA, I, dtype=FP8, device=q.device)
     hs = torch.empty((I // BLOCK, JA) if group_rows is None else (JA // G, I // BLOCK, G), dtype=torch.float32,
-                     device=q_JD.device)
+                     device=q.device)
+    DB = D // BLOCK
+    if src_J is None:           # the layout's scales: (j // G) * DB * G + kb * G + j % G
+        sa = (G, DB * G, 1, G)
+    else:                       # a row's scales: s[r, kb]
+        if s.shape != (q.shape[0], DB) or s.stride(1) != 1:
+            raise ValueError(f"gate_up_swiglu: row scales {tuple(s.shape)} stride {s.stride()}: must be "
+                             f"[{q.shape[0]}, {DB}] with unit stride along D/128")
+        sa = (1 << 30, 0, s.stride(0), 1)
+    row0, (lq, ls) = (0, (q, s)) if local is None or not local[1].numel() else (local[0], local[1:])
+    L = 0 if local is None else local[1].shape[0]
     if JA and I and e:
         _gate_up_kernel[(I // BLOCK, JA // GATE_UP_BM)](
-            q_JD, s, w_eND, ws, starts_e, bend, hq, hs, e, D, I, G, float(limit), BM=GATE_UP_BM,
-            BE=max(16, triton.next_power_of_2(e)), CLAMP=limit > 0, INTERP=interpreting(), num_warps=GATE_UP_WARPS,
-            num_stages=GATE_UP_STAGES)
+            q, q.stride(0), s, *sa, src_J if src_J is not None else q, lq, lq.stride(0), ls, ls.stride(0), row0, L,
+            w_eND, ws, starts_e, bend, hq, hs, e, D, I, G, float(limit), BM=GATE_UP_BM,
+            BE=max(16, triton.next_power_of_2(e)), SRC=src_J is not None, CLAMP=limit > 0, INTERP=interpreting(),
+            num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES)
     return hq, hs
 
 
@@ -571,11 +590,15 @@ if triton is not None:
         return v.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
-    def _gate_up_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, starts_ptr, bend_ptr, hq_ptr, hs_ptr, E, D, I, G, limit,
-                        BM: tl.constexpr, BE: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
+    def _gate_up_kernel(a_ptr, a_row, sa_ptr, SA_G, SA_GS, SA_R, SA_K, src_ptr, la_ptr, la_row, lsa_ptr, lsa_row,
+                        ROW0, L, w_ptr, ws_ptr, starts_ptr, bend_ptr, hq_ptr, hs_ptr, E, D, I, G, limit,
+                        BM: tl.constexpr, BE: tl.constexpr, SRC: tl.constexpr, CLAMP: tl.constexpr,
+                        INTERP: tl.constexpr):
         # program (t, b): rows b * BM .. of the layout (those in use: up to their 128-row block's group end) by h's
         # channels t * 128 ..; two [BM, 128] fp32 accumulators (gate, up), each 128-channel step of D promoted
-        # by the row's and the weight block's scales; then SwiGLU and the requant as _swiglu_quant_kernel's
+        # by the row's and the weight block's scales; then SwiGLU and the requant as _swiglu_quant_kernel's. The
+        # row's scale for step kb sits at (r // SA_G) * SA_GS + (r % SA_G) * SA_R + kb * SA_K; SRC: the layout's
+        # row j is source row r = src[j] (rows ROW0 .. ROW0 + L - 1 from the la / lsa pointers), else r = j
         m0 = tl.program_id(1) * BM
         n = tl.minimum(tl.load(bend_ptr + m0 // 128) - m0, BM)
         if n > 0:
@@ -583,20 +606,25 @@ if triton is not None:
             st = tl.load(starts_ptr + x, mask=x < E, other=0x7FFFFFFF)
             ex = tl.max(tl.where(st <= m0, x, -1), 0).to(tl.int64)
             i0 = tl.program_id(0) * 128
-            r = tl.arange(0, BM)
-            ok = r < n
-            rows = (m0 + r).to(tl.int64)
+            ok = tl.arange(0, BM) < n
+            rows = (m0 + tl.arange(0, BM)).to(tl.int64)
             c = tl.arange(0, 128)
             DB = D // 128
-            a_ptrs = q_ptr + rows[:, None] * D + c[None, :]
-            sa_ptrs = s_ptr + (rows // G) * DB * G + rows % G
+            if SRC:
+                r = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
+                here = (r >= ROW0) & (r < ROW0 + L)
+                a_rows = tl.where(here, la_ptr + (r - ROW0) * la_row, a_ptr + r * a_row)
+                sa_rows = tl.where(here, lsa_ptr + (r - ROW0) * lsa_row, sa_ptr + r * SA_R)
+            else:
+                a_rows = a_ptr + rows * a_row
+                sa_rows = sa_ptr + (rows // SA_G) * SA_GS + (rows % SA_G) * SA_R
             g_ptrs = w_ptr + ex * 2 * I * D + (i0 + c).to(tl.int64)[:, None] * D + c[None, :]
             sw = ws_ptr + ex * (2 * I // 128) * DB + (i0 // 128) * DB
             acc_g = tl.zeros([BM, 128], tl.float32)
             acc_u = tl.zeros([BM, 128], tl.float32)
             for kb in range(0, DB):
-                a = tl.load(a_ptrs + kb * 128, mask=ok[:, None], other=0.0)
-                sa = tl.load(sa_ptrs + kb * G, mask=ok, other=0.0)
+                a = tl.load(a_rows[:, None] + kb * 128 + c[None, :], mask=ok[:, None], other=0.0)
+                sa = tl.load(sa_rows + kb * SA_K, mask=ok, other=0.0)
                 bg = tl.load(g_ptrs + kb * 128)
                 bu = tl.load(g_ptrs + I * D + kb * 128)
                 sg = tl.load(sw + kb)

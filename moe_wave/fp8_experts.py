@@ -25,7 +25,8 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   Where a GEMM has few rows an expert (``PREFETCH_ROWS_PER_EXPERT``: it reads its weights at the copy rate), a
   side stream can read its first experts' weights into L2 while the glue before it runs (``_ahead``; its budget
   ``fp8_expert_kernels.PREFETCH_L2_FRACTION``, 0 until measured); and the first GEMM with SwiGLU + requant can
-  run as one Triton kernel that never writes gu (``gate_up_swiglu``, where ``FUSED_GATE_UP_ROWS_PER_EXPERT``
+  run as one Triton kernel that never writes gu and reads rows that arrived as FP8 where they are, through the
+  ordering's src_J, with no copy into the layout (``gate_up_swiglu``, where ``FUSED_GATE_UP_ROWS_PER_EXPERT``
   allows: 0 until measured).
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
@@ -40,6 +41,7 @@ from torch import nn
 from .config import MoEConfig
 from .experts import SharedExpert, swiglu
 from .fp8 import BLOCK, FP8, act_quant, fp8_matmul, weight_quant
+from .fp8_rows import unpack_rows
 
 __all__ = ["quant_experts", "dequant_experts", "fp4_to_fp8", "dequant_fp4", "FP8RoutedExperts", "FP8SharedExpert",
            "fp8_fused_ok", "fp8_fused_pairs", "fp8_gemm_grouped_library"]
@@ -311,6 +313,23 @@ def _ahead(w_eNK: torch.Tensor, counts_e: torch.Tensor, side=None):
     return side
 
 
+def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int, side) -> torch.Tensor:
+    """The second grouped GEMM (masked where G, else contiguous with the group ends as the psum layout): y [JA, D]
+    bf16; the current stream joins the read-ahead's side stream."""
+    from moe_wave.comm import streams as st
+
+    (JA, I), e, D = hq.shape, experts.num_local, experts.cfg.hidden_size
+    y = torch.empty(JA, D, dtype=torch.bfloat16, device=hq.device)
+    if G:
+        dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
+                                        y.view(e, G, D), g.m, expected)
+    else:
+        dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
+                                            use_psum_layout=True)
+    st.wait_stream(st.current_stream(y.device), side)
+    return y
+
+
 def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=None, rows_P=None,
                     packed: bool = False, max_pairs: int | None = None) -> tuple:
     """The FP8 stage on DeepGEMM (see the module docstring) up to the weighted sum: (y_JD bf16, each pair's row
@@ -320,8 +339,6 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     wave's by its blocks), where their running sum is clamped. The layout and GEMMs: ``fp8_gemm_layout`` with
     ``experts.gemm_layout`` (ids distinct on top-k layers, not on hash-routed ones, whose table may repeat an
     expert in a row); the groups, their block ends and sizes from one launch (``layout_groups``)."""
-    from moe_wave.comm import streams as st
-
     from .expert_kernels import expert_order
     from .fp8_expert_kernels import ALIGN, gate_up_swiglu, gather_pairs, layout_groups, quant_pairs, swiglu_quant
 
@@ -346,30 +363,28 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     # LOST: the weighted sum makes the rows that lost a pair NaN, the others stay right (the pairs of experts with
     # empty groups here, another wave's on rows that stay over several waves, keep pos -1)
     g = layout_groups(counts_e, pairs, JA, max_m)
-    _, pos = expert_order(expert_RK, e, g.offs, rows_P, starts_e=g.starts, capacity=JA,
-                          lost=g.over if G else None)
-    q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
+    src, pos = expert_order(expert_RK, e, g.offs, rows_P, starts_e=g.starts, capacity=JA,
+                            lost=g.over if G else None)
     lim = experts.cfg.swiglu_limit
-    y = torch.empty(JA, D, dtype=torch.bfloat16, device=x_RD.device)
-    if pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e:          # gu in registers: one kernel, no down read-ahead
-        hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
+    fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
+    if fused and packed:        # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
+        loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
+        q, s = unpack_rows(x_RD, D)
+        hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G, src, loc)
     else:
-        gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
-        if G:
-            dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)),
-                                            (experts.gate_up, experts.gate_up_scale), gu.view(e, G, 2 * I), g.m,
-                                            expected)
+        q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
+        if fused:
+            hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
         else:
-            dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
-                                                use_psum_layout=True)
-        if side is not None:
-            _ahead(experts.down, counts_e, side)
-        hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)
-    if G:
-        dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
-                                        y.view(e, G, D), g.m, expected)
-    else:
-        dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
-                                            use_psum_layout=True)
-    st.wait_stream(st.current_stream(y.device), side)
-    return y, pos, g.n
+            gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
+            if G:
+                dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)),
+                                                (experts.gate_up, experts.gate_up_scale), gu.view(e, G, 2 * I), g.m,
+                                                expected)
+            else:
+                dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu,
+                                                    g.ends, use_psum_layout=True)
+            if side is not None:
+                _ahead(experts.down, counts_e, side)
+            hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)
+    return _down(dg, experts, hq, hs, g, G, expected, side), pos, g.n

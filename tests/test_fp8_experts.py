@@ -16,9 +16,9 @@ from moe_wave.comm.backend import Received
 from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
 from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, gate_up_swiglu,
-                                         gate_up_swiglu_torch, layout_groups, layout_groups_torch, masked_groups,
-                                         prefetch_experts, prefetch_experts_torch, quant_pairs, quant_pairs_torch,
-                                         swiglu_quant, swiglu_quant_torch)
+                                         gate_up_swiglu_torch, gather_pairs, layout_groups, layout_groups_torch,
+                                         masked_groups, prefetch_experts, prefetch_experts_torch, quant_pairs,
+                                         quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -365,6 +365,46 @@ def test_gate_up_swiglu_kernel_equals_its_twin(monkeypatch, bm, masked):
         run(q, s, w, ws, 10.0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_up_swiglu_reads_received_rows_where_they_arrived(masked):
+    """With src_J (expert_order's), gate_up_swiglu reads each pair's FP8 row and scales from the received packed
+    rows (and the rows of ``local`` from there) instead of the layout's copy: the same bits as gather_pairs into
+    the layout followed by the layout form, on both layouts; a received row's own bytes poisoned where ``local``
+    holds it are never read."""
+    from moe_wave.expert_kernels import expert_order
+    from moe_wave.fp8_rows import pack_rows, unpack_rows
+
+    R, K, e, D, I = 41, 3, 4, 256, 256
+    ids, _, offs, JA = _pos(R, K, e, 9)
+    if masked:
+        G, JA = 128, 4 * 128
+        starts, ends = masked_groups(offs, G)
+    else:
+        G = None
+        starts, ends = aligned_groups(offs)
+    d = (lambda t: t.to(KDEV))
+    src, pos = expert_order(d(ids), e, d(offs), starts_e=d(starts), capacity=JA)
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(R, D, generator=gen) * 3).to(torch.bfloat16)
+    w, ws = quant_experts(torch.randn(e, 2 * I, D, generator=gen) / 16)
+    p = pack_rows(x)
+    own = p[10:17].clone()                            # rows 10..16 live in own; their bytes in p are poison
+    recv = p.clone()
+    recv[10:17] = torch.full_like(own, float("nan"))
+    bend = d(block_ends(starts, ends, JA))
+    args = (d(w), d(ws), d(starts), bend, 10.0, G)
+    q, s_ = gather_pairs(d(p), D, pos, JA, group_rows=G)
+    want = gate_up_swiglu(q, s_, *args)
+    got = gate_up_swiglu(*unpack_rows(d(recv), D), *args, src_J=src, local=(10, *unpack_rows(d(own), D)))
+    used = pos[pos >= 0].cpu()
+    hs_w, hs_g = (t.cpu() if G is None else t.cpu().permute(1, 0, 2).reshape(I // BLOCK, JA) for t in (want[1], got[1]))
+    assert torch.equal(got[0].cpu()[used].view(torch.uint8), want[0].cpu()[used].view(torch.uint8))
+    assert torch.equal(hs_g[:, used], hs_w[:, used]) and torch.isfinite(hs_g[:, used]).all()
+    with pytest.raises(ValueError, match=r"gate_up_swiglu: row scales \(41, 1\) stride \(\d+, 1\): must be \[41, 2\]"):
+        gate_up_swiglu(unpack_rows(d(p), D)[0], unpack_rows(d(p), D)[1][:, :1], *args, src_J=src)
+
+
 def test_quant_experts_is_weight_quant_per_expert_and_refuses_partial_blocks():
     from moe_wave.fp8 import weight_quant
 
@@ -556,14 +596,18 @@ class _TorchDeepGEMM:
 
 
 @needs_kernels
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("fused_gate_up", [False, True])
 @pytest.mark.parametrize("rows_bound", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout, fused_gate_up):
-    """The fused stage (ordering into the aligned or the masked layout, quant_pairs, two grouped GEMMs,
-    swiglu_quant, weighted sum; or the first GEMM and swiglu_quant as one kernel, gate_up_swiglu) with DeepGEMM
-    replaced by its contiguous psum or masked semantics gives the per-expert path's output; rows past rows_P are
-    not read."""
+def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout, fused_gate_up,
+                                                            packed):
+    """The fused stage (ordering into the aligned or the masked layout, quant_pairs or, for rows that arrived as
+    FP8, gather_pairs, two grouped GEMMs, swiglu_quant, weighted sum; or the first GEMM and swiglu_quant as one
+    kernel, gate_up_swiglu, which reads arrived FP8 rows where they are) with DeepGEMM replaced by its contiguous
+    psum or masked semantics gives the per-expert path's output; rows past rows_P are not read."""
+    from moe_wave.fp8_rows import pack_rows
+
     import moe_wave.fp8_expert_kernels as fk
     import moe_wave.fp8_experts as fx
 
@@ -593,7 +637,9 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     _TorchDeepGEMM.calls = _TorchDeepGEMM.masked = 0
     ex.gemm_layout = layout
     d = (lambda t: None if t is None else t.to(KDEV))      # the kernels where they run (a GPU, or interpreted)
-    got = expert_rows(Received(d(x), d(ids), d(w), None, d(counts), None, rows_P=d(rows_P)), ex.to(KDEV)).cpu()
+    xin = pack_rows(x) if packed else x
+    got = expert_rows(Received(d(xin), d(ids), d(w), None, d(counts), None, rows_P=d(rows_P)), ex.to(KDEV),
+                      packed=packed).cpu()
     dg_calls = 1 if fused_gate_up else 2
     assert _TorchDeepGEMM.calls == dg_calls and _TorchDeepGEMM.masked == (dg_calls if layout == "masked" else 0)
     assert len(fused) == fused_gate_up

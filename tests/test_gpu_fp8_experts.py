@@ -103,9 +103,10 @@ def test_stage_reads_its_weights_ahead_without_changing_a_bit(monkeypatch):
 @needs_dg
 @pytest.mark.parametrize("bm", [128, 64])
 def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatch, bm):
-    """The first GEMM with SwiGLU + requant as one Triton kernel (gate_up_swiglu) in the stage, both layouts:
-    within DeepGEMM's FP8 GEMM bound of the stage with DeepGEMM's GEMM and swiglu_quant, the same bits on a
-    second call, and replayed from a CUDA graph."""
+    """The first GEMM with SwiGLU + requant as one Triton kernel (gate_up_swiglu) in the stage, both layouts, on
+    rows that arrived as FP8 (read where they are) and on bf16 rows (quantised into the layout): within
+    DeepGEMM's FP8 GEMM bound of the stage with DeepGEMM's GEMM and swiglu_quant, the same bits on a second
+    call, and replayed from a CUDA graph."""
     import moe_wave.fp8_expert_kernels as fk
     import moe_wave.fp8_experts as fx
 
@@ -113,8 +114,8 @@ def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatc
     calls = []
     real = fk.gate_up_swiglu
     monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a: calls.append(1) or real(*a))
-    for layout in ("masked", "contiguous"):
-        moe = _moe(2)
+    for layout, fp8_rows in (("masked", True), ("contiguous", True), ("masked", False), ("contiguous", False)):
+        moe = _moe(2, fp8_rows=fp8_rows)
         moe.experts.gemm_layout = layout
         x = _x(128, 12)
         monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0)
@@ -122,11 +123,12 @@ def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatc
         assert not calls
         monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9)
         y = moe(x)
-        assert len(calls) == 2, (layout, calls)        # one a wave
-        assert torch.isfinite(y).all() and calc_diff(y.float(), ref.float()) < 1e-4, layout
-        assert torch.equal(moe(x), y), layout
+        case = (layout, fp8_rows)
+        assert len(calls) == 2, (case, calls)        # one a wave
+        assert torch.isfinite(y).all() and calc_diff(y.float(), ref.float()) < 1e-4, case
+        assert torch.equal(moe(x), y), case
         moe.capture_graphs([128])
-        assert torch.equal(moe(x), y), layout
+        assert torch.equal(moe(x), y), case
         calls.clear()
 
 
