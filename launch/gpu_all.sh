@@ -215,7 +215,9 @@ raise SystemExit(not cuda_impl.available())"; then
                    base pf6:$P=0.6 pf3:$P=0.3 once:expert_kernels.WSUM_SLOTS_AT_ONCE=True \
                    "pfall:$P=0.6;fp8_experts.PREFETCH_ROWS_PER_EXPERT=1000000000" \
                    fgu:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000 \
-                   "fgu64:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_expert_kernels.GATE_UP_BM=64"}
+                   "fgu64:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_expert_kernels.GATE_UP_BM=64" \
+                   "fgu64w4:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_expert_kernels.GATE_UP_BM=64;\
+fp8_expert_kernels.GATE_UP_WARPS=4"}
                ;;
         *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile" \
                "streams comm attn" \
