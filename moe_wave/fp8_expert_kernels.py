@@ -59,10 +59,11 @@ PREFETCH_L2_FRACTION = 0.0
 PREFETCH_PROGRAMS_PER_SM = 1
 # the prefetch's loads ask L2 to keep their lines past others (evict_last) or load plainly
 PREFETCH_EVICT_LAST = False
-# gate_up_swiglu's tiles: rows a program (64 or 128), its software pipeline's stages and warps
+# gate_up_swiglu's tiles: rows a tile (64 or 128), its software pipeline's stages and warps, programs an SM
 GATE_UP_BM = 128
 GATE_UP_STAGES = 3
 GATE_UP_WARPS = 8
+GATE_UP_PROGRAMS_PER_SM = 1
 
 
 def aligned_capacity(pairs: int, e: int, align: int = ALIGN) -> int:
@@ -390,7 +391,8 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
 
 def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
                    starts_e: torch.Tensor, bend: torch.Tensor, limit: float, group_rows: int | None = None,
-                   src_J: torch.Tensor | None = None, local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   src_J: torch.Tensor | None = None, local: tuple | None = None,
+                   n: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``swiglu_quant`` of the first grouped GEMM's rows without the GEMM's bf16 rows: (hq [JA, I] e4m3, hs
     [I/128, JA] fp32, or [JA / G, I/128, G] with ``group_rows`` = G) from FP8 rows and the experts' [gate | up]
     weights w_eND [e, 2I, D] e4m3 with their 128 x 128 block scales ws [e, 2I/128, D/128]. The rows:
@@ -401,12 +403,14 @@ def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: to
       row strides), read where they arrived: no copy into the layout. ``local`` = (row0, q_L, s_L): rows row0 ..
       row0 + L - 1 are read from those views instead (``Received.local``'s packed rows, unpacked).
 
-    Program (t, b) takes rows b * BM .. of the layout (up to their group's end, ``bend``; the group, the last one
+    Tile (t, b) takes rows b * BM .. of the layout (up to their group's end, ``bend``; the group, the last one
     starting at or before them, from ``starts_e``) and h's channels t * 128 ..: per 128-channel block of D it adds
     the e4m3 product of the rows with the gate's and the up's weight rows, times the row's and the weight block's
     scales (the GEMM's promotion in fp32), rounds gu to bf16 as the GEMM writes it, and turns it into h's e4m3
-    values and scale in registers. The channel tile varies fastest in the launch order, so that a block of rows
-    is read from memory once and from L2 by its other tiles. D % 128 == I % 128 == JA % 128 == 0."""
+    values and scale in registers. ``GATE_UP_PROGRAMS_PER_SM`` programs an SM take the tiles in turn, the
+    channel tile fastest (a block of rows is read from memory once and from L2 by its other tiles), up to the
+    layout's rows in use, ``n`` (``Groups.n``; default JA): the capacity's empty tail costs no launch.
+    D % 128 == I % 128 == JA % 128 == 0."""
     e, I2, D = w_eND.shape
     I = I2 // 2
     JA = q.shape[0] if src_J is None else src_J.shape[0]
@@ -432,9 +436,13 @@ def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: to
     row0, (lq, ls) = (0, (q, s)) if local is None or not local[1].numel() else (local[0], local[1:])
     L = 0 if local is None else local[1].shape[0]
     if JA and I and e:
-        _gate_up_kernel[(I // BLOCK, JA // GATE_UP_BM)](
+        if n is None:
+            n = torch.full((1,), JA, dtype=torch.int32, device=q.device)
+        tiles = I // BLOCK * (JA // GATE_UP_BM)
+        progs = min(tiles, GATE_UP_PROGRAMS_PER_SM * sm_count(q.device)) if q.is_cuda else min(tiles, 16)
+        _gate_up_kernel[(progs,)](
             q, q.stride(0), s, *sa, src_J if src_J is not None else q, lq, lq.stride(0), ls, ls.stride(0), row0, L,
-            w_eND, ws, starts_e, bend, hq, hs, e, D, I, G, float(limit), BM=GATE_UP_BM,
+            w_eND, ws, starts_e, bend, n, hq, hs, e, D, I, G, float(limit), BM=GATE_UP_BM,
             BE=max(16, triton.next_power_of_2(e)), SRC=src_J is not None, CLAMP=limit > 0, INTERP=interpreting(),
             num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES)
     return hq, hs
@@ -591,51 +599,56 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(a_ptr, a_row, sa_ptr, SA_G, SA_GS, SA_R, SA_K, src_ptr, la_ptr, la_row, lsa_ptr, lsa_row,
-                        ROW0, L, w_ptr, ws_ptr, starts_ptr, bend_ptr, hq_ptr, hs_ptr, E, D, I, G, limit,
+                        ROW0, L, w_ptr, ws_ptr, starts_ptr, bend_ptr, n_ptr, hq_ptr, hs_ptr, E, D, I, G, limit,
                         BM: tl.constexpr, BE: tl.constexpr, SRC: tl.constexpr, CLAMP: tl.constexpr,
                         INTERP: tl.constexpr):
-        # program (t, b): rows b * BM .. of the layout (those in use: up to their 128-row block's group end) by h's
-        # channels t * 128 ..; two [BM, 128] fp32 accumulators (gate, up), each 128-channel step of D promoted
-        # by the row's and the weight block's scales; then SwiGLU and the requant as _swiglu_quant_kernel's. The
-        # row's scale for step kb sits at (r // SA_G) * SA_GS + (r % SA_G) * SA_R + kb * SA_K; SRC: the layout's
-        # row j is source row r = src[j] (rows ROW0 .. ROW0 + L - 1 from the la / lsa pointers), else r = j
-        m0 = tl.program_id(1) * BM
-        n = tl.minimum(tl.load(bend_ptr + m0 // 128) - m0, BM)
-        if n > 0:
-            x = tl.arange(0, BE)
-            st = tl.load(starts_ptr + x, mask=x < E, other=0x7FFFFFFF)
-            ex = tl.max(tl.where(st <= m0, x, -1), 0).to(tl.int64)
-            i0 = tl.program_id(0) * 128
-            ok = tl.arange(0, BM) < n
-            rows = (m0 + tl.arange(0, BM)).to(tl.int64)
-            c = tl.arange(0, 128)
-            DB = D // 128
-            if SRC:
-                r = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
-                here = (r >= ROW0) & (r < ROW0 + L)
-                a_rows = tl.where(here, la_ptr + (r - ROW0) * la_row, a_ptr + r * a_row)
-                sa_rows = tl.where(here, lsa_ptr + (r - ROW0) * lsa_row, sa_ptr + r * SA_R)
-            else:
-                a_rows = a_ptr + rows * a_row
-                sa_rows = sa_ptr + (rows // SA_G) * SA_GS + (rows % SA_G) * SA_R
-            g_ptrs = w_ptr + ex * 2 * I * D + (i0 + c).to(tl.int64)[:, None] * D + c[None, :]
-            sw = ws_ptr + ex * (2 * I // 128) * DB + (i0 // 128) * DB
-            acc_g = tl.zeros([BM, 128], tl.float32)
-            acc_u = tl.zeros([BM, 128], tl.float32)
-            for kb in range(0, DB):
-                a = tl.load(a_rows[:, None] + kb * 128 + c[None, :], mask=ok[:, None], other=0.0)
-                sa = tl.load(sa_rows + kb * SA_K, mask=ok, other=0.0)
-                bg = tl.load(g_ptrs + kb * 128)
-                bu = tl.load(g_ptrs + I * D + kb * 128)
-                sg = tl.load(sw + kb)
-                su = tl.load(sw + (I // 128) * DB + kb)
-                acc_g += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg)
-                acc_u += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su)
-            gate = _bf16_round(acc_g, INTERP)
-            up = _bf16_round(acc_u, INTERP)
-            if CLAMP:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-            q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BM, 1, INTERP)
-            tl.store(hq_ptr + rows[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
-            tl.store(hs_ptr + (rows // G) * (I // 128) * G + (i0 // 128) * G + rows % G, tl.reshape(sc, [BM]), mask=ok)
+        # tiles pid, pid + programs, .. up to the rows in use (n_ptr): tile (t, b), t fastest, is rows b * BM .. of
+        # the layout (those in use: up to their 128-row block's group end) by h's channels t * 128 ..; two
+        # [BM, 128] fp32 accumulators (gate, up), each 128-channel step of D promoted by the row's and the weight
+        # block's scales; then SwiGLU and the requant as _swiglu_quant_kernel's. The row's scale for step kb sits
+        # at (r // SA_G) * SA_GS + (r % SA_G) * SA_R + kb * SA_K; SRC: the layout's row j is source row r = src[j]
+        # (rows ROW0 .. ROW0 + L - 1 from the la / lsa pointers), else r = j
+        NT = I // 128
+        DB = D // 128
+        x = tl.arange(0, BE)
+        st = tl.load(starts_ptr + x, mask=x < E, other=0x7FFFFFFF)
+        c = tl.arange(0, 128)
+        tiles = (tl.load(n_ptr) + BM - 1) // BM * NT
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            m0 = tile // NT * BM
+            i0 = tile % NT * 128
+            n = tl.minimum(tl.load(bend_ptr + m0 // 128) - m0, BM)
+            if n > 0:
+                ex = tl.max(tl.where(st <= m0, x, -1), 0).to(tl.int64)
+                ok = tl.arange(0, BM) < n
+                rows = (m0 + tl.arange(0, BM)).to(tl.int64)
+                if SRC:
+                    r = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
+                    here = (r >= ROW0) & (r < ROW0 + L)
+                    a_rows = tl.where(here, la_ptr + (r - ROW0) * la_row, a_ptr + r * a_row)
+                    sa_rows = tl.where(here, lsa_ptr + (r - ROW0) * lsa_row, sa_ptr + r * SA_R)
+                else:
+                    a_rows = a_ptr + rows * a_row
+                    sa_rows = sa_ptr + (rows // SA_G) * SA_GS + (rows % SA_G) * SA_R
+                g_ptrs = w_ptr + ex * 2 * I * D + (i0 + c).to(tl.int64)[:, None] * D + c[None, :]
+                sw = ws_ptr + ex * (2 * I // 128) * DB + (i0 // 128) * DB
+                acc_g = tl.zeros([BM, 128], tl.float32)
+                acc_u = tl.zeros([BM, 128], tl.float32)
+                for kb in range(0, DB):
+                    a = tl.load(a_rows[:, None] + kb * 128 + c[None, :], mask=ok[:, None], other=0.0)
+                    sa = tl.load(sa_rows + kb * SA_K, mask=ok, other=0.0)
+                    bg = tl.load(g_ptrs + kb * 128)
+                    bu = tl.load(g_ptrs + I * D + kb * 128)
+                    sg = tl.load(sw + kb)
+                    su = tl.load(sw + (I // 128) * DB + kb)
+                    acc_g += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg)
+                    acc_u += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su)
+                gate = _bf16_round(acc_g, INTERP)
+                up = _bf16_round(acc_u, INTERP)
+                if CLAMP:
+                    gate = tl.minimum(gate, limit)
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BM, 1, INTERP)
+                tl.store(hq_ptr + rows[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
+                tl.store(hs_ptr + (rows // G) * (I // 128) * G + (i0 // 128) * G + rows % G, tl.reshape(sc, [BM]),
+                         mask=ok)

@@ -370,11 +370,13 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     if fused and packed:        # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         q, s = unpack_rows(x_RD, D)
-        hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G, src, loc)
+        hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G, src, loc,
+                                g.n)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if fused:
-            hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
+            hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G,
+                                    n=g.n)
         else:
             gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
             if G:

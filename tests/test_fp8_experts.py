@@ -615,7 +615,7 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     if fused_gate_up:
         monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9)
         real = fk.gate_up_swiglu
-        monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a: fused.append(1) or real(*a))
+        monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: fused.append(1) or real(*a, **k))
     from moe_wave.experts import expert_rows
 
     ex = FP8RoutedExperts.from_dense(CFG, torch.randn(4, 256, 256) / 16, torch.randn(4, 256, 128) / 11)

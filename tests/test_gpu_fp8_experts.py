@@ -113,7 +113,7 @@ def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatc
     monkeypatch.setattr(fk, "GATE_UP_BM", bm)
     calls = []
     real = fk.gate_up_swiglu
-    monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
     for layout, fp8_rows in (("masked", True), ("contiguous", True), ("masked", False), ("contiguous", False)):
         moe = _moe(2, fp8_rows=fp8_rows)
         moe.experts.gemm_layout = layout
