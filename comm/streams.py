@@ -12,14 +12,13 @@ caching allocator while the consumer still reads it. ``keep_alive(t, stream)`` m
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 __all__ = ["Streams", "accel_module", "is_accelerator", "on", "record", "wait", "wait_stream", "keep_alive",
-           "current_stream", "aside"]
+           "current_stream"]
 
 
 def is_accelerator(device: torch.device | str | None) -> bool:
@@ -39,21 +38,6 @@ def accel_module(device: torch.device | str):
 def current_stream(device: torch.device | str):
     mod = accel_module(device)
     return None if mod is None else mod.current_stream(torch.device(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _aside(device: torch.device, of: int):
-    return accel_module(device).Stream(device=device)
-
-
-def aside(stream):
-    """A stream of its own for ``stream``'s work that only helps, never feeds, what ``stream`` computes (reads
-    into the L2 cache ahead of a GEMM): one per (device, stream), made on first use; None for None (CPU). The
-    caller forks it with ``wait_stream(aside, stream)`` and joins it back with ``wait_stream(stream, aside)``
-    before the end of the work it helps (CUDA-graph capture needs every fork joined)."""
-    if stream is None:
-        return None
-    return _aside(stream.device, stream.stream_id)
 
 
 @contextlib.contextmanager

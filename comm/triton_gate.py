@@ -20,7 +20,7 @@ try:  # optional: without Triton the torch ops run
 except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
-__all__ = ["triton", "tl", "triton_ok", "interpreting", "sm_count", "l2_bytes"]
+__all__ = ["triton", "tl", "triton_ok", "interpreting", "sm_count"]
 
 
 def interpreting() -> bool:
@@ -47,11 +47,6 @@ def _props(device: torch.device | str):
 def sm_count(device: torch.device | str) -> int:
     """Streaming multiprocessors of a CUDA device (the current one when it has no index); cached."""
     return _props(device).multi_processor_count
-
-
-def l2_bytes(device: torch.device | str) -> int:
-    """The L2 cache's bytes of a CUDA device (0 where torch does not say); cached."""
-    return int(getattr(_props(device), "L2_cache_size", 0))
 
 
 def triton_ok(device: torch.device | str, want: bool | None = None) -> bool:

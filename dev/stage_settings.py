@@ -4,7 +4,7 @@
         [--rounds 2] CONFIG [CONFIG ...]
 
 A CONFIG is ``name`` or ``name:module.CONST=value[;module.CONST=value...]`` (modules under ``moe_wave``; values
-are Python literals), e.g. ``off:fp8_expert_kernels.PREFETCH_L2_FRACTION=0``; the first CONFIG is the baseline.
+are Python literals), e.g. ``off:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=0``; the first CONFIG is the baseline.
 For each shape, token count and wave count it times ``bench_experts``' FP8 stage (rows arrived as FP8, the layout
 "auto" takes, CUDA-graph replay with the L2 flushed, median of --iters) under each CONFIG (the library's values
 restored between them), the CONFIGs in turn --rounds times (each point the smallest of its rounds), beside the

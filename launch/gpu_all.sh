@@ -207,17 +207,13 @@ raise SystemExit(not cuda_impl.available())"; then
                stage xprofile ${T_XPROF:-240} "$PY" dev/profile_experts.py ${XPROF_ARGS:---precision fp8 --tokens \
                    128,2048,8192 --waves 1,4 --rows 16} ;;
         settings)  # the FP8 expert stage under library settings, alternately (dev/stage_settings.py; SETTINGS_ARGS,
-                   # default: the read-ahead, the weighted sum's slot loads and the fused first GEMM against the
-                   # library's defaults)
-               P=fp8_expert_kernels.PREFETCH_L2_FRACTION
+                   # default: the fused first GEMM off, with 128-row tiles everywhere and with 64-row ones
+                   # everywhere, against the library's choice)
+               F=fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT
                stage settings ${T_SETTINGS:-300} "$PY" dev/stage_settings.py --out "$RES/stage_settings.json" \
-                   ${SETTINGS_ARGS:---tokens 128,2048,8192 \
-                   base pf6:$P=0.6 pf3:$P=0.3 once:expert_kernels.WSUM_SLOTS_AT_ONCE=True \
-                   "pfall:$P=0.6;fp8_experts.PREFETCH_ROWS_PER_EXPERT=1000000000" \
-                   fgu:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000 \
-                   "fgu64:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_expert_kernels.GATE_UP_BM=64" \
-                   "fgu64w4:fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_expert_kernels.GATE_UP_BM=64;\
-fp8_expert_kernels.GATE_UP_WARPS=4"}
+                   ${SETTINGS_ARGS:---tokens 128,2048,8192 base off:$F=0 \
+                   "f128:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0" \
+                   "f64:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=1000000000"}
                ;;
         *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile" \
                "streams comm attn" \

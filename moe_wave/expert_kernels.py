@@ -44,9 +44,6 @@ BLOCK_D = 1024
 # its row NaN, loud as a capacity overflow's
 LOST = -2
 ROW_PROGRAMS_PER_SM = 8
-# the weighted sums' row-per-program form loads a row's K slots at once (as the split form does) rather than a
-# slot at a time: False (a slot at a time, the measured form) until a GPU run measures it (dev/stage_settings.py)
-WSUM_SLOTS_AT_ONCE = False
 # (row, slot) pairs per program of expert_order; its in-block ranks compare each pair with the block's others,
 # PLACE_COLS columns per step (a [BLOCK_J, PLACE_COLS] mask: the whole [128, 128] one took 255 registers), on
 # PLACE_WARPS warps
@@ -265,7 +262,7 @@ def weighted_sum(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Tensor,
         bd = min(BLOCK_D, triton.next_power_of_2(D))
         grid, split = _wsum_grid(R, D, bd, out_JD.device)
         _wsum_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D,
-                           HAS_ROWS=rows_P is not None, SPLIT=split or WSUM_SLOTS_AT_ONCE,
+                           HAS_ROWS=rows_P is not None, SPLIT=split,
                            KP=triton.next_power_of_2(K), BLOCK=bd)
     return y
 
@@ -286,7 +283,7 @@ def weighted_sum_once(out_JD: torch.Tensor, pos_RK: torch.Tensor, w_RK: torch.Te
     bd = min(BLOCK_D, triton.next_power_of_2(D))
     grid, split = _wsum_grid(R, D, bd, out_JD.device)
     _wsum_once_kernel[grid](out_JD, pos_RK.contiguous(), w_RK.contiguous(), n, y, cnt, rb, R, K, D, once.wave,
-                            R // once.num_waves, HAS_ROWS=rows_P is not None, SPLIT=split or WSUM_SLOTS_AT_ONCE,
+                            R // once.num_waves, HAS_ROWS=rows_P is not None, SPLIT=split,
                             KP=triton.next_power_of_2(K), BLOCK=bd)
 
 

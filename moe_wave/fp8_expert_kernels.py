@@ -16,9 +16,6 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
                                            written to the rows of its local pairs
     gather_pairs(p_RW, D, pos_RK, JA)      the same from rows that arrived quantised (``fp8_rows``' packed rows):
                                            each pair's e4m3 row and scales copied, no arithmetic
-    prefetch_experts(w_eNK, counts_e, nbytes) the first ``nbytes`` of the weights of the experts that have pairs,
-                                           in expert order, read into the L2 cache (a side stream runs it while
-                                           the glue before a weight-bound GEMM runs: ``fp8_experts._ahead``)
     swiglu_quant(gu_J2I, starts, ends, lim) the V4 SwiGLU (gate clamped from above, up both ways) of each group
                                            row in fp32, quantised the same way for the second GEMM: hq [JA, I],
                                            hs [I/128, JA]; by 128-row blocks of the layout (``block_ends``)
@@ -42,25 +39,17 @@ import torch
 import torch.nn.functional as F
 
 from moe_wave.comm.backend import rows_of
-from moe_wave.comm.triton_gate import interpreting, l2_bytes, sm_count, tl, triton
+from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
 from .fp8_quant import BLOCK, FP8, act_quant_torch
 
 __all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs",
            "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
-           "aligned_capacity", "block_ends", "prefetch_experts", "prefetch_experts_torch", "prefetch_budget",
-           "gate_up_swiglu", "gate_up_swiglu_torch"]
+           "aligned_capacity", "block_ends", "gate_up_swiglu", "gate_up_swiglu_torch"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
-# the bytes of an expert GEMM's weights that the stage reads into L2 ahead of it (``prefetch_budget``), as a
-# fraction of the L2 cache; 0 (no read ahead) until a GPU run measures it (dev/stage_settings.py)
-PREFETCH_L2_FRACTION = 0.0
-PREFETCH_PROGRAMS_PER_SM = 1
-# the prefetch's loads ask L2 to keep their lines past others (evict_last) or load plainly
-PREFETCH_EVICT_LAST = False
-# gate_up_swiglu's tiles: rows a tile (64 or 128), its software pipeline's stages and warps, programs an SM
-GATE_UP_BM = 128
+# gate_up_swiglu's software pipeline's stages, warps and programs an SM (8 warps measured faster than 4)
 GATE_UP_STAGES = 3
 GATE_UP_WARPS = 8
 GATE_UP_PROGRAMS_PER_SM = 1
@@ -238,57 +227,6 @@ def layout_groups_torch(counts_e: torch.Tensor, cap: int, JA: int, max_m: int = 
     return _groups_of(buf, counts_e.numel())
 
 
-def prefetch_budget(device: torch.device | str) -> int:
-    """Bytes of a GEMM's weights read into L2 ahead of it: ``PREFETCH_L2_FRACTION`` of the device's L2 (0 where
-    its size is unknown: no prefetch)."""
-    return int(PREFETCH_L2_FRACTION * l2_bytes(device)) if torch.device(device).type == "cuda" else 0
-
-
-def _prefetch_shape(w_eNK: torch.Tensor, nbytes: int, device: torch.device) -> tuple[int, int, int]:
-    """(words an expert, experts read, programs per expert) of ``prefetch_experts``."""
-    e = w_eNK.shape[0]
-    words = w_eNK[0].numel() * w_eNK.element_size() // 4
-    S = min(e, -(-nbytes // (4 * words))) if words else 0
-    sms = sm_count(device) if device.type == "cuda" else 4
-    return words, S, max(1, PREFETCH_PROGRAMS_PER_SM * sms // max(S, 1))
-
-
-def prefetch_experts(w_eNK: torch.Tensor, counts_e: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """Read the first ``nbytes`` of the weights of the experts with pairs (counts_e > 0, device int [e]), expert
-    by expert in index order (the order DeepGEMM's masked GEMMs take their groups in), so that the GEMM that
-    follows finds them in L2: run on a side stream while the glue before a weight-bound GEMM runs, it moves
-    that GEMM's first reads off its critical path. Nothing is written but one int32 per program, returned (the
-    32-bit wrapping sum of the words the program read: ``prefetch_experts_torch`` computes the same sums)."""
-    if w_eNK.dim() != 3 or not w_eNK.is_contiguous() or (w_eNK[0].numel() * w_eNK.element_size()) % 4:
-        raise ValueError(f"prefetch_experts: weights {tuple(w_eNK.shape)} {w_eNK.dtype}: must be contiguous [e, N, K] "
-                         f"with a whole number of 4-byte words an expert")
-    if counts_e.numel() != w_eNK.shape[0]:
-        raise ValueError(f"prefetch_experts: counts_e has {counts_e.numel()} entries for {w_eNK.shape[0]} experts")
-    words, S, P = _prefetch_shape(w_eNK, nbytes, w_eNK.device)
-    sink = torch.zeros(max(S, 1) * P, dtype=torch.int32, device=w_eNK.device)
-    if S:
-        e = w_eNK.shape[0]
-        _prefetch_kernel[(S, P)](w_eNK.view(-1).view(torch.int32), counts_e, sink, e, words, nbytes // 4, P,
-                                 BE=max(16, triton.next_power_of_2(e)), BLOCK=4096, LAST=PREFETCH_EVICT_LAST,
-                                 num_warps=4)
-    return sink
-
-
-def prefetch_experts_torch(w_eNK: torch.Tensor, counts_e: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``prefetch_experts``' sums by torch ops: program (s, p) sums the words p*4096.. (strided by P * 4096) of
-    the first min(words, nbytes/4 - s * words) words of the s-th expert with pairs."""
-    words, S, P = _prefetch_shape(w_eNK, nbytes, w_eNK.device)
-    sink = torch.zeros(max(S, 1) * P, dtype=torch.int64)
-    nz = torch.nonzero(counts_e.cpu() > 0).flatten().tolist()
-    flat = w_eNK.reshape(w_eNK.shape[0], -1).view(torch.int32).cpu().long()
-    for s, x in enumerate(nz[:S]):
-        n = max(0, min(words, nbytes // 4 - s * words))
-        for p in range(P):
-            idx = torch.arange(n)
-            sink[s * P + p] = flat[x, idx[(idx // 4096) % P == p]].sum()
-    return ((sink + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32)
-
-
 def _grid(R: int, device: torch.device) -> int:
     if device.type != "cuda":
         return max(1, min(R, 16))
@@ -392,7 +330,7 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
 def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
                    starts_e: torch.Tensor, bend: torch.Tensor, limit: float, group_rows: int | None = None,
                    src_J: torch.Tensor | None = None, local: tuple | None = None,
-                   n: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   n: torch.Tensor | None = None, bm: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """``swiglu_quant`` of the first grouped GEMM's rows without the GEMM's bf16 rows: (hq [JA, I] e4m3, hs
     [I/128, JA] fp32, or [JA / G, I/128, G] with ``group_rows`` = G) from FP8 rows and the experts' [gate | up]
     weights w_eND [e, 2I, D] e4m3 with their 128 x 128 block scales ws [e, 2I/128, D/128]. The rows:
@@ -403,7 +341,7 @@ def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: to
       row strides), read where they arrived: no copy into the layout. ``local`` = (row0, q_L, s_L): rows row0 ..
       row0 + L - 1 are read from those views instead (``Received.local``'s packed rows, unpacked).
 
-    Tile (t, b) takes rows b * BM .. of the layout (up to their group's end, ``bend``; the group, the last one
+    Tile (t, b) takes rows b * bm .. of the layout (``bm`` 64 or 128) (up to their group's end, ``bend``; the group, the last one
     starting at or before them, from ``starts_e``) and h's channels t * 128 ..: per 128-channel block of D it adds
     the e4m3 product of the rows with the gate's and the up's weight rows, times the row's and the weight block's
     scales (the GEMM's promotion in fp32), rounds gu to bf16 as the GEMM writes it, and turns it into h's e4m3
@@ -419,8 +357,8 @@ def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: to
         raise ValueError(f"gate_up_swiglu: rows {tuple(q.shape)}, weights {tuple(w_eND.shape)}, scales "
                          f"{tuple(ws.shape)}: must be [rows, D] (unit channel stride), [e, 2I, D] and "
                          f"[e, 2I/128, D/128] with I and D multiples of {BLOCK} and the layout's rows of {ALIGN}")
-    if GATE_UP_BM not in (64, 128):
-        raise ValueError(f"fp8_expert_kernels.GATE_UP_BM={GATE_UP_BM}: must be 64 or 128")
+    if bm not in (64, 128):
+        raise ValueError(f"gate_up_swiglu: bm={bm}: must be 64 or 128")
     G = _group_rows(JA, group_rows, "gate_up_swiglu")
     hq = torch.empty(JA, I, dtype=FP8, device=q.device)
     hs = torch.empty((I // BLOCK, JA) if group_rows is None else (JA // G, I // BLOCK, G), dtype=torch.float32,
@@ -438,11 +376,11 @@ def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: to
     if JA and I and e:
         if n is None:
             n = torch.full((1,), JA, dtype=torch.int32, device=q.device)
-        tiles = I // BLOCK * (JA // GATE_UP_BM)
+        tiles = I // BLOCK * (JA // bm)
         progs = min(tiles, GATE_UP_PROGRAMS_PER_SM * sm_count(q.device)) if q.is_cuda else min(tiles, 16)
         _gate_up_kernel[(progs,)](
             q, q.stride(0), s, *sa, src_J if src_J is not None else q, lq, lq.stride(0), ls, ls.stride(0), row0, L,
-            w_eND, ws, starts_e, bend, n, hq, hs, e, D, I, G, float(limit), BM=GATE_UP_BM,
+            w_eND, ws, starts_e, bend, n, hq, hs, e, D, I, G, float(limit), BM=bm,
             BE=max(16, triton.next_power_of_2(e)), SRC=src_J is not None, CLAMP=limit > 0, INTERP=interpreting(),
             num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES)
     return hq, hs
@@ -498,29 +436,6 @@ if triton is not None:
                     pg = p.to(tl.int64)[:, None]
                     tl.store(s_ptr + (pg // G) * (D // 128) * G + (d0 // 128 + nb[None, :]).to(tl.int64) * G + pg % G,
                              sc, mask=ok[:, None])
-
-    @triton.jit
-    def _prefetch_kernel(w_ptr, cnt_ptr, sink_ptr, E, WORDS, BUDGET, P, BE: tl.constexpr, BLOCK: tl.constexpr,
-                         LAST: tl.constexpr):
-        # program (s, p): the s-th expert with pairs (its rank among the nonzero counts), its first
-        # min(WORDS, BUDGET - s * WORDS) words in BLOCK-word steps p, p + P, ..; the loads bypass L1 (LAST: with
-        # L2's evict_last priority) and are summed into the program's sink so that they are not dropped
-        s = tl.program_id(0)
-        p = tl.program_id(1)
-        x = tl.arange(0, BE)
-        nz = (tl.load(cnt_ptr + x, mask=x < E, other=0) > 0).to(tl.int32)
-        ex = tl.max(tl.where((nz > 0) & (tl.cumsum(nz, 0) - nz == s), x, -1), 0)
-        acc = tl.zeros([BLOCK], tl.int32)
-        if ex >= 0:
-            n = tl.minimum(WORDS, BUDGET - s * WORDS)
-            base = w_ptr + ex.to(tl.int64) * WORDS
-            for i in range(p * BLOCK, n, P * BLOCK):
-                o = i + tl.arange(0, BLOCK)
-                if LAST:
-                    acc += tl.load(base + o, mask=o < n, other=0, cache_modifier=".cg", eviction_policy="evict_last")
-                else:
-                    acc += tl.load(base + o, mask=o < n, other=0, cache_modifier=".cg")
-        tl.store(sink_ptr + s * P + p, tl.sum(acc, 0))
 
     @triton.jit
     def _groups_kernel(cnt_ptr, out_ptr, E, CAP, G, NBLK, N_MASKED, MASKED: tl.constexpr, BE: tl.constexpr,

@@ -22,12 +22,10 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   ``m_grouped_fp8_gemm_nt_masked`` with the per-expert counts on the device) replaces the aligned one on top-k
   layers where its buffers are no larger (decode-sized batches), where it measured faster
   (``FP8RoutedExperts.gemm_layout``: "auto", the default; "contiguous" or "masked" force one; ``fp8_gemm_layout``).
-  Where a GEMM has few rows an expert (``PREFETCH_ROWS_PER_EXPERT``: it reads its weights at the copy rate), a
-  side stream can read its first experts' weights into L2 while the glue before it runs (``_ahead``; its budget
-  ``fp8_expert_kernels.PREFETCH_L2_FRACTION``, 0 until measured); and the first GEMM with SwiGLU + requant can
-  run as one Triton kernel that never writes gu and reads rows that arrived as FP8 where they are, through the
-  ordering's src_J, with no copy into the layout (``gate_up_swiglu``, where ``FUSED_GATE_UP_ROWS_PER_EXPERT``
-  allows: 0 until measured).
+  Where the first GEMM has few rows an expert (``FUSED_GATE_UP_ROWS_PER_EXPERT``: it streams weights), it runs
+  with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
+  arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
+  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -51,15 +49,13 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GEMM_LAYOUTS = ("auto", "contiguous", "masked")
 # what "auto" takes (``fp8_gemm_layout``), in words for ``info``
 AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwise"
-# the stage reads each GEMM's first experts' weights into L2 ahead of it (``_ahead``) where its pairs are at most
-# this many an expert (the GEMMs then read weights at the copy rate, and the glue before them leaves the memory
-# idle)
-PREFETCH_ROWS_PER_EXPERT = 128
 # the first GEMM and SwiGLU + requant run as one kernel (``fp8_expert_kernels.gate_up_swiglu``: gu stays in
-# registers) where the pairs are at most this many an expert (the GEMM then streams weights, which a Triton tile
-# can do at the copy rate); 0 (DeepGEMM's GEMM and ``swiglu_quant`` everywhere) until a GPU run measures it
-FUSED_GATE_UP_ROWS_PER_EXPERT = 0
-
+# registers) where the pairs are at most this many an expert (the GEMM streams weights, which the Triton tile does
+# at DeepGEMM's rate and saves gu's round trip: V4-Flash at 128 and 2048 tokens, benchmarks/results/experts.md);
+# DeepGEMM's GEMM and ``swiglu_quant`` above (compute-bound: DeepGEMM's tiles are the faster there); its 64-row
+# tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
+FUSED_GATE_UP_ROWS_PER_EXPERT = 128
+FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[e, N, K] weights as (q [e, N, K] e4m3, s [e, N/128, K/128] fp32 powers of two): ``fp8.weight_quant`` per
@@ -292,32 +288,9 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
-def _ahead(w_eNK: torch.Tensor, counts_e: torch.Tensor, side=None):
-    """Fork the current stream's aside stream (``streams.aside``; ``side`` where the caller has it) and read
-    the first ``prefetch_budget`` bytes of the weights of the experts with pairs into L2 there
-    (``prefetch_experts``); returns the side stream (None on CPU or where the budget is 0), which the caller
-    joins back."""
-    from moe_wave.comm import streams as st
-
-    from .fp8_expert_kernels import prefetch_budget, prefetch_experts
-
-    budget = prefetch_budget(w_eNK.device)
-    cur = st.current_stream(w_eNK.device)
-    if not budget or cur is None:
-        return side
-    side = side or st.aside(cur)
-    st.wait_stream(side, cur)
-    with st.on(side):
-        prefetch_experts(w_eNK, counts_e, budget)
-    st.keep_alive(counts_e, side)
-    return side
-
-
-def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int, side) -> torch.Tensor:
+def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int) -> torch.Tensor:
     """The second grouped GEMM (masked where G, else contiguous with the group ends as the psum layout): y [JA, D]
-    bf16; the current stream joins the read-ahead's side stream."""
-    from moe_wave.comm import streams as st
-
+    bf16."""
     (JA, I), e, D = hq.shape, experts.num_local, experts.cfg.hidden_size
     y = torch.empty(JA, D, dtype=torch.bfloat16, device=hq.device)
     if G:
@@ -326,7 +299,6 @@ def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int, side) -> t
     else:
         dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
                                             use_psum_layout=True)
-    st.wait_stream(st.current_stream(y.device), side)
     return y
 
 
@@ -334,7 +306,8 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
                     packed: bool = False, max_pairs: int | None = None) -> tuple:
     """The FP8 stage on DeepGEMM (see the module docstring) up to the weighted sum: (y_JD bf16, each pair's row
     there, pos_RK, the rows in use n). ``counts_e``: the wave's device pair counts per expert (``Received``'s
-    pairs_e_dev); ``packed``: x_RD holds ``fp8_rows``' FP8 rows, copied into the layout as they are;
+    pairs_e_dev); ``packed``: x_RD holds ``fp8_rows``' FP8 rows, read where they are (the fused first GEMM) or
+    copied into the layout as they are;
     ``max_pairs``: the most pairs the counts can hold (default R * K; rows that stay over several waves bound a
     wave's by its blocks), where their running sum is clamped. The layout and GEMMs: ``fp8_gemm_layout`` with
     ``experts.gemm_layout`` (ids distinct on top-k layers, not on hash-routed ones, whose table may repeat an
@@ -356,9 +329,6 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     _, JA, max_m = fp8_gemm_layout(R, pairs, e, experts.gemm_layout, not experts.cfg.hash_routing, masked_ok)
     G = max_m or None
     expected = max(1, -(-pairs // e))           # the masked GEMMs' hint: rows an expert
-    # GEMMs of few rows an expert read their weights at the copy rate: their first experts' weights are read into
-    # L2 on a side stream while the glue before each GEMM runs (down's read where gate_up's ran: side not None)
-    side = _ahead(experts.gate_up, counts_e) if pairs <= PREFETCH_ROWS_PER_EXPERT * e else None
     # masked: each group holds max_m rows; a pair of an expert whose group passed it is not placed and gets pos
     # LOST: the weighted sum makes the rows that lost a pair NaN, the others stay right (the pairs of experts with
     # empty groups here, another wave's on rows that stay over several waves, keep pos -1)
@@ -367,16 +337,15 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
                             lost=g.over if G else None)
     lim = experts.cfg.swiglu_limit
     fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
+    bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
+    wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
     if fused and packed:        # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
-        q, s = unpack_rows(x_RD, D)
-        hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G, src, loc,
-                                g.n)
+        hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if fused:
-            hq, hs = gate_up_swiglu(q, s, experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G,
-                                    n=g.n)
+            hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
         else:
             gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
             if G:
@@ -386,7 +355,5 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
             else:
                 dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu,
                                                     g.ends, use_psum_layout=True)
-            if side is not None:
-                _ahead(experts.down, counts_e, side)
             hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)
-    return _down(dg, experts, hq, hs, g, G, expected, side), pos, g.n
+    return _down(dg, experts, hq, hs, g, G, expected), pos, g.n

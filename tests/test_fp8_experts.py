@@ -17,8 +17,8 @@ from moe_wave.comm.triton_gate import triton_ok
 from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_ref
 from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, gate_up_swiglu,
                                          gate_up_swiglu_torch, gather_pairs, layout_groups, layout_groups_torch,
-                                         masked_groups, prefetch_experts, prefetch_experts_torch, quant_pairs,
-                                         quant_pairs_torch, swiglu_quant, swiglu_quant_torch)
+                                         masked_groups, quant_pairs, quant_pairs_torch, swiglu_quant,
+                                         swiglu_quant_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -141,31 +141,6 @@ def test_layout_groups_kernel_equals_its_twin(counts, cap, max_m):
         assert int(want.n) == int(want.ends[-1]) and not want.over.any()
     with pytest.raises(ValueError, match=r"layout_groups: JA=100, max_m=0, 7 experts: JA and max_m must be "):
         layout_groups(torch.zeros(7, dtype=torch.long, device=KDEV), cap, 100)
-
-
-@needs_kernels
-@pytest.mark.parametrize("counts,nbytes", [
-    ([5, 0, 3, 1], 4 * (2 * 8192 + 1000)),  # two whole experts with pairs (0 and 2), then 1000 words of expert 3
-    ([0, 0, 7, 0], 10 ** 9),                # fewer experts with pairs than the budget holds: only expert 2
-    ([1, 2, 3, 4], 4 * 100),                # part of the first expert only
-    ([0, 0, 0, 0], 10 ** 6)])               # no pairs: nothing read
-def test_prefetch_reads_the_first_bytes_of_the_experts_with_pairs(counts, nbytes):
-    """``prefetch_experts`` reads, expert by expert in index order, the first ``nbytes`` of the weights of the
-    experts with pairs: its programs' sums of the words read equal the twin's, which sums exactly those words."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randint(0, 256, (4, 128, 256), dtype=torch.uint8, generator=g).view(FP8)   # 8192 words an expert
-    c = torch.tensor(counts)
-    want = prefetch_experts_torch(w, c, nbytes)
-    got = prefetch_experts(w.to(KDEV), c.to(KDEV), nbytes).cpu()
-    assert torch.equal(got, want)
-    nz = [x for x, n in enumerate(counts) if n]
-    words = w.view(4, -1).view(torch.int32).long()
-    read = torch.cat([words[x, :max(0, min(8192, nbytes // 4 - s * 8192))] for s, x in enumerate(nz)]) if nz \
-        else torch.zeros(1, dtype=torch.long)
-    assert int(want.long().sum() - read.sum()) % 2 ** 32 == 0       # the twin sums exactly the words named
-    assert (want != 0).any() == bool(nz)
-    with pytest.raises(ValueError, match="prefetch_experts: counts_e has 3 entries for 4 experts"):
-        prefetch_experts(w.to(KDEV), c[:3].to(KDEV), nbytes)
 
 
 def grouped_scales(s_CJ: torch.Tensor, G: int) -> torch.Tensor:
@@ -306,15 +281,12 @@ def test_swiglu_quant_kernel_equals_its_twin(limit, I):
 @needs_kernels
 @pytest.mark.parametrize("bm", [128, 64])
 @pytest.mark.parametrize("masked", [False, True])
-def test_gate_up_swiglu_kernel_equals_its_twin(monkeypatch, bm, masked):
+def test_gate_up_swiglu_kernel_equals_its_twin(bm, masked):
     """The first GEMM with SwiGLU + requant in one kernel against its twin (the same block-by-block promotion in
     fp32, gu rounded to bf16, then swiglu_quant_torch): bit for bit on values whose products and sums are exact
     in fp32 (small integers, power-of-two scales), on the aligned layout and the masked one (scales grouped by
     max_m), with groups of 0, 1, 70 and 130 rows; and within rounding of the two-step path (the GEMM's bf16 rows
     through swiglu_quant) on random values, where the dot's order of additions may differ."""
-    import moe_wave.fp8_expert_kernels as fk
-
-    monkeypatch.setattr(fk, "GATE_UP_BM", bm)
     e, D, I = 4, 256, 256
     cnt = torch.tensor([70, 0, 130, 1])
     offs = cnt.cumsum(0).to(torch.int32)
@@ -332,7 +304,7 @@ def test_gate_up_swiglu_kernel_equals_its_twin(monkeypatch, bm, masked):
     def run(q, s_DJ, w, ws, lim):
         s = s_DJ if G is None else s_DJ.view(D // BLOCK, JA // G, G).permute(1, 0, 2).contiguous()
         d = (lambda t: t.to(KDEV))
-        hq, hs = gate_up_swiglu(d(q), d(s), d(w), d(ws), d(starts), d(block_ends(starts, ends, JA)), lim, G)
+        hq, hs = gate_up_swiglu(d(q), d(s), d(w), d(ws), d(starts), d(block_ends(starts, ends, JA)), lim, G, bm=bm)
         hq, hs = hq.cpu(), hs.cpu()
         if G is not None:
             assert hs.shape == (JA // G, I // BLOCK, G)
@@ -360,9 +332,9 @@ def test_gate_up_swiglu_kernel_equals_its_twin(monkeypatch, bm, masked):
     with pytest.raises(ValueError, match=r"gate_up_swiglu: rows \(512, 256\), weights \(4, 512, 128\)"):
         gate_up_swiglu(q[:512].to(KDEV), s[:, :512].to(KDEV), w[:, :, :128].to(KDEV), ws.to(KDEV), starts.to(KDEV),
                        block_ends(starts, ends, 512).to(KDEV), 10.0)
-    monkeypatch.setattr(fk, "GATE_UP_BM", 96)
-    with pytest.raises(ValueError, match=r"fp8_expert_kernels.GATE_UP_BM=96: must be 64 or 128"):
-        run(q, s, w, ws, 10.0)
+    with pytest.raises(ValueError, match=r"gate_up_swiglu: bm=96: must be 64 or 128"):
+        gate_up_swiglu(q.to(KDEV), s.to(KDEV), w.to(KDEV), ws.to(KDEV), starts.to(KDEV),
+                       block_ends(starts, ends, JA).to(KDEV), 10.0, bm=96)
 
 
 @needs_kernels
@@ -612,8 +584,8 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     import moe_wave.fp8_experts as fx
 
     fused = []
+    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
     if fused_gate_up:
-        monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9)
         real = fk.gate_up_swiglu
         monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: fused.append(1) or real(*a, **k))
     from moe_wave.experts import expert_rows
@@ -645,8 +617,10 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     assert len(fused) == fused_gate_up
     read = slice(None) if rows_P is None else keep
     # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element
-    # of h to the next e4m3 step: the rows agree to bf16 rounding, where a wrong layout would be off by O(1)
-    assert calc_diff(got[read].float(), want[read].float()) < 1e-5
+    # of h to the next e4m3 step (on a GPU the fused kernel's dot also adds in the hardware's order): the rows
+    # agree to that rounding, where a wrong layout would be off by O(1)
+    bound = 1e-4 if fused_gate_up and KDEV == "cuda" else 1e-5
+    assert calc_diff(got[read].float(), want[read].float()) < bound
     assert ((got[read].float() - want[read].float()).abs() <= 0.02 * want[read].float().abs().max()).all()
 
 

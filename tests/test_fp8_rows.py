@@ -197,9 +197,11 @@ def test_fp8_rows_halve_the_bytes_and_once_keeps_them_at_every_wave_count(ranks)
 
 
 @needs_kernels
-def test_fused_stage_takes_fp8_rows_as_they_are(monkeypatch):
+@pytest.mark.parametrize("fused_gate_up", [False, True])
+def test_fused_stage_takes_fp8_rows_as_they_are(monkeypatch, fused_gate_up):
     """The fused stage's logic on CPU (DeepGEMM replaced by its psum semantics): packed rows go through
-    gather_pairs and give the output of bf16 rows through quant_pairs, bit for bit; local rows included."""
+    gather_pairs (or, with the fused first GEMM, straight into it: no gather) and give the output of bf16 rows
+    through quant_pairs, bit for bit; local rows included."""
     import moe_wave.fp8_expert_kernels as fk
     import moe_wave.fp8_experts as fx
     from moe_wave.comm.backend import Received
@@ -216,22 +218,25 @@ def test_fused_stage_takes_fp8_rows_as_they_are(monkeypatch):
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()
     monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
     monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
+    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
     gathered = []
     real = fk.gather_pairs
     monkeypatch.setattr(fk, "gather_pairs", lambda *a, **k: gathered.append(1) or real(*a, **k))
     plain = expert_rows(Received(x, ids, w, None, counts, None, local=(20, own)), ex)
     got = expert_rows(Received(pack_rows(x), ids, w, None, counts, None, local=(20, pack_rows(own))), ex,
                       packed=True)
-    assert gathered and got.dtype == torch.bfloat16
+    assert bool(gathered) != fused_gate_up and got.dtype == torch.bfloat16
     assert torch.equal(got, plain)
 
 
 @needs_kernels
+@pytest.mark.parametrize("fused_gate_up", [False, True])
 @pytest.mark.parametrize("sends", ["wave", "once"])
-def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, sends):
+def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, sends, fused_gate_up):
     """A whole FP8 block (bf16 activations, FP8 rows, symm backend, W = 3) on the fused stage's logic (DeepGEMM
-    replaced by its psum semantics, the Triton kernels interpreted) against the per-expert path, with rows that
-    cross once per layer (each wave's pairs summed into the rows' running sums: weighted_sum_once) and per wave."""
+    replaced by its psum semantics, the Triton kernels interpreted; the first GEMM DeepGEMM's or the fused
+    kernel's) against the per-expert path, with rows that cross once per layer (each wave's pairs summed into the
+    rows' running sums: weighted_sum_once) and per wave."""
     import moe_wave.fp8_experts as fx
     from moe_wave.reference import random_full_weights
     from tests.test_fp8_experts import _TorchDeepGEMM, calc_diff
@@ -243,9 +248,10 @@ def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, send
     want = moe(x)
     monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
     monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
+    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
     _TorchDeepGEMM.calls = 0
     got = moe(x)
-    assert _TorchDeepGEMM.calls == 2 * 3 and moe.plan.once == (sends == "once")
+    assert _TorchDeepGEMM.calls == (1 if fused_gate_up else 2) * 3 and moe.plan.once == (sends == "once")
     # the same products; a row's partial sums round to bf16 between waves in either path, in another order with
     # rows once per layer: within rounding, where a wrong layout is off by 1e-3 or more
     assert calc_diff(got.float(), want.float()) < 5e-5

@@ -71,46 +71,16 @@ def test_deepgemm_stage_matches_the_per_expert_reference(T, layout, monkeypatch)
 
 
 @needs_dg
-def test_stage_reads_its_weights_ahead_without_changing_a_bit(monkeypatch):
-    """The stage reads each GEMM's first experts' weights into L2 on a side stream (two reads a wave, the device's
-    budget each; both layouts); the output is the same bit for bit with the reads off, and replayed from a CUDA
-    graph (the side stream forked and joined inside the capture)."""
-    import moe_wave.fp8_expert_kernels as fk
-    import moe_wave.fp8_experts as fx
-
-    monkeypatch.setattr(fx, "PREFETCH_ROWS_PER_EXPERT", 10 ** 9)
-    monkeypatch.setattr(fk, "PREFETCH_L2_FRACTION", fk.PREFETCH_L2_FRACTION or 0.6)
-    calls = []
-    real = fk.prefetch_experts
-    monkeypatch.setattr(fk, "prefetch_experts", lambda w, c, n: calls.append(n) or real(w, c, n))
-    on = fk.PREFETCH_L2_FRACTION
-    for layout in ("masked", "contiguous"):
-        moe = _moe(2)
-        moe.experts.gemm_layout = layout
-        x = _x(128, 11)
-        fk.PREFETCH_L2_FRACTION = on
-        calls.clear()
-        y = moe(x)
-        assert len(calls) == 4 and set(calls) == {fk.prefetch_budget(x.device)} and calls[0] > 0, (layout, calls)
-        monkeypatch.setattr(fk, "PREFETCH_L2_FRACTION", 0.0)
-        calls.clear()
-        assert torch.equal(moe(x), y) and not calls, layout
-        fk.PREFETCH_L2_FRACTION = on
-        moe.capture_graphs([128])
-        assert torch.equal(moe(x), y), layout
-
-
-@needs_dg
-@pytest.mark.parametrize("bm", [128, 64])
-def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatch, bm):
+@pytest.mark.parametrize("small", [False, True])
+def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatch, small):
     """The first GEMM with SwiGLU + requant as one Triton kernel (gate_up_swiglu) in the stage, both layouts, on
     rows that arrived as FP8 (read where they are) and on bf16 rows (quantised into the layout): within
     DeepGEMM's FP8 GEMM bound of the stage with DeepGEMM's GEMM and swiglu_quant, the same bits on a second
-    call, and replayed from a CUDA graph."""
+    call, and replayed from a CUDA graph; with 128-row tiles and 64-row ones (``small``)."""
     import moe_wave.fp8_expert_kernels as fk
     import moe_wave.fp8_experts as fx
 
-    monkeypatch.setattr(fk, "GATE_UP_BM", bm)
+    monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 10 ** 9 if small else 0)
     calls = []
     real = fk.gate_up_swiglu
     monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -253,15 +253,10 @@ def test_weighted_sum_grid_splits_channels_only_where_the_rows_are_few():
 
 @needs_kernels
 @pytest.mark.parametrize("R, K, D, I, n", KERNEL_CASES)
-@pytest.mark.parametrize("at_once", [False, True])
-def test_weighted_sum_matches_torch(R, K, D, I, n, at_once, monkeypatch):
+def test_weighted_sum_matches_torch(R, K, D, I, n):
     """Pairs at positions >= n do not count; a row with none sums to 0, a row with one does not; a row with a
-    pair at LOST (no room in its group) is NaN, whatever its other pairs. Both slot loads of the row form
-    (``WSUM_SLOTS_AT_ONCE``)."""
-    import moe_wave.expert_kernels as xk
+    pair at LOST (no room in its group) is NaN, whatever its other pairs."""
     from moe_wave.expert_kernels import LOST, weighted_sum, weighted_sum_torch
-
-    monkeypatch.setattr(xk, "WSUM_SLOTS_AT_ONCE", at_once)
 
     g, J = _gen((R, K, D, n)), R * K
     nt = torch.tensor([n], dtype=torch.int32)
