@@ -6,7 +6,8 @@
 #   one GPU), layer (one V4 layer part by part in bf16 and FP8: dev/profile_layer.py), xprofile (the expert
 #   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
 #   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS), settings (the FP8 expert stage under
-#   library settings side by side: dev/stage_settings.py, SETTINGS_ARGS; default the fused first GEMM off / 128 / 64-row tiles),
+#   library settings side by side: dev/stage_settings.py, SETTINGS_ARGS; default: the fused first GEMM off, on
+#   with 128-row and with 64-row tiles),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
