@@ -57,6 +57,7 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 
+
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[e, N, K] weights as (q [e, N, K] e4m3, s [e, N/128, K/128] fp32 powers of two): ``fp8.weight_quant`` per
     expert, batched. N and K must be multiples of 128 (every V4 expert shape is)."""
