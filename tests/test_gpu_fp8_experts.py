@@ -175,19 +175,22 @@ def test_rows_once_per_layer_on_deepgemm_match_rows_per_wave():
 
 @needs_dg
 @pytest.mark.parametrize("backend", ["symm", "torch"])
-def test_fp8_rows_equal_bf16_rows_bit_for_bit(backend, monkeypatch):
-    """The block whose rows travel as FP8 (packed before dispatch, copied into the layout by gather_pairs) gives
-    the output of the block that quantises bf16 rows at the expert stage, bit for bit (the same q and scales into
-    the same GEMMs); graph replay too."""
+@pytest.mark.parametrize("fused_gate_up", [True, False])
+def test_fp8_rows_equal_bf16_rows_bit_for_bit(backend, fused_gate_up, monkeypatch):
+    """The block whose rows travel as FP8 (packed before dispatch; read where they arrived by the fused first GEMM,
+    or copied into the layout by gather_pairs before DeepGEMM's) gives the output of the block that quantises bf16
+    rows at the expert stage, bit for bit (the same q and scales into the same GEMMs); graph replay too."""
     import moe_wave.fp8_expert_kernels as fk
+    import moe_wave.fp8_experts as fx
 
+    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
     x = _x(300, 11)
     packed, plain = _moe(2, backend), _moe(2, backend, fp8_rows=False)
     gathered = []
     real = fk.gather_pairs
     monkeypatch.setattr(fk, "gather_pairs", lambda *a, **k: gathered.append(1) or real(*a, **k))
     y = packed(x)
-    assert gathered, "the packed rows did not reach gather_pairs"
+    assert bool(gathered) != fused_gate_up, "the packed rows took the wrong way into the first GEMM"
     assert torch.equal(y, plain(x))
     if backend == "symm":
         packed.capture_graphs([512])
