@@ -327,7 +327,6 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
     return hq, hs
 
 
-
 def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
                    starts_e: torch.Tensor, bend: torch.Tensor, limit: float, group_rows: int | None = None,
                    src_J: torch.Tensor | None = None, local: tuple | None = None,
@@ -342,13 +341,14 @@ def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: to
       row strides), read where they arrived: no copy into the layout. ``local`` = (row0, q_L, s_L): rows row0 ..
       row0 + L - 1 are read from those views instead (``Received.local``'s packed rows, unpacked).
 
-    Tile (t, b) takes rows b * bm .. of the layout (``bm`` 64 or 128) (up to their group's end, ``bend``; the group, the last one
-    starting at or before them, from ``starts_e``) and h's channels t * 128 ..: per 128-channel block of D it adds
-    the e4m3 product of the rows with the gate's and the up's weight rows, times the row's and the weight block's
-    scales (the GEMM's promotion in fp32), rounds gu to bf16 as the GEMM writes it, and turns it into h's e4m3
-    values and scale in registers. ``GATE_UP_PROGRAMS_PER_SM`` programs an SM take the tiles in turn, the
-    channel tile fastest (a block of rows is read from memory once and from L2 by its other tiles), up to the
-    layout's rows in use, ``n`` (``Groups.n``; default JA): the capacity's empty tail costs no launch.
+    Tile (t, b) takes rows b * bm .. of the layout (``bm`` 64 or 128; the rows up to their group's end, ``bend``;
+    the group, the last one starting at or before them, from ``starts_e``) and h's channels t * 128 ..: per
+    128-channel block of D it adds the e4m3 product of the rows with the gate's and the up's weight rows, times the
+    row's and the weight block's scales (the GEMM's promotion in fp32), rounds gu to bf16 as the GEMM writes it,
+    and turns it into h's e4m3 values and scale in registers. ``GATE_UP_PROGRAMS_PER_SM`` programs an SM take the
+    tiles in turn, the channel tile fastest (a block of rows is read from memory once and from L2 by its other
+    tiles), up to the layout's rows in use, ``n`` (``Groups.n``; default JA): the capacity's empty tail costs no
+    launch.
     D % 128 == I % 128 == JA % 128 == 0."""
     e, I2, D = w_eND.shape
     I = I2 // 2
