@@ -34,19 +34,14 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _props_of(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
-def _props(device: torch.device | str):
-    """A CUDA device's properties (the current device's where it has no index); cached."""
-    device = torch.device(device)
-    return _props_of(device.index if device.index is not None else torch.cuda.current_device())
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device | str) -> int:
     """Streaming multiprocessors of a CUDA device (the current one when it has no index); cached."""
-    return _props(device).multi_processor_count
+    device = torch.device(device)
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def triton_ok(device: torch.device | str, want: bool | None = None) -> bool:

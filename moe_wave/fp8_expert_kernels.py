@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from moe_wave.comm.backend import rows_of
 from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
 
-from .fp8_quant import BLOCK, FP8, act_quant_torch
+from .fp8_quant import BLOCK, FP8, act_quant_torch, dequant_act, dequant_weight
 
 __all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs",
            "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
@@ -140,24 +140,18 @@ def swiglu_quant_torch(gu_J2I: torch.Tensor, starts_e: torch.Tensor, ends_e: tor
 def gate_up_swiglu_torch(q_JD: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
                          starts_e: torch.Tensor, ends_e: torch.Tensor, limit: float,
                          group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up_swiglu`` by torch ops, the kernel's arithmetic in its order: per 128-channel block of D, the
-    exact fp32 product of the e4m3 values times the row's and the weight block's scales, added up block by block;
-    gu rounded to bf16 (as a GEMM into bf16 rows), then ``swiglu_quant_torch``'s SwiGLU and quantisation (hs
-    [I/128, JA] whatever group_rows). Rows outside the groups zeros."""
+    """``gate_up_swiglu`` by torch ops: each group's gu = bf16(dequantised rows @ dequantised weights^T) in fp32
+    (the kernel's bits wherever the sums are exact in fp32; its block-by-block promotion adds in another order
+    elsewhere), then ``swiglu_quant_torch``'s SwiGLU and quantisation (hs [I/128, JA] whatever group_rows). Rows
+    outside the groups zeros."""
     JA, D = q_JD.shape
     I = w_eND.shape[1] // 2
     _group_rows(JA, group_rows, "gate_up_swiglu")
     s_DJ = s if group_rows is None else s.permute(1, 0, 2).reshape(D // BLOCK, JA)
     gu = torch.zeros(JA, 2 * I, dtype=torch.bfloat16, device=q_JD.device)
     for x, (a, b) in enumerate(zip(starts_e.tolist(), ends_e.tolist())):
-        if b <= a:
-            continue
-        acc = torch.zeros(b - a, 2 * I, dtype=torch.float32, device=q_JD.device)
-        for kb in range(D // BLOCK):
-            k = slice(kb * BLOCK, (kb + 1) * BLOCK)
-            part = q_JD[a:b, k].float() @ w_eND[x, :, k].float().t()
-            acc += part * (s_DJ[kb, a:b, None] * ws[x, :, kb].repeat_interleave(BLOCK)[None, :])
-        gu[a:b] = acc.to(torch.bfloat16)
+        if b > a:
+            gu[a:b] = (dequant_act(q_JD[a:b], s_DJ[:, a:b]) @ dequant_weight(w_eND[x], ws[x]).t()).to(torch.bfloat16)
     return swiglu_quant_torch(gu, starts_e, ends_e, limit)
 
 

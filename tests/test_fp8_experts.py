@@ -282,8 +282,8 @@ def test_swiglu_quant_kernel_equals_its_twin(limit, I):
 @pytest.mark.parametrize("bm", [128, 64])
 @pytest.mark.parametrize("masked", [False, True])
 def test_gate_up_swiglu_kernel_equals_its_twin(bm, masked):
-    """The first GEMM with SwiGLU + requant in one kernel against its twin (the same block-by-block promotion in
-    fp32, gu rounded to bf16, then swiglu_quant_torch): bit for bit on values whose products and sums are exact
+    """The first GEMM with SwiGLU + requant in one kernel against its twin (the dequantised fp32 GEMM, gu rounded
+    to bf16, then swiglu_quant_torch): bit for bit on values whose products and sums are exact
     in fp32 (small integers, power-of-two scales), on the aligned layout and the masked one (scales grouped by
     max_m), with groups of 0, 1, 70 and 130 rows; and within rounding of the two-step path (the GEMM's bf16 rows
     through swiglu_quant) on random values, where the dot's order of additions may differ."""
@@ -319,14 +319,12 @@ def test_gate_up_swiglu_kernel_equals_its_twin(bm, masked):
         hq, hs = run(q, s, w, ws, lim)
         hqt, hst = gate_up_swiglu_torch(q, s, w, ws, starts, ends, lim)
         assert torch.equal(hq.view(torch.uint8), hqt[used].view(torch.uint8)) and torch.equal(hs, hst[:, used])
-    # random values: the two-step path's h (fp32 GEMM of the dequantised operands, bf16 rows, swiglu_quant)
+    # random values: the two-step path's h (fp32 GEMM of the dequantised operands, bf16 rows, swiglu_quant: the
+    # twin)
     q, s = act_quant_torch(torch.randn(JA, D, generator=gen) * 2)
     w, ws = quant_experts(torch.randn(e, 2 * I, D, generator=gen) / 16)
     hq, hs = run(q, s, w, ws, 10.0)
-    gu = torch.zeros(JA, 2 * I, dtype=torch.bfloat16)
-    for x, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
-        gu[a:b] = (dequant_act(q[a:b], s[:, a:b]) @ dequant_experts(w[x], ws[x]).t()).to(torch.bfloat16)
-    hqt, hst = swiglu_quant_torch(gu, starts, ends, 10.0)
+    hqt, hst = gate_up_swiglu_torch(q, s, w, ws, starts, ends, 10.0)
     got, want = dequant_act(hq, hs), dequant_act(hqt[used], hst[:, used])
     assert calc_diff(got, want) < 1e-4 and (got != want).float().mean() < 0.05
     with pytest.raises(ValueError, match=r"gate_up_swiglu: rows \(512, 256\), weights \(4, 512, 128\)"):
