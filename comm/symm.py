@@ -295,7 +295,7 @@ class SymmBackend:
         self.transport.raise_watchdog()
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
         gather = self.kernels and out.out_TD.dtype == torch.float32
-        own_from_y = self.transport.peer_memory and gather     # gather_add reads this rank's own block from y
+        own_from_y = gather     # gather_add reads this rank's own block from y: the transport need not move it
         poison = self._status_dev[POISON:POISON + 1]
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)

@@ -37,6 +37,8 @@ reset in place (expert -1, weight 0) after the exchange, so the receiver hands o
 
 ``EmulatedTransport`` (CPU with gloo, or one rank) packs the very same blocks into a local staging buffer and
 exchanges it with one equal-split ``all_to_all_single``, so the CPU tests exercise everything but the transport.
+As on peer memory, this rank's own rows stay where they are when the consumer reads them there (``local_view``,
+the combine's sum reading y): on one rank (a GPU with every expert) no row is copied at all.
 """
 
 from __future__ import annotations
@@ -60,13 +62,15 @@ from .triton_gate import triton_ok
 __all__ = ["PeerTransport", "EmulatedTransport", "pack_block"]
 
 
-def pack_block(x_TD, plan: SymmPlan, wave: int, p: int, dst_x_CD, dst_m_CM) -> None:
+def pack_block(x_TD, plan: SymmPlan, wave: int, p: int, dst_x_CD, dst_m_CM, rows: bool = True) -> None:
     """The rows of block (wave, p) into a [C, D] / [C, M] destination (local, or p's block with dense blocks);
-    sparse rows past the count get junk from valid rows, within the N-row block (masked by the receiver)."""
+    sparse rows past the count get junk from valid rows, within the N-row block (masked by the receiver).
+    ``rows=False`` (dense blocks): the metadata only."""
     N = plan.tok_WPN.shape[2]
     if plan.dense is not None:          # dense: the wave's token range as it is, and p's metadata rows
-        rows = wave_rows(x_TD, plan, wave)
-        dst_x_CD[:rows.shape[0]].copy_(rows, non_blocking=True)
+        if rows:
+            x_rows = wave_rows(x_TD, plan, wave)
+            dst_x_CD[:x_rows.shape[0]].copy_(x_rows, non_blocking=True)
         dst_m_CM.copy_(plan.meta_WPCM[wave, p], non_blocking=True)     # all C rows: none left stale
     elif N:
         torch.index_select(x_TD, 0, plan.tok_WPN[wave, p], out=dst_x_CD[:N])
@@ -368,9 +372,10 @@ class EmulatedTransport:
         stage_x, stage_m = bufs.stage[0][wave], bufs.stage[1][wave]
         if plan.mode == "kernel":
             _scatter(x_TD, plan, bufs, wave, self.options.copy)
-        else:
+        else:       # with local_view the consumer reads this rank's own rows in x: only their metadata is staged
             for p in range(P):
-                pack_block(x_TD, plan, wave, p, stage_x[p], stage_m[p])
+                own = local_view and p == self.ep.rank
+                pack_block(x_TD, plan, wave, p, stage_x[p], stage_m[p], rows=not own)
         works = ()
         if P > 1:
             works = (dist.all_to_all_single(bufs.recv_x[wave].view(P * C, D), stage_x.view(P * C, D),
@@ -386,7 +391,13 @@ class EmulatedTransport:
             bufs.recv_x[wave, self.ep.rank].fill_(float("nan"))
 
     def combine(self, y_RD, plan: SymmPlan, bufs: Buffers, wave: int, own_from_y: bool) -> tuple:
-        P, C, D = self.ep.size, plan.capacity, y_RD.shape[1]
+        """``own_from_y``: the sum reads this rank's own block from y. One rank: nothing moves then; more (CPU):
+        the all-to-all still carries every block, and this rank's own block of ``comb`` is NaN once it lands, so a
+        sum that read it instead of y would fail the tests (as ``poison_local`` does for the dispatch)."""
+        P, C, D, me = self.ep.size, plan.capacity, y_RD.shape[1], self.ep.rank
+        if P == 1 and own_from_y:
+            return ()
+        poison = own_from_y and not st.is_accelerator(y_RD.device)
         if plan.once is not None:          # y holds every block: [W, P(src), C, D] -> [P(dst), b <= wave, C, D]
             if P == 1 and self.kernels:      # one rank: the rows whose last wave this is, as peer memory does
                 send_home(y_RD, plan, bufs, wave, home_targets(bufs, [bufs.comb], 0), None, self.options.copy)
@@ -401,9 +412,14 @@ class EmulatedTransport:
 
             def land(back=back, send=send) -> None:     # (both referenced until the exchange is waited for)
                 emulated_rows(bufs.comb, back, plan.once.last_WPN, wave)
+                if poison:
+                    bufs.comb[:wave + 1, me].fill_(float("nan"))
 
             return (_Then(works, land),)
         if P == 1:
             bufs.comb[wave].view(C, D).copy_(y_RD)
             return ()
-        return (dist.all_to_all_single(bufs.comb[wave].view(P * C, D), y_RD, group=self.ep.pg, async_op=True),)
+        works = (dist.all_to_all_single(bufs.comb[wave].view(P * C, D), y_RD, group=self.ep.pg, async_op=True),)
+        if not poison:
+            return works
+        return (_Then(works, lambda: bufs.comb[wave, me].fill_(float("nan"))),)

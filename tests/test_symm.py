@@ -263,6 +263,44 @@ def test_symm_kernel_mode_under_interpreter():
         assert errs and not bad, f"rank {rank}: {bad}"
 
 
+def _one_rank_untouched(monkeypatch, W: int) -> tuple:
+    """One rank, dense blocks read in place (``local_view``), the Triton sum: the call's result against the
+    reference, and whether the receive and combine buffers still hold the sentinel they were filled with
+    (the CPU emulation's NaN poisoning of the rows left in x is switched off, so that any write shows)."""
+    from moe_wave.comm.symm_transport import EmulatedTransport
+
+    monkeypatch.setattr(EmulatedTransport, "poison_local", lambda self, bufs, wave: None)
+    ep = EPGroup.single()
+    x, ids, w = _make_case("uneven", 1)[0]
+    ref = reference_dispatch_combine(x, ids, w, _expert_fn)
+    be = SymmBackend(ep, _options("copy+dense", 32, "triton"))
+    plan = WavePlan.make(num_ranks=1, num_local_experts=E_PER_RANK, num_waves=W)
+    xplan = be.prepare(compute_layout(ids, w, plan))
+    be.dispatch(x, xplan, 0, local_view=True).wait()    # the buffers, made on first use
+    (bufs,) = be.transport.heap._data.values()
+    bufs.recv_x.fill_(-7.0)
+    bufs.comb.fill_(float("nan"))
+
+    def experts(got):
+        assert got.local is not None
+        return slot_by_slot(got, 0)
+
+    y = run_waves(x, xplan, be, experts, torch.zeros(x.shape), overlap=True, local_view=True)
+    return float((y - ref).abs().max()), bool((bufs.recv_x == -7.0).all()), bool(bufs.comb.isnan().all())
+
+
+@pytest.mark.skipif(not HAS_TRITON or not interpreting(), reason="needs triton and TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("W", [1, 2])
+def test_one_rank_moves_no_row(monkeypatch, W):
+    """On one rank (a GPU holding every expert) the symm backend copies no row: the dispatch leaves the rows in
+    x and the combine's sum reads y, so the receive and combine buffers are never written, and the result is
+    the reference's."""
+    err, recv_untouched, comb_untouched = _one_rank_untouched(monkeypatch, W)
+    assert err <= 1e-5
+    assert recv_untouched, "the dispatch copied rows into the receive buffer"
+    assert comb_untouched, "the combine copied rows into the combine buffer"
+
+
 # ------------------------------------------------------------------------------------ memops watchdog
 class _Clock:
     def __init__(self):
