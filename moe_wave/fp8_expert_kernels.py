@@ -19,6 +19,8 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
     swiglu_quant(gu_J2I, starts, ends, lim) the V4 SwiGLU (gate clamped from above, up both ways) of each group
                                            row in fp32, quantised the same way for the second GEMM: hq [JA, I],
                                            hs [I/128, JA]; by 128-row blocks of the layout (``block_ends``)
+    swiglu_quant_rows(gu_M2I, lim)         the same for every row of a dense [M, 2I] (the shared expert): hq
+                                           [M, I], hs [I/128, M], ``act_quant``'s format
     gate_up_swiglu(q, s, w, ws, starts, bend, lim) the first GEMM and ``swiglu_quant`` in one kernel: each
                                            program's [gate | up] tile (BM rows x 128 channels of each) is
                                            computed from the FP8 rows and weights with their block scales and
@@ -45,7 +47,8 @@ from .fp8_quant import BLOCK, FP8, act_quant_torch, dequant_act, dequant_weight
 
 __all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs",
            "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
-           "aligned_capacity", "block_ends", "gate_up_swiglu", "gate_up_swiglu_torch"]
+           "aligned_capacity", "block_ends", "gate_up_swiglu", "gate_up_swiglu_torch", "swiglu_quant_rows",
+           "swiglu_quant_rows_torch"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
@@ -316,9 +319,45 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
     if JA and I:
         nb = _blocks_per_step(I, 2)
         _swiglu_quant_kernel[(JA // ALIGN, I // (nb * BLOCK))](
-            gu_J2I, block_ends(starts_e, ends_e, JA) if bend is None else bend, hq, hs, I, G, float(limit), BR=16,
-            NB=nb, CLAMP=limit > 0, INTERP=interpreting(), num_warps=4)
+            gu_J2I, block_ends(starts_e, ends_e, JA) if bend is None else bend, JA, hq, hs, I, G, float(limit),
+            BR=16, NB=nb, BEND=True, CLAMP=limit > 0, INTERP=interpreting(), num_warps=4)
     return hq, hs
+
+
+def swiglu_quant_rows(gu_M2I: torch.Tensor, limit: float, kernels: bool | None = None) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """The V4 SwiGLU of every row of gu [M, 2I] (gate | up, e.g. a dense projection's bf16 output) in fp32,
+    quantised for the next FP8 GEMM in ``act_quant``'s format: (hq [M, I] e4m3, hs [I/128, M] fp32). One launch
+    of ``swiglu_quant``'s kernel over all M rows (any M) where Triton runs (``kernels`` None or True; False, or
+    no Triton: ``swiglu_quant_rows_torch``, the torch ops). I % 128 == 0."""
+    from moe_wave.comm.triton_gate import triton_ok
+
+    M, I2 = gu_M2I.shape
+    I = I2 // 2
+    if I % BLOCK or I2 % 2:
+        raise ValueError(f"swiglu_quant_rows: gu {tuple(gu_M2I.shape)}: must be [M, 2 * I] with I a multiple of "
+                         f"{BLOCK}")
+    if kernels is False or not triton_ok(gu_M2I.device, want=kernels):
+        return swiglu_quant_rows_torch(gu_M2I, limit)
+    gu = gu_M2I.contiguous()
+    hq = torch.empty(M, I, dtype=FP8, device=gu.device)
+    hs = torch.empty(I // BLOCK, M, dtype=torch.float32, device=gu.device)
+    if M and I:
+        nb = _blocks_per_step(I, 2)
+        _swiglu_quant_kernel[(-(-M // ALIGN), I // (nb * BLOCK))](
+            gu, hs, M, hq, hs, I, M, float(limit), BR=16, NB=nb, BEND=False, CLAMP=limit > 0,
+            INTERP=interpreting(), num_warps=4)
+    return hq, hs
+
+
+def swiglu_quant_rows_torch(gu_M2I: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_quant_rows`` by torch ops."""
+    from .experts import swiglu
+    from .fp8_quant import act_quant
+
+    I = gu_M2I.shape[1] // 2
+    gu = gu_M2I.float()
+    return act_quant(swiglu(gu[:, :I], gu[:, I:], limit))
 
 
 def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,
@@ -473,14 +512,17 @@ if triton is not None:
         tl.store(out_ptr + 5 * E + 1 + b, tl.maximum(last, b0), mask=b < NBLK)
 
     @triton.jit
-    def _swiglu_quant_kernel(gu_ptr, bend_ptr, hq_ptr, hs_ptr, I, G, limit, BR: tl.constexpr, NB: tl.constexpr,
-                             CLAMP: tl.constexpr, INTERP: tl.constexpr):
-        # program (b, t): the 128-row block b of the aligned layout (its rows in use, up to its group's end) by
-        # channels t * NB * 128 ..: BR rows a step, each [BR, NB * 128] tile of gate / up turned and quantised per
-        # row and 128 channels; the scales in groups of G rows as _pairs_kernel's
+    def _swiglu_quant_kernel(gu_ptr, bend_ptr, M, hq_ptr, hs_ptr, I, G, limit, BR: tl.constexpr, NB: tl.constexpr,
+                             BEND: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
+        # program (b, t): the 128-row block b of the aligned layout (its rows in use, up to its group's end; without
+        # BEND the rows below M) by channels t * NB * 128 ..: BR rows a step, each [BR, NB * 128] tile of gate / up
+        # turned and quantised per row and 128 channels; the scales in groups of G rows as _pairs_kernel's
         b0 = tl.program_id(0) * 128
         i0 = tl.program_id(1) * NB * 128
-        n = tl.minimum(tl.load(bend_ptr + tl.program_id(0)) - b0, 128)
+        if BEND:
+            n = tl.minimum(tl.load(bend_ptr + tl.program_id(0)) - b0, 128)
+        else:
+            n = tl.minimum(M - b0, 128)
         c = tl.arange(0, NB * 128)
         nb = tl.arange(0, NB)
         for r0 in range(0, n, BR):

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
-from .experts import SharedExpert, swiglu
+from .experts import SharedExpert
 from .fp8 import BLOCK, FP8, act_quant, fp8_matmul, weight_quant
 from .fp8_rows import unpack_rows
 
@@ -201,11 +201,12 @@ class FP8RoutedExperts(nn.Module):
 
 def _gate_up_act(x_MD: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, limit: float):
     """The first half of an FP8 expert: x quantised, gu = bf16(x @ [gate | up]^T), h = the clamped SwiGLU in fp32,
-    returned quantised for the second GEMM: (h_q [M, I], h_s [I/128, M])."""
+    returned quantised for the second GEMM: (h_q [M, I], h_s [I/128, M]); SwiGLU and the requant in one kernel
+    where Triton runs (``swiglu_quant_rows``)."""
+    from .fp8_expert_kernels import swiglu_quant_rows
+
     x_q, s = act_quant(x_MD)
-    gu = fp8_matmul(x_q, s, w_q, w_s, torch.bfloat16).float()
-    I = gu.shape[1] // 2
-    return act_quant(swiglu(gu[:, :I], gu[:, I:], limit))
+    return swiglu_quant_rows(fp8_matmul(x_q, s, w_q, w_s, torch.bfloat16), limit)
 
 
 class FP8SharedExpert(nn.Module):
@@ -231,9 +232,12 @@ class FP8SharedExpert(nn.Module):
     def down_chunk(self, h, c: int, C: int, out_TD: torch.Tensor) -> None:
         h_q, h_s = h
         lo, hi = self.chunk_bounds(h_q.shape[0], c, C)
-        if hi > lo:
-            y = fp8_matmul(h_q[lo:hi], h_s[:, lo:hi], self.down, self.down_scale, torch.bfloat16)
-            out_TD[lo:hi] = y.to(out_TD.dtype)
+        if hi > lo:         # the GEMM writes the chunk in place where it can (a bf16 out: the layer's)
+            into = out_TD.is_contiguous() and out_TD.dtype == torch.bfloat16
+            y = fp8_matmul(h_q[lo:hi], h_s[:, lo:hi], self.down, self.down_scale, torch.bfloat16,
+                           out=out_TD[lo:hi] if into else None)
+            if not into:
+                out_TD[lo:hi] = y.to(out_TD.dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x_TD)

@@ -18,7 +18,7 @@ from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_re
 from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, gate_up_swiglu,
                                          gate_up_swiglu_torch, gather_pairs, layout_groups, layout_groups_torch,
                                          masked_groups, quant_pairs, quant_pairs_torch, swiglu_quant,
-                                         swiglu_quant_torch)
+                                         swiglu_quant_torch, swiglu_quant_rows, swiglu_quant_rows_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -249,6 +249,29 @@ def test_masked_stage_with_a_group_past_max_m_is_nan_not_another_experts_rows(mo
     assert torch.isnan(got["masked"][lost]).all()
     assert not torch.isnan(got["masked"][~lost]).any()
     assert calc_diff(got["masked"][~lost].float(), want[~lost].float()) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("M,limit", [(200, 10.0), (200, 0.0), (5, 10.0), (256, 10.0), (0, 10.0)])
+def test_swiglu_quant_rows_kernel_equals_its_twin(M, limit):
+    """The shared expert's SwiGLU + requant over every row of a dense gu (any M: the last block partial): the
+    kernel's scales are the torch ops', its values within one e4m3 step where silu's exp differs in the last
+    fp32 bit; h dequantised is the clamped SwiGLU within e4m3's rounding."""
+    I = 256
+    gu = (torch.randn(M, 2 * I, generator=torch.Generator().manual_seed(M)) * 6).to(torch.bfloat16)
+    hq, hs = (t.cpu() for t in swiglu_quant_rows(gu.to(KDEV), limit, kernels=True))
+    hqt, hst = swiglu_quant_rows_torch(gu, limit)
+    assert hq.shape == (M, I) and hs.shape == (I // BLOCK, M) and hq.dtype == FP8
+    assert torch.equal(hs, hst)
+    a, b = dequant_act(hq, hs), dequant_act(hqt, hst)
+    assert M == 0 or ((a != b).float().mean() < 1e-3 and ((a - b).abs() <= b.abs() / 8 + 1e-30).all())
+    gate, up = gu[:, :I].float(), gu[:, I:].float()
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    h = F.silu(gate) * up
+    assert ((a - h).abs() <= h.abs() / 8 + hs.t().repeat_interleave(BLOCK, 1) / 2 ** 9).all()
+    with pytest.raises(ValueError, match=r"swiglu_quant_rows: gu \(4, 300\): must be \[M, 2 \* I\]"):
+        swiglu_quant_rows(torch.zeros(4, 300, dtype=torch.bfloat16, device=KDEV), limit, kernels=True)
 
 
 @needs_kernels
