@@ -199,13 +199,14 @@ class FP8RoutedExperts(nn.Module):
         return out
 
 
-def _gate_up_act(x_MD: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, limit: float):
-    """The first half of an FP8 expert: x quantised, gu = bf16(x @ [gate | up]^T), h = the clamped SwiGLU in fp32,
-    returned quantised for the second GEMM: (h_q [M, I], h_s [I/128, M]); SwiGLU and the requant in one kernel
-    where Triton runs (``swiglu_quant_rows``)."""
+def _gate_up_act(x_MD: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, limit: float,
+                 quantised: tuple | None = None):
+    """The first half of an FP8 expert: x quantised (or ``quantised``, x's ``act_quant`` pair where the caller has
+    it), gu = bf16(x @ [gate | up]^T), h = the clamped SwiGLU in fp32, returned quantised for the second GEMM:
+    (h_q [M, I], h_s [I/128, M]); SwiGLU and the requant in one kernel where Triton runs (``swiglu_quant_rows``)."""
     from .fp8_expert_kernels import swiglu_quant_rows
 
-    x_q, s = act_quant(x_MD)
+    x_q, s = act_quant(x_MD) if quantised is None else quantised
     return swiglu_quant_rows(fp8_matmul(x_q, s, w_q, w_s, torch.bfloat16), limit)
 
 
@@ -224,10 +225,11 @@ class FP8SharedExpert(nn.Module):
 
     chunk_bounds = staticmethod(SharedExpert.chunk_bounds)
 
-    def up(self, x_TD: torch.Tensor):
-        """(h_q, h_s): the activation quantised for ``down_chunk``."""
+    def up(self, x_TD: torch.Tensor, quantised: tuple | None = None):
+        """(h_q, h_s): the activation quantised for ``down_chunk``. ``quantised``: x's ``act_quant`` pair (q [T, D],
+        s [D/128, T]) where the caller already has it (the dispatch's packed rows), read instead of quantising x."""
         lim = self.cfg.swiglu_limit if self.cfg.clamp_shared else 0.0
-        return _gate_up_act(x_TD, self.gate_up, self.gate_up_scale, lim)
+        return _gate_up_act(x_TD, self.gate_up, self.gate_up_scale, lim, quantised)
 
     def down_chunk(self, h, c: int, C: int, out_TD: torch.Tensor) -> None:
         h_q, h_s = h

@@ -26,7 +26,7 @@ from . import autowave
 from .config import MoEConfig, WaveConfig, require_hf
 from .experts import RoutedExperts, SharedExpert, V4Router, expert_rows
 from .fp8_experts import FP8RoutedExperts, FP8SharedExpert
-from .fp8_rows import pack_rows, packed_width
+from .fp8_rows import pack_rows, packed_width, unpack_rows
 from .graphs import BucketGraphs, graph_capable
 from .pipeline import run_waves
 from .profiling import annotate
@@ -69,19 +69,21 @@ class _SharedSchedule:
         self.placement = wave.shared_placement if overlap and streams.enabled else "serial"
         self.C = wave.shared_chunks
         self.tail = wave.shared_tail_chunks if self.placement == "bubbles" else 0
-        self.x = self.h = self.out = None
+        self.x = self.h = self.out = self.quantised = None
 
-    def start(self, x_TD: torch.Tensor) -> None:
+    def start(self, x_TD: torch.Tensor, quantised: tuple | None = None) -> None:
         """Queue the head of shared(x) on the alt stream; ``out`` will hold shared(x) once
-        ``before_last_wait`` has run (serial: computed there, on the current stream)."""
-        self.x = x_TD
+        ``before_last_wait`` has run (serial: computed there, on the current stream). ``quantised``: x in the FP8
+        activation format (q, s) where the dispatch's packed rows already hold it (the FP8 shared expert reads it
+        instead of quantising x again: the same bits)."""
+        self.x, self.quantised = x_TD, quantised
         if self.placement == "serial":
             self.out = torch.empty_like(x_TD)
             return
         alt = self.streams.alt
         st.wait_stream(alt, st.current_stream(x_TD.device))
         with st.on(alt), annotate("shared.up+down_head"):
-            self.h = self.shared.up(x_TD)
+            self.h = self._up()
             self.out = torch.empty_like(x_TD)
             for c in range(self.C - self.tail):
                 self.shared.down_chunk(self.h, c, self.C, self.out)
@@ -102,13 +104,18 @@ class _SharedSchedule:
         cur = st.current_stream(self.x.device)
         if self.placement == "serial":
             with annotate("shared.serial"):   # the same row chunks as on the alt stream: bitwise equal
-                h = self.shared.up(self.x)
+                h = self._up()
                 for c in range(self.C):
                     self.shared.down_chunk(h, c, self.C, self.out)
         else:
             st.wait_stream(cur, self.streams.alt)
             st.keep_alive(self.out, cur)
-        self.x = self.h = None
+        self.x = self.h = self.quantised = None
+
+    def _up(self):
+        if self.quantised is None:
+            return self.shared.up(self.x)
+        return self.shared.up(self.x, quantised=self.quantised)
 
 
 class WaveMoE(nn.Module):
@@ -279,6 +286,12 @@ class WaveMoE(nn.Module):
         with annotate("pack_rows"):
             return pack_rows(x_TD), x_TD.shape[1]
 
+    @staticmethod
+    def _quantised(x_send: torch.Tensor, D: int) -> tuple:
+        """(q [T, D], s [D/128, T]): ``act_quant``'s pair of x, viewed in the packed rows (``fp8_rows``)."""
+        q, s = unpack_rows(x_send, D)
+        return q, s.t()
+
     def routed_rows(self, got) -> torch.Tensor:
         """Expert compute for one wave's received rows (local; never communicates)."""
         return expert_rows(got, self.experts, packed=self.packs_rows)
@@ -364,8 +377,10 @@ class WaveMoE(nn.Module):
         shared = _SharedSchedule(self.shared, self.wave, self.streams, overlap) if self.shared is not None else None
         with annotate("layout"):
             layout = compute_layout(ids_TK, w_TK, self.plan, num_valid)
+        x_send, width = self.wire(x_TD)
         if shared is not None:
-            shared.start(x_TD)
+            packed = width is not None and isinstance(self.shared, FP8SharedExpert)
+            shared.start(x_TD, quantised=self._quantised(x_send, width) if packed else None)
         with annotate("prepare"):
             try:
                 xplan = self.backend.prepare(layout, header=self.header(x_TD, overlap))
@@ -377,7 +392,6 @@ class WaveMoE(nn.Module):
         # the last wave's combine sums its rows, adds shared(x) (fp32) and writes the result in x's dtype in
         # one pass: the same fp32 operations as accumulating, adding and casting one after another
         out_TD = torch.empty_like(x_TD)
-        x_send, width = self.wire(x_TD)
         return run_waves(x_send, xplan, self.backend, self.routed_rows, acc_TD, overlap=overlap, hooks=shared,
                          fresh=True, add_TD=shared.out if shared is not None else None, dst_TD=out_TD,
                          local_view=True,    # routed_rows reads this rank's own rows where they are
