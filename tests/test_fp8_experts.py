@@ -252,11 +252,12 @@ def test_masked_stage_with_a_group_past_max_m_is_nan_not_another_experts_rows(mo
 
 
 @needs_kernels
-@pytest.mark.parametrize("M,limit", [(200, 10.0), (200, 0.0), (5, 10.0), (256, 10.0), (0, 10.0)])
+@pytest.mark.parametrize("M,limit", [(200, 10.0), (200, 0.0), (5, 10.0), (256, 10.0), (0, 10.0), (1000, 10.0)])
 def test_swiglu_quant_rows_kernel_equals_its_twin(M, limit):
-    """The shared expert's SwiGLU + requant over every row of a dense gu (any M: the last block partial): the
-    kernel's scales are the torch ops', its values within one e4m3 step where silu's exp differs in the last
-    fp32 bit; h dequantised is the clamped SwiGLU within e4m3's rounding."""
+    """The shared expert's SwiGLU + requant over every row of a dense gu (any M: the last block partial; one or,
+    at 1000 rows on CPU, two channel blocks a step): the kernel's scales are the torch ops', its values within
+    one e4m3 step where silu's exp differs in the last fp32 bit; h dequantised is the clamped SwiGLU within
+    e4m3's rounding."""
     I = 256
     gu = (torch.randn(M, 2 * I, generator=torch.Generator().manual_seed(M)) * 6).to(torch.bfloat16)
     hq, hs = (t.cpu() for t in swiglu_quant_rows(gu.to(KDEV), limit, kernels=True))
