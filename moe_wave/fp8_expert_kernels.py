@@ -26,7 +26,6 @@ writes and no consumer reads (a GEMM row depends only on its own input row).
                                            computed from the FP8 rows and weights with their block scales and
                                            turned into h's e4m3 values and scales in registers, gu never written;
                                            the rows from the layout, or (src_J) from the received FP8 rows
-    down_grouped(hq, hs, w, ws, starts, bend) the second grouped GEMM by the same kernel: y [JA, D] bf16
 
 Each has a torch twin (``*_torch``) with the same bits; tests/test_fp8_experts.py compares them on CPU under
 ``TRITON_INTERPRET=1``. The kernels' grids are capped by the SM count and loop over the rows; a row's K
@@ -49,7 +48,7 @@ from .fp8_quant import BLOCK, FP8, act_quant_torch, dequant_act, dequant_weight
 __all__ = ["ALIGN", "Groups", "layout_groups", "layout_groups_torch", "aligned_groups", "masked_groups", "quant_pairs",
            "quant_pairs_torch", "gather_pairs", "gather_pairs_torch", "swiglu_quant", "swiglu_quant_torch",
            "aligned_capacity", "block_ends", "gate_up_swiglu", "gate_up_swiglu_torch", "swiglu_quant_rows",
-           "swiglu_quant_rows_torch", "down_grouped", "down_grouped_torch"]
+           "swiglu_quant_rows_torch"]
 
 ALIGN = 128
 ROW_PROGRAMS_PER_SM = 8
@@ -420,60 +419,10 @@ def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: to
         progs = min(tiles, GATE_UP_PROGRAMS_PER_SM * sm_count(q.device)) if q.is_cuda else min(tiles, 16)
         _gate_up_kernel[(progs,)](
             q, q.stride(0), s, *sa, src_J if src_J is not None else q, lq, lq.stride(0), ls, ls.stride(0), row0, L,
-            w_eND, ws, starts_e, bend, n, hq, hs, e, D, I // BLOCK, 2 * I * D, I * D, (2 * I // BLOCK) * DB,
-            (I // BLOCK) * DB, I, G, float(limit), BM=bm, BE=max(16, triton.next_power_of_2(e)), TILE_N=BLOCK,
-            SRC=src_J is not None, DOWN=False, CLAMP=limit > 0, INTERP=interpreting(), num_warps=GATE_UP_WARPS,
-            num_stages=GATE_UP_STAGES)
+            w_eND, ws, starts_e, bend, n, hq, hs, e, D, I, G, float(limit), BM=bm,
+            BE=max(16, triton.next_power_of_2(e)), SRC=src_J is not None, CLAMP=limit > 0, INTERP=interpreting(),
+            num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES)
     return hq, hs
-
-
-def down_grouped(hq: torch.Tensor, hs: torch.Tensor, w_eDI: torch.Tensor, ws: torch.Tensor, starts_e: torch.Tensor,
-                 bend: torch.Tensor, group_rows: int | None = None, n: torch.Tensor | None = None,
-                 bm: int = 128) -> torch.Tensor:
-    """The second grouped GEMM by ``gate_up_swiglu``'s kernel: y [JA, D] bf16 = each group's rows of hq [JA, I]
-    e4m3 (scales hs [I/128, JA], or [JA / G, I/128, G] with ``group_rows`` = G: ``gate_up_swiglu``'s output) times
-    its expert's w_eDI [e, D, I] e4m3 (block scales ws [e, D/128, I/128]), each 128-channel step of I promoted by
-    the row's and the weight block's scales in fp32, rounded to bf16 (DeepGEMM's contiguous and masked GEMMs'
-    result). A tile is ``bm`` rows by 256 output channels; the rows outside the groups are left as allocated.
-    D % 256 == I % 128 == JA % 128 == 0."""
-    JA, I = hq.shape
-    e, D, I2 = w_eDI.shape
-    if I2 != I or I % BLOCK or D % (2 * BLOCK) or JA % ALIGN or ws.shape != (e, D // BLOCK, I // BLOCK):
-        raise ValueError(f"down_grouped: rows {tuple(hq.shape)}, weights {tuple(w_eDI.shape)}, scales "
-                         f"{tuple(ws.shape)}: must be [JA, I], [e, D, I] and [e, D/128, I/128] with I a multiple "
-                         f"of {BLOCK}, D of {2 * BLOCK} and JA of {ALIGN}")
-    if bm not in (64, 128):
-        raise ValueError(f"down_grouped: bm={bm}: must be 64 or 128")
-    G = _group_rows(JA, group_rows, "down_grouped")
-    y = torch.empty(JA, D, dtype=torch.bfloat16, device=hq.device)
-    KB = I // BLOCK
-    if JA and D and e:
-        if n is None:
-            n = torch.full((1,), JA, dtype=torch.int32, device=hq.device)
-        NT = D // (2 * BLOCK)
-        tiles = NT * (JA // bm)
-        progs = min(tiles, GATE_UP_PROGRAMS_PER_SM * sm_count(hq.device)) if hq.is_cuda else min(tiles, 16)
-        _gate_up_kernel[(progs,)](
-            hq, hq.stride(0), hs, G, KB * G, 1, G, hq, hq, 0, hs, 0, 0, 0, w_eDI, ws, starts_e, bend, n, y, y, e, I,
-            NT, D * I, BLOCK * I, (D // BLOCK) * KB, KB, D, G, 0.0, BM=bm, BE=max(16, triton.next_power_of_2(e)),
-            TILE_N=2 * BLOCK, SRC=False, DOWN=True, CLAMP=False, INTERP=interpreting(), num_warps=GATE_UP_WARPS,
-            num_stages=GATE_UP_STAGES)
-    return y
-
-
-def down_grouped_torch(hq: torch.Tensor, hs: torch.Tensor, w_eDI: torch.Tensor, ws: torch.Tensor,
-                       starts_e: torch.Tensor, ends_e: torch.Tensor, group_rows: int | None = None) -> torch.Tensor:
-    """``down_grouped`` by torch ops: each group's bf16(dequantised rows @ dequantised weights^T) (the kernel's bits
-    wherever the sums are exact in fp32). Rows outside the groups zeros."""
-    JA, I = hq.shape
-    e, D, _ = w_eDI.shape
-    _group_rows(JA, group_rows, "down_grouped")
-    hs_IJ = hs if group_rows is None else hs.permute(1, 0, 2).reshape(I // BLOCK, JA)
-    y = torch.zeros(JA, D, dtype=torch.bfloat16, device=hq.device)
-    for x, (a, b) in enumerate(zip(starts_e.tolist(), ends_e.tolist())):
-        if b > a:
-            y[a:b] = (dequant_act(hq[a:b], hs_IJ[:, a:b]) @ dequant_weight(w_eDI[x], ws[x]).t()).to(torch.bfloat16)
-    return y
 
 
 if triton is not None:
@@ -607,26 +556,24 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(a_ptr, a_row, sa_ptr, SA_G, SA_GS, SA_R, SA_K, src_ptr, la_ptr, la_row, lsa_ptr, lsa_row,
-                        ROW0, L, w_ptr, ws_ptr, starts_ptr, bend_ptr, n_ptr, out_ptr, hs_ptr, E, KD, NT, W_E, W_HALF,
-                        WS_E, WS_HALF, OUT_ROW, G, limit, BM: tl.constexpr, BE: tl.constexpr, TILE_N: tl.constexpr,
-                        SRC: tl.constexpr, DOWN: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
+                        ROW0, L, w_ptr, ws_ptr, starts_ptr, bend_ptr, n_ptr, hq_ptr, hs_ptr, E, D, I, G, limit,
+                        BM: tl.constexpr, BE: tl.constexpr, SRC: tl.constexpr, CLAMP: tl.constexpr,
+                        INTERP: tl.constexpr):
         # tiles pid, pid + programs, .. up to the rows in use (n_ptr): tile (t, b), t fastest, is rows b * BM .. of
-        # the layout (those in use: up to their 128-row block's group end) by output tile t; two [BM, 128] fp32
-        # accumulators over the KD reduction channels, each 128-channel step promoted by the row's and the weight
-        # block's scales. Without DOWN (the first GEMM): the two are gate and up of h's channels t * 128 .. (weight
-        # rows i0 .. and W_HALF elements further), then SwiGLU and the requant as _swiglu_quant_kernel's into
-        # out (hq) and hs. DOWN (the second GEMM): they are output channels t * 256 .. and t * 256 + 128 .., stored
-        # as bf16 rows of out. The row's scale for step kb sits at (r // SA_G) * SA_GS + (r % SA_G) * SA_R +
-        # kb * SA_K; SRC: the layout's row j is source row r = src[j] (rows ROW0 .. ROW0 + L - 1 from the la / lsa
-        # pointers), else r = j
-        KB = KD // 128
+        # the layout (those in use: up to their 128-row block's group end) by h's channels t * 128 ..; two
+        # [BM, 128] fp32 accumulators (gate, up), each 128-channel step of D promoted by the row's and the weight
+        # block's scales; then SwiGLU and the requant as _swiglu_quant_kernel's. The row's scale for step kb sits
+        # at (r // SA_G) * SA_GS + (r % SA_G) * SA_R + kb * SA_K; SRC: the layout's row j is source row r = src[j]
+        # (rows ROW0 .. ROW0 + L - 1 from the la / lsa pointers), else r = j
+        NT = I // 128
+        DB = D // 128
         x = tl.arange(0, BE)
         st = tl.load(starts_ptr + x, mask=x < E, other=0x7FFFFFFF)
         c = tl.arange(0, 128)
         tiles = (tl.load(n_ptr) + BM - 1) // BM * NT
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             m0 = tile // NT * BM
-            i0 = tile % NT * TILE_N
+            i0 = tile % NT * 128
             n = tl.minimum(tl.load(bend_ptr + m0 // 128) - m0, BM)
             if n > 0:
                 ex = tl.max(tl.where(st <= m0, x, -1), 0).to(tl.int64)
@@ -640,30 +587,25 @@ if triton is not None:
                 else:
                     a_rows = a_ptr + rows * a_row
                     sa_rows = sa_ptr + (rows // SA_G) * SA_GS + (rows % SA_G) * SA_R
-                g_ptrs = w_ptr + ex * W_E + (i0 + c).to(tl.int64)[:, None] * KD + c[None, :]
-                sw = ws_ptr + ex * WS_E + (i0 // 128) * KB
+                g_ptrs = w_ptr + ex * 2 * I * D + (i0 + c).to(tl.int64)[:, None] * D + c[None, :]
+                sw = ws_ptr + ex * (2 * I // 128) * DB + (i0 // 128) * DB
                 acc_g = tl.zeros([BM, 128], tl.float32)
                 acc_u = tl.zeros([BM, 128], tl.float32)
-                for kb in range(0, KB):
+                for kb in range(0, DB):
                     a = tl.load(a_rows[:, None] + kb * 128 + c[None, :], mask=ok[:, None], other=0.0)
                     sa = tl.load(sa_rows + kb * SA_K, mask=ok, other=0.0)
                     bg = tl.load(g_ptrs + kb * 128)
-                    bu = tl.load(g_ptrs + W_HALF + kb * 128)
+                    bu = tl.load(g_ptrs + I * D + kb * 128)
                     sg = tl.load(sw + kb)
-                    su = tl.load(sw + WS_HALF + kb)
+                    su = tl.load(sw + (I // 128) * DB + kb)
                     acc_g += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg)
                     acc_u += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su)
-                if DOWN:
-                    o = out_ptr + rows[:, None] * OUT_ROW + i0 + c[None, :]
-                    tl.store(o, _bf16_round(acc_g, INTERP).to(tl.bfloat16), mask=ok[:, None])
-                    tl.store(o + 128, _bf16_round(acc_u, INTERP).to(tl.bfloat16), mask=ok[:, None])
-                else:
-                    gate = _bf16_round(acc_g, INTERP)
-                    up = _bf16_round(acc_u, INTERP)
-                    if CLAMP:
-                        gate = tl.minimum(gate, limit)
-                        up = tl.minimum(tl.maximum(up, -limit), limit)
-                    q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BM, 1, INTERP)
-                    tl.store(out_ptr + rows[:, None] * OUT_ROW + i0 + c[None, :], q, mask=ok[:, None])
-                    tl.store(hs_ptr + (rows // G) * NT * G + (i0 // 128) * G + rows % G, tl.reshape(sc, [BM]),
-                             mask=ok)
+                gate = _bf16_round(acc_g, INTERP)
+                up = _bf16_round(acc_u, INTERP)
+                if CLAMP:
+                    gate = tl.minimum(gate, limit)
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BM, 1, INTERP)
+                tl.store(hq_ptr + rows[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
+                tl.store(hs_ptr + (rows // G) * (I // 128) * G + (i0 // 128) * G + rows % G, tl.reshape(sc, [BM]),
+                         mask=ok)

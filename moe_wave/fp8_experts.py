@@ -56,9 +56,6 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
-# where the first GEMM is fused, the second runs through the same kernel (``fp8_expert_kernels.down_grouped``)
-# instead of DeepGEMM's
-TRITON_DOWN = True
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,14 +295,10 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
-def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int, bm: int | None = None) -> torch.Tensor:
+def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int) -> torch.Tensor:
     """The second grouped GEMM (masked where G, else contiguous with the group ends as the psum layout): y [JA, D]
-    bf16; by ``down_grouped`` with ``bm``-row tiles where bm is given."""
+    bf16."""
     (JA, I), e, D = hq.shape, experts.num_local, experts.cfg.hidden_size
-    if bm is not None:
-        from .fp8_expert_kernels import down_grouped
-
-        return down_grouped(hq, hs, experts.down, experts.down_scale, g.starts, g.bend, G, n=g.n, bm=bm)
     y = torch.empty(JA, D, dtype=torch.bfloat16, device=hq.device)
     if G:
         dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
@@ -370,4 +363,4 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
                 dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu,
                                                     g.ends, use_psum_layout=True)
             hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)
-    return _down(dg, experts, hq, hs, g, G, expected, bm if fused and TRITON_DOWN else None), pos, g.n
+    return _down(dg, experts, hq, hs, g, G, expected), pos, g.n

@@ -18,8 +18,7 @@ from moe_wave.fp8 import BLOCK, FP8, act_quant_torch, dequant_act, fp8_matmul_re
 from moe_wave.fp8_expert_kernels import (ALIGN, aligned_capacity, aligned_groups, block_ends, gate_up_swiglu,
                                          gate_up_swiglu_torch, gather_pairs, layout_groups, layout_groups_torch,
                                          masked_groups, quant_pairs, quant_pairs_torch, swiglu_quant,
-                                         swiglu_quant_torch, swiglu_quant_rows, swiglu_quant_rows_torch,
-                                         down_grouped, down_grouped_torch)
+                                         swiglu_quant_torch, swiglu_quant_rows, swiglu_quant_rows_torch)
 from moe_wave.fp8_experts import (FP8RoutedExperts, dequant_experts, dequant_fp4, fp4_to_fp8, quant_experts)
 from moe_wave.tools.bench import init_random_
 
@@ -361,49 +360,6 @@ def test_gate_up_swiglu_kernel_equals_its_twin(bm, masked):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bm", [128, 64])
-@pytest.mark.parametrize("masked", [False, True])
-def test_down_grouped_kernel_equals_its_twin(bm, masked):
-    """The second grouped GEMM by the fused kernel (256 output channels a tile) against its twin (the dequantised
-    fp32 GEMM rounded to bf16): bit for bit on values whose products and sums are exact in fp32, on the aligned
-    layout and the masked one (scales grouped by max_m), groups of 0, 1, 70 and 130 rows; within bf16 rounding of
-    the twin on random values. Bad shapes are refused naming them."""
-    e, D, I = 4, 512, 256
-    cnt = torch.tensor([70, 0, 130, 1])
-    offs = cnt.cumsum(0).to(torch.int32)
-    if masked:
-        G = 256
-        JA = e * G
-        starts, ends = masked_groups(offs, G)
-    else:
-        G = None
-        JA = aligned_capacity(int(cnt.sum()), e)
-        starts, ends = aligned_groups(offs)
-    used = torch.cat([torch.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
-    gen = torch.Generator().manual_seed(6)
-
-    def run(hq, hs_IJ, w, ws):
-        hs = hs_IJ if G is None else hs_IJ.view(I // BLOCK, JA // G, G).permute(1, 0, 2).contiguous()
-        d = (lambda t: t.to(KDEV))
-        y = down_grouped(d(hq), d(hs), d(w), d(ws), d(starts), d(block_ends(starts, ends, JA)), G, bm=bm).cpu()
-        return y[used], down_grouped_torch(hq, hs, w, ws, starts, ends, G)[used]
-
-    hq = torch.randint(-4, 5, (JA, I), generator=gen).float().to(FP8)
-    hs = 2.0 ** torch.randint(-3, 3, (I // BLOCK, JA), generator=gen).float()
-    w = torch.randint(-4, 5, (e, D, I), generator=gen).float().to(FP8)
-    ws = 2.0 ** torch.randint(-8, -4, (e, D // BLOCK, I // BLOCK), generator=gen).float()
-    y, yt = run(hq, hs, w, ws)
-    assert y.dtype == torch.bfloat16 and torch.equal(y, yt) and y.abs().sum() > 0
-    hq, hs = act_quant_torch(torch.randn(JA, I, generator=gen) * 2)
-    w, ws = quant_experts(torch.randn(e, D, I, generator=gen) / 16)
-    y, yt = run(hq, hs, w, ws)
-    assert calc_diff(y.float(), yt.float()) < 1e-4 and ((y.float() - yt.float()).abs() <= yt.float().abs() / 64).all()
-    with pytest.raises(ValueError, match=r"down_grouped: rows \(512, 256\), weights \(4, 384, 256\)"):
-        down_grouped(hq[:512].to(KDEV), hs[:, :512].to(KDEV), w[:, :384].to(KDEV), ws[:, :3].to(KDEV),
-                     starts.to(KDEV), block_ends(starts, ends, 512).to(KDEV))
-
-
-@needs_kernels
 @pytest.mark.parametrize("masked", [False, True])
 def test_gate_up_swiglu_reads_received_rows_where_they_arrived(masked):
     """With src_J (expert_order's), gate_up_swiglu reads each pair's FP8 row and scales from the received packed
@@ -635,26 +591,25 @@ class _TorchDeepGEMM:
 
 @needs_kernels
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("fused", ["none", "gate_up", "both"])
+@pytest.mark.parametrize("fused_gate_up", [False, True])
 @pytest.mark.parametrize("rows_bound", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout, fused, packed):
+def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout, fused_gate_up,
+                                                            packed):
     """The fused stage (ordering into the aligned or the masked layout, quant_pairs or, for rows that arrived as
     FP8, gather_pairs, two grouped GEMMs, swiglu_quant, weighted sum; or the first GEMM and swiglu_quant as one
-    kernel, gate_up_swiglu, which reads arrived FP8 rows where they are; "both": the second GEMM by the same
-    kernel too, down_grouped) with DeepGEMM replaced by its contiguous psum or masked semantics gives the
-    per-expert path's output; rows past rows_P are not read."""
+    kernel, gate_up_swiglu, which reads arrived FP8 rows where they are) with DeepGEMM replaced by its contiguous
+    psum or masked semantics gives the per-expert path's output; rows past rows_P are not read."""
     from moe_wave.fp8_rows import pack_rows
 
     import moe_wave.fp8_expert_kernels as fk
     import moe_wave.fp8_experts as fx
 
-    fused_gate_up = fused != "none"
-    calls = {"gate_up_swiglu": [], "down_grouped": []}
+    fused = []
     monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
-    monkeypatch.setattr(fx, "TRITON_DOWN", fused == "both")
-    for name, got_calls in calls.items():
-        monkeypatch.setattr(fk, name, lambda *a, real=getattr(fk, name), c=got_calls, **k: c.append(1) or real(*a, **k))
+    if fused_gate_up:
+        real = fk.gate_up_swiglu
+        monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: fused.append(1) or real(*a, **k))
     from moe_wave.experts import expert_rows
 
     ex = FP8RoutedExperts.from_dense(CFG, torch.randn(4, 256, 256) / 16, torch.randn(4, 256, 128) / 11)
@@ -679,9 +634,9 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     xin = pack_rows(x) if packed else x
     got = expert_rows(Received(d(xin), d(ids), d(w), None, d(counts), None, rows_P=d(rows_P)), ex.to(KDEV),
                       packed=packed).cpu()
-    dg_calls = {"none": 2, "gate_up": 1, "both": 0}[fused]
+    dg_calls = 1 if fused_gate_up else 2
     assert _TorchDeepGEMM.calls == dg_calls and _TorchDeepGEMM.masked == (dg_calls if layout == "masked" else 0)
-    assert len(calls["gate_up_swiglu"]) == fused_gate_up and len(calls["down_grouped"]) == (fused == "both")
+    assert len(fused) == fused_gate_up
     read = slice(None) if rows_P is None else keep
     # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element
     # of h to the next e4m3 step (on a GPU the fused kernel's dot also adds in the hardware's order): the rows

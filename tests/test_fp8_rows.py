@@ -219,7 +219,6 @@ def test_fused_stage_takes_fp8_rows_as_they_are(monkeypatch, fused_gate_up):
     monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
     monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
     monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
-    monkeypatch.setattr(fx, "TRITON_DOWN", False)       # the second GEMM is not what this test looks at
     gathered = []
     real = fk.gather_pairs
     monkeypatch.setattr(fk, "gather_pairs", lambda *a, **k: gathered.append(1) or real(*a, **k))
@@ -231,14 +230,13 @@ def test_fused_stage_takes_fp8_rows_as_they_are(monkeypatch, fused_gate_up):
 
 
 @needs_kernels
-@pytest.mark.parametrize("fused", ["none", "gate_up", "both"])
+@pytest.mark.parametrize("fused_gate_up", [False, True])
 @pytest.mark.parametrize("sends", ["wave", "once"])
-def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, sends, fused):
+def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, sends, fused_gate_up):
     """A whole FP8 block (bf16 activations, FP8 rows, symm backend, W = 3) on the fused stage's logic (DeepGEMM
     replaced by its psum semantics, the Triton kernels interpreted; the first GEMM DeepGEMM's or the fused
-    kernel's, the second DeepGEMM's or, with "both", the fused kernel's too) against the per-expert path, with rows
-    that cross once per layer (each wave's pairs summed into the rows' running sums: weighted_sum_once) and per
-    wave."""
+    kernel's) against the per-expert path, with rows that cross once per layer (each wave's pairs summed into the
+    rows' running sums: weighted_sum_once) and per wave."""
     import moe_wave.fp8_experts as fx
     from moe_wave.reference import random_full_weights
     from tests.test_fp8_experts import _TorchDeepGEMM, calc_diff
@@ -250,12 +248,10 @@ def test_fp8_block_on_its_own_stage_equals_the_per_expert_path(monkeypatch, send
     want = moe(x)
     monkeypatch.setattr(fx, "_deep_gemm_grouped", lambda dev: _TorchDeepGEMM)
     monkeypatch.setattr(fx, "fp8_fused_ok", lambda x, e: True)
-    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0 if fused == "none" else 10 ** 9)
-    monkeypatch.setattr(fx, "TRITON_DOWN", fused == "both")
+    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
     _TorchDeepGEMM.calls = 0
     got = moe(x)
-    assert _TorchDeepGEMM.calls == {"none": 2, "gate_up": 1, "both": 0}[fused] * 3
-    assert moe.plan.once == (sends == "once")
+    assert _TorchDeepGEMM.calls == (1 if fused_gate_up else 2) * 3 and moe.plan.once == (sends == "once")
     # the same products; a row's partial sums round to bf16 between waves in either path, in another order with
     # rows once per layer: within rounding, where a wrong layout is off by 1e-3 or more
     assert calc_diff(got.float(), want.float()) < 5e-5
