@@ -327,8 +327,8 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
     return hq, hs
 
 
-def swiglu_quant_rows(gu_M2I: torch.Tensor, limit: float, kernels: bool | None = None) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
+def swiglu_quant_rows(gu_M2I: torch.Tensor, limit: float,
+                      kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The V4 SwiGLU of every row of gu [M, 2I] (gate | up, e.g. a dense projection's bf16 output) in fp32,
     quantised for the next FP8 GEMM in ``act_quant``'s format: (hq [M, I] e4m3, hs [I/128, M] fp32). One launch
     of ``swiglu_quant``'s kernel over all M rows (any M) where Triton runs (``kernels`` None or True; False, or
@@ -358,11 +358,10 @@ def swiglu_quant_rows(gu_M2I: torch.Tensor, limit: float, kernels: bool | None =
 def swiglu_quant_rows_torch(gu_M2I: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``swiglu_quant_rows`` by torch ops."""
     from .experts import swiglu
-    from .fp8_quant import act_quant
 
     I = gu_M2I.shape[1] // 2
     gu = gu_M2I.float()
-    return act_quant(swiglu(gu[:, :I], gu[:, I:], limit))
+    return act_quant_torch(swiglu(gu[:, :I], gu[:, I:], limit))
 
 
 def gate_up_swiglu(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor,

@@ -82,6 +82,8 @@ class _SharedSchedule:
             return
         alt = self.streams.alt
         st.wait_stream(alt, st.current_stream(x_TD.device))
+        if quantised is not None:       # views of the dispatch's packed rows, read on the alt stream
+            st.keep_alive(quantised[0], alt)
         with st.on(alt), annotate("shared.up+down_head"):
             self.h = self._up()
             self.out = torch.empty_like(x_TD)
