@@ -294,25 +294,23 @@ class SymmBackend:
                              f"{bufs.comb.dtype} (one row per received row)")
         self.transport.raise_watchdog()
         dev, cur = y_RD.device, st.current_stream(y_RD.device)
+        # gather_add (Triton, fp32 out) reads this rank's own block from y: the transport need not move it there
         gather = self.kernels and out.out_TD.dtype == torch.float32
-        own_from_y = gather     # gather_add reads this rank's own block from y: the transport need not move it
         poison = self._status_dev[POISON:POISON + 1]
         with st.on(self.comm_stream):
             st.wait_stream(self.comm_stream, cur)
             st.keep_alive(y_RD, self.comm_stream)
             y_RD = y_RD.contiguous()
-            works = self.transport.combine(y_RD, plan, bufs, wave, own_from_y)
+            works = self.transport.combine(y_RD, plan, bufs, wave, own_from_y=gather)
 
         def total() -> None:
             if plan.once is not None:
-                return self._once_total(y_RD, plan, bufs, wave, out, gather, own_from_y, poison)
+                return self._once_total(y_RD, plan, bufs, wave, out, gather, poison)
             if gather:
                 # one program per token (tile) sums its rows from every peer block in peer order (fp32, no
                 # temporaries, no atomics): out[t] += sum_p comb[w, p, slot_p(t)] (+ add[t], into dst)
-                local = (y_RD, me) if own_from_y else (None, None)
-                if own_from_y:
-                    st.keep_alive(y_RD, st.current_stream(dev))
-                gather_add(out.out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], *local,
+                st.keep_alive(y_RD, st.current_stream(dev))
+                gather_add(out.out_TD, bufs.comb[wave].view(P * C, D), plan.slot_WTP[wave], y_RD, me,
                            accumulate=out.accumulate, add_TD=out.add_TD, dst_TD=out.dst_TD, poison=poison,
                            tune=self.options.copy)
                 return
@@ -323,17 +321,14 @@ class SymmBackend:
 
         return total, works, dev
 
-    def _once_total(self, y_RD, plan: SymmPlan, bufs, wave: int, out: CombineOut, gather: bool, own_from_y: bool,
-                    poison) -> None:
+    def _once_total(self, y_RD, plan: SymmPlan, bufs, wave: int, out: CombineOut, gather: bool, poison) -> None:
         """The sum of combine ``wave`` when rows cross once per layer: every token's rows whose last wave this is,
         from the flat comb (``comm.symm_once``), peers in order."""
         P, me, D = self.ep.size, self.ep.rank, y_RD.shape[1]
         dev = y_RD.device
         if gather:
-            local = (y_RD, me) if own_from_y else (None, None)
-            if own_from_y:
-                st.keep_alive(y_RD, st.current_stream(dev))
-            gather_add(out.out_TD, bufs.comb.view(-1, D), plan.once.slot_WTP[wave], *local, accumulate=out.accumulate,
+            st.keep_alive(y_RD, st.current_stream(dev))
+            gather_add(out.out_TD, bufs.comb.view(-1, D), plan.once.slot_WTP[wave], y_RD, me, accumulate=out.accumulate,
                        add_TD=out.add_TD, dst_TD=out.dst_TD, poison=poison, tune=self.options.copy)
             return
         N, last = plan.tok_WPN.shape[2], plan.once.last_WPN

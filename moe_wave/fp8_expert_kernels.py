@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_wave.comm.backend import rows_of
-from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton
+from moe_wave.comm.triton_gate import interpreting, sm_count, tl, triton, triton_ok
 
 from .fp8_quant import BLOCK, FP8, act_quant_torch, dequant_act, dequant_weight
 
@@ -333,8 +333,6 @@ def swiglu_quant_rows(gu_M2I: torch.Tensor, limit: float,
     quantised for the next FP8 GEMM in ``act_quant``'s format: (hq [M, I] e4m3, hs [I/128, M] fp32). One launch
     of ``swiglu_quant``'s kernel over all M rows (any M) where Triton runs (``kernels`` None or True; False, or
     no Triton: ``swiglu_quant_rows_torch``, the torch ops). I % 128 == 0."""
-    from moe_wave.comm.triton_gate import triton_ok
-
     M, I2 = gu_M2I.shape
     I = I2 // 2
     if I % BLOCK or I2 % 2:
@@ -535,14 +533,19 @@ if triton is not None:
             row = gu_ptr + rows.to(tl.int64)[:, None] * 2 * I + i0 + c[None, :]
             gate = tl.load(row, mask=ok[:, None], other=0.0).to(tl.float32)
             up = tl.load(row + I, mask=ok[:, None], other=0.0).to(tl.float32)
-            if CLAMP:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-            q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BR, NB, INTERP)
+            q, sc = _quant_tile(_swiglu(gate, up, limit, CLAMP), BR, NB, INTERP)
             tl.store(hq_ptr + rows.to(tl.int64)[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
             rg = rows.to(tl.int64)[:, None]
             tl.store(hs_ptr + (rg // G) * (I // 128) * G + (i0 // 128 + nb[None, :]).to(tl.int64) * G + rg % G, sc,
                      mask=ok[:, None])
+
+    @triton.jit
+    def _swiglu(gate, up, limit, CLAMP: tl.constexpr):
+        # V4's SwiGLU in fp32: silu(min(gate, limit)) * clamp(up, -limit, limit) (CLAMP), else silu(gate) * up
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        return gate / (1.0 + tl.exp(-gate)) * up
 
     @triton.jit
     def _bf16_round(v, INTERP: tl.constexpr):
@@ -599,12 +602,8 @@ if triton is not None:
                     su = tl.load(sw + (I // 128) * DB + kb)
                     acc_g += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg)
                     acc_u += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su)
-                gate = _bf16_round(acc_g, INTERP)
-                up = _bf16_round(acc_u, INTERP)
-                if CLAMP:
-                    gate = tl.minimum(gate, limit)
-                    up = tl.minimum(tl.maximum(up, -limit), limit)
-                q, sc = _quant_tile(gate / (1.0 + tl.exp(-gate)) * up, BM, 1, INTERP)
+                h = _swiglu(_bf16_round(acc_g, INTERP), _bf16_round(acc_u, INTERP), limit, CLAMP)
+                q, sc = _quant_tile(h, BM, 1, INTERP)
                 tl.store(hq_ptr + rows[:, None] * I + i0 + c[None, :], q, mask=ok[:, None])
                 tl.store(hs_ptr + (rows // G) * (I // 128) * G + (i0 // 128) * G + rows % G, tl.reshape(sc, [BM]),
                          mask=ok)
