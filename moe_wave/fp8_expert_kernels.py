@@ -60,6 +60,11 @@ GATE_UP_PROGRAMS_PER_SM = 1
 # swiglu_quant_rows takes one 128-channel block a step below this many programs an SM with two (measured faster at
 # 128 and 2048 rows of the shared expert's 2048 and 3072 channels, two as fast or faster at 8192 rows)
 SWIGLU_ROWS_PROGRAMS_PER_SM = 4
+# swiglu_quant splits each 128-row block of the layout over this many programs (32 rows each): one wave of four
+# holds a quarter of the pairs, and with a program per block too few loads were in flight (dev/probe_wave_glue.py,
+# one H100: a wave's 34.8 -> 22.2 us at V4-Flash's 32 local experts and 2048 tokens; the same or less at every
+# size and W = 1)
+SWIGLU_ROW_SPLIT = 4
 
 
 def aligned_capacity(pairs: int, e: int, align: int = ALIGN) -> int:
@@ -321,9 +326,9 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
                      device=gu_J2I.device)
     if JA and I:
         nb = _blocks_per_step(I, 2)
-        _swiglu_quant_kernel[(JA // ALIGN, I // (nb * BLOCK))](
+        _swiglu_quant_kernel[(JA // ALIGN * SWIGLU_ROW_SPLIT, I // (nb * BLOCK))](
             gu_J2I, block_ends(starts_e, ends_e, JA) if bend is None else bend, JA, hq, hs, I, G, float(limit),
-            BR=16, NB=nb, BEND=True, CLAMP=limit > 0, INTERP=interpreting(), num_warps=4)
+            BR=16, NB=nb, BEND=True, CLAMP=limit > 0, INTERP=interpreting(), RS=SWIGLU_ROW_SPLIT, num_warps=4)
     return hq, hs
 
 
@@ -515,19 +520,23 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_quant_kernel(gu_ptr, bend_ptr, M, hq_ptr, hs_ptr, I, G, limit, BR: tl.constexpr, NB: tl.constexpr,
-                             BEND: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
-        # program (b, t): the 128-row block b of the aligned layout (its rows in use, up to its group's end; without
-        # BEND the rows below M) by channels t * NB * 128 ..: BR rows a step, each [BR, NB * 128] tile of gate / up
-        # turned and quantised per row and 128 channels; the scales in groups of G rows as _pairs_kernel's
-        b0 = tl.program_id(0) * 128
+                             BEND: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr, RS: tl.constexpr = 1):
+        # program (b * RS + s, t): part s of RS of the 128-row block b of the aligned layout (its rows in use, up to
+        # its group's end; without BEND the rows below M) by channels t * NB * 128 ..: BR rows a step, each
+        # [BR, NB * 128] tile of gate / up turned and quantised per row and 128 channels; the scales in groups of G
+        # rows as _pairs_kernel's
+        blk = tl.program_id(0) // RS
+        b0 = blk * 128
+        s0 = (tl.program_id(0) % RS) * (128 // RS)
         i0 = tl.program_id(1) * NB * 128
         if BEND:
-            n = tl.minimum(tl.load(bend_ptr + tl.program_id(0)) - b0, 128)
+            n = tl.minimum(tl.load(bend_ptr + blk) - b0, 128)
         else:
             n = tl.minimum(M - b0, 128)
+        n = tl.minimum(n, s0 + 128 // RS)
         c = tl.arange(0, NB * 128)
         nb = tl.arange(0, NB)
-        for r0 in range(0, n, BR):
+        for r0 in range(s0, n, BR):
             rows = b0 + r0 + tl.arange(0, BR)
             ok = (r0 + tl.arange(0, BR)) < n
             row = gu_ptr + rows.to(tl.int64)[:, None] * 2 * I + i0 + c[None, :]
