@@ -5,7 +5,9 @@ shapes where W = 4 / W = 1 misses its goal. Kernel variants side by side:
   over RS programs;
 - the weighted sum (down's pair rows -> the wave's rows): the library's grid, a program per row with the
   row's slots loaded at once (``SPLIT`` body on the row grid), and a program per row slot by slot at other
-  channel steps, warps and programs an SM (``WSUM_VARIANTS``).
+  channel steps, warps and programs an SM (``WSUM_VARIANTS``);
+- ``gather_pairs`` (the FP8 rows into the layout) at channel blocks a step, warps and programs an SM
+  (``PAIRS_VARIANTS``, those whose blocks divide the row).
 
     python dev/probe_wave_glue.py [--shapes v4-flash:32,v4-flash:128,v4-pro:48] [--tokens 2048,8192] [--iters 50]
 
@@ -27,8 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_wave import MoEConfig  # noqa: E402
 from moe_wave.expert_kernels import (BLOCK_D, _rows_grid, _row_blocks, _wsum_kernel, expert_order,  # noqa: E402
                                      weighted_sum)
-from moe_wave.fp8_expert_kernels import (ALIGN, FP8, _swiglu_quant_kernel, aligned_capacity,  # noqa: E402
-                                         layout_groups, swiglu_quant)
+from moe_wave.fp8_expert_kernels import (ALIGN, FP8, _pairs_kernel, _swiglu_quant_kernel,  # noqa: E402
+                                         aligned_capacity, gather_pairs, layout_groups, swiglu_quant)
+from moe_wave.fp8_rows import pack_rows, unpack_rows  # noqa: E402
 from moe_wave.timing import as_graph, iteration_us, l2_flush_buffer  # noqa: E402
 
 import triton  # noqa: E402
@@ -36,6 +39,10 @@ import triton  # noqa: E402
 
 # the weighted sum a program per row (slot by slot): (channels a step, warps, programs an SM)
 WSUM_VARIANTS = [(1024, 4, 16), (2048, 4, 8), (2048, 8, 8), (4096, 8, 8), (4096, 8, 4)]
+
+
+# the FP8 rows into the layout (gather_pairs' _pairs_kernel): (128-channel blocks a step, warps, programs an SM)
+PAIRS_VARIANTS = [(8, 8, 8), (8, 4, 16), (4, 4, 16), (16, 8, 8), (32, 8, 8), (32, 8, 4)]
 
 
 def wave_inputs(T: int, K: int, e: int, W: int, dev):
@@ -75,6 +82,7 @@ def main() -> int:
     print("swiglu_quant (NB, RS) and weighted sum (lib / row grid + slots at once), us per wave and x W")
     head = " ".join(f"{'sw' + str(nb) + '/' + str(rs):>9}" for nb, rs in sw)
     more = " ".join(f"{'ws' + str(b) + '/' + str(n) + '/' + str(p):>9}" for b, n, p in WSUM_VARIANTS)
+    more += " " + " ".join(f"{'pr' + str(b) + '/' + str(n) + '/' + str(p):>9}" for b, n, p in PAIRS_VARIANTS)
     print(f"{'shape':>14} {'T':>5} {'W':>2} {'pairs':>6} {'JA':>6} {head} {'ws lib':>8} {'ws rowvec':>9} {more}")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for spec in args.shapes.split(","):
@@ -134,6 +142,27 @@ def main() -> int:
                     torch.testing.assert_close(y.float(), yl.float(), rtol=1e-2, atol=1e-2)
                     ws_more.append(timed(ws_var, dev, args.iters, flush))
                 cells = " ".join(f"{t:9.1f}" for t in got)
+                xp = pack_rows(torch.randn(R, D, device=dev).to(torch.bfloat16))
+                qr, sr = unpack_rows(xp, D)
+                q0, s0 = gather_pairs(xp, D, pos, JA)
+                pr = []
+                for nb, nw, per_sm in PAIRS_VARIANTS:
+                    if (D // 128) % nb:
+                        pr.append(float("nan"))
+                        continue
+                    qv = q0.clone()
+                    sv = s0.clone()
+
+                    def pairs_var():
+                        _pairs_kernel[(min(R, per_sm * sms),)](
+                            qr, sr, qr.stride(0), sr.stride(0), qr, sr, qr.stride(0), sr.stride(0), 0, 0, pos, qv, sv,
+                            R, K, D, JA, JA, KP=triton.next_power_of_2(K), NB=nb, PACKED=True, INTERP=False,
+                            num_warps=nw)
+                    qv.zero_()
+                    pairs_var()
+                    assert torch.equal(qv.view(torch.uint8)[used], q0.view(torch.uint8)[used]), (nb, nw, per_sm)
+                    pr.append(timed(pairs_var, dev, args.iters, flush))
+                ws_more += pr
                 more = " ".join(f"{t:9.1f}" for t in ws_more)
                 print(f"{spec:>14} {T:5d} {W:2d} {int(counts.sum()):6d} {JA:6d} {cells} {ws_lib:8.1f} {ws_v:9.1f} "
                       f"{more}")

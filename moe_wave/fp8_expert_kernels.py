@@ -65,6 +65,11 @@ SWIGLU_ROWS_PROGRAMS_PER_SM = 4
 # one H100: a wave's 34.8 -> 22.2 us at V4-Flash's 32 local experts and 2048 tokens; the same or less at every
 # size and W = 1)
 SWIGLU_ROW_SPLIT = 4
+# gather_pairs copies up to this many 128-channel blocks of a row a step, and where that is the whole row, runs this
+# many programs an SM (dev/probe_wave_glue.py, one H100, V4-Flash's 4096 channels: 0.88-1.00 x at W = 1 and
+# 0.82-0.88 x on one wave of four against 8 blocks and 8 programs; quant_pairs, which quantises, keeps 8 and 8)
+PAIRS_PACKED_BLOCKS = 32
+PAIRS_ROW_PROGRAMS_PER_SM = 4
 
 
 def aligned_capacity(pairs: int, e: int, align: int = ALIGN) -> int:
@@ -233,10 +238,10 @@ def layout_groups_torch(counts_e: torch.Tensor, cap: int, JA: int, max_m: int = 
     return _groups_of(buf, counts_e.numel())
 
 
-def _grid(R: int, device: torch.device) -> int:
+def _grid(R: int, device: torch.device, per_sm: int = ROW_PROGRAMS_PER_SM) -> int:
     if device.type != "cuda":
         return max(1, min(R, 16))
-    return max(1, min(R, ROW_PROGRAMS_PER_SM * sm_count(device)))
+    return max(1, min(R, per_sm * sm_count(device)))
 
 
 def _check_pos(pos_RK: torch.Tensor, R: int) -> torch.Tensor:
@@ -263,9 +268,11 @@ def _rows_to_pairs(src: tuple, row0: int, loc: tuple | None, pos: torch.Tensor, 
         L = 0 if loc is None else loc[0].shape[0]
         loc = src if not L else loc
         K = pos.shape[1]
-        _pairs_kernel[(_grid(R, device),)](
+        nb = _blocks_per_step(D, PAIRS_PACKED_BLOCKS if packed else 8)
+        per_sm = PAIRS_ROW_PROGRAMS_PER_SM if packed and nb * BLOCK == D else ROW_PROGRAMS_PER_SM
+        _pairs_kernel[(_grid(R, device, per_sm),)](
             src[0], src[1], src[0].stride(0), src[1].stride(0), loc[0], loc[1], loc[0].stride(0), loc[1].stride(0),
-            row0, L, pos, q, s, R, K, D, G, JA, KP=triton.next_power_of_2(K), NB=_blocks_per_step(D, 8), PACKED=packed,
+            row0, L, pos, q, s, R, K, D, G, JA, KP=triton.next_power_of_2(K), NB=nb, PACKED=packed,
             INTERP=interpreting(), num_warps=8)
     return q, s
 
