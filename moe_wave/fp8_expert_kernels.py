@@ -316,8 +316,9 @@ def swiglu_quant(gu_J2I: torch.Tensor, starts_e: torch.Tensor | None, ends_e: to
     """(hq [JA, I] e4m3, hs [I/128, JA] fp32): for every row of the groups (rows starts[x] .. ends[x] - 1 of
     expert x, the aligned layout), h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 from the row's
     [gate | up] (limit <= 0: no clamp), quantised per 128 channels; the padding rows are left as allocated. By
-    128-row blocks of the layout (each within one group: ``block_ends``), dense rows, no pair positions: the cost
-    follows the pairs, whatever number of slots each received row has. I % 128 == 0, JA % 128 == 0.
+    128-row blocks of the layout (each within one group: ``block_ends``; SWIGLU_ROW_SPLIT programs a block), dense
+    rows, no pair positions: the cost follows the pairs, whatever number of slots each received row has.
+    I % 128 == 0, JA % 128 == 0.
     ``group_rows`` = G: hs is [JA / G, I/128, G] (as ``quant_pairs``'). ``bend``: the layout's ``block_ends``
     where the caller has them (``layout_groups``), in place of starts and ends."""
     JA, I2 = gu_J2I.shape
