@@ -79,7 +79,8 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     flush = l2_flush_buffer(dev)
     sw = [(2, 1), (1, 1), (2, 2), (1, 2), (2, 4), (1, 4)]
-    print("swiglu_quant (NB, RS) and weighted sum (lib / row grid + slots at once), us per wave and x W")
+    print("swiglu_quant (NB, RS), weighted sum (lib, row grid + slots at once, WSUM_VARIANTS), gather_pairs "
+          "(PAIRS_VARIANTS): us per wave and x W")
     head = " ".join(f"{'sw' + str(nb) + '/' + str(rs):>9}" for nb, rs in sw)
     more = " ".join(f"{'ws' + str(b) + '/' + str(n) + '/' + str(p):>9}" for b, n, p in WSUM_VARIANTS)
     more += " " + " ".join(f"{'pr' + str(b) + '/' + str(n) + '/' + str(p):>9}" for b, n, p in PAIRS_VARIANTS)
