@@ -7,7 +7,8 @@
 #   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
 #   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS), settings (the FP8 expert stage under
 #   library settings side by side: dev/stage_settings.py, SETTINGS_ARGS; default: the fused first GEMM off, on
-#   with 128-row and with 64-row tiles),
+#   with 128-row and with 64-row tiles), gate_up (the experts' first GEMM + SwiGLU as a CUDA kernel: its tests and
+#   dev/probe_gate_up_sm90.py),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
@@ -216,9 +217,14 @@ raise SystemExit(not cuda_impl.available())"; then
                    "f128:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0" \
                    "f64:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=1000000000"}
                ;;
+        gate_up)  # the experts' first GEMM + SwiGLU as a CUDA kernel: its tests, then four ways side by side
+                  # (dev/probe_gate_up_sm90.py; GATE_UP_ARGS)
+               stage gate_up_tests ${T_GATE_UP:-240} "$PY" -m pytest -q -x tests/test_gpu_gate_up_sm90.py \
+                   tests/test_gate_up_cuda_build.py
+               stage gate_up_probe ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_sm90.py ${GATE_UP_ARGS:-} ;;
         *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile" \
                "streams comm attn" \
-               "attn_ab whole trace demo sweep deepep_api)" ;;
+               "attn_ab whole trace demo sweep deepep_api gate_up)" ;;
     esac
 done
 

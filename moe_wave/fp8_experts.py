@@ -56,6 +56,16 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
+# above FUSED_GATE_UP_ROWS_PER_EXPERT on the aligned layout, on Hopper: the first GEMM with SwiGLU + requant in its
+# epilogue as a CUDA kernel (``gate_up_cuda.gate_up_sm90``, DeepGEMM's tiling and promotion, the FP8 rows read where
+# they arrived), in place of DeepGEMM's GEMM + ``swiglu_quant`` (+ ``gather_pairs``)
+GATE_UP_SM90 = True
+
+
+def _gate_up_sm90_ok(dev: torch.device) -> bool:
+    from .gate_up_cuda import available
+
+    return dev.type == "cuda" and available(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,6 +331,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     expert in a row); the groups, their block ends and sizes from one launch (``layout_groups``)."""
     from .expert_kernels import expert_order
     from .fp8_expert_kernels import ALIGN, gate_up_swiglu, gather_pairs, layout_groups, quant_pairs, swiglu_quant
+    from .gate_up_cuda import gate_up_sm90
 
     dg = _deep_gemm_grouped(x_RD.device)
     if dg.get_mk_alignment_for_contiguous_layout() != ALIGN:
@@ -346,13 +357,19 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    if fused and packed:        # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
+    sm90 = not fused and G is None and GATE_UP_SM90 and _gate_up_sm90_ok(x_RD.device)
+    if (fused or sm90) and packed:  # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
-        hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
+        if fused:
+            hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
+        else:
+            hq, hs = gate_up_sm90(*unpack_rows(x_RD, D), *wq[:5], g.n, src_J=src, local=loc)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if fused:
             hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
+        elif sm90:
+            hq, hs = gate_up_sm90(q, s, *wq[:5], g.n)
         else:
             gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
             if G:

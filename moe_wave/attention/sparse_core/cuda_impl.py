@@ -285,6 +285,13 @@ def _tmap_rows(out: torch.Tensor, rows: int):
     """A CUtensorMap of ``out`` (FP8, contiguous) as ``rows`` rows of 512 bytes, boxes of 64 rows x 128 bytes in the
     128-byte swizzle (the kernel's TMA staging), by the driver's cuTensorMapEncodeTiled; None where the driver
     refuses it (the kernel then stores with its threads)."""
+    return tmap_2d(out.data_ptr(), D_FULL, rows, D_FULL, 128, BH)
+
+
+def tmap_2d(ptr: int, row_bytes: int, rows: int, stride: int, box_bytes: int, box_rows: int):
+    """(buffer, address) of a CUtensorMap over ``rows`` rows of ``row_bytes`` bytes ``stride`` bytes apart at ``ptr``
+    (as uint8), boxes of box_rows x box_bytes in the 128-byte swizzle, by the driver's cuTensorMapEncodeTiled; None
+    where the driver has none or refuses it. Keep the buffer alive while the address is in use."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     enc = getattr(lib, "cuTensorMapEncodeTiled", None)
     if enc is None:
@@ -292,8 +299,8 @@ def _tmap_rows(out: torch.Tensor, rows: int):
     buf = (ctypes.c_uint8 * (TMAP_BYTES + 64))()       # the map 64-byte aligned inside
     addr = ctypes.addressof(buf) + (-ctypes.addressof(buf)) % 64
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rc = enc(ctypes.c_void_p(addr), ctypes.c_int(0), u32(2), ctypes.c_void_p(out.data_ptr()),   # UINT8, rank 2
-             (u64 * 2)(D_FULL, rows), (u64 * 1)(D_FULL), (u32 * 2)(128, BH), (u32 * 2)(1, 1),
+    rc = enc(ctypes.c_void_p(addr), ctypes.c_int(0), u32(2), ctypes.c_void_p(ptr),   # UINT8, rank 2
+             (u64 * 2)(row_bytes, rows), (u64 * 1)(stride), (u32 * 2)(box_bytes, box_rows), (u32 * 2)(1, 1),
              ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(0), ctypes.c_int(0))  # no interleave, 128B swizzle
     return (buf, addr) if rc == 0 else None
 

@@ -1,0 +1,245 @@
+// The routed experts' first grouped FP8 GEMM with SwiGLU + requant in its epilogue, for Hopper (sm_90a):
+// fp8_expert_kernels.gate_up_swiglu's math and output on warp-specialised wgmma (moe_wave/gate_up_cuda.py has the
+// design and the launch). Compiled by NVRTC at run time with the variant's #defines in front; the PTX helpers
+// (mbarriers, cp.async, wgmma descriptors, conversions, the tensor-map parameter) are the sparse core's header.
+#include "sparse_core_device.cuh"
+
+#ifndef STAGES
+#define STAGES 5            // the software pipeline's depth (a stage: 64 rows and 128 gate + 128 up weight rows)
+#endif
+#ifndef SRC
+#define SRC 0               // 1: the layout's row j is received row src[j] (read where it arrived), else row j
+#endif
+#define BM 64               // rows a tile
+#define B_BYTES 32768       // a stage's weight rows: gate 128 x 128 B, then up 128 x 128 B, 128-byte swizzle
+#define A_BYTES 8192        // a stage's rows: 64 x 128 B, 128-byte swizzle
+#define SA_BYTES 256        // a stage's row scales (64 fp32)
+#define UP_BYTES 16384      // the up warpgroup's bf16 tile for the gate warpgroup's epilogue
+#define OFF_A (STAGES * B_BYTES)
+#define OFF_UP (OFF_A + STAGES * A_BYTES)
+#define OFF_SA (OFF_UP + UP_BYTES)
+#define OFF_BAR (OFF_SA + STAGES * SA_BYTES)
+#define LOG2E 1.4426950408889634f
+
+struct GArgs {
+    const unsigned char *a; long long a_row;                    // rows (e4m3), SRC: received rows
+    const float *sa; long long sa_g, sa_gs, sa_r, sa_k;         // row j's scale of step kb: (j / sa_g) * sa_gs +
+                                                                // (j % sa_g) * sa_r + kb * sa_k (SRC: j = src[j])
+    const long long *src;                                       // SRC: [JA] the layout's received rows
+    const unsigned char *la; long long la_row; const float *lsa; long long lsa_row; int row0, L;  // SRC: local rows
+    const float *ws; const int *starts; const int *bend; const int *n;
+    unsigned char *hq; float *hs;
+    int E, D, I, G; float limit;
+};
+
+#define D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, " \
+    "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define F8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+    "+f"(d[i + 6]), "+f"(d[i + 7])
+#define D64_OUT(d) F8(d, 0), F8(d, 8), F8(d, 16), F8(d, 24), F8(d, 32), F8(d, 40), F8(d, 48), F8(d, 56)
+
+// m64n128k32, e4m3 x e4m3 -> fp32, both operands K-major in shared memory; acc 0 overwrites d
+__device__ __forceinline__ void wgmma_e4m3(float *d, u64 da, u64 db, int acc) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " D64 ", %64, %65, p, 1, 1;\n}"
+        : D64_OUT(d) : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TMap *m, unsigned bar, int x, int y) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
+                 "[%2];" :: "r"(dst), "l"((u64)m), "r"(bar), "r"(x), "r"(y) : "memory");
+}
+__device__ __forceinline__ void cp_async4(unsigned dst, const void *src, unsigned src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ float div_full(float a, float b) {      // Triton's fp32 `/`
+    float r;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float ex2_approx(float x) {              // Triton's tl.exp: ex2.approx of x log2(e)
+    float y;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float bf16_round(float v) { return bf16_lo(pack_bf16(v, 0.f)); }
+
+// fp8_expert_kernels._swiglu: silu(min(g, limit)) * clamp(u, -limit, limit) (limit > 0), else silu(g) * u, in fp32
+__device__ __forceinline__ float swiglu(float g, float u, float limit) {
+    if (limit > 0.f) {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+    }
+    return div_full(g, 1.f + ex2_approx(-g * LOG2E)) * u;
+}
+
+// the tile's expert: the last group starting at or before row m0 (groups start at 128-row multiples, in order)
+__device__ __forceinline__ int expert_of(const int *starts, int E, int m0) {
+    int lo = 0, hi = E;                 // the first group starting after m0
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(starts + mid) <= m0) lo = mid + 1; else hi = mid;
+    }
+    return max(lo - 1, 0);
+}
+
+// Tile (b, t), t fastest: rows b * 64 .. of the layout (those in use: up to their 128-row block's group end, bend)
+// by h's channels t * 128 ..; tiles with a stride of the grid (one CTA an SM), up to the rows in use (n).
+// Warpgroup 2 loads: each stage's 64 rows and their scales by cp.async (gathered through src where SRC), the
+// expert's gate and up weight blocks (128 x 128 each) by TMA. Warpgroup 0 multiplies the rows by the gate block,
+// 1 by the up block (m64n128k32 wgmmas, 4 a 128-channel step), each promoting every step by the row's and the
+// weight block's scales in fp32; at the tile's end 1 hands its gu (rounded to bf16, as the GEMM would write it)
+// to 0 through shared memory, and 0 applies SwiGLU, quantises h per row and 128 channels and stores it.
+extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(const GArgs a, const __grid_constant__ TMap wmap) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const unsigned base = smem_u32(smem);
+    const unsigned full = base + OFF_BAR, empty = full + 8 * STAGES;
+    const int NT = a.I / 128, DB = a.D / 128;
+    const int tiles = (__ldg(a.n) + BM - 1) / BM * NT;
+    if (threadIdx.x == 0) {
+        if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 129);               // 128 loader threads' cp.async + the TMA's expect_tx
+            mbar_init(empty + 8 * s, 8);                // the two math warpgroups' warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    int stage = 0, phase = 0;
+
+    if (threadIdx.x >= 256) {                           // the loader warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        const int p = threadIdx.x - 256, row = p >> 1, half = p & 1;
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const int m0 = tile / NT * BM, t = tile % NT;
+            const int nrows = min(__ldg(a.bend + m0 / 128) - m0, BM);
+            if (nrows <= 0) continue;
+            const int ex = expert_of(a.starts, a.E, m0);
+            // this thread's row (two threads a row, 64 bytes each a step) and, p < 64, row p's scales
+            const bool ok = row < nrows, sok = p < nrows;
+            const unsigned char *arow = a.a;
+            const float *srow = a.sa;
+#if SRC
+            if (ok) {
+                const long long r = __ldg(a.src + m0 + row);
+                arow = r >= a.row0 && r < a.row0 + a.L ? a.la + (r - a.row0) * a.la_row : a.a + r * a.a_row;
+            }
+            if (sok) {
+                const long long r = __ldg(a.src + m0 + p);
+                srow = r >= a.row0 && r < a.row0 + a.L ? a.lsa + (r - a.row0) * a.lsa_row : a.sa + r * a.sa_r;
+            }
+#else
+            if (ok) arow = a.a + (long long)(m0 + row) * a.a_row;
+            if (sok) {
+                const long long j = m0 + p;
+                srow = a.sa + (j / a.sa_g) * a.sa_gs + (j % a.sa_g) * a.sa_r;
+            }
+#endif
+            const int wrow = ex * 2 * a.I + t * 128;
+            for (int kb = 0; kb < DB; ++kb) {
+                mbar_wait(empty + 8 * stage, phase ^ 1);
+                const unsigned bar = full + 8 * stage;
+                if (p == 0) {
+                    mbar_expect_tx(bar, B_BYTES);
+                    tma_load_2d(base + stage * B_BYTES, &wmap, bar, kb * 128, wrow);
+                    tma_load_2d(base + stage * B_BYTES + B_BYTES / 2, &wmap, bar, kb * 128, wrow + a.I);
+                }
+                const unsigned sa_dst = base + OFF_A + stage * A_BYTES + row * 128;
+#pragma unroll
+                for (int c = 4 * half; c < 4 * half + 4; ++c)
+                    cp_async16(sa_dst + ((c ^ (row & 7)) << 4), arow + kb * 128 + c * 16, ok ? 16 : 0);
+                if (p < BM)
+                    cp_async4(base + OFF_SA + stage * SA_BYTES + 4 * p, srow + kb * a.sa_k, sok ? 4 : 0);
+                cp_async_arrive(bar);
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");    // (the last copies land before the thread leaves)
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
+    unsigned *up = (unsigned *)(smem + OFF_UP);
+    if (wg == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");   // the up staging is free
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = tile / NT * BM, t = tile % NT;
+        const int nrows = min(__ldg(a.bend + m0 / 128) - m0, BM);
+        if (nrows <= 0) continue;
+        const int ex = expert_of(a.starts, a.E, m0);
+        const float *wsp = a.ws + ((long long)ex * 2 * NT + wg * NT + t) * DB;
+        float fin[64], acc[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) fin[i] = 0.f;
+        for (int kb = 0; kb < DB; ++kb) {
+            const float sb = __ldg(wsp + kb);
+            mbar_wait(full + 8 * stage, phase);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
+            const float *sas = (const float *)(smem + OFF_SA + stage * SA_BYTES);
+            const float s0 = sas[r0] * sb, s1 = sas[r1] * sb;
+            const unsigned pa = base + OFF_A + stage * A_BYTES, pb = base + stage * B_BYTES + wg * (B_BYTES / 2);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + 32 * k, LBO_K), k);
+            wgmma_commit_wait();
+            if (lane == 0) mbar_arrive(empty + 8 * stage);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                fin[4 * i] += s0 * acc[4 * i];
+                fin[4 * i + 1] += s0 * acc[4 * i + 1];
+                fin[4 * i + 2] += s1 * acc[4 * i + 2];
+                fin[4 * i + 3] += s1 * acc[4 * i + 3];
+            }
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+        if (wg == 1) {                                  // up, rounded to bf16, to the gate warpgroup
+            asm volatile("bar.sync 2, 256;" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < 32; ++i) up[i * 128 + tid] = pack_bf16(fin[2 * i], fin[2 * i + 1]);
+            asm volatile("bar.arrive 1, 256;" ::: "memory");
+            continue;
+        }
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        float h[64];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const unsigned u = up[i * 128 + tid];
+            h[2 * i] = swiglu(bf16_round(fin[2 * i]), bf16_lo(u), a.limit);
+            h[2 * i + 1] = swiglu(bf16_round(fin[2 * i + 1]), bf16_hi(u), a.limit);
+        }
+        asm volatile("bar.arrive 2, 256;" ::: "memory");
+        float m0a = 0.f, m1a = 0.f;                     // rows r0, r1: |h| maxima over the quad's 128 channels
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            m0a = fmaxf(m0a, fmaxf(fabsf(h[4 * i]), fabsf(h[4 * i + 1])));
+            m1a = fmaxf(m1a, fmaxf(fabsf(h[4 * i + 2]), fabsf(h[4 * i + 3])));
+        }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            m0a = fmaxf(m0a, __shfl_xor_sync(0xffffffffu, m0a, o));
+            m1a = fmaxf(m1a, __shfl_xor_sync(0xffffffffu, m1a, o));
+        }
+        // pow2_scale_bits: the scale s = pow2_ceil(RN(amax / 448)) and 1 / s, exact powers of two
+        const unsigned sb0 = (__float_as_uint(__fdiv_rn(fmaxf(m0a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
+        const unsigned sb1 = (__float_as_uint(__fdiv_rn(fmaxf(m1a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
+        const float i0 = __uint_as_float(0x7F000000u - sb0), i1 = __uint_as_float(0x7F000000u - sb1);
+        const long long g0 = m0 + r0, g1 = m0 + r1;
+        unsigned short *q0 = (unsigned short *)(a.hq + g0 * a.I + t * 128 + c0);
+        unsigned short *q1 = (unsigned short *)(a.hq + g1 * a.I + t * 128 + c0);
+        if (r0 < nrows) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) q0[4 * i] = pack_e4m3(h[4 * i] * i0, h[4 * i + 1] * i0);
+            if (c0 == 0) a.hs[(g0 / a.G) * NT * a.G + (long long)t * a.G + g0 % a.G] = __uint_as_float(sb0);
+        }
+        if (r1 < nrows) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) q1[4 * i] = pack_e4m3(h[4 * i + 2] * i1, h[4 * i + 3] * i1);
+            if (c0 == 0) a.hs[(g1 / a.G) * NT * a.G + (long long)t * a.G + g1 % a.G] = __uint_as_float(sb1);
+        }
+    }
+    if (wg == 1) asm volatile("bar.sync 2, 256;" ::: "memory");     // the gate warpgroup's last arrive
+}

@@ -1,0 +1,169 @@
+"""The routed experts' first grouped FP8 GEMM with SwiGLU + requant in its epilogue, as a CUDA C++ kernel for Hopper
+(``csrc/gate_up_sm90.cu``, compiled by NVRTC at run time, cached on disk as the sparse core's kernels are).
+
+It computes ``fp8_expert_kernels.gate_up_swiglu``'s output (hq [JA, I] e4m3, hs [I/128, JA] fp32) from the same
+inputs, where the GEMM is compute-bound (hundreds of pairs an expert), at the rate of DeepGEMM's grouped GEMM
+rather than a Triton tile's:
+
+- one CTA an SM, persistent over the tiles (64 rows x 128 of h's channels, the channel tile fastest), three
+  warpgroups: a loader (the rows and their scales by cp.async, gathered through the ordering's ``src_J`` from
+  where they arrived when they are FP8 already; the expert's gate and up weight blocks by TMA) and two math
+  warpgroups (the rows times the gate block, the rows times the up block: m64n128k32 wgmmas), a 5-stage pipeline
+  of mbarriers between them;
+- each 128-channel step of D promoted by the row's and the weight block's scales in fp32 (DeepGEMM's 1d2d
+  promotion), gu rounded to bf16 as the GEMM writes it, SwiGLU with V4's clamps and the per-(row, 128 channels)
+  requant in registers: gu is never written, ``swiglu_quant`` and (for FP8 rows) ``gather_pairs`` do not run.
+
+``available(device)`` says whether it runs (an sm_90 GPU, NVRTC, the driver's tensor maps); ``gate_up_sm90``
+launches it on the current stream (CUDA-graph capturable: every count stays on the device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+
+import torch
+
+from .attention.sparse_core import cuda_build
+from .attention.sparse_core.cuda_impl import tmap_2d
+from .fp8 import BLOCK, FP8
+
+__all__ = ["available", "gate_up_sm90", "compile_cubin", "SOURCE", "STAGES", "THREADS", "SMEM_BYTES"]
+
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+MAIN = "gate_up_sm90.cu"
+with open(os.path.join(_CSRC, MAIN), encoding="utf-8") as _f:
+    SOURCE = _f.read()
+STAGES = 5
+THREADS = 384
+BM = 64
+# the kernel's shared memory: STAGES x (32 KB weights + 8 KB rows + 256 B scales) + 16 KB up staging + barriers
+SMEM_BYTES = STAGES * (32768 + 8192 + 256) + 16384 + 16 * STAGES
+_HASH = hashlib.sha256((SOURCE + cuda_build.SOURCES[cuda_build.HEADER]).encode()).hexdigest()[:16]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = ([("a", ctypes.c_void_p), ("a_row", ctypes.c_longlong), ("sa", ctypes.c_void_p)]
+                + [(n, ctypes.c_longlong) for n in ("sa_g", "sa_gs", "sa_r", "sa_k")]
+                + [("src", ctypes.c_void_p), ("la", ctypes.c_void_p), ("la_row", ctypes.c_longlong),
+                   ("lsa", ctypes.c_void_p), ("lsa_row", ctypes.c_longlong), ("row0", ctypes.c_int), ("L", ctypes.c_int)]
+                + [(n, ctypes.c_void_p) for n in ("ws", "starts", "bend", "n", "hq", "hs")]
+                + [(n, ctypes.c_int) for n in ("E", "D", "I", "G")] + [("limit", ctypes.c_float)])
+
+
+def _defines(src: bool) -> str:
+    return f"#define STAGES {STAGES}\n#define SRC {int(src)}\n"
+
+
+def compile_cubin(src: bool) -> bytes:
+    """The kernel (rows gathered through src_J, or the layout's rows) compiled by NVRTC for sm_90a."""
+    headers = {cuda_build.HEADER: cuda_build.SOURCES[cuda_build.HEADER]}
+    return cuda_build.nvrtc_compile(MAIN, _defines(src) + SOURCE, headers, f"gate_up_sm90 (src={src})")
+
+
+def _cubin(src: bool) -> bytes:
+    path = os.path.join(os.environ.get("MOE_WAVE_KERNEL_CACHE", "").strip() or cuda_build.default_cache_dir(),
+                        "gate_up_sm90",
+                        f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH, f"s{STAGES}-src{int(src)}.cubin")
+    return cuda_build.cached(path, lambda: compile_cubin(src))
+
+
+@functools.lru_cache(maxsize=None)
+def _function(device_index: int, src: bool):
+    data = _cubin(src)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()                     # the device's primary context, current
+        mod, func = ctypes.c_void_p(), ctypes.c_void_p()
+        for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
+                         ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod,
+                                                                                b"gate_up_sm90")),
+                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES))):
+            code = rc()
+            if code:
+                raise RuntimeError(f"gate_up_sm90: {what} returned CUresult {code}")
+    return func
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int) -> bool:
+    """Whether the kernel runs on this CUDA device: sm_90 (Hopper), NVRTC builds it, the driver loads it."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        _function(device_index, False)
+        _function(device_index, True)
+    except (RuntimeError, OSError):
+        return False
+    return True
+
+
+_TMAPS: dict = {}
+
+
+def _weight_map(w: torch.Tensor):
+    """The weights' tensor map (rows e * 2I of D bytes, 128 x 128 boxes), made once per weight buffer."""
+    key = (w.data_ptr(), tuple(w.shape), w.device.index)
+    got = _TMAPS.get(key)
+    if got is None:
+        e, I2, D = w.shape
+        got = tmap_2d(w.data_ptr(), D, e * I2, w.stride(1), 128, 128)
+        if got is None:
+            raise RuntimeError("gate_up_sm90: the driver made no tensor map for the weights")
+        _TMAPS[key] = got
+    return got
+
+
+def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor, starts_e: torch.Tensor,
+                 bend: torch.Tensor, limit: float, n: torch.Tensor, src_J: torch.Tensor | None = None,
+                 local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up_swiglu``'s (hq [JA, I] e4m3, hs [I/128, JA] fp32) on this kernel (``available`` first; no
+    group_rows: the aligned layout). The rows: src_J None: q [JA, D] and s [D/128, JA] (``quant_pairs`` /
+    ``gather_pairs``); src_J [JA]: the layout's row j is received row src_J[j] of q [R, D] e4m3 with scales
+    s [R, D/128] (``fp8_rows.unpack_rows``' views), ``local`` = (row0, q_L, s_L) as there. ``n`` [1]: the rows in
+    use (``Groups.n``)."""
+    e, I2, D = w_eND.shape
+    I = I2 // 2
+    JA = q.shape[0] if src_J is None else src_J.shape[0]
+    if (q.shape[1] != D or q.stride(1) != 1 or I % BLOCK or D % BLOCK or JA % 128 or not w_eND.is_contiguous()
+            or ws.shape != (e, I2 // BLOCK, D // BLOCK) or not ws.is_contiguous()):
+        raise ValueError(f"gate_up_sm90: rows {tuple(q.shape)}, weights {tuple(w_eND.shape)}, scales "
+                         f"{tuple(ws.shape)}: must be [rows, D] (unit channel stride), contiguous [e, 2I, D] and "
+                         f"[e, 2I/128, D/128] with I and D multiples of {BLOCK} and the layout's rows of 128")
+    hq = torch.empty(JA, I, dtype=FP8, device=q.device)
+    hs = torch.empty(I // BLOCK, JA, dtype=torch.float32, device=q.device)
+    if not (JA and I and e):
+        return hq, hs
+    a = _Args(a=q.data_ptr(), a_row=q.stride(0), ws=ws.data_ptr(), starts=starts_e.data_ptr(), bend=bend.data_ptr(),
+              n=n.data_ptr(), hq=hq.data_ptr(), hs=hs.data_ptr(), E=e, D=D, I=I, G=JA, limit=float(limit))
+    keep = [starts_e, bend, n]
+    if src_J is None:
+        if s.shape != (D // BLOCK, JA):
+            raise ValueError(f"gate_up_sm90: layout scales {tuple(s.shape)}: must be [{D // BLOCK}, {JA}]")
+        a.sa, a.sa_g, a.sa_gs, a.sa_r, a.sa_k = s.data_ptr(), 1 << 62, 0, s.stride(1), s.stride(0)
+        a.src, a.la, a.lsa = q.data_ptr(), q.data_ptr(), s.data_ptr()
+    else:
+        if s.shape != (q.shape[0], D // BLOCK) or s.stride(1) != 1:
+            raise ValueError(f"gate_up_sm90: row scales {tuple(s.shape)} stride {s.stride()}: must be "
+                             f"[{q.shape[0]}, {D // BLOCK}] with unit stride along D/128")
+        if src_J.dtype != torch.int64 or src_J.stride(0) != 1:
+            raise ValueError(f"gate_up_sm90: src_J {src_J.dtype} stride {src_J.stride()}: must be int64 with unit "
+                             f"stride (expert_order's)")
+        a.sa, a.sa_g, a.sa_gs, a.sa_r, a.sa_k, a.src = s.data_ptr(), 1 << 62, 0, s.stride(0), 1, src_J.data_ptr()
+        lq, ls = (q, s) if local is None or not local[1].numel() else local[1:]
+        a.la, a.la_row, a.lsa, a.lsa_row = lq.data_ptr(), lq.stride(0), ls.data_ptr(), ls.stride(0)
+        a.row0, a.L = (0, 0) if local is None or not local[1].numel() else (int(local[0]), local[1].shape[0])
+    func = _function(q.device.index, src_J is not None)
+    _, addr = _weight_map(w_eND)
+    ctas = min(torch.cuda.get_device_properties(q.device).multi_processor_count, I // BLOCK * (JA // BM))
+    params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p), ctypes.c_void_p(addr))
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    rc = lib.cuLaunchKernel(func, ctas, 1, 1, THREADS, 1, 1, SMEM_BYTES, torch.cuda.current_stream()._as_parameter_,
+                            params, None)
+    if rc != 0:
+        raise RuntimeError(f"gate_up_sm90: cuLaunchKernel returned CUresult {rc}")
+    del keep
+    return hq, hs

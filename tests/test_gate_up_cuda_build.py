@@ -1,0 +1,47 @@
+"""The experts' first-GEMM CUDA kernel's build (``gate_up_cuda``), on any machine: its source ships with the package,
+both variants (rows in the layout, rows read where they arrived) compile with NVRTC to sm_90a cubins with the
+registers and shared memory the launch assumes (skipped with the reason where NVRTC is absent), and the on-disk
+cache hands a compiled variant back without compiling it again."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from moe_wave import gate_up_cuda
+from moe_wave.attention.sparse_core import cuda_build
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _nvrtc():
+    try:
+        return cuda_build.nvrtc_library()
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"needs NVRTC (pip install nvidia-cuda-nvrtc, the test extra's): {e}")
+
+
+def test_source_is_package_data_and_matches_the_launch():
+    """pyproject ships moe_wave/csrc/*.cu; the kernel's stage count and shared-memory layout are the launch's."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert re.search(r'^"moe_wave"\s*=\s*\[[^\]]*"csrc/\*\.cu"', f.read(), re.M)
+    src = gate_up_cuda.SOURCE
+    assert '#include "sparse_core_device.cuh"' in src and "extern \"C\" __global__" in src
+    stages = int(re.search(r"#define STAGES (\d+)", src).group(1))
+    assert stages == gate_up_cuda.STAGES
+    # OFF_BAR + 2 * STAGES mbarriers of 8 bytes: the bytes cuLaunchKernel asks for
+    off_bar = stages * (32768 + 8192) + 16384 + stages * 256
+    assert gate_up_cuda.SMEM_BYTES == off_bar + 16 * stages <= 227 * 1024
+
+
+@pytest.mark.parametrize("src", [False, True])
+def test_variants_compile_and_are_cached_on_disk(src, tmp_path, monkeypatch):
+    _nvrtc()
+    monkeypatch.setenv("MOE_WAVE_KERNEL_CACHE", str(tmp_path))
+    data = gate_up_cuda._cubin(src)
+    assert data[:4] == b"\x7fELF"
+    assert len(list(tmp_path.rglob("*.cubin"))) == 1
+    monkeypatch.setattr(gate_up_cuda, "compile_cubin", lambda *a, **k: pytest.fail("compiled again"))
+    assert gate_up_cuda._cubin(src) == data
