@@ -4,8 +4,8 @@
   ``swiglu_quant`` (the library's way above 128 pairs an expert before the CUDA kernel);
 - ``dg gemm``: DeepGEMM's GEMM alone (its rate, for reference);
 - ``triton``: ``gate_up_swiglu`` reading the rows where they arrived (``src_J``, 128-row tiles);
-- ``cuda lay`` / ``cuda src``: ``gate_up_cuda.gate_up_sm90`` on the layout's rows (after ``gather_pairs``) and
-  reading the rows where they arrived.
+- ``cuda lay`` / ``cuda src``: ``gate_up_cuda.gate_up_sm90`` (128-row tiles) on the layout's rows (after
+  ``gather_pairs``) and reading the rows where they arrived; ``src 64``: the latter with 64-row tiles.
 
     python dev/probe_gate_up_sm90.py [--shapes v4-flash:32,v4-flash:128,v4-pro:48] [--tokens 2048,8192]
         [--waves 1,4] [--iters 30]
@@ -66,8 +66,8 @@ def main() -> int:
     flush = l2_flush_buffer(dev)
     print("us per wave (graph, L2 flushed); same / dq against the triton way (a negative same: scales differ)")
     print(f"{'shape':>14} {'T':>5} {'W':>2} {'pairs':>6} {'dg':>8} {'dg gemm':>8} {'triton':>8} {'cuda lay':>8} "
-          f"{'cuda src':>8} {'src/dg':>7} {'same lay':>8} {'dq lay':>8} {'same src':>8} {'dq src':>8} "
-          f"{'same dg':>8} {'dq dg':>8}")
+          f"{'cuda src':>8} {'src 64':>8} {'src/dg':>7} {'same lay':>8} {'dq lay':>8} {'same src':>8} {'dq src':>8} "
+          f"{'same 64':>8} {'dq 64':>8} {'same dg':>8} {'dq dg':>8}")
     for spec in args.shapes.split(","):
         name, e = spec.split(":")
         e = int(e)
@@ -109,15 +109,18 @@ def main() -> int:
                 def way_src():
                     return gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, lim, grp.n, src_J=src)
 
+                def way_src64():
+                    return gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, lim, grp.n, src_J=src, bm=64)
+
                 ref = way_tri()
                 torch.cuda.synchronize()
-                lay, srcw, dgw = way_lay(), way_src(), way_dg()
+                lay, srcw, s64, dgw = way_lay(), way_src(), way_src64(), way_dg()
                 torch.cuda.synchronize()
-                cl, cs, cd = compare(lay, ref, used, I), compare(srcw, ref, used, I), compare(dgw, ref, used, I)
-                t = [timed(f, dev, args.iters, flush) for f in (way_dg, way_gemm, way_tri, way_lay, way_src)]
+                cmp = [compare(w, ref, used, I) for w in (lay, srcw, s64, dgw)]
+                t = [timed(f, dev, args.iters, flush) for f in (way_dg, way_gemm, way_tri, way_lay, way_src,
+                                                                way_src64)]
                 print(f"{spec:>14} {T:5d} {W:2d} {int(counts.sum()):6d} " + " ".join(f"{x:8.1f}" for x in t)
-                      + f" {t[4] / t[0]:7.3f} {cl[0]:8.4f} {cl[1]:8.1e} {cs[0]:8.4f} {cs[1]:8.1e} {cd[0]:8.4f} "
-                      f"{cd[1]:8.1e}", flush=True)
+                      + f" {t[4] / t[0]:7.3f} " + " ".join(f"{c[0]:8.4f} {c[1]:8.1e}" for c in cmp), flush=True)
     return 0
 
 

@@ -31,17 +31,24 @@ from .attention.sparse_core import cuda_build
 from .attention.sparse_core.cuda_impl import tmap_2d
 from .fp8 import BLOCK, FP8
 
-__all__ = ["available", "gate_up_sm90", "compile_cubin", "SOURCE", "STAGES", "THREADS", "SMEM_BYTES"]
+__all__ = ["available", "gate_up_sm90", "compile_cubin", "SOURCE", "STAGES", "M128_STAGES", "THREADS", "SMEM_BYTES",
+           "BM", "KERNELS"]
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 MAIN = "gate_up_sm90.cu"
 with open(os.path.join(_CSRC, MAIN), encoding="utf-8") as _f:
     SOURCE = _f.read()
 STAGES = 5
+M128_STAGES = 4
 THREADS = 384
-BM = 64
-# the kernel's shared memory: STAGES x (32 KB weights + 8 KB rows + 256 B scales) + 16 KB up staging + barriers
-SMEM_BYTES = STAGES * (32768 + 8192 + 256) + 16384 + 16 * STAGES
+# rows a tile: 64 (gate_up_sm90: a math warpgroup the gate block, the other the up block) or 128
+# (gate_up_sm90_m128: a math warpgroup 64 rows against both)
+BM = 128
+# the kernels' shared memory: 64 rows: STAGES x (32 KB weights + 8 KB rows + 256 B scales) + 16 KB up staging +
+# barriers; 128 rows: M128_STAGES x (32 KB + 16 KB + 512 B) + the rows' address table (1 KB) + barriers
+SMEM_BYTES = {64: STAGES * (32768 + 8192 + 256) + 16384 + 16 * STAGES,
+              128: M128_STAGES * (32768 + 16384 + 512) + 1024 + 16 * M128_STAGES}
+KERNELS = {64: b"gate_up_sm90", 128: b"gate_up_sm90_m128"}
 _HASH = hashlib.sha256((SOURCE + cuda_build.SOURCES[cuda_build.HEADER]).encode()).hexdigest()[:16]
 
 
@@ -49,13 +56,14 @@ class _Args(ctypes.Structure):
     _fields_ = ([("a", ctypes.c_void_p), ("a_row", ctypes.c_longlong), ("sa", ctypes.c_void_p)]
                 + [(n, ctypes.c_longlong) for n in ("sa_g", "sa_gs", "sa_r", "sa_k")]
                 + [("src", ctypes.c_void_p), ("la", ctypes.c_void_p), ("la_row", ctypes.c_longlong),
-                   ("lsa", ctypes.c_void_p), ("lsa_row", ctypes.c_longlong), ("row0", ctypes.c_int), ("L", ctypes.c_int)]
+                   ("lsa", ctypes.c_void_p), ("lsa_row", ctypes.c_longlong)]
+                + [("row0", ctypes.c_int), ("L", ctypes.c_int)]
                 + [(n, ctypes.c_void_p) for n in ("ws", "starts", "bend", "n", "hq", "hs")]
                 + [(n, ctypes.c_int) for n in ("E", "D", "I", "G")] + [("limit", ctypes.c_float)])
 
 
 def _defines(src: bool) -> str:
-    return f"#define STAGES {STAGES}\n#define SRC {int(src)}\n"
+    return f"#define STAGES {STAGES}\n#define M128_STAGES {M128_STAGES}\n#define SRC {int(src)}\n"
 
 
 def compile_cubin(src: bool) -> bytes:
@@ -67,12 +75,13 @@ def compile_cubin(src: bool) -> bytes:
 def _cubin(src: bool) -> bytes:
     path = os.path.join(os.environ.get("MOE_WAVE_KERNEL_CACHE", "").strip() or cuda_build.default_cache_dir(),
                         "gate_up_sm90",
-                        f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH, f"s{STAGES}-src{int(src)}.cubin")
+                        f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH,
+                        f"s{STAGES}-{M128_STAGES}-src{int(src)}.cubin")
     return cuda_build.cached(path, lambda: compile_cubin(src))
 
 
 @functools.lru_cache(maxsize=None)
-def _function(device_index: int, src: bool):
+def _function(device_index: int, src: bool, bm: int = BM):
     data = _cubin(src)
     lib = torch.cuda._utils._get_gpu_runtime_library()
     with torch.cuda.device(device_index):
@@ -80,8 +89,8 @@ def _function(device_index: int, src: bool):
         mod, func = ctypes.c_void_p(), ctypes.c_void_p()
         for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
                          ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod,
-                                                                                b"gate_up_sm90")),
-                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES))):
+                                                                                KERNELS[bm])),
+                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES[bm]))):
             code = rc()
             if code:
                 raise RuntimeError(f"gate_up_sm90: {what} returned CUresult {code}")
@@ -94,8 +103,9 @@ def available(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
     try:
-        _function(device_index, False)
-        _function(device_index, True)
+        for bm in KERNELS:
+            _function(device_index, False, bm)
+            _function(device_index, True, bm)
     except (RuntimeError, OSError):
         return False
     return True
@@ -119,12 +129,15 @@ def _weight_map(w: torch.Tensor):
 
 def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor, starts_e: torch.Tensor,
                  bend: torch.Tensor, limit: float, n: torch.Tensor, src_J: torch.Tensor | None = None,
-                 local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 local: tuple | None = None, bm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up_swiglu``'s (hq [JA, I] e4m3, hs [I/128, JA] fp32) on this kernel (``available`` first; no
     group_rows: the aligned layout). The rows: src_J None: q [JA, D] and s [D/128, JA] (``quant_pairs`` /
     ``gather_pairs``); src_J [JA]: the layout's row j is received row src_J[j] of q [R, D] e4m3 with scales
     s [R, D/128] (``fp8_rows.unpack_rows``' views), ``local`` = (row0, q_L, s_L) as there. ``n`` [1]: the rows in
-    use (``Groups.n``)."""
+    use (``Groups.n``); ``bm``: the rows a tile, 64 or 128 (default ``BM``)."""
+    bm = BM if bm is None else bm
+    if bm not in KERNELS:
+        raise ValueError(f"gate_up_sm90: bm={bm}: must be one of {tuple(KERNELS)}")
     e, I2, D = w_eND.shape
     I = I2 // 2
     JA = q.shape[0] if src_J is None else src_J.shape[0]
@@ -156,13 +169,13 @@ def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torc
         lq, ls = (q, s) if local is None or not local[1].numel() else local[1:]
         a.la, a.la_row, a.lsa, a.lsa_row = lq.data_ptr(), lq.stride(0), ls.data_ptr(), ls.stride(0)
         a.row0, a.L = (0, 0) if local is None or not local[1].numel() else (int(local[0]), local[1].shape[0])
-    func = _function(q.device.index, src_J is not None)
+    func = _function(q.device.index, src_J is not None, bm)
     _, addr = _weight_map(w_eND)
-    ctas = min(torch.cuda.get_device_properties(q.device).multi_processor_count, I // BLOCK * (JA // BM))
+    ctas = min(torch.cuda.get_device_properties(q.device).multi_processor_count, I // BLOCK * (JA // bm))
     params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p), ctypes.c_void_p(addr))
     lib = torch.cuda._utils._get_gpu_runtime_library()
-    rc = lib.cuLaunchKernel(func, ctas, 1, 1, THREADS, 1, 1, SMEM_BYTES, torch.cuda.current_stream()._as_parameter_,
-                            params, None)
+    rc = lib.cuLaunchKernel(func, ctas, 1, 1, THREADS, 1, 1, SMEM_BYTES[bm],
+                            torch.cuda.current_stream()._as_parameter_, params, None)
     if rc != 0:
         raise RuntimeError(f"gate_up_sm90: cuLaunchKernel returned CUresult {rc}")
     del keep

@@ -30,10 +30,13 @@ def test_source_is_package_data_and_matches_the_launch():
     src = gate_up_cuda.SOURCE
     assert '#include "sparse_core_device.cuh"' in src and "extern \"C\" __global__" in src
     stages = int(re.search(r"#define STAGES (\d+)", src).group(1))
-    assert stages == gate_up_cuda.STAGES
+    m128 = int(re.search(r"#define M128_STAGES (\d+)", src).group(1))
+    assert (stages, m128) == (gate_up_cuda.STAGES, gate_up_cuda.M128_STAGES)
     # OFF_BAR + 2 * STAGES mbarriers of 8 bytes: the bytes cuLaunchKernel asks for
-    off_bar = stages * (32768 + 8192) + 16384 + stages * 256
-    assert gate_up_cuda.SMEM_BYTES == off_bar + 16 * stages <= 227 * 1024
+    off_bar = {64: stages * (32768 + 8192) + 16384 + stages * 256, 128: m128 * (32768 + 16384 + 512) + 1024}
+    for bm, n in ((64, stages), (128, m128)):
+        assert gate_up_cuda.SMEM_BYTES[bm] == off_bar[bm] + 16 * n <= 227 * 1024
+        assert f'extern "C" __global__ void __launch_bounds__(384, 1) {gate_up_cuda.KERNELS[bm].decode()}(' in src
 
 
 @pytest.mark.parametrize("src", [False, True])

@@ -57,17 +57,18 @@ def _dequant(hq, hs, used):
 
 
 @needs_sm90
+@pytest.mark.parametrize("bm", [64, 128])
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("limit", [0.0, 0.7])
-def test_kernel_equals_the_triton_kernel_and_the_reference(skew, limit):
+def test_kernel_equals_the_triton_kernel_and_the_reference(skew, limit, bm):
     from moe_wave.gate_up_cuda import gate_up_sm90
 
     grp, src, pos, wq, ws, xp, JA = _inputs(skew=skew)
     D = wq.shape[2]
     q, s = gather_pairs(xp, D, pos, JA)
     used = _used(grp, JA)
-    lay = gate_up_sm90(q, s, wq, ws, grp.starts, grp.bend, limit, grp.n)
-    frm = gate_up_sm90(*unpack_rows(xp, D), wq, ws, grp.starts, grp.bend, limit, grp.n, src_J=src)
+    lay = gate_up_sm90(q, s, wq, ws, grp.starts, grp.bend, limit, grp.n, bm=bm)
+    frm = gate_up_sm90(*unpack_rows(xp, D), wq, ws, grp.starts, grp.bend, limit, grp.n, src_J=src, bm=bm)
     tri = gate_up_swiglu(q, s, wq, ws, grp.starts, grp.bend, limit, n=grp.n, bm=128)
     ref = gate_up_swiglu_torch(q, s, wq, ws, grp.starts, grp.ends, limit)
     # the two ways into the kernel: the same bits
@@ -83,7 +84,8 @@ def test_kernel_equals_the_triton_kernel_and_the_reference(skew, limit):
 
 
 @needs_sm90
-def test_local_rows_and_graph_replay():
+@pytest.mark.parametrize("bm", [64, 128])
+def test_local_rows_and_graph_replay(bm):
     from moe_wave.gate_up_cuda import gate_up_sm90
 
     grp, src, pos, wq, ws, xp, JA = _inputs(seed=3)
@@ -94,8 +96,8 @@ def test_local_rows_and_graph_replay():
     garbage = xp.clone()
     garbage[row0:row0 + L] = 0                         # what the received buffer holds there must not be read
     gq, gs = unpack_rows(garbage, D)
-    want = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src)
-    got = gate_up_sm90(gq, gs, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, local=(row0, lq, ls))
+    want = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, bm=bm)
+    got = gate_up_sm90(gq, gs, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, local=(row0, lq, ls), bm=bm)
     used = _used(grp, JA)
     assert torch.equal(want[0].view(torch.uint8)[used], got[0].view(torch.uint8)[used])
     assert torch.equal(want[1][:, used], got[1][:, used])
@@ -103,7 +105,7 @@ def test_local_rows_and_graph_replay():
     gr = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(gr):
-        out["h"] = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src)
+        out["h"] = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, bm=bm)
     for _ in range(2):
         out["h"][0].zero_()
         gr.replay()

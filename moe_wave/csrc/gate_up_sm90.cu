@@ -86,6 +86,42 @@ __device__ __forceinline__ int expert_of(const int *starts, int E, int m0) {
     return max(lo - 1, 0);
 }
 
+// h of rows g0 and g1 (this thread's 2 x 32 values: h[4i], h[4i + 1] of g0 at channels col + 8i, + 1; h[4i + 2],
+// h[4i + 3] of g1), quantised per row and 128 channels (the quad of lanes holds a row's 128), stored where ok0 / ok1;
+// the scales of tile t by the quad's first lane (first)
+__device__ __forceinline__ void store_h(const GArgs &a, const float *h, long long g0, long long g1, bool ok0,
+                                        bool ok1, int col, int t, bool first) {
+    float m0a = 0.f, m1a = 0.f;                         // |h| maxima over the quad's 128 channels
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        m0a = fmaxf(m0a, fmaxf(fabsf(h[4 * i]), fabsf(h[4 * i + 1])));
+        m1a = fmaxf(m1a, fmaxf(fabsf(h[4 * i + 2]), fabsf(h[4 * i + 3])));
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        m0a = fmaxf(m0a, __shfl_xor_sync(0xffffffffu, m0a, o));
+        m1a = fmaxf(m1a, __shfl_xor_sync(0xffffffffu, m1a, o));
+    }
+    // pow2_scale_bits: the scale s = pow2_ceil(RN(amax / 448)) and 1 / s, exact powers of two
+    const unsigned sb0 = (__float_as_uint(__fdiv_rn(fmaxf(m0a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
+    const unsigned sb1 = (__float_as_uint(__fdiv_rn(fmaxf(m1a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
+    const float i0 = __uint_as_float(0x7F000000u - sb0), i1 = __uint_as_float(0x7F000000u - sb1);
+    const int NT = a.I / 128;
+    if (ok0) {
+        unsigned short *q = (unsigned short *)(a.hq + g0 * a.I + col);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[4 * i] = pack_e4m3(h[4 * i] * i0, h[4 * i + 1] * i0);
+        if (first) a.hs[(g0 / a.G) * NT * a.G + (long long)t * a.G + g0 % a.G] = __uint_as_float(sb0);
+    }
+    if (ok1) {
+        unsigned short *q = (unsigned short *)(a.hq + g1 * a.I + col);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[4 * i] = pack_e4m3(h[4 * i + 2] * i1, h[4 * i + 3] * i1);
+        if (first) a.hs[(g1 / a.G) * NT * a.G + (long long)t * a.G + g1 % a.G] = __uint_as_float(sb1);
+    }
+}
+
+
 // Tile (b, t), t fastest: rows b * 64 .. of the layout (those in use: up to their 128-row block's group end, bend)
 // by h's channels t * 128 ..; tiles with a stride of the grid (one CTA an SM), up to the rows in use (n).
 // Warpgroup 2 loads: each stage's 64 rows and their scales by cp.async (gathered through src where SRC), the
@@ -212,34 +248,146 @@ extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(const GArgs a,
             h[2 * i + 1] = swiglu(bf16_round(fin[2 * i + 1]), bf16_hi(u), a.limit);
         }
         asm volatile("bar.arrive 2, 256;" ::: "memory");
-        float m0a = 0.f, m1a = 0.f;                     // rows r0, r1: |h| maxima over the quad's 128 channels
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            m0a = fmaxf(m0a, fmaxf(fabsf(h[4 * i]), fabsf(h[4 * i + 1])));
-            m1a = fmaxf(m1a, fmaxf(fabsf(h[4 * i + 2]), fabsf(h[4 * i + 3])));
-        }
-#pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-            m0a = fmaxf(m0a, __shfl_xor_sync(0xffffffffu, m0a, o));
-            m1a = fmaxf(m1a, __shfl_xor_sync(0xffffffffu, m1a, o));
-        }
-        // pow2_scale_bits: the scale s = pow2_ceil(RN(amax / 448)) and 1 / s, exact powers of two
-        const unsigned sb0 = (__float_as_uint(__fdiv_rn(fmaxf(m0a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
-        const unsigned sb1 = (__float_as_uint(__fdiv_rn(fmaxf(m1a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
-        const float i0 = __uint_as_float(0x7F000000u - sb0), i1 = __uint_as_float(0x7F000000u - sb1);
-        const long long g0 = m0 + r0, g1 = m0 + r1;
-        unsigned short *q0 = (unsigned short *)(a.hq + g0 * a.I + t * 128 + c0);
-        unsigned short *q1 = (unsigned short *)(a.hq + g1 * a.I + t * 128 + c0);
-        if (r0 < nrows) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) q0[4 * i] = pack_e4m3(h[4 * i] * i0, h[4 * i + 1] * i0);
-            if (c0 == 0) a.hs[(g0 / a.G) * NT * a.G + (long long)t * a.G + g0 % a.G] = __uint_as_float(sb0);
-        }
-        if (r1 < nrows) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) q1[4 * i] = pack_e4m3(h[4 * i + 2] * i1, h[4 * i + 3] * i1);
-            if (c0 == 0) a.hs[(g1 / a.G) * NT * a.G + (long long)t * a.G + g1 % a.G] = __uint_as_float(sb1);
-        }
+        store_h(a, h, m0 + r0, m0 + r1, r0 < nrows, r1 < nrows, t * 128 + c0, t, c0 == 0);
     }
     if (wg == 1) asm volatile("bar.sync 2, 256;" ::: "memory");     // the gate warpgroup's last arrive
+}
+
+// The same tiles at 128 rows (M128_STAGES deep): warpgroup w of the two math ones takes rows 64 w .. of the tile
+// against both the gate and the up block (one accumulator, the gate's and the up's promoted sums beside it), so
+// SwiGLU needs no exchange; a row block's weights are read from L2 half as often as at 64 rows. The loader's
+// threads copy rows rg + 16 i (i < 8) x 16-byte chunk cg of each step (a warp instruction: 4 rows x 128 bytes),
+// through a per-tile table of the rows' addresses in shared memory.
+#ifndef M128_STAGES
+#define M128_STAGES 4
+#endif
+#define M_A_BYTES 16384
+#define M_SA_BYTES 512
+#define M_OFF_A (M128_STAGES * B_BYTES)
+#define M_OFF_SA (M_OFF_A + M128_STAGES * M_A_BYTES)
+#define M_OFF_TBL (M_OFF_SA + M128_STAGES * M_SA_BYTES)
+#define M_OFF_BAR (M_OFF_TBL + 128 * 8)
+
+extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90_m128(const GArgs a,
+                                                                      const __grid_constant__ TMap wmap) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const unsigned base = smem_u32(smem);
+    const unsigned full = base + M_OFF_BAR, empty = full + 8 * M128_STAGES;
+    const int NT = a.I / 128, DB = a.D / 128;
+    const int tiles = (__ldg(a.n) + 127) / 128 * NT;
+    if (threadIdx.x == 0) {
+        if (base & 1023) __trap();
+        for (int s = 0; s < M128_STAGES; ++s) {
+            mbar_init(full + 8 * s, 129);               // 128 loader threads' cp.async + the TMA's expect_tx
+            mbar_init(empty + 8 * s, 8);                // the two math warpgroups' warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    int stage = 0, phase = 0;
+
+    if (threadIdx.x >= 256) {                           // the loader warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        const int p = threadIdx.x - 256, rg = p >> 3, cg = p & 7;
+        const unsigned char **tbl = (const unsigned char **)(smem + M_OFF_TBL);
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const int m0 = tile / NT * 128, t = tile % NT;
+            const int nrows = min(__ldg(a.bend + m0 / 128) - m0, 128);
+            if (nrows <= 0) continue;
+            const int ex = expert_of(a.starts, a.E, m0);
+            const bool ok = p < nrows;                  // row p: its address to the table, its scales here
+            const unsigned char *arow = nullptr;
+            const float *srow = a.sa;
+#if SRC
+            if (ok) {
+                const long long r = __ldg(a.src + m0 + p);
+                const bool here = r >= a.row0 && r < a.row0 + a.L;
+                arow = here ? a.la + (r - a.row0) * a.la_row : a.a + r * a.a_row;
+                srow = here ? a.lsa + (r - a.row0) * a.lsa_row : a.sa + r * a.sa_r;
+            }
+#else
+            if (ok) {
+                const long long j = m0 + p;
+                arow = a.a + j * a.a_row;
+                srow = a.sa + (j / a.sa_g) * a.sa_gs + (j % a.sa_g) * a.sa_r;
+            }
+#endif
+            asm volatile("bar.sync 3, 128;" ::: "memory");    // the last tile's table is read
+            tbl[p] = arow;
+            asm volatile("bar.sync 3, 128;" ::: "memory");
+            const int wrow = ex * 2 * a.I + t * 128;
+            for (int kb = 0; kb < DB; ++kb) {
+                mbar_wait(empty + 8 * stage, phase ^ 1);
+                const unsigned bar = full + 8 * stage;
+                if (p == 0) {
+                    mbar_expect_tx(bar, B_BYTES);
+                    tma_load_2d(base + stage * B_BYTES, &wmap, bar, kb * 128, wrow);
+                    tma_load_2d(base + stage * B_BYTES + B_BYTES / 2, &wmap, bar, kb * 128, wrow + a.I);
+                }
+                const unsigned sa_dst = base + M_OFF_A + stage * M_A_BYTES;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int row = rg + 16 * i;
+                    const unsigned char *src = tbl[row];
+                    cp_async16(sa_dst + row * 128 + ((cg ^ (row & 7)) << 4), src ? src + kb * 128 + cg * 16 : a.a,
+                               src ? 16 : 0);
+                }
+                cp_async4(base + M_OFF_SA + stage * M_SA_BYTES + 4 * p, srow + kb * a.sa_k, ok ? 4 : 0);
+                cp_async_arrive(bar);
+                if (++stage == M128_STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");    // (the last copies land before the thread leaves)
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    const int r0 = 64 * wg + warp * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = tile / NT * 128, t = tile % NT;
+        const int nrows = min(__ldg(a.bend + m0 / 128) - m0, 128);
+        if (nrows <= 0) continue;
+        const int ex = expert_of(a.starts, a.E, m0);
+        const float *wsg = a.ws + ((long long)ex * 2 * NT + t) * DB, *wsu = wsg + (long long)NT * DB;
+        float fg[64], fu[64], acc[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) fg[i] = fu[i] = 0.f;
+        for (int kb = 0; kb < DB; ++kb) {
+            const float sg = __ldg(wsg + kb), su = __ldg(wsu + kb);
+            mbar_wait(full + 8 * stage, phase);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
+            const float *sas = (const float *)(smem + M_OFF_SA + stage * M_SA_BYTES);
+            const float sa0 = sas[r0], sa1 = sas[r1];
+            const unsigned pa = base + M_OFF_A + stage * M_A_BYTES + wg * 8192, pb = base + stage * B_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + 32 * k, LBO_K), k);
+            wgmma_commit_wait();
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                fg[4 * i] += sa0 * sg * acc[4 * i];
+                fg[4 * i + 1] += sa0 * sg * acc[4 * i + 1];
+                fg[4 * i + 2] += sa1 * sg * acc[4 * i + 2];
+                fg[4 * i + 3] += sa1 * sg * acc[4 * i + 3];
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + B_BYTES / 2 + 32 * k, LBO_K), k);
+            wgmma_commit_wait();
+            if (lane == 0) mbar_arrive(empty + 8 * stage);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                fu[4 * i] += sa0 * su * acc[4 * i];
+                fu[4 * i + 1] += sa0 * su * acc[4 * i + 1];
+                fu[4 * i + 2] += sa1 * su * acc[4 * i + 2];
+                fu[4 * i + 3] += sa1 * su * acc[4 * i + 3];
+            }
+            if (++stage == M128_STAGES) { stage = 0; phase ^= 1; }
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) fg[i] = swiglu(bf16_round(fg[i]), bf16_round(fu[i]), a.limit);
+        store_h(a, fg, m0 + r0, m0 + r1, r0 < nrows, r1 < nrows, t * 128 + c0, t, c0 == 0);
+    }
 }
