@@ -4,8 +4,9 @@
   ``swiglu_quant`` (the library's way above 128 pairs an expert before the CUDA kernel);
 - ``dg gemm``: DeepGEMM's GEMM alone (its rate, for reference);
 - ``triton``: ``gate_up_swiglu`` reading the rows where they arrived (``src_J``, 128-row tiles);
-- ``cuda lay`` / ``cuda src``: ``gate_up_cuda.gate_up_sm90`` (128-row tiles) on the layout's rows (after
-  ``gather_pairs``) and reading the rows where they arrived; ``src 64``: the latter with 64-row tiles.
+- ``cuda lay`` / ``cuda src``: ``gate_up_cuda.gate_up_sm90`` (CTAs in pairs, the weights multicast) on the
+  layout's rows (after ``gather_pairs``) and reading the rows where they arrived; ``src c1``: the latter with
+  CTAs alone.
 
     python dev/probe_gate_up_sm90.py [--shapes v4-flash:32,v4-flash:128,v4-pro:48] [--tokens 2048,8192]
         [--waves 1,4] [--iters 30]
@@ -66,8 +67,8 @@ def main() -> int:
     flush = l2_flush_buffer(dev)
     print("us per wave (graph, L2 flushed); same / dq against the triton way (a negative same: scales differ)")
     print(f"{'shape':>14} {'T':>5} {'W':>2} {'pairs':>6} {'dg':>8} {'dg gemm':>8} {'triton':>8} {'cuda lay':>8} "
-          f"{'cuda src':>8} {'src 64':>8} {'src/dg':>7} {'same lay':>8} {'dq lay':>8} {'same src':>8} {'dq src':>8} "
-          f"{'same 64':>8} {'dq 64':>8} {'same dg':>8} {'dq dg':>8}")
+          f"{'cuda src':>8} {'src c1':>8} {'src/dg':>7} {'same lay':>8} {'dq lay':>8} {'same src':>8} {'dq src':>8} "
+          f"{'same c1':>8} {'dq c1':>8} {'same dg':>8} {'dq dg':>8}")
     for spec in args.shapes.split(","):
         name, e = spec.split(":")
         e = int(e)
@@ -110,7 +111,7 @@ def main() -> int:
                     return gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, lim, grp.n, src_J=src)
 
                 def way_src64():
-                    return gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, lim, grp.n, src_J=src, bm=64)
+                    return gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, lim, grp.n, src_J=src, cluster=1)
 
                 ref = way_tri()
                 torch.cuda.synchronize()

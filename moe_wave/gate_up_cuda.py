@@ -5,11 +5,14 @@ It computes ``fp8_expert_kernels.gate_up_swiglu``'s output (hq [JA, I] e4m3, hs 
 inputs, where the GEMM is compute-bound (hundreds of pairs an expert), at the rate of DeepGEMM's grouped GEMM
 rather than a Triton tile's:
 
-- one CTA an SM, persistent over the tiles (64 rows x 128 of h's channels, the channel tile fastest), three
+- one CTA an SM, persistent over the tiles (128 rows x 128 of h's channels, the channel tile fastest), three
   warpgroups: a loader (the rows and their scales by cp.async, gathered through the ordering's ``src_J`` from
   where they arrived when they are FP8 already; the expert's gate and up weight blocks by TMA) and two math
-  warpgroups (the rows times the gate block, the rows times the up block: m64n128k32 wgmmas), a 5-stage pipeline
+  warpgroups (64 rows each, against the gate block and then the up block: m64n128k32 wgmmas), a 4-stage pipeline
   of mbarriers between them;
+- CTAs in pairs (a cluster of ``CLUSTER``): a pair takes two row blocks of the same channels, and where both are
+  one expert's rows each CTA loads one of the two weight blocks into both by TMA multicast, so the weights cross
+  from L2 once for the two (DeepGEMM multicasts one operand the same way);
 - each 128-channel step of D promoted by the row's and the weight block's scales in fp32 (DeepGEMM's 1d2d
   promotion), gu rounded to bf16 as the GEMM writes it, SwiGLU with V4's clamps and the per-(row, 128 channels)
   requant in registers: gu is never written, ``swiglu_quant`` and (for FP8 rows) ``gather_pairs`` do not run.
@@ -31,24 +34,20 @@ from .attention.sparse_core import cuda_build
 from .attention.sparse_core.cuda_impl import tmap_2d
 from .fp8 import BLOCK, FP8
 
-__all__ = ["available", "gate_up_sm90", "compile_cubin", "SOURCE", "STAGES", "M128_STAGES", "THREADS", "SMEM_BYTES",
-           "BM", "KERNELS"]
+__all__ = ["available", "gate_up_sm90", "compile_cubin", "SOURCE", "STAGES", "THREADS", "SMEM_BYTES", "BM", "CLUSTER"]
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 MAIN = "gate_up_sm90.cu"
 with open(os.path.join(_CSRC, MAIN), encoding="utf-8") as _f:
     SOURCE = _f.read()
-STAGES = 5
-M128_STAGES = 4
+STAGES = 4
 THREADS = 384
-# rows a tile: 64 (gate_up_sm90: a math warpgroup the gate block, the other the up block) or 128
-# (gate_up_sm90_m128: a math warpgroup 64 rows against both)
 BM = 128
-# the kernels' shared memory: 64 rows: STAGES x (32 KB weights + 8 KB rows + 256 B scales) + 16 KB up staging +
-# barriers; 128 rows: M128_STAGES x (32 KB + 16 KB + 512 B) + the rows' address table (1 KB) + barriers
-SMEM_BYTES = {64: STAGES * (32768 + 8192 + 256) + 16384 + 16 * STAGES,
-              128: M128_STAGES * (32768 + 16384 + 512) + 1024 + 16 * M128_STAGES}
-KERNELS = {64: b"gate_up_sm90", 128: b"gate_up_sm90_m128"}
+# CTAs a cluster: 2 share each weight block by TMA multicast where both of a pair's row blocks are one expert's
+CLUSTER = 2
+# the kernel's shared memory: STAGES x (32 KB weights + 16 KB rows + 512 B scales) + the rows' address table (1 KB)
+# + the stages' two mbarriers
+SMEM_BYTES = STAGES * (32768 + 16384 + 512) + 1024 + 16 * STAGES
 _HASH = hashlib.sha256((SOURCE + cuda_build.SOURCES[cuda_build.HEADER]).encode()).hexdigest()[:16]
 
 
@@ -62,39 +61,67 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_int) for n in ("E", "D", "I", "G")] + [("limit", ctypes.c_float)])
 
 
-def _defines(src: bool) -> str:
-    return f"#define STAGES {STAGES}\n#define M128_STAGES {M128_STAGES}\n#define SRC {int(src)}\n"
+def _defines(src: bool, cluster: int) -> str:
+    return f"#define STAGES {STAGES}\n#define CLUSTER {cluster}\n#define SRC {int(src)}\n"
 
 
-def compile_cubin(src: bool) -> bytes:
-    """The kernel (rows gathered through src_J, or the layout's rows) compiled by NVRTC for sm_90a."""
+def compile_cubin(src: bool, cluster: int = CLUSTER) -> bytes:
+    """The kernel (rows gathered through src_J, or the layout's rows; ``cluster`` CTAs a cluster) compiled by NVRTC
+    for sm_90a."""
     headers = {cuda_build.HEADER: cuda_build.SOURCES[cuda_build.HEADER]}
-    return cuda_build.nvrtc_compile(MAIN, _defines(src) + SOURCE, headers, f"gate_up_sm90 (src={src})")
+    return cuda_build.nvrtc_compile(MAIN, _defines(src, cluster) + SOURCE, headers,
+                                    f"gate_up_sm90 (src={src}, cluster={cluster})")
 
 
-def _cubin(src: bool) -> bytes:
+def _cubin(src: bool, cluster: int = CLUSTER) -> bytes:
     path = os.path.join(os.environ.get("MOE_WAVE_KERNEL_CACHE", "").strip() or cuda_build.default_cache_dir(),
-                        "gate_up_sm90",
-                        f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH,
-                        f"s{STAGES}-{M128_STAGES}-src{int(src)}.cubin")
-    return cuda_build.cached(path, lambda: compile_cubin(src))
+                        "gate_up_sm90", f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH,
+                        f"s{STAGES}-c{cluster}-src{int(src)}.cubin")
+    return cuda_build.cached(path, lambda: compile_cubin(src, cluster))
+
+
+class _LaunchAttr(ctypes.Structure):        # CUlaunchAttribute: an id, padding, a 64-byte value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("dims", ctypes.c_uint * 3),
+                ("rest", ctypes.c_char * 52)]
+
+
+class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
+    _fields_ = ([(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")]
+                + [("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)])
+
+
+def _config(grid: int, cluster: int, stream) -> tuple:
+    attr = _LaunchAttr(id=4)                # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.dims[0], attr.dims[1], attr.dims[2] = cluster, 1, 1
+    cfg = _LaunchConfig(gx=grid, gy=1, gz=1, bx=THREADS, by=1, bz=1, smem=SMEM_BYTES, stream=stream,
+                        attrs=ctypes.pointer(attr), n_attrs=1)
+    return cfg, attr
 
 
 @functools.lru_cache(maxsize=None)
-def _function(device_index: int, src: bool, bm: int = BM):
-    data = _cubin(src)
+def _function(device_index: int, src: bool, cluster: int = CLUSTER):
+    """(CUfunction, the CTAs a launch takes: as many clusters as the GPU holds at once)."""
+    data = _cubin(src, cluster)
     lib = torch.cuda._utils._get_gpu_runtime_library()
     with torch.cuda.device(device_index):
         torch.cuda.current_stream()                     # the device's primary context, current
         mod, func = ctypes.c_void_p(), ctypes.c_void_p()
         for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
                          ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod,
-                                                                                KERNELS[bm])),
-                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES[bm]))):
+                                                                                b"gate_up_sm90")),
+                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES))):
             code = rc()
             if code:
                 raise RuntimeError(f"gate_up_sm90: {what} returned CUresult {code}")
-    return func
+        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        if cluster == 1:
+            return func, sms
+        n = ctypes.c_int(0)
+        cfg, _attr = _config(sms, cluster, None)
+        code = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(cfg))
+        if code or n.value < 1:
+            raise RuntimeError(f"gate_up_sm90: cuOccupancyMaxActiveClusters returned CUresult {code} ({n.value})")
+    return func, n.value * cluster
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,9 +130,8 @@ def available(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
     try:
-        for bm in KERNELS:
-            _function(device_index, False, bm)
-            _function(device_index, True, bm)
+        _function(device_index, False)
+        _function(device_index, True)
     except (RuntimeError, OSError):
         return False
     return True
@@ -129,15 +155,15 @@ def _weight_map(w: torch.Tensor):
 
 def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor, starts_e: torch.Tensor,
                  bend: torch.Tensor, limit: float, n: torch.Tensor, src_J: torch.Tensor | None = None,
-                 local: tuple | None = None, bm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 local: tuple | None = None, cluster: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up_swiglu``'s (hq [JA, I] e4m3, hs [I/128, JA] fp32) on this kernel (``available`` first; no
     group_rows: the aligned layout). The rows: src_J None: q [JA, D] and s [D/128, JA] (``quant_pairs`` /
     ``gather_pairs``); src_J [JA]: the layout's row j is received row src_J[j] of q [R, D] e4m3 with scales
     s [R, D/128] (``fp8_rows.unpack_rows``' views), ``local`` = (row0, q_L, s_L) as there. ``n`` [1]: the rows in
-    use (``Groups.n``); ``bm``: the rows a tile, 64 or 128 (default ``BM``)."""
-    bm = BM if bm is None else bm
-    if bm not in KERNELS:
-        raise ValueError(f"gate_up_sm90: bm={bm}: must be one of {tuple(KERNELS)}")
+    use (``Groups.n``); ``cluster``: CTAs a cluster, 1 or 2 (default ``CLUSTER``)."""
+    cluster = CLUSTER if cluster is None else cluster
+    if cluster not in (1, 2):
+        raise ValueError(f"gate_up_sm90: cluster={cluster}: must be 1 or 2")
     e, I2, D = w_eND.shape
     I = I2 // 2
     JA = q.shape[0] if src_J is None else src_J.shape[0]
@@ -169,14 +195,14 @@ def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torc
         lq, ls = (q, s) if local is None or not local[1].numel() else local[1:]
         a.la, a.la_row, a.lsa, a.lsa_row = lq.data_ptr(), lq.stride(0), ls.data_ptr(), ls.stride(0)
         a.row0, a.L = (0, 0) if local is None or not local[1].numel() else (int(local[0]), local[1].shape[0])
-    func = _function(q.device.index, src_J is not None, bm)
+    func, most = _function(q.device.index, src_J is not None, cluster)
     _, addr = _weight_map(w_eND)
-    ctas = min(torch.cuda.get_device_properties(q.device).multi_processor_count, I // BLOCK * (JA // bm))
+    units = -(-JA // (BM * cluster)) * (I // BLOCK)         # the most cluster tiles the layout can hold
     params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p), ctypes.c_void_p(addr))
     lib = torch.cuda._utils._get_gpu_runtime_library()
-    rc = lib.cuLaunchKernel(func, ctas, 1, 1, THREADS, 1, 1, SMEM_BYTES[bm],
-                            torch.cuda.current_stream()._as_parameter_, params, None)
+    cfg, _attr = _config(min(most, units * cluster), cluster, torch.cuda.current_stream()._as_parameter_)
+    rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
     if rc != 0:
-        raise RuntimeError(f"gate_up_sm90: cuLaunchKernel returned CUresult {rc}")
+        raise RuntimeError(f"gate_up_sm90: cuLaunchKernelEx returned CUresult {rc}")
     del keep
     return hq, hs

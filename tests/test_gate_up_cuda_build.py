@@ -1,5 +1,5 @@
 """The experts' first-GEMM CUDA kernel's build (``gate_up_cuda``), on any machine: its source ships with the package,
-both variants (rows in the layout, rows read where they arrived) compile with NVRTC to sm_90a cubins with the
+its variants (rows in the layout, rows read where they arrived; CTAs alone or in pairs) compile with NVRTC to sm_90a cubins with the
 registers and shared memory the launch assumes (skipped with the reason where NVRTC is absent), and the on-disk
 cache hands a compiled variant back without compiling it again."""
 
@@ -30,21 +30,18 @@ def test_source_is_package_data_and_matches_the_launch():
     src = gate_up_cuda.SOURCE
     assert '#include "sparse_core_device.cuh"' in src and "extern \"C\" __global__" in src
     stages = int(re.search(r"#define STAGES (\d+)", src).group(1))
-    m128 = int(re.search(r"#define M128_STAGES (\d+)", src).group(1))
-    assert (stages, m128) == (gate_up_cuda.STAGES, gate_up_cuda.M128_STAGES)
-    # OFF_BAR + 2 * STAGES mbarriers of 8 bytes: the bytes cuLaunchKernel asks for
-    off_bar = {64: stages * (32768 + 8192) + 16384 + stages * 256, 128: m128 * (32768 + 16384 + 512) + 1024}
-    for bm, n in ((64, stages), (128, m128)):
-        assert gate_up_cuda.SMEM_BYTES[bm] == off_bar[bm] + 16 * n <= 227 * 1024
-        assert f'extern "C" __global__ void __launch_bounds__(384, 1) {gate_up_cuda.KERNELS[bm].decode()}(' in src
+    assert stages == gate_up_cuda.STAGES
+    # OFF_BAR + 2 * STAGES mbarriers of 8 bytes: the bytes the launch asks for
+    assert gate_up_cuda.SMEM_BYTES == stages * (32768 + 16384 + 512) + 1024 + 16 * stages <= 227 * 1024
+    assert 'extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(' in src
 
 
-@pytest.mark.parametrize("src", [False, True])
-def test_variants_compile_and_are_cached_on_disk(src, tmp_path, monkeypatch):
+@pytest.mark.parametrize("src,cluster", [(False, 2), (True, 2), (True, 1)])
+def test_variants_compile_and_are_cached_on_disk(src, cluster, tmp_path, monkeypatch):
     _nvrtc()
     monkeypatch.setenv("MOE_WAVE_KERNEL_CACHE", str(tmp_path))
-    data = gate_up_cuda._cubin(src)
+    data = gate_up_cuda._cubin(src, cluster)
     assert data[:4] == b"\x7fELF"
     assert len(list(tmp_path.rglob("*.cubin"))) == 1
     monkeypatch.setattr(gate_up_cuda, "compile_cubin", lambda *a, **k: pytest.fail("compiled again"))
-    assert gate_up_cuda._cubin(src) == data
+    assert gate_up_cuda._cubin(src, cluster) == data

@@ -57,35 +57,38 @@ def _dequant(hq, hs, used):
 
 
 @needs_sm90
-@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("limit", [0.0, 0.7])
-def test_kernel_equals_the_triton_kernel_and_the_reference(skew, limit, bm):
+def test_kernel_equals_the_triton_kernel_and_the_reference(skew, limit, cluster):
     from moe_wave.gate_up_cuda import gate_up_sm90
 
     grp, src, pos, wq, ws, xp, JA = _inputs(skew=skew)
     D = wq.shape[2]
     q, s = gather_pairs(xp, D, pos, JA)
     used = _used(grp, JA)
-    lay = gate_up_sm90(q, s, wq, ws, grp.starts, grp.bend, limit, grp.n, bm=bm)
-    frm = gate_up_sm90(*unpack_rows(xp, D), wq, ws, grp.starts, grp.bend, limit, grp.n, src_J=src, bm=bm)
+    lay = gate_up_sm90(q, s, wq, ws, grp.starts, grp.bend, limit, grp.n, cluster=cluster)
+    frm = gate_up_sm90(*unpack_rows(xp, D), wq, ws, grp.starts, grp.bend, limit, grp.n, src_J=src, cluster=cluster)
     tri = gate_up_swiglu(q, s, wq, ws, grp.starts, grp.bend, limit, n=grp.n, bm=128)
     ref = gate_up_swiglu_torch(q, s, wq, ws, grp.starts, grp.ends, limit)
     # the two ways into the kernel: the same bits
     assert torch.equal(lay[0].view(torch.uint8)[used], frm[0].view(torch.uint8)[used])
     assert torch.equal(lay[1][:, used], frm[1][:, used])
-    # against Triton's tiles (the same promotion; the tensor cores' sums may round differently) and the fp32 reference
+    # against Triton's tiles (the same promotion and wgmma steps: the same bits on the probe's shapes; here at least
+    # all but a few codes) and the fp32 reference (one e4m3 step, or two where a row's scale lands on the other
+    # side of a power of two)
     h, ht, hr = _dequant(*lay, used), _dequant(*tri, used), _dequant(*ref, used)
     assert torch.isfinite(h).all() and h.abs().max() > 0
+    same = (lay[0].view(torch.uint8)[used] == tri[0].view(torch.uint8)[used]).float().mean()
+    assert same > 0.999, same
     for other in (ht, hr):
-        err = (h - other).abs().max() / other.abs().max()
-        assert err < 0.07, err                      # a code step of e4m3 where rounding lands on the other side
+        assert (h - other).abs().max() / other.abs().max() < 0.15
         assert (h - other).norm() / other.norm() < 0.02
 
 
 @needs_sm90
-@pytest.mark.parametrize("bm", [64, 128])
-def test_local_rows_and_graph_replay(bm):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_local_rows_and_graph_replay(cluster):
     from moe_wave.gate_up_cuda import gate_up_sm90
 
     grp, src, pos, wq, ws, xp, JA = _inputs(seed=3)
@@ -96,8 +99,8 @@ def test_local_rows_and_graph_replay(bm):
     garbage = xp.clone()
     garbage[row0:row0 + L] = 0                         # what the received buffer holds there must not be read
     gq, gs = unpack_rows(garbage, D)
-    want = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, bm=bm)
-    got = gate_up_sm90(gq, gs, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, local=(row0, lq, ls), bm=bm)
+    want = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, cluster=cluster)
+    got = gate_up_sm90(gq, gs, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, local=(row0, lq, ls), cluster=cluster)
     used = _used(grp, JA)
     assert torch.equal(want[0].view(torch.uint8)[used], got[0].view(torch.uint8)[used])
     assert torch.equal(want[1][:, used], got[1][:, used])
@@ -105,7 +108,7 @@ def test_local_rows_and_graph_replay(bm):
     gr = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(gr):
-        out["h"] = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, bm=bm)
+        out["h"] = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, cluster=cluster)
     for _ in range(2):
         out["h"][0].zero_()
         gr.replay()

@@ -5,20 +5,21 @@
 #include "sparse_core_device.cuh"
 
 #ifndef STAGES
-#define STAGES 5            // the software pipeline's depth (a stage: 64 rows and 128 gate + 128 up weight rows)
+#define STAGES 4            // the software pipeline's depth (a stage: 128 rows, 128 gate + 128 up weight rows)
 #endif
 #ifndef SRC
 #define SRC 0               // 1: the layout's row j is received row src[j] (read where it arrived), else row j
 #endif
-#define BM 64               // rows a tile
+#ifndef CLUSTER
+#define CLUSTER 2           // CTAs a cluster (1 or 2): a pair takes two row blocks' tiles of the same channels and
+#endif                      // shares each weight block by TMA multicast where both blocks are one expert's rows
 #define B_BYTES 32768       // a stage's weight rows: gate 128 x 128 B, then up 128 x 128 B, 128-byte swizzle
-#define A_BYTES 8192        // a stage's rows: 64 x 128 B, 128-byte swizzle
-#define SA_BYTES 256        // a stage's row scales (64 fp32)
-#define UP_BYTES 16384      // the up warpgroup's bf16 tile for the gate warpgroup's epilogue
+#define A_BYTES 16384       // a stage's rows: 128 x 128 B, 128-byte swizzle
+#define SA_BYTES 512        // a stage's row scales (128 fp32)
 #define OFF_A (STAGES * B_BYTES)
-#define OFF_UP (OFF_A + STAGES * A_BYTES)
-#define OFF_SA (OFF_UP + UP_BYTES)
-#define OFF_BAR (OFF_SA + STAGES * SA_BYTES)
+#define OFF_SA (OFF_A + STAGES * A_BYTES)
+#define OFF_TBL (OFF_SA + STAGES * SA_BYTES)
+#define OFF_BAR (OFF_TBL + 128 * 8)
 #define LOG2E 1.4426950408889634f
 
 struct GArgs {
@@ -51,6 +52,24 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const TMap *m, unsigned bar, int x, int y) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
                  "[%2];" :: "r"(dst), "l"((u64)m), "r"(bar), "r"(x), "r"(y) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d_mc(unsigned dst, const TMap *m, unsigned bar, int x, int y,
+                                               unsigned short mask) {      // to the same offsets in mask's CTAs
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+                 "[%0], [%1, {%3, %4}], [%2], %5;" :: "r"(dst), "l"((u64)m), "r"(bar), "r"(x), "r"(y), "h"(mask)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cta(unsigned bar, unsigned cta) {   // bar's twin in CTA cta of the cluster
+    asm volatile("{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, %0, %1;\n\t"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" :: "r"(bar), "r"(cta) : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cp_async4(unsigned dst, const void *src, unsigned src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -121,180 +140,54 @@ __device__ __forceinline__ void store_h(const GArgs &a, const float *h, long lon
     }
 }
 
+// a row block's rows in use (up to its group's end) and its expert (-1: none, past the layout's rows in use)
+__device__ __forceinline__ int block_rows(const GArgs &a, int mb, int nblocks, int &ex) {
+    const int nrows = mb < nblocks ? min(__ldg(a.bend + mb) - mb * 128, 128) : 0;
+    ex = nrows > 0 ? expert_of(a.starts, a.E, mb * 128) : -1;
+    return nrows;
+}
 
-// Tile (b, t), t fastest: rows b * 64 .. of the layout (those in use: up to their 128-row block's group end, bend)
-// by h's channels t * 128 ..; tiles with a stride of the grid (one CTA an SM), up to the rows in use (n).
-// Warpgroup 2 loads: each stage's 64 rows and their scales by cp.async (gathered through src where SRC), the
-// expert's gate and up weight blocks (128 x 128 each) by TMA. Warpgroup 0 multiplies the rows by the gate block,
-// 1 by the up block (m64n128k32 wgmmas, 4 a 128-channel step), each promoting every step by the row's and the
-// weight block's scales in fp32; at the tile's end 1 hands its gu (rounded to bf16, as the GEMM would write it)
-// to 0 through shared memory, and 0 applies SwiGLU, quantises h per row and 128 channels and stores it.
+// Tile (b, t): rows b * 128 .. of the layout (those in use: up to their group's end, bend) by h's channels
+// t * 128 ..; a cluster of CLUSTER CTAs takes the row blocks CLUSTER u' .. of unit u = u' * NT + t (t fastest), the
+// units with a stride of the clusters (one CTA an SM), up to the rows in use (n). Warpgroup 2 loads: each stage's
+// 128 rows and their scales by cp.async (gathered through src where SRC, through a per-tile table of the rows'
+// addresses in shared memory: a warp instruction moves 4 rows x 128 bytes), the expert's gate and up weight blocks
+// (128 x 128 each) by TMA, each CTA of a pair one of them to both where both row blocks are one expert's. Math
+// warpgroup w takes rows 64 w .. against the gate block and then the up block (m64n128k32 wgmmas, 4 a 128-channel
+// step, one accumulator), promoting each step by the row's and the weight block's scales in fp32 (DeepGEMM's
+// promotion); at the tile's end gu, rounded to bf16 as the GEMM would write it, goes through SwiGLU and the requant
+// in registers (store_h). A stage is free again when the math warps of every CTA of the cluster are done with it.
 extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(const GArgs a, const __grid_constant__ TMap wmap) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const unsigned base = smem_u32(smem);
     const unsigned full = base + OFF_BAR, empty = full + 8 * STAGES;
     const int NT = a.I / 128, DB = a.D / 128;
-    const int tiles = (__ldg(a.n) + BM - 1) / BM * NT;
+    const int nblocks = (__ldg(a.n) + 127) / 128;
+    const int units = (nblocks + CLUSTER - 1) / CLUSTER * NT;
+    const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0;
+    const int cl = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
     if (threadIdx.x == 0) {
         if (base & 1023) __trap();                      // the swizzle atoms need a 1024-byte aligned base
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 129);               // 128 loader threads' cp.async + the TMA's expect_tx
-            mbar_init(empty + 8 * s, 8);                // the two math warpgroups' warps
+            mbar_init(empty + 8 * s, 8 * CLUSTER);      // the math warps of every CTA of the cluster
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
-    int stage = 0, phase = 0;
-
-    if (threadIdx.x >= 256) {                           // the loader warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        const int p = threadIdx.x - 256, row = p >> 1, half = p & 1;
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            const int m0 = tile / NT * BM, t = tile % NT;
-            const int nrows = min(__ldg(a.bend + m0 / 128) - m0, BM);
-            if (nrows <= 0) continue;
-            const int ex = expert_of(a.starts, a.E, m0);
-            // this thread's row (two threads a row, 64 bytes each a step) and, p < 64, row p's scales
-            const bool ok = row < nrows, sok = p < nrows;
-            const unsigned char *arow = a.a;
-            const float *srow = a.sa;
-#if SRC
-            if (ok) {
-                const long long r = __ldg(a.src + m0 + row);
-                arow = r >= a.row0 && r < a.row0 + a.L ? a.la + (r - a.row0) * a.la_row : a.a + r * a.a_row;
-            }
-            if (sok) {
-                const long long r = __ldg(a.src + m0 + p);
-                srow = r >= a.row0 && r < a.row0 + a.L ? a.lsa + (r - a.row0) * a.lsa_row : a.sa + r * a.sa_r;
-            }
-#else
-            if (ok) arow = a.a + (long long)(m0 + row) * a.a_row;
-            if (sok) {
-                const long long j = m0 + p;
-                srow = a.sa + (j / a.sa_g) * a.sa_gs + (j % a.sa_g) * a.sa_r;
-            }
-#endif
-            const int wrow = ex * 2 * a.I + t * 128;
-            for (int kb = 0; kb < DB; ++kb) {
-                mbar_wait(empty + 8 * stage, phase ^ 1);
-                const unsigned bar = full + 8 * stage;
-                if (p == 0) {
-                    mbar_expect_tx(bar, B_BYTES);
-                    tma_load_2d(base + stage * B_BYTES, &wmap, bar, kb * 128, wrow);
-                    tma_load_2d(base + stage * B_BYTES + B_BYTES / 2, &wmap, bar, kb * 128, wrow + a.I);
-                }
-                const unsigned sa_dst = base + OFF_A + stage * A_BYTES + row * 128;
-#pragma unroll
-                for (int c = 4 * half; c < 4 * half + 4; ++c)
-                    cp_async16(sa_dst + ((c ^ (row & 7)) << 4), arow + kb * 128 + c * 16, ok ? 16 : 0);
-                if (p < BM)
-                    cp_async4(base + OFF_SA + stage * SA_BYTES + 4 * p, srow + kb * a.sa_k, sok ? 4 : 0);
-                cp_async_arrive(bar);
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
-            }
-        }
-        asm volatile("cp.async.wait_all;" ::: "memory");    // (the last copies land before the thread leaves)
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-    const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
-    unsigned *up = (unsigned *)(smem + OFF_UP);
-    if (wg == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");   // the up staging is free
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = tile / NT * BM, t = tile % NT;
-        const int nrows = min(__ldg(a.bend + m0 / 128) - m0, BM);
-        if (nrows <= 0) continue;
-        const int ex = expert_of(a.starts, a.E, m0);
-        const float *wsp = a.ws + ((long long)ex * 2 * NT + wg * NT + t) * DB;
-        float fin[64], acc[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) fin[i] = 0.f;
-        for (int kb = 0; kb < DB; ++kb) {
-            const float sb = __ldg(wsp + kb);
-            mbar_wait(full + 8 * stage, phase);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
-            const float *sas = (const float *)(smem + OFF_SA + stage * SA_BYTES);
-            const float s0 = sas[r0] * sb, s1 = sas[r1] * sb;
-            const unsigned pa = base + OFF_A + stage * A_BYTES, pb = base + stage * B_BYTES + wg * (B_BYTES / 2);
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + 32 * k, LBO_K), k);
-            wgmma_commit_wait();
-            if (lane == 0) mbar_arrive(empty + 8 * stage);
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                fin[4 * i] += s0 * acc[4 * i];
-                fin[4 * i + 1] += s0 * acc[4 * i + 1];
-                fin[4 * i + 2] += s1 * acc[4 * i + 2];
-                fin[4 * i + 3] += s1 * acc[4 * i + 3];
-            }
-            if (++stage == STAGES) { stage = 0; phase ^= 1; }
-        }
-        if (wg == 1) {                                  // up, rounded to bf16, to the gate warpgroup
-            asm volatile("bar.sync 2, 256;" ::: "memory");
-#pragma unroll
-            for (int i = 0; i < 32; ++i) up[i * 128 + tid] = pack_bf16(fin[2 * i], fin[2 * i + 1]);
-            asm volatile("bar.arrive 1, 256;" ::: "memory");
-            continue;
-        }
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-        float h[64];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const unsigned u = up[i * 128 + tid];
-            h[2 * i] = swiglu(bf16_round(fin[2 * i]), bf16_lo(u), a.limit);
-            h[2 * i + 1] = swiglu(bf16_round(fin[2 * i + 1]), bf16_hi(u), a.limit);
-        }
-        asm volatile("bar.arrive 2, 256;" ::: "memory");
-        store_h(a, h, m0 + r0, m0 + r1, r0 < nrows, r1 < nrows, t * 128 + c0, t, c0 == 0);
-    }
-    if (wg == 1) asm volatile("bar.sync 2, 256;" ::: "memory");     // the gate warpgroup's last arrive
-}
-
-// The same tiles at 128 rows (M128_STAGES deep): warpgroup w of the two math ones takes rows 64 w .. of the tile
-// against both the gate and the up block (one accumulator, the gate's and the up's promoted sums beside it), so
-// SwiGLU needs no exchange; a row block's weights are read from L2 half as often as at 64 rows. The loader's
-// threads copy rows rg + 16 i (i < 8) x 16-byte chunk cg of each step (a warp instruction: 4 rows x 128 bytes),
-// through a per-tile table of the rows' addresses in shared memory.
-#ifndef M128_STAGES
-#define M128_STAGES 4
-#endif
-#define M_A_BYTES 16384
-#define M_SA_BYTES 512
-#define M_OFF_A (M128_STAGES * B_BYTES)
-#define M_OFF_SA (M_OFF_A + M128_STAGES * M_A_BYTES)
-#define M_OFF_TBL (M_OFF_SA + M128_STAGES * M_SA_BYTES)
-#define M_OFF_BAR (M_OFF_TBL + 128 * 8)
-
-extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90_m128(const GArgs a,
-                                                                      const __grid_constant__ TMap wmap) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const unsigned base = smem_u32(smem);
-    const unsigned full = base + M_OFF_BAR, empty = full + 8 * M128_STAGES;
-    const int NT = a.I / 128, DB = a.D / 128;
-    const int tiles = (__ldg(a.n) + 127) / 128 * NT;
-    if (threadIdx.x == 0) {
-        if (base & 1023) __trap();
-        for (int s = 0; s < M128_STAGES; ++s) {
-            mbar_init(full + 8 * s, 129);               // 128 loader threads' cp.async + the TMA's expect_tx
-            mbar_init(empty + 8 * s, 8);                // the two math warpgroups' warps
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    if (CLUSTER > 1) cluster_sync(); else __syncthreads();
     int stage = 0, phase = 0;
 
     if (threadIdx.x >= 256) {                           // the loader warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         const int p = threadIdx.x - 256, rg = p >> 3, cg = p & 7;
-        const unsigned char **tbl = (const unsigned char **)(smem + M_OFF_TBL);
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            const int m0 = tile / NT * 128, t = tile % NT;
-            const int nrows = min(__ldg(a.bend + m0 / 128) - m0, 128);
-            if (nrows <= 0) continue;
-            const int ex = expert_of(a.starts, a.E, m0);
+        const unsigned char **tbl = (const unsigned char **)(smem + OFF_TBL);
+        for (int u = cl; u < units; u += clusters) {
+            const int mb = u / NT * CLUSTER + rank, t = u % NT, m0 = mb * 128;
+            int ex, ex2 = -1;
+            const int nrows = block_rows(a, mb, nblocks, ex);
+            if (CLUSTER > 1) block_rows(a, mb ^ 1, nblocks, ex2);
+            const bool shared = CLUSTER > 1 && ex >= 0 && ex == ex2;    // both blocks' weights: one multicast
+            if (CLUSTER == 1 && nrows <= 0) continue;
             const bool ok = p < nrows;                  // row p: its address to the table, its scales here
             const unsigned char *arow = nullptr;
             const float *srow = a.sa;
@@ -315,16 +208,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90_m128(const GAr
             asm volatile("bar.sync 3, 128;" ::: "memory");    // the last tile's table is read
             tbl[p] = arow;
             asm volatile("bar.sync 3, 128;" ::: "memory");
-            const int wrow = ex * 2 * a.I + t * 128;
+            const int wrow = max(ex, 0) * 2 * a.I + t * 128;  // (a block without rows: any expert's weights)
             for (int kb = 0; kb < DB; ++kb) {
                 mbar_wait(empty + 8 * stage, phase ^ 1);
-                const unsigned bar = full + 8 * stage;
+                const unsigned bar = full + 8 * stage, sb = base + stage * B_BYTES;
                 if (p == 0) {
                     mbar_expect_tx(bar, B_BYTES);
-                    tma_load_2d(base + stage * B_BYTES, &wmap, bar, kb * 128, wrow);
-                    tma_load_2d(base + stage * B_BYTES + B_BYTES / 2, &wmap, bar, kb * 128, wrow + a.I);
+                    if (shared) {
+                        tma_load_2d_mc(sb + rank * (B_BYTES / 2), &wmap, bar, kb * 128, wrow + rank * a.I,
+                                       (unsigned short)((1u << CLUSTER) - 1));
+                    } else {
+                        tma_load_2d(sb, &wmap, bar, kb * 128, wrow);
+                        tma_load_2d(sb + B_BYTES / 2, &wmap, bar, kb * 128, wrow + a.I);
+                    }
                 }
-                const unsigned sa_dst = base + M_OFF_A + stage * M_A_BYTES;
+                const unsigned sa_dst = base + OFF_A + stage * A_BYTES;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const int row = rg + 16 * i;
@@ -332,62 +230,69 @@ extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90_m128(const GAr
                     cp_async16(sa_dst + row * 128 + ((cg ^ (row & 7)) << 4), src ? src + kb * 128 + cg * 16 : a.a,
                                src ? 16 : 0);
                 }
-                cp_async4(base + M_OFF_SA + stage * M_SA_BYTES + 4 * p, srow + kb * a.sa_k, ok ? 4 : 0);
+                cp_async4(base + OFF_SA + stage * SA_BYTES + 4 * p, srow + kb * a.sa_k, ok ? 4 : 0);
                 cp_async_arrive(bar);
-                if (++stage == M128_STAGES) { stage = 0; phase ^= 1; }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
         }
         asm volatile("cp.async.wait_all;" ::: "memory");    // (the last copies land before the thread leaves)
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-    const int r0 = 64 * wg + warp * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = tile / NT * 128, t = tile % NT;
-        const int nrows = min(__ldg(a.bend + m0 / 128) - m0, 128);
-        if (nrows <= 0) continue;
-        const int ex = expert_of(a.starts, a.E, m0);
-        const float *wsg = a.ws + ((long long)ex * 2 * NT + t) * DB, *wsu = wsg + (long long)NT * DB;
-        float fg[64], fu[64], acc[64];
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+        const int r0 = 64 * wg + warp * 16 + (lane >> 2), r1 = r0 + 8, c0 = 2 * (lane & 3);
+        for (int u = cl; u < units; u += clusters) {
+            const int mb = u / NT * CLUSTER + rank, t = u % NT, m0 = mb * 128;
+            int ex;
+            const int nrows = block_rows(a, mb, nblocks, ex);
+            if (CLUSTER == 1 && nrows <= 0) continue;
+            const float *wsg = a.ws + ((long long)max(ex, 0) * 2 * NT + t) * DB, *wsu = wsg + (long long)NT * DB;
+            float fg[64], fu[64], acc[64];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) fg[i] = fu[i] = 0.f;
-        for (int kb = 0; kb < DB; ++kb) {
-            const float sg = __ldg(wsg + kb), su = __ldg(wsu + kb);
-            mbar_wait(full + 8 * stage, phase);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
-            const float *sas = (const float *)(smem + M_OFF_SA + stage * M_SA_BYTES);
-            const float sa0 = sas[r0], sa1 = sas[r1];
-            const unsigned pa = base + M_OFF_A + stage * M_A_BYTES + wg * 8192, pb = base + stage * B_BYTES;
-            wgmma_fence();
+            for (int i = 0; i < 64; ++i) fg[i] = fu[i] = 0.f;
+            for (int kb = 0; kb < DB; ++kb) {
+                const float sg = __ldg(wsg + kb), su = __ldg(wsu + kb);
+                mbar_wait(full + 8 * stage, phase);
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // cp.async's rows, seen by wgmma
+                const float *sas = (const float *)(smem + OFF_SA + stage * SA_BYTES);
+                const float sa0 = sas[r0], sa1 = sas[r1];
+                const unsigned pa = base + OFF_A + stage * A_BYTES + wg * 8192, pb = base + stage * B_BYTES;
+                wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < 4; ++k) wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + 32 * k, LBO_K), k);
-            wgmma_commit_wait();
+                for (int k = 0; k < 4; ++k) wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + 32 * k, LBO_K), k);
+                wgmma_commit_wait();
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                fg[4 * i] += sa0 * sg * acc[4 * i];
-                fg[4 * i + 1] += sa0 * sg * acc[4 * i + 1];
-                fg[4 * i + 2] += sa1 * sg * acc[4 * i + 2];
-                fg[4 * i + 3] += sa1 * sg * acc[4 * i + 3];
+                for (int i = 0; i < 16; ++i) {
+                    fg[4 * i] += sa0 * sg * acc[4 * i];
+                    fg[4 * i + 1] += sa0 * sg * acc[4 * i + 1];
+                    fg[4 * i + 2] += sa1 * sg * acc[4 * i + 2];
+                    fg[4 * i + 3] += sa1 * sg * acc[4 * i + 3];
+                }
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + B_BYTES / 2 + 32 * k, LBO_K), k);
+                wgmma_commit_wait();
+                if (lane == 0) {
+                    if (CLUSTER > 1) {
+#pragma unroll
+                        for (int c = 0; c < CLUSTER; ++c) mbar_arrive_cta(empty + 8 * stage, c);
+                    } else {
+                        mbar_arrive(empty + 8 * stage);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    fu[4 * i] += sa0 * su * acc[4 * i];
+                    fu[4 * i + 1] += sa0 * su * acc[4 * i + 1];
+                    fu[4 * i + 2] += sa1 * su * acc[4 * i + 2];
+                    fu[4 * i + 3] += sa1 * su * acc[4 * i + 3];
+                }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
-            wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
-                wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + B_BYTES / 2 + 32 * k, LBO_K), k);
-            wgmma_commit_wait();
-            if (lane == 0) mbar_arrive(empty + 8 * stage);
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                fu[4 * i] += sa0 * su * acc[4 * i];
-                fu[4 * i + 1] += sa0 * su * acc[4 * i + 1];
-                fu[4 * i + 2] += sa1 * su * acc[4 * i + 2];
-                fu[4 * i + 3] += sa1 * su * acc[4 * i + 3];
-            }
-            if (++stage == M128_STAGES) { stage = 0; phase ^= 1; }
+            for (int i = 0; i < 64; ++i) fg[i] = swiglu(bf16_round(fg[i]), bf16_round(fu[i]), a.limit);
+            store_h(a, fg, m0 + r0, m0 + r1, r0 < nrows, r1 < nrows, t * 128 + c0, t, c0 == 0);
         }
-#pragma unroll
-        for (int i = 0; i < 64; ++i) fg[i] = swiglu(bf16_round(fg[i]), bf16_round(fu[i]), a.limit);
-        store_h(a, fg, m0 + r0, m0 + r1, r0 < nrows, r1 < nrows, t * 128 + c0, t, c0 == 0);
     }
+    if (CLUSTER > 1) cluster_sync();        // no CTA leaves while its pair may still arrive on its barriers
 }
