@@ -1,7 +1,7 @@
-"""The experts' first-GEMM CUDA kernel's build (``gate_up_cuda``), on any machine: its source ships with the package,
-its variants (rows in the layout, rows read where they arrived; CTAs alone or in pairs) compile with NVRTC to sm_90a cubins with the
-registers and shared memory the launch assumes (skipped with the reason where NVRTC is absent), and the on-disk
-cache hands a compiled variant back without compiling it again."""
+"""The experts' first-GEMM CUDA kernel's build (``gate_up_cuda``), on any machine: its source ships with the
+package, the shared memory the launch asks for is the kernel's, its variants (rows in the layout, rows read where
+they arrived; CTAs alone or in pairs) compile with NVRTC to sm_90a cubins (skipped with the reason where NVRTC is
+absent), and the on-disk cache hands a compiled variant back without compiling it again."""
 
 from __future__ import annotations
 

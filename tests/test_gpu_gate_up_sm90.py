@@ -100,7 +100,8 @@ def test_local_rows_and_graph_replay(cluster):
     garbage[row0:row0 + L] = 0                         # what the received buffer holds there must not be read
     gq, gs = unpack_rows(garbage, D)
     want = gate_up_sm90(qr, sr, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, cluster=cluster)
-    got = gate_up_sm90(gq, gs, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, local=(row0, lq, ls), cluster=cluster)
+    got = gate_up_sm90(gq, gs, wq, ws, grp.starts, grp.bend, 0.7, grp.n, src_J=src, local=(row0, lq, ls),
+                       cluster=cluster)
     used = _used(grp, JA)
     assert torch.equal(want[0].view(torch.uint8)[used], got[0].view(torch.uint8)[used])
     assert torch.equal(want[1][:, used], got[1][:, used])
