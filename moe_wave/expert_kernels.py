@@ -55,11 +55,9 @@ WSUM_ROW_WARPS = 8
 BLOCK_J = 128
 PLACE_COLS = 32
 PLACE_WARPS = 4
-# expert_order's scan of the block histograms: experts per program, blocks per step; up to SCAN_FOLD_BLOCKS blocks
-# of pairs (decode-sized waves) there is no scan launch: each placement program adds up the earlier blocks' counts
+# expert_order's scan of the block histograms: experts per program, blocks per step
 SCAN_EXPERTS = 16
 SCAN_BLOCKS = 256
-SCAN_FOLD_BLOCKS = 16
 
 
 def expert_order_torch(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +134,7 @@ def expert_order(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, rows_P: 
     exclusive prefix over the blocks, SCAN_EXPERTS experts per program); ``_place_kernel`` (one program per
     block) numbers each pair of expert x as (offs_e[x - 1]) + (x's pairs in earlier blocks) + (its rank among
     the block's pairs of x), and writes pos, and src at the positions within the guard (overwriting the zeros
-    of the first launch). Up to SCAN_FOLD_BLOCKS blocks of pairs (decode-sized waves) there is no scan: each
-    placement program adds up the earlier blocks' histograms itself (two launches).
+    of the first launch).
 
     ``rows_P`` (``Received.rows_P``): the rows are P blocks of R // P, and only the first rows_P[p] of block p
     are read; the slots of the others count as -1 (pos -1), and a block of pairs that holds none of the read
@@ -199,13 +196,11 @@ def _order_into(expert_RK: torch.Tensor, e: int, offs_e: torch.Tensor, src: torc
     key = torch.empty(J, dtype=torch.int32, device=expert_RK.device)          # every entry written by K1
     _hist_kernel[(nb,)](expert_RK, s_r, s_k, offs_e, hist, src, key, cnt, rb, K, J, e, BLOCK=BLOCK_J, NBINS=nbins,
                         HAS_ROWS=rows_P is not None, num_warps=4)
-    fold = nb <= SCAN_FOLD_BLOCKS
-    if not fold:
-        _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
+    _scan_kernel[(nbins // SCAN_EXPERTS,)](hist, nb, NBINS=nbins, BX=SCAN_EXPERTS, CB=SCAN_BLOCKS, num_warps=4)
     starts, cap = (offs_e, J) if starts_e is None else (starts_e, src.shape[0])   # positions below cap only
     over = offs_e if lost is None else lost                                   # read only with HAS_LOST
     _place_kernel[(nb,)](key, offs_e, starts, hist, src, pos, over, K, J, cap, e, NBINS=nbins, BLOCK=BLOCK_J,
-                         CH=PLACE_COLS, STARTS=starts_e is not None, HAS_LOST=lost is not None, FOLD=fold,
+                         CH=PLACE_COLS, STARTS=starts_e is not None, HAS_LOST=lost is not None,
                          num_warps=PLACE_WARPS)
 
 
@@ -352,10 +347,9 @@ if triton is not None:
     @triton.jit
     def _place_kernel(key_ptr, offs_ptr, starts_ptr, hist_ptr, src_ptr, pos_ptr, over_ptr, K, J, CAP, E,
                       NBINS: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr, STARTS: tl.constexpr,
-                      HAS_LOST: tl.constexpr, FOLD: tl.constexpr):
+                      HAS_LOST: tl.constexpr):
         # the pair j of expert x in block b goes to p = offs[x - 1] + (pairs of x in blocks 0 .. b - 1: the
-        # scanned hist[b, x], or with FOLD the sum of the unscanned hist[0 .. b - 1, x]) + (pairs of x before j in
-        # block b: compared CH columns at a time, against the keys
+        # scanned hist[b, x]) + (pairs of x before j in block b: compared CH columns at a time, against the keys
         # reloaded from memory, which keeps the [BLOCK, CH] masks small); outside its group (or past J, or no
         # expert): pos -1 (HAS_LOST: LOST where over[x] != 0), no write. A block with no valid pair skips the
         # in-block ranks.
@@ -365,12 +359,7 @@ if triton is not None:
         m = j < J
         key = tl.load(key_ptr + j, mask=m, other=E)
         valid = key < E
-        if FOLD:
-            before = tl.zeros([BLOCK], tl.int32)
-            for bb in range(0, b):
-                before += tl.load(hist_ptr + bb * NBINS + key, mask=valid, other=0)
-        else:
-            before = tl.load(hist_ptr + b * NBINS + key, mask=valid, other=0)
+        before = tl.load(hist_ptr + b * NBINS + key, mask=valid, other=0)
         rank = tl.zeros([BLOCK], tl.int32)
         if tl.max(valid.to(tl.int32), 0) > 0:
             for c in tl.static_range(BLOCK // CH):

@@ -193,39 +193,6 @@ def test_expert_order_many_blocks(e, fill):
 
 
 @needs_kernels
-@pytest.mark.parametrize("R, K, fill", [(300, 6, "random"), (37, 8, "even"), (2000, 1, "random")])
-def test_expert_order_folded_scan_equals_scanned(R, K, fill, monkeypatch):
-    """Up to SCAN_FOLD_BLOCKS blocks the placement adds the earlier blocks' counts itself (no scan launch): the
-    same pos and src as with the scan launch, on the same ids (2 to 16 blocks, so later blocks have earlier ones
-    to add), and both equal the twin, also with the aligned layout's starts."""
-    import moe_wave.expert_kernels as ek
-    from moe_wave.fp8_expert_kernels import aligned_capacity, aligned_groups
-
-    e = 33
-    ids = _ids(R, K, e, seed=R * K, fill=fill)
-    nb = -(-R * K // ek.BLOCK_J)
-    assert 2 <= nb <= ek.SCAN_FOLD_BLOCKS
-    offs = _offs(ids, e)
-    n = int(offs[-1])
-    starts = aligned_groups(offs)[0]
-    JA = aligned_capacity(R * K, e)
-    got = {}
-    for fold in (ek.SCAN_FOLD_BLOCKS, 0):
-        monkeypatch.setattr(ek, "SCAN_FOLD_BLOCKS", fold)
-        got[fold] = (_run(ids, e, offs),
-                     [t.cpu() for t in ek.expert_order(ids.to(DEVICE), e, offs.to(DEVICE), starts_e=starts.to(DEVICE),
-                                                       capacity=JA)])
-    (src_f, pos_f), (asrc_f, apos_f) = got[ek.SCAN_FOLD_BLOCKS]
-    (src_s, pos_s), (asrc_s, apos_s) = got[0]
-    assert torch.equal(pos_f, pos_s) and torch.equal(src_f[:n], src_s[:n])
-    assert torch.equal(apos_f, apos_s)
-    ok = apos_s[apos_s >= 0]
-    assert torch.equal(asrc_f[ok], asrc_s[ok])
-    src_t, pos_t = ek.expert_order_torch(ids, e, offs)
-    assert torch.equal(pos_f, pos_t) and torch.equal(src_f[:n], src_t[:n])
-
-
-@needs_kernels
 @pytest.mark.parametrize("shift", [-40, 40, 100000])
 def test_expert_order_many_blocks_mismatched_offs(shift):
     """offs_e that disagrees with the pairs over many blocks (some groups short, some long, the last end past J,
