@@ -26,9 +26,9 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
   the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above. Above that threshold
-  (the GEMM compute-bound) on the aligned layout, on Hopper, the same fusion runs as a warp-specialised CUDA
-  kernel (``gate_up_cuda.gate_up_sm90``, ``GATE_UP_SM90``) in place of DeepGEMM's first GEMM, ``swiglu_quant``
-  and ``gather_pairs``.
+  (the GEMM compute-bound) on the aligned layout, on Hopper, ``GATE_UP_SM90`` (off by default until it measures
+  faster) runs the same fusion as a warp-specialised CUDA kernel (``gate_up_cuda.gate_up_sm90``) in place of
+  DeepGEMM's first GEMM, ``swiglu_quant`` and ``gather_pairs``.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -60,9 +60,11 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # above FUSED_GATE_UP_ROWS_PER_EXPERT on the aligned layout, on Hopper: the first GEMM with SwiGLU + requant in its
-# epilogue as a CUDA kernel (``gate_up_cuda.gate_up_sm90``, DeepGEMM's tiling and promotion, the FP8 rows read where
-# they arrived), in place of DeepGEMM's GEMM + ``swiglu_quant`` (+ ``gather_pairs``)
-GATE_UP_SM90 = True
+# epilogue as a CUDA kernel (``gate_up_cuda.gate_up_sm90``, DeepGEMM's promotion, the FP8 rows read where they
+# arrived), in place of DeepGEMM's GEMM + ``swiglu_quant`` (+ ``gather_pairs``). Off: without clusters it measured
+# 1.0-1.10 x the DeepGEMM way in the stage (benchmarks/results/experts.md); its paired CTAs (weight multicast) are
+# not measured yet
+GATE_UP_SM90 = False
 
 
 def _gate_up_sm90_ok(dev: torch.device) -> bool:
