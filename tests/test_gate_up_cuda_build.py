@@ -11,16 +11,7 @@ import re
 import pytest
 
 from moe_wave import gate_up_cuda
-from moe_wave.attention.sparse_core import cuda_build
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-
-
-def _nvrtc():
-    try:
-        return cuda_build.nvrtc_library()
-    except (RuntimeError, OSError) as e:
-        pytest.skip(f"needs NVRTC (pip install nvidia-cuda-nvrtc, the test extra's): {e}")
+from tests.test_core_cuda_build import ROOT, _nvrtc
 
 
 def test_source_is_package_data_and_matches_the_launch():

@@ -140,6 +140,17 @@ __device__ __forceinline__ void store_h(const GArgs &a, const float *h, long lon
     }
 }
 
+// a 128-channel step's wgmma sums (acc) added to the promoted ones (f), times s0 (rows r0) and s1 (rows r1)
+__device__ __forceinline__ void promote(float *f, const float *acc, float s0, float s1) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        f[4 * i] += s0 * acc[4 * i];
+        f[4 * i + 1] += s0 * acc[4 * i + 1];
+        f[4 * i + 2] += s1 * acc[4 * i + 2];
+        f[4 * i + 3] += s1 * acc[4 * i + 3];
+    }
+}
+
 // a row block's rows in use (up to its group's end) and its expert (-1: none, past the layout's rows in use)
 __device__ __forceinline__ int block_rows(const GArgs &a, int mb, int nblocks, int &ex) {
     const int nrows = mb < nblocks ? min(__ldg(a.bend + mb) - mb * 128, 128) : 0;
@@ -260,13 +271,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(const GArgs a,
 #pragma unroll
                 for (int k = 0; k < 4; ++k) wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + 32 * k, LBO_K), k);
                 wgmma_commit_wait();
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    fg[4 * i] += sa0 * sg * acc[4 * i];
-                    fg[4 * i + 1] += sa0 * sg * acc[4 * i + 1];
-                    fg[4 * i + 2] += sa1 * sg * acc[4 * i + 2];
-                    fg[4 * i + 3] += sa1 * sg * acc[4 * i + 3];
-                }
+                promote(fg, acc, sa0 * sg, sa1 * sg);
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < 4; ++k)
@@ -280,13 +285,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(const GArgs a,
                         mbar_arrive(empty + 8 * stage);
                     }
                 }
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    fu[4 * i] += sa0 * su * acc[4 * i];
-                    fu[4 * i + 1] += sa0 * su * acc[4 * i + 1];
-                    fu[4 * i + 2] += sa1 * su * acc[4 * i + 2];
-                    fu[4 * i + 3] += sa1 * su * acc[4 * i + 3];
-                }
+                promote(fu, acc, sa0 * su, sa1 * su);
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
 #pragma unroll
