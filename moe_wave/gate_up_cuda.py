@@ -48,6 +48,8 @@ CLUSTER = 2
 # the kernel's shared memory: STAGES x (32 KB weights + 16 KB rows + 512 B scales) + the rows' address table (1 KB)
 # + the stages' two mbarriers
 SMEM_BYTES = STAGES * (32768 + 16384 + 512) + 1024 + 16 * STAGES
+# the compiled kernels' folder on disk (None: cuda_build.default_cache_dir(), ~/.cache/moe_wave)
+CACHE_DIR: str | None = None
 _HASH = hashlib.sha256((SOURCE + cuda_build.SOURCES[cuda_build.HEADER]).encode()).hexdigest()[:16]
 
 
@@ -74,8 +76,7 @@ def compile_cubin(src: bool, cluster: int = CLUSTER) -> bytes:
 
 
 def _cubin(src: bool, cluster: int = CLUSTER) -> bytes:
-    path = os.path.join(os.environ.get("MOE_WAVE_KERNEL_CACHE", "").strip() or cuda_build.default_cache_dir(),
-                        "gate_up_sm90", f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH,
+    path = os.path.join(CACHE_DIR or cuda_build.default_cache_dir(), "gate_up_sm90", f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH,
                         f"s{STAGES}-c{cluster}-src{int(src)}.cubin")
     return cuda_build.cached(path, lambda: compile_cubin(src, cluster))
 

@@ -30,7 +30,7 @@ def test_source_is_package_data_and_matches_the_launch():
 @pytest.mark.parametrize("src,cluster", [(False, 2), (True, 2), (True, 1)])
 def test_variants_compile_and_are_cached_on_disk(src, cluster, tmp_path, monkeypatch):
     _nvrtc()
-    monkeypatch.setenv("MOE_WAVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(gate_up_cuda, "CACHE_DIR", str(tmp_path))
     data = gate_up_cuda._cubin(src, cluster)
     assert data[:4] == b"\x7fELF"
     assert len(list(tmp_path.rglob("*.cubin"))) == 1
