@@ -76,7 +76,8 @@ def compile_cubin(src: bool, cluster: int = CLUSTER) -> bytes:
 
 
 def _cubin(src: bool, cluster: int = CLUSTER) -> bytes:
-    path = os.path.join(CACHE_DIR or cuda_build.default_cache_dir(), "gate_up_sm90", f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH,
+    path = os.path.join(CACHE_DIR or cuda_build.default_cache_dir(), "gate_up_sm90",
+                        f"{_HASH}-nvrtc{cuda_build.nvrtc_version()}", cuda_build.ARCH,
                         f"s{STAGES}-c{cluster}-src{int(src)}.cubin")
     return cuda_build.cached(path, lambda: compile_cubin(src, cluster))
 
