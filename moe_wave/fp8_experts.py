@@ -336,7 +336,6 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     expert in a row); the groups, their block ends and sizes from one launch (``layout_groups``)."""
     from .expert_kernels import expert_order
     from .fp8_expert_kernels import ALIGN, gate_up_swiglu, gather_pairs, layout_groups, quant_pairs, swiglu_quant
-    from .gate_up_cuda import gate_up_sm90
 
     dg = _deep_gemm_grouped(x_RD.device)
     if dg.get_mk_alignment_for_contiguous_layout() != ALIGN:
@@ -363,6 +362,8 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
     sm90 = not fused and G is None and GATE_UP_SM90 and _gate_up_sm90_ok(x_RD.device)
+    if sm90:
+        from .gate_up_cuda import gate_up_sm90
     if (fused or sm90) and packed:  # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         if fused:

@@ -31,7 +31,7 @@ import os
 import torch
 
 from .attention.sparse_core import cuda_build
-from .attention.sparse_core.cuda_impl import tmap_2d
+from .attention.sparse_core.cuda_impl import load_function, tmap_2d
 from .fp8 import BLOCK, FP8
 
 __all__ = ["available", "gate_up_sm90", "compile_cubin", "SOURCE", "STAGES", "THREADS", "SMEM_BYTES", "BM", "CLUSTER"]
@@ -55,7 +55,7 @@ _HASH = hashlib.sha256((SOURCE + cuda_build.SOURCES[cuda_build.HEADER]).encode()
 
 class _Args(ctypes.Structure):
     _fields_ = ([("a", ctypes.c_void_p), ("a_row", ctypes.c_longlong), ("sa", ctypes.c_void_p)]
-                + [(n, ctypes.c_longlong) for n in ("sa_g", "sa_gs", "sa_r", "sa_k")]
+                + [(n, ctypes.c_longlong) for n in ("sa_r", "sa_k")]
                 + [("src", ctypes.c_void_p), ("la", ctypes.c_void_p), ("la_row", ctypes.c_longlong),
                    ("lsa", ctypes.c_void_p), ("lsa_row", ctypes.c_longlong)]
                 + [("row0", ctypes.c_int), ("L", ctypes.c_int)]
@@ -92,37 +92,26 @@ class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
                 + [("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)])
 
 
-def _config(grid: int, cluster: int, stream) -> tuple:
-    attr = _LaunchAttr(id=4)                # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+def _config(grid: int, cluster: int, stream) -> _LaunchConfig:
+    attr = _LaunchAttr(id=4)                # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (kept alive by the config)
     attr.dims[0], attr.dims[1], attr.dims[2] = cluster, 1, 1
-    cfg = _LaunchConfig(gx=grid, gy=1, gz=1, bx=THREADS, by=1, bz=1, smem=SMEM_BYTES, stream=stream,
-                        attrs=ctypes.pointer(attr), n_attrs=1)
-    return cfg, attr
+    return _LaunchConfig(gx=grid, gy=1, gz=1, bx=THREADS, by=1, bz=1, smem=SMEM_BYTES, stream=stream,
+                         attrs=ctypes.pointer(attr), n_attrs=1)
 
 
 @functools.lru_cache(maxsize=None)
 def _function(device_index: int, src: bool, cluster: int = CLUSTER):
     """(CUfunction, the CTAs a launch takes: as many clusters as the GPU holds at once)."""
-    data = _cubin(src, cluster)
+    func = load_function(device_index, _cubin(src, cluster), b"gate_up_sm90", SMEM_BYTES)
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    if cluster == 1:
+        return func, sms
     lib = torch.cuda._utils._get_gpu_runtime_library()
+    n = ctypes.c_int(0)
     with torch.cuda.device(device_index):
-        torch.cuda.current_stream()                     # the device's primary context, current
-        mod, func = ctypes.c_void_p(), ctypes.c_void_p()
-        for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
-                         ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod,
-                                                                                b"gate_up_sm90")),
-                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES))):
-            code = rc()
-            if code:
-                raise RuntimeError(f"gate_up_sm90: {what} returned CUresult {code}")
-        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-        if cluster == 1:
-            return func, sms
-        n = ctypes.c_int(0)
-        cfg, _attr = _config(sms, cluster, None)
-        code = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(cfg))
-        if code or n.value < 1:
-            raise RuntimeError(f"gate_up_sm90: cuOccupancyMaxActiveClusters returned CUresult {code} ({n.value})")
+        code = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(_config(sms, cluster, None)))
+    if code or n.value < 1:
+        raise RuntimeError(f"gate_up_sm90: cuOccupancyMaxActiveClusters returned CUresult {code} ({n.value})")
     return func, n.value * cluster
 
 
@@ -180,12 +169,10 @@ def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torc
         return hq, hs
     a = _Args(a=q.data_ptr(), a_row=q.stride(0), ws=ws.data_ptr(), starts=starts_e.data_ptr(), bend=bend.data_ptr(),
               n=n.data_ptr(), hq=hq.data_ptr(), hs=hs.data_ptr(), E=e, D=D, I=I, G=JA, limit=float(limit))
-    keep = [starts_e, bend, n]
     if src_J is None:
         if s.shape != (D // BLOCK, JA):
             raise ValueError(f"gate_up_sm90: layout scales {tuple(s.shape)}: must be [{D // BLOCK}, {JA}]")
-        a.sa, a.sa_g, a.sa_gs, a.sa_r, a.sa_k = s.data_ptr(), 1 << 62, 0, s.stride(1), s.stride(0)
-        a.src, a.la, a.lsa = q.data_ptr(), q.data_ptr(), s.data_ptr()
+        a.sa, a.sa_r, a.sa_k = s.data_ptr(), s.stride(1), s.stride(0)
     else:
         if s.shape != (q.shape[0], D // BLOCK) or s.stride(1) != 1:
             raise ValueError(f"gate_up_sm90: row scales {tuple(s.shape)} stride {s.stride()}: must be "
@@ -193,7 +180,7 @@ def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torc
         if src_J.dtype != torch.int64 or src_J.stride(0) != 1:
             raise ValueError(f"gate_up_sm90: src_J {src_J.dtype} stride {src_J.stride()}: must be int64 with unit "
                              f"stride (expert_order's)")
-        a.sa, a.sa_g, a.sa_gs, a.sa_r, a.sa_k, a.src = s.data_ptr(), 1 << 62, 0, s.stride(0), 1, src_J.data_ptr()
+        a.sa, a.sa_r, a.sa_k, a.src = s.data_ptr(), s.stride(0), 1, src_J.data_ptr()
         lq, ls = (q, s) if local is None or not local[1].numel() else local[1:]
         a.la, a.la_row, a.lsa, a.lsa_row = lq.data_ptr(), lq.stride(0), ls.data_ptr(), ls.stride(0)
         a.row0, a.L = (0, 0) if local is None or not local[1].numel() else (int(local[0]), local[1].shape[0])
@@ -202,9 +189,8 @@ def gate_up_sm90(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torc
     units = -(-JA // (BM * cluster)) * (I // BLOCK)         # the most cluster tiles the layout can hold
     params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p), ctypes.c_void_p(addr))
     lib = torch.cuda._utils._get_gpu_runtime_library()
-    cfg, _attr = _config(min(most, units * cluster), cluster, torch.cuda.current_stream()._as_parameter_)
+    cfg = _config(min(most, units * cluster), cluster, torch.cuda.current_stream()._as_parameter_)
     rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
     if rc != 0:
         raise RuntimeError(f"gate_up_sm90: cuLaunchKernelEx returned CUresult {rc}")
-    del keep
     return hq, hs

@@ -24,13 +24,13 @@
 
 struct GArgs {
     const unsigned char *a; long long a_row;                    // rows (e4m3), SRC: received rows
-    const float *sa; long long sa_g, sa_gs, sa_r, sa_k;         // row j's scale of step kb: (j / sa_g) * sa_gs +
-                                                                // (j % sa_g) * sa_r + kb * sa_k (SRC: j = src[j])
+    const float *sa; long long sa_r, sa_k;                      // row j's scale of step kb: j * sa_r + kb * sa_k
+                                                                // (SRC: j = src[j])
     const long long *src;                                       // SRC: [JA] the layout's received rows
     const unsigned char *la; long long la_row; const float *lsa; long long lsa_row; int row0, L;  // SRC: local rows
     const float *ws; const int *starts; const int *bend; const int *n;
     unsigned char *hq; float *hs;
-    int E, D, I, G; float limit;
+    int E, D, I, G; float limit;                               // G: hs [I/128, G] (G = JA)
 };
 
 #define D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
@@ -125,18 +125,17 @@ __device__ __forceinline__ void store_h(const GArgs &a, const float *h, long lon
     const unsigned sb0 = (__float_as_uint(__fdiv_rn(fmaxf(m0a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
     const unsigned sb1 = (__float_as_uint(__fdiv_rn(fmaxf(m1a, 1e-4f), 448.f)) + 0x7FFFFFu) & 0x7F800000u;
     const float i0 = __uint_as_float(0x7F000000u - sb0), i1 = __uint_as_float(0x7F000000u - sb1);
-    const int NT = a.I / 128;
     if (ok0) {
         unsigned short *q = (unsigned short *)(a.hq + g0 * a.I + col);
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[4 * i] = pack_e4m3(h[4 * i] * i0, h[4 * i + 1] * i0);
-        if (first) a.hs[(g0 / a.G) * NT * a.G + (long long)t * a.G + g0 % a.G] = __uint_as_float(sb0);
+        if (first) a.hs[(long long)t * a.G + g0] = __uint_as_float(sb0);
     }
     if (ok1) {
         unsigned short *q = (unsigned short *)(a.hq + g1 * a.I + col);
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[4 * i] = pack_e4m3(h[4 * i + 2] * i1, h[4 * i + 3] * i1);
-        if (first) a.hs[(g1 / a.G) * NT * a.G + (long long)t * a.G + g1 % a.G] = __uint_as_float(sb1);
+        if (first) a.hs[(long long)t * a.G + g1] = __uint_as_float(sb1);
     }
 }
 
@@ -213,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(const GArgs a,
             if (ok) {
                 const long long j = m0 + p;
                 arow = a.a + j * a.a_row;
-                srow = a.sa + (j / a.sa_g) * a.sa_gs + (j % a.sa_g) * a.sa_r;
+                srow = a.sa + j * a.sa_r;
             }
 #endif
             asm volatile("bar.sync 3, 128;" ::: "memory");    // the last tile's table is read

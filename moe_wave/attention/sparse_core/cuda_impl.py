@@ -50,7 +50,7 @@ from .call import CoreCall
 from .cuda_build import Variant
 
 __all__ = ["Unavailable", "available", "rule", "supports", "run", "sparse_attention_cuda", "prepare", "launch", "kernel",
-           "ctas_resident", "SMEM_BYTES"]
+           "ctas_resident", "SMEM_BYTES", "load_function", "tmap_2d"]
 
 NAME = "cuda"
 D_FULL = 512                # head_dim the kernel takes (V4's)
@@ -162,22 +162,27 @@ def _loaded(device_index: int, variant: Variant, cache_dir: str | None, extra_de
     try:
         data = cuda_build.cubin(variant, cache_dir) if not extra_defines else \
             cuda_build.compile_cubin(variant, extra_defines)
-        lib = torch.cuda._utils._get_gpu_runtime_library()
-        with torch.cuda.device(device_index):
-            torch.cuda.current_stream()                 # the device's primary context, current
-            mod, func = ctypes.c_void_p(), ctypes.c_void_p()
-            for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
-                             ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(
-                                 ctypes.byref(func), mod, variant.kernel_name.encode())),
-                             ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES))):
-                code = rc()
-                if code:
-                    raise RuntimeError(f"{what} returned CUresult {code}")
-        return func, None
+        return load_function(device_index, data, variant.kernel_name.encode(), SMEM_BYTES), None
     except (RuntimeError, OSError) as e:
         warnings.warn(f"moe_wave: the CUDA C++ sparse-attention kernel {variant.key} does not run here "
                       f"({type(e).__name__}: {str(e)[:2000]}); the Triton kernel runs instead", stacklevel=4)
         return None, e
+
+
+def load_function(device_index: int, cubin: bytes, name: bytes, smem: int):
+    """The CUfunction ``name`` of ``cubin`` loaded on the device (its primary context) with ``smem`` bytes of dynamic
+    shared memory allowed; RuntimeError naming the driver call that failed."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()                     # the device's primary context, current
+        mod, func = ctypes.c_void_p(), ctypes.c_void_p()
+        for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), cubin)),
+                         ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod, name)),
+                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, smem))):
+            code = rc()
+            if code:
+                raise RuntimeError(f"{what} returned CUresult {code}")
+    return func
 
 
 def kernel(device_index: int, variant: Variant, cache_dir: str | None = None, extra_defines: str = ""):
