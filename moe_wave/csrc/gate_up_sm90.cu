@@ -59,9 +59,11 @@ __device__ __forceinline__ void tma_load_2d_mc(unsigned dst, const TMap *m, unsi
                  "[%0], [%1, {%3, %4}], [%2], %5;" :: "r"(dst), "l"((u64)m), "r"(bar), "r"(x), "r"(y), "h"(mask)
                  : "memory");
 }
-__device__ __forceinline__ void mbar_arrive_cta(unsigned bar, unsigned cta) {   // bar's twin in CTA cta of the cluster
+// bar's twin in CTA cta of the cluster, the arrive's default (CTA-scope) release as CUTLASS's ClusterBarrier: the
+// arriving warp has only read the stage (wgmma, waited for), so nothing of its needs ordering at cluster scope
+__device__ __forceinline__ void mbar_arrive_cta(unsigned bar, unsigned cta) {
     asm volatile("{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, %0, %1;\n\t"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" :: "r"(bar), "r"(cta) : "memory");
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}" :: "r"(bar), "r"(cta) : "memory");
 }
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
@@ -276,13 +278,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) gate_up_sm90(const GArgs a,
                 for (int k = 0; k < 4; ++k)
                     wgmma_e4m3(acc, desc(pa + 32 * k, LBO_K), desc(pb + B_BYTES / 2 + 32 * k, LBO_K), k);
                 wgmma_commit_wait();
-                if (lane == 0) {
-                    if (CLUSTER > 1) {
-#pragma unroll
-                        for (int c = 0; c < CLUSTER; ++c) mbar_arrive_cta(empty + 8 * stage, c);
-                    } else {
-                        mbar_arrive(empty + 8 * stage);
-                    }
+                if (CLUSTER > 1) {
+                    if (lane < CLUSTER) mbar_arrive_cta(empty + 8 * stage, lane);   // lane c: CTA c's barrier
+                } else if (lane == 0) {
+                    mbar_arrive(empty + 8 * stage);
                 }
                 promote(fu, acc, sa0 * su, sa1 * su);
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
