@@ -7,8 +7,7 @@
 #   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
 #   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS), settings (the FP8 expert stage under
 #   library settings side by side: dev/stage_settings.py, SETTINGS_ARGS; default: the fused first GEMM off, on
-#   with 128-row and with 64-row tiles), gate_up (the experts' first GEMM + SwiGLU as a CUDA kernel: its tests and
-#   dev/probe_gate_up_sm90.py),
+#   with 128-row and with 64-row tiles),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
@@ -114,7 +113,7 @@ for s in "${STAGES[@]}"; do
                   # DeepGEMM's GEMMs alone vs the floor; EXP_SHAPES, EXP_TOKENS) and the default demo in bf16 and FP8
                # (EXP_TESTS / EXP_DEMO set but empty: that part left out, e.g. to split the stage over two calls)
                EXP_TESTS="${EXP_TESTS-tests/test_gpu_fp8_experts.py tests/test_gpu_moe.py tests/test_expert_order.py \
-                   tests/test_fp8_experts.py tests/test_gpu_gate_up_sm90.py}"
+                   tests/test_fp8_experts.py}"
                if [ -n "$EXP_TESTS" ]; then
                    stage tests_experts ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider $EXP_TESTS
                fi
@@ -217,14 +216,9 @@ raise SystemExit(not cuda_impl.available())"; then
                    "f128:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0" \
                    "f64:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=1000000000"}
                ;;
-        gate_up)  # the experts' first GEMM + SwiGLU as a CUDA kernel: its tests, then four ways side by side
-                  # (dev/probe_gate_up_sm90.py; GATE_UP_ARGS)
-               stage gate_up_tests ${T_GATE_UP:-240} "$PY" -m pytest -q -x tests/test_gpu_gate_up_sm90.py \
-                   tests/test_gate_up_cuda_build.py
-               stage gate_up_probe ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_sm90.py ${GATE_UP_ARGS:-} ;;
         *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile" \
                "streams comm attn" \
-               "attn_ab whole trace demo sweep deepep_api gate_up)" ;;
+               "attn_ab whole trace demo sweep deepep_api)" ;;
     esac
 done
 

@@ -25,10 +25,7 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   Where the first GEMM has few rows an expert (``FUSED_GATE_UP_ROWS_PER_EXPERT``: it streams weights), it runs
   with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
-  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above. Above that threshold
-  (the GEMM compute-bound) on the aligned layout, on Hopper, ``GATE_UP_SM90`` (off by default until it measures
-  faster) runs the same fusion as a warp-specialised CUDA kernel (``gate_up_cuda.gate_up_sm90``) in place of
-  DeepGEMM's first GEMM, ``swiglu_quant`` and ``gather_pairs``.
+  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -59,18 +56,6 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
-# above FUSED_GATE_UP_ROWS_PER_EXPERT on the aligned layout, on Hopper: the first GEMM with SwiGLU + requant in its
-# epilogue as a CUDA kernel (``gate_up_cuda.gate_up_sm90``, DeepGEMM's promotion, the FP8 rows read where they
-# arrived), in place of DeepGEMM's GEMM + ``swiglu_quant`` (+ ``gather_pairs``). Off: without clusters it measured
-# 1.0-1.10 x the DeepGEMM way in the stage (benchmarks/results/experts.md); its paired CTAs (weight multicast) are
-# not measured yet
-GATE_UP_SM90 = False
-
-
-def _gate_up_sm90_ok(dev: torch.device) -> bool:
-    from .gate_up_cuda import available
-
-    return dev.type == "cuda" and available(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,21 +346,13 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    sm90 = not fused and G is None and GATE_UP_SM90 and _gate_up_sm90_ok(x_RD.device)
-    if sm90:
-        from .gate_up_cuda import gate_up_sm90
-    if (fused or sm90) and packed:  # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
+    if fused and packed:        # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
-        if fused:
-            hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
-        else:
-            hq, hs = gate_up_sm90(*unpack_rows(x_RD, D), *wq[:5], g.n, src_J=src, local=loc)
+        hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if fused:
             hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
-        elif sm90:
-            hq, hs = gate_up_sm90(q, s, *wq[:5], g.n)
         else:
             gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
             if G:

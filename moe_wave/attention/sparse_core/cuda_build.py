@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass, fields
 
 __all__ = ["Variant", "SOURCES", "SOURCE_HASH", "ARCH", "compile_cubin", "cubin", "nvrtc_library", "nvrtc_version",
-           "default_cache_dir", "nvrtc_compile", "cached"]
+           "default_cache_dir"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 HEADER, MAIN = "sparse_core_device.cuh", "sparse_core.cu"
@@ -152,17 +152,18 @@ def nvrtc_version(lib: ctypes.CDLL | None = None) -> str:
     return f"{major.value}.{minor.value}"
 
 
-def nvrtc_compile(main: str, source: str, headers: dict[str, str], what: str,
-                  lib: ctypes.CDLL | None = None) -> bytes:
-    """``source`` (named ``main``, including the ``headers`` by name) compiled by NVRTC to a cubin for ``ARCH``
-    with ``OPTIONS``; RuntimeError naming ``what`` with NVRTC's log where it fails."""
+def compile_cubin(variant: Variant, extra_defines: str = "", lib: ctypes.CDLL | None = None) -> bytes:
+    """The variant compiled by NVRTC to a cubin for ``ARCH``; ``extra_defines`` (more ``#define`` lines, in front)
+    is for the instrumented builds of ``dev/`` (``TRACE``, ``PROBE``, ...), never the library's. RuntimeError with
+    NVRTC's log where it fails."""
     lib = lib or nvrtc_library()
+    src = (extra_defines + variant.defines() + SOURCES[MAIN]).encode()
     prog = ctypes.c_void_p()
-    hdr = (ctypes.c_char_p * len(headers))(*(t.encode() for t in headers.values()))
-    names = (ctypes.c_char_p * len(headers))(*(n.encode() for n in headers))
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), main.encode(), len(headers), hdr, names)
+    headers = (ctypes.c_char_p * 1)(SOURCES[HEADER].encode())
+    names = (ctypes.c_char_p * 1)(HEADER.encode())
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, MAIN.encode(), 1, headers, names)
     if rc:
-        raise RuntimeError(f"{what}: nvrtcCreateProgram returned {rc}")
+        raise RuntimeError(f"sparse core: nvrtcCreateProgram returned {rc}")
     try:
         opts = [o.encode() for o in OPTIONS]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -171,7 +172,8 @@ def nvrtc_compile(main: str, source: str, headers: dict[str, str], what: str,
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
             log = ctypes.create_string_buffer(n.value)
             lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"{what}: NVRTC failed ({rc}):\n{log.value.decode(errors='replace')}")
+            raise RuntimeError(f"sparse core {variant.key}: NVRTC failed ({rc}):\n"
+                               f"{log.value.decode(errors='replace')}")
         n = ctypes.c_size_t()
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
         buf = ctypes.create_string_buffer(n.value)
@@ -179,14 +181,6 @@ def nvrtc_compile(main: str, source: str, headers: dict[str, str], what: str,
         return buf.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-def compile_cubin(variant: Variant, extra_defines: str = "", lib: ctypes.CDLL | None = None) -> bytes:
-    """The variant compiled by NVRTC to a cubin for ``ARCH``; ``extra_defines`` (more ``#define`` lines, in front)
-    is for the instrumented builds of ``dev/`` (``TRACE``, ``PROBE``, ...), never the library's. RuntimeError with
-    NVRTC's log where it fails."""
-    return nvrtc_compile(MAIN, extra_defines + variant.defines() + SOURCES[MAIN], {HEADER: SOURCES[HEADER]},
-                         f"sparse core {variant.key}", lib)
 
 
 def default_cache_dir() -> str:
@@ -201,17 +195,13 @@ def cubin_path(variant: Variant, cache_dir: str | None = None, lib: ctypes.CDLL 
 
 def cubin(variant: Variant, cache_dir: str | None = None) -> bytes:
     """The variant's cubin from the disk cache, compiled and written there (atomically) when absent."""
-    return cached(cubin_path(variant, cache_dir), lambda: compile_cubin(variant))
-
-
-def cached(path: str, make) -> bytes:
-    """The bytes at ``path``, else ``make()``'s, written there atomically (a read-only cache: not written)."""
+    path = cubin_path(variant, cache_dir)
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError:
         pass
-    data = make()
+    data = compile_cubin(variant)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")

@@ -50,7 +50,7 @@ from .call import CoreCall
 from .cuda_build import Variant
 
 __all__ = ["Unavailable", "available", "rule", "supports", "run", "sparse_attention_cuda", "prepare", "launch", "kernel",
-           "ctas_resident", "SMEM_BYTES", "load_function", "tmap_2d"]
+           "ctas_resident", "SMEM_BYTES"]
 
 NAME = "cuda"
 D_FULL = 512                # head_dim the kernel takes (V4's)
@@ -162,27 +162,22 @@ def _loaded(device_index: int, variant: Variant, cache_dir: str | None, extra_de
     try:
         data = cuda_build.cubin(variant, cache_dir) if not extra_defines else \
             cuda_build.compile_cubin(variant, extra_defines)
-        return load_function(device_index, data, variant.kernel_name.encode(), SMEM_BYTES), None
+        lib = torch.cuda._utils._get_gpu_runtime_library()
+        with torch.cuda.device(device_index):
+            torch.cuda.current_stream()                 # the device's primary context, current
+            mod, func = ctypes.c_void_p(), ctypes.c_void_p()
+            for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
+                             ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(
+                                 ctypes.byref(func), mod, variant.kernel_name.encode())),
+                             ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES))):
+                code = rc()
+                if code:
+                    raise RuntimeError(f"{what} returned CUresult {code}")
+        return func, None
     except (RuntimeError, OSError) as e:
         warnings.warn(f"moe_wave: the CUDA C++ sparse-attention kernel {variant.key} does not run here "
                       f"({type(e).__name__}: {str(e)[:2000]}); the Triton kernel runs instead", stacklevel=4)
         return None, e
-
-
-def load_function(device_index: int, cubin: bytes, name: bytes, smem: int):
-    """The CUfunction ``name`` of ``cubin`` loaded on the device (its primary context) with ``smem`` bytes of dynamic
-    shared memory allowed; RuntimeError naming the driver call that failed."""
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    with torch.cuda.device(device_index):
-        torch.cuda.current_stream()                     # the device's primary context, current
-        mod, func = ctypes.c_void_p(), ctypes.c_void_p()
-        for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), cubin)),
-                         ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod, name)),
-                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, smem))):
-            code = rc()
-            if code:
-                raise RuntimeError(f"{what} returned CUresult {code}")
-    return func
 
 
 def kernel(device_index: int, variant: Variant, cache_dir: str | None = None, extra_defines: str = ""):
@@ -290,13 +285,6 @@ def _tmap_rows(out: torch.Tensor, rows: int):
     """A CUtensorMap of ``out`` (FP8, contiguous) as ``rows`` rows of 512 bytes, boxes of 64 rows x 128 bytes in the
     128-byte swizzle (the kernel's TMA staging), by the driver's cuTensorMapEncodeTiled; None where the driver
     refuses it (the kernel then stores with its threads)."""
-    return tmap_2d(out.data_ptr(), D_FULL, rows, D_FULL, 128, BH)
-
-
-def tmap_2d(ptr: int, row_bytes: int, rows: int, stride: int, box_bytes: int, box_rows: int):
-    """(buffer, address) of a CUtensorMap over ``rows`` rows of ``row_bytes`` bytes ``stride`` bytes apart at ``ptr``
-    (as uint8), boxes of box_rows x box_bytes in the 128-byte swizzle, by the driver's cuTensorMapEncodeTiled; None
-    where the driver has none or refuses it. Keep the buffer alive while the address is in use."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     enc = getattr(lib, "cuTensorMapEncodeTiled", None)
     if enc is None:
@@ -304,8 +292,8 @@ def tmap_2d(ptr: int, row_bytes: int, rows: int, stride: int, box_bytes: int, bo
     buf = (ctypes.c_uint8 * (TMAP_BYTES + 64))()       # the map 64-byte aligned inside
     addr = ctypes.addressof(buf) + (-ctypes.addressof(buf)) % 64
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rc = enc(ctypes.c_void_p(addr), ctypes.c_int(0), u32(2), ctypes.c_void_p(ptr),   # UINT8, rank 2
-             (u64 * 2)(row_bytes, rows), (u64 * 1)(stride), (u32 * 2)(box_bytes, box_rows), (u32 * 2)(1, 1),
+    rc = enc(ctypes.c_void_p(addr), ctypes.c_int(0), u32(2), ctypes.c_void_p(out.data_ptr()),   # UINT8, rank 2
+             (u64 * 2)(D_FULL, rows), (u64 * 1)(D_FULL), (u32 * 2)(128, BH), (u32 * 2)(1, 1),
              ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(0), ctypes.c_int(0))  # no interleave, 128B swizzle
     return (buf, addr) if rc == 0 else None
 
