@@ -7,7 +7,8 @@
 #   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
 #   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS), settings (the FP8 expert stage under
 #   library settings side by side: dev/stage_settings.py, SETTINGS_ARGS; default: the fused first GEMM off, on
-#   with 128-row and with 64-row tiles),
+#   with 128-row and with 64-row tiles), gate_up (the first GEMM with SwiGLU on DeepGEMM's kernel: its tests and
+#   dev/probe_gate_up_dg.py, GATE_UP_ARGS),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
@@ -216,8 +217,13 @@ raise SystemExit(not cuda_impl.available())"; then
                    "f128:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0" \
                    "f64:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=1000000000"}
                ;;
+        gate_up)  # the first GEMM with SwiGLU + requant on DeepGEMM's kernel (gate_up_dg): its tests, then
+                  # dev/probe_gate_up_dg.py against DeepGEMM's GEMM alone and the DeepGEMM way (GATE_UP_ARGS)
+               stage tests_gate_up ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_gate_up_dg.py
+               stage probe_gate_up ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_dg.py --out "$RES/probe_gate_up_dg.json" \
+                   ${GATE_UP_ARGS:-} ;;
         *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile" \
-               "streams comm attn" \
+               "gate_up streams comm attn" \
                "attn_ab whole trace demo sweep deepep_api)" ;;
     esac
 done

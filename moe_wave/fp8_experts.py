@@ -56,6 +56,9 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
+# above FUSED_GATE_UP_ROWS_PER_EXPERT, the first GEMM and SwiGLU + requant as one kernel on DeepGEMM's own Hopper GEMM
+# (``gate_up_dg``: gu stays in registers) where it builds here, else DeepGEMM's GEMM and ``swiglu_quant``
+GATE_UP_DG = True
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,6 +298,29 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
+def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool) -> bool:
+    """Whether ``gate_up_dg`` runs the first GEMM with SwiGLU + requant here (a Hopper GPU, deep_gemm's headers,
+    nvcc; built once a shape)."""
+    if dev.type != "cuda":
+        return False
+    from .gate_up_dg import available
+    return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked)
+
+
+def _gate_up(dg, experts: FP8RoutedExperts, q, s, g, G, expected: int) -> torch.Tensor:
+    """The first grouped GEMM on DeepGEMM (masked where G, else contiguous with the group ends as the psum
+    layout): gu [JA, 2I] bf16."""
+    (JA, D), e, I2 = q.shape, experts.num_local, experts.gate_up.shape[1]
+    gu = torch.empty(JA, I2, dtype=torch.bfloat16, device=q.device)
+    if G:
+        dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
+                                        gu.view(e, G, I2), g.m, expected)
+    else:
+        dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
+                                            use_psum_layout=True)
+    return gu
+
+
 def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int) -> torch.Tensor:
     """The second grouped GEMM (masked where G, else contiguous with the group ends as the psum layout): y [JA, D]
     bf16."""
@@ -353,14 +379,9 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if fused:
             hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
+        elif GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, G is not None):
+            from .gate_up_dg import gate_up_dg
+            hq, hs = gate_up_dg(q, s, experts.gate_up, experts.gate_up_scale, g.m if G else g.ends, lim, G)
         else:
-            gu = torch.empty(JA, 2 * I, dtype=torch.bfloat16, device=x_RD.device)
-            if G:
-                dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)),
-                                                (experts.gate_up, experts.gate_up_scale), gu.view(e, G, 2 * I), g.m,
-                                                expected)
-            else:
-                dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu,
-                                                    g.ends, use_psum_layout=True)
-            hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)
+            hq, hs = swiglu_quant(_gate_up(dg, experts, q, s, g, G, expected), None, None, lim, G, bend=g.bend)
     return _down(dg, experts, hq, hs, g, G, expected), pos, g.n

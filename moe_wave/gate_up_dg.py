@@ -1,0 +1,233 @@
+"""The routed experts' first grouped FP8 GEMM with SwiGLU + requant in its epilogue on DeepGEMM's own Hopper kernel
+(``csrc/gate_up_dg.cu``: DeepGEMM's SM90 1D2D FP8 GEMM with its main loop, pipeline, scheduler and promotion as they
+are, a block being the pair of gate and up tiles of the same 128 channels, and an epilogue that writes e4m3 h and
+its per-(row, 128 channels) scales instead of bf16 gu).
+
+It returns what DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (psum layout) or ``_masked`` followed by
+``fp8_expert_kernels.swiglu_quant`` return, bit for bit (the same promoted sums, rounded to bf16 as the GEMM writes
+them, then the same SwiGLU and quantisation instructions), without writing or reading gu. It needs what DeepGEMM's
+own JIT needs: a Hopper GPU, ``deep_gemm`` (its include directory holds the kernel's headers and CUTLASS') and nvcc
+(``torch.utils.cpp_extension.CUDA_HOME``). It compiles once per (experts, channels, layout, SMs) and is kept on disk
+(``CACHE_DIR``); ``available(device)`` says whether it runs; ``gate_up_dg`` launches it on the current stream (CUDA
+graph capturable: the counts stay on the device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+
+import torch
+
+from .fp8 import BLOCK, FP8
+
+__all__ = ["available", "gate_up_dg", "compile_cubin", "smem_bytes", "STAGES", "THREADS", "SOURCE"]
+
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+MAIN = "gate_up_dg.cu"
+with open(os.path.join(_CSRC, MAIN), encoding="utf-8") as _f:
+    SOURCE = _f.read()
+STAGES = 6                  # pipeline stages (128 rows + 128 weight rows of 128 channels, + the rows' scales)
+THREADS = 384               # a TMA warpgroup and two math warpgroups
+NAME = b"gate_up_dg_kernel"
+# the compiled kernels' folder on disk (None: ~/.cache/moe_wave)
+CACHE_DIR: str | None = None
+# DeepGEMM's nvcc flags (its JIT's), for sm_90a
+NVCC_FLAGS = ("-std=c++20", "--diag-suppress=39,161,174,177,186,940", "--ptxas-options=--register-usage-level=10",
+              "--gpu-architecture=sm_90a", "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+              "--compiler-options=-fPIC,-O3,-fconcepts,-Wno-deprecated-declarations,-Wno-abi")
+_TMAP_BYTES = 128           # sizeof(CUtensorMap)
+
+
+def smem_bytes(D: int, stages: int = STAGES) -> int:
+    """The kernel's dynamic shared memory (its SMEM_SIZE): h's staging tile, the stages, the weight scales, the
+    barriers."""
+    sfb = -(-(2 * (D // BLOCK) * 4) // 8) * 8
+    return 128 * 128 + stages * (2 * 128 * 128 + 128 * 4) + sfb + 2 * stages * 8
+
+
+def _include_dir() -> str:
+    """deep_gemm's include directory (its kernels' headers, CUTLASS' and cute's beside them)."""
+    import deep_gemm
+
+    inc = os.path.join(os.path.dirname(os.path.abspath(deep_gemm.__file__)), "include")
+    for need in ("deep_gemm/scheduler/gemm.cuh", "cute/arch/copy_sm90_tma.hpp", "cutlass/arch/barrier.h"):
+        if not os.path.exists(os.path.join(inc, need)):
+            raise RuntimeError(f"gate_up_dg: deep_gemm's include directory {inc} has no {need}")
+    return inc
+
+
+def _nvcc() -> str:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    path = os.path.join(CUDA_HOME or "", "bin", "nvcc")
+    if not CUDA_HOME or not os.path.exists(path):
+        raise RuntimeError(f"gate_up_dg: no nvcc (CUDA_HOME={CUDA_HOME!r}); DeepGEMM's JIT needs it too")
+    return path
+
+
+def _defines(e: int, I: int, D: int, masked: bool, sms: int, stages: int) -> list[str]:
+    return [f"-DGU_GROUPS={e}", f"-DGU_I={I}", f"-DGU_K={D}", f"-DGU_MASKED={int(masked)}", f"-DGU_SMS={sms}",
+            f"-DGU_STAGES={stages}"]
+
+
+def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = STAGES) -> bytes:
+    """The kernel for e experts, I channels of h, D of the rows, the layout, ``sms`` CTAs, compiled by nvcc."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "gate_up_dg.cubin")
+        cmd = [_nvcc(), os.path.join(_CSRC, MAIN), "-cubin", "-o", out, f"-I{_include_dir()}", *NVCC_FLAGS,
+               *_defines(e, I, D, masked, sms, stages)]
+        run = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"gate_up_dg: nvcc failed ({run.returncode}): {(run.stdout + run.stderr)[-3000:]}")
+        with open(out, "rb") as f:
+            return f.read()
+
+
+def _cubin(e: int, I: int, D: int, masked: bool, sms: int) -> bytes:
+    import deep_gemm
+
+    key = hashlib.sha256((SOURCE + _include_dir() + str(getattr(deep_gemm, "__version__", "")) + _nvcc()
+                          + " ".join(NVCC_FLAGS)).encode()).hexdigest()[:16]
+    path = os.path.join(CACHE_DIR or os.path.join(os.path.expanduser("~"), ".cache", "moe_wave"), "gate_up_dg", key,
+                        f"e{e}-i{I}-d{D}-m{int(masked)}-sm{sms}-s{STAGES}.cubin")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        pass
+    data = compile_cubin(e, I, D, masked, sms)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:                     # a read-only cache: the kernel still runs, compiled by this process
+        pass
+    return data
+
+
+@functools.lru_cache(maxsize=None)
+def _function(device_index: int, e: int, I: int, D: int, masked: bool):
+    """(CUfunction, CTAs) of the kernel on the device: one CTA an SM."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    data = _cubin(e, I, D, masked, sms)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()                     # the device's primary context, current
+        mod, func = ctypes.c_void_p(), ctypes.c_void_p()
+        for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
+                         ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod, NAME)),
+                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, smem_bytes(D)))):
+            code = rc()
+            if code:
+                raise RuntimeError(f"gate_up_dg: {what} returned CUresult {code}")
+    return func, sms
+
+
+def rule(device: torch.device, I: int, D: int) -> str | None:
+    """None where the kernel can run here for I channels of h and D of the rows, else the rule it fails."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"needs a CUDA GPU, got {device}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return f"needs a Hopper GPU (sm_90), got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    if I % BLOCK or D % BLOCK:
+        return f"I={I} and D={D} must be multiples of {BLOCK}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int, e: int, I: int, D: int, masked: bool = False) -> bool:
+    """Whether the kernel of this shape builds and loads on the CUDA device (``rule``, deep_gemm's headers, nvcc,
+    the driver)."""
+    dev = torch.device("cuda", device_index)
+    if rule(dev, I, D) is not None:
+        return False
+    try:
+        _function(device_index, e, I, D, masked)
+    except (RuntimeError, OSError, ImportError):
+        return False
+    return True
+
+
+def _tmap(ptr: int, dtype: int, inner: int, outer: int, stride: int, box_inner: int, box_outer: int,
+          swizzle: int):
+    """(buffer, address) of a 2-D CUtensorMap (``dtype``: CU_TENSOR_MAP_DATA_TYPE, 0 uint8, 7 float32; ``stride``
+    in bytes; ``swizzle`` 0 none, 3 128 bytes; L2 promotion 256 B, as DeepGEMM's), by the driver's
+    cuTensorMapEncodeTiled. Keep the buffer alive while the address is in use."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    buf = (ctypes.c_uint8 * (_TMAP_BYTES + 64))()       # the map 64-byte aligned inside
+    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf)) % 64
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rc = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(addr), ctypes.c_int(dtype), u32(2), ctypes.c_void_p(ptr),
+                                    (u64 * 2)(inner, outer), (u64 * 1)(stride), (u32 * 2)(box_inner, box_outer),
+                                    (u32 * 2)(1, 1), ctypes.c_int(0), ctypes.c_int(swizzle), ctypes.c_int(3),
+                                    ctypes.c_int(0))
+    if rc:
+        raise RuntimeError(f"gate_up_dg: cuTensorMapEncodeTiled returned CUresult {rc} ({inner} x {outer}, stride "
+                           f"{stride}, box {box_inner} x {box_outer})")
+    return buf, addr
+
+
+_WEIGHT_MAPS: dict = {}
+
+
+def _weight_map(w: torch.Tensor):
+    key = (w.data_ptr(), tuple(w.shape), w.device.index)
+    got = _WEIGHT_MAPS.get(key)
+    if got is None:
+        e, I2, D = w.shape
+        got = _WEIGHT_MAPS[key] = _tmap(w.data_ptr(), 0, D, e * I2, w.stride(1), BLOCK, BLOCK, 3)
+    return got
+
+
+def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor, layout: torch.Tensor,
+               limit: float, group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hq [JA, I] e4m3, hs) of the rows q [JA, D] e4m3 laid out expert-major: the contiguous psum layout (layout
+    = the groups' int32 ends, DeepGEMM's ``use_psum_layout``; s [D/128, JA], hs [I/128, JA]) or, with
+    ``group_rows`` = G, the masked one (expert x at rows x * G; layout = the int32 counts; s [JA/G, D/128, G], hs
+    [JA/G, I/128, G]). w_eND [e, 2I, D] e4m3 (gate rows, then up), ws [e, 2I/128, D/128] fp32. Rows of a block
+    past its group's end get values (as DeepGEMM's GEMM writes them there) that nothing reads."""
+    e, I2, D = w_eND.shape
+    I, JA = I2 // 2, q.shape[0]
+    G = group_rows
+    why = rule(q.device, I, D)
+    if why is not None:
+        raise ValueError(f"gate_up_dg: {why}")
+    want_s = (D // BLOCK, JA) if G is None else (JA // G, D // BLOCK, G)
+    if (q.dtype != FP8 or q.shape[1] != D or not q.is_contiguous() or JA % 128 or tuple(s.shape) != want_s
+            or not s.is_contiguous() or not w_eND.is_contiguous() or tuple(ws.shape) != (e, I2 // BLOCK, D // BLOCK)
+            or not ws.is_contiguous() or layout.dtype != torch.int32 or layout.numel() != e
+            or (G is not None and (G % 128 or JA != e * G))):
+        raise ValueError(f"gate_up_dg: rows {tuple(q.shape)} {q.dtype}, scales {tuple(s.shape)}, weights "
+                         f"{tuple(w_eND.shape)}, weight scales {tuple(ws.shape)}, layout {tuple(layout.shape)} "
+                         f"{layout.dtype}, group_rows {G}: must be contiguous e4m3 [JA, D] with JA a multiple of "
+                         f"128, scales {want_s}, [e, 2I, D] and [e, 2I/128, D/128], int32 [e] (masked: JA = e * G, "
+                         f"G a multiple of 128)")
+    hq = torch.empty(JA, I, dtype=FP8, device=q.device)
+    hs = torch.empty((I // BLOCK, JA) if G is None else (JA // G, I // BLOCK, G), dtype=torch.float32,
+                     device=q.device)
+    if not (JA and I and e):
+        return hq, hs
+    func, sms = _function(q.device.index, e, I, D, G is not None)
+    M = JA if G is None else G                          # the rows of a group's index space
+    _, a_addr = a_map = _tmap(q.data_ptr(), 0, D, JA, D, BLOCK, 128, 3)
+    _, b_addr = _weight_map(w_eND)
+    _, sa_addr = sa_map = _tmap(s.data_ptr(), 7, M, s.numel() // M, M * 4, 128, 1, 0)
+    _, h_addr = h_map = _tmap(hq.data_ptr(), 0, I, JA, I, BLOCK, 128, 3)
+    args = [ctypes.c_void_p(ws.data_ptr()), ctypes.c_void_p(layout.data_ptr()), ctypes.c_uint32(M),
+            ctypes.c_void_p(hs.data_ptr()), ctypes.c_uint32(M), ctypes.c_float(float(limit))]
+    params = (ctypes.c_void_p * 10)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args],
+                                    *[ctypes.c_void_p(x) for x in (a_addr, b_addr, sa_addr, h_addr)])
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    rc = lib.cuLaunchKernel(func, sms, 1, 1, THREADS, 1, 1, smem_bytes(D), torch.cuda.current_stream()._as_parameter_,
+                            params, None)
+    del a_map, sa_map, h_map                            # the maps were copied into the launch
+    if rc:
+        raise RuntimeError(f"gate_up_dg: cuLaunchKernel returned CUresult {rc}")
+    return hq, hs
