@@ -342,6 +342,8 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
             }
             __syncwarp();
         }
+        if (threadIdx.x == 0)               // the staging tile stays until the last store has read it
+            cute::tma_store_wait<0>();
     }
 #endif
 }
