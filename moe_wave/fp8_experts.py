@@ -59,6 +59,8 @@ FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # above FUSED_GATE_UP_ROWS_PER_EXPERT, the first GEMM and SwiGLU + requant as one kernel on DeepGEMM's own Hopper GEMM
 # (``gate_up_dg``: gu stays in registers) where it builds here, else DeepGEMM's GEMM and ``swiglu_quant``
 GATE_UP_DG = True
+# ... reading rows that arrived as FP8 where they are (through the ordering's src_J, no copy into the layout)
+GATE_UP_DG_SRC = True
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,13 +300,13 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
-def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool) -> bool:
+def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool, src: bool = False) -> bool:
     """Whether ``gate_up_dg`` runs the first GEMM with SwiGLU + requant here (a Hopper GPU, deep_gemm's headers,
     nvcc; built once a shape)."""
     if dev.type != "cuda":
         return False
     from .gate_up_dg import available
-    return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked)
+    return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked, src)
 
 
 def _gate_up(dg, experts: FP8RoutedExperts, q, s, g, G, expected: int) -> torch.Tensor:
@@ -372,14 +374,20 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
+    dg_kernel = not fused and GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, G is not None,
+                                                          packed and GATE_UP_DG_SRC)
+    loc = None if not packed or local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
     if fused and packed:        # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
-        loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
+    elif dg_kernel and packed and GATE_UP_DG_SRC:       # likewise on DeepGEMM's kernel
+        from .gate_up_dg import gate_up_dg
+        hq, hs = gate_up_dg(*unpack_rows(x_RD, D), experts.gate_up, experts.gate_up_scale, g.m if G else g.ends, lim,
+                            G, src_J=src, local=loc)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if fused:
             hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
-        elif GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, G is not None):
+        elif dg_kernel:
             from .gate_up_dg import gate_up_dg
             hq, hs = gate_up_dg(q, s, experts.gate_up, experts.gate_up_scale, g.m if G else g.ends, lim, G)
         else:
