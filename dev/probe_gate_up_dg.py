@@ -115,8 +115,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['tokens']} | {r['pairs']} | {r['dg_gemm_us']:.1f} | {r['dg_way_us']:.1f} | "
-              f"{r['gate_up_dg_us']:.1f} | {r['gate_up_dg_src_us']:.1f} | {r['triton_us']:.1f} | {r['gate_up_dg_over_dg_gemm']:.3f} | "
-              f"{r['gate_up_dg_over_dg_way']:.3f} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
+              f"{r['gate_up_dg_us']:.1f} | {r['gate_up_dg_src_us']:.1f} | {r['triton_us']:.1f} | "
+              f"{r['gate_up_dg_over_dg_gemm']:.3f} | {r['gate_up_dg_over_dg_way']:.3f} | "
+              f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
     path = args.out or os.path.join(os.environ.get("OUT", "."), "probe_gate_up_dg.json")
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}, f, indent=1)
