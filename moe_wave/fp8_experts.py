@@ -309,31 +309,17 @@ def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool, src: 
     return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked, src)
 
 
-def _gate_up(dg, experts: FP8RoutedExperts, q, s, g, G, expected: int) -> torch.Tensor:
-    """The first grouped GEMM on DeepGEMM (masked where G, else contiguous with the group ends as the psum
-    layout): gu [JA, 2I] bf16."""
-    (JA, D), e, I2 = q.shape, experts.num_local, experts.gate_up.shape[1]
-    gu = torch.empty(JA, I2, dtype=torch.bfloat16, device=q.device)
+def _grouped(dg, q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, g, G,
+             expected: int) -> torch.Tensor:
+    """One grouped GEMM on DeepGEMM, rows q [JA, K] e4m3 with their scales by weights w [e, N, K] (scales ws):
+    masked where G (s [JA/G, K/128, G]), else contiguous with the group ends as the psum layout (s [K/128, JA]);
+    [JA, N] bf16."""
+    (JA, K), (e, N, _) = q.shape, w.shape
+    y = torch.empty(JA, N, dtype=torch.bfloat16, device=q.device)
     if G:
-        dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (experts.gate_up, experts.gate_up_scale),
-                                        gu.view(e, G, I2), g.m, expected)
+        dg.m_grouped_fp8_gemm_nt_masked((q.view(e, G, K), s.transpose(1, 2)), (w, ws), y.view(e, G, N), g.m, expected)
     else:
-        dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (experts.gate_up, experts.gate_up_scale), gu, g.ends,
-                                            use_psum_layout=True)
-    return gu
-
-
-def _down(dg, experts: FP8RoutedExperts, hq, hs, g, G, expected: int) -> torch.Tensor:
-    """The second grouped GEMM (masked where G, else contiguous with the group ends as the psum layout): y [JA, D]
-    bf16."""
-    (JA, I), e, D = hq.shape, experts.num_local, experts.cfg.hidden_size
-    y = torch.empty(JA, D, dtype=torch.bfloat16, device=hq.device)
-    if G:
-        dg.m_grouped_fp8_gemm_nt_masked((hq.view(e, G, I), hs.transpose(1, 2)), (experts.down, experts.down_scale),
-                                        y.view(e, G, D), g.m, expected)
-    else:
-        dg.m_grouped_fp8_gemm_nt_contiguous((hq, hs.t()), (experts.down, experts.down_scale), y, g.ends,
-                                            use_psum_layout=True)
+        dg.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (w, ws), y, g.ends, use_psum_layout=True)
     return y
 
 
@@ -391,5 +377,6 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
             from .gate_up_dg import gate_up_dg
             hq, hs = gate_up_dg(q, s, experts.gate_up, experts.gate_up_scale, g.m if G else g.ends, lim, G)
         else:
-            hq, hs = swiglu_quant(_gate_up(dg, experts, q, s, g, G, expected), None, None, lim, G, bend=g.bend)
-    return _down(dg, experts, hq, hs, g, G, expected), pos, g.n
+            gu = _grouped(dg, q, s, experts.gate_up, experts.gate_up_scale, g, G, expected)
+            hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)
+    return _grouped(dg, hq, hs, experts.down, experts.down_scale, g, G, expected), pos, g.n

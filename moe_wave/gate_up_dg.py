@@ -23,6 +23,7 @@ import tempfile
 
 import torch
 
+from .attention.sparse_core.cuda_build import cached, default_cache_dir
 from .fp8 import BLOCK, FP8
 
 __all__ = ["available", "gate_up_dg", "compile_cubin", "smem_bytes", "STAGES", "THREADS", "SOURCE"]
@@ -95,23 +96,9 @@ def _cubin(e: int, I: int, D: int, masked: bool, src: bool, sms: int) -> bytes:
 
     key = hashlib.sha256((SOURCE + _include_dir() + str(getattr(deep_gemm, "__version__", "")) + _nvcc()
                           + " ".join(NVCC_FLAGS)).encode()).hexdigest()[:16]
-    path = os.path.join(CACHE_DIR or os.path.join(os.path.expanduser("~"), ".cache", "moe_wave"), "gate_up_dg", key,
+    path = os.path.join(CACHE_DIR or default_cache_dir(), "gate_up_dg", key,
                         f"e{e}-i{I}-d{D}-m{int(masked)}-src{int(src)}-sm{sms}-s{STAGES}.cubin")
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        pass
-    data = compile_cubin(e, I, D, masked, src, sms)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:                     # a read-only cache: the kernel still runs, compiled by this process
-        pass
-    return data
+    return cached(path, lambda: compile_cubin(e, I, D, masked, src, sms))
 
 
 @functools.lru_cache(maxsize=None)

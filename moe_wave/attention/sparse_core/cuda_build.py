@@ -195,13 +195,17 @@ def cubin_path(variant: Variant, cache_dir: str | None = None, lib: ctypes.CDLL 
 
 def cubin(variant: Variant, cache_dir: str | None = None) -> bytes:
     """The variant's cubin from the disk cache, compiled and written there (atomically) when absent."""
-    path = cubin_path(variant, cache_dir)
+    return cached(cubin_path(variant, cache_dir), lambda: compile_cubin(variant))
+
+
+def cached(path: str, make) -> bytes:
+    """The bytes at ``path``, else ``make()``'s, written there atomically (kept where the folder is read-only)."""
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError:
         pass
-    data = compile_cubin(variant)
+    data = make()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
