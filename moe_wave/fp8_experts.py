@@ -57,8 +57,9 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # above FUSED_GATE_UP_ROWS_PER_EXPERT, the first GEMM and SwiGLU + requant as one kernel on DeepGEMM's own Hopper GEMM
-# (``gate_up_dg``: gu stays in registers) where it builds here, else DeepGEMM's GEMM and ``swiglu_quant``
-GATE_UP_DG = True
+# (``gate_up_dg``: gu stays in registers) where it builds here, else DeepGEMM's GEMM and ``swiglu_quant``: off until
+# a GPU run has measured it against them (dev/probe_gate_up_dg.py, dev/stage_settings.py)
+GATE_UP_DG = False
 # ... reading rows that arrived as FP8 where they are (through the ordering's src_J, no copy into the layout)
 GATE_UP_DG_SRC = True
 
