@@ -25,7 +25,10 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   Where the first GEMM has few rows an expert (``FUSED_GATE_UP_ROWS_PER_EXPERT``: it streams weights), it runs
   with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
-  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above.
+  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above. Above that, with
+  ``GATE_UP_DG`` (off until measured), the first GEMM and SwiGLU + requant are one kernel on DeepGEMM's own Hopper
+  GEMM (``gate_up_dg``: the same bits as DeepGEMM's GEMM + ``swiglu_quant``), reading FP8 rows where they arrived
+  (``GATE_UP_DG_SRC``) as the Triton kernel does.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
