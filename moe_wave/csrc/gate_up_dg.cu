@@ -203,61 +203,30 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     constexpr bool kMasked = kGemmType == GemmType::MGroupedMasked;
 
     if (warp_idx >= kNumMathThreads / 32) {
-        // the TMA warpgroup: one thread issues the loads (GU_SRC: all 128 copy the rows)
+        // the TMA warpgroup: one thread issues the loads (GU_SRC: its 128 threads copy a block's rows, thread p
+        // row p's scale and, with row_group = p / 8, the 16-byte chunk p % 8 of rows row_group + 16 i)
         cutlass::arch::warpgroup_reg_dealloc<kNumTMARegisters>();
-#if GU_SRC
         const uint32_t p = threadIdx.x - kNumMathThreads, row_group = p / 8, chunk = p % 8;
-        while (scheduler.get_next_block(m_block_idx, n_block_idx)) {
-            const uint32_t m_idx = scheduler.template get_global_idx<kMasked>(shape_m, BLOCK_M, m_block_idx);
-            // the rows in use: up to the group's end
-            const bool ok = kMasked ? m_block_idx * BLOCK_M + p < static_cast<uint32_t>(
-                                          __ldg(grouped_layout + scheduler.current_group_idx))
-                                    : m_idx + p < scheduler.current_psum_m;
-            const uint8_t* a_row = nullptr;
-            const float* s_row = rows.sa;
-            if (ok) {
-                const int64_t r = __ldg(rows.src + m_idx + p);
-                const bool here = r >= rows.row0 and r < rows.row0 + rows.num_local;
-                a_row = here ? rows.la + (r - rows.row0) * rows.la_row : rows.a + r * rows.a_row;
-                s_row = here ? rows.lsa + (r - rows.row0) * rows.lsa_row : rows.sa + r * rows.sa_row;
-            }
-            cutlass::arch::NamedBarrier::sync(kNumTMAThreads, 2);     // the last block's table is read
-            smem_tbl[p] = a_row;
-            cutlass::arch::NamedBarrier::sync(kNumTMAThreads, 2);
-            #pragma unroll
-            for (uint32_t sub = 0; sub < 2; ++ sub) {
-                const uint32_t n_idx = scheduler.current_group_idx * (2 * shape_n) + sub * shape_n
-                                       + n_block_idx * BLOCK_N;
-                for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
-                    empty_barriers[stage_idx]->wait(phase ^ 1);
-                    auto& full_barrier = *full_barriers[stage_idx];
-                    const uint32_t k_idx = k_block_idx * BLOCK_K;
-                    if (p == 0) {
-                        tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
-                                 smem_b[stage_idx], k_idx, n_idx, 1);
-                        full_barrier.arrive_and_expect_tx(SMEM_B_SIZE_PER_STAGE);
-                    }
-                    const auto smem_a_stage = static_cast<uint32_t>(__cvta_generic_to_shared(smem_a[stage_idx]));
-                    #pragma unroll
-                    for (uint32_t i = 0; i < 8; ++ i) {
-                        const uint32_t row = row_group + 16 * i;
-                        const uint8_t* from = smem_tbl[row];
-                        cp_async16(smem_a_stage + row * 128 + ((chunk ^ (row % 8)) << 4),
-                                   from ? from + k_idx + chunk * 16 : rows.a, from ? 16 : 0);
-                    }
-                    cp_async4(static_cast<uint32_t>(__cvta_generic_to_shared(smem_sfa[stage_idx] + p)),
-                              s_row + k_block_idx, ok ? 4 : 0);
-                    cp_async_arrive(&full_barrier);
-                }
-            }
-        }
-        asm volatile("cp.async.wait_all;" ::: "memory");             // the last copies land before the thread leaves
-        if (false) {
-#else
-        if (warp_idx == kNumMathThreads / 32 + 2 and cute::elect_one_sync()) {
-#endif
+        if (GU_SRC or (warp_idx == kNumMathThreads / 32 + 2 and cute::elect_one_sync())) {
             while (scheduler.get_next_block(m_block_idx, n_block_idx)) {
                 const uint32_t m_idx = scheduler.template get_global_idx<kMasked>(shape_m, BLOCK_M, m_block_idx);
+                bool ok = false;                // GU_SRC: row p is in use (up to its group's end), read from here
+                const float* s_row = rows.sa;
+                if constexpr (GU_SRC) {
+                    ok = kMasked ? m_block_idx * BLOCK_M + p < static_cast<uint32_t>(
+                                       __ldg(grouped_layout + scheduler.current_group_idx))
+                                 : m_idx + p < scheduler.current_psum_m;
+                    const uint8_t* a_row = nullptr;
+                    if (ok) {
+                        const int64_t r = __ldg(rows.src + m_idx + p);
+                        const bool here = r >= rows.row0 and r < rows.row0 + rows.num_local;
+                        a_row = here ? rows.la + (r - rows.row0) * rows.la_row : rows.a + r * rows.a_row;
+                        s_row = here ? rows.lsa + (r - rows.row0) * rows.lsa_row : rows.sa + r * rows.sa_row;
+                    }
+                    cutlass::arch::NamedBarrier::sync(kNumTMAThreads, 2);     // the last block's table is read
+                    smem_tbl[p] = a_row;
+                    cutlass::arch::NamedBarrier::sync(kNumTMAThreads, 2);
+                }
                 #pragma unroll
                 for (uint32_t sub = 0; sub < 2; ++ sub) {
                     // gate rows n * 128 of the expert, then up rows I + n * 128
@@ -267,19 +236,39 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
                         empty_barriers[stage_idx]->wait(phase ^ 1);
                         auto& full_barrier = *full_barriers[stage_idx];
                         const uint32_t k_idx = k_block_idx * BLOCK_K;
-                        tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
-                                 smem_a[stage_idx], k_idx, m_idx, 1);
-                        tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
-                                 smem_sfa[stage_idx], m_block_idx * BLOCK_M,
-                                 scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
-                                     SHAPE_K_SCALES, 1, k_block_idx), 1);
-                        tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
-                                 smem_b[stage_idx], k_idx, n_idx, 1);
-                        full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
-                                                          + SMEM_SFA_SIZE_PER_STAGE);
+                        if (not GU_SRC or p == 0)      // (GU_SRC: thread 0; else the one loading thread)
+                            tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
+                                     smem_b[stage_idx], k_idx, n_idx, 1);
+                        if constexpr (GU_SRC) {
+                            if (p == 0)
+                                full_barrier.arrive_and_expect_tx(SMEM_B_SIZE_PER_STAGE);
+                            const auto smem_a_stage =
+                                static_cast<uint32_t>(__cvta_generic_to_shared(smem_a[stage_idx]));
+                            #pragma unroll
+                            for (uint32_t i = 0; i < 8; ++ i) {
+                                const uint32_t row = row_group + 16 * i;
+                                const uint8_t* from = smem_tbl[row];
+                                cp_async16(smem_a_stage + row * 128 + ((chunk ^ (row % 8)) << 4),
+                                           from ? from + k_idx + chunk * 16 : rows.a, from ? 16 : 0);
+                            }
+                            cp_async4(static_cast<uint32_t>(__cvta_generic_to_shared(smem_sfa[stage_idx] + p)),
+                                      s_row + k_block_idx, ok ? 4 : 0);
+                            cp_async_arrive(&full_barrier);
+                        } else {
+                            tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
+                                     smem_a[stage_idx], k_idx, m_idx, 1);
+                            tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
+                                     smem_sfa[stage_idx], m_block_idx * BLOCK_M,
+                                     scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
+                                         SHAPE_K_SCALES, 1, k_block_idx), 1);
+                            full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
+                                                              + SMEM_SFA_SIZE_PER_STAGE);
+                        }
                     }
                 }
             }
+            if constexpr (GU_SRC)               // the last copies land before the thread leaves
+                asm volatile("cp.async.wait_all;" ::: "memory");
         }
     } else {
         // the math warpgroups: 64 rows each
