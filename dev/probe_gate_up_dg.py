@@ -7,9 +7,8 @@ alone and the DeepGEMM way (its GEMM, then ``swiglu_quant``), on one GPU, in one
 For each point (one EP rank's share: e local experts, T tokens, top-6 with random routing, rows already in the
 aligned expert-major layout and quantised) it times, replayed from a CUDA graph with the L2 flushed (median of
 --iters): DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (psum layout) alone, it followed by ``swiglu_quant``,
-``gate_up_dg`` (rows in the layout, and read where they arrived through src_J), and the Triton ``gate_up_swiglu``
-(the library's kernel at <= 128 pairs an expert); and checks that ``gate_up_dg``'s h and scales equal the DeepGEMM
-way's bit for bit on every row in use. Needs ``deep_gemm``
+``gate_up_dg``, and the Triton ``gate_up_swiglu`` (on the layout's rows); and checks that ``gate_up_dg``'s h and
+scales equal the DeepGEMM way's bit for bit on every row in use. Needs ``deep_gemm``
 (``source launch/deepgemm.sh``) and nvcc. Writes --out (default $OUT/probe_gate_up_dg.json) and prints a table.
 """
 
@@ -51,17 +50,8 @@ def point(preset: str, e: int, T: int, iters: int, flush, dev) -> dict:
     bend = block_ends(starts, ends, JA)
     n = ends[-1:].contiguous()
     w, ws = quant_experts((torch.randn(e, 2 * I, D, device=dev) * 0.02))
-    # the T received rows (FP8, scales [T, D/128]) and the layout's rows: row j is received row src[j]
-    q_r, s_r = act_quant(torch.randn(T, D, device=dev, dtype=torch.bfloat16))
-    s_r = s_r.t().contiguous()
-    order = torch.argsort(picks.flatten(), stable=True)
+    q, s = act_quant(torch.randn(JA, D, device=dev, dtype=torch.bfloat16))
     rows = torch.cat([torch.arange(a, b, device=dev) for a, b in zip(starts.tolist(), ends.tolist())])
-    src = torch.zeros(JA, dtype=torch.int64, device=dev)
-    src[rows] = torch.div(order, picks.shape[1], rounding_mode="floor")
-    q = torch.zeros(JA, D, dtype=q_r.dtype, device=dev)
-    s = torch.zeros(JA, D // 128, device=dev)
-    q[rows], s[rows] = q_r[src[rows]], s_r[src[rows]]
-    s = s.t().contiguous()
     gu = torch.empty(JA, 2 * I, device=dev, dtype=torch.bfloat16)
 
     def gemm():
@@ -74,20 +64,15 @@ def point(preset: str, e: int, T: int, iters: int, flush, dev) -> dict:
     def ours():
         return gate_up_dg(q, s, w, ws, ends, lim)
 
-    def ours_src():
-        return gate_up_dg(q_r, s_r, w, ws, ends, lim, src_J=src)
-
     def triton():
         return gate_up_swiglu(q, s, w, ws, starts, bend, lim, None, n=n, bm=128)
 
     ref_q, ref_s = dg_way()
-    same = True
-    for hq, hs in (ours(), ours_src()):
-        same &= bool(torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
-                     and torch.equal(hs[:, rows], ref_s[:, rows]))
+    hq, hs = ours()
+    same = bool(torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
+                and torch.equal(hs[:, rows], ref_s[:, rows]))
     out = {"shape": f"{preset}:{e}", "tokens": T, "pairs": pairs, "JA": JA, "bits_equal": same}
-    for name, fn in (("dg_gemm_us", gemm), ("dg_way_us", dg_way), ("gate_up_dg_us", ours),
-                     ("gate_up_dg_src_us", ours_src), ("triton_us", triton)):
+    for name, fn in (("dg_gemm_us", gemm), ("dg_way_us", dg_way), ("gate_up_dg_us", ours), ("triton_us", triton)):
         out[name] = median_graph_us(fn, dev, iters, flush)
     out["gate_up_dg_over_dg_gemm"] = out["gate_up_dg_us"] / out["dg_gemm_us"]
     out["gate_up_dg_over_dg_way"] = out["gate_up_dg_us"] / out["dg_way_us"]
@@ -110,12 +95,12 @@ def main() -> int:
             r = point(preset, int(e), T, args.iters, flush, dev)
             rows.append(r)
             print(json.dumps(r), flush=True)
-    print("| shape | tokens | pairs | DG GEMM | DG GEMM + swiglu_quant | gate_up_dg | gate_up_dg, rows read where "
-          "they arrived | Triton fused | gate_up_dg / DG GEMM | gate_up_dg / DG way | bits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | tokens | pairs | DG GEMM | DG GEMM + swiglu_quant | gate_up_dg | Triton fused "
+          "| gate_up_dg / DG GEMM | gate_up_dg / DG way | bits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['tokens']} | {r['pairs']} | {r['dg_gemm_us']:.1f} | {r['dg_way_us']:.1f} | "
-              f"{r['gate_up_dg_us']:.1f} | {r['gate_up_dg_src_us']:.1f} | {r['triton_us']:.1f} | "
+              f"{r['gate_up_dg_us']:.1f} | {r['triton_us']:.1f} | "
               f"{r['gate_up_dg_over_dg_gemm']:.3f} | {r['gate_up_dg_over_dg_way']:.3f} | "
               f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
     path = args.out or os.path.join(os.environ.get("OUT", "."), "probe_gate_up_dg.json")

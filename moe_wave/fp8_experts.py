@@ -25,10 +25,10 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   Where the first GEMM has few rows an expert (``FUSED_GATE_UP_ROWS_PER_EXPERT``: it streams weights), it runs
   with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
-  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above. Above that, with
-  ``GATE_UP_DG`` (off until measured), the first GEMM and SwiGLU + requant are one kernel on DeepGEMM's own Hopper
-  GEMM (``gate_up_dg``: the same bits as DeepGEMM's GEMM + ``swiglu_quant``), reading FP8 rows where they arrived
-  (``GATE_UP_DG_SRC``) as the Triton kernel does.
+  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above; where it would take
+  128-row tiles and ``gate_up_dg`` builds here (``GATE_UP_DG``), that kernel instead: DeepGEMM's own Hopper GEMM
+  with SwiGLU + requant in its epilogue (the same bits as DeepGEMM's GEMM + ``swiglu_quant``), on the rows copied
+  into the layout.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -59,12 +59,12 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
-# above FUSED_GATE_UP_ROWS_PER_EXPERT, the first GEMM and SwiGLU + requant as one kernel on DeepGEMM's own Hopper GEMM
-# (``gate_up_dg``: gu stays in registers) where it builds here, else DeepGEMM's GEMM and ``swiglu_quant``: off until
-# a GPU run has measured it against them (dev/probe_gate_up_dg.py, dev/stage_settings.py)
-GATE_UP_DG = False
-# ... reading rows that arrived as FP8 where they are (through the ordering's src_J, no copy into the layout)
-GATE_UP_DG_SRC = True
+# where the Triton kernel would take 128-row tiles (pairs an expert above FUSED_SMALL_TILE_ROWS_PER_EXPERT, at most
+# FUSED_GATE_UP_ROWS_PER_EXPERT), the first GEMM and SwiGLU + requant run on DeepGEMM's own Hopper GEMM with the
+# epilogue changed (``gate_up_dg``, on rows copied into the layout) where it builds here: V4-Flash:128 at 2048
+# tokens, the stage 0.918 x the Triton kernel's (one H200); above that range it is slower than DeepGEMM's GEMM and
+# ``swiglu_quant`` (1.02-1.16 x, compute-bound: benchmarks/results/experts.md), which run there
+GATE_UP_DG = True
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,13 +304,13 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
-def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool, src: bool = False) -> bool:
+def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool) -> bool:
     """Whether ``gate_up_dg`` runs the first GEMM with SwiGLU + requant here (a Hopper GPU, deep_gemm's headers,
     nvcc; built once a shape)."""
     if dev.type != "cuda":
         return False
     from .gate_up_dg import available
-    return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked, src)
+    return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked)
 
 
 def _grouped(dg, q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, g, G,
@@ -364,22 +364,17 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    dg_kernel = not fused and GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, G is not None,
-                                                          packed and GATE_UP_DG_SRC)
-    loc = None if not packed or local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
-    if fused and packed:        # the FP8 rows enter the fused GEMM where they arrived (src), gu in registers
+    dg_kernel = fused and bm == 128 and GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, G is not None)
+    if fused and packed and not dg_kernel:  # the FP8 rows enter the fused GEMM where they arrived (src)
+        loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
-    elif dg_kernel and packed and GATE_UP_DG_SRC:       # likewise on DeepGEMM's kernel
-        from .gate_up_dg import gate_up_dg
-        hq, hs = gate_up_dg(*unpack_rows(x_RD, D), experts.gate_up, experts.gate_up_scale, g.m if G else g.ends, lim,
-                            G, src_J=src, local=loc)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
-        if fused:
-            hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
-        elif dg_kernel:
+        if dg_kernel:
             from .gate_up_dg import gate_up_dg
             hq, hs = gate_up_dg(q, s, experts.gate_up, experts.gate_up_scale, g.m if G else g.ends, lim, G)
+        elif fused:
+            hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
         else:
             gu = _grouped(dg, q, s, experts.gate_up, experts.gate_up_scale, g, G, expected)
             hq, hs = swiglu_quant(gu, None, None, lim, G, bend=g.bend)

@@ -42,14 +42,13 @@ NVCC_FLAGS = ("-std=c++20", "--diag-suppress=39,161,174,177,186,940", "--ptxas-o
               "--gpu-architecture=sm_90a", "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
               "--compiler-options=-fPIC,-O3,-fconcepts,-Wno-deprecated-declarations,-Wno-abi")
 _TMAP_BYTES = 128           # sizeof(CUtensorMap)
-_NO_MAP = (ctypes.c_uint8 * (_TMAP_BYTES + 64))()     # a map argument the kernel does not read (zeros)
 
 
 def smem_bytes(D: int, stages: int = STAGES) -> int:
-    """The kernel's dynamic shared memory (its SMEM_SIZE): h's staging tile, the stages, the weight scales, a
-    block's source row addresses, the barriers."""
+    """The kernel's dynamic shared memory (its SMEM_SIZE): h's staging tile, the stages, the weight scales, the
+    barriers."""
     sfb = -(-(2 * (D // BLOCK) * 4) // 8) * 8
-    return 128 * 128 + stages * (2 * 128 * 128 + 128 * 4) + sfb + 128 * 8 + 2 * stages * 8
+    return 128 * 128 + stages * (2 * 128 * 128 + 128 * 4) + sfb + 2 * stages * 8
 
 
 def _include_dir() -> str:
@@ -72,18 +71,17 @@ def _nvcc() -> str:
     return path
 
 
-def _defines(e: int, I: int, D: int, masked: bool, src: bool, sms: int, stages: int) -> list[str]:
-    return [f"-DGU_GROUPS={e}", f"-DGU_I={I}", f"-DGU_K={D}", f"-DGU_MASKED={int(masked)}", f"-DGU_SRC={int(src)}",
-            f"-DGU_SMS={sms}", f"-DGU_STAGES={stages}"]
+def _defines(e: int, I: int, D: int, masked: bool, sms: int, stages: int) -> list[str]:
+    return [f"-DGU_GROUPS={e}", f"-DGU_I={I}", f"-DGU_K={D}", f"-DGU_MASKED={int(masked)}", f"-DGU_SMS={sms}",
+            f"-DGU_STAGES={stages}"]
 
 
-def compile_cubin(e: int, I: int, D: int, masked: bool, src: bool, sms: int, stages: int = STAGES) -> bytes:
-    """The kernel for e experts, I channels of h, D of the rows, the layout, rows in the layout or read through
-    src_J (``src``), ``sms`` CTAs, compiled by nvcc."""
+def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = STAGES) -> bytes:
+    """The kernel for e experts, I channels of h, D of the rows, the layout, ``sms`` CTAs, compiled by nvcc."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gate_up_dg.cubin")
         cmd = [_nvcc(), os.path.join(_CSRC, MAIN), "-cubin", "-o", out, f"-I{_include_dir()}", *NVCC_FLAGS,
-               *_defines(e, I, D, masked, src, sms, stages)]
+               *_defines(e, I, D, masked, sms, stages)]
         run = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"gate_up_dg: nvcc failed ({run.returncode}): {(run.stdout + run.stderr)[-3000:]}")
@@ -91,21 +89,21 @@ def compile_cubin(e: int, I: int, D: int, masked: bool, src: bool, sms: int, sta
             return f.read()
 
 
-def _cubin(e: int, I: int, D: int, masked: bool, src: bool, sms: int) -> bytes:
+def _cubin(e: int, I: int, D: int, masked: bool, sms: int) -> bytes:
     import deep_gemm
 
     key = hashlib.sha256((SOURCE + _include_dir() + str(getattr(deep_gemm, "__version__", "")) + _nvcc()
                           + " ".join(NVCC_FLAGS)).encode()).hexdigest()[:16]
     path = os.path.join(CACHE_DIR or default_cache_dir(), "gate_up_dg", key,
-                        f"e{e}-i{I}-d{D}-m{int(masked)}-src{int(src)}-sm{sms}-s{STAGES}.cubin")
-    return cached(path, lambda: compile_cubin(e, I, D, masked, src, sms))
+                        f"e{e}-i{I}-d{D}-m{int(masked)}-sm{sms}-s{STAGES}.cubin")
+    return cached(path, lambda: compile_cubin(e, I, D, masked, sms))
 
 
 @functools.lru_cache(maxsize=None)
-def _function(device_index: int, e: int, I: int, D: int, masked: bool, src: bool):
+def _function(device_index: int, e: int, I: int, D: int, masked: bool):
     """(CUfunction, CTAs) of the kernel on the device: one CTA an SM."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    data = _cubin(e, I, D, masked, src, sms)
+    data = _cubin(e, I, D, masked, sms)
     lib = torch.cuda._utils._get_gpu_runtime_library()
     with torch.cuda.device(device_index):
         torch.cuda.current_stream()                     # the device's primary context, current
@@ -131,14 +129,14 @@ def rule(device: torch.device, I: int, D: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def available(device_index: int, e: int, I: int, D: int, masked: bool = False, src: bool = False) -> bool:
+def available(device_index: int, e: int, I: int, D: int, masked: bool = False) -> bool:
     """Whether the kernel of this shape builds and loads on the CUDA device (``rule``, deep_gemm's headers, nvcc,
     the driver)."""
     dev = torch.device("cuda", device_index)
     if rule(dev, I, D) is not None:
         return False
     try:
-        _function(device_index, e, I, D, masked, src)
+        _function(device_index, e, I, D, masked)
     except (RuntimeError, OSError, ImportError):
         return False
     return True
@@ -166,83 +164,43 @@ def _tmap(ptr: int, dtype: int, inner: int, outer: int, stride: int, box_inner: 
 _WEIGHT_MAPS: dict = {}
 
 
-class _SrcRows(ctypes.Structure):          # the kernel's SrcRows
-    _fields_ = [("src", ctypes.c_void_p), ("a", ctypes.c_void_p), ("a_row", ctypes.c_int64),
-                ("sa", ctypes.c_void_p), ("sa_row", ctypes.c_int64), ("la", ctypes.c_void_p),
-                ("la_row", ctypes.c_int64), ("lsa", ctypes.c_void_p), ("lsa_row", ctypes.c_int64),
-                ("row0", ctypes.c_int64), ("num_local", ctypes.c_int64)]
-
-
-def _weight_map(w: torch.Tensor):
-    key = (w.data_ptr(), tuple(w.shape), w.device.index)
-    got = _WEIGHT_MAPS.get(key)
-    if got is None:
-        e, I2, D = w.shape
-        got = _WEIGHT_MAPS[key] = _tmap(w.data_ptr(), 0, D, e * I2, w.stride(1), BLOCK, BLOCK, 3)
-    return got
-
-
 def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor, layout: torch.Tensor,
-               limit: float, group_rows: int | None = None, src_J: torch.Tensor | None = None,
-               local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hq [JA, I] e4m3, hs) of rows laid out expert-major: the contiguous psum layout (layout = the groups' int32
-    ends, DeepGEMM's ``use_psum_layout``; hs [I/128, JA]) or, with ``group_rows`` = G, the masked one (expert x at
-    rows x * G; layout = the int32 counts; hs [JA/G, I/128, G]). w_eND [e, 2I, D] e4m3 (gate rows, then up), ws
-    [e, 2I/128, D/128] fp32. The rows: src_J None: q [JA, D] e4m3 contiguous, s [D/128, JA] (masked: [JA/G, D/128,
-    G]); src_J [JA] int64: the layout's row j is row src_J[j] of q [R, D] e4m3 with scales s [R, D/128]
-    (``fp8_rows.unpack_rows``' views, read where they are), ``local`` = (row0, q_L, s_L): rows row0 .. row0 + L - 1
-    from there instead. Rows of a block past its group's end get values that nothing reads."""
+               limit: float, group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hq [JA, I] e4m3, hs) of the rows q [JA, D] e4m3 laid out expert-major: the contiguous psum layout (layout
+    = the groups' int32 ends, DeepGEMM's ``use_psum_layout``; s [D/128, JA], hs [I/128, JA]) or, with
+    ``group_rows`` = G, the masked one (expert x at rows x * G; layout = the int32 counts; s [JA/G, D/128, G], hs
+    [JA/G, I/128, G]). w_eND [e, 2I, D] e4m3 (gate rows, then up), ws [e, 2I/128, D/128] fp32. Rows of a block
+    past its group's end get values (as DeepGEMM's GEMM writes them there) that nothing reads."""
     e, I2, D = w_eND.shape
-    I = I2 // 2
-    JA = q.shape[0] if src_J is None else src_J.shape[0]
+    I, JA = I2 // 2, q.shape[0]
     G = group_rows
     why = rule(q.device, I, D)
     if why is not None:
         raise ValueError(f"gate_up_dg: {why}")
-    if (q.dtype != FP8 or q.shape[1] != D or q.stride(1) != 1 or JA % 128 or not w_eND.is_contiguous()
-            or tuple(ws.shape) != (e, I2 // BLOCK, D // BLOCK) or not ws.is_contiguous()
-            or layout.dtype != torch.int32 or layout.numel() != e or not layout.is_contiguous()
-            or (G is not None and (G % 128 or JA != e * G))):
-        raise ValueError(f"gate_up_dg: rows {tuple(q.shape)} {q.dtype} ({JA} in the layout), weights "
+    want_s = (D // BLOCK, JA) if G is None else (JA // G, D // BLOCK, G)
+    if (q.dtype != FP8 or q.shape[1] != D or not q.is_contiguous() or JA % 128 or tuple(s.shape) != want_s
+            or not s.is_contiguous() or not w_eND.is_contiguous() or tuple(ws.shape) != (e, I2 // BLOCK, D // BLOCK)
+            or not ws.is_contiguous() or layout.dtype != torch.int32 or layout.numel() != e
+            or not layout.is_contiguous() or (G is not None and (G % 128 or JA != e * G))):
+        raise ValueError(f"gate_up_dg: rows {tuple(q.shape)} {q.dtype}, scales {tuple(s.shape)}, weights "
                          f"{tuple(w_eND.shape)}, weight scales {tuple(ws.shape)}, layout {tuple(layout.shape)} "
-                         f"{layout.dtype}, group_rows {G}: must be e4m3 [rows, D] with unit channel stride and the "
-                         f"layout's rows a multiple of 128, contiguous [e, 2I, D] and [e, 2I/128, D/128], a "
-                         f"contiguous int32 [e] (masked: JA = e * G, G a multiple of 128)")
-    rows = _SrcRows()
-    if src_J is None:
-        want_s = (D // BLOCK, JA) if G is None else (JA // G, D // BLOCK, G)
-        if not q.is_contiguous() or tuple(s.shape) != want_s or not s.is_contiguous():
-            raise ValueError(f"gate_up_dg: layout rows {tuple(q.shape)} stride {q.stride()}, scales "
-                             f"{tuple(s.shape)}: must be contiguous with scales {want_s}")
-    else:
-        if s.shape != (q.shape[0], D // BLOCK) or s.stride(1) != 1:
-            raise ValueError(f"gate_up_dg: row scales {tuple(s.shape)} stride {s.stride()}: must be "
-                             f"[{q.shape[0]}, {D // BLOCK}] with unit stride along D/128")
-        if src_J.dtype != torch.int64 or src_J.dim() != 1 or src_J.stride(0) != 1:
-            raise ValueError(f"gate_up_dg: src_J {src_J.dtype} {tuple(src_J.shape)} stride {src_J.stride()}: must "
-                             f"be int64 [JA] with unit stride (expert_order's)")
-        lq, ls = (q, s) if local is None or not local[1].numel() else local[1:]
-        rows = _SrcRows(src=src_J.data_ptr(), a=q.data_ptr(), a_row=q.stride(0), sa=s.data_ptr(), sa_row=s.stride(0),
-                        la=lq.data_ptr(), la_row=lq.stride(0), lsa=ls.data_ptr(), lsa_row=ls.stride(0),
-                        row0=0 if local is None else int(local[0]),
-                        num_local=0 if local is None or not local[1].numel() else local[1].shape[0])
+                         f"{layout.dtype}, group_rows {G}: must be contiguous e4m3 [JA, D] with JA a multiple of "
+                         f"128, scales {want_s}, [e, 2I, D] and [e, 2I/128, D/128], a contiguous int32 [e] (masked: "
+                         f"JA = e * G, G a multiple of 128)")
     hq = torch.empty(JA, I, dtype=FP8, device=q.device)
     hs = torch.empty((I // BLOCK, JA) if G is None else (JA // G, I // BLOCK, G), dtype=torch.float32,
                      device=q.device)
     if not (JA and I and e):
         return hq, hs
-    func, sms = _function(q.device.index, e, I, D, G is not None, src_J is not None)
+    func, sms = _function(q.device.index, e, I, D, G is not None)
     M = JA if G is None else G                          # the rows of a group's index space
-    if src_J is None:
-        a_map = _tmap(q.data_ptr(), 0, D, JA, D, BLOCK, 128, 3)
-        sa_map = _tmap(s.data_ptr(), 7, M, s.numel() // M, M * 4, 128, 1, 0)
-    else:                                               # (read by cp.async: maps the kernel does not use)
-        a_map = sa_map = (None, ctypes.addressof(_NO_MAP))
+    a_map = _tmap(q.data_ptr(), 0, D, JA, D, BLOCK, 128, 3)
+    sa_map = _tmap(s.data_ptr(), 7, M, s.numel() // M, M * 4, 128, 1, 0)
     h_map = _tmap(hq.data_ptr(), 0, I, JA, I, BLOCK, 128, 3)
     args = [ctypes.c_void_p(ws.data_ptr()), ctypes.c_void_p(layout.data_ptr()), ctypes.c_uint32(M),
-            ctypes.c_void_p(hs.data_ptr()), ctypes.c_uint32(M), ctypes.c_float(float(limit)), rows]
+            ctypes.c_void_p(hs.data_ptr()), ctypes.c_uint32(M), ctypes.c_float(float(limit))]
     maps = (a_map[1], _weight_map(w_eND)[1], sa_map[1], h_map[1])
-    params = (ctypes.c_void_p * 11)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args],
+    params = (ctypes.c_void_p * 10)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args],
                                     *[ctypes.c_void_p(x) for x in maps])
     lib = torch.cuda._utils._get_gpu_runtime_library()
     rc = lib.cuLaunchKernel(func, sms, 1, 1, THREADS, 1, 1, smem_bytes(D), torch.cuda.current_stream()._as_parameter_,

@@ -589,27 +589,54 @@ class _TorchDeepGEMM:
                 d[g, :m] = fp8_matmul_ref(a[0][g, :m], a[1][g, :m].t(), b[0][g], b[1][g], d.dtype)
 
 
+def _torch_gate_up_dg(q, s, w, ws, layout, limit, group_rows=None):
+    """``gate_up_dg`` by _TorchDeepGEMM's GEMM and ``swiglu_quant_torch`` (its definition: DeepGEMM's GEMM, then
+    swiglu_quant): the rows of the groups, others zeros."""
+    from moe_wave.fp8_expert_kernels import swiglu_quant_torch
+
+    e, I2, D = w.shape
+    JA, G = q.shape[0], group_rows
+    gu = torch.zeros(JA, I2, dtype=torch.bfloat16, device=q.device)
+    if G:
+        _TorchDeepGEMM.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (w, ws),
+                                                    gu.view(e, G, I2), layout, 1)
+        starts = torch.arange(e, device=q.device) * G
+        hq, hs = swiglu_quant_torch(gu, starts, starts + layout, limit)
+        return hq, hs.view(I2 // 256, e, G).permute(1, 0, 2).contiguous()
+    _TorchDeepGEMM.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (w, ws), gu, layout, use_psum_layout=True)
+    ends = layout.long()
+    starts = torch.cat([ends.new_zeros(1), -(-ends[:-1] // 128) * 128])
+    return swiglu_quant_torch(gu, starts, ends, limit)
+
+
 @needs_kernels
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("fused_gate_up", [False, True])
+@pytest.mark.parametrize("fused_gate_up", ["none", "triton", "gate_up_dg"])
 @pytest.mark.parametrize("rows_bound", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout, fused_gate_up,
                                                             packed):
     """The fused stage (ordering into the aligned or the masked layout, quant_pairs or, for rows that arrived as
     FP8, gather_pairs, two grouped GEMMs, swiglu_quant, weighted sum; or the first GEMM and swiglu_quant as one
-    kernel, gate_up_swiglu, which reads arrived FP8 rows where they are) with DeepGEMM replaced by its contiguous
-    psum or masked semantics gives the per-expert path's output; rows past rows_P are not read."""
+    kernel: gate_up_swiglu, which reads arrived FP8 rows where they are, or gate_up_dg, here its torch twin) with
+    DeepGEMM replaced by its contiguous psum or masked semantics gives the per-expert path's output; rows past
+    rows_P are not read."""
     from moe_wave.fp8_rows import pack_rows
 
     import moe_wave.fp8_expert_kernels as fk
     import moe_wave.fp8_experts as fx
+    import moe_wave.gate_up_dg as gd
 
     fused = []
-    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
-    if fused_gate_up:
+    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0 if fused_gate_up == "none" else 10 ** 9)
+    if fused_gate_up == "triton":
         real = fk.gate_up_swiglu
         monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: fused.append(1) or real(*a, **k))
+        monkeypatch.setattr(fx, "gate_up_dg_ok", lambda *a: False)
+    elif fused_gate_up == "gate_up_dg":         # (it takes the Triton kernel's 128-row tiles)
+        monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 0)
+        monkeypatch.setattr(fx, "gate_up_dg_ok", lambda *a: True)
+        monkeypatch.setattr(gd, "gate_up_dg", lambda *a, **k: fused.append(1) or _torch_gate_up_dg(*a, **k))
     from moe_wave.experts import expert_rows
 
     ex = FP8RoutedExperts.from_dense(CFG, torch.randn(4, 256, 256) / 16, torch.randn(4, 256, 128) / 11)
@@ -634,14 +661,14 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     xin = pack_rows(x) if packed else x
     got = expert_rows(Received(d(xin), d(ids), d(w), None, d(counts), None, rows_P=d(rows_P)), ex.to(KDEV),
                       packed=packed).cpu()
-    dg_calls = 1 if fused_gate_up else 2
+    dg_calls = 1 if fused_gate_up == "triton" else 2         # (the twin of gate_up_dg counts its GEMM)
     assert _TorchDeepGEMM.calls == dg_calls and _TorchDeepGEMM.masked == (dg_calls if layout == "masked" else 0)
-    assert len(fused) == fused_gate_up
+    assert len(fused) == (fused_gate_up != "none")
     read = slice(None) if rows_P is None else keep
     # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element
     # of h to the next e4m3 step (on a GPU the fused kernel's dot also adds in the hardware's order): the rows
     # agree to that rounding, where a wrong layout would be off by O(1)
-    bound = 1e-4 if fused_gate_up and KDEV == "cuda" else 1e-5
+    bound = 1e-4 if fused_gate_up == "triton" and KDEV == "cuda" else 1e-5
     assert calc_diff(got[read].float(), want[read].float()) < bound
     assert ((got[read].float() - want[read].float()).abs() <= 0.02 * want[read].float().abs().max()).all()
 

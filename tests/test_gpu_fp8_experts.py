@@ -81,6 +81,7 @@ def test_fused_gate_up_stage_matches_the_two_kernel_stage_and_replays(monkeypatc
     import moe_wave.fp8_experts as fx
 
     monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 10 ** 9 if small else 0)
+    monkeypatch.setattr(fx, "GATE_UP_DG", False)     # the Triton kernel at 128-row tiles too (not gate_up_dg)
     calls = []
     real = fk.gate_up_swiglu
     monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -96,48 +96,6 @@ def test_masked_equals_deepgemm_then_swiglu_quant(counts, G):
 
 
 @needs
-@pytest.mark.parametrize("masked", [False, True])
-def test_rows_read_where_they_arrived_equal_the_layout_rows(masked):
-    """src_J: the layout's row j is received row src_J[j] (some of them the rank's own rows, ``local``), read where
-    they are: the same bits as the kernel on those rows copied into the layout."""
-    from moe_wave.fp8_expert_kernels import aligned_groups
-    from moe_wave.gate_up_dg import gate_up_dg
-
-    e, I, D, R, L, limit = 4, 256, 512, 700, 50, 7.0
-    counts = [200, 0, 333, 129]
-    w, ws = _weights(e, I, D, 7)
-    q_r, s_r = _rows(R + L, D, 8)                       # received rows 0 .. R-1, own rows R .. R+L-1
-    s_r = s_r.t().contiguous()                          # [rows, D/128]
-    if masked:
-        G = 384
-        JA = e * G
-        starts = torch.arange(e, device="cuda", dtype=torch.int32) * G
-        layout = torch.tensor(counts, dtype=torch.int32, device="cuda")
-        ends = starts + layout
-    else:
-        offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-        starts, ends = aligned_groups(offs)
-        starts, ends = starts.to(torch.int32), ends.to(torch.int32).contiguous()
-        JA, G, layout = 128 * 7, None, ends
-    rows = torch.cat([torch.arange(a, b, device="cuda") for a, b in zip(starts.tolist(), ends.tolist())])
-    g = torch.Generator(device="cuda").manual_seed(9)
-    src = torch.full((JA,), 10 ** 9, dtype=torch.int64, device="cuda")     # rows not in use: never read
-    src[rows] = torch.randint(0, R + L, (rows.numel(),), device="cuda", generator=g)
-    q = torch.zeros(JA, D, dtype=FP8, device="cuda")
-    s = torch.zeros(JA, D // BLOCK, device="cuda")
-    q[rows], s[rows] = q_r[src[rows]], s_r[src[rows]]
-    s_layout = s.t().contiguous() if G is None else s.view(e, G, D // BLOCK).transpose(1, 2).contiguous()
-    ref_q, ref_s = gate_up_dg(q, s_layout, w, ws, layout, limit, G)
-    hq, hs = gate_up_dg(q_r[:R], s_r[:R], w, ws, layout, limit, G, src_J=src, local=(R, q_r[R:], s_r[R:]))
-    assert torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
-    if G is None:
-        assert torch.equal(hs[:, rows], ref_s[:, rows])
-    else:
-        flat = lambda t: t.permute(0, 2, 1).reshape(JA, -1)[rows]      # noqa: E731
-        assert torch.equal(flat(hs), flat(ref_s))
-
-
-@needs
 def test_rejects_bad_operands():
     from moe_wave.gate_up_dg import gate_up_dg
 
@@ -151,32 +109,31 @@ def test_rejects_bad_operands():
 
 @needs
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-@pytest.mark.parametrize("rows", ["fp8 where they arrived", "fp8 copied into the layout", "bf16"])
-def test_stage_on_it_equals_the_deepgemm_way_and_replays(layout, rows, monkeypatch):
-    """The FP8 block with the first GEMM on gate_up_dg (FUSED_GATE_UP_ROWS_PER_EXPERT 0: the rows above the Triton
-    kernel's; rows that arrived as FP8 read where they are or copied into the layout, or bf16 rows quantised into
-    it) equals the block on DeepGEMM's GEMM + swiglu_quant bit for bit, at W=1 and W=2, eager and replayed from a
-    CUDA graph."""
+@pytest.mark.parametrize("fp8_rows", [True, False])
+def test_stage_on_it_equals_the_deepgemm_way_and_replays(layout, fp8_rows, monkeypatch):
+    """The FP8 block with the first GEMM on gate_up_dg (where the Triton kernel would take 128-row tiles; rows that
+    arrived as FP8 copied into the layout, or bf16 rows quantised into it) equals the block on DeepGEMM's GEMM +
+    swiglu_quant bit for bit, at W=1 and W=2, eager and replayed from a CUDA graph."""
     import moe_wave.fp8_experts as fx
     import moe_wave.gate_up_dg as gd
     from tests.test_gpu_fp8_experts import _moe, _x
 
-    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0)
-    monkeypatch.setattr(fx, "GATE_UP_DG_SRC", rows == "fp8 where they arrived")
+    monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 0)
+    monkeypatch.setattr(fx, "GATE_UP_DG", True)
     calls = []
     real = gd.gate_up_dg
-    monkeypatch.setattr(gd, "gate_up_dg", lambda *a, **k: calls.append(k.get("src_J") is not None) or real(*a, **k))
+    monkeypatch.setattr(gd, "gate_up_dg", lambda *a, **k: calls.append(1) or real(*a, **k))
     for W in (1, 2):
-        moe = _moe(W, fp8_rows=rows != "bf16")
+        moe = _moe(W, fp8_rows=fp8_rows)
         moe.experts.gemm_layout = layout
         x = _x(300, 21)
-        monkeypatch.setattr(fx, "GATE_UP_DG", False)
+        monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0)      # the DeepGEMM way
         ref = moe(x)
         assert not calls
-        monkeypatch.setattr(fx, "GATE_UP_DG", True)
+        monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9)
         y = moe(x)
-        assert calls == [rows == "fp8 where they arrived"] * W, calls
-        assert torch.isfinite(y).all() and torch.equal(y, ref), (layout, W)
+        assert len(calls) == W, calls
+        assert torch.isfinite(y).all() and torch.equal(y, ref), (layout, fp8_rows, W)
         moe.capture_graphs([300])
-        assert torch.equal(moe(x), ref), (layout, W)
+        assert torch.equal(moe(x), ref), (layout, fp8_rows, W)
         calls.clear()

@@ -11,12 +11,7 @@
 //    power-of-two scale (moe_wave.fp8's activation format, fp8_quant.pow2_scale_bits): the quad of lanes holding a
 //    row's 128 channels shares the row's amax by shuffles;
 //  - h is staged in shared memory in the 128-byte swizzle and written by one TMA store; its scales go to
-//    hs[(row / G) * (I / 128) * G + n * G + row % G] (G: the masked layout's group rows, or all rows);
-//  - with GU_SRC, the rows are not in the layout: row j of the layout is source row src[j] (FP8 rows where they
-//    arrived, fp8_rows' container, or the rank's own rows), so the TMA warpgroup's 128 threads copy a block's rows
-//    and their scales by cp.async (16-byte pieces into the 128-byte swizzle, each thread's copies arriving on the
-//    stage's barrier when they land) and one of them the weights by TMA; the math warpgroups fence the async
-//    proxy before their wgmma reads them.
+//    hs[(row / G) * (I / 128) * G + n * G + row % G] (G: the masked layout's group rows, or all rows).
 // moe_wave/gate_up_dg.py compiles it (nvcc, DeepGEMM's include directory) with the #defines below and launches it.
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -53,9 +48,6 @@
 #ifndef GU_SMS
 #define GU_SMS 132          // CTAs (one an SM, persistent)
 #endif
-#ifndef GU_SRC
-#define GU_SRC 0            // 1: the layout's row j is source row src[j], read where it arrived (SrcRows)
-#endif
 
 namespace gate_up_dg {
 
@@ -74,29 +66,8 @@ constexpr uint32_t SMEM_SFA_SIZE_PER_STAGE = BLOCK_M * sizeof(float);
 constexpr uint32_t SMEM_SF_OFFSET = SMEM_H_SIZE + kNumStages * (SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE);
 constexpr uint32_t SHAPE_K_SCALES = GU_K / BLOCK_K;
 constexpr uint32_t SMEM_SFB_SIZE = math::constexpr_align(2 * SHAPE_K_SCALES * (uint32_t) sizeof(float), 8u);
-constexpr uint32_t SMEM_TBL_SIZE = 128 * 8;        // GU_SRC: a block's source row addresses
-constexpr uint32_t SMEM_SIZE = SMEM_SF_OFFSET + kNumStages * SMEM_SFA_SIZE_PER_STAGE + SMEM_SFB_SIZE + SMEM_TBL_SIZE
+constexpr uint32_t SMEM_SIZE = SMEM_SF_OFFSET + kNumStages * SMEM_SFA_SIZE_PER_STAGE + SMEM_SFB_SIZE
                                + 2 * kNumStages * 8;
-
-struct SrcRows {            // GU_SRC: the layout's row j is source row r = src[j]
-    const int64_t* src;
-    const uint8_t* a; int64_t a_row;        // the rows (e4m3), a row every a_row bytes
-    const float* sa; int64_t sa_row;        // row r's scale of channels kb * 128 .. at sa[r * sa_row + kb]
-    const uint8_t* la; int64_t la_row;      // rows row0 .. row0 + num_local - 1: the rank's own, from here
-    const float* lsa; int64_t lsa_row;
-    int64_t row0, num_local;
-};
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_arrive(void* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
-                 :: "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))) : "memory");
-}
 
 // Triton's fp32 `/` and tl.exp (fp8_expert_kernels._swiglu compiles to these)
 __device__ __forceinline__ float div_full(float a, float b) {
@@ -129,7 +100,7 @@ using namespace gate_up_dg;
 
 extern "C" __global__ void __launch_bounds__(kNumTMAThreads + kNumMathThreads, 1)
 gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float* hs, uint32_t hs_group,
-                  float limit, const SrcRows rows,
+                  float limit,
                   const __grid_constant__ cute::TmaDescriptor tensor_map_a,
                   const __grid_constant__ cute::TmaDescriptor tensor_map_b,
                   const __grid_constant__ cute::TmaDescriptor tensor_map_sfa,
@@ -149,11 +120,9 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     const uint32_t lane_idx = ptx::get_lane_idx();
 
     if (warp_idx == kNumMathThreads / 32 and cute::elect_one_sync()) {
-        if constexpr (not GU_SRC) {         // (GU_SRC: the rows' maps are unused zeros)
-            cute::prefetch_tma_descriptor(&tensor_map_a);
-            cute::prefetch_tma_descriptor(&tensor_map_sfa);
-        }
+        cute::prefetch_tma_descriptor(&tensor_map_a);
         cute::prefetch_tma_descriptor(&tensor_map_b);
+        cute::prefetch_tma_descriptor(&tensor_map_sfa);
         cute::prefetch_tma_descriptor(&tensor_map_h);
     }
     __syncwarp();
@@ -172,15 +141,14 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     });
     auto smem_sfb = reinterpret_cast<float*>(smem_buffer + SMEM_SF_OFFSET + kNumStages * SMEM_SFA_SIZE_PER_STAGE);
 
-    auto smem_tbl = reinterpret_cast<const uint8_t**>(reinterpret_cast<uint8_t*>(smem_sfb) + SMEM_SFB_SIZE);
-    auto barrier_start_ptr = reinterpret_cast<Barrier*>(reinterpret_cast<uint8_t*>(smem_tbl) + SMEM_TBL_SIZE);
+    auto barrier_start_ptr = reinterpret_cast<Barrier*>(reinterpret_cast<uint8_t*>(smem_sfb) + SMEM_SFB_SIZE);
     auto full_barriers  = utils::PatternVisitor([&](const uint32_t& i) { return barrier_start_ptr + i; });
     auto empty_barriers = utils::PatternVisitor([&](const uint32_t& i) { return barrier_start_ptr + kNumStages + i; });
 
     if (warp_idx == kNumMathThreads / 32 + 1 and cute::elect_one_sync()) {
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++ i) {
-            full_barriers[i]->init(GU_SRC ? 1 + kNumTMAThreads : 1);   // GU_SRC: + each copying thread
+            full_barriers[i]->init(1);
             empty_barriers[i]->init(kNumMathThreads / 32);
         }
         cutlass::arch::fence_barrier_init();
@@ -203,30 +171,11 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     constexpr bool kMasked = kGemmType == GemmType::MGroupedMasked;
 
     if (warp_idx >= kNumMathThreads / 32) {
-        // the TMA warpgroup: one thread issues the loads (GU_SRC: its 128 threads copy a block's rows, thread p
-        // row p's scale and, with row_group = p / 8, the 16-byte chunk p % 8 of rows row_group + 16 i)
+        // the TMA warpgroup: one thread issues the loads
         cutlass::arch::warpgroup_reg_dealloc<kNumTMARegisters>();
-        const uint32_t p = threadIdx.x - kNumMathThreads, row_group = p / 8, chunk = p % 8;
-        if (GU_SRC or (warp_idx == kNumMathThreads / 32 + 2 and cute::elect_one_sync())) {
+        if (warp_idx == kNumMathThreads / 32 + 2 and cute::elect_one_sync()) {
             while (scheduler.get_next_block(m_block_idx, n_block_idx)) {
                 const uint32_t m_idx = scheduler.template get_global_idx<kMasked>(shape_m, BLOCK_M, m_block_idx);
-                bool ok = false;                // GU_SRC: row p is in use (up to its group's end), read from here
-                const float* s_row = rows.sa;
-                if constexpr (GU_SRC) {
-                    ok = kMasked ? m_block_idx * BLOCK_M + p < static_cast<uint32_t>(
-                                       __ldg(grouped_layout + scheduler.current_group_idx))
-                                 : m_idx + p < scheduler.current_psum_m;
-                    const uint8_t* a_row = nullptr;
-                    if (ok) {
-                        const int64_t r = __ldg(rows.src + m_idx + p);
-                        const bool here = r >= rows.row0 and r < rows.row0 + rows.num_local;
-                        a_row = here ? rows.la + (r - rows.row0) * rows.la_row : rows.a + r * rows.a_row;
-                        s_row = here ? rows.lsa + (r - rows.row0) * rows.lsa_row : rows.sa + r * rows.sa_row;
-                    }
-                    cutlass::arch::NamedBarrier::sync(kNumTMAThreads, 2);     // the last block's table is read
-                    smem_tbl[p] = a_row;
-                    cutlass::arch::NamedBarrier::sync(kNumTMAThreads, 2);
-                }
                 #pragma unroll
                 for (uint32_t sub = 0; sub < 2; ++ sub) {
                     // gate rows n * 128 of the expert, then up rows I + n * 128
@@ -236,39 +185,19 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
                         empty_barriers[stage_idx]->wait(phase ^ 1);
                         auto& full_barrier = *full_barriers[stage_idx];
                         const uint32_t k_idx = k_block_idx * BLOCK_K;
-                        if (not GU_SRC or p == 0)      // (GU_SRC: thread 0; else the one loading thread)
-                            tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
-                                     smem_b[stage_idx], k_idx, n_idx, 1);
-                        if constexpr (GU_SRC) {
-                            if (p == 0)
-                                full_barrier.arrive_and_expect_tx(SMEM_B_SIZE_PER_STAGE);
-                            const auto smem_a_stage =
-                                static_cast<uint32_t>(__cvta_generic_to_shared(smem_a[stage_idx]));
-                            #pragma unroll
-                            for (uint32_t i = 0; i < 8; ++ i) {
-                                const uint32_t row = row_group + 16 * i;
-                                const uint8_t* from = smem_tbl[row];
-                                cp_async16(smem_a_stage + row * 128 + ((chunk ^ (row % 8)) << 4),
-                                           from ? from + k_idx + chunk * 16 : rows.a, from ? 16 : 0);
-                            }
-                            cp_async4(static_cast<uint32_t>(__cvta_generic_to_shared(smem_sfa[stage_idx] + p)),
-                                      s_row + k_block_idx, ok ? 4 : 0);
-                            cp_async_arrive(&full_barrier);
-                        } else {
-                            tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
-                                     smem_a[stage_idx], k_idx, m_idx, 1);
-                            tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
-                                     smem_sfa[stage_idx], m_block_idx * BLOCK_M,
-                                     scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
-                                         SHAPE_K_SCALES, 1, k_block_idx), 1);
-                            full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
-                                                              + SMEM_SFA_SIZE_PER_STAGE);
-                        }
+                        tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
+                                 smem_a[stage_idx], k_idx, m_idx, 1);
+                        tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
+                                 smem_sfa[stage_idx], m_block_idx * BLOCK_M,
+                                 scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
+                                     SHAPE_K_SCALES, 1, k_block_idx), 1);
+                        tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
+                                 smem_b[stage_idx], k_idx, n_idx, 1);
+                        full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
+                                                          + SMEM_SFA_SIZE_PER_STAGE);
                     }
                 }
             }
-            if constexpr (GU_SRC)               // the last copies land before the thread leaves
-                asm volatile("cp.async.wait_all;" ::: "memory");
         }
     } else {
         // the math warpgroups: 64 rows each
@@ -312,8 +241,6 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
                         const float scale_b = ptx::ld_shared(smem_sfb + sub * SHAPE_K_SCALES + k_block_idx);
 
                         full_barriers[stage_idx]->wait(phase);
-                        if constexpr (GU_SRC)      // the rows cp.async wrote, seen by wgmma's async proxy
-                            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                         const auto scale_a_0 = ptx::ld_shared(smem_sfa[stage_idx] + r_0);
                         const auto scale_a_1 = ptx::ld_shared(smem_sfa[stage_idx] + r_1);
 
