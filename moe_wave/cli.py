@@ -119,13 +119,16 @@ def info_lines(environ=None) -> list[tuple[str, str]]:
 def _precision_line(torch) -> str:
     """What --precision auto means here and what runs the FP8 GEMMs (the FP8 projections; the FP8 experts)."""
     from moe_wave.fp8 import fp8_gemm_library, resolve_precision
-    from moe_wave.fp8_experts import AUTO_LAYOUT, FUSED_GATE_UP_ROWS_PER_EXPERT, fp8_gemm_grouped_library
+    from moe_wave.fp8_experts import (AUTO_LAYOUT, FUSED_GATE_UP_ROWS_PER_EXPERT, FUSED_SMALL_TILE_ROWS_PER_EXPERT,
+                                      GATE_UP_DG, fp8_gemm_grouped_library)
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     lib = fp8_gemm_grouped_library(dev)
     if lib == "deepgemm":
-        lib += (f" ({AUTO_LAYOUT}; the first GEMM with SwiGLU as one Triton kernel at <= "
-                f"{FUSED_GATE_UP_ROWS_PER_EXPERT} rows an expert)")
+        dg = (f", on DeepGEMM's own GEMM with the epilogue changed above {FUSED_SMALL_TILE_ROWS_PER_EXPERT} where nvcc "
+              f"builds it (gate_up_dg)" if GATE_UP_DG else "")
+        lib += (f" ({AUTO_LAYOUT}; the first GEMM with SwiGLU as one kernel at <= {FUSED_GATE_UP_ROWS_PER_EXPERT} rows "
+                f"an expert: Triton's{dg})")
     return f"auto = {resolve_precision('auto', dev)}; FP8 projections on {fp8_gemm_library(dev)}, FP8 experts on {lib}"
 
 
