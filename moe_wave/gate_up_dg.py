@@ -8,8 +8,9 @@ It returns what DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (psum layout) or
 them, then the same SwiGLU and quantisation instructions), without writing or reading gu. It needs what DeepGEMM's
 own JIT needs: a Hopper GPU, ``deep_gemm`` (its include directory holds the kernel's headers and CUTLASS') and nvcc
 (``torch.utils.cpp_extension.CUDA_HOME``). It compiles once per (experts, channels, layout, SMs) and is kept on disk
-(``CACHE_DIR``); ``available(device)`` says whether it runs; ``gate_up_dg`` launches it on the current stream (CUDA
-graph capturable: the counts stay on the device).
+(``CACHE_DIR``); ``available(device_index, e, I, D, masked)`` says whether it runs here (a warning names the cause
+once where it does not build or load); ``gate_up_dg`` launches it on the current stream (CUDA graph capturable: the
+counts stay on the device).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import warnings
 
 import torch
 
@@ -131,13 +133,17 @@ def rule(device: torch.device, I: int, D: int) -> str | None:
 @functools.lru_cache(maxsize=None)
 def available(device_index: int, e: int, I: int, D: int, masked: bool = False) -> bool:
     """Whether the kernel of this shape builds and loads on the CUDA device (``rule``, deep_gemm's headers, nvcc,
-    the driver)."""
+    the driver); where it does not build or load, a warning says why (the stage then runs DeepGEMM's GEMM or the
+    Triton kernel)."""
     dev = torch.device("cuda", device_index)
     if rule(dev, I, D) is not None:
         return False
     try:
         _function(device_index, e, I, D, masked)
-    except (RuntimeError, OSError, ImportError):
+    except (RuntimeError, OSError, ImportError) as err:
+        warnings.warn(f"moe_wave: gate_up_dg (e={e}, I={I}, D={D}, masked={masked}) does not run here "
+                      f"({type(err).__name__}: {str(err)[:2000]}); the first expert GEMM runs without it",
+                      stacklevel=3)
         return False
     return True
 
