@@ -26,9 +26,9 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
   the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above; where it would take
-  128-row tiles and ``gate_up_dg`` builds here (``GATE_UP_DG``), that kernel instead: DeepGEMM's own Hopper GEMM
-  with SwiGLU + requant in its epilogue (the same bits as DeepGEMM's GEMM + ``swiglu_quant``), on the rows copied
-  into the layout.
+  128-row tiles in the aligned layout and ``gate_up_dg`` builds here (``GATE_UP_DG``), that kernel instead:
+  DeepGEMM's own Hopper GEMM with SwiGLU + requant in its epilogue (the same bits as DeepGEMM's GEMM +
+  ``swiglu_quant``), on the rows copied into the layout.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -60,10 +60,11 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # where the Triton kernel would take 128-row tiles (pairs an expert above FUSED_SMALL_TILE_ROWS_PER_EXPERT, at most
-# FUSED_GATE_UP_ROWS_PER_EXPERT), the first GEMM and SwiGLU + requant run on DeepGEMM's own Hopper GEMM with the
-# epilogue changed (``gate_up_dg``, on rows copied into the layout) where it builds here: V4-Flash:128 at 2048
-# tokens, the stage 0.918 x the Triton kernel's (one H200); above that range it is slower than DeepGEMM's GEMM and
-# ``swiglu_quant`` (1.02-1.16 x, compute-bound: benchmarks/results/experts.md), which run there
+# FUSED_GATE_UP_ROWS_PER_EXPERT) in the aligned layout, the first GEMM and SwiGLU + requant run on DeepGEMM's own
+# Hopper GEMM with the epilogue changed (``gate_up_dg``, on rows copied into the layout; its masked layout is not
+# measured in the stage) where it builds here: V4-Flash:128 at 2048 tokens, the stage 0.918 x the Triton kernel's
+# (one H200); above that range it is slower than DeepGEMM's GEMM and ``swiglu_quant`` (1.02-1.16 x, compute-bound:
+# benchmarks/results/experts.md), which run there
 GATE_UP_DG = True
 
 
@@ -364,7 +365,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    dg_kernel = fused and bm == 128 and GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, G is not None)
+    dg_kernel = fused and bm == 128 and not G and GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, False)
     if fused and packed and not dg_kernel:  # the FP8 rows enter the fused GEMM where they arrived (src)
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
@@ -372,7 +373,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if dg_kernel:
             from .gate_up_dg import gate_up_dg
-            hq, hs = gate_up_dg(q, s, experts.gate_up, experts.gate_up_scale, g.m if G else g.ends, lim, G)
+            hq, hs = gate_up_dg(q, s, experts.gate_up, experts.gate_up_scale, g.ends, lim)
         elif fused:
             hq, hs = gate_up_swiglu(q, s, *wq, n=g.n, bm=bm)
         else:
