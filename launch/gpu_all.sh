@@ -113,8 +113,8 @@ for s in "${STAGES[@]}"; do
                   # replay, every W; the bf16 stage's row bound and sends once), then bench_experts (bf16 vs FP8 vs
                   # DeepGEMM's GEMMs alone vs the floor; EXP_SHAPES, EXP_TOKENS) and the default demo in bf16 and FP8
                # (EXP_TESTS / EXP_DEMO set but empty: that part left out, e.g. to split the stage over two calls)
-               EXP_TESTS="${EXP_TESTS-tests/test_gpu_fp8_experts.py tests/test_gpu_moe.py tests/test_expert_order.py \
-                   tests/test_fp8_experts.py}"
+               EXP_TESTS="${EXP_TESTS-tests/test_gpu_fp8_experts.py tests/test_gpu_gate_up_dg.py tests/test_gpu_moe.py \
+                   tests/test_expert_order.py tests/test_fp8_experts.py}"
                if [ -n "$EXP_TESTS" ]; then
                    stage tests_experts ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider $EXP_TESTS
                fi
