@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from .attention.sparse_core.cuda_build import cached, default_cache_dir
+from .attention.sparse_core.cuda_impl import load_function, tmap_2d
 from .fp8 import BLOCK, FP8
 
 __all__ = ["available", "gate_up_dg", "compile_cubin", "smem_bytes", "STAGES", "THREADS", "SOURCE"]
@@ -43,7 +44,6 @@ CACHE_DIR: str | None = None
 NVCC_FLAGS = ("-std=c++20", "--diag-suppress=39,161,174,177,186,940", "--ptxas-options=--register-usage-level=10",
               "--gpu-architecture=sm_90a", "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
               "--compiler-options=-fPIC,-O3,-fconcepts,-Wno-deprecated-declarations,-Wno-abi")
-_TMAP_BYTES = 128           # sizeof(CUtensorMap)
 
 
 def smem_bytes(D: int, stages: int = STAGES) -> int:
@@ -105,18 +105,7 @@ def _cubin(e: int, I: int, D: int, masked: bool, sms: int) -> bytes:
 def _function(device_index: int, e: int, I: int, D: int, masked: bool):
     """(CUfunction, CTAs) of the kernel on the device: one CTA an SM."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    data = _cubin(e, I, D, masked, sms)
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    with torch.cuda.device(device_index):
-        torch.cuda.current_stream()                     # the device's primary context, current
-        mod, func = ctypes.c_void_p(), ctypes.c_void_p()
-        for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
-                         ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod, NAME)),
-                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, smem_bytes(D)))):
-            code = rc()
-            if code:
-                raise RuntimeError(f"gate_up_dg: {what} returned CUresult {code}")
-    return func, sms
+    return load_function(device_index, _cubin(e, I, D, masked, sms), NAME, smem_bytes(D)), sms
 
 
 def rule(device: torch.device, I: int, D: int) -> str | None:
@@ -150,21 +139,12 @@ def available(device_index: int, e: int, I: int, D: int, masked: bool = False) -
 
 def _tmap(ptr: int, dtype: int, inner: int, outer: int, stride: int, box_inner: int, box_outer: int,
           swizzle: int):
-    """(buffer, address) of a 2-D CUtensorMap (``dtype``: CU_TENSOR_MAP_DATA_TYPE, 0 uint8, 7 float32; ``stride``
-    in bytes; ``swizzle`` 0 none, 3 128 bytes; L2 promotion 256 B, as DeepGEMM's), by the driver's
-    cuTensorMapEncodeTiled. Keep the buffer alive while the address is in use."""
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    buf = (ctypes.c_uint8 * (_TMAP_BYTES + 64))()       # the map 64-byte aligned inside
-    addr = ctypes.addressof(buf) + (-ctypes.addressof(buf)) % 64
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rc = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(addr), ctypes.c_int(dtype), u32(2), ctypes.c_void_p(ptr),
-                                    (u64 * 2)(inner, outer), (u64 * 1)(stride), (u32 * 2)(box_inner, box_outer),
-                                    (u32 * 2)(1, 1), ctypes.c_int(0), ctypes.c_int(swizzle), ctypes.c_int(3),
-                                    ctypes.c_int(0))
-    if rc:
-        raise RuntimeError(f"gate_up_dg: cuTensorMapEncodeTiled returned CUresult {rc} ({inner} x {outer}, stride "
-                           f"{stride}, box {box_inner} x {box_outer})")
-    return buf, addr
+    """``cuda_impl.tmap_2d`` with DeepGEMM's L2 promotion (256 bytes); RuntimeError where the driver refuses it."""
+    got = tmap_2d(ptr, inner, outer, stride, box_inner, box_outer, dtype, swizzle, l2_promotion=3)
+    if got is None:
+        raise RuntimeError(f"gate_up_dg: the driver made no tensor map ({inner} x {outer}, stride {stride}, box "
+                           f"{box_inner} x {box_outer})")
+    return got
 
 
 _WEIGHT_MAPS: dict = {}

@@ -50,7 +50,7 @@ from .call import CoreCall
 from .cuda_build import Variant
 
 __all__ = ["Unavailable", "available", "rule", "supports", "run", "sparse_attention_cuda", "prepare", "launch", "kernel",
-           "ctas_resident", "SMEM_BYTES"]
+           "ctas_resident", "SMEM_BYTES", "load_function", "tmap_2d"]
 
 NAME = "cuda"
 D_FULL = 512                # head_dim the kernel takes (V4's)
@@ -162,22 +162,27 @@ def _loaded(device_index: int, variant: Variant, cache_dir: str | None, extra_de
     try:
         data = cuda_build.cubin(variant, cache_dir) if not extra_defines else \
             cuda_build.compile_cubin(variant, extra_defines)
-        lib = torch.cuda._utils._get_gpu_runtime_library()
-        with torch.cuda.device(device_index):
-            torch.cuda.current_stream()                 # the device's primary context, current
-            mod, func = ctypes.c_void_p(), ctypes.c_void_p()
-            for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), data)),
-                             ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(
-                                 ctypes.byref(func), mod, variant.kernel_name.encode())),
-                             ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, SMEM_BYTES))):
-                code = rc()
-                if code:
-                    raise RuntimeError(f"{what} returned CUresult {code}")
-        return func, None
+        return load_function(device_index, data, variant.kernel_name.encode(), SMEM_BYTES), None
     except (RuntimeError, OSError) as e:
         warnings.warn(f"moe_wave: the CUDA C++ sparse-attention kernel {variant.key} does not run here "
                       f"({type(e).__name__}: {str(e)[:2000]}); the Triton kernel runs instead", stacklevel=4)
         return None, e
+
+
+def load_function(device_index: int, cubin: bytes, name: bytes, smem: int):
+    """The CUfunction ``name`` of ``cubin`` loaded on the device (its primary context) with ``smem`` bytes of dynamic
+    shared memory allowed; RuntimeError naming the driver call that failed."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()                     # the device's primary context, current
+        mod, func = ctypes.c_void_p(), ctypes.c_void_p()
+        for what, rc in (("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), cubin)),
+                         ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(func), mod, name)),
+                         ("cuFuncSetAttribute", lambda: lib.cuFuncSetAttribute(func, 8, smem))):
+            code = rc()
+            if code:
+                raise RuntimeError(f"{what} returned CUresult {code}")
+    return func
 
 
 def kernel(device_index: int, variant: Variant, cache_dir: str | None = None, extra_defines: str = ""):
@@ -285,6 +290,15 @@ def _tmap_rows(out: torch.Tensor, rows: int):
     """A CUtensorMap of ``out`` (FP8, contiguous) as ``rows`` rows of 512 bytes, boxes of 64 rows x 128 bytes in the
     128-byte swizzle (the kernel's TMA staging), by the driver's cuTensorMapEncodeTiled; None where the driver
     refuses it (the kernel then stores with its threads)."""
+    return tmap_2d(out.data_ptr(), D_FULL, rows, D_FULL, 128, BH)
+
+
+def tmap_2d(ptr: int, inner: int, outer: int, stride: int, box_inner: int, box_outer: int, dtype: int = 0,
+            swizzle: int = 3, l2_promotion: int = 0):
+    """(buffer, address) of a 2-D CUtensorMap at ``ptr``: ``outer`` rows of ``inner`` elements ``stride`` bytes
+    apart, boxes of box_outer x box_inner; ``dtype`` a CU_TENSOR_MAP_DATA_TYPE (0 uint8, 7 float32), ``swizzle``
+    (0 none, 3 128 bytes), ``l2_promotion`` (0 none, 3 256 bytes); by the driver's cuTensorMapEncodeTiled. None where
+    the driver has none or refuses it. Keep the buffer alive while the address is in use."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     enc = getattr(lib, "cuTensorMapEncodeTiled", None)
     if enc is None:
@@ -292,9 +306,9 @@ def _tmap_rows(out: torch.Tensor, rows: int):
     buf = (ctypes.c_uint8 * (TMAP_BYTES + 64))()       # the map 64-byte aligned inside
     addr = ctypes.addressof(buf) + (-ctypes.addressof(buf)) % 64
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rc = enc(ctypes.c_void_p(addr), ctypes.c_int(0), u32(2), ctypes.c_void_p(out.data_ptr()),   # UINT8, rank 2
-             (u64 * 2)(D_FULL, rows), (u64 * 1)(D_FULL), (u32 * 2)(128, BH), (u32 * 2)(1, 1),
-             ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(0), ctypes.c_int(0))  # no interleave, 128B swizzle
+    rc = enc(ctypes.c_void_p(addr), ctypes.c_int(dtype), u32(2), ctypes.c_void_p(ptr), (u64 * 2)(inner, outer),
+             (u64 * 1)(stride), (u32 * 2)(box_inner, box_outer), (u32 * 2)(1, 1), ctypes.c_int(0),   # no interleave
+             ctypes.c_int(swizzle), ctypes.c_int(l2_promotion), ctypes.c_int(0))
     return (buf, addr) if rc == 0 else None
 
 
