@@ -150,6 +150,16 @@ def _tmap(ptr: int, dtype: int, inner: int, outer: int, stride: int, box_inner: 
 _WEIGHT_MAPS: dict = {}
 
 
+def _weight_map(w: torch.Tensor):
+    """The tensor map of the weights [e, 2I, D] e4m3 (one per weight tensor, kept)."""
+    key = (w.data_ptr(), tuple(w.shape), w.device.index)
+    got = _WEIGHT_MAPS.get(key)
+    if got is None:
+        e, I2, D = w.shape
+        got = _WEIGHT_MAPS[key] = _tmap(w.data_ptr(), 0, D, e * I2, w.stride(1), BLOCK, BLOCK, 3)
+    return got
+
+
 def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor, layout: torch.Tensor,
                limit: float, group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hq [JA, I] e4m3, hs) of the rows q [JA, D] e4m3 laid out expert-major: the contiguous psum layout (layout
