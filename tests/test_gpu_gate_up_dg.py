@@ -1,6 +1,7 @@
 """The first grouped FP8 GEMM with SwiGLU + requant on DeepGEMM's own Hopper kernel (``gate_up_dg``) on one GPU:
 the same h and scales as DeepGEMM's GEMM followed by ``swiglu_quant``, bit for bit, in both layouts (empty groups,
-groups that end inside a block, V4's clamp and none), and the stage on it equal to the stage on DeepGEMM's GEMM,
+groups that end inside a block, V4's clamp and none), without a cluster and in clusters of two (the rows multicast;
+one CTA where I / 128 is odd), and the stage on it equal to the stage on DeepGEMM's GEMM,
 eager and replayed from a CUDA graph (skips without a Hopper GPU, deep_gemm and nvcc)."""
 
 from __future__ import annotations
@@ -40,15 +41,21 @@ def _rows(JA: int, D: int, seed: int):
 
 
 @needs
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts,I,D,limit", [([130, 0, 5, 256], 256, 512, 7.0), ([0, 0, 40, 0], 256, 512, 0.0),
+                                              ([130, 0, 5, 256], 384, 512, 7.0),
                                               ([300, 129, 128, 1, 77, 0, 512, 3], 2048, 4096, 10.0)])
-def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit):
+def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit, cluster, monkeypatch):
     """Psum layout: each group starts at the next 128-row boundary; hq and hs of every row in use equal DeepGEMM's
     m_grouped_fp8_gemm_nt_contiguous (use_psum_layout) + swiglu_quant bit for bit."""
     import deep_gemm
 
+    import moe_wave.gate_up_dg as gd
     from moe_wave.fp8_expert_kernels import ALIGN, aligned_groups, swiglu_quant
     from moe_wave.gate_up_dg import gate_up_dg
+
+    monkeypatch.setattr(gd, "CLUSTER", cluster)
+    assert gd.cluster_size(I) == (cluster if (I // BLOCK) % 2 == 0 else 1)
 
     e = len(counts)
     w, ws = _weights(e, I, D, 1)
@@ -68,14 +75,18 @@ def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit):
 
 
 @needs
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts,G", [([130, 0, 5, 256], 256), ([1, 128, 0, 127], 128)])
-def test_masked_equals_deepgemm_then_swiglu_quant(counts, G):
+def test_masked_equals_deepgemm_then_swiglu_quant(counts, G, cluster, monkeypatch):
     """Masked layout (expert x at rows x * G, the counts on the device): the same bits as DeepGEMM's
     m_grouped_fp8_gemm_nt_masked + swiglu_quant (group_rows=G) on every row in use."""
     import deep_gemm
 
+    import moe_wave.gate_up_dg as gd
     from moe_wave.fp8_expert_kernels import swiglu_quant
     from moe_wave.gate_up_dg import gate_up_dg
+
+    monkeypatch.setattr(gd, "CLUSTER", cluster)
 
     e, I, D, limit = len(counts), 256, 512, 7.0
     w, ws = _weights(e, I, D, 3)
