@@ -125,8 +125,9 @@ def _precision_line(torch) -> str:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     lib = fp8_gemm_grouped_library(dev)
     if lib == "deepgemm":
-        dg = (f", on DeepGEMM's own GEMM with the epilogue changed above {FUSED_SMALL_TILE_ROWS_PER_EXPERT} where nvcc "
-              f"builds it (gate_up_dg)" if GATE_UP_DG else "")
+        cards = "every Hopper GPU" if GATE_UP_DG is True else " / ".join(GATE_UP_DG or ())
+        dg = (f", on DeepGEMM's own GEMM with the epilogue changed above {FUSED_SMALL_TILE_ROWS_PER_EXPERT} on "
+              f"{cards} where nvcc builds it (gate_up_dg)" if GATE_UP_DG else "")
         lib += (f" ({AUTO_LAYOUT}; the first GEMM with SwiGLU as one kernel at <= {FUSED_GATE_UP_ROWS_PER_EXPERT} rows "
                 f"an expert: Triton's{dg})")
     return f"auto = {resolve_precision('auto', dev)}; FP8 projections on {fp8_gemm_library(dev)}, FP8 experts on {lib}"

@@ -26,7 +26,7 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
   the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above; where it would take
-  128-row tiles in the aligned layout and ``gate_up_dg`` builds here (``GATE_UP_DG``), that kernel instead:
+  128-row tiles in the aligned layout, on the cards ``GATE_UP_DG`` names, where ``gate_up_dg`` builds, that kernel:
   DeepGEMM's own Hopper GEMM with SwiGLU + requant in its epilogue (the same bits as DeepGEMM's GEMM +
   ``swiglu_quant``), on the rows copied into the layout.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
@@ -62,10 +62,12 @@ FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # where the Triton kernel would take 128-row tiles (pairs an expert above FUSED_SMALL_TILE_ROWS_PER_EXPERT, at most
 # FUSED_GATE_UP_ROWS_PER_EXPERT) in the aligned layout, the first GEMM and SwiGLU + requant run on DeepGEMM's own
 # Hopper GEMM with the epilogue changed (``gate_up_dg``, on rows copied into the layout; its masked layout is not
-# measured in the stage) where it builds here: V4-Flash:128 at 2048 tokens, the stage 0.918 x the Triton kernel's
-# (one H200); above that range it is slower than DeepGEMM's GEMM and ``swiglu_quant`` (1.02-1.16 x, compute-bound:
-# benchmarks/results/experts.md), which run there
-GATE_UP_DG = True
+# measured in the stage) where it builds, on the GPUs whose name holds one of these strings (True: every Hopper GPU,
+# False or (): none). Measured in the stage at V4-Flash:128, 2048 tokens (benchmarks/results/experts.md): on an
+# H200 0.918 x the Triton kernel at W=1; on an H100 1.003 x at W=1 and 1.053 x at W=4, so the H100 keeps the
+# Triton kernel. Above that range gate_up_dg is slower than DeepGEMM's GEMM and ``swiglu_quant`` (1.02-1.36 x,
+# compute-bound), which run there
+GATE_UP_DG: bool | tuple[str, ...] = ("H200",)
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,9 +308,11 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
 
 
 def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool) -> bool:
-    """Whether ``gate_up_dg`` runs the first GEMM with SwiGLU + requant here (a Hopper GPU, deep_gemm's headers,
-    nvcc; built once a shape)."""
-    if dev.type != "cuda":
+    """Whether ``gate_up_dg`` runs the first GEMM with SwiGLU + requant here (a GPU that ``GATE_UP_DG`` names,
+    Hopper, deep_gemm's headers, nvcc; built once a shape)."""
+    if dev.type != "cuda" or not GATE_UP_DG:
+        return False
+    if GATE_UP_DG is not True and not any(c in torch.cuda.get_device_name(dev) for c in GATE_UP_DG):
         return False
     from .gate_up_dg import available
     return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked)
@@ -365,7 +369,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    dg_kernel = fused and bm == 128 and not G and GATE_UP_DG and gate_up_dg_ok(x_RD.device, e, I, D, False)
+    dg_kernel = fused and bm == 128 and not G and gate_up_dg_ok(x_RD.device, e, I, D, False)
     if fused and packed and not dg_kernel:  # the FP8 rows enter the fused GEMM where they arrived (src)
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)

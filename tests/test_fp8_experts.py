@@ -696,6 +696,28 @@ def test_gate_up_dg_cluster_and_launch_structures(monkeypatch):
     assert gd.smem_bytes(4096) <= 232448 and gd.smem_bytes(7168) <= 232448      # an SM's shared memory
 
 
+def test_gate_up_dg_taken_on_the_named_cards_only(monkeypatch):
+    """gate_up_dg_ok: the stage takes gate_up_dg on a CUDA GPU whose name holds one of GATE_UP_DG's strings (True:
+    any, False or (): none) and where the kernel is available; never on CPU."""
+    import moe_wave.fp8_experts as fx
+    import moe_wave.gate_up_dg as gd
+
+    built = []
+    monkeypatch.setattr(gd, "available", lambda *a: built.append(a) or True)
+    cuda = torch.device("cuda", 0)
+    for setting, name, want in [(("H200",), "NVIDIA H200", True), (("H200",), "NVIDIA H100 80GB HBM3", False),
+                                (True, "NVIDIA H100 80GB HBM3", True), (False, "NVIDIA H200", False),
+                                ((), "NVIDIA H200", False), (("H100", "H200"), "NVIDIA H100 80GB HBM3", True)]:
+        monkeypatch.setattr(fx, "GATE_UP_DG", setting)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        assert fx.gate_up_dg_ok(cuda, 32, 2048, 4096, False) is want, (setting, name)
+    assert built[-1] == (0, 32, 2048, 4096, False)
+    monkeypatch.setattr(fx, "GATE_UP_DG", True)
+    assert fx.gate_up_dg_ok(torch.device("cpu"), 32, 2048, 4096, False) is False
+    monkeypatch.setattr(gd, "available", lambda *a: False)          # it does not build here
+    assert fx.gate_up_dg_ok(cuda, 32, 2048, 4096, False) is False
+
+
 def test_fp8_needs_128_channel_multiples():
     with pytest.raises(ValueError, match=r"hidden_size=64, intermediate_size=32: both must be multiples of 128"):
         WaveMoE(MoEConfig(hidden_size=64, intermediate_size=32, num_experts=2, top_k=1)).quantize_fp8()
