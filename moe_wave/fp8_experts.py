@@ -65,7 +65,7 @@ FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # measured in the stage) where it builds, on the GPUs whose name holds one of these strings (True: every Hopper GPU,
 # False or (): none). Measured in the stage at V4-Flash:128, 2048 tokens (benchmarks/results/experts.md): on an
 # H200 0.918 x the Triton kernel at W=1; on an H100 1.003 x at W=1 and 1.053 x at W=4, so the H100 keeps the
-# Triton kernel. Above that range gate_up_dg is slower than DeepGEMM's GEMM and ``swiglu_quant`` (1.02-1.36 x,
+# Triton kernel. Above that range gate_up_dg is slower than DeepGEMM's GEMM and ``swiglu_quant`` (1.02-1.22 x,
 # compute-bound), which run there
 GATE_UP_DG: bool | tuple[str, ...] = ("H200",)
 
