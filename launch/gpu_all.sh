@@ -7,8 +7,8 @@
 #   stage's kernels, dev/profile_experts.py), attn_ab (bench_attn of an old tree against this one, alternately:
 #   OLD_TREE, AB_ARGS), experts_ab (bench_experts likewise: EXP_AB_ARGS), settings (the FP8 expert stage under
 #   library settings side by side: dev/stage_settings.py, SETTINGS_ARGS; default: the fused first GEMM off, on
-#   with 128-row and with 64-row tiles), gate_up (the first GEMM with SwiGLU on DeepGEMM's kernel: its tests and
-#   dev/probe_gate_up_dg.py, GATE_UP_ARGS),
+#   with 128-row and with 64-row tiles), gate_up (the first GEMM with SwiGLU on DeepGEMM's kernel: its tests,
+#   dev/probe_gate_up_dg.py (GATE_UP_ARGS) and the stage under the choices around it (GATE_UP_SETTINGS)),
 #   streams (bench_moe with the expert stages on one stream and on two), whole (the attention layer from a CUDA
 #   graph with overlap off / on / without a cache: profile_attn --whole), trace (the CUDA C++ core's in-kernel
 #   phases, dev/trace_core_cuda.py),
@@ -217,11 +217,23 @@ raise SystemExit(not cuda_impl.available())"; then
                    "f128:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0" \
                    "f64:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=1000000000"}
                ;;
-        gate_up)  # the first GEMM with SwiGLU + requant on DeepGEMM's kernel (gate_up_dg): its tests, then
-                  # dev/probe_gate_up_dg.py against DeepGEMM's GEMM alone and the DeepGEMM way (GATE_UP_ARGS)
+        gate_up)  # the first GEMM with SwiGLU + requant on DeepGEMM's kernel (gate_up_dg): its tests (both cluster
+                  # sizes), dev/probe_gate_up_dg.py against DeepGEMM's GEMM alone and the DeepGEMM way (GATE_UP_ARGS),
+                  # then the stage under the choices around it (dev/stage_settings.py, GATE_UP_SETTINGS; default: the
+                  # library, gate_up_dg on every Hopper GPU, with the rows multicast to a CTA pair, that at every
+                  # aligned size above 32 pairs an expert, and the Triton kernel; V4-Flash:32, :128, V4-Pro:48 at
+                  # 2048 and 8192 tokens, W=1 and 4; GATE_UP_SETTINGS="" leaves it out)
                stage tests_gate_up ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_gate_up_dg.py
                stage probe_gate_up ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_dg.py --out "$RES/probe_gate_up_dg.json" \
-                   ${GATE_UP_ARGS:-} ;;
+                   ${GATE_UP_ARGS:-}
+               X=fp8_experts DG=fp8_experts.GATE_UP_DG=True C2=gate_up_dg.CLUSTER=2
+               ALL="fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0"
+               GS="${GATE_UP_SETTINGS-"--shapes v4-flash:32,v4-flash:128,v4-pro:48 --tokens 2048,8192 --waves 1,4 base
+                   dg:$DG dg_c2:$DG;$C2 dg_c2_all:$DG;$C2;$ALL triton:$X.GATE_UP_DG=False"}"
+               if [ -n "$GS" ]; then
+                   stage settings_gate_up ${T_SETTINGS:-300} "$PY" dev/stage_settings.py \
+                       --out "$RES/stage_settings_gate_up.json" $GS
+               fi ;;
         *) echo "unknown stage $s (tests commtests moe graph partitions experts experts_ab settings layer xprofile" \
                "gate_up streams comm attn" \
                "attn_ab whole trace demo sweep deepep_api)" ;;
