@@ -675,27 +675,6 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     assert ((got[read].float() - want[read].float()).abs() <= 0.02 * want[read].float().abs().max()).all()
 
 
-def test_gate_up_dg_cluster_and_launch_structures(monkeypatch):
-    """gate_up_dg's cluster (two CTAs where I / 128 is even and CLUSTER = 2, else one) and its cuLaunchKernelEx
-    structures laid out as the driver's CUlaunchAttribute (72 bytes, the value at 8) and CUlaunchConfig (56 bytes:
-    seven uints, then the stream, the attributes and their count), the cluster's dimensions in the attribute."""
-    import ctypes
-
-    import moe_wave.gate_up_dg as gd
-
-    for cluster, I, want in [(1, 2048, 1), (2, 2048, 2), (2, 3072, 2), (2, 384, 1), (2, 128, 1)]:
-        monkeypatch.setattr(gd, "CLUSTER", cluster)
-        assert gd.cluster_size(I) == want, (cluster, I)
-    assert ctypes.sizeof(gd._LaunchAttr) == 72 and gd._LaunchAttr.dims.offset == 8
-    assert ctypes.sizeof(gd._LaunchConfig) == 56
-    assert [gd._LaunchConfig.smem.offset, gd._LaunchConfig.stream.offset, gd._LaunchConfig.attrs.offset,
-            gd._LaunchConfig.n_attrs.offset] == [24, 32, 40, 48]
-    cfg, attr = gd._config(132, 2, gd.smem_bytes(4096), None)
-    assert (cfg.gx, cfg.bx, cfg.smem, cfg.n_attrs) == (132, gd.THREADS, gd.smem_bytes(4096), 1)
-    assert (cfg.attrs.contents.id, list(cfg.attrs.contents.dims)) == (4, [2, 1, 1])      # CLUSTER_DIMENSION
-    assert gd.smem_bytes(4096) <= 232448 and gd.smem_bytes(7168) <= 232448      # an SM's shared memory
-
-
 def test_gate_up_dg_taken_on_the_named_cards_only(monkeypatch):
     """gate_up_dg_ok: the stage takes gate_up_dg on a CUDA GPU whose name holds one of GATE_UP_DG's strings (True:
     any, False or (): none) and where the kernel is available; never on CPU."""

@@ -1,7 +1,6 @@
 """The first grouped FP8 GEMM with SwiGLU + requant on DeepGEMM's own Hopper kernel (``gate_up_dg``) on one GPU:
 the same h and scales as DeepGEMM's GEMM followed by ``swiglu_quant``, bit for bit, in both layouts (empty groups,
-groups that end inside a block, V4's clamp and none), without a cluster and in clusters of two (the rows multicast;
-one CTA where I / 128 is odd), and the stage on it equal to the stage on DeepGEMM's GEMM,
+groups that end inside a block, V4's clamp and none), and the stage on it equal to the stage on DeepGEMM's GEMM,
 eager and replayed from a CUDA graph (skips without a Hopper GPU, deep_gemm and nvcc)."""
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ pytestmark = pytest.mark.gpu
 def _ok() -> bool:
     if not torch.cuda.is_available():
         return False
-    from moe_wave.fp8_experts import fp8_gemm_grouped_library, gate_up_dg_ok
+    from moe_wave.fp8_experts import fp8_gemm_grouped_library
+    from moe_wave.gate_up_dg import available
 
-    return fp8_gemm_grouped_library("cuda") == "deepgemm" and gate_up_dg_ok(torch.device("cuda", 0), 4, 256, 512,
-                                                                             False)
+    # the kernel builds and loads here, on whichever card (the stage's choice of cards is fp8_experts.GATE_UP_DG)
+    return fp8_gemm_grouped_library("cuda") == "deepgemm" and available(0, 4, 256, 512, False)
 
 
 needs = pytest.mark.skipif(not _ok(), reason="needs a Hopper GPU with deep_gemm and nvcc (launch/deepgemm.sh)")
@@ -41,21 +41,15 @@ def _rows(JA: int, D: int, seed: int):
 
 
 @needs
-@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts,I,D,limit", [([130, 0, 5, 256], 256, 512, 7.0), ([0, 0, 40, 0], 256, 512, 0.0),
-                                              ([130, 0, 5, 256], 384, 512, 7.0),
                                               ([300, 129, 128, 1, 77, 0, 512, 3], 2048, 4096, 10.0)])
-def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit, cluster, monkeypatch):
+def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit):
     """Psum layout: each group starts at the next 128-row boundary; hq and hs of every row in use equal DeepGEMM's
     m_grouped_fp8_gemm_nt_contiguous (use_psum_layout) + swiglu_quant bit for bit."""
     import deep_gemm
 
-    import moe_wave.gate_up_dg as gd
     from moe_wave.fp8_expert_kernels import ALIGN, aligned_groups, swiglu_quant
     from moe_wave.gate_up_dg import gate_up_dg
-
-    monkeypatch.setattr(gd, "CLUSTER", cluster)
-    assert gd.cluster_size(I) == (cluster if (I // BLOCK) % 2 == 0 else 1)
 
     e = len(counts)
     w, ws = _weights(e, I, D, 1)
@@ -75,18 +69,14 @@ def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit, clust
 
 
 @needs
-@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts,G", [([130, 0, 5, 256], 256), ([1, 128, 0, 127], 128)])
-def test_masked_equals_deepgemm_then_swiglu_quant(counts, G, cluster, monkeypatch):
+def test_masked_equals_deepgemm_then_swiglu_quant(counts, G):
     """Masked layout (expert x at rows x * G, the counts on the device): the same bits as DeepGEMM's
     m_grouped_fp8_gemm_nt_masked + swiglu_quant (group_rows=G) on every row in use."""
     import deep_gemm
 
-    import moe_wave.gate_up_dg as gd
     from moe_wave.fp8_expert_kernels import swiglu_quant
     from moe_wave.gate_up_dg import gate_up_dg
-
-    monkeypatch.setattr(gd, "CLUSTER", cluster)
 
     e, I, D, limit = len(counts), 256, 512, 7.0
     w, ws = _weights(e, I, D, 3)

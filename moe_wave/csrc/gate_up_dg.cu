@@ -2,9 +2,7 @@
 //
 // DeepGEMM's SM90 1D2D FP8 GEMM (deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh, DeepGEMM 54e2261,
 // MIT licence, (c) DeepSeek) with its main loop, pipeline, scheduler and promotion kept as they are, on BLOCK_M =
-// BLOCK_N = BLOCK_K = 128 (with GU_CLUSTER = 2, DeepGEMM's TMA multicast of A in a cluster of two CTAs that run
-// n-blocks n and n + 1 of the same m-block, as its heuristic picks for the psum and masked layouts), and three
-// changes:
+// BLOCK_N = BLOCK_K = 128 without multicast, and three changes:
 //  - a scheduled block (m, n) is the pair of 128-channel tiles n of gate and n of up (weight rows n * 128 and
 //    I + n * 128 of the expert): the block runs the main loop over K twice, the gate tile's promoted sums kept
 //    (rounded to bf16, as the GEMM's output would be) while the up tile's run;
@@ -22,7 +20,6 @@
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 
-#include <deep_gemm/comm/barrier.cuh>
 #include <deep_gemm/common/math.cuh>
 #include <deep_gemm/common/utils.cuh>
 #include <deep_gemm/common/tma_copy.cuh>
@@ -51,9 +48,6 @@
 #ifndef GU_SMS
 #define GU_SMS 132          // CTAs (one an SM, persistent)
 #endif
-#ifndef GU_CLUSTER
-#define GU_CLUSTER 1        // 2: the rows and their scales multicast to a cluster of two CTAs (GU_I / 128 even)
-#endif
 
 namespace gate_up_dg {
 
@@ -61,8 +55,6 @@ using namespace deep_gemm;
 
 constexpr uint32_t BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
 constexpr uint32_t kNumStages = GU_STAGES, kNumTMAThreads = 128, kNumMathThreads = 256;
-constexpr uint32_t kNumTMAMulticast = GU_CLUSTER;
-constexpr bool kIsTMAMulticastOnA = GU_CLUSTER > 1;
 constexpr GemmType kGemmType = GU_MASKED ? GemmType::MGroupedMasked : GemmType::MGroupedContiguousWithPsumLayout;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -123,9 +115,6 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     DG_STATIC_ASSERT(WGMMA::kNumAccum == 64, "m64n128 accumulators");
     DG_STATIC_ASSERT(GU_I % BLOCK_N == 0 and GU_K % BLOCK_K == 0, "whole 128-channel blocks");
     DG_STATIC_ASSERT(SMEM_SIZE <= 232448, "more shared memory than an SM has (fewer GU_STAGES)");
-    DG_STATIC_ASSERT(kNumTMAMulticast == 1 or (kNumTMAMulticast == 2 and (GU_I / BLOCK_N) % 2 == 0
-                                               and GU_SMS % 2 == 0),
-                     "a cluster of two pairs the n-blocks of one m-block: I / 128 and the CTAs even");
 
     const uint32_t warp_idx = __shfl_sync(0xffffffff, threadIdx.x / 32, 0);
     const uint32_t lane_idx = ptx::get_lane_idx();
@@ -160,19 +149,17 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++ i) {
             full_barriers[i]->init(1);
-            // lane c of each math warp arrives on CTA c's barrier (DeepGEMM's way, with or without a cluster)
-            empty_barriers[i]->init(kNumTMAMulticast * kNumMathThreads / 32);
+            empty_barriers[i]->init(kNumMathThreads / 32);
         }
         cutlass::arch::fence_barrier_init();
     }
-    (kNumTMAMulticast > 1) ? comm::cluster_sync_with_relaxed_arrive() : __syncthreads();
+    __syncthreads();
 
     constexpr uint32_t kNumTMARegisters = 40;
     constexpr uint32_t kNumMathRegisters = 232;
 
     uint32_t m_block_idx, n_block_idx;
-    auto scheduler = sched::Scheduler<kGemmType, BLOCK_M, BLOCK_N, GU_GROUPS, kNumTMAMulticast, kIsTMAMulticastOnA,
-                                      GU_SMS>(
+    auto scheduler = sched::Scheduler<kGemmType, BLOCK_M, BLOCK_N, GU_GROUPS, 1, false, GU_SMS>(
         shape_m, shape_n, shape_k, grouped_layout);
 
     uint32_t stage_idx = 0, phase = 0;
@@ -189,10 +176,6 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
         if (warp_idx == kNumMathThreads / 32 + 2 and cute::elect_one_sync()) {
             while (scheduler.get_next_block(m_block_idx, n_block_idx)) {
                 const uint32_t m_idx = scheduler.template get_global_idx<kMasked>(shape_m, BLOCK_M, m_block_idx);
-                // the pair's rows (and their scales) come once, by multicast from CTA 0, where the scheduler pairs
-                // the block with its peer's
-                const uint32_t num_tma_multicast_a =
-                    (kIsTMAMulticastOnA and scheduler.is_tma_multicast_valid(m_block_idx)) ? kNumTMAMulticast : 1;
                 #pragma unroll
                 for (uint32_t sub = 0; sub < 2; ++ sub) {
                     // gate rows n * 128 of the expert, then up rows I + n * 128
@@ -203,22 +186,17 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
                         auto& full_barrier = *full_barriers[stage_idx];
                         const uint32_t k_idx = k_block_idx * BLOCK_K;
                         tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
-                                 smem_a[stage_idx], k_idx, m_idx, num_tma_multicast_a);
+                                 smem_a[stage_idx], k_idx, m_idx, 1);
                         tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
                                  smem_sfa[stage_idx], m_block_idx * BLOCK_M,
                                  scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
-                                     SHAPE_K_SCALES, 1, k_block_idx), num_tma_multicast_a);
+                                     SHAPE_K_SCALES, 1, k_block_idx), 1);
                         tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
                                  smem_b[stage_idx], k_idx, n_idx, 1);
                         full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
                                                           + SMEM_SFA_SIZE_PER_STAGE);
                     }
                 }
-            }
-            // the peer CTA's last arrivals land before this CTA exits (DeepGEMM's last round of empty waits)
-            if constexpr (kNumTMAMulticast > 1) {
-                for (uint32_t i = 0; i < kNumStages; advance_pipeline(i))
-                    empty_barriers[stage_idx]->wait(phase ^ 1);
             }
         }
     } else {
@@ -245,14 +223,7 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
             }
             cutlass::arch::NamedBarrier::sync(kNumMathThreads, 0);
 
-            auto empty_barrier_arrive = [&]() {
-                if constexpr (kNumTMAMulticast == 1) {
-                    lane_idx == 0 ? empty_barriers[stage_idx]->arrive() : void();
-                } else {
-                    auto target_cta = scheduler.is_peer_cta_alive ? lane_idx : cute::block_rank_in_cluster();
-                    lane_idx < kNumTMAMulticast ? empty_barriers[stage_idx]->arrive(target_cta) : void();
-                }
-            };
+            auto empty_barrier_arrive = [&]() { lane_idx == 0 ? empty_barriers[stage_idx]->arrive() : void(); };
             const bool valid = scheduler.is_computation_valid(m_block_idx, math_wg_idx * WGMMA::M);
 
             __nv_bfloat162 gate[WGMMA::kNumAccum / 2];
