@@ -226,10 +226,10 @@ raise SystemExit(not cuda_impl.available())"; then
                stage tests_gate_up ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_gate_up_dg.py
                stage probe_gate_up ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_dg.py --out "$RES/probe_gate_up_dg.json" \
                    ${GATE_UP_ARGS:-}
-               X=fp8_experts DG=fp8_experts.GATE_UP_DG=True
+               DG=fp8_experts.GATE_UP_DG
                ALL="fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0"
                GS="${GATE_UP_SETTINGS-"--shapes v4-flash:32,v4-flash:128,v4-pro:48 --tokens 2048,8192 --waves 1,4 base
-                   dg:$DG dg_all:$DG;$ALL triton:$X.GATE_UP_DG=False"}"
+                   dg:$DG=True dg_all:$DG=True;$ALL triton:$DG=False"}"
                if [ -n "$GS" ]; then
                    stage settings_gate_up ${T_SETTINGS:-300} "$PY" dev/stage_settings.py \
                        --out "$RES/stage_settings_gate_up.json" $GS
