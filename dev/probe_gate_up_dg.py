@@ -2,13 +2,14 @@
 alone and the DeepGEMM way (its GEMM, then ``swiglu_quant``), on one GPU, in one run.
 
     python dev/probe_gate_up_dg.py [--shapes v4-flash:32,v4-flash:128,v4-pro:48] [--tokens 2048,8192]
-        [--iters 20] [--out PATH]
+        [--clusters 1,2] [--iters 20] [--out PATH]
 
 For each point (one EP rank's share: e local experts, T tokens, top-6 with random routing, rows already in the
 aligned expert-major layout and quantised) it times, replayed from a CUDA graph with the L2 flushed (median of
 --iters): DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (psum layout) alone, it followed by ``swiglu_quant``,
-``gate_up_dg``, and the Triton ``gate_up_swiglu`` (on the layout's rows); and checks that ``gate_up_dg``'s h and
-scales equal the DeepGEMM way's bit for bit on every row in use. Needs ``deep_gemm``
+``gate_up_dg`` in clusters of each of --clusters (``gate_up_dg.CLUSTER``: 1 none, 2 the weight tiles multicast to
+a pair), and the Triton ``gate_up_swiglu`` (on the layout's rows); and checks that ``gate_up_dg``'s h and scales
+equal the DeepGEMM way's bit for bit on every row in use, at every cluster size. Needs ``deep_gemm``
 (``source launch/deepgemm.sh``) and nvcc. Writes --out (default $OUT/probe_gate_up_dg.json) and prints a table.
 """
 
@@ -30,11 +31,11 @@ from moe_wave.fp8 import act_quant  # noqa: E402
 from moe_wave.fp8_expert_kernels import (aligned_capacity, aligned_groups, block_ends, gate_up_swiglu,  # noqa: E402
                                          swiglu_quant)
 from moe_wave.fp8_experts import quant_experts  # noqa: E402
-from moe_wave.gate_up_dg import gate_up_dg  # noqa: E402
+import moe_wave.gate_up_dg as gd  # noqa: E402
 from moe_wave.timing import l2_flush_buffer  # noqa: E402
 
 
-def point(preset: str, e: int, T: int, iters: int, flush, dev) -> dict:
+def point(preset: str, e: int, T: int, clusters: list[int], iters: int, flush, dev) -> dict:
     import deep_gemm as dg
 
     cfg = PRESETS[preset]
@@ -62,20 +63,27 @@ def point(preset: str, e: int, T: int, iters: int, flush, dev) -> dict:
         return swiglu_quant(gu, None, None, lim, bend=bend)
 
     def ours():
-        return gate_up_dg(q, s, w, ws, ends, lim)
+        return gd.gate_up_dg(q, s, w, ws, ends, lim)
 
     def triton():
         return gate_up_swiglu(q, s, w, ws, starts, bend, lim, None, n=n, bm=128)
 
     ref_q, ref_s = dg_way()
-    hq, hs = ours()
-    same = bool(torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
-                and torch.equal(hs[:, rows], ref_s[:, rows]))
-    out = {"shape": f"{preset}:{e}", "tokens": T, "pairs": pairs, "JA": JA, "bits_equal": same}
-    for name, fn in (("dg_gemm_us", gemm), ("dg_way_us", dg_way), ("gate_up_dg_us", ours), ("triton_us", triton)):
+    out = {"shape": f"{preset}:{e}", "tokens": T, "pairs": pairs, "JA": JA, "bits_equal": True}
+    for name, fn in (("dg_gemm_us", gemm), ("dg_way_us", dg_way), ("triton_us", triton)):
         out[name] = median_graph_us(fn, dev, iters, flush)
-    out["gate_up_dg_over_dg_gemm"] = out["gate_up_dg_us"] / out["dg_gemm_us"]
-    out["gate_up_dg_over_dg_way"] = out["gate_up_dg_us"] / out["dg_way_us"]
+    kept = gd.CLUSTER
+    try:
+        for c in clusters:
+            gd.CLUSTER = c
+            hq, hs = ours()
+            out["bits_equal"] &= bool(torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
+                                      and torch.equal(hs[:, rows], ref_s[:, rows]))
+            out[f"gate_up_dg_c{c}_us"] = t = median_graph_us(ours, dev, iters, flush)
+            out[f"gate_up_dg_c{c}_over_dg_gemm"] = t / out["dg_gemm_us"]
+            out[f"gate_up_dg_c{c}_over_dg_way"] = t / out["dg_way_us"]
+    finally:
+        gd.CLUSTER = kept
     return out
 
 
@@ -83,26 +91,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="v4-flash:32,v4-flash:128,v4-pro:48")
     ap.add_argument("--tokens", default="2048,8192")
+    ap.add_argument("--clusters", default="1,2")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     flush = l2_flush_buffer(dev)
-    rows = []
+    rows, clusters = [], [int(c) for c in args.clusters.split(",")]
     for spec in args.shapes.split(","):
         preset, e = spec.split(":")
         for T in map(int, args.tokens.split(",")):
-            r = point(preset, int(e), T, args.iters, flush, dev)
+            r = point(preset, int(e), T, clusters, args.iters, flush, dev)
             rows.append(r)
             print(json.dumps(r), flush=True)
-    print("| shape | tokens | pairs | DG GEMM | DG GEMM + swiglu_quant | gate_up_dg | Triton fused "
-          "| gate_up_dg / DG GEMM | gate_up_dg / DG way | bits |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    cols = [f"gate_up_dg c{c}" for c in clusters] + [f"c{c} / DG GEMM" for c in clusters] + \
+        [f"c{c} / DG way" for c in clusters]
+    print("| shape | tokens | pairs | DG GEMM | DG GEMM + swiglu_quant | Triton fused | " + " | ".join(cols)
+          + " | bits |")
+    print("|---" * (7 + len(cols)) + "|")
     for r in rows:
+        vals = [f"{r[f'gate_up_dg_c{c}_us']:.1f}" for c in clusters] + \
+            [f"{r[f'gate_up_dg_c{c}_over_dg_gemm']:.3f}" for c in clusters] + \
+            [f"{r[f'gate_up_dg_c{c}_over_dg_way']:.3f}" for c in clusters]
         print(f"| {r['shape']} | {r['tokens']} | {r['pairs']} | {r['dg_gemm_us']:.1f} | {r['dg_way_us']:.1f} | "
-              f"{r['gate_up_dg_us']:.1f} | {r['triton_us']:.1f} | "
-              f"{r['gate_up_dg_over_dg_gemm']:.3f} | {r['gate_up_dg_over_dg_way']:.3f} | "
-              f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
+              f"{r['triton_us']:.1f} | " + " | ".join(vals) + f" | {'equal' if r['bits_equal'] else 'DIFFER'} |")
     path = args.out or os.path.join(os.environ.get("OUT", "."), "probe_gate_up_dg.json")
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}, f, indent=1)

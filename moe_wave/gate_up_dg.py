@@ -1,7 +1,10 @@
 """The routed experts' first grouped FP8 GEMM with SwiGLU + requant in its epilogue on DeepGEMM's own Hopper kernel
-(``csrc/gate_up_dg.cu``: DeepGEMM's SM90 1D2D FP8 GEMM with its main loop, pipeline, scheduler and promotion as they
-are, a block being the pair of gate and up tiles of the same 128 channels, and an epilogue that writes e4m3 h and
-its per-(row, 128 channels) scales instead of bf16 gu).
+(``csrc/gate_up_dg.cu``: DeepGEMM's SM90 1D2D FP8 GEMM with its pipeline, scheduler and promotion as they are, a
+block being the pair of gate and up tiles of the same 128 channels, both multiplied by each k-block of the rows as it
+arrives, and an epilogue that writes e4m3 h and its per-(row, 128 channels) scales instead of bf16 gu). With
+``CLUSTER`` = 2 (where I / 128 is even) two CTAs of a cluster run m-blocks m and m + 1 of one expert at the same
+channels (DeepGEMM's scheduler's pairs for its multicast on B), and CTA r loads weight tile r (gate, up) for both by
+TMA multicast.
 
 It returns what DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (psum layout) or ``_masked`` followed by
 ``fp8_expert_kernels.swiglu_quant`` return, bit for bit (the same promoted sums, rounded to bf16 as the GEMM writes
@@ -35,8 +38,12 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 MAIN = "gate_up_dg.cu"
 with open(os.path.join(_CSRC, MAIN), encoding="utf-8") as _f:
     SOURCE = _f.read()
-STAGES = 6                  # pipeline stages (128 rows + 128 weight rows of 128 channels, + the rows' scales)
+STAGES = 4                  # pipeline stages (128 rows, 128 gate and 128 up weight rows of 128 channels, the rows'
+                            # scales)
 THREADS = 384               # a TMA warpgroup and two math warpgroups
+# CTAs a cluster: 1 none; 2 the weight tiles multicast to a pair of CTAs (measured faster than none at 12 of 18
+# points of the stage on an H100, 0.965 x on average: benchmarks/results/experts.md); 1 wherever I / 128 is odd
+CLUSTER = 2
 NAME = b"gate_up_dg_kernel"
 # the compiled kernels' folder on disk (None: ~/.cache/moe_wave)
 CACHE_DIR: str | None = None
@@ -50,7 +57,7 @@ def smem_bytes(D: int, stages: int = STAGES) -> int:
     """The kernel's dynamic shared memory (its SMEM_SIZE): h's staging tile, the stages, the weight scales, the
     barriers."""
     sfb = -(-(2 * (D // BLOCK) * 4) // 8) * 8
-    return 128 * 128 + stages * (2 * 128 * 128 + 128 * 4) + sfb + 2 * stages * 8
+    return 128 * 128 + stages * (3 * 128 * 128 + 128 * 4) + sfb + 2 * stages * 8
 
 
 def _include_dir() -> str:
@@ -73,17 +80,18 @@ def _nvcc() -> str:
     return path
 
 
-def _defines(e: int, I: int, D: int, masked: bool, sms: int, stages: int) -> list[str]:
+def _defines(e: int, I: int, D: int, masked: bool, sms: int, stages: int, cluster: int) -> list[str]:
     return [f"-DGU_GROUPS={e}", f"-DGU_I={I}", f"-DGU_K={D}", f"-DGU_MASKED={int(masked)}", f"-DGU_SMS={sms}",
-            f"-DGU_STAGES={stages}"]
+            f"-DGU_STAGES={stages}", f"-DGU_CLUSTER={cluster}"]
 
 
-def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = STAGES) -> bytes:
-    """The kernel for e experts, I channels of h, D of the rows, the layout, ``sms`` CTAs, compiled by nvcc."""
+def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = STAGES, cluster: int = 1) -> bytes:
+    """The kernel for e experts, I channels of h, D of the rows, the layout, ``sms`` CTAs in clusters of
+    ``cluster``, compiled by nvcc."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gate_up_dg.cubin")
         cmd = [_nvcc(), os.path.join(_CSRC, MAIN), "-cubin", "-o", out, f"-I{_include_dir()}", *NVCC_FLAGS,
-               *_defines(e, I, D, masked, sms, stages)]
+               *_defines(e, I, D, masked, sms, stages, cluster)]
         run = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"gate_up_dg: nvcc failed ({run.returncode}): {(run.stdout + run.stderr)[-3000:]}")
@@ -91,21 +99,61 @@ def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = 
             return f.read()
 
 
-def _cubin(e: int, I: int, D: int, masked: bool, sms: int) -> bytes:
+def _cubin(e: int, I: int, D: int, masked: bool, sms: int, cluster: int) -> bytes:
     import deep_gemm
 
     key = hashlib.sha256((SOURCE + _include_dir() + str(getattr(deep_gemm, "__version__", "")) + _nvcc()
                           + " ".join(NVCC_FLAGS)).encode()).hexdigest()[:16]
     path = os.path.join(CACHE_DIR or default_cache_dir(), "gate_up_dg", key,
-                        f"e{e}-i{I}-d{D}-m{int(masked)}-sm{sms}-s{STAGES}.cubin")
-    return cached(path, lambda: compile_cubin(e, I, D, masked, sms))
+                        f"e{e}-i{I}-d{D}-m{int(masked)}-sm{sms}-s{STAGES}-c{cluster}.cubin")
+    return cached(path, lambda: compile_cubin(e, I, D, masked, sms, cluster=cluster))
+
+
+class _LaunchAttr(ctypes.Structure):        # CUlaunchAttribute: an id, padding, a 64-byte value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("dims", ctypes.c_uint * 3),
+                ("rest", ctypes.c_char * 52)]
+
+
+class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
+    _fields_ = ([(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")]
+                + [("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)])
+
+
+def _config(ctas: int, cluster: int, smem: int, stream) -> tuple:
+    """(CUlaunchConfig of ``ctas`` CTAs in clusters of ``cluster``, the attribute it points to: keep both)."""
+    attr = _LaunchAttr(id=4)                # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.dims[0], attr.dims[1], attr.dims[2] = cluster, 1, 1
+    cfg = _LaunchConfig(gx=ctas, gy=1, gz=1, bx=THREADS, by=1, bz=1, smem=smem, stream=stream,
+                        attrs=ctypes.pointer(attr), n_attrs=1)
+    return cfg, attr
+
+
+def cluster_size(I: int) -> int:
+    """The cluster the kernel runs in for I channels of h: ``CLUSTER`` where the n-blocks pair up, else 1."""
+    return CLUSTER if (I // BLOCK) % CLUSTER == 0 else 1
 
 
 @functools.lru_cache(maxsize=None)
-def _function(device_index: int, e: int, I: int, D: int, masked: bool):
-    """(CUfunction, CTAs) of the kernel on the device: one CTA an SM."""
+def _function(device_index: int, e: int, I: int, D: int, masked: bool, cluster: int):
+    """(CUfunction, CTAs) of the kernel on the device: one CTA an SM; in clusters of two, as many pairs as the
+    GPU holds at once (its GPCs may leave an SM out)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return load_function(device_index, _cubin(e, I, D, masked, sms), NAME, smem_bytes(D)), sms
+    ctas = sms - sms % cluster
+    func = load_function(device_index, _cubin(e, I, D, masked, ctas, cluster), NAME, smem_bytes(D))
+    if cluster == 1:
+        return func, ctas
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    n = ctypes.c_int(0)
+    cfg, _attr = _config(ctas, cluster, smem_bytes(D), None)
+    with torch.cuda.device(device_index):
+        code = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(cfg))
+    if code or n.value < 1:
+        raise RuntimeError(f"gate_up_dg: cuOccupancyMaxActiveClusters returned CUresult {code} ({n.value} "
+                           f"clusters of {cluster})")
+    if n.value * cluster < ctas:                    # the scheduler's CTA count is compiled in
+        ctas = n.value * cluster
+        func = load_function(device_index, _cubin(e, I, D, masked, ctas, cluster), NAME, smem_bytes(D))
+    return func, ctas
 
 
 def rule(device: torch.device, I: int, D: int) -> str | None:
@@ -128,7 +176,7 @@ def available(device_index: int, e: int, I: int, D: int, masked: bool = False) -
     if rule(dev, I, D) is not None:
         return False
     try:
-        _function(device_index, e, I, D, masked)
+        _function(device_index, e, I, D, masked, cluster_size(I))
     except (RuntimeError, OSError, ImportError) as err:
         warnings.warn(f"moe_wave: gate_up_dg (e={e}, I={I}, D={D}, masked={masked}) does not run here "
                       f"({type(err).__name__}: {str(err)[:2000]}); the first expert GEMM runs without it",
@@ -188,7 +236,8 @@ def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.
                      device=q.device)
     if not (JA and I and e):
         return hq, hs
-    func, sms = _function(q.device.index, e, I, D, G is not None)
+    cluster = cluster_size(I)
+    func, ctas = _function(q.device.index, e, I, D, G is not None, cluster)
     M = JA if G is None else G                          # the rows of a group's index space
     a_map = _tmap(q.data_ptr(), 0, D, JA, D, BLOCK, 128, 3)
     sa_map = _tmap(s.data_ptr(), 7, M, s.numel() // M, M * 4, 128, 1, 0)
@@ -199,9 +248,13 @@ def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.
     params = (ctypes.c_void_p * 10)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args],
                                     *[ctypes.c_void_p(x) for x in maps])
     lib = torch.cuda._utils._get_gpu_runtime_library()
-    rc = lib.cuLaunchKernel(func, sms, 1, 1, THREADS, 1, 1, smem_bytes(D), torch.cuda.current_stream()._as_parameter_,
-                            params, None)
+    stream = torch.cuda.current_stream()._as_parameter_
+    if cluster == 1:
+        rc = lib.cuLaunchKernel(func, ctas, 1, 1, THREADS, 1, 1, smem_bytes(D), stream, params, None)
+    else:
+        cfg, _attr = _config(ctas, cluster, smem_bytes(D), stream)
+        rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
     del a_map, sa_map, h_map                            # the maps were copied into the launch
     if rc:
-        raise RuntimeError(f"gate_up_dg: cuLaunchKernel returned CUresult {rc}")
+        raise RuntimeError(f"gate_up_dg: the launch returned CUresult {rc}")
     return hq, hs

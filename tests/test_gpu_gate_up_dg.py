@@ -1,6 +1,7 @@
 """The first grouped FP8 GEMM with SwiGLU + requant on DeepGEMM's own Hopper kernel (``gate_up_dg``) on one GPU:
 the same h and scales as DeepGEMM's GEMM followed by ``swiglu_quant``, bit for bit, in both layouts (empty groups,
-groups that end inside a block, V4's clamp and none), and the stage on it equal to the stage on DeepGEMM's GEMM,
+groups that end inside a block, V4's clamp and none), without a cluster and in clusters of two (the weight tiles
+multicast; one CTA where I / 128 is odd), and the stage on it equal to the stage on DeepGEMM's GEMM,
 eager and replayed from a CUDA graph (skips without a Hopper GPU, deep_gemm and nvcc)."""
 
 from __future__ import annotations
@@ -41,15 +42,21 @@ def _rows(JA: int, D: int, seed: int):
 
 
 @needs
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts,I,D,limit", [([130, 0, 5, 256], 256, 512, 7.0), ([0, 0, 40, 0], 256, 512, 0.0),
+                                              ([130, 0, 5, 256], 384, 512, 7.0),
                                               ([300, 129, 128, 1, 77, 0, 512, 3], 2048, 4096, 10.0)])
-def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit):
+def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit, cluster, monkeypatch):
     """Psum layout: each group starts at the next 128-row boundary; hq and hs of every row in use equal DeepGEMM's
     m_grouped_fp8_gemm_nt_contiguous (use_psum_layout) + swiglu_quant bit for bit."""
     import deep_gemm
 
+    import moe_wave.gate_up_dg as gd
     from moe_wave.fp8_expert_kernels import ALIGN, aligned_groups, swiglu_quant
     from moe_wave.gate_up_dg import gate_up_dg
+
+    monkeypatch.setattr(gd, "CLUSTER", cluster)
+    assert gd.cluster_size(I) == (cluster if (I // BLOCK) % 2 == 0 else 1)
 
     e = len(counts)
     w, ws = _weights(e, I, D, 1)
@@ -69,14 +76,18 @@ def test_contiguous_equals_deepgemm_then_swiglu_quant(counts, I, D, limit):
 
 
 @needs
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("counts,G", [([130, 0, 5, 256], 256), ([1, 128, 0, 127], 128)])
-def test_masked_equals_deepgemm_then_swiglu_quant(counts, G):
+def test_masked_equals_deepgemm_then_swiglu_quant(counts, G, cluster, monkeypatch):
     """Masked layout (expert x at rows x * G, the counts on the device): the same bits as DeepGEMM's
     m_grouped_fp8_gemm_nt_masked + swiglu_quant (group_rows=G) on every row in use."""
     import deep_gemm
 
+    import moe_wave.gate_up_dg as gd
     from moe_wave.fp8_expert_kernels import swiglu_quant
     from moe_wave.gate_up_dg import gate_up_dg
+
+    monkeypatch.setattr(gd, "CLUSTER", cluster)
 
     e, I, D, limit = len(counts), 256, 512, 7.0
     w, ws = _weights(e, I, D, 3)
@@ -112,16 +123,15 @@ def test_rejects_bad_operands():
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 @pytest.mark.parametrize("fp8_rows", [True, False])
 def test_stage_on_it_equals_the_deepgemm_way_and_replays(layout, fp8_rows, monkeypatch):
-    """The FP8 block with the first GEMM on gate_up_dg (where the Triton kernel would take 128-row tiles in the
-    aligned layout; rows that arrived as FP8 copied into the layout, or bf16 rows quantised into it) equals the
-    block on DeepGEMM's GEMM + swiglu_quant bit for bit, at W=1 and W=2, eager and replayed from a CUDA graph; the
-    masked layout keeps the Triton kernel (no gate_up_dg call) and its output stays finite."""
+    """The FP8 block with the first GEMM on gate_up_dg (the library's choice in the aligned layout above
+    FUSED_SMALL_TILE_ROWS_PER_EXPERT; rows that arrived as FP8 copied into the layout, or bf16 rows quantised into
+    it) equals the block on DeepGEMM's GEMM + swiglu_quant bit for bit, at W=1 and W=2, eager and replayed from a
+    CUDA graph; the masked layout keeps the Triton kernel (no gate_up_dg call) and its output stays finite."""
     import moe_wave.fp8_experts as fx
     import moe_wave.gate_up_dg as gd
     from tests.test_gpu_fp8_experts import _moe, _x
 
     monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 0)
-    monkeypatch.setattr(fx, "GATE_UP_DG", True)
     calls = []
     real = gd.gate_up_dg
     monkeypatch.setattr(gd, "gate_up_dg", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -130,9 +140,10 @@ def test_stage_on_it_equals_the_deepgemm_way_and_replays(layout, fp8_rows, monke
         moe.experts.gemm_layout = layout
         x = _x(300, 21)
         monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0)      # the DeepGEMM way
+        monkeypatch.setattr(fx, "GATE_UP_DG", False)
         ref = moe(x)
         assert not calls
-        monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9)
+        monkeypatch.setattr(fx, "GATE_UP_DG", True)
         y = moe(x)
         if layout == "masked":
             assert not calls and torch.isfinite(y).all()

@@ -1,11 +1,14 @@
 // The routed experts' first grouped FP8 GEMM with SwiGLU + requant in its epilogue, for Hopper (sm_90a).
 //
 // DeepGEMM's SM90 1D2D FP8 GEMM (deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh, DeepGEMM 54e2261,
-// MIT licence, (c) DeepSeek) with its main loop, pipeline, scheduler and promotion kept as they are, on BLOCK_M =
-// BLOCK_N = BLOCK_K = 128 without multicast, and three changes:
+// MIT licence, (c) DeepSeek) with its pipeline, scheduler and promotion kept as they are, on BLOCK_M = BLOCK_N =
+// BLOCK_K = 128 (with GU_CLUSTER = 2, clusters of two CTAs that run m-blocks m and m + 1 of one expert at the same
+// n-block, as DeepGEMM's scheduler pairs them for its multicast on B: CTA r loads weight tile r, gate or up, for
+// both by TMA multicast), and three changes:
 //  - a scheduled block (m, n) is the pair of 128-channel tiles n of gate and n of up (weight rows n * 128 and
-//    I + n * 128 of the expert): the block runs the main loop over K twice, the gate tile's promoted sums kept
-//    (rounded to bf16, as the GEMM's output would be) while the up tile's run;
+//    I + n * 128 of the expert): a stage holds the rows' 128 x 128 tile and both weight tiles, and each k-block runs
+//    the gate tile's WGMMAs, promotes them into the gate's sums, then the up tile's into the up's (one set of
+//    accumulators, reused), so the rows' tile is read once for both;
 //  - the epilogue: h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (limit <= 0: no clamp) with the
 //    same instructions as fp8_expert_kernels._swiglu, quantised per (row, 128 channels) to e4m3 with a
 //    power-of-two scale (moe_wave.fp8's activation format, fp8_quant.pow2_scale_bits): the quad of lanes holding a
@@ -20,6 +23,7 @@
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 
+#include <deep_gemm/comm/barrier.cuh>
 #include <deep_gemm/common/math.cuh>
 #include <deep_gemm/common/utils.cuh>
 #include <deep_gemm/common/tma_copy.cuh>
@@ -43,10 +47,13 @@
 #define GU_K 4096           // the rows' channels
 #endif
 #ifndef GU_STAGES
-#define GU_STAGES 6
+#define GU_STAGES 4
 #endif
 #ifndef GU_SMS
 #define GU_SMS 132          // CTAs (one an SM, persistent)
+#endif
+#ifndef GU_CLUSTER
+#define GU_CLUSTER 1        // 2: the weight tiles multicast to a cluster of two CTAs (GU_I / 128 even)
 #endif
 
 namespace gate_up_dg {
@@ -55,13 +62,15 @@ using namespace deep_gemm;
 
 constexpr uint32_t BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
 constexpr uint32_t kNumStages = GU_STAGES, kNumTMAThreads = 128, kNumMathThreads = 256;
+constexpr uint32_t kNumTMAMulticast = GU_CLUSTER;
 constexpr GemmType kGemmType = GU_MASKED ? GemmType::MGroupedMasked : GemmType::MGroupedContiguousWithPsumLayout;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // the shared memory: h's staging tile, the stages' rows, weights and row scales, the weights' scales, barriers
 constexpr uint32_t SMEM_H_SIZE = BLOCK_M * BLOCK_N;
 constexpr uint32_t SMEM_A_SIZE_PER_STAGE = BLOCK_M * BLOCK_K;
-constexpr uint32_t SMEM_B_SIZE_PER_STAGE = BLOCK_N * BLOCK_K;
+constexpr uint32_t SMEM_B_TILE = BLOCK_N * BLOCK_K;                 // one weight tile (gate or up)
+constexpr uint32_t SMEM_B_SIZE_PER_STAGE = 2 * SMEM_B_TILE;
 constexpr uint32_t SMEM_SFA_SIZE_PER_STAGE = BLOCK_M * sizeof(float);
 constexpr uint32_t SMEM_SF_OFFSET = SMEM_H_SIZE + kNumStages * (SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE);
 constexpr uint32_t SHAPE_K_SCALES = GU_K / BLOCK_K;
@@ -115,6 +124,9 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     DG_STATIC_ASSERT(WGMMA::kNumAccum == 64, "m64n128 accumulators");
     DG_STATIC_ASSERT(GU_I % BLOCK_N == 0 and GU_K % BLOCK_K == 0, "whole 128-channel blocks");
     DG_STATIC_ASSERT(SMEM_SIZE <= 232448, "more shared memory than an SM has (fewer GU_STAGES)");
+    DG_STATIC_ASSERT(kNumTMAMulticast == 1 or (kNumTMAMulticast == 2 and (GU_I / BLOCK_N) % 2 == 0
+                                               and GU_SMS % 2 == 0),
+                     "a cluster of two pairs the m-blocks of one n-block: I / 128 and the CTAs even");
 
     const uint32_t warp_idx = __shfl_sync(0xffffffff, threadIdx.x / 32, 0);
     const uint32_t lane_idx = ptx::get_lane_idx();
@@ -149,17 +161,18 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++ i) {
             full_barriers[i]->init(1);
-            empty_barriers[i]->init(kNumMathThreads / 32);
+            // lane c of each math warp arrives on CTA c's barrier (DeepGEMM's way, with or without a cluster)
+            empty_barriers[i]->init(kNumTMAMulticast * kNumMathThreads / 32);
         }
         cutlass::arch::fence_barrier_init();
     }
-    __syncthreads();
+    (kNumTMAMulticast > 1) ? comm::cluster_sync_with_relaxed_arrive() : __syncthreads();
 
     constexpr uint32_t kNumTMARegisters = 40;
     constexpr uint32_t kNumMathRegisters = 232;
 
     uint32_t m_block_idx, n_block_idx;
-    auto scheduler = sched::Scheduler<kGemmType, BLOCK_M, BLOCK_N, GU_GROUPS, 1, false, GU_SMS>(
+    auto scheduler = sched::Scheduler<kGemmType, BLOCK_M, BLOCK_N, GU_GROUPS, kNumTMAMulticast, false, GU_SMS>(
         shape_m, shape_n, shape_k, grouped_layout);
 
     uint32_t stage_idx = 0, phase = 0;
@@ -176,27 +189,40 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
         if (warp_idx == kNumMathThreads / 32 + 2 and cute::elect_one_sync()) {
             while (scheduler.get_next_block(m_block_idx, n_block_idx)) {
                 const uint32_t m_idx = scheduler.template get_global_idx<kMasked>(shape_m, BLOCK_M, m_block_idx);
-                #pragma unroll
-                for (uint32_t sub = 0; sub < 2; ++ sub) {
-                    // gate rows n * 128 of the expert, then up rows I + n * 128
-                    const uint32_t n_idx = scheduler.current_group_idx * (2 * shape_n) + sub * shape_n
-                                           + n_block_idx * BLOCK_N;
-                    for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
-                        empty_barriers[stage_idx]->wait(phase ^ 1);
-                        auto& full_barrier = *full_barriers[stage_idx];
-                        const uint32_t k_idx = k_block_idx * BLOCK_K;
-                        tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
-                                 smem_a[stage_idx], k_idx, m_idx, 1);
-                        tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
-                                 smem_sfa[stage_idx], m_block_idx * BLOCK_M,
-                                 scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
-                                     SHAPE_K_SCALES, 1, k_block_idx), 1);
+                // gate rows n * 128 of the expert, up rows I + n * 128; where the scheduler pairs the block with its
+                // peer's (the same n-block), CTA r loads tile r for both by multicast
+                const uint32_t n_idx = scheduler.current_group_idx * (2 * shape_n) + n_block_idx * BLOCK_N;
+                const bool multicast = kNumTMAMulticast > 1 and scheduler.is_tma_multicast_valid(m_block_idx);
+                const uint32_t rank = kNumTMAMulticast > 1 ? cute::block_rank_in_cluster() : 0;
+                for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
+                    empty_barriers[stage_idx]->wait(phase ^ 1);
+                    auto& full_barrier = *full_barriers[stage_idx];
+                    const uint32_t k_idx = k_block_idx * BLOCK_K;
+                    tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
+                             smem_a[stage_idx], k_idx, m_idx, 1);
+                    tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
+                             smem_sfa[stage_idx], m_block_idx * BLOCK_M,
+                             scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
+                                 SHAPE_K_SCALES, 1, k_block_idx), 1);
+                    if (multicast) {
+                        cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&tensor_map_b,
+                                 reinterpret_cast<uint64_t*>(&full_barrier), (1 << kNumTMAMulticast) - 1,
+                                 static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                 smem_b[stage_idx] + rank * SMEM_B_TILE, k_idx, n_idx + rank * shape_n);
+                    } else {
                         tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
                                  smem_b[stage_idx], k_idx, n_idx, 1);
-                        full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
-                                                          + SMEM_SFA_SIZE_PER_STAGE);
+                        tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
+                                 smem_b[stage_idx] + SMEM_B_TILE, k_idx, n_idx + shape_n, 1);
                     }
+                    full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
+                                                      + SMEM_SFA_SIZE_PER_STAGE);
                 }
+            }
+            // the peer CTA's last arrivals land before this CTA exits (DeepGEMM's last round of empty waits)
+            if constexpr (kNumTMAMulticast > 1) {
+                for (uint32_t i = 0; i < kNumStages; advance_pipeline(i))
+                    empty_barriers[stage_idx]->wait(phase ^ 1);
             }
         }
     } else {
@@ -223,76 +249,77 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
             }
             cutlass::arch::NamedBarrier::sync(kNumMathThreads, 0);
 
-            auto empty_barrier_arrive = [&]() { lane_idx == 0 ? empty_barriers[stage_idx]->arrive() : void(); };
+            auto empty_barrier_arrive = [&]() {
+                if constexpr (kNumTMAMulticast == 1) {
+                    lane_idx == 0 ? empty_barriers[stage_idx]->arrive() : void();
+                } else {
+                    auto target_cta = scheduler.is_peer_cta_alive ? lane_idx : cute::block_rank_in_cluster();
+                    lane_idx < kNumTMAMulticast ? empty_barriers[stage_idx]->arrive(target_cta) : void();
+                }
+            };
             const bool valid = scheduler.is_computation_valid(m_block_idx, math_wg_idx * WGMMA::M);
 
-            __nv_bfloat162 gate[WGMMA::kNumAccum / 2];
-            float accum[WGMMA::kNumAccum], final_accum[WGMMA::kNumAccum];
-            #pragma unroll
-            for (uint32_t sub = 0; sub < 2; ++ sub) {
+            // one k-block: the WGMMAs of the rows' tile (a_lo) by a weight tile (b_lo), promoted into `sums`
+            float accum[WGMMA::kNumAccum], gate[WGMMA::kNumAccum], up[WGMMA::kNumAccum];
+            auto k_block = [&](const uint32_t a_lo, const uint32_t b_lo, const float scale_0, const float scale_1,
+                               float* sums) {
                 #pragma unroll
                 for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
-                    final_accum[i] = 0;
-                if (valid) {
-                    #pragma unroll 8
-                    for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
-                        const auto a_desc_base_lo = a_desc_lo + stage_idx * (SMEM_A_SIZE_PER_STAGE / 16);
-                        const auto b_desc_base_lo = b_desc_lo + stage_idx * (SMEM_B_SIZE_PER_STAGE / 16);
-                        const float scale_b = ptx::ld_shared(smem_sfb + sub * SHAPE_K_SCALES + k_block_idx);
-
-                        full_barriers[stage_idx]->wait(phase);
-                        const auto scale_a_0 = ptx::ld_shared(smem_sfa[stage_idx] + r_0);
-                        const auto scale_a_1 = ptx::ld_shared(smem_sfa[stage_idx] + r_1);
-
-                        #pragma unroll
-                        for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
-                            ptx::warpgroup_fence_operand(accum[i]);
-                        ptx::warpgroup_arrive();
-                        #pragma unroll
-                        for (uint32_t k = 0; k < BLOCK_K / WGMMA::K; ++ k) {
-                            a_desc.reg32_[0] = a_desc_base_lo + (k * WGMMA::K) / 16;
-                            b_desc.reg32_[0] = b_desc_base_lo + k * WGMMA::K / 16;
-                            WGMMA::wgmma(a_desc, b_desc, accum, k);
-                        }
-                        ptx::warpgroup_commit_batch();
-                        #pragma unroll
-                        for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
-                            ptx::warpgroup_fence_operand(accum[i]);
-                        ptx::warpgroup_wait<0>();
-                        empty_barrier_arrive();
-
-                        const float scale_0 = scale_a_0 * scale_b, scale_1 = scale_a_1 * scale_b;
-                        #pragma unroll
-                        for (uint32_t i = 0; i < WGMMA::kNumAccum / 4; ++ i) {
-                            final_accum[i * 4 + 0] += scale_0 * accum[i * 4 + 0];
-                            final_accum[i * 4 + 1] += scale_0 * accum[i * 4 + 1];
-                            final_accum[i * 4 + 2] += scale_1 * accum[i * 4 + 2];
-                            final_accum[i * 4 + 3] += scale_1 * accum[i * 4 + 3];
-                        }
-                    }
-                } else {
-                    #pragma unroll
-                    for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
-                        full_barriers[stage_idx]->wait(phase);
-                        empty_barrier_arrive();
-                    }
+                    ptx::warpgroup_fence_operand(accum[i]);
+                ptx::warpgroup_arrive();
+                #pragma unroll
+                for (uint32_t k = 0; k < BLOCK_K / WGMMA::K; ++ k) {
+                    a_desc.reg32_[0] = a_lo + (k * WGMMA::K) / 16;
+                    b_desc.reg32_[0] = b_lo + k * WGMMA::K / 16;
+                    WGMMA::wgmma(a_desc, b_desc, accum, k);
                 }
-                if (sub == 0) {
-                    #pragma unroll
-                    for (uint32_t i = 0; i < WGMMA::kNumAccum / 2; ++ i)
-                        gate[i] = __float22bfloat162_rn({final_accum[2 * i], final_accum[2 * i + 1]});
+                ptx::warpgroup_commit_batch();
+                #pragma unroll
+                for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
+                    ptx::warpgroup_fence_operand(accum[i]);
+                ptx::warpgroup_wait<0>();
+                #pragma unroll
+                for (uint32_t i = 0; i < WGMMA::kNumAccum / 4; ++ i) {
+                    sums[i * 4 + 0] += scale_0 * accum[i * 4 + 0];
+                    sums[i * 4 + 1] += scale_0 * accum[i * 4 + 1];
+                    sums[i * 4 + 2] += scale_1 * accum[i * 4 + 2];
+                    sums[i * 4 + 3] += scale_1 * accum[i * 4 + 3];
                 }
-            }
-
-            // SwiGLU in fp32 from the bf16 gate and up, this thread's 2 x 32 values: h[4i], h[4i + 1] of row r_0
-            // at channels 8i + 2 (lane % 4) + {0, 1}; h[4i + 2], h[4i + 3] of row r_1
-            float h[WGMMA::kNumAccum];
+            };
             #pragma unroll
-            for (uint32_t i = 0; i < WGMMA::kNumAccum / 2; ++ i) {
-                const float2 g = __bfloat1622float2(gate[i]);
-                h[2 * i] = swiglu(g.x, bf16_round(final_accum[2 * i]), limit);
-                h[2 * i + 1] = swiglu(g.y, bf16_round(final_accum[2 * i + 1]), limit);
+            for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
+                gate[i] = up[i] = 0;
+            if (valid) {
+                #pragma unroll 4
+                for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
+                    const auto a_desc_base_lo = a_desc_lo + stage_idx * (SMEM_A_SIZE_PER_STAGE / 16);
+                    const auto b_desc_base_lo = b_desc_lo + stage_idx * (SMEM_B_SIZE_PER_STAGE / 16);
+                    const float scale_g = ptx::ld_shared(smem_sfb + k_block_idx);
+                    const float scale_u = ptx::ld_shared(smem_sfb + SHAPE_K_SCALES + k_block_idx);
+
+                    full_barriers[stage_idx]->wait(phase);
+                    const auto scale_a_0 = ptx::ld_shared(smem_sfa[stage_idx] + r_0);
+                    const auto scale_a_1 = ptx::ld_shared(smem_sfa[stage_idx] + r_1);
+                    k_block(a_desc_base_lo, b_desc_base_lo, scale_a_0 * scale_g, scale_a_1 * scale_g, gate);
+                    k_block(a_desc_base_lo, b_desc_base_lo + SMEM_B_TILE / 16, scale_a_0 * scale_u,
+                            scale_a_1 * scale_u, up);
+                    empty_barrier_arrive();
+                }
+            } else {
+                #pragma unroll
+                for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
+                    full_barriers[stage_idx]->wait(phase);
+                    empty_barrier_arrive();
+                }
             }
+
+            // SwiGLU in fp32 from gate and up rounded to bf16 (as the GEMM writes them), this thread's 2 x 32
+            // values: h[4i], h[4i + 1] of row r_0 at channels 8i + 2 (lane % 4) + {0, 1}; h[4i + 2], h[4i + 3] of
+            // row r_1 (h is kept in gate's registers)
+            float* h = gate;
+            #pragma unroll
+            for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
+                h[i] = swiglu(bf16_round(gate[i]), bf16_round(up[i]), limit);
             float amax_0 = 0.f, amax_1 = 0.f;
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum / 4; ++ i) {
