@@ -126,8 +126,8 @@ def _precision_line(torch) -> str:
     lib = fp8_gemm_grouped_library(dev)
     if lib == "deepgemm":
         cards = "every Hopper GPU" if GATE_UP_DG is True else " / ".join(GATE_UP_DG or ())
-        dg = (f", on DeepGEMM's own GEMM with the epilogue changed above {FUSED_SMALL_TILE_ROWS_PER_EXPERT} on "
-              f"{cards} where nvcc builds it (gate_up_dg)" if GATE_UP_DG else "")
+        dg = (f"; in the aligned layout above {FUSED_SMALL_TILE_ROWS_PER_EXPERT} rows an expert, on {cards} where "
+              f"nvcc builds it, DeepGEMM's own GEMM with the epilogue changed (gate_up_dg)" if GATE_UP_DG else "")
         lib += (f" ({AUTO_LAYOUT}; the first GEMM with SwiGLU as one kernel at <= {FUSED_GATE_UP_ROWS_PER_EXPERT} rows "
                 f"an expert: Triton's{dg})")
     return f"auto = {resolve_precision('auto', dev)}; FP8 projections on {fp8_gemm_library(dev)}, FP8 experts on {lib}"

@@ -25,10 +25,11 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   Where the first GEMM has few rows an expert (``FUSED_GATE_UP_ROWS_PER_EXPERT``: it streams weights), it runs
   with SwiGLU + requant as one Triton kernel (``gate_up_swiglu``) that never writes gu and reads rows that
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
-  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above; where it would take
-  128-row tiles in the aligned layout, on the cards ``GATE_UP_DG`` names, where ``gate_up_dg`` builds, that kernel:
-  DeepGEMM's own Hopper GEMM with SwiGLU + requant in its epilogue (the same bits as DeepGEMM's GEMM +
-  ``swiglu_quant``), on the rows copied into the layout.
+  the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above. In the aligned layout
+  above ``FUSED_SMALL_TILE_ROWS_PER_EXPERT`` pairs an expert, on the cards ``GATE_UP_DG`` names, where
+  ``gate_up_dg`` builds, that kernel runs the first GEMM instead, at every size: DeepGEMM's own Hopper GEMM with
+  SwiGLU + requant in its epilogue (the same bits as DeepGEMM's GEMM + ``swiglu_quant``), on the rows copied into
+  the layout.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -59,15 +60,14 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
-# where the Triton kernel would take 128-row tiles (pairs an expert above FUSED_SMALL_TILE_ROWS_PER_EXPERT, at most
-# FUSED_GATE_UP_ROWS_PER_EXPERT) in the aligned layout, the first GEMM and SwiGLU + requant run on DeepGEMM's own
-# Hopper GEMM with the epilogue changed (``gate_up_dg``, on rows copied into the layout; its masked layout is not
-# measured in the stage) where it builds, on the GPUs whose name holds one of these strings (True: every Hopper GPU,
-# False or (): none). Measured in the stage at V4-Flash:128, 2048 tokens (benchmarks/results/experts.md): on an
-# H200 0.918 x the Triton kernel at W=1; on an H100 1.003 x at W=1 and 1.053 x at W=4, so the H100 keeps the
-# Triton kernel. Above that range gate_up_dg is slower than DeepGEMM's GEMM and ``swiglu_quant`` (1.02-1.22 x,
-# compute-bound), which run there
-GATE_UP_DG: bool | tuple[str, ...] = ("H200",)
+# in the aligned layout above FUSED_SMALL_TILE_ROWS_PER_EXPERT pairs an expert, the first GEMM and SwiGLU + requant
+# run on DeepGEMM's own Hopper GEMM with the epilogue changed (``gate_up_dg``, on rows copied into the layout, in
+# clusters of two: ``gate_up_dg.CLUSTER``; its masked layout is not measured in the stage) where it builds, on the
+# GPUs whose name holds one of these strings (True: every Hopper GPU, False or (): none), instead of the Triton kernel
+# (<= FUSED_GATE_UP_ROWS_PER_EXPERT) and DeepGEMM's GEMM + ``swiglu_quant`` (above). Measured in the stage on an
+# H100 (benchmarks/results/experts.md, V4-Flash:32 and :128, V4-Pro:48 at 2048 and 8192 tokens, W = 1, 2, 4):
+# 0.918-1.019 x that configuration, 0.965 on average
+GATE_UP_DG: bool | tuple[str, ...] = True
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,10 +366,11 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     src, pos = expert_order(expert_RK, e, g.offs, rows_P, starts_e=g.starts, capacity=JA,
                             lost=g.over if G else None)
     lim = experts.cfg.swiglu_limit
-    fused = pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
-    bm = 64 if pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e else 128
+    small = pairs <= FUSED_SMALL_TILE_ROWS_PER_EXPERT * e
+    dg_kernel = not small and not G and gate_up_dg_ok(x_RD.device, e, I, D, False)
+    fused = not dg_kernel and pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
+    bm = 64 if small else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    dg_kernel = fused and bm == 128 and not G and gate_up_dg_ok(x_RD.device, e, I, D, False)
     if fused and packed and not dg_kernel:  # the FP8 rows enter the fused GEMM where they arrived (src)
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)

@@ -41,8 +41,9 @@ with open(os.path.join(_CSRC, MAIN), encoding="utf-8") as _f:
 STAGES = 4                  # pipeline stages (128 rows, 128 gate and 128 up weight rows of 128 channels, the rows'
                             # scales)
 THREADS = 384               # a TMA warpgroup and two math warpgroups
-# CTAs a cluster: 1 none; 2 the weight tiles multicast to a pair of CTAs (measured faster than none at 12 of 18
-# points of the stage on an H100, 0.965 x on average: benchmarks/results/experts.md); 1 wherever I / 128 is odd
+# CTAs a cluster: 1 none; 2 the weight tiles multicast to a pair of CTAs (in the stage on an H100 faster than none at
+# 15 of 18 points; 0.965 x the configuration before gate_up_dg on average, none 1.001: benchmarks/results/experts.md);
+# 1 wherever I / 128 is odd
 CLUSTER = 2
 NAME = b"gate_up_dg_kernel"
 # the compiled kernels' folder on disk (None: ~/.cache/moe_wave)

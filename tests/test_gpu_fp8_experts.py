@@ -185,6 +185,7 @@ def test_fp8_rows_equal_bf16_rows_bit_for_bit(backend, fused_gate_up, monkeypatc
     import moe_wave.fp8_experts as fx
 
     monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up else 0)
+    monkeypatch.setattr(fx, "GATE_UP_DG", False)     # the Triton kernel or the DeepGEMM way (gate_up_dg: its tests)
     x = _x(300, 11)
     packed, plain = _moe(2, backend), _moe(2, backend, fp8_rows=False)
     gathered = []
