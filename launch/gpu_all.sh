@@ -220,16 +220,14 @@ raise SystemExit(not cuda_impl.available())"; then
         gate_up)  # the first GEMM with SwiGLU + requant on DeepGEMM's kernel (gate_up_dg): its tests,
                   # dev/probe_gate_up_dg.py against DeepGEMM's GEMM alone and the DeepGEMM way (GATE_UP_ARGS),
                   # then the stage under the choices around it (dev/stage_settings.py, GATE_UP_SETTINGS; default: the
-                  # library, gate_up_dg on every Hopper GPU, that at every aligned size above 32 pairs an expert,
-                  # and the Triton kernel; V4-Flash:32, :128, V4-Pro:48 at 2048 and 8192 tokens, W=1 and 4;
-                  # GATE_UP_SETTINGS="" leaves it out)
+                  # library (gate_up_dg in clusters of two), gate_up_dg without a cluster, and without gate_up_dg
+                  # (the Triton kernel / DeepGEMM's GEMM + swiglu_quant); V4-Flash:32, :128, V4-Pro:48 at 2048 and
+                  # 8192 tokens, W=1 and 4; GATE_UP_SETTINGS="" leaves it out)
                stage tests_gate_up ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_gate_up_dg.py
                stage probe_gate_up ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_dg.py --out "$RES/probe_gate_up_dg.json" \
                    ${GATE_UP_ARGS:-}
-               DG=fp8_experts.GATE_UP_DG
-               ALL="fp8_experts.FUSED_GATE_UP_ROWS_PER_EXPERT=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0"
                GS="${GATE_UP_SETTINGS-"--shapes v4-flash:32,v4-flash:128,v4-pro:48 --tokens 2048,8192 --waves 1,4 base
-                   dg:$DG=True dg_all:$DG=True;$ALL triton:$DG=False"}"
+                   c1:gate_up_dg.CLUSTER=1 without:fp8_experts.GATE_UP_DG=False"}"
                if [ -n "$GS" ]; then
                    stage settings_gate_up ${T_SETTINGS:-300} "$PY" dev/stage_settings.py \
                        --out "$RES/stage_settings_gate_up.json" $GS
