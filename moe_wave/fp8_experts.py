@@ -371,7 +371,7 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = not dg_kernel and pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if small else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    if fused and packed and not dg_kernel:  # the FP8 rows enter the fused GEMM where they arrived (src)
+    if fused and packed:                    # the FP8 rows enter the Triton kernel where they arrived (src)
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
         hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
     else:
