@@ -628,12 +628,14 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     import moe_wave.gate_up_dg as gd
 
     fused = []
-    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 0 if fused_gate_up == "none" else 10 ** 9)
+    # gate_up_dg where it runs takes every aligned size above the small tiles' (here past the Triton kernel's range)
+    monkeypatch.setattr(fx, "FUSED_GATE_UP_ROWS_PER_EXPERT", 10 ** 9 if fused_gate_up == "triton" else 0)
+    if fused_gate_up != "gate_up_dg":
+        monkeypatch.setattr(fx, "gate_up_dg_ok", lambda *a: False)
     if fused_gate_up == "triton":
         real = fk.gate_up_swiglu
         monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: fused.append(1) or real(*a, **k))
-        monkeypatch.setattr(fx, "gate_up_dg_ok", lambda *a: False)
-    elif fused_gate_up == "gate_up_dg":         # (it takes the Triton kernel's 128-row tiles, aligned layout)
+    elif fused_gate_up == "gate_up_dg":
         if layout == "masked":
             pytest.skip("the stage takes gate_up_dg in the aligned layout only")
         monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 0)
