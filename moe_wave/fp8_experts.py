@@ -27,9 +27,10 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   arrived as FP8 where they are, through the ordering's src_J, with no copy into the layout; 64-row tiles where
   the rows an expert are fewer still (``FUSED_SMALL_TILE_ROWS_PER_EXPERT``), 128 above. In the aligned layout
   above ``FUSED_SMALL_TILE_ROWS_PER_EXPERT`` pairs an expert, on the cards ``GATE_UP_DG`` names, where
-  ``gate_up_dg`` builds, that kernel runs the first GEMM instead, at every size: DeepGEMM's own Hopper GEMM with
-  SwiGLU + requant in its epilogue (the same bits as DeepGEMM's GEMM + ``swiglu_quant``), on the rows copied into
-  the layout.
+  ``gate_up_dg`` builds, ``gate_up_dg`` runs the first GEMM instead, at every size (in place of both the Triton
+  kernel's 128-row tiles and DeepGEMM's GEMM + ``swiglu_quant``): DeepGEMM's own Hopper GEMM with SwiGLU +
+  requant in its epilogue (the same bits as DeepGEMM's GEMM + ``swiglu_quant``), on the rows copied into the
+  layout.
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -57,7 +58,8 @@ AUTO_LAYOUT = "masked GEMMs at decode sizes on top-k layers, contiguous otherwis
 # registers) where the pairs are at most this many an expert (the GEMM streams weights, which the Triton tile does
 # at DeepGEMM's rate and saves gu's round trip: V4-Flash at 128 and 2048 tokens, benchmarks/results/experts.md);
 # DeepGEMM's GEMM and ``swiglu_quant`` above (compute-bound: DeepGEMM's tiles are the faster there); its 64-row
-# tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above
+# tiles where the pairs are at most FUSED_SMALL_TILE_ROWS_PER_EXPERT an expert (decode), 128-row ones above. Both
+# apply where ``gate_up_dg`` does not run (GATE_UP_DG below)
 FUSED_GATE_UP_ROWS_PER_EXPERT = 128
 FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # in the aligned layout above FUSED_SMALL_TILE_ROWS_PER_EXPERT pairs an expert, the first GEMM and SwiGLU + requant
