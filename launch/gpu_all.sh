@@ -217,17 +217,23 @@ raise SystemExit(not cuda_impl.available())"; then
                    "f128:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=0" \
                    "f64:$F=1000000000;fp8_experts.FUSED_SMALL_TILE_ROWS_PER_EXPERT=1000000000"}
                ;;
-        gate_up)  # the first GEMM with SwiGLU + requant on DeepGEMM's kernel (gate_up_dg): its tests,
-                  # dev/probe_gate_up_dg.py against DeepGEMM's GEMM alone and the DeepGEMM way (GATE_UP_ARGS),
-                  # then the stage under the choices around it (dev/stage_settings.py, GATE_UP_SETTINGS; default: the
-                  # library (gate_up_dg in clusters of two), gate_up_dg without a cluster, and without gate_up_dg
-                  # (the Triton kernel / DeepGEMM's GEMM + swiglu_quant); V4-Flash:32, :128, V4-Pro:48 at 2048 and
-                  # 8192 tokens, W=1 and 4; GATE_UP_SETTINGS="" leaves it out)
-               stage tests_gate_up ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_gate_up_dg.py
-               stage probe_gate_up ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_dg.py --out "$RES/probe_gate_up_dg.json" \
-                   ${GATE_UP_ARGS:-}
+        gate_up)  # the first GEMM with SwiGLU + requant on DeepGEMM's kernel (gate_up_dg): its tests
+                  # (GATE_UP_TESTS), dev/probe_gate_up_dg.py against DeepGEMM's GEMM alone and the DeepGEMM way, and
+                  # reading the rows where they arrived against gather_pairs + gate_up_dg (GATE_UP_ARGS), then the
+                  # stage under the choices around it (dev/stage_settings.py, GATE_UP_SETTINGS; default: the library,
+                  # and gate_up_dg reading arrived FP8 rows where they are (GATE_UP_DG_SRC); V4-Flash:32, :128,
+                  # V4-Pro:48 at 2048 and 8192 tokens, W=1 and 4; GATE_UP_SETTINGS="" or GATE_UP_ARGS="skip" leave
+                  # that part out)
+               GT="${GATE_UP_TESTS-tests/test_gpu_gate_up_dg.py}"
+               if [ -n "$GT" ]; then
+                   stage tests_gate_up ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider $GT
+               fi
+               if [ "${GATE_UP_ARGS:-}" != skip ]; then
+                   stage probe_gate_up ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_dg.py \
+                       --out "$RES/probe_gate_up_dg.json" ${GATE_UP_ARGS:-}
+               fi
                GS="${GATE_UP_SETTINGS-"--shapes v4-flash:32,v4-flash:128,v4-pro:48 --tokens 2048,8192 --waves 1,4 base
-                   c1:gate_up_dg.CLUSTER=1 without:fp8_experts.GATE_UP_DG=False"}"
+                   src:fp8_experts.GATE_UP_DG_SRC=True"}"
                if [ -n "$GS" ]; then
                    stage settings_gate_up ${T_SETTINGS:-300} "$PY" dev/stage_settings.py \
                        --out "$RES/stage_settings_gate_up.json" $GS

@@ -70,6 +70,10 @@ FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 # H100 (benchmarks/results/experts.md, V4-Flash:32 and :128, V4-Pro:48 at 2048 and 8192 tokens, W = 1, 2, 4):
 # 0.918-1.019 x that configuration, 0.965 on average
 GATE_UP_DG: bool | tuple[str, ...] = True
+# where ``gate_up_dg`` runs on rows that arrived as FP8 (``fp8_rows``): True reads them where they arrived through the
+# ordering's src_J (one TMA box a row and k-block, no ``gather_pairs`` copy into the layout), False copies them into
+# the layout first
+GATE_UP_DG_SRC = False
 
 
 def quant_experts(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,15 +313,16 @@ def fp8_gemm_layout(R: int, pairs: int, e: int, choice: str = "auto", distinct: 
     return "contiguous", JA, 0
 
 
-def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool) -> bool:
+def gate_up_dg_ok(dev: torch.device, e: int, I: int, D: int, masked: bool, src: bool = False) -> bool:
     """Whether ``gate_up_dg`` runs the first GEMM with SwiGLU + requant here (a GPU that ``GATE_UP_DG`` names,
-    Hopper, deep_gemm's headers, nvcc; built once a shape)."""
+    Hopper, deep_gemm's headers, nvcc; built once a shape; ``src``: its build that reads the rows where they
+    arrived)."""
     if dev.type != "cuda" or not GATE_UP_DG:
         return False
     if GATE_UP_DG is not True and not any(c in torch.cuda.get_device_name(dev) for c in GATE_UP_DG):
         return False
     from .gate_up_dg import available
-    return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked)
+    return available(dev.index if dev.index is not None else torch.cuda.current_device(), e, I, D, masked, src)
 
 
 def _grouped(dg, q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, g, G,
@@ -373,9 +378,17 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = not dg_kernel and pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if small else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    if fused and packed:                    # the FP8 rows enter the Triton kernel where they arrived (src)
+    # the FP8 rows enter the Triton kernel, or gate_up_dg where GATE_UP_DG_SRC says so, where they arrived (src)
+    in_place = packed and (fused or (dg_kernel and GATE_UP_DG_SRC and gate_up_dg_ok(x_RD.device, e, I, D, False,
+                                                                                   True)))
+    if in_place:
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
+    if in_place and fused:
         hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
+    elif in_place:
+        from .gate_up_dg import gate_up_dg
+        hq, hs = gate_up_dg(*unpack_rows(x_RD, D), experts.gate_up, experts.gate_up_scale, g.ends, lim, src_J=src,
+                            local=loc)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if dg_kernel:

@@ -81,18 +81,19 @@ def _nvcc() -> str:
     return path
 
 
-def _defines(e: int, I: int, D: int, masked: bool, sms: int, stages: int, cluster: int) -> list[str]:
+def _defines(e: int, I: int, D: int, masked: bool, sms: int, stages: int, cluster: int, src: bool) -> list[str]:
     return [f"-DGU_GROUPS={e}", f"-DGU_I={I}", f"-DGU_K={D}", f"-DGU_MASKED={int(masked)}", f"-DGU_SMS={sms}",
-            f"-DGU_STAGES={stages}", f"-DGU_CLUSTER={cluster}"]
+            f"-DGU_STAGES={stages}", f"-DGU_CLUSTER={cluster}", f"-DGU_SRC={int(src)}"]
 
 
-def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = STAGES, cluster: int = 1) -> bytes:
+def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = STAGES, cluster: int = 1,
+                  src: bool = False) -> bytes:
     """The kernel for e experts, I channels of h, D of the rows, the layout, ``sms`` CTAs in clusters of
-    ``cluster``, compiled by nvcc."""
+    ``cluster``, the rows in the layout or (``src``) where they arrived, compiled by nvcc."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gate_up_dg.cubin")
         cmd = [_nvcc(), os.path.join(_CSRC, MAIN), "-cubin", "-o", out, f"-I{_include_dir()}", *NVCC_FLAGS,
-               *_defines(e, I, D, masked, sms, stages, cluster)]
+               *_defines(e, I, D, masked, sms, stages, cluster, src)]
         run = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"gate_up_dg: nvcc failed ({run.returncode}): {(run.stdout + run.stderr)[-3000:]}")
@@ -100,14 +101,14 @@ def compile_cubin(e: int, I: int, D: int, masked: bool, sms: int, stages: int = 
             return f.read()
 
 
-def _cubin(e: int, I: int, D: int, masked: bool, sms: int, cluster: int) -> bytes:
+def _cubin(e: int, I: int, D: int, masked: bool, sms: int, cluster: int, src: bool) -> bytes:
     import deep_gemm
 
     key = hashlib.sha256((SOURCE + _include_dir() + str(getattr(deep_gemm, "__version__", "")) + _nvcc()
                           + " ".join(NVCC_FLAGS)).encode()).hexdigest()[:16]
     path = os.path.join(CACHE_DIR or default_cache_dir(), "gate_up_dg", key,
-                        f"e{e}-i{I}-d{D}-m{int(masked)}-sm{sms}-s{STAGES}-c{cluster}.cubin")
-    return cached(path, lambda: compile_cubin(e, I, D, masked, sms, cluster=cluster))
+                        f"e{e}-i{I}-d{D}-m{int(masked)}-sm{sms}-s{STAGES}-c{cluster}-r{int(src)}.cubin")
+    return cached(path, lambda: compile_cubin(e, I, D, masked, sms, cluster=cluster, src=src))
 
 
 class _LaunchAttr(ctypes.Structure):        # CUlaunchAttribute: an id, padding, a 64-byte value
@@ -135,12 +136,12 @@ def cluster_size(I: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _function(device_index: int, e: int, I: int, D: int, masked: bool, cluster: int):
+def _function(device_index: int, e: int, I: int, D: int, masked: bool, cluster: int, src: bool = False):
     """(CUfunction, CTAs) of the kernel on the device: one CTA an SM; in clusters of two, as many pairs as the
     GPU holds at once (its GPCs may leave an SM out)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     ctas = sms - sms % cluster
-    func = load_function(device_index, _cubin(e, I, D, masked, ctas, cluster), NAME, smem_bytes(D))
+    func = load_function(device_index, _cubin(e, I, D, masked, ctas, cluster, src), NAME, smem_bytes(D))
     if cluster == 1:
         return func, ctas
     lib = torch.cuda._utils._get_gpu_runtime_library()
@@ -153,7 +154,7 @@ def _function(device_index: int, e: int, I: int, D: int, masked: bool, cluster: 
                            f"clusters of {cluster})")
     if n.value * cluster < ctas:                    # the scheduler's CTA count is compiled in
         ctas = n.value * cluster
-        func = load_function(device_index, _cubin(e, I, D, masked, ctas, cluster), NAME, smem_bytes(D))
+        func = load_function(device_index, _cubin(e, I, D, masked, ctas, cluster, src), NAME, smem_bytes(D))
     return func, ctas
 
 
@@ -169,17 +170,17 @@ def rule(device: torch.device, I: int, D: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def available(device_index: int, e: int, I: int, D: int, masked: bool = False) -> bool:
-    """Whether the kernel of this shape builds and loads on the CUDA device (``rule``, deep_gemm's headers, nvcc,
-    the driver); where it does not build or load, a warning says why (the stage then runs DeepGEMM's GEMM or the
-    Triton kernel)."""
+def available(device_index: int, e: int, I: int, D: int, masked: bool = False, src: bool = False) -> bool:
+    """Whether the kernel of this shape (``src``: reading the rows where they arrived) builds and loads on the
+    CUDA device (``rule``, deep_gemm's headers, nvcc, the driver); where it does not build or load, a warning says
+    why (the stage then runs DeepGEMM's GEMM or the Triton kernel)."""
     dev = torch.device("cuda", device_index)
-    if rule(dev, I, D) is not None:
+    if rule(dev, I, D) is not None or (masked and src):
         return False
     try:
-        _function(device_index, e, I, D, masked, cluster_size(I))
+        _function(device_index, e, I, D, masked, cluster_size(I), src)
     except (RuntimeError, OSError, ImportError) as err:
-        warnings.warn(f"moe_wave: gate_up_dg (e={e}, I={I}, D={D}, masked={masked}) does not run here "
+        warnings.warn(f"moe_wave: gate_up_dg (e={e}, I={I}, D={D}, masked={masked}, src={src}) does not run here "
                       f"({type(err).__name__}: {str(err)[:2000]}); the first expert GEMM runs without it",
                       stacklevel=3)
         return False
@@ -209,22 +210,52 @@ def _weight_map(w: torch.Tensor):
     return got
 
 
+def _check_src(q: torch.Tensor, s: torch.Tensor, D: int, name: str) -> None:
+    if (q.dtype != FP8 or q.dim() != 2 or q.shape[1] != D or q.stride(1) != 1 or (q.stride(0) % 16)
+            or q.data_ptr() % 16 or tuple(s.shape) != (q.shape[0], D // BLOCK) or s.dtype != torch.float32
+            or s.stride(1) != 1):
+        raise ValueError(f"gate_up_dg: {name} {tuple(q.shape)} {q.dtype} stride {q.stride()}, scales "
+                         f"{tuple(s.shape)} {s.dtype} stride {s.stride()}: with src_J they must be e4m3 [rows, {D}] "
+                         f"(unit channel stride, rows 16-byte aligned: fp8_rows.unpack_rows' views) and fp32 "
+                         f"[rows, {D // BLOCK}] with unit stride")
+
+
 def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.Tensor, layout: torch.Tensor,
-               limit: float, group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               limit: float, group_rows: int | None = None, src_J: torch.Tensor | None = None,
+               local: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hq [JA, I] e4m3, hs) of the rows q [JA, D] e4m3 laid out expert-major: the contiguous psum layout (layout
     = the groups' int32 ends, DeepGEMM's ``use_psum_layout``; s [D/128, JA], hs [I/128, JA]) or, with
     ``group_rows`` = G, the masked one (expert x at rows x * G; layout = the int32 counts; s [JA/G, D/128, G], hs
     [JA/G, I/128, G]). w_eND [e, 2I, D] e4m3 (gate rows, then up), ws [e, 2I/128, D/128] fp32. Rows of a block
-    past its group's end get values (as DeepGEMM's GEMM writes them there) that nothing reads."""
+    past its group's end get values (as DeepGEMM's GEMM writes them there) that nothing reads.
+
+    ``src_J`` (int64 [JA], ``expert_order``'s with the contiguous layout's starts): the rows are read where they
+    arrived, row j of the layout being row src_J[j] of q [R, D] e4m3 with its scales s [R, D/128] fp32
+    (``fp8_rows.unpack_rows``' views of the received packed rows; no copy into the layout); ``local`` = (row0, q_L,
+    s_L): rows row0 .. row0 + L - 1 from those views instead (``Received.local``, unpacked). An index outside the
+    rows (a position no pair fills) reads row 0."""
     e, I2, D = w_eND.shape
-    I, JA = I2 // 2, q.shape[0]
+    I = I2 // 2
+    JA = q.shape[0] if src_J is None else src_J.shape[0]
     G = group_rows
     why = rule(q.device, I, D)
     if why is not None:
         raise ValueError(f"gate_up_dg: {why}")
+    if src_J is not None:
+        if G is not None:
+            raise ValueError("gate_up_dg: src_J (the rows where they arrived) takes the contiguous layout, not "
+                             f"group_rows={G}")
+        if src_J.dtype != torch.int64 or src_J.dim() != 1 or not src_J.is_contiguous():
+            raise ValueError(f"gate_up_dg: src_J {tuple(src_J.shape)} {src_J.dtype}: must be a contiguous int64 [JA]")
+        _check_src(q, s, D, "rows")
+        if local is not None:
+            _check_src(local[1], local[2], D, "local rows")
     want_s = (D // BLOCK, JA) if G is None else (JA // G, D // BLOCK, G)
-    if (q.dtype != FP8 or q.shape[1] != D or not q.is_contiguous() or JA % 128 or tuple(s.shape) != want_s
-            or not s.is_contiguous() or not w_eND.is_contiguous() or tuple(ws.shape) != (e, I2 // BLOCK, D // BLOCK)
+    if src_J is None and (q.dtype != FP8 or q.shape[1] != D or not q.is_contiguous() or tuple(s.shape) != want_s
+                          or not s.is_contiguous()):
+        raise ValueError(f"gate_up_dg: rows {tuple(q.shape)} {q.dtype}, scales {tuple(s.shape)}: must be contiguous "
+                         f"e4m3 [JA, {D}] and scales {want_s}")
+    if (JA % 128 or not w_eND.is_contiguous() or tuple(ws.shape) != (e, I2 // BLOCK, D // BLOCK)
             or not ws.is_contiguous() or layout.dtype != torch.int32 or layout.numel() != e
             or not layout.is_contiguous() or (G is not None and (G % 128 or JA != e * G))):
         raise ValueError(f"gate_up_dg: rows {tuple(q.shape)} {q.dtype}, scales {tuple(s.shape)}, weights "
@@ -238,16 +269,30 @@ def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.
     if not (JA and I and e):
         return hq, hs
     cluster = cluster_size(I)
-    func, ctas = _function(q.device.index, e, I, D, G is not None, cluster)
+    src = src_J is not None
+    func, ctas = _function(q.device.index, e, I, D, G is not None, cluster, src)
     M = JA if G is None else G                          # the rows of a group's index space
-    a_map = _tmap(q.data_ptr(), 0, D, JA, D, BLOCK, 128, 3)
-    sa_map = _tmap(s.data_ptr(), 7, M, s.numel() // M, M * 4, 128, 1, 0)
     h_map = _tmap(hq.data_ptr(), 0, I, JA, I, BLOCK, 128, 3)
+    if src:                                             # one row's 128 channels a box
+        R = q.shape[0]
+        a_map = _tmap(q.data_ptr(), 0, D, max(R, 1), q.stride(0), BLOCK, 1, 3)
+        has_local = local is not None and local[1].shape[0] > 0
+        row0, lq, ls = local if has_local else (0, q, s)
+        la_map = _tmap(lq.data_ptr(), 0, D, max(lq.shape[0], 1), lq.stride(0), BLOCK, 1, 3) if has_local else a_map
+        sa_map = h_map                                  # (unused)
+        rows = [src_J.data_ptr(), s.data_ptr(), s.stride(0), R, ls.data_ptr(), ls.stride(0), row0,
+                lq.shape[0] if has_local else 0]
+    else:
+        a_map = la_map = _tmap(q.data_ptr(), 0, D, JA, D, BLOCK, 128, 3)
+        sa_map = _tmap(s.data_ptr(), 7, M, s.numel() // M, M * 4, 128, 1, 0)
+        rows = [0, 0, 0, 0, 0, 0, 0, 0]
     args = [ctypes.c_void_p(ws.data_ptr()), ctypes.c_void_p(layout.data_ptr()), ctypes.c_uint32(M),
-            ctypes.c_void_p(hs.data_ptr()), ctypes.c_uint32(M), ctypes.c_float(float(limit))]
-    maps = (a_map[1], _weight_map(w_eND)[1], sa_map[1], h_map[1])
-    params = (ctypes.c_void_p * 10)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args],
-                                    *[ctypes.c_void_p(x) for x in maps])
+            ctypes.c_void_p(hs.data_ptr()), ctypes.c_uint32(M), ctypes.c_float(float(limit)),
+            ctypes.c_void_p(rows[0]), ctypes.c_void_p(rows[1]), ctypes.c_uint64(rows[2]), ctypes.c_uint32(rows[3]),
+            ctypes.c_void_p(rows[4]), ctypes.c_uint64(rows[5]), ctypes.c_uint32(rows[6]), ctypes.c_uint32(rows[7])]
+    maps = (a_map[1], _weight_map(w_eND)[1], sa_map[1], h_map[1], la_map[1])
+    params = (ctypes.c_void_p * (len(args) + len(maps)))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p)
+                                                          for a in args], *[ctypes.c_void_p(x) for x in maps])
     lib = torch.cuda._utils._get_gpu_runtime_library()
     stream = torch.cuda.current_stream()._as_parameter_
     if cluster == 1:
@@ -255,7 +300,7 @@ def gate_up_dg(q: torch.Tensor, s: torch.Tensor, w_eND: torch.Tensor, ws: torch.
     else:
         cfg, _attr = _config(ctas, cluster, smem_bytes(D), stream)
         rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
-    del a_map, sa_map, h_map                            # the maps were copied into the launch
+    del a_map, la_map, sa_map, h_map                    # the maps were copied into the launch
     if rc:
         raise RuntimeError(f"gate_up_dg: the launch returned CUresult {rc}")
     return hq, hs

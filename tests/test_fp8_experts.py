@@ -589,13 +589,13 @@ class _TorchDeepGEMM:
                 d[g, :m] = fp8_matmul_ref(a[0][g, :m], a[1][g, :m].t(), b[0][g], b[1][g], d.dtype)
 
 
-def _torch_gate_up_dg(q, s, w, ws, layout, limit, group_rows=None):
+def _torch_gate_up_dg(q, s, w, ws, layout, limit, group_rows=None, src_J=None, local=None):
     """``gate_up_dg`` by _TorchDeepGEMM's GEMM and ``swiglu_quant_torch`` (its definition: DeepGEMM's GEMM, then
     swiglu_quant): the rows of the groups, others zeros."""
     from moe_wave.fp8_expert_kernels import swiglu_quant_torch
 
     e, I2, D = w.shape
-    JA, G = q.shape[0], group_rows
+    JA, G = q.shape[0] if src_J is None else src_J.shape[0], group_rows
     gu = torch.zeros(JA, I2, dtype=torch.bfloat16, device=q.device)
     if G:
         _TorchDeepGEMM.m_grouped_fp8_gemm_nt_masked((q.view(e, G, D), s.transpose(1, 2)), (w, ws),
@@ -603,6 +603,16 @@ def _torch_gate_up_dg(q, s, w, ws, layout, limit, group_rows=None):
         starts = torch.arange(e, device=q.device) * G
         hq, hs = swiglu_quant_torch(gu, starts, starts + layout, limit)
         return hq, hs.view(I2 // 256, e, G).permute(1, 0, 2).contiguous()
+    if src_J is not None:               # the rows where they arrived: copied into the layout here (index outside: 0)
+        r = src_J.clone()
+        here = (r >= local[0]) & (r < local[0] + local[1].shape[0]) if local else torch.zeros_like(r, dtype=bool)
+        r = torch.where(here | ((r >= 0) & (r < q.shape[0])), r, 0)
+        main = torch.where(here, 0, r)
+        q, s = q[main], s[main].t()
+        if local:
+            lr = torch.where(here, r - local[0], 0)
+            q, s = torch.where(here[:, None], local[1][lr], q), torch.where(here[None, :], local[2][lr].t(), s)
+        q, s = q.contiguous(), s.contiguous()
     _TorchDeepGEMM.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (w, ws), gu, layout, use_psum_layout=True)
     ends = layout.long()
     starts = torch.cat([ends.new_zeros(1), -(-ends[:-1] // 128) * 128])
@@ -611,16 +621,16 @@ def _torch_gate_up_dg(q, s, w, ws, layout, limit, group_rows=None):
 
 @needs_kernels
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("fused_gate_up", ["none", "triton", "gate_up_dg"])
+@pytest.mark.parametrize("fused_gate_up", ["none", "triton", "gate_up_dg", "gate_up_dg_src"])
 @pytest.mark.parametrize("rows_bound", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_bound, layout, fused_gate_up,
                                                             packed):
     """The fused stage (ordering into the aligned or the masked layout, quant_pairs or, for rows that arrived as
     FP8, gather_pairs, two grouped GEMMs, swiglu_quant, weighted sum; or the first GEMM and swiglu_quant as one
-    kernel: gate_up_swiglu, which reads arrived FP8 rows where they are, or gate_up_dg, here its torch twin) with
-    DeepGEMM replaced by its contiguous psum or masked semantics gives the per-expert path's output; rows past
-    rows_P are not read."""
+    kernel: gate_up_swiglu, which reads arrived FP8 rows where they are, or gate_up_dg, here its torch twin, on the
+    layout's rows or, with GATE_UP_DG_SRC, on arrived FP8 rows through src_J) with DeepGEMM replaced by its
+    contiguous psum or masked semantics gives the per-expert path's output; rows past rows_P are not read."""
     from moe_wave.fp8_rows import pack_rows
 
     import moe_wave.fp8_expert_kernels as fk
@@ -635,12 +645,14 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     if fused_gate_up == "triton":
         real = fk.gate_up_swiglu
         monkeypatch.setattr(fk, "gate_up_swiglu", lambda *a, **k: fused.append(1) or real(*a, **k))
-    elif fused_gate_up == "gate_up_dg":
+    elif fused_gate_up.startswith("gate_up_dg"):
         if layout == "masked":
             pytest.skip("the stage takes gate_up_dg in the aligned layout only")
         monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 0)
         monkeypatch.setattr(fx, "gate_up_dg_ok", lambda *a: True)
-        monkeypatch.setattr(gd, "gate_up_dg", lambda *a, **k: fused.append(1) or _torch_gate_up_dg(*a, **k))
+        monkeypatch.setattr(fx, "GATE_UP_DG_SRC", fused_gate_up == "gate_up_dg_src")
+        monkeypatch.setattr(gd, "gate_up_dg",
+                            lambda *a, **k: fused.append("src_J" in k) or _torch_gate_up_dg(*a, **k))
     from moe_wave.experts import expert_rows
 
     ex = FP8RoutedExperts.from_dense(CFG, torch.randn(4, 256, 256) / 16, torch.randn(4, 256, 128) / 11)
@@ -668,6 +680,8 @@ def test_fused_stage_logic_on_cpu_equals_the_per_expert_path(monkeypatch, rows_b
     dg_calls = 1 if fused_gate_up == "triton" else 2         # (the twin of gate_up_dg counts its GEMM)
     assert _TorchDeepGEMM.calls == dg_calls and _TorchDeepGEMM.masked == (dg_calls if layout == "masked" else 0)
     assert len(fused) == (fused_gate_up != "none")
+    if fused_gate_up.startswith("gate_up_dg"):        # arrived FP8 rows where GATE_UP_DG_SRC says so, else the layout
+        assert fused == [packed and fused_gate_up == "gate_up_dg_src"]
     read = slice(None) if rows_P is None else keep
     # the same math; silu's exp in Triton and in torch may differ in the last fp32 bit, which can move an element
     # of h to the next e4m3 step (on a GPU the fused kernel's dot also adds in the hardware's order): the rows
@@ -692,7 +706,7 @@ def test_gate_up_dg_taken_on_the_named_cards_only(monkeypatch):
         monkeypatch.setattr(fx, "GATE_UP_DG", setting)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
         assert fx.gate_up_dg_ok(cuda, 32, 2048, 4096, False) is want, (setting, name)
-    assert built[-1] == (0, 32, 2048, 4096, False)
+    assert built[-1] == (0, 32, 2048, 4096, False, False)
     monkeypatch.setattr(fx, "GATE_UP_DG", True)
     assert fx.gate_up_dg_ok(torch.device("cpu"), 32, 2048, 4096, False) is False
     monkeypatch.setattr(gd, "available", lambda *a: False)          # it does not build here

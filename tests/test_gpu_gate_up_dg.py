@@ -108,6 +108,48 @@ def test_masked_equals_deepgemm_then_swiglu_quant(counts, G, cluster, monkeypatc
 
 
 @needs
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("R,L,e,I,D", [(300, 0, 4, 256, 512), (300, 70, 4, 384, 512), (700, 200, 8, 2048, 4096)])
+def test_rows_where_they_arrived_equal_the_layout(R, L, e, I, D, cluster, monkeypatch):
+    """src_J: the kernel reading the received FP8 rows where they arrived (one TMA box a row and k-block; local rows
+    row0 .. row0 + L - 1 from their own buffer, the main buffer's rows there filled with other values) gives the
+    same hq and hs on every row in use as the kernel on the rows gather_pairs copied into the layout."""
+    import moe_wave.gate_up_dg as gd
+    from moe_wave.expert_kernels import expert_order
+    from moe_wave.fp8_expert_kernels import aligned_capacity, gather_pairs, layout_groups
+    from moe_wave.fp8_rows import pack_rows, unpack_rows
+    from moe_wave.gate_up_dg import gate_up_dg
+
+    monkeypatch.setattr(gd, "CLUSTER", cluster)
+    K = 6
+    w, ws = _weights(e, I, D, 7)
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(R, D, generator=g) * 2).to("cuda", torch.bfloat16)
+    ids = torch.randint(-1, e, (R, K), generator=g)
+    ids = torch.where(torch.rand(R, K, generator=g) < 0.5, ids, torch.arange(K) % e)      # some experts crowded
+    ids = ids.cuda()
+    rows = pack_rows(x)
+    row0 = 37 if L else 0
+    loc = None
+    if L:
+        loc = (row0, rows[row0:row0 + L].clone())
+        rows[row0:row0 + L] = pack_rows(torch.randn(L, D, generator=g).to("cuda", torch.bfloat16))
+    valid = (ids >= 0) & (ids < e)
+    counts = torch.bincount(ids[valid], minlength=e).to(torch.int32)
+    JA = aligned_capacity(R * K, e)
+    grp = layout_groups(counts, R * K, JA)
+    src, pos = expert_order(ids, e, grp.offs, starts_e=grp.starts, capacity=JA)
+    q, s = gather_pairs(rows, D, pos, JA, loc)
+    ref_q, ref_s = gate_up_dg(q, s, w, ws, grp.ends, 7.0)
+    lq = None if loc is None else (row0, *unpack_rows(loc[1], D))
+    hq, hs = gate_up_dg(*unpack_rows(rows, D), w, ws, grp.ends, 7.0, src_J=src, local=lq)
+    use = pos[pos >= 0]
+    assert use.numel() == int(valid.sum())
+    assert torch.equal(hq[use].view(torch.uint8), ref_q[use].view(torch.uint8))
+    assert torch.equal(hs[:, use], ref_s[:, use])
+
+
+@needs
 def test_rejects_bad_operands():
     from moe_wave.gate_up_dg import gate_up_dg
 
@@ -117,24 +159,36 @@ def test_rejects_bad_operands():
         gate_up_dg(q[:200], s[:, :200], w, ws, torch.tensor([100, 200], dtype=torch.int32, device="cuda"), 7.0)
     with pytest.raises(ValueError, match="int32"):
         gate_up_dg(q, s, w, ws, torch.tensor([100, 200], device="cuda"), 7.0)
+    src = torch.zeros(256, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="src_J .* int64"):
+        gate_up_dg(q, s.t(), w, ws, torch.tensor([100, 200], dtype=torch.int32, device="cuda"), 7.0,
+                   src_J=src.int())
+    with pytest.raises(ValueError, match="contiguous layout, not group_rows"):
+        gate_up_dg(q, s.t(), w, ws, torch.tensor([100, 200], dtype=torch.int32, device="cuda"), 7.0,
+                   group_rows=128, src_J=src)
+    with pytest.raises(ValueError, match="gate_up_dg: rows .* with src_J"):       # scales [D/128, rows]: transposed
+        gate_up_dg(q, s, w, ws, torch.tensor([100, 200], dtype=torch.int32, device="cuda"), 7.0, src_J=src)
 
 
 @needs
-@pytest.mark.parametrize("layout", ["contiguous", "masked"])
-@pytest.mark.parametrize("fp8_rows", [True, False])
-def test_stage_on_it_equals_the_deepgemm_way_and_replays(layout, fp8_rows, monkeypatch):
+@pytest.mark.parametrize("layout,fp8_rows,src", [("contiguous", True, False), ("contiguous", True, True),
+                                                 ("contiguous", False, False), ("masked", True, True),
+                                                 ("masked", False, False)])
+def test_stage_on_it_equals_the_deepgemm_way_and_replays(layout, fp8_rows, src, monkeypatch):
     """The FP8 block with the first GEMM on gate_up_dg (the library's choice in the aligned layout above
-    FUSED_SMALL_TILE_ROWS_PER_EXPERT; rows that arrived as FP8 copied into the layout, or bf16 rows quantised into
-    it) equals the block on DeepGEMM's GEMM + swiglu_quant bit for bit, at W=1 and W=2, eager and replayed from a
-    CUDA graph; the masked layout keeps the Triton kernel (no gate_up_dg call) and its output stays finite."""
+    FUSED_SMALL_TILE_ROWS_PER_EXPERT; rows that arrived as FP8 copied into the layout or, with GATE_UP_DG_SRC, read
+    where they arrived, or bf16 rows quantised into the layout) equals the block on DeepGEMM's GEMM + swiglu_quant
+    bit for bit, at W=1 and W=2, eager and replayed from a CUDA graph; the masked layout keeps the Triton kernel
+    (no gate_up_dg call) and its output stays finite."""
     import moe_wave.fp8_experts as fx
     import moe_wave.gate_up_dg as gd
     from tests.test_gpu_fp8_experts import _moe, _x
 
     monkeypatch.setattr(fx, "FUSED_SMALL_TILE_ROWS_PER_EXPERT", 0)
+    monkeypatch.setattr(fx, "GATE_UP_DG_SRC", src)
     calls = []
     real = gd.gate_up_dg
-    monkeypatch.setattr(gd, "gate_up_dg", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(gd, "gate_up_dg", lambda *a, **k: calls.append("src_J" in k) or real(*a, **k))
     for W in (1, 2):
         moe = _moe(W, fp8_rows=fp8_rows)
         moe.experts.gemm_layout = layout
@@ -148,7 +202,7 @@ def test_stage_on_it_equals_the_deepgemm_way_and_replays(layout, fp8_rows, monke
         if layout == "masked":
             assert not calls and torch.isfinite(y).all()
             continue
-        assert len(calls) == W, calls
+        assert calls == [src] * W, calls
         assert torch.isfinite(y).all() and torch.equal(y, ref), (layout, fp8_rows, W)
         moe.capture_graphs([300])
         assert torch.equal(moe(x), ref), (layout, fp8_rows, W)

@@ -14,7 +14,12 @@
 //    power-of-two scale (moe_wave.fp8's activation format, fp8_quant.pow2_scale_bits): the quad of lanes holding a
 //    row's 128 channels shares the row's amax by shuffles;
 //  - h is staged in shared memory in the 128-byte swizzle and written by one TMA store; its scales go to
-//    hs[(row / G) * (I / 128) * G + n * G + row % G] (G: the masked layout's group rows, or all rows).
+//    hs[(row / G) * (I / 128) * G + n * G + row % G] (G: the masked layout's group rows, or all rows);
+//  - with GU_SRC (the contiguous layout), the rows are read where they arrived: row j of the layout is source row
+//    r = src[j] of the received FP8 rows (or of the local rows where row0 <= r < row0 + L). The TMA warp's 32
+//    lanes each take 4 of a block's rows: per k-block one TMA box of one row (128 bytes, the map's 128-byte
+//    swizzle, which follows the shared memory address, so the rows land as the 128-row box lands them) and the
+//    row's scale by a load and a shared store; each lane arrives on the stage's full barrier.
 // moe_wave/gate_up_dg.py compiles it (nvcc, DeepGEMM's include directory) with the #defines below and launches it.
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -54,6 +59,9 @@
 #endif
 #ifndef GU_CLUSTER
 #define GU_CLUSTER 1        // 2: the weight tiles multicast to a cluster of two CTAs (GU_I / 128 even)
+#endif
+#ifndef GU_SRC
+#define GU_SRC 0            // 1: the layout's row j is source row src[j], read where it arrived (contiguous layout)
 #endif
 
 namespace gate_up_dg {
@@ -109,11 +117,13 @@ using namespace gate_up_dg;
 
 extern "C" __global__ void __launch_bounds__(kNumTMAThreads + kNumMathThreads, 1)
 gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float* hs, uint32_t hs_group,
-                  float limit,
+                  float limit, const int64_t* src, const float* sa, uint64_t sa_row, uint32_t num_rows,
+                  const float* lsa, uint64_t lsa_row, uint32_t row0, uint32_t num_local,
                   const __grid_constant__ cute::TmaDescriptor tensor_map_a,
                   const __grid_constant__ cute::TmaDescriptor tensor_map_b,
                   const __grid_constant__ cute::TmaDescriptor tensor_map_sfa,
-                  const __grid_constant__ cute::TmaDescriptor tensor_map_h) {
+                  const __grid_constant__ cute::TmaDescriptor tensor_map_h,
+                  const __grid_constant__ cute::TmaDescriptor tensor_map_la) {
 #if (defined(__CUDA_ARCH__) and (__CUDA_ARCH__ >= 900))
     using WGMMA = typename mma::sm90::FP8MMASelector<BLOCK_N>::type;
     using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -124,6 +134,7 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     DG_STATIC_ASSERT(WGMMA::kNumAccum == 64, "m64n128 accumulators");
     DG_STATIC_ASSERT(GU_I % BLOCK_N == 0 and GU_K % BLOCK_K == 0, "whole 128-channel blocks");
     DG_STATIC_ASSERT(SMEM_SIZE <= 232448, "more shared memory than an SM has (fewer GU_STAGES)");
+    DG_STATIC_ASSERT(not GU_SRC or not GU_MASKED, "rows where they arrived: the contiguous layout only");
     DG_STATIC_ASSERT(kNumTMAMulticast == 1 or (kNumTMAMulticast == 2 and (GU_I / BLOCK_N) % 2 == 0
                                                and GU_SMS % 2 == 0),
                      "a cluster of two pairs the m-blocks of one n-block: I / 128 and the CTAs even");
@@ -136,6 +147,8 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
         cute::prefetch_tma_descriptor(&tensor_map_b);
         cute::prefetch_tma_descriptor(&tensor_map_sfa);
         cute::prefetch_tma_descriptor(&tensor_map_h);
+        if constexpr (GU_SRC)
+            cute::prefetch_tma_descriptor(&tensor_map_la);
     }
     __syncwarp();
 
@@ -160,7 +173,7 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     if (warp_idx == kNumMathThreads / 32 + 1 and cute::elect_one_sync()) {
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++ i) {
-            full_barriers[i]->init(1);
+            full_barriers[i]->init(GU_SRC ? 32 : 1);         // GU_SRC: each lane of the TMA warp
             // lane c of each math warp arrives on CTA c's barrier (DeepGEMM's way, with or without a cluster)
             empty_barriers[i]->init(kNumTMAMulticast * kNumMathThreads / 32);
         }
@@ -168,7 +181,7 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     }
     (kNumTMAMulticast > 1) ? comm::cluster_sync_with_relaxed_arrive() : __syncthreads();
 
-    constexpr uint32_t kNumTMARegisters = 40;
+    constexpr uint32_t kNumTMARegisters = GU_SRC ? 48 : 40;   // 128 x 48 + 256 x 232: all 65536 registers
     constexpr uint32_t kNumMathRegisters = 232;
 
     uint32_t m_block_idx, n_block_idx;
@@ -184,9 +197,9 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
     constexpr bool kMasked = kGemmType == GemmType::MGroupedMasked;
 
     if (warp_idx >= kNumMathThreads / 32) {
-        // the TMA warpgroup: one thread issues the loads
+        // the TMA warpgroup: one thread issues the loads (GU_SRC: the 32 lanes of one warp)
         cutlass::arch::warpgroup_reg_dealloc<kNumTMARegisters>();
-        if (warp_idx == kNumMathThreads / 32 + 2 and cute::elect_one_sync()) {
+        if (warp_idx == kNumMathThreads / 32 + 2 and (GU_SRC or cute::elect_one_sync())) {
             while (scheduler.get_next_block(m_block_idx, n_block_idx)) {
                 const uint32_t m_idx = scheduler.template get_global_idx<kMasked>(shape_m, BLOCK_M, m_block_idx);
                 // gate rows n * 128 of the expert, up rows I + n * 128; where the scheduler pairs the block with its
@@ -194,16 +207,53 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
                 const uint32_t n_idx = scheduler.current_group_idx * (2 * shape_n) + n_block_idx * BLOCK_N;
                 const bool multicast = kNumTMAMulticast > 1 and scheduler.is_tma_multicast_valid(m_block_idx);
                 const uint32_t rank = kNumTMAMulticast > 1 ? cute::block_rank_in_cluster() : 0;
+                // GU_SRC: this lane's rows lane + 32 t of the block: the source row (bit 31: a local row) and its
+                // scales; a source index outside the rows (a position that no pair fills) reads row 0
+                uint32_t src_row[4];
+                const float* src_sa[4];
+                if constexpr (GU_SRC) {
+                    #pragma unroll
+                    for (uint32_t t = 0; t < 4; ++ t) {
+                        const int64_t r = __ldg(src + m_idx + lane_idx + 32 * t);
+                        const bool here = r >= row0 and r < static_cast<int64_t>(row0) + num_local;
+                        const uint32_t row = here ? static_cast<uint32_t>(r - row0)
+                                                  : (r >= 0 and r < num_rows ? static_cast<uint32_t>(r) : 0u);
+                        src_row[t] = row | (here ? 0x80000000u : 0u);
+                        src_sa[t] = here ? lsa + row * lsa_row : sa + row * sa_row;
+                    }
+                }
                 for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
+                    float scale_a[4];
+                    if constexpr (GU_SRC) {
+                        #pragma unroll
+                        for (uint32_t t = 0; t < 4; ++ t)
+                            scale_a[t] = __ldg(src_sa[t] + k_block_idx);
+                    }
                     empty_barriers[stage_idx]->wait(phase ^ 1);
                     auto& full_barrier = *full_barriers[stage_idx];
                     const uint32_t k_idx = k_block_idx * BLOCK_K;
-                    tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
-                             smem_a[stage_idx], k_idx, m_idx, 1);
-                    tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
-                             smem_sfa[stage_idx], m_block_idx * BLOCK_M,
-                             scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
-                                 SHAPE_K_SCALES, 1, k_block_idx), 1);
+                    if constexpr (GU_SRC) {
+                        #pragma unroll
+                        for (uint32_t t = 0; t < 4; ++ t) {
+                            const uint32_t j = lane_idx + 32 * t;
+                            cute::SM90_TMA_LOAD_2D::copy(src_row[t] >> 31 ? &tensor_map_la : &tensor_map_a,
+                                     reinterpret_cast<uint64_t*>(&full_barrier),
+                                     static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                     smem_a[stage_idx] + j * BLOCK_K, k_idx, src_row[t] & 0x7FFFFFFFu);
+                            ptx::st_shared(smem_sfa[stage_idx] + j, scale_a[t]);
+                        }
+                        if (lane_idx != 0) {
+                            full_barrier.arrive();
+                            continue;
+                        }
+                    } else {
+                        tma::copy<BLOCK_K, BLOCK_M, 128, __nv_fp8_e4m3>(&tensor_map_a, &full_barrier,
+                                 smem_a[stage_idx], k_idx, m_idx, 1);
+                        tma::copy<BLOCK_M, BLOCK_K, 0>(&tensor_map_sfa, &full_barrier,
+                                 smem_sfa[stage_idx], m_block_idx * BLOCK_M,
+                                 scheduler.template get_global_idx<kMasked, sched::IndexType::SF_K>(
+                                     SHAPE_K_SCALES, 1, k_block_idx), 1);
+                    }
                     if (multicast) {
                         cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&tensor_map_b,
                                  reinterpret_cast<uint64_t*>(&full_barrier), (1 << kNumTMAMulticast) - 1,
@@ -215,8 +265,9 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
                         tma::copy<BLOCK_K, BLOCK_N, 128, __nv_fp8_e4m3>(&tensor_map_b, &full_barrier,
                                  smem_b[stage_idx] + SMEM_B_TILE, k_idx, n_idx + shape_n, 1);
                     }
+                    // (GU_SRC: the scales came by shared stores, which each lane's arrival releases)
                     full_barrier.arrive_and_expect_tx(SMEM_A_SIZE_PER_STAGE + SMEM_B_SIZE_PER_STAGE
-                                                      + SMEM_SFA_SIZE_PER_STAGE);
+                                                      + (GU_SRC ? 0 : SMEM_SFA_SIZE_PER_STAGE));
                 }
             }
             // the peer CTA's last arrivals land before this CTA exits (DeepGEMM's last round of empty waits)
