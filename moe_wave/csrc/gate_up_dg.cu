@@ -222,12 +222,21 @@ gate_up_dg_kernel(const float* sfb, int* grouped_layout, uint32_t shape_m, float
                         src_sa[t] = here ? lsa + row * lsa_row : sa + row * sa_row;
                     }
                 }
+                // (GU_SRC: each k-block's scales are loaded one k-block ahead)
+                float scale_a[4], scale_next[4];
+                if constexpr (GU_SRC) {
+                    #pragma unroll
+                    for (uint32_t t = 0; t < 4; ++ t)
+                        scale_next[t] = __ldg(src_sa[t]);
+                }
                 for (uint32_t k_block_idx = 0; k_block_idx < num_total_k_blocks; advance_pipeline(k_block_idx)) {
-                    float scale_a[4];
                     if constexpr (GU_SRC) {
                         #pragma unroll
-                        for (uint32_t t = 0; t < 4; ++ t)
-                            scale_a[t] = __ldg(src_sa[t] + k_block_idx);
+                        for (uint32_t t = 0; t < 4; ++ t) {
+                            scale_a[t] = scale_next[t];
+                            if (k_block_idx + 1 < num_total_k_blocks)
+                                scale_next[t] = __ldg(src_sa[t] + k_block_idx + 1);
+                        }
                     }
                     empty_barriers[stage_idx]->wait(phase ^ 1);
                     auto& full_barrier = *full_barriers[stage_idx];
