@@ -30,7 +30,7 @@ runs in fp32 in slot order, as the bf16 stage's. Where it runs:
   ``gate_up_dg`` builds, ``gate_up_dg`` runs the first GEMM instead, at every size (in place of both the Triton
   kernel's 128-row tiles and DeepGEMM's GEMM + ``swiglu_quant``): DeepGEMM's own Hopper GEMM with SwiGLU +
   requant in its epilogue (the same bits as DeepGEMM's GEMM + ``swiglu_quant``), on the rows copied into the
-  layout.
+  layout (``GATE_UP_DG_SRC``, off: on rows that arrived as FP8 where they are, through src_J).
 - ``FP8RoutedExperts.forward`` everywhere else (CPU, other GPUs, host counts): the same math per expert through
   ``fp8.fp8_matmul`` (cuBLAS's block-scaled GEMM on a GPU that takes it, the dequantised fp32 product on CPU,
   which is also the tests' reference).
@@ -72,7 +72,7 @@ FUSED_SMALL_TILE_ROWS_PER_EXPERT = 32
 GATE_UP_DG: bool | tuple[str, ...] = True
 # where ``gate_up_dg`` runs on rows that arrived as FP8 (``fp8_rows``): True reads them where they arrived through the
 # ordering's src_J (one TMA box a row and k-block, no ``gather_pairs`` copy into the layout), False copies them into
-# the layout first
+# the layout first (the same bits either way; not measured on a GPU yet, so off)
 GATE_UP_DG_SRC = False
 
 
