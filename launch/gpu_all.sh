@@ -226,7 +226,7 @@ raise SystemExit(not cuda_impl.available())"; then
                   # that part out)
                GT="${GATE_UP_TESTS-tests/test_gpu_gate_up_dg.py}"
                if [ -n "$GT" ]; then
-                   stage tests_gate_up ${T_TESTS1:-200} "$PY" -m pytest -q -p no:cacheprovider $GT
+                   stage tests_gate_up ${T_TESTS1:-300} "$PY" -m pytest -q -p no:cacheprovider $GT
                fi
                if [ "${GATE_UP_ARGS:-}" != skip ]; then
                    stage probe_gate_up ${T_GATE_UP:-240} "$PY" dev/probe_gate_up_dg.py \
