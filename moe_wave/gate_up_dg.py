@@ -4,7 +4,8 @@ block being the pair of gate and up tiles of the same 128 channels, both multipl
 arrives, and an epilogue that writes e4m3 h and its per-(row, 128 channels) scales instead of bf16 gu). With
 ``CLUSTER`` = 2 (where I / 128 is even) two CTAs of a cluster run m-blocks m and m + 1 of one expert at the same
 channels (DeepGEMM's scheduler's pairs for its multicast on B), and CTA r loads weight tile r (gate, up) for both by
-TMA multicast.
+TMA multicast. With ``src_J`` (its ``-DGU_SRC=1`` build, the contiguous layout) it reads rows that arrived as FP8
+where they are, one TMA box a row and k-block through the ordering's src_J, instead of rows copied into the layout.
 
 It returns what DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` (psum layout) or ``_masked`` followed by
 ``fp8_expert_kernels.swiglu_quant`` return, bit for bit (the same promoted sums, rounded to bf16 as the GEMM writes
