@@ -146,7 +146,9 @@ def _alive(pid: int) -> bool:
 
 
 def _sleep_and_report_pid(ep, folder):
-    Path(folder, f"rank{ep.rank}.pid").write_text(str(os.getpid()))
+    tmp = Path(folder, f"rank{ep.rank}.pid.tmp")       # renamed once written: the test never reads a half-written file
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, Path(folder, f"rank{ep.rank}.pid"))
     time.sleep(300)
 
 
