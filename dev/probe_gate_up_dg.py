@@ -84,22 +84,22 @@ def point(preset: str, e: int, T: int, clusters: list[int], iters: int, flush, d
         return gd.gate_up_dg(*unpack_rows(received, D), w, ws, ends, lim, src_J=src)
 
     ref_q, ref_s = dg_way()
+
+    def same(hq, hs) -> bool:           # h and its scales equal the DeepGEMM way's on every row in use
+        return bool(torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
+                    and torch.equal(hs[:, rows], ref_s[:, rows]))
     out = {"shape": f"{preset}:{e}", "tokens": T, "pairs": pairs, "JA": JA, "bits_equal": True}
     for name, fn in (("dg_gemm_us", gemm), ("dg_way_us", dg_way), ("triton_us", triton), ("gather_us", gather),
                      ("gather_gate_up_dg_us", gathered), ("gate_up_dg_src_us", in_place)):
         out[name] = median_graph_us(fn, dev, iters, flush)
     out["src_over_gather"] = out["gate_up_dg_src_us"] / out["gather_gate_up_dg_us"]
-    hq, hs = in_place()
-    out["src_bits_equal"] = bool(torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
-                                 and torch.equal(hs[:, rows], ref_s[:, rows]))
+    out["src_bits_equal"] = same(*in_place())
     out["bits_equal"] &= out["src_bits_equal"]
     kept = gd.CLUSTER
     try:
         for c in clusters:
             gd.CLUSTER = c
-            hq, hs = ours()
-            out["bits_equal"] &= bool(torch.equal(hq[rows].view(torch.uint8), ref_q[rows].view(torch.uint8))
-                                      and torch.equal(hs[:, rows], ref_s[:, rows]))
+            out["bits_equal"] &= same(*ours())
             out[f"gate_up_dg_c{c}_us"] = t = median_graph_us(ours, dev, iters, flush)
             out[f"gate_up_dg_c{c}_over_dg_gemm"] = t / out["dg_gemm_us"]
             out[f"gate_up_dg_c{c}_over_dg_way"] = t / out["dg_way_us"]

@@ -378,17 +378,15 @@ def fp8_fused_pairs(x_RD, expert_RK, experts: FP8RoutedExperts, counts_e, local=
     fused = not dg_kernel and pairs <= FUSED_GATE_UP_ROWS_PER_EXPERT * e
     bm = 64 if small else 128
     wq = (experts.gate_up, experts.gate_up_scale, g.starts, g.bend, lim, G)
-    # the FP8 rows enter the Triton kernel, or gate_up_dg where GATE_UP_DG_SRC says so, where they arrived (src)
-    in_place = packed and (fused or (dg_kernel and GATE_UP_DG_SRC and gate_up_dg_ok(x_RD.device, e, I, D, False,
-                                                                                   True)))
-    if in_place:
+    dg_src = packed and dg_kernel and GATE_UP_DG_SRC and gate_up_dg_ok(x_RD.device, e, I, D, False, True)
+    if (fused and packed) or dg_src:        # the FP8 rows enter the first GEMM where they arrived (src)
         loc = None if local is None or not local[1].numel() else (local[0], *unpack_rows(local[1], D))
-    if in_place and fused:
-        hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
-    elif in_place:
-        from .gate_up_dg import gate_up_dg
-        hq, hs = gate_up_dg(*unpack_rows(x_RD, D), experts.gate_up, experts.gate_up_scale, g.ends, lim, src_J=src,
-                            local=loc)
+        if fused:
+            hq, hs = gate_up_swiglu(*unpack_rows(x_RD, D), *wq, src_J=src, local=loc, n=g.n, bm=bm)
+        else:
+            from .gate_up_dg import gate_up_dg
+            hq, hs = gate_up_dg(*unpack_rows(x_RD, D), experts.gate_up, experts.gate_up_scale, g.ends, lim,
+                                src_J=src, local=loc)
     else:
         q, s = gather_pairs(x_RD, D, pos, JA, local, G) if packed else quant_pairs(x_RD, pos, JA, local, G)
         if dg_kernel:

@@ -604,15 +604,9 @@ def _torch_gate_up_dg(q, s, w, ws, layout, limit, group_rows=None, src_J=None, l
         hq, hs = swiglu_quant_torch(gu, starts, starts + layout, limit)
         return hq, hs.view(I2 // 256, e, G).permute(1, 0, 2).contiguous()
     if src_J is not None:               # the rows where they arrived: copied into the layout here (index outside: 0)
-        r = src_J.clone()
-        here = (r >= local[0]) & (r < local[0] + local[1].shape[0]) if local else torch.zeros_like(r, dtype=bool)
-        r = torch.where(here | ((r >= 0) & (r < q.shape[0])), r, 0)
-        main = torch.where(here, 0, r)
-        q, s = q[main], s[main].t()
-        if local:
-            lr = torch.where(here, r - local[0], 0)
-            q, s = torch.where(here[:, None], local[1][lr], q), torch.where(here[None, :], local[2][lr].t(), s)
-        q, s = q.contiguous(), s.contiguous()
+        assert local is None, "the CPU stage has no local rows"
+        r = torch.where((src_J >= 0) & (src_J < q.shape[0]), src_J, 0)
+        q, s = q[r].contiguous(), s[r].t().contiguous()
     _TorchDeepGEMM.m_grouped_fp8_gemm_nt_contiguous((q, s.t()), (w, ws), gu, layout, use_psum_layout=True)
     ends = layout.long()
     starts = torch.cat([ends.new_zeros(1), -(-ends[:-1] // 128) * 128])
